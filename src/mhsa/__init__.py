@@ -1,0 +1,19 @@
+"""mhsa: multi-head self-attention and its whole family, on PyTorch."""
+
+from . import nn, positional
+from .backends import names as backends
+from .backends import use_backend
+from .cache import KVCache
+from .functional import attention, attention_weights
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "KVCache",
+    "attention",
+    "attention_weights",
+    "backends",
+    "nn",
+    "positional",
+    "use_backend",
+]

@@ -1,0 +1,32 @@
+"""Small helpers shared by backends: masks and the statistics dtype."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def causal_mask(q_len: int, kv_len: int, device: torch.device | None = None) -> Tensor:
+    """(L, S) bool, True = may attend, aligned bottom-right.
+
+    Query i sees keys j <= i + S - L, so the last query sees every key (what decoding
+    with a KV cache needs). With L > S the first L - S queries see no key.
+    """
+    rows = torch.arange(q_len, device=device).unsqueeze(1)
+    cols = torch.arange(kv_len, device=device).unsqueeze(0)
+    return cols <= rows + (kv_len - q_len)
+
+
+def combined_mask(
+    mask: Tensor | None, causal: bool, q_len: int, kv_len: int, device: torch.device
+) -> Tensor | None:
+    """The user's mask and the causal mask, and-ed (None when there is neither)."""
+    if not causal:
+        return mask
+    tri = causal_mask(q_len, kv_len, device)
+    return tri if mask is None else mask & tri
+
+
+def stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Softmax statistics are float32, or float64 for float64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32

@@ -1,0 +1,128 @@
+"""The backend registry: what each backend can serve, and which one a call gets.
+
+A backend answers `available()` (can it run on this machine at all) and
+`supports(spec)` (can it serve this particular call exactly); both return None for
+yes or a human-readable reason for no. `auto` takes the first backend, in
+preference order (fastest first), that says yes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What a call asks for: enough for a backend to decide whether it can serve it."""
+
+    batch: int
+    num_heads: int
+    num_kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    value_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    has_mask: bool
+    has_bias: bool
+    causal: bool
+    dropout_p: float
+    return_lse: bool
+
+
+class Backend:
+    """Base class: one subclass per file in mhsa/backends."""
+
+    name: str = ""
+
+    def available(self) -> str | None:
+        """None if the backend can run on this machine, else why not."""
+        return None
+
+    def supports(self, spec: AttentionSpec) -> str | None:
+        """None if the backend serves `spec` exactly, else why not."""
+        return None
+
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        mask: Tensor | None,
+        bias: Tensor | None,
+        causal: bool,
+        scale: float,
+        dropout_p: float,
+        return_lse: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Return (out (B, H, L, D_v), lse (B, H, L) float32 or None)."""
+        raise NotImplementedError
+
+
+_BACKENDS: dict[str, Backend] = {}
+_forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("mhsa_backend", default=None)
+
+
+def register(backend: Backend) -> Backend:
+    """Add a backend; registration order is the `auto` preference order."""
+    _BACKENDS[backend.name] = backend
+    return backend
+
+
+def names() -> list[str]:
+    """Backend names in `auto` preference order."""
+    return list(_BACKENDS)
+
+
+def get(name: str) -> Backend:
+    if name not in _BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {names()}, got {name!r}")
+    return _BACKENDS[name]
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Force one backend for every attention call inside the block.
+
+    >>> with mhsa.use_backend("reference"):
+    ...     out = mhsa.attention(q, k, v)
+    """
+    if name != "auto":
+        get(name)
+    token = _forced.set(name)
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
+def reason_unusable(backend: Backend, spec: AttentionSpec) -> str | None:
+    return backend.available() or backend.supports(spec)
+
+
+def select(spec: AttentionSpec, requested: str) -> Backend:
+    """The backend that serves `spec`: the forced one, the requested one, or the best."""
+    forced = _forced.get()
+    if forced is not None and forced != "auto":
+        requested = forced
+    if requested != "auto":
+        backend = get(requested)
+        reason = reason_unusable(backend, spec)
+        if reason is not None:
+            raise ValueError(f"backend {requested!r} cannot serve this call: {reason}")
+        return backend
+    reasons = []
+    for backend in _BACKENDS.values():
+        reason = reason_unusable(backend, spec)
+        if reason is None:
+            return backend
+        reasons.append(f"{backend.name}: {reason}")
+    raise ValueError("no backend can serve this call: " + "; ".join(reasons))

@@ -1,0 +1,68 @@
+"""The sdpa backend: torch.nn.functional.scaled_dot_product_attention.
+
+Used only where its semantics match ours. Three things differ and are handled here:
+- SDPA's is_causal is aligned top-left; ours is bottom-right, so is_causal is passed
+  only when L == S, and an explicit mask is built otherwise.
+- SDPA takes one attn_mask: a bool mask and a float bias merge into one float mask.
+- Rows with no allowed key must give 0 (not NaN on some kernels): such rows are
+  opened up for the kernel and their output is zeroed afterwards, which also zeroes
+  their gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .common import combined_mask
+from .registry import AttentionSpec, Backend
+
+
+def _merged_attn_mask(
+    mask: Tensor | None, bias: Tensor | None, dtype: torch.dtype
+) -> tuple[Tensor | None, Tensor | None]:
+    """(attn_mask for SDPA, dead-row mask (..., L, 1) or None)."""
+    if bias is None:
+        if mask is None:
+            return None, None
+        dead = ~mask.any(dim=-1, keepdim=True)
+        if not dead.any():
+            return mask, None
+        return mask | dead, dead
+    attn = bias.to(dtype)
+    if mask is not None:
+        attn = torch.where(mask, attn, torch.tensor(-torch.inf, dtype=dtype, device=attn.device))
+    dead = torch.isneginf(attn).all(dim=-1, keepdim=True)
+    if not dead.any():
+        return attn, None
+    return torch.where(dead, torch.zeros((), dtype=dtype, device=attn.device), attn), dead
+
+
+class SdpaBackend(Backend):
+    name = "sdpa"
+
+    def supports(self, spec: AttentionSpec) -> str | None:
+        if spec.return_lse:
+            return "it does not return the logsumexp (use backend='reference')"
+        return None
+
+    def forward(self, q, k, v, *, mask, bias, causal, scale, dropout_p, return_lse):
+        q_len, kv_len = q.shape[2], k.shape[2]
+        is_causal = causal and q_len == kv_len and mask is None and bias is None
+        if not is_causal:
+            mask = combined_mask(mask, causal, q_len, kv_len, q.device)
+        attn_mask, dead = _merged_attn_mask(mask, bias, q.dtype)
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+        if dead is not None:
+            out = out.masked_fill(dead, 0.0)
+        return out, None

@@ -1,0 +1,149 @@
+"""The public attention functions: validate, then dispatch to a backend."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import validate
+from .backends import AttentionSpec, select
+from .backends.reference import attention_probs, probs_times_v
+from .backends.common import stats_dtype
+
+
+def _check_common(
+    q: Tensor,
+    k: Tensor,
+    mask: Tensor | None,
+    bias: Tensor | None,
+    causal: bool,
+    scale: float | None,
+) -> float:
+    """Validate mask/bias/causal/scale against q and k; return the resolved scale."""
+    target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    validate.check_mask(mask, target, q.device)
+    validate.check_bias(bias, target, q.device)
+    validate.check_causal(causal)
+    validate.check_scale(scale)
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None = None,
+    *,
+    bias: Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    backend: str = "auto",
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Scaled dot-product attention: softmax(q k^T * scale + bias) v.
+
+    Args:
+        q: (B, H, L, D) queries.
+        k: (B, H_kv, S, D) keys; H % H_kv == 0 gives grouped-query attention
+            (query head h uses key head h // (H // H_kv)); H_kv = 1 is multi-query.
+        v: (B, H_kv, S, D_v) values.
+        mask: bool, broadcastable to (B, H, L, S); True means "may attend".
+        bias: float, broadcastable to (B, H, L, S); added to the scaled scores.
+        causal: query i may attend key j only if j <= i + S - L (aligned
+            bottom-right, so with a KV cache the newest query sees every key).
+        scale: multiplies q k^T; defaults to 1 / sqrt(D).
+        dropout_p: probability of dropping an attention weight (0 disables it).
+        backend: "auto" (fastest that serves the call) or a name from mhsa.backends().
+        return_lse: also return the logsumexp of each row's scores.
+
+    Returns:
+        out (B, H, L, D_v) in q's dtype; with return_lse, (out, lse) where lse is
+        (B, H, L) float32 (float64 for float64 inputs). A query row with no allowed
+        key gets output 0, lse -inf and zero gradients.
+    """
+    validate.check_qkv(q, k, v)
+    resolved_scale = _check_common(q, k, mask, bias, causal, scale)
+    validate.check_dropout(dropout_p)
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str, got {type(backend).__name__}")
+    batch, num_heads, q_len, head_dim = q.shape
+    kv_len, value_dim = k.shape[2], v.shape[3]
+    if q_len == 0 or kv_len == 0:
+        out = q.new_zeros(batch, num_heads, q_len, value_dim)
+        lse = q.new_full((batch, num_heads, q_len), -torch.inf, dtype=stats_dtype(q.dtype))
+        return (out, lse) if return_lse else out
+    spec = AttentionSpec(
+        batch=batch,
+        num_heads=num_heads,
+        num_kv_heads=k.shape[1],
+        q_len=q_len,
+        kv_len=kv_len,
+        head_dim=head_dim,
+        value_dim=value_dim,
+        dtype=q.dtype,
+        device=q.device,
+        has_mask=mask is not None,
+        has_bias=bias is not None,
+        causal=causal,
+        dropout_p=float(dropout_p),
+        return_lse=return_lse,
+    )
+    out, lse = select(spec, backend).forward(
+        q,
+        k,
+        v,
+        mask=mask,
+        bias=bias,
+        causal=causal,
+        scale=resolved_scale,
+        dropout_p=float(dropout_p),
+        return_lse=return_lse,
+    )
+    return (out, lse) if return_lse else out
+
+
+def attention_weights(
+    q: Tensor,
+    k: Tensor,
+    mask: Tensor | None = None,
+    *,
+    bias: Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+) -> Tensor:
+    """The attention probabilities softmax(q k^T * scale + bias), (B, H, L, S).
+
+    Same arguments and conventions as `attention`; rows with no allowed key are 0.
+    Computed in float32 (float64 for float64 inputs) and returned in q's dtype.
+    """
+    validate.check_qkv(q, k, k)
+    resolved_scale = _check_common(q, k, mask, bias, causal, scale)
+    probs, _ = attention_probs(q, k, mask=mask, bias=bias, causal=causal, scale=resolved_scale)
+    return probs.to(q.dtype)
+
+
+def attention_and_weights(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None = None,
+    *,
+    bias: Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+) -> tuple[Tensor, Tensor]:
+    """(out (B, H, L, D_v), probs (B, H, L, S)) from one pass of the reference math.
+
+    For modules that return weights (need_weights=True); probs are before dropout.
+    """
+    validate.check_qkv(q, k, v)
+    resolved_scale = _check_common(q, k, mask, bias, causal, scale)
+    validate.check_dropout(dropout_p)
+    probs, _ = attention_probs(q, k, mask=mask, bias=bias, causal=causal, scale=resolved_scale)
+    dropped = F.dropout(probs, p=dropout_p, training=True) if dropout_p > 0 else probs
+    return probs_times_v(dropped, v).to(q.dtype), probs.to(q.dtype)

@@ -1,0 +1,203 @@
+"""Multi-head attention as a module: project, split heads, attend, merge, project."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..cache import KVCache
+from ..functional import attention, attention_and_weights
+from ..positional import AttentionPosition
+
+
+def from_torch_masks(
+    attn_mask: Tensor | None = None, key_padding_mask: Tensor | None = None
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """Convert torch.nn.MultiheadAttention's masks to ours: (mask, key_padding_mask, bias).
+
+    torch's bool masks mean "masked" where True; ours mean "may attend". torch's float
+    masks are additive and become our bias. This is the one place polarity flips.
+    """
+    mask = bias = padding = None
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            mask = ~attn_mask
+        else:
+            bias = attn_mask
+    if key_padding_mask is not None:
+        if key_padding_mask.dtype == torch.bool:
+            padding = ~key_padding_mask
+        else:  # additive float padding mask: -inf where masked
+            extra = key_padding_mask[:, None, None, :]
+            bias = extra if bias is None else bias + extra
+    return mask, padding, bias
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention with separate Q, K, V projections (batch-first).
+
+    Args:
+        embed_dim: model width E of the query input and of the output.
+        num_heads: query heads H; head_dim = embed_dim // num_heads.
+        num_kv_heads: key/value heads H_kv (grouped-query when < H); default H.
+        kdim, vdim: widths of the key and value inputs (cross-attention); default E.
+        bias: whether the projections have biases.
+        dropout: dropout on attention probabilities while training.
+        backend: attention backend name, "auto" by default.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+        backend: str = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads <= 0 or embed_dim % num_heads:
+            raise ValueError(
+                f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})"
+            )
+        if num_kv_heads <= 0 or num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = embed_dim // num_heads
+        self.dropout = dropout
+        self.backend = backend
+        kv_width = num_kv_heads * self.head_dim
+        factory = {"device": device, "dtype": dtype}
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.k_proj = nn.Linear(kdim or embed_dim, kv_width, bias=bias, **factory)
+        self.v_proj = nn.Linear(vdim or embed_dim, kv_width, bias=bias, **factory)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+
+    def _split(self, x: Tensor, heads: int) -> Tensor:
+        batch, length, _ = x.shape
+        return x.view(batch, length, heads, self.head_dim).transpose(1, 2)  # (B, h, T, hd)
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        *,
+        mask: Tensor | None = None,
+        key_padding_mask: Tensor | None = None,
+        causal: bool = False,
+        need_weights: bool = False,
+        average_weights: bool = True,
+        position: AttentionPosition | None = None,
+        cache: KVCache | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Attend from query (B, L, E) to key (B, S, kdim) / value (B, S, vdim).
+
+        key=None means self-attention (key = value = query). mask is bool,
+        broadcastable to (B, H, L, S) or (L, S), True = may attend;
+        key_padding_mask is (B, S) bool, True = a real token. causal is aligned
+        bottom-right. With a cache, the new keys/values are appended and attention
+        runs over everything cached. Returns (B, L, E), and with need_weights also
+        the probabilities (B, L, S) averaged over heads, or (B, H, L, S).
+        """
+        if query.dim() != 3:
+            raise ValueError(
+                f"query must be (batch, q_len, embed_dim), got shape {tuple(query.shape)}"
+            )
+        if key is None:
+            key = query
+        value = key if value is None else value
+        q = self._split(self.q_proj(query), self.num_heads)
+        k = self._split(self.k_proj(key), self.num_kv_heads)
+        v = self._split(self.v_proj(value), self.num_kv_heads)
+        offset = cache.length if cache is not None else 0
+        bias = None
+        if position is not None:
+            q, k = position.rotate(q, k, offset)
+        if cache is not None:
+            k, v = cache.update(k, v)
+        if position is not None:
+            bias = position.attention_bias(q.shape[2], k.shape[2])
+        mask = self._merge_masks(mask, key_padding_mask, query.shape[0], k.shape[2])
+        dropout = self.dropout if self.training else 0.0
+        if need_weights:
+            out, weights = attention_and_weights(
+                q, k, v, mask, bias=bias, causal=causal, dropout_p=dropout
+            )
+        else:
+            out = attention(
+                q, k, v, mask, bias=bias, causal=causal, dropout_p=dropout, backend=self.backend
+            )
+        out = self.out_proj(out.transpose(1, 2).reshape(query.shape[0], query.shape[1], -1))
+        if not need_weights:
+            return out
+        return out, (weights.mean(dim=1) if average_weights else weights)
+
+    @staticmethod
+    def _merge_masks(
+        mask: Tensor | None, key_padding_mask: Tensor | None, batch: int, kv_len: int
+    ) -> Tensor | None:
+        if key_padding_mask is None:
+            return mask
+        if key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != (
+            batch,
+            kv_len,
+        ):
+            raise ValueError(
+                f"key_padding_mask must be bool of shape (batch, kv_len) = {(batch, kv_len)}, "
+                f"True = a real token; got {key_padding_mask.dtype} "
+                f"{tuple(key_padding_mask.shape)}"
+            )
+        padding = key_padding_mask[:, None, None, :]  # (B, 1, 1, S)
+        return padding if mask is None else mask & padding
+
+    @classmethod
+    def from_torch(cls, module: nn.MultiheadAttention, backend: str = "auto") -> MultiHeadAttention:
+        """Build one with the weights of a torch.nn.MultiheadAttention.
+
+        torch's module is batch-first or not; ours is always batch-first.
+        Its bias_k/bias_v (add_bias_kv) and add_zero_attn have no equivalent here.
+        """
+        if not isinstance(module, nn.MultiheadAttention):
+            raise TypeError(f"module must be torch.nn.MultiheadAttention, got {type(module)}")
+        if module.bias_k is not None or module.add_zero_attn:
+            raise ValueError("add_bias_kv and add_zero_attn are not supported")
+        has_bias = module.in_proj_bias is not None
+        ref = module.out_proj.weight
+        ours = cls(
+            module.embed_dim,
+            module.num_heads,
+            kdim=module.kdim,
+            vdim=module.vdim,
+            bias=has_bias,
+            dropout=module.dropout,
+            backend=backend,
+            device=ref.device,
+            dtype=ref.dtype,
+        )
+        if module._qkv_same_embed_dim:
+            weights = module.in_proj_weight.chunk(3)
+        else:
+            weights = (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight)
+        biases = module.in_proj_bias.chunk(3) if has_bias else (None, None, None)
+        with torch.no_grad():
+            for proj, weight, b in zip((ours.q_proj, ours.k_proj, ours.v_proj), weights, biases):
+                proj.weight.copy_(weight)
+                if b is not None:
+                    proj.bias.copy_(b)
+            ours.out_proj.weight.copy_(module.out_proj.weight)
+            if has_bias:
+                ours.out_proj.bias.copy_(module.out_proj.bias)
+        return ours

@@ -1,0 +1,201 @@
+"""Positional information: encodings added to the input, and positions inside attention.
+
+Added to token embeddings (B, L, d_model):
+    SinusoidalPositionalEncoding, LearnedPositionalEmbedding
+Used inside attention (pass as `position=` to mhsa.nn.MultiHeadAttention):
+    RotaryEmbedding (rotates q and k), ALiBi and RelativePositionBias (score biases)
+
+Positions inside attention follow the causal convention: with L queries and S keys,
+keys sit at positions 0..S-1 and queries at S-L..S-1 (bottom-right).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+
+def _check_positive(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _check_fits(length: int, offset: int, max_len: int) -> None:
+    if offset < 0 or offset + length > max_len:
+        raise ValueError(
+            f"positions {offset}..{offset + length - 1} exceed max_len={max_len}; "
+            "build the encoding with a larger max_len"
+        )
+
+
+def sinusoidal_table(length: int, d_model: int, base: float = 10000.0) -> Tensor:
+    """(length, d_model) float32: PE[p, 2i] = sin(p / base^(2i/d)), PE[p, 2i+1] = cos(...)."""
+    positions = torch.arange(length, dtype=torch.float64).unsqueeze(1)
+    even = torch.arange(0, d_model, 2, dtype=torch.float64)
+    angles = positions / base ** (even / d_model)  # (length, ceil(d/2))
+    table = torch.zeros(length, d_model, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(angles)
+    table[:, 1::2] = torch.cos(angles[:, : d_model // 2])
+    return table.float()
+
+
+class SinusoidalPositionalEncoding(nn.Module):
+    """The fixed sin/cos encoding of "Attention Is All You Need", added to x (B, L, d)."""
+
+    def __init__(self, d_model: int, max_len: int = 4096, base: float = 10000.0) -> None:
+        super().__init__()
+        _check_positive("d_model", d_model)
+        _check_positive("max_len", max_len)
+        self.register_buffer("table", sinusoidal_table(max_len, d_model, base), persistent=False)
+
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        """x (B, L, d_model) -> x + PE[offset : offset + L]."""
+        _check_fits(x.shape[1], offset, self.table.shape[0])
+        return x + self.table[offset : offset + x.shape[1]].to(x.dtype)
+
+
+class LearnedPositionalEmbedding(nn.Module):
+    """A trained embedding per position (BERT, GPT-2), added to x (B, L, d)."""
+
+    def __init__(self, max_len: int, d_model: int) -> None:
+        super().__init__()
+        _check_positive("max_len", max_len)
+        _check_positive("d_model", d_model)
+        self.embedding = nn.Embedding(max_len, d_model)
+
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        """x (B, L, d_model) -> x + E[offset : offset + L]."""
+        _check_fits(x.shape[1], offset, self.embedding.num_embeddings)
+        positions = torch.arange(offset, offset + x.shape[1], device=x.device)
+        return x + self.embedding(positions).to(x.dtype)
+
+
+class AttentionPosition(nn.Module):
+    """Base for positions applied inside attention; each subclass overrides one hook."""
+
+    def rotate(self, q: Tensor, k: Tensor, offset: int = 0) -> tuple[Tensor, Tensor]:
+        """q (B, H, L, D), k (B, H_kv, L_k, D) of new tokens starting at `offset`."""
+        return q, k
+
+    def attention_bias(self, q_len: int, kv_len: int) -> Tensor | None:
+        """(H, L, S) float bias added to the scores, or None."""
+        return None
+
+
+class RotaryEmbedding(AttentionPosition):
+    """Rotary position embedding (RoFormer): rotates q and k so q.k depends on j - i.
+
+    Channel pairs are (c, c + D/2) (the "rotate half" layout); frequency of pair c is
+    base^(-2c/D).
+    """
+
+    def __init__(self, head_dim: int, base: float = 10000.0) -> None:
+        super().__init__()
+        _check_positive("head_dim", head_dim)
+        if head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {head_dim}")
+        inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        """x (B, H, L, D) at positions offset..offset+L-1 -> rotated x, same shape."""
+        if x.shape[-1] != 2 * self.inv_freq.numel():
+            raise ValueError(
+                f"x has head_dim {x.shape[-1]} but this RotaryEmbedding was built for "
+                f"{2 * self.inv_freq.numel()}"
+            )
+        positions = torch.arange(offset, offset + x.shape[-2], device=x.device)
+        angles = positions.float().unsqueeze(1) * self.inv_freq.to(x.device)  # (L, D/2)
+        cos, sin = angles.cos(), angles.sin()
+        x1, x2 = x.float().chunk(2, dim=-1)
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return rotated.to(x.dtype)
+
+    def rotate(self, q: Tensor, k: Tensor, offset: int = 0) -> tuple[Tensor, Tensor]:
+        return self(q, offset), self(k, offset)
+
+
+def alibi_slopes(num_heads: int) -> Tensor:
+    """(H,) ALiBi slopes: the geometric sequence 2^(-8/n), ... for the nearest power of
+    two n <= H, then every other slope of the sequence for 2n for the remaining heads."""
+    _check_positive("num_heads", num_heads)
+
+    def geometric(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    power = 2 ** int(math.floor(math.log2(num_heads)))
+    slopes = geometric(power)
+    if power < num_heads:
+        slopes += geometric(2 * power)[0::2][: num_heads - power]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def relative_offsets(q_len: int, kv_len: int, device: torch.device | None = None) -> Tensor:
+    """(L, S) int64: key position minus query position, queries aligned bottom-right."""
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=device).unsqueeze(1)
+    k_pos = torch.arange(kv_len, device=device).unsqueeze(0)
+    return k_pos - q_pos
+
+
+class ALiBi(AttentionPosition):
+    """Attention with linear biases: score bias -slope_h * |i - j| per head h."""
+
+    def __init__(self, num_heads: int) -> None:
+        super().__init__()
+        self.register_buffer("slopes", alibi_slopes(num_heads), persistent=False)
+
+    def attention_bias(self, q_len: int, kv_len: int) -> Tensor:
+        distance = relative_offsets(q_len, kv_len, self.slopes.device).abs().float()
+        return -self.slopes.view(-1, 1, 1) * distance  # (H, L, S)
+
+
+class RelativePositionBias(AttentionPosition):
+    """T5's learned bias per head for bucketed relative positions.
+
+    Offsets below num_buckets/2 (per direction when bidirectional) get their own
+    bucket; larger ones share logarithmically wider buckets up to max_distance.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        *,
+        num_buckets: int = 32,
+        max_distance: int = 128,
+        bidirectional: bool = True,
+    ) -> None:
+        super().__init__()
+        _check_positive("num_heads", num_heads)
+        _check_positive("max_distance", max_distance)
+        min_buckets = 4 if bidirectional else 2
+        if num_buckets < min_buckets:
+            raise ValueError(f"num_buckets must be >= {min_buckets}, got {num_buckets}")
+        self.num_buckets = num_buckets
+        self.max_distance = max_distance
+        self.bidirectional = bidirectional
+        self.embedding = nn.Embedding(num_buckets, num_heads)
+
+    def bucket(self, offsets: Tensor) -> Tensor:
+        """Map key-minus-query offsets (any shape, int64) to bucket ids."""
+        buckets = self.num_buckets
+        result = torch.zeros_like(offsets)
+        if self.bidirectional:
+            buckets //= 2
+            result = result + (offsets > 0).long() * buckets
+            distance = offsets.abs()
+        else:
+            distance = (-offsets).clamp(min=0)  # only the past is distinguished
+        exact = buckets // 2
+        log_ratio = torch.log(distance.float().clamp(min=1) / exact) / math.log(
+            self.max_distance / exact
+        )
+        large = exact + (log_ratio * (buckets - exact)).long()
+        large = large.clamp(max=buckets - 1)
+        return result + torch.where(distance < exact, distance, large)
+
+    def attention_bias(self, q_len: int, kv_len: int) -> Tensor:
+        offsets = relative_offsets(q_len, kv_len, self.embedding.weight.device)
+        return self.embedding(self.bucket(offsets)).permute(2, 0, 1)  # (H, L, S)
