@@ -1,0 +1,74 @@
+"""Shared test helpers: inputs in the library's layout and the float64 golden answer."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+import mhsa
+
+
+def make_qkv(
+    batch: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int | None = None,
+    q_len: int = 7,
+    kv_len: int | None = None,
+    head_dim: int = 16,
+    value_dim: int | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    noncontiguous: bool = False,
+    requires_grad: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Random q (B, H, L, D), k (B, H_kv, S, D), v (B, H_kv, S, D_v).
+
+    noncontiguous=True returns views with permuted strides (made as (B, L, H, D)).
+    """
+    num_kv_heads = num_kv_heads or num_heads
+    kv_len = q_len if kv_len is None else kv_len
+    value_dim = value_dim or head_dim
+
+    def rand(heads: int, length: int, dim: int) -> Tensor:
+        if noncontiguous:
+            t = torch.randn(batch, length, heads, dim, dtype=dtype).transpose(1, 2)
+        else:
+            t = torch.randn(batch, heads, length, dim, dtype=dtype)
+        return t.requires_grad_(requires_grad)
+
+    return (
+        rand(num_heads, q_len, head_dim),
+        rand(num_kv_heads, kv_len, head_dim),
+        rand(num_kv_heads, kv_len, value_dim),
+    )
+
+
+def golden(q: Tensor, k: Tensor, v: Tensor, mask=None, **kwargs) -> Tensor:
+    """The reference backend in float64 on the same inputs."""
+    bias = kwargs.pop("bias", None)
+    return mhsa.attention(
+        q.detach().double(),
+        k.detach().double(),
+        v.detach().double(),
+        mask,
+        bias=None if bias is None else bias.detach().double(),
+        backend="reference",
+        **kwargs,
+    )
+
+
+def naive_same_dtype(q: Tensor, k: Tensor, v: Tensor, causal: bool = False) -> Tensor:
+    """Attention entirely in q's dtype (no float32 statistics), for low-precision bounds."""
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    if causal:
+        q_len, kv_len = scores.shape[-2:]
+        allowed = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
+        scores = scores.masked_fill(~allowed, -torch.inf)
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def max_error(actual: Tensor, expected: Tensor) -> float:
+    return (actual.double() - expected.double()).abs().max().item()
