@@ -97,6 +97,7 @@ class MultiHeadAttention(nn.Module):
         *,
         mask: Tensor | None = None,
         key_padding_mask: Tensor | None = None,
+        bias: Tensor | None = None,
         causal: bool = False,
         need_weights: bool = False,
         average_weights: bool = True,
@@ -107,7 +108,8 @@ class MultiHeadAttention(nn.Module):
 
         key=None means self-attention (key = value = query). mask is bool,
         broadcastable to (B, H, L, S) or (L, S), True = may attend;
-        key_padding_mask is (B, S) bool, True = a real token. causal is aligned
+        key_padding_mask is (B, S) bool, True = a real token; bias is a float added
+        to the scores, broadcastable to (B, H, L, S). causal is aligned
         bottom-right. With a cache, the new keys/values are appended and attention
         runs over everything cached. Returns (B, L, E), and with need_weights also
         the probabilities (B, L, S) averaged over heads, or (B, H, L, S).
@@ -123,13 +125,14 @@ class MultiHeadAttention(nn.Module):
         k = self._split(self.k_proj(key), self.num_kv_heads)
         v = self._split(self.v_proj(value), self.num_kv_heads)
         offset = cache.length if cache is not None else 0
-        bias = None
         if position is not None:
             q, k = position.rotate(q, k, offset)
         if cache is not None:
             k, v = cache.update(k, v)
         if position is not None:
-            bias = position.attention_bias(q.shape[2], k.shape[2])
+            position_bias = position.attention_bias(q.shape[2], k.shape[2])
+            if position_bias is not None:
+                bias = position_bias if bias is None else bias + position_bias
         mask = self._merge_masks(mask, key_padding_mask, query.shape[0], k.shape[2])
         dropout = self.dropout if self.training else 0.0
         if need_weights:

@@ -1,0 +1,122 @@
+"""MultiHeadAttention: equivalence with torch.nn.MultiheadAttention, GQA, cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import max_error
+from torch import nn
+
+import mhsa
+from mhsa.nn import MultiHeadAttention, from_torch_masks
+
+
+def torch_mha(embed_dim=32, num_heads=4, **kwargs) -> nn.MultiheadAttention:
+    module = nn.MultiheadAttention(embed_dim, num_heads, batch_first=True, **kwargs).eval()
+    with torch.no_grad():  # non-zero biases so that copying them is tested
+        for p in module.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return module
+
+
+@pytest.mark.parametrize("backend", mhsa.backends())
+def test_self_attention_matches_torch_with_masks(backend):
+    theirs = torch_mha()
+    ours = MultiHeadAttention.from_torch(theirs, backend=backend).eval()
+    x = torch.randn(3, 11, 32)
+    attn_mask = torch.rand(11, 11) > 0.7  # torch: True = masked
+    attn_mask.fill_diagonal_(False)
+    padding = torch.zeros(3, 11, dtype=torch.bool)
+    padding[1, 8:] = True
+    padding[2, 10:] = True
+    expected, expected_w = theirs(x, x, x, attn_mask=attn_mask, key_padding_mask=padding)
+    mask, kpm, bias = from_torch_masks(attn_mask, padding)
+    assert bias is None
+    out = ours(x, mask=mask, key_padding_mask=kpm)
+    out_w, weights = ours(x, mask=mask, key_padding_mask=kpm, need_weights=True)
+    assert max_error(out, expected) < 1e-5
+    assert max_error(out_w, expected) < 1e-5
+    assert max_error(weights, expected_w) < 1e-5
+
+
+def test_cross_attention_with_kdim_vdim_and_float_mask():
+    theirs = torch_mha(32, 4, kdim=20, vdim=12)
+    ours = MultiHeadAttention.from_torch(theirs).eval()
+    query, key, value = torch.randn(2, 5, 32), torch.randn(2, 9, 20), torch.randn(2, 9, 12)
+    float_mask = torch.randn(5, 9)
+    padding = torch.zeros(2, 9, dtype=torch.bool)
+    padding[0, 6:] = True
+    expected, expected_w = theirs(
+        query, key, value, attn_mask=float_mask, key_padding_mask=padding
+    )
+    mask, kpm, bias = from_torch_masks(float_mask, padding)
+    assert mask is None and bias is not None
+    out, weights = ours(query, key, value, key_padding_mask=kpm, bias=bias, need_weights=True)
+    assert max_error(out, expected) < 1e-5
+    assert max_error(weights, expected_w) < 1e-5
+    assert max_error(ours(query, key, value, key_padding_mask=kpm, bias=bias), expected) < 1e-5
+    out_b, weights = ours(query, key, value, key_padding_mask=kpm, need_weights=True)
+    expected_b, expected_wb = theirs(query, key, value, key_padding_mask=padding)
+    assert max_error(out_b, expected_b) < 1e-5 and max_error(weights, expected_wb) < 1e-5
+
+
+def test_per_head_weights_and_batch_first_false_source():
+    theirs = nn.MultiheadAttention(16, 2).eval()  # sequence-first
+    ours = MultiHeadAttention.from_torch(theirs).eval()
+    x = torch.randn(7, 3, 16)  # (L, B, E) for torch
+    expected, expected_w = theirs(x, x, x, average_attn_weights=False)
+    out, weights = ours(x.transpose(0, 1), need_weights=True, average_weights=False)
+    assert max_error(out.transpose(0, 1), expected) < 1e-5
+    assert weights.shape == (3, 2, 7, 7) and max_error(weights, expected_w) < 1e-5
+
+
+def test_grouped_query_heads_match_repeated_kv_heads():
+    gqa = MultiHeadAttention(32, 8, num_kv_heads=2).eval()
+    full = MultiHeadAttention(32, 8).eval()
+    with torch.no_grad():  # expand each kv head's projection to its 4 query heads
+        full.q_proj.load_state_dict(gqa.q_proj.state_dict())
+        full.out_proj.load_state_dict(gqa.out_proj.state_dict())
+        for name in ("k_proj", "v_proj"):
+            small, big = getattr(gqa, name), getattr(full, name)
+            big.weight.copy_(small.weight.view(2, 1, 4, 32).expand(2, 4, 4, 32).reshape(32, 32))
+            big.bias.copy_(small.bias.view(2, 1, 4).expand(2, 4, 4).reshape(32))
+    x = torch.randn(2, 9, 32)
+    assert gqa.k_proj.out_features == 8
+    assert max_error(gqa(x, causal=True), full(x, causal=True)) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "position",
+    [None, mhsa.positional.RotaryEmbedding(8), mhsa.positional.ALiBi(4)],
+    ids=["none", "rotary", "alibi"],
+)
+def test_cached_decoding_equals_full_recompute(position):
+    mha = MultiHeadAttention(32, 4, num_kv_heads=2).eval()
+    x = torch.randn(2, 12, 32)
+    full = mha(x, causal=True, position=position)
+    cache = mhsa.KVCache(2, 2, 16, 8)
+    steps = [mha(x[:, :5], causal=True, position=position, cache=cache)]  # prefill
+    steps += [mha(x[:, t : t + 1], causal=True, position=position, cache=cache)
+              for t in range(5, 12)]
+    assert cache.length == 12
+    assert max_error(torch.cat(steps, dim=1), full) < 1e-5
+
+
+def test_cache_overflow_is_a_clear_error():
+    cache = mhsa.KVCache(1, 2, 4, 8)
+    cache.update(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8))
+    with pytest.raises(ValueError, match="overflow.*max_len 4"):
+        cache.update(torch.randn(1, 2, 2, 8), torch.randn(1, 2, 2, 8))
+    assert cache.length == 3
+
+
+def test_bad_module_arguments():
+    with pytest.raises(ValueError, match="divisible by num_heads"):
+        MultiHeadAttention(30, 4)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        MultiHeadAttention(32, 4, num_kv_heads=3)
+    mha = MultiHeadAttention(32, 4)
+    with pytest.raises(ValueError, match="query must be"):
+        mha(torch.randn(5, 32))
+    with pytest.raises(ValueError, match="key_padding_mask must be bool"):
+        mha(torch.randn(2, 5, 32), key_padding_mask=torch.ones(2, 4, dtype=torch.bool))
