@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import golden, make_qkv, max_error, naive_same_dtype
 
 import mhsa
+from helpers import golden, make_qkv, max_error, naive_same_dtype
 
 BACKENDS = mhsa.backends()
 
@@ -49,9 +49,7 @@ def test_mask_and_bias_with_gradients(backend, causal):
     grad_out = torch.randn_like(out)
     out.backward(grad_out)
 
-    q64, k64, v64, bias64 = (
-        t.detach().double().requires_grad_() for t in (q, k, v, bias)
-    )
+    q64, k64, v64, bias64 = (t.detach().double().requires_grad_() for t in (q, k, v, bias))
     ref = mhsa.attention(q64, k64, v64, mask, bias=bias64, causal=causal, backend="reference")
     ref.backward(grad_out.double())
     assert max_error(out, ref) < 2e-5

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import max_error
 from torch import nn
 
 import mhsa
+from helpers import max_error
 from mhsa.nn import MultiHeadAttention, from_torch_masks
 
 
@@ -46,9 +46,7 @@ def test_cross_attention_with_kdim_vdim_and_float_mask():
     float_mask = torch.randn(5, 9)
     padding = torch.zeros(2, 9, dtype=torch.bool)
     padding[0, 6:] = True
-    expected, expected_w = theirs(
-        query, key, value, attn_mask=float_mask, key_padding_mask=padding
-    )
+    expected, expected_w = theirs(query, key, value, attn_mask=float_mask, key_padding_mask=padding)
     mask, kpm, bias = from_torch_masks(float_mask, padding)
     assert mask is None and bias is not None
     out, weights = ours(query, key, value, key_padding_mask=kpm, bias=bias, need_weights=True)
@@ -96,8 +94,9 @@ def test_cached_decoding_equals_full_recompute(position):
     full = mha(x, causal=True, position=position)
     cache = mhsa.KVCache(2, 2, 16, 8)
     steps = [mha(x[:, :5], causal=True, position=position, cache=cache)]  # prefill
-    steps += [mha(x[:, t : t + 1], causal=True, position=position, cache=cache)
-              for t in range(5, 12)]
+    steps += [
+        mha(x[:, t : t + 1], causal=True, position=position, cache=cache) for t in range(5, 12)
+    ]
     assert cache.length == 12
     assert max_error(torch.cat(steps, dim=1), full) < 1e-5
 

@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-from helpers import max_error
 
+from helpers import max_error
 from mhsa.nn import MultiHeadAttention
 from mhsa.positional import (
     ALiBi,

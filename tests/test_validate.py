@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_qkv
 
 import mhsa
+from helpers import make_qkv
 
 
 def call(q=None, k=None, v=None, **kwargs):
     dq, dk, dv = make_qkv(2, 4, 2, 5, 6, 8)
-    return mhsa.attention(dq if q is None else q, dk if k is None else k,
-                          dv if v is None else v, **kwargs)
+    return mhsa.attention(
+        dq if q is None else q, dk if k is None else k, dv if v is None else v, **kwargs
+    )
 
 
 def test_wrong_rank():

@@ -11,14 +11,34 @@ import torch
 from . import __version__
 from .backends import AttentionSpec, get, names
 
+# Typical calls (float32, GQA 8/2) that show what each backend can and cannot serve.
+_PROBES = {
+    "causal": {"causal": True},
+    "mask+bias": {"has_mask": True, "has_bias": True},
+    "dropout": {"dropout_p": 0.1},
+    "return_lse": {"return_lse": True},
+}
 
-def _probe_spec(device: torch.device) -> AttentionSpec:
-    """A typical call (float32, causal, GQA) to report which backends can serve."""
-    return AttentionSpec(
-        batch=1, num_heads=8, num_kv_heads=2, q_len=128, kv_len=128, head_dim=64,
-        value_dim=64, dtype=torch.float32, device=device, has_mask=False, has_bias=False,
-        causal=True, dropout_p=0.0, return_lse=False,
+
+def _probe_spec(device: torch.device, **changes) -> AttentionSpec:
+    fields = dict(
+        batch=1,
+        num_heads=8,
+        num_kv_heads=2,
+        q_len=128,
+        kv_len=128,
+        head_dim=64,
+        value_dim=64,
+        dtype=torch.float32,
+        device=device,
+        has_mask=False,
+        has_bias=False,
+        causal=False,
+        dropout_p=0.0,
+        return_lse=False,
     )
+    fields.update(changes)
+    return AttentionSpec(**fields)
 
 
 def info(_: argparse.Namespace) -> int:
@@ -31,13 +51,17 @@ def info(_: argparse.Namespace) -> int:
     else:
         print(f"device: cpu ({torch.get_num_threads()} threads)")
     print("backends (auto preference order):")
-    spec = _probe_spec(device)
     for name in names():
         backend = get(name)
         reason = backend.available()
-        status = "usable" if reason is None else f"unusable: {reason}"
-        limits = backend.supports(spec) if reason is None else None
-        print(f"  {name:<10} {status}" + (f" (not for this call: {limits})" if limits else ""))
+        if reason is not None:
+            print(f"  {name:<10} unusable here: {reason}")
+            continue
+        print(f"  {name:<10} usable")
+        for probe, changes in _PROBES.items():
+            limit = backend.supports(_probe_spec(device, **changes))
+            if limit is not None:
+                print(f"  {'':<10} not for {probe}: {limit}")
     return 0
 
 

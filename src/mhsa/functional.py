@@ -10,8 +10,8 @@ from torch import Tensor
 
 from . import validate
 from .backends import AttentionSpec, select
-from .backends.reference import attention_probs, probs_times_v
 from .backends.common import stats_dtype
+from .backends.reference import attention_probs, probs_times_v
 
 
 def _check_common(

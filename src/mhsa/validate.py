@@ -54,9 +54,7 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
             f"k and v must have the same number of heads, got k {k.shape[1]}, v {v.shape[1]}"
         )
     if v.shape[2] != k.shape[2]:
-        raise ValueError(
-            f"k and v must have the same length, got k {k.shape[2]}, v {v.shape[2]}"
-        )
+        raise ValueError(f"k and v must have the same length, got k {k.shape[2]}, v {v.shape[2]}")
     num_kv_heads = k.shape[1]
     if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
         raise ValueError(
@@ -67,7 +65,7 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
 
 def _check_broadcast(name: str, t: Tensor, target: tuple[int, ...]) -> None:
     ok = t.dim() <= len(target) and all(
-        got in (1, want) for got, want in zip(reversed(t.shape), reversed(target))
+        got in (1, want) for got, want in zip(reversed(t.shape), reversed(target), strict=False)
     )
     if not ok:
         raise ValueError(

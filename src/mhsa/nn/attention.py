@@ -196,7 +196,9 @@ class MultiHeadAttention(nn.Module):
             weights = (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight)
         biases = module.in_proj_bias.chunk(3) if has_bias else (None, None, None)
         with torch.no_grad():
-            for proj, weight, b in zip((ours.q_proj, ours.k_proj, ours.v_proj), weights, biases):
+            for proj, weight, b in zip(
+                (ours.q_proj, ours.k_proj, ours.v_proj), weights, biases, strict=True
+            ):
                 proj.weight.copy_(weight)
                 if b is not None:
                     proj.bias.copy_(b)

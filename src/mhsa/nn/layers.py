@@ -78,7 +78,11 @@ class TransformerEncoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.self_attn = MultiHeadAttention(
-            d_model, num_heads, num_kv_heads=num_kv_heads, bias=bias, dropout=dropout,
+            d_model,
+            num_heads,
+            num_kv_heads=num_kv_heads,
+            bias=bias,
+            dropout=dropout,
             backend=backend,
         )
         self.feed_forward = FeedForward(
@@ -101,8 +105,12 @@ class TransformerEncoderLayer(nn.Module):
 
         def attend(h: Tensor) -> Tensor:
             return self.self_attn(
-                h, mask=mask, key_padding_mask=key_padding_mask, causal=causal,
-                position=position, cache=cache,
+                h,
+                mask=mask,
+                key_padding_mask=key_padding_mask,
+                causal=causal,
+                position=position,
+                cache=cache,
             )
 
         x = self.attn_block(x, attend)
@@ -141,7 +149,10 @@ class TransformerDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         attn_options = {
-            "num_kv_heads": num_kv_heads, "bias": bias, "dropout": dropout, "backend": backend
+            "num_kv_heads": num_kv_heads,
+            "bias": bias,
+            "dropout": dropout,
+            "backend": backend,
         }
         self.self_attn = MultiHeadAttention(d_model, num_heads, **attn_options)
         self.cross_attn = MultiHeadAttention(d_model, num_heads, **attn_options)
@@ -169,8 +180,12 @@ class TransformerDecoderLayer(nn.Module):
 
         def self_attend(h: Tensor) -> Tensor:
             return self.self_attn(
-                h, mask=mask, key_padding_mask=key_padding_mask, causal=causal,
-                position=position, cache=cache,
+                h,
+                mask=mask,
+                key_padding_mask=key_padding_mask,
+                causal=causal,
+                position=position,
+                cache=cache,
             )
 
         def cross_attend(h: Tensor) -> Tensor:
@@ -298,9 +313,14 @@ class Transformer(nn.Module):
     ) -> None:
         super().__init__()
         options = {
-            "dim_feedforward": dim_feedforward, "dropout": dropout, "activation": activation,
-            "norm_first": norm_first, "layer_norm_eps": layer_norm_eps,
-            "num_kv_heads": num_kv_heads, "bias": bias, "backend": backend,
+            "dim_feedforward": dim_feedforward,
+            "dropout": dropout,
+            "activation": activation,
+            "norm_first": norm_first,
+            "layer_norm_eps": layer_norm_eps,
+            "num_kv_heads": num_kv_heads,
+            "bias": bias,
+            "backend": backend,
         }
         self.encoder = TransformerEncoder(
             TransformerEncoderLayer(d_model, num_heads, **options),
@@ -349,13 +369,17 @@ class Transformer(nn.Module):
 
 def _torch_layer_options(layer: nn.Module) -> dict:
     """Constructor options that reproduce a torch Transformer*Layer."""
-    kind = getattr(layer, "activation_relu_or_gelu", 0)
-    if kind not in (1, 2):
-        raise ValueError("only relu and gelu activations can be copied from torch layers")
+    act = layer.activation
+    if act is F.relu or isinstance(act, nn.ReLU):
+        activation = "relu"
+    elif act is F.gelu or (isinstance(act, nn.GELU) and act.approximate == "none"):
+        activation = "gelu"
+    else:
+        raise ValueError(f"only relu and gelu activations can be copied, got {act}")
     return {
         "dim_feedforward": layer.linear1.out_features,
         "dropout": layer.dropout.p,
-        "activation": "relu" if kind == 1 else "gelu",
+        "activation": activation,
         "norm_first": layer.norm_first,
         "layer_norm_eps": layer.norm1.eps,
         "bias": layer.linear1.bias is not None,
@@ -368,7 +392,7 @@ def _copy_feed_forward(ff: FeedForward, layer: nn.Module) -> None:
 
 
 def _copy_norms(blocks: tuple[_Residual, ...], norms: tuple[nn.LayerNorm, ...]) -> None:
-    for block, norm in zip(blocks, norms):
+    for block, norm in zip(blocks, norms, strict=True):
         block.norm.load_state_dict(norm.state_dict())
 
 

@@ -1,0 +1,148 @@
+"""Transformer layers and stacks: equivalence with torch.nn in eval mode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import max_error
+from mhsa.nn import (
+    FeedForward,
+    Transformer,
+    TransformerDecoder,
+    TransformerDecoderLayer,
+    TransformerEncoder,
+    TransformerEncoderLayer,
+    from_torch_masks,
+)
+
+D_MODEL, HEADS, FF = 32, 4, 48
+
+
+def randomize(module: nn.Module) -> nn.Module:
+    """Perturb every parameter so norms and biases are not at their defaults."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return module.eval()
+
+
+def padding_mask(batch: int, length: int) -> torch.Tensor:
+    """torch convention: True = padding."""
+    mask = torch.zeros(batch, length, dtype=torch.bool)
+    mask[0, length - 3 :] = True
+    return mask
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_encoder_layer_matches_torch(norm_first, activation):
+    theirs = randomize(
+        nn.TransformerEncoderLayer(
+            D_MODEL,
+            HEADS,
+            FF,
+            dropout=0.1,
+            activation=activation,
+            batch_first=True,
+            norm_first=norm_first,
+        )
+    )
+    ours = TransformerEncoderLayer.from_torch(theirs).eval()
+    x = torch.randn(2, 10, D_MODEL)
+    padding = padding_mask(2, 10)
+    causal = nn.Transformer.generate_square_subsequent_mask(10).isinf()
+    mask, kpm, _ = from_torch_masks(causal, padding)
+    expected = theirs(x, src_mask=causal, src_key_padding_mask=padding)
+    assert max_error(ours(x, mask=mask, key_padding_mask=kpm), expected) < 1e-5
+    assert max_error(ours(x, causal=True, key_padding_mask=kpm), expected) < 1e-5
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_decoder_layer_matches_torch(norm_first):
+    theirs = randomize(
+        nn.TransformerDecoderLayer(D_MODEL, HEADS, FF, batch_first=True, norm_first=norm_first)
+    )
+    ours = TransformerDecoderLayer.from_torch(theirs).eval()
+    tgt, memory = torch.randn(2, 7, D_MODEL), torch.randn(2, 11, D_MODEL)
+    tgt_mask = nn.Transformer.generate_square_subsequent_mask(7).isinf()
+    memory_padding = padding_mask(2, 11)
+    expected = theirs(tgt, memory, tgt_mask=tgt_mask, memory_key_padding_mask=memory_padding)
+    _, memory_kpm, _ = from_torch_masks(None, memory_padding)
+    out = ours(tgt, memory, causal=True, memory_key_padding_mask=memory_kpm)
+    assert max_error(out, expected) < 1e-5
+
+
+def test_stacks_and_transformer_match_torch():
+    theirs = randomize(
+        nn.Transformer(
+            D_MODEL,
+            HEADS,
+            num_encoder_layers=2,
+            num_decoder_layers=3,
+            dim_feedforward=FF,
+            batch_first=True,
+        )
+    )
+    ours = Transformer.from_torch(theirs).eval()
+    assert len(ours.encoder.layers) == 2 and len(ours.decoder.layers) == 3
+    src, tgt = torch.randn(2, 9, D_MODEL), torch.randn(2, 6, D_MODEL)
+    src_padding = padding_mask(2, 9)
+    tgt_mask = nn.Transformer.generate_square_subsequent_mask(6).isinf()
+    expected = theirs(
+        src,
+        tgt,
+        tgt_mask=tgt_mask,
+        src_key_padding_mask=src_padding,
+        memory_key_padding_mask=src_padding,
+    )
+    _, kpm, _ = from_torch_masks(None, src_padding)
+    out = ours(src, tgt, tgt_causal=True, src_key_padding_mask=kpm, memory_key_padding_mask=kpm)
+    assert out.shape == (2, 6, D_MODEL)
+    assert max_error(out, expected) < 1e-5
+
+    encoder = TransformerEncoder.from_torch(theirs.encoder).eval()
+    assert max_error(encoder(src), theirs.encoder(src)) < 1e-5
+    decoder = TransformerDecoder.from_torch(theirs.decoder).eval()
+    memory = torch.randn(2, 9, D_MODEL)
+    assert max_error(decoder(tgt, memory), theirs.decoder(tgt, memory)) < 1e-5
+
+
+def test_stack_builds_independent_copies():
+    layer = TransformerEncoderLayer(D_MODEL, HEADS, dim_feedforward=FF)
+    encoder = TransformerEncoder(layer, 3, nn.LayerNorm(D_MODEL))
+    assert len(encoder.layers) == 3
+    assert (
+        encoder.layers[0].self_attn.q_proj.weight is not encoder.layers[1].self_attn.q_proj.weight
+    )
+    model = Transformer(
+        D_MODEL,
+        HEADS,
+        num_encoder_layers=1,
+        num_decoder_layers=1,
+        dim_feedforward=FF,
+        num_kv_heads=2,
+        norm_first=True,
+    )
+    out = model(torch.randn(2, 5, D_MODEL), torch.randn(2, 4, D_MODEL), tgt_causal=True)
+    assert out.shape == (2, 4, D_MODEL)
+    out.sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_feed_forward_and_bad_activation():
+    ff = FeedForward(8, 16, activation="gelu")
+    x = torch.randn(3, 8)
+    expected = ff.linear2(torch.nn.functional.gelu(ff.linear1(x)))
+    assert torch.allclose(ff(x), expected)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        FeedForward(8, 16, activation="swish")
+
+
+def test_training_mode_applies_dropout():
+    layer = TransformerEncoderLayer(D_MODEL, HEADS, dim_feedforward=FF, dropout=0.5).train()
+    x = torch.randn(2, 6, D_MODEL)
+    assert max_error(layer(x), layer(x)) > 1e-3
+    layer.eval()
+    assert max_error(layer(x), layer(x)) == 0
