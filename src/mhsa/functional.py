@@ -5,13 +5,13 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from . import validate
 from .backends import AttentionSpec, select
-from .backends.common import stats_dtype
-from .backends.reference import attention_probs, probs_times_v
+from .backends.reference import attention_probs
+from .kernels.dense import apply_dropout, probs_times_v, stats_dtype
+from .kernels.dropout import draw_seed
 
 
 def _check_common(
@@ -145,5 +145,5 @@ def attention_and_weights(
     resolved_scale = _check_common(q, k, mask, bias, causal, scale)
     validate.check_dropout(dropout_p)
     probs, _ = attention_probs(q, k, mask=mask, bias=bias, causal=causal, scale=resolved_scale)
-    dropped = F.dropout(probs, p=dropout_p, training=True) if dropout_p > 0 else probs
+    dropped = apply_dropout(probs, dropout_p, draw_seed()) if dropout_p > 0 else probs
     return probs_times_v(dropped, v).to(q.dtype), probs.to(q.dtype)

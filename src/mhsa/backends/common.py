@@ -1,4 +1,4 @@
-"""Small helpers shared by backends: masks and the statistics dtype."""
+"""Small helpers shared by backends."""
 
 from __future__ import annotations
 
@@ -25,8 +25,3 @@ def combined_mask(
         return mask
     tri = causal_mask(q_len, kv_len, device)
     return tri if mask is None else mask & tri
-
-
-def stats_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Softmax statistics are float32, or float64 for float64 inputs."""
-    return torch.float64 if dtype == torch.float64 else torch.float32

@@ -1,0 +1,1 @@
+"""Tiled attention engines: block plans, dropout masks, the flash autograd Function."""

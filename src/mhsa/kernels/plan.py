@@ -1,0 +1,184 @@
+"""Block plans: which (query block, key block) tiles the tiled engine visits, and how.
+
+A mask source describes what may be attended, at two resolutions:
+    block_kinds(q_len, kv_len, block_q, block_k) -> (num_q_blocks, num_k_blocks) int8
+        EMPTY (never visited), PARTIAL (element mask applied), FULL (no mask applied),
+        conservative over batch and heads (FULL only if full for every batch and head).
+    tile(q0, q1, k0, k1) -> bool (True = may attend), broadcastable to (B, H, q1-q0, k1-k0)
+
+A BlockPlan turns the block kinds into work: for each range of query rows, a list of
+key runs (contiguous key ranges of one kind). Query block rows whose runs are all FULL
+and identical are merged, so dense attention is one run over everything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+def _num_blocks(length: int, block: int) -> int:
+    return -(-length // block)
+
+
+class DenseMask:
+    """A bool tensor (..., L, S), True = may attend."""
+
+    def __init__(self, mask: Tensor) -> None:
+        self.mask = mask
+
+    def block_kinds(self, q_len: int, kv_len: int, block_q: int, block_k: int) -> Tensor:
+        mask = self.mask.reshape(-1, *self.mask.shape[-2:])  # (N, L or 1, S or 1)
+        rows, cols = mask.shape[1:]
+        # a size-1 dimension is reduced as one block of size 1, then broadcast
+        bq, bk = (block_q if rows > 1 else 1), (block_k if cols > 1 else 1)
+        pad = (0, _num_blocks(cols, bk) * bk - cols, 0, _num_blocks(rows, bq) * bq - rows)
+        # pad with values that change neither "any allowed" nor "all allowed"
+        padded_any, padded_all = F.pad(mask, pad, value=False), F.pad(mask, pad, value=True)
+        shape = (mask.shape[0], padded_any.shape[1] // bq, bq, padded_any.shape[2] // bk, bk)
+        any_allowed = padded_any.view(shape).any(dim=4).any(dim=2).any(dim=0).cpu()
+        all_allowed = padded_all.view(shape).all(dim=4).all(dim=2).all(dim=0).cpu()
+        kinds = torch.full(any_allowed.shape, PARTIAL, dtype=torch.int8)
+        kinds[~any_allowed] = EMPTY
+        kinds[all_allowed] = FULL
+        return kinds.expand(_num_blocks(q_len, block_q), _num_blocks(kv_len, block_k))
+
+    def tile(self, q0: int, q1: int, k0: int, k1: int) -> Tensor:
+        rows = self.mask if self.mask.shape[-2] == 1 else self.mask[..., q0:q1, :]
+        return rows if rows.shape[-1] == 1 else rows[..., k0:k1]
+
+
+class CausalMask:
+    """Causal attention aligned bottom-right: query i sees keys j <= i + S - L."""
+
+    def __init__(self, q_len: int, kv_len: int, device: torch.device) -> None:
+        self.shift = kv_len - q_len
+        self.device = device
+
+    def block_kinds(self, q_len: int, kv_len: int, block_q: int, block_k: int) -> Tensor:
+        q_first = torch.arange(0, q_len, block_q).clamp(max=q_len - 1)
+        q_last = (q_first + block_q - 1).clamp(max=q_len - 1)
+        k_first = torch.arange(0, kv_len, block_k)
+        k_last = (k_first + block_k - 1).clamp(max=kv_len - 1)
+        # a tile is full if its first row sees its last key, empty if its last row
+        # sees none of its keys
+        full = k_last.view(1, -1) <= q_first.view(-1, 1) + self.shift
+        empty = k_first.view(1, -1) > q_last.view(-1, 1) + self.shift
+        kinds = torch.full(full.shape, PARTIAL, dtype=torch.int8)
+        kinds[full] = FULL
+        kinds[empty] = EMPTY
+        return kinds
+
+    def tile(self, q0: int, q1: int, k0: int, k1: int) -> Tensor:
+        rows = torch.arange(q0, q1, device=self.device).view(-1, 1)
+        cols = torch.arange(k0, k1, device=self.device).view(1, -1)
+        return cols <= rows + self.shift
+
+
+class AllOf:
+    """The intersection of mask sources (a key is allowed if every source allows it)."""
+
+    def __init__(self, *sources) -> None:
+        self.sources = sources
+
+    def block_kinds(self, q_len: int, kv_len: int, block_q: int, block_k: int) -> Tensor:
+        kinds = [s.block_kinds(q_len, kv_len, block_q, block_k) for s in self.sources]
+        return torch.stack(kinds).amin(dim=0)  # EMPTY < PARTIAL < FULL
+
+    def tile(self, q0: int, q1: int, k0: int, k1: int) -> Tensor:
+        tiles = [s.tile(q0, q1, k0, k1) for s in self.sources]
+        result = tiles[0]
+        for t in tiles[1:]:
+            result = result & t
+        return result
+
+
+@dataclass(frozen=True)
+class Run:
+    """Keys k0..k1-1 for one range of query rows; full runs need no element mask."""
+
+    k0: int
+    k1: int
+    full: bool
+
+
+@dataclass
+class RowRange:
+    q0: int
+    q1: int
+    runs: list[Run] = field(default_factory=list)
+
+
+@dataclass
+class BlockPlan:
+    """The engine's input: the row ranges to compute and, for each, its key runs."""
+
+    q_len: int
+    kv_len: int
+    block_q: int
+    block_k: int
+    rows: list[RowRange]
+    source: object | None  # the mask source that gives element masks of partial runs
+
+    @property
+    def visited_fraction(self) -> float:
+        """Fraction of the L x S entries inside visited tiles."""
+        area = sum((r.q1 - r.q0) * (run.k1 - run.k0) for r in self.rows for run in r.runs)
+        return area / max(1, self.q_len * self.kv_len)
+
+
+def build_plan(
+    source,
+    q_len: int,
+    kv_len: int,
+    *,
+    block_q: int,
+    block_k: int,
+    max_run_keys: int | None = None,
+    merge_rows: bool = True,
+) -> BlockPlan:
+    """Turn a mask source (or None for full attention) into a BlockPlan.
+
+    max_run_keys caps a run's length (bounds the scores a plain tile materialises);
+    merge_rows joins adjacent query blocks whose runs are identical and all full.
+    """
+    num_q = _num_blocks(q_len, block_q)
+    num_k = _num_blocks(kv_len, block_k)
+    if source is None:
+        kinds = torch.full((num_q, num_k), FULL, dtype=torch.int8)
+    else:
+        kinds = source.block_kinds(q_len, kv_len, block_q, block_k)
+    cap_blocks = max(1, max_run_keys // block_k) if max_run_keys else num_k
+    rows: list[RowRange] = []
+    for qi, row in enumerate(kinds.tolist()):
+        runs = _runs(row, block_k, kv_len, cap_blocks)
+        q0, q1 = qi * block_q, min(q_len, (qi + 1) * block_q)
+        previous = rows[-1] if rows else None
+        if (
+            merge_rows
+            and previous is not None
+            and previous.runs == runs
+            and all(run.full for run in runs)
+        ):
+            previous.q1 = q1
+        else:
+            rows.append(RowRange(q0, q1, runs))
+    return BlockPlan(q_len, kv_len, block_q, block_k, rows, source)
+
+
+def _runs(row: list[int], block_k: int, kv_len: int, cap_blocks: int) -> list[Run]:
+    """Contiguous key blocks of one kind (EMPTY skipped), at most cap_blocks long."""
+    runs: list[Run] = []
+    start = None
+    for kj, kind in enumerate(row + [EMPTY]):
+        if start is not None and (kind != row[start] or kj - start == cap_blocks):
+            runs.append(Run(start * block_k, min(kv_len, kj * block_k), row[start] == FULL))
+            start = None
+        if start is None and kind != EMPTY and kj < len(row):
+            start = kj
+    return runs
