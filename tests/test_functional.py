@@ -33,9 +33,13 @@ def spec(**changes) -> AttentionSpec:
     return AttentionSpec(**fields)
 
 
-def test_auto_prefers_sdpa_and_falls_back_for_lse():
+def test_auto_prefers_sdpa_where_its_fused_kernels_apply_else_flash():
     assert select(spec(), "auto").name == "sdpa"
-    assert select(spec(return_lse=True), "auto").name == "reference"
+    assert select(spec(causal=True), "auto").name == "sdpa"
+    assert select(spec(return_lse=True), "auto").name == "flash"
+    assert select(spec(has_mask=True), "auto").name == "flash"
+    assert select(spec(causal=True, q_len=3), "auto").name == "flash"  # bottom-right
+    assert select(spec(dropout_p=0.1), "auto").name == "flash"
 
 
 def test_named_backend_that_cannot_serve_raises_with_reason():
@@ -57,7 +61,7 @@ def test_use_backend_forces_and_restores():
         assert select(spec(), "auto").name == "reference"
         assert select(spec(), "sdpa").name == "reference"
     assert select(spec(), "auto").name == "sdpa"
-    assert mhsa.backends() == ["sdpa", "reference"]
+    assert mhsa.backends() == ["sdpa", "flash", "reference"]
 
 
 def test_empty_query_gives_empty_output():

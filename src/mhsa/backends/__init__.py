@@ -1,10 +1,12 @@
-"""Attention backends, registered in `auto` preference order (fastest first)."""
+"""Attention backends; `auto` picks the usable one with the highest preference."""
 
+from .flash import FlashBackend
 from .reference import ReferenceBackend
 from .registry import AttentionSpec, Backend, get, names, register, select, use_backend
 from .sdpa import SdpaBackend
 
 register(SdpaBackend())
+register(FlashBackend())
 register(ReferenceBackend())
 
 __all__ = ["AttentionSpec", "Backend", "get", "names", "register", "select", "use_backend"]

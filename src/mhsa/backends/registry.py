@@ -2,8 +2,8 @@
 
 A backend answers `available()` (can it run on this machine at all) and
 `supports(spec)` (can it serve this particular call exactly); both return None for
-yes or a human-readable reason for no. `auto` takes the first backend, in
-preference order (fastest first), that says yes.
+yes or a human-readable reason for no. `auto` takes, among the backends that say
+yes, the one with the highest `preference(spec)` (measured speed and memory).
 """
 
 from __future__ import annotations
@@ -50,6 +50,10 @@ class Backend:
         """None if the backend serves `spec` exactly, else why not."""
         return None
 
+    def preference(self, spec: AttentionSpec) -> float:
+        """How much `auto` prefers this backend for `spec` (higher wins)."""
+        return 0.0
+
     def forward(
         self,
         q: Tensor,
@@ -72,13 +76,13 @@ _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("mhsa_backe
 
 
 def register(backend: Backend) -> Backend:
-    """Add a backend; registration order is the `auto` preference order."""
+    """Add a backend; registration order breaks ties in `auto` preference."""
     _BACKENDS[backend.name] = backend
     return backend
 
 
 def names() -> list[str]:
-    """Backend names in `auto` preference order."""
+    """Backend names in registration order."""
     return list(_BACKENDS)
 
 
@@ -119,10 +123,13 @@ def select(spec: AttentionSpec, requested: str) -> Backend:
         if reason is not None:
             raise ValueError(f"backend {requested!r} cannot serve this call: {reason}")
         return backend
-    reasons = []
+    usable, reasons = [], []
     for backend in _BACKENDS.values():
         reason = reason_unusable(backend, spec)
         if reason is None:
-            return backend
-        reasons.append(f"{backend.name}: {reason}")
-    raise ValueError("no backend can serve this call: " + "; ".join(reasons))
+            usable.append(backend)
+        else:
+            reasons.append(f"{backend.name}: {reason}")
+    if not usable:
+        raise ValueError("no backend can serve this call: " + "; ".join(reasons))
+    return max(usable, key=lambda b: b.preference(spec))  # first of equals wins

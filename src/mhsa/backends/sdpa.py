@@ -47,6 +47,18 @@ class SdpaBackend(Backend):
             return "it does not return the logsumexp (use backend='reference')"
         return None
 
+    def preference(self, spec: AttentionSpec) -> float:
+        # Fastest when its fused kernels apply: no mask or bias to materialise, causal
+        # only where its top-left alignment equals ours, and (on CPU) no dropout and
+        # D == D_v; otherwise the tiled engine skips blocks and stays memory-lean.
+        plain = not spec.has_mask and not spec.has_bias
+        aligned = not spec.causal or spec.q_len == spec.kv_len
+        if spec.device.type == "cpu":
+            fused = spec.dropout_p == 0.0 and spec.head_dim == spec.value_dim
+        else:
+            fused = True
+        return 3.0 if plain and aligned and fused else 1.0
+
     def forward(self, q, k, v, *, mask, bias, causal, scale, dropout_p, return_lse):
         q_len, kv_len = q.shape[2], k.shape[2]
         is_causal = causal and q_len == kv_len and mask is None and bias is None

@@ -98,6 +98,18 @@ class AllOf:
         return result
 
 
+def mask_source(mask: Tensor | None, causal: bool, q_len: int, kv_len: int, device):
+    """The mask source for a call's mask and causal flag (None when all is allowed)."""
+    sources = []
+    if mask is not None:
+        sources.append(DenseMask(mask))
+    if causal:
+        sources.append(CausalMask(q_len, kv_len, device))
+    if not sources:
+        return None
+    return sources[0] if len(sources) == 1 else AllOf(*sources)
+
+
 @dataclass(frozen=True)
 class Run:
     """Keys k0..k1-1 for one range of query rows; full runs need no element mask."""

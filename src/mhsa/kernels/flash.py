@@ -1,0 +1,253 @@
+"""Exact tiled attention (FlashAttention-style) driven by a BlockPlan.
+
+Forward: for each range of query rows, each key run of the plan is attended on its
+own, giving a partial output and logsumexp; partials merge by their logsumexp (the
+online softmax, float32 accumulators). Backward recomputes each run's probabilities
+from q, k and the saved lse: only q, k, v, out and lse are kept, so memory is
+O(L + S) per head. Empty tiles are never visited; full runs apply no mask.
+
+Each run is computed by one of two segment kernels:
+- fused: PyTorch's own CPU flash-attention kernel on the run (fast, float
+  additive tile masks), for CPU calls without dropout and with D == D_v;
+- plain: matmuls and a softmax in plain torch, on any device, with dropout.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .dense import apply_dropout, grouped_scores, masked_softmax, probs_times_v, stats_dtype
+from .dropout import keep_mask
+from .plan import BlockPlan, Run
+
+_FUSED_FORWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FUSED_BACKWARD = getattr(
+    torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None
+)
+
+
+def fused_available(q: Tensor, v: Tensor, dropout_p: float) -> bool:
+    """Whether the fused CPU kernel can compute runs of this call."""
+    return (
+        _FUSED_FORWARD is not None
+        and q.device.type == "cpu"
+        and dropout_p == 0.0
+        and q.shape[-1] == v.shape[-1]
+    )
+
+
+def _slice_tile(t: Tensor, q0: int, q1: int, k0: int, k1: int) -> Tensor:
+    """Rows q0:q1 and columns k0:k1 of a (..., L or 1, S or 1) tensor."""
+    rows = t if t.shape[-2] == 1 else t[..., q0:q1, :]
+    return rows if rows.shape[-1] == 1 else rows[..., k0:k1]
+
+
+def _tile_bias(
+    plan: BlockPlan, bias: Tensor | None, q0: int, q1: int, run: Run, dtype: torch.dtype
+) -> Tensor | None:
+    """Additive tile (..., rows, keys): the bias, and -inf where the mask forbids."""
+    attn = None if bias is None else _slice_tile(bias, q0, q1, run.k0, run.k1).to(dtype)
+    if not run.full:
+        allowed = plan.source.tile(q0, q1, run.k0, run.k1)
+        base = torch.zeros((), dtype=dtype, device=allowed.device) if attn is None else attn
+        minus_inf = torch.tensor(-torch.inf, dtype=dtype, device=allowed.device)
+        attn = torch.where(allowed, base, minus_inf)
+    if attn is not None and attn.dim() < 4:
+        attn = attn.view((1,) * (4 - attn.dim()) + tuple(attn.shape))
+    return attn
+
+
+def _merge(acc, lse, out_r: Tensor, lse_r: Tensor) -> tuple[Tensor, Tensor]:
+    """Online softmax: combine normalised partial outputs by their logsumexp."""
+    if acc is None:
+        return out_r.to(lse_r.dtype), lse_r
+    new = torch.logaddexp(lse, lse_r)
+    safe = torch.where(torch.isneginf(new), torch.zeros_like(new), new)
+    acc = acc * torch.exp(lse - safe).unsqueeze(-1) + out_r * torch.exp(lse_r - safe).unsqueeze(-1)
+    return acc, new
+
+
+def _fused_run(q_blk, k_run, v_run, attn, scale) -> tuple[Tensor, Tensor]:
+    out_r, lse_r = _FUSED_FORWARD(q_blk, k_run, v_run, 0.0, False, attn_mask=attn, scale=scale)
+    if attn is not None:  # the kernel reports lse 0 for rows with no allowed key
+        dead = torch.isneginf(attn).all(dim=-1)
+        lse_r = lse_r.masked_fill(dead, -torch.inf)
+    return out_r, lse_r
+
+
+def _plain_run(q_blk, k_run, v_run, attn, scale, dropout, q0, k0):
+    scores = grouped_scores(q_blk, k_run, scale, stats_dtype(q_blk.dtype))
+    if attn is not None:
+        scores = scores + attn
+    probs, lse_r = masked_softmax(scores)
+    if dropout is not None:
+        probs = apply_dropout(probs, dropout[0], dropout[1], q0, k0)
+    return probs_times_v(probs, v_run), lse_r
+
+
+def flash_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bias: Tensor | None,
+    plan: BlockPlan,
+    scale: float,
+    dropout: tuple[float, int] | None,
+    fused: bool,
+) -> tuple[Tensor, Tensor]:
+    """out (B, H, L, D_v) in q's dtype and lse (B, H, L) in the statistics dtype.
+
+    dropout is (p, seed) or None; fused selects the fused CPU segment kernel.
+    """
+    batch, num_heads, q_len, _ = q.shape
+    dtype = stats_dtype(q.dtype)
+    out = q.new_zeros(batch, num_heads, q_len, v.shape[-1])
+    lse = torch.full((batch, num_heads, q_len), -torch.inf, dtype=dtype, device=q.device)
+    for rows in plan.rows:
+        q0, q1 = rows.q0, rows.q1
+        q_blk = q[:, :, q0:q1]
+        acc = row_lse = None
+        for run in rows.runs:
+            k_run, v_run = k[:, :, run.k0 : run.k1], v[:, :, run.k0 : run.k1]
+            if fused:
+                attn = _tile_bias(plan, bias, q0, q1, run, q.dtype)
+                out_r, lse_r = _fused_run(q_blk, k_run, v_run, attn, scale)
+            else:
+                attn = _tile_bias(plan, bias, q0, q1, run, dtype)
+                out_r, lse_r = _plain_run(q_blk, k_run, v_run, attn, scale, dropout, q0, run.k0)
+            acc, row_lse = _merge(acc, row_lse, out_r, lse_r)
+        if acc is not None:
+            out[:, :, q0:q1] = acc.to(q.dtype)
+            lse[:, :, q0:q1] = row_lse
+    return out, lse
+
+
+def _fold(t: Tensor, num_kv_heads: int) -> Tensor:
+    """(B, H, rows, X) -> (B, H_kv, G * rows, X): query heads grouped by their kv head."""
+    return t.reshape(t.shape[0], num_kv_heads, -1, t.shape[-1])
+
+
+def _reduce_to(grad: Tensor, shape: torch.Size) -> Tensor:
+    """Sum a (B, H, rows, keys) gradient over the dims where the target has size 1."""
+    dims = [i for i, size in enumerate(shape) if size == 1 and grad.shape[i] != 1]
+    return grad.sum(dim=dims, keepdim=True) if dims else grad
+
+
+def flash_backward(
+    grad_out: Tensor,
+    grad_lse: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bias: Tensor | None,
+    out: Tensor,
+    lse: Tensor,
+    plan: BlockPlan,
+    scale: float,
+    dropout: tuple[float, int] | None,
+    fused: bool,
+    bias_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """Gradients of q, k, v (and of bias when bias_grad), recomputing each run's tile."""
+    dtype = stats_dtype(q.dtype)
+    num_kv_heads = k.shape[1]
+    dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=dtype, device=q.device)
+    dv = torch.zeros(v.shape, dtype=dtype, device=q.device)
+    bias4 = None if bias is None else bias.view((1,) * (4 - bias.dim()) + tuple(bias.shape))
+    dbias = torch.zeros(bias4.shape, dtype=dtype, device=q.device) if bias_grad else None
+    # rows with no allowed key: lse +inf makes every recomputed probability exactly 0
+    lse_inv = torch.where(torch.isneginf(lse), torch.full_like(lse, torch.inf), lse)
+    if not fused:
+        delta = (grad_out.to(dtype) * out.to(dtype)).sum(dim=-1)
+        if grad_lse is not None:
+            delta = delta - grad_lse.to(dtype)
+    for rows in plan.rows:
+        q0, q1 = rows.q0, rows.q1
+        q_blk, go_blk = q[:, :, q0:q1], grad_out[:, :, q0:q1]
+        for run in rows.runs:
+            k_run, v_run = k[:, :, run.k0 : run.k1], v[:, :, run.k0 : run.k1]
+            if fused:
+                attn = _tile_bias(plan, bias4, q0, q1, run, q.dtype)
+                dq_r, dk_r, dv_r = _FUSED_BACKWARD(
+                    go_blk, q_blk, k_run, v_run, out[:, :, q0:q1],
+                    lse_inv[:, :, q0:q1].contiguous(), 0.0, False, attn_mask=attn, scale=scale,
+                )  # fmt: skip
+                dq[:, :, q0:q1] += dq_r
+                dk[:, :, run.k0 : run.k1] += dk_r
+                dv[:, :, run.k0 : run.k1] += dv_r
+                continue
+            attn = _tile_bias(plan, bias4, q0, q1, run, dtype)
+            scores = grouped_scores(q_blk, k_run, scale, dtype)
+            if attn is not None:
+                scores = scores + attn
+            probs = torch.exp(scores - lse_inv[:, :, q0:q1].unsqueeze(-1))
+            go_f = _fold(go_blk.to(dtype), num_kv_heads)
+            grad_probs = (go_f @ v_run.to(dtype).transpose(-1, -2)).view(probs.shape)
+            kept = probs
+            if dropout is not None:
+                p, seed = dropout
+                keep = keep_mask(seed, *probs.shape[:2], (q0, q1), (run.k0, run.k1), p, q.device)
+                kept = probs * keep / (1.0 - p)
+                grad_probs = grad_probs * keep / (1.0 - p)
+            dv[:, :, run.k0 : run.k1] += _fold(kept, num_kv_heads).transpose(-1, -2) @ go_f
+            grad_scores = probs * (grad_probs - delta[:, :, q0:q1].unsqueeze(-1))
+            grad_scores_f = _fold(grad_scores, num_kv_heads)
+            dq[:, :, q0:q1] += (grad_scores_f @ k_run.to(dtype)).view(dq[:, :, q0:q1].shape) * scale
+            dk[:, :, run.k0 : run.k1] += (
+                grad_scores_f.transpose(-1, -2) @ _fold(q_blk.to(dtype), num_kv_heads) * scale
+            )
+            if dbias is not None:
+                target = _slice_tile(dbias, q0, q1, run.k0, run.k1)
+                target += _reduce_to(grad_scores, target.shape)
+    grad_bias = None if dbias is None else dbias.view(bias.shape).to(bias.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), grad_bias
+
+
+class FlashAttention(torch.autograd.Function):
+    """(q, k, v, bias) -> (out, lse); saves only q, k, v, bias, out and lse."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, plan, scale, dropout, fused):
+        out, lse = flash_forward(q, k, v, bias, plan, scale, dropout, fused)
+        ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None
+        ctx.save_for_backward(q, k, v, bias, out, lse)
+        ctx.plan, ctx.scale, ctx.dropout, ctx.fused = plan, scale, dropout, fused
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, bias, out, lse = ctx.saved_tensors
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        bias_grad = bias is not None and ctx.needs_input_grad[3]
+        # the fused kernel takes neither an lse gradient nor returns a bias gradient
+        fused = ctx.fused and grad_lse is None and not bias_grad
+        dq, dk, dv, dbias = flash_backward(
+            grad_out, grad_lse, q, k, v, bias, out, lse, ctx.plan, ctx.scale, ctx.dropout,
+            fused, bias_grad,
+        )  # fmt: skip
+        return dq, dk, dv, dbias, None, None, None, None
+
+
+def flash_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    plan: BlockPlan,
+    *,
+    bias: Tensor | None = None,
+    scale: float,
+    dropout: tuple[float, int] | None = None,
+    fused: bool | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Tiled exact attention over `plan`: (out (B, H, L, D_v), lse (B, H, L)).
+
+    fused=None picks the fused CPU kernel where it applies; False forces plain torch.
+    """
+    can_fuse = fused_available(q, v, dropout[0] if dropout else 0.0)
+    if fused and not can_fuse:
+        raise ValueError("the fused kernel needs a CPU tensor, no dropout and D == D_v")
+    use_fused = can_fuse if fused is None else fused
+    return FlashAttention.apply(q, k, v, bias, plan, scale, dropout, use_fused)
