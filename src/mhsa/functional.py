@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -10,7 +11,13 @@ from torch import Tensor
 from . import validate
 from .backends import AttentionSpec, select
 from .backends.reference import attention_probs
-from .kernels.dense import apply_dropout, probs_times_v, stats_dtype
+from .kernels.dense import (
+    apply_dropout,
+    grouped_scores,
+    masked_softmax,
+    probs_times_v,
+    stats_dtype,
+)
 from .kernels.dropout import draw_seed
 
 
@@ -114,16 +121,74 @@ def attention_weights(
     bias: Tensor | None = None,
     causal: bool = False,
     scale: float | None = None,
+    backend: str = "auto",
+    heads: Sequence[int] | Tensor | None = None,
+    rows: Sequence[int] | Tensor | None = None,
 ) -> Tensor:
-    """The attention probabilities softmax(q k^T * scale + bias), (B, H, L, S).
+    """The attention probabilities softmax(q k^T * scale + bias), (B, h, r, S).
 
     Same arguments and conventions as `attention`; rows with no allowed key are 0.
-    Computed in float32 (float64 for float64 inputs) and returned in q's dtype.
+    heads and rows pick query heads and query rows (default all): only those
+    (B, len(heads), len(rows), S) probabilities are computed, never the rest.
+    backend "flash" normalises them by the logsumexp of the tiled engine (exactly
+    what its forward used); "reference" by a softmax over each selected row. "auto"
+    is "reference" for all heads and rows, else "flash". Computed in float32
+    (float64 for float64 inputs) and returned in q's dtype.
     """
     validate.check_qkv(q, k, k)
     resolved_scale = _check_common(q, k, mask, bias, causal, scale)
-    probs, _ = attention_probs(q, k, mask=mask, bias=bias, causal=causal, scale=resolved_scale)
-    return probs.to(q.dtype)
+    num_heads, q_len, kv_len = q.shape[1], q.shape[2], k.shape[2]
+    head_idx = _indices("heads", heads, num_heads, q.device)
+    row_idx = _indices("rows", rows, q_len, q.device)
+    if backend == "auto":
+        backend = "reference" if heads is None and rows is None else "flash"
+    if backend not in ("reference", "flash"):
+        raise ValueError(
+            f"attention_weights backend must be 'auto', 'reference' or 'flash', got {backend!r}"
+        )
+    q_sel = q.index_select(1, head_idx)
+    k_sel = k.index_select(1, head_idx // (num_heads // k.shape[1]))
+    mask_sel, bias_sel = _select(mask, 1, head_idx), _select(bias, 1, head_idx)
+    dtype = stats_dtype(q.dtype)
+    scores = grouped_scores(q_sel.index_select(2, row_idx), k_sel, resolved_scale, dtype)
+    if bias_sel is not None:
+        scores = scores + _select(bias_sel, 2, row_idx).to(dtype)
+    allowed = None if mask_sel is None else _select(mask_sel, 2, row_idx)
+    if causal:
+        keys = torch.arange(kv_len, device=q.device)
+        visible = keys.view(1, -1) <= row_idx.view(-1, 1) + (kv_len - q_len)
+        allowed = visible if allowed is None else allowed & visible
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, -torch.inf)
+    if backend == "reference":
+        return masked_softmax(scores)[0].to(q.dtype)
+    _, lse = attention(
+        q_sel, k_sel, k_sel, mask_sel, bias=bias_sel, causal=causal, scale=resolved_scale,
+        backend="flash", return_lse=True,
+    )  # fmt: skip
+    lse = lse.index_select(2, row_idx)
+    lse = torch.where(torch.isneginf(lse), torch.full_like(lse, torch.inf), lse)
+    return torch.exp(scores - lse.unsqueeze(-1)).to(q.dtype)
+
+
+def _indices(name: str, value, size: int, device: torch.device) -> Tensor:
+    """A 1-D int64 index tensor from None (all), a sequence or a tensor of ints."""
+    if value is None:
+        return torch.arange(size, device=device)
+    idx = torch.as_tensor(value, device=device)
+    if idx.dim() != 1 or idx.is_floating_point() or idx.dtype == torch.bool:
+        raise TypeError(f"{name} must be a 1-D sequence of ints, got {value!r}")
+    if idx.numel() and (idx.min() < 0 or idx.max() >= size):
+        raise ValueError(f"{name} must lie in [0, {size}), got {idx.tolist()}")
+    return idx.long()
+
+
+def _select(t: Tensor | None, dim: int, idx: Tensor) -> Tensor | None:
+    """Index a (B, H, L, S)-broadcastable tensor along dim 1 (heads) or 2 (rows)."""
+    if t is None:
+        return None
+    t = t.view((1,) * (4 - t.dim()) + tuple(t.shape))
+    return t if t.shape[dim] == 1 else t.index_select(dim, idx)
 
 
 def attention_and_weights(
