@@ -1,0 +1,254 @@
+"""The flash engine: tiled plans, both segment kernels, lse, gradients, dropout, memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mhsa
+from helpers import golden, make_qkv, max_error
+from mhsa.kernels.flash import flash_attention
+from mhsa.kernels.plan import EMPTY, FULL, PARTIAL, CausalMask, DenseMask, build_plan, mask_source
+
+KERNELS = ["fused", "plain"]
+
+
+def run_flash(q, k, v, mask=None, *, causal=False, bias=None, kernel="fused", block=32,
+              dropout=None, scale=None):  # fmt: skip
+    """The engine on small tiles, so that many tiles, runs and merges are exercised."""
+    source = mask_source(mask, causal, q.shape[2], k.shape[2], q.device)
+    plan = build_plan(
+        source, q.shape[2], k.shape[2], block_q=block, block_k=block // 2,
+        max_run_keys=3 * block // 2 if kernel == "plain" else None,
+        merge_rows=kernel == "fused",
+    )  # fmt: skip
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return flash_attention(
+        q, k, v, plan, bias=bias, scale=scale, dropout=dropout, fused=kernel == "fused"
+    )
+
+
+def reference_with_grads(q, k, v, mask, bias, causal, grad_out, grad_lse=None):
+    tensors = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    bias64 = None if bias is None else bias.detach().double().requires_grad_()
+    out, lse = mhsa.attention(*tensors, mask, bias=bias64, causal=causal,
+                              backend="reference", return_lse=True)  # fmt: skip
+    loss = (out * grad_out.double()).sum()
+    if grad_lse is not None:
+        loss = loss + (torch.where(torch.isfinite(lse), lse, 0) * grad_lse.double()).sum()
+    loss.backward()
+    grads = [t.grad for t in tensors] + [None if bias64 is None else bias64.grad]
+    return out, lse, grads
+
+
+CASES = {
+    # name: (heads, kv_heads, q_len, kv_len, head_dim, mask kind, causal, bias)
+    "causal-LneS": (8, 2, 113, 203, 59, None, True, False),
+    "causal-LgtS": (8, 1, 203, 113, 32, None, True, False),
+    "dense-mask-dead-rows": (4, 4, 113, 113, 59, "dense", False, False),
+    "key-padding": (8, 2, 7, 203, 16, "padding", False, False),
+    "bias-grad": (4, 2, 113, 37, 16, None, False, True),
+    "everything": (8, 2, 113, 203, 59, "dense", True, True),
+    "single-query": (8, 2, 1, 203, 64, "padding", True, False),
+}
+
+
+def make_case(name, dtype=torch.float32):
+    heads, kv_heads, q_len, kv_len, head_dim, mask_kind, causal, with_bias = CASES[name]
+    q, k, v = make_qkv(2, heads, kv_heads, q_len, kv_len, head_dim, dtype=dtype,
+                       requires_grad=True)  # fmt: skip
+    mask = None
+    if mask_kind == "dense":
+        mask = torch.rand(2, heads, q_len, kv_len) > 0.4
+        mask[:, :, 3] = False  # fully masked row
+        mask[:, :, :, 40:80] = False  # whole empty tiles
+    elif mask_kind == "padding":
+        mask = torch.ones(2, 1, 1, kv_len, dtype=torch.bool)
+        mask[0, ..., kv_len // 2 :] = False
+    bias = (
+        torch.randn(1, heads, q_len, kv_len, dtype=dtype, requires_grad=True) if with_bias else None
+    )
+    return q, k, v, mask, bias, causal
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_engine_matches_float64_reference(kernel, case):
+    q, k, v, mask, bias, causal = make_case(case)
+    out, lse = run_flash(q, k, v, mask, causal=causal, bias=bias, kernel=kernel)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    ref_out, ref_lse, ref_grads = reference_with_grads(q, k, v, mask, bias, causal, grad_out)
+    assert max_error(out, ref_out) < 2e-5
+    assert lse.dtype == torch.float32
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    finite = torch.isfinite(ref_lse)
+    assert max_error(lse[finite], ref_lse[finite]) < 1e-5
+    for got, want in zip((q, k, v, bias), ref_grads, strict=True):
+        if want is not None:
+            assert torch.isfinite(got.grad).all()
+            assert max_error(got.grad, want) < 1e-4
+
+
+@pytest.mark.parametrize("case", ["causal-LneS", "everything"])
+def test_lse_gradient_flows(case):
+    """Merging by logsumexp (ring attention) needs d lse; the plain kernel serves it."""
+    q, k, v, mask, bias, causal = make_case(case)
+    out, lse = run_flash(q, k, v, mask, causal=causal, bias=bias, kernel="fused")
+    grad_out, grad_lse = torch.randn_like(out), torch.randn_like(lse)
+    (out * grad_out).sum().backward(retain_graph=True)
+    loss = (torch.where(torch.isfinite(lse), lse, 0) * grad_lse).sum()
+    q.grad = k.grad = v.grad = None
+    if bias is not None:
+        bias.grad = None
+    ((out * grad_out).sum() + loss).backward()
+    _, _, ref_grads = reference_with_grads(q, k, v, mask, bias, causal, grad_out, grad_lse)
+    for got, want in zip((q, k, v, bias), ref_grads, strict=True):
+        if want is not None:
+            assert max_error(got.grad, want) < 1e-4
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_by_the_2x_3x_rule(kernel, dtype):
+    q, k, v, mask, bias, causal = make_case("causal-LneS", dtype)
+    out, _ = run_flash(q, k, v, causal=True, kernel=kernel)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    ref_out, _, ref_grads = reference_with_grads(q, k, v, None, None, True, grad_out)
+    # the same-dtype naive implementation, measured against the same float64 answer
+    qn, kn, vn = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    groups = qn.shape[1] // kn.shape[1]
+    scores = qn @ kn.repeat_interleave(groups, 1).transpose(-1, -2) * qn.shape[-1] ** -0.5
+    allowed = torch.ones(scores.shape[-2:], dtype=torch.bool).tril(k.shape[2] - q.shape[2])
+    naive = torch.softmax(scores.masked_fill(~allowed, -torch.inf), -1)
+    naive = naive @ vn.repeat_interleave(groups, 1)
+    naive.backward(grad_out)
+    assert max_error(out, ref_out) <= 2 * max_error(naive, ref_out) + 1e-4
+    for got, naive_t, want in zip((q, k, v), (qn, kn, vn), ref_grads[:3], strict=True):
+        assert max_error(got.grad, want) <= 3 * max_error(naive_t.grad, want) + 1e-4
+
+
+def test_float64_inputs_give_float64_statistics():
+    q, k, v, mask, bias, causal = make_case("everything", torch.float64)
+    for kernel in KERNELS:
+        out, lse = run_flash(q, k, v, mask, causal=causal, bias=bias, kernel=kernel)
+        assert out.dtype == lse.dtype == torch.float64
+        assert max_error(out, golden(q, k, v, mask, causal=causal, bias=bias)) < 1e-12
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_gradcheck(kernel):
+    q, k, v = make_qkv(1, 4, 2, 9, 13, 4, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(1, 4, 9, 13) > 0.3
+    mask[:, :, 2] = False
+    bias = torch.randn(1, 1, 9, 13, dtype=torch.float64, requires_grad=True)
+
+    def fn(q, k, v, bias, mask):
+        out, lse = run_flash(q, k, v, mask, causal=True, bias=bias, kernel=kernel, block=4)
+        return out, torch.where(torch.isfinite(lse), lse, 0)
+
+    assert torch.autograd.gradcheck(lambda q, k, v: fn(q, k, v, None, None), (q, k, v))
+    assert torch.autograd.gradcheck(lambda q, k, v, b: fn(q, k, v, b, mask), (q, k, v, bias))
+
+
+def test_gradcheck_with_dropout_fixed_seed():
+    q, k, v = make_qkv(1, 2, 1, 7, 10, 4, dtype=torch.float64, requires_grad=True)
+
+    def fn(q, k, v):
+        return run_flash(q, k, v, causal=True, kernel="plain", block=4, dropout=(0.3, 1234))[0]
+
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+def test_dropout_equals_reference_with_the_same_seed():
+    """Counter-based dropout: the engine's tiles drop exactly the reference's entries."""
+    q, k, v = make_qkv(2, 8, 2, 113, 203, 16, requires_grad=True)
+    torch.manual_seed(7)
+    out = mhsa.attention(q, k, v, causal=True, dropout_p=0.25, backend="flash")
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    torch.manual_seed(7)
+    ref = mhsa.attention(q64, k64, v64, causal=True, dropout_p=0.25, backend="reference")
+    ref.backward(grad_out.double())
+    assert max_error(out, ref) < 2e-5
+    for got, want in ((q, q64), (k, k64), (v, v64)):
+        assert max_error(got.grad, want.grad) < 1e-4
+    torch.manual_seed(8)  # another seed drops other entries
+    other = mhsa.attention(q, k, v, causal=True, dropout_p=0.25, backend="flash")
+    assert max_error(other, out) > 1e-3
+
+
+def test_saved_tensors_are_linear_in_length():
+    """Forward+backward keeps nothing of size L*S (the reference does)."""
+    q_len = kv_len = 512
+
+    def largest_saved(backend: str, **kwargs) -> int:
+        q, k, v = make_qkv(1, 2, 2, q_len, kv_len, 16, requires_grad=True)
+        sizes = []
+
+        def pack(t):
+            sizes.append(t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = mhsa.attention(q, k, v, backend=backend, **kwargs)
+        out.sum().backward()
+        return max(sizes)
+
+    for kwargs in ({"causal": True}, {}, {"dropout_p": 0.1}):
+        assert largest_saved("flash", **kwargs) < q_len * kv_len
+    assert largest_saved("reference", causal=True) >= q_len * kv_len
+
+
+def test_causal_block_kinds_are_bottom_right():
+    kinds = CausalMask(4, 8, "cpu").block_kinds(4, 8, 2, 2)
+    # queries sit at positions 4..7: rows 0-1 see keys <= 4, 5; rows 2-3 keys <= 6, 7
+    assert kinds.tolist() == [[FULL, FULL, PARTIAL, EMPTY], [FULL, FULL, FULL, PARTIAL]]
+
+
+def test_dense_mask_block_kinds_and_broadcast_padding():
+    mask = torch.zeros(1, 1, 6, 6, dtype=torch.bool)
+    mask[..., :3, :3] = True
+    mask[..., 4, 5] = True
+    kinds = DenseMask(mask).block_kinds(6, 6, 3, 3)
+    assert kinds.tolist() == [[FULL, EMPTY], [EMPTY, PARTIAL]]
+    padding = torch.ones(2, 1, 1, 10, dtype=torch.bool)
+    padding[0, ..., 7:] = False
+    padding[1, ..., 5:] = False
+    kinds = DenseMask(padding).block_kinds(9, 10, 3, 4)
+    assert kinds.shape == (3, 3)
+    assert kinds[0].tolist() == [FULL, PARTIAL, EMPTY]
+
+
+def test_plan_visits_only_allowed_blocks_and_merges_full_rows():
+    causal = build_plan(mask_source(None, True, 1024, 1024, "cpu"), 1024, 1024,
+                        block_q=64, block_k=64)  # fmt: skip
+    assert abs(causal.visited_fraction - (0.5 + 0.5 / 16)) < 1e-9
+    dense = build_plan(None, 1000, 700, block_q=64, block_k=64)
+    assert len(dense.rows) == 1 and len(dense.rows[0].runs) == 1  # one fused call
+    mask = torch.zeros(256, 256, dtype=torch.bool)
+    mask[:128, :128] = mask[128:, 128:] = True  # block diagonal
+    plan = build_plan(mask_source(mask, False, 256, 256, "cpu"), 256, 256,
+                      block_q=64, block_k=64)  # fmt: skip
+    assert plan.visited_fraction == 0.5
+
+
+def test_attention_weights_selected_heads_and_rows():
+    q, k, _ = make_qkv(2, 8, 2, 113, 203, 16)
+    mask = torch.rand(2, 8, 113, 203) > 0.3
+    mask[:, :, 5] = False
+    bias = torch.randn(8, 113, 203)
+    full = mhsa.attention_weights(q, k, mask, bias=bias, causal=True)
+    heads, rows = [1, 6, 7], [0, 5, 50, 112]
+    for backend in ("flash", "reference"):
+        part = mhsa.attention_weights(q, k, mask, bias=bias, causal=True, heads=heads,
+                                      rows=rows, backend=backend)  # fmt: skip
+        assert part.shape == (2, 3, 4, 203)
+        assert max_error(part, full[:, heads][:, :, rows]) < 1e-6
+    assert (full[:, :, 5] == 0).all()
+    with pytest.raises(ValueError, match=r"rows must lie in \[0, 113\)"):
+        mhsa.attention_weights(q, k, rows=[113])
+    with pytest.raises(ValueError, match="attention_weights backend"):
+        mhsa.attention_weights(q, k, backend="sdpa")
