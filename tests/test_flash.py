@@ -252,3 +252,19 @@ def test_attention_weights_selected_heads_and_rows():
         mhsa.attention_weights(q, k, rows=[113])
     with pytest.raises(ValueError, match="attention_weights backend"):
         mhsa.attention_weights(q, k, backend="sdpa")
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_square_causal_uses_triangular_runs(kernel):
+    """L == S with equal blocks: diagonal tiles run in the kernel's causal mode."""
+    q, k, v = make_qkv(2, 8, 2, 203, 203, 32, requires_grad=True)
+    source = mask_source(None, True, 203, 203, "cpu")
+    plan = build_plan(source, 203, 203, block_q=32, block_k=32)
+    assert sum(run.causal for row in plan.rows for run in row.runs) == 7
+    out, lse = flash_attention(q, k, v, plan, scale=32**-0.5, fused=kernel == "fused")
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    ref_out, ref_lse, ref_grads = reference_with_grads(q, k, v, None, None, True, grad_out)
+    assert max_error(out, ref_out) < 2e-5 and max_error(lse, ref_lse) < 1e-5
+    for got, want in zip((q, k, v), ref_grads[:3], strict=True):
+        assert max_error(got.grad, want) < 1e-4

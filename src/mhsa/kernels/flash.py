@@ -68,8 +68,13 @@ def _merge(acc, lse, out_r: Tensor, lse_r: Tensor) -> tuple[Tensor, Tensor]:
     return acc, new
 
 
-def _fused_run(q_blk, k_run, v_run, attn, scale) -> tuple[Tensor, Tensor]:
-    out_r, lse_r = _FUSED_FORWARD(q_blk, k_run, v_run, 0.0, False, attn_mask=attn, scale=scale)
+def _fused_causal(run: Run, bias: Tensor | None) -> bool:
+    """A lower-triangular run without bias runs in the kernel's causal mode, unmasked."""
+    return run.causal and bias is None
+
+
+def _fused_run(q_blk, k_run, v_run, attn, scale, causal) -> tuple[Tensor, Tensor]:
+    out_r, lse_r = _FUSED_FORWARD(q_blk, k_run, v_run, 0.0, causal, attn_mask=attn, scale=scale)
     if attn is not None:  # the kernel reports lse 0 for rows with no allowed key
         dead = torch.isneginf(attn).all(dim=-1)
         lse_r = lse_r.masked_fill(dead, -torch.inf)
@@ -111,8 +116,9 @@ def flash_forward(
         for run in rows.runs:
             k_run, v_run = k[:, :, run.k0 : run.k1], v[:, :, run.k0 : run.k1]
             if fused:
-                attn = _tile_bias(plan, bias, q0, q1, run, q.dtype)
-                out_r, lse_r = _fused_run(q_blk, k_run, v_run, attn, scale)
+                causal = _fused_causal(run, bias)
+                attn = None if causal else _tile_bias(plan, bias, q0, q1, run, q.dtype)
+                out_r, lse_r = _fused_run(q_blk, k_run, v_run, attn, scale, causal)
             else:
                 attn = _tile_bias(plan, bias, q0, q1, run, dtype)
                 out_r, lse_r = _plain_run(q_blk, k_run, v_run, attn, scale, dropout, q0, run.k0)
@@ -169,10 +175,11 @@ def flash_backward(
         for run in rows.runs:
             k_run, v_run = k[:, :, run.k0 : run.k1], v[:, :, run.k0 : run.k1]
             if fused:
-                attn = _tile_bias(plan, bias4, q0, q1, run, q.dtype)
+                causal = _fused_causal(run, bias)
+                attn = None if causal else _tile_bias(plan, bias4, q0, q1, run, q.dtype)
                 dq_r, dk_r, dv_r = _FUSED_BACKWARD(
                     go_blk, q_blk, k_run, v_run, out[:, :, q0:q1],
-                    lse_inv[:, :, q0:q1].contiguous(), 0.0, False, attn_mask=attn, scale=scale,
+                    lse_inv[:, :, q0:q1].contiguous(), 0.0, causal, attn_mask=attn, scale=scale,
                 )  # fmt: skip
                 dq[:, :, q0:q1] += dq_r
                 dk[:, :, run.k0 : run.k1] += dk_r

@@ -5,6 +5,8 @@ A mask source describes what may be attended, at two resolutions:
         EMPTY (never visited), PARTIAL (element mask applied), FULL (no mask applied),
         conservative over batch and heads (FULL only if full for every batch and head).
     tile(q0, q1, k0, k1) -> bool (True = may attend), broadcastable to (B, H, q1-q0, k1-k0)
+and optionally
+    lower_triangular(q0, q1, k0, k1) -> bool: the tile's mask is exactly c <= r
 
 A BlockPlan turns the block kinds into work: for each range of query rows, a list of
 key runs (contiguous key ranges of one kind). Query block rows whose runs are all FULL
@@ -74,6 +76,10 @@ class CausalMask:
         kinds[empty] = EMPTY
         return kinds
 
+    def lower_triangular(self, q0: int, q1: int, k0: int, k1: int) -> bool:
+        """Whether the tile's mask is exactly local key c <= local row r."""
+        return k0 == q0 + self.shift
+
     def tile(self, q0: int, q1: int, k0: int, k1: int) -> Tensor:
         rows = torch.arange(q0, q1, device=self.device).view(-1, 1)
         cols = torch.arange(k0, k1, device=self.device).view(1, -1)
@@ -112,11 +118,16 @@ def mask_source(mask: Tensor | None, causal: bool, q_len: int, kv_len: int, devi
 
 @dataclass(frozen=True)
 class Run:
-    """Keys k0..k1-1 for one range of query rows; full runs need no element mask."""
+    """Keys k0..k1-1 for one range of query rows; full runs need no element mask.
+
+    causal marks a partial run whose mask is exactly "local key c <= local row r",
+    which a kernel may compute in its causal mode instead of applying the mask.
+    """
 
     k0: int
     k1: int
     full: bool
+    causal: bool = False
 
 
 @dataclass
@@ -167,9 +178,15 @@ def build_plan(
         kinds = source.block_kinds(q_len, kv_len, block_q, block_k)
     cap_blocks = max(1, max_run_keys // block_k) if max_run_keys else num_k
     rows: list[RowRange] = []
+    triangular = getattr(source, "lower_triangular", None)
     for qi, row in enumerate(kinds.tolist()):
-        runs = _runs(row, block_k, kv_len, cap_blocks)
         q0, q1 = qi * block_q, min(q_len, (qi + 1) * block_q)
+        runs = _runs(row, block_k, kv_len, cap_blocks)
+        if triangular is not None:
+            runs = [
+                Run(r.k0, r.k1, False, True) if not r.full and triangular(q0, q1, r.k0, r.k1) else r
+                for r in runs
+            ]
         previous = rows[-1] if rows else None
         if (
             merge_rows
