@@ -65,6 +65,20 @@ def info(_: argparse.Namespace) -> int:
     return 0
 
 
+def bench(args: argparse.Namespace) -> int:
+    """Run a benchmark; print its table, or JSON with --json."""
+    import json
+
+    from .benchmarks import attention
+
+    result = attention.run(
+        length=args.length, heads=args.heads, head_dim=args.head_dim, repeat=args.repeat,
+        memory=not args.no_memory, long=args.long,
+    )  # fmt: skip
+    print(json.dumps(result, indent=2) if args.json else attention.report(result))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mhsa", description=__doc__)
     parser.add_argument("--version", action="version", version=f"mhsa {__version__}")
@@ -72,6 +86,18 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("info", help="versions, device and attention backends").set_defaults(
         run=info
     )
+    bench_parser = commands.add_parser("bench", help="benchmarks: ratios against peers")
+    bench_parser.add_argument("suite", choices=["attention"], help="which benchmark")
+    bench_parser.add_argument("--json", action="store_true", help="print JSON")
+    bench_parser.add_argument("--length", type=int, default=4096, help="L = S for timings")
+    bench_parser.add_argument("--heads", type=int, default=8)
+    bench_parser.add_argument("--head-dim", type=int, default=64)
+    bench_parser.add_argument("--repeat", type=int, default=5, help="best of N runs")
+    bench_parser.add_argument("--no-memory", action="store_true", help="skip memory cases")
+    bench_parser.add_argument(
+        "--long", action="store_true", help="add causal L=S=65536 memory (minutes)"
+    )
+    bench_parser.set_defaults(run=bench)
     return parser
 
 

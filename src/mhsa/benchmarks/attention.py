@@ -1,0 +1,142 @@
+"""`mhsa bench attention`: the flash engine against PyTorch SDPA, time and memory.
+
+Float32 on the CPU, B=1. Times are best-of-N, interleaved in one run; GFLOP/s count
+4*B*H*L*S*D for a forward (halved for causal) and 2.5x that for a backward, and are
+also given as a fraction of a float32 matmul measured in the same run.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import mhsa
+
+from .memory import measure_in_subprocess
+from .timing import best_times, matmul_gflops
+
+GIB = 2**30
+
+
+def _inputs(heads: int, length: int, head_dim: int, grad: bool = False):
+    return [torch.randn(1, heads, length, head_dim, requires_grad=grad) for _ in range(3)]
+
+
+def _forward_backward(fn, tensors):
+    def step():
+        for t in tensors:
+            t.grad = None
+        fn(*tensors).sum().backward()
+
+    return step
+
+
+def timing_cases(length: int, heads: int, head_dim: int, repeat: int) -> list[dict]:
+    """Dense and causal forward, causal forward+backward: sdpa vs flash (and auto)."""
+    q, k, v = _inputs(heads, length, head_dim)
+    fwd_flops = 4 * heads * length * length * head_dim
+    grads = _inputs(heads, length, head_dim, grad=True)
+    cases = [
+        ("dense forward", fwd_flops, {
+            "sdpa": lambda: F.scaled_dot_product_attention(q, k, v),
+            "flash": lambda: mhsa.attention(q, k, v, backend="flash"),
+            "auto": lambda: mhsa.attention(q, k, v),
+        }, {"flash": 1.3, "auto": 1.05}),
+        ("causal forward", fwd_flops / 2, {
+            "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+            "flash": lambda: mhsa.attention(q, k, v, causal=True, backend="flash"),
+        }, {"flash": 1.3}),
+        ("causal forward+backward", fwd_flops / 2 * 3.5, {
+            "sdpa": _forward_backward(
+                lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True), grads
+            ),
+            "flash": _forward_backward(
+                lambda a, b, c: mhsa.attention(a, b, c, causal=True, backend="flash"), grads
+            ),
+        }, {"flash": 1.6}),
+    ]  # fmt: skip
+    rows = []
+    for name, flops, fns, targets in cases:
+        times = best_times(fns, repeat)
+        for backend, seconds in times.items():
+            rows.append({
+                "case": name, "shape": f"B=1 H={heads} L=S={length} D={head_dim}",
+                "backend": backend, "seconds": seconds, "vs_sdpa": seconds / times["sdpa"],
+                "gflops": flops / seconds / 1e9, "target_vs_sdpa": targets.get(backend),
+            })  # fmt: skip
+    return rows
+
+
+def memory_cases(long: bool) -> list[dict]:
+    """Peak extra memory of forward+backward, each in a fresh process."""
+    rows = [
+        # the reference needs ~3 score matrices (4*H*L*L bytes each): at H=8 that is
+        # beyond this machine, so the ratio is taken at H=2 (both scale linearly in H)
+        measure_in_subprocess("reference", 16384, heads=2),
+        measure_in_subprocess("flash", 16384, heads=2),
+        measure_in_subprocess("flash", 16384, heads=8),
+    ]
+    if long:
+        rows.append(measure_in_subprocess("flash", 65536, heads=8, causal=True))
+    return rows
+
+
+def run(length: int = 4096, heads: int = 8, head_dim: int = 64, repeat: int = 5,
+        memory: bool = True, long: bool = False) -> dict:  # fmt: skip
+    torch.manual_seed(0)
+    result = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "matmul_gflops": matmul_gflops(),
+        "timing": timing_cases(length, heads, head_dim, repeat),
+    }
+    result["memory"] = memory_cases(long) if memory else []
+    return result
+
+
+def report(result: dict) -> str:
+    """The human-readable table."""
+    lines = [
+        f"torch {result['torch']}, {result['threads']} threads, float32 matmul "
+        f"{result['matmul_gflops']:.1f} GFLOP/s",
+        f"{'case':<24} {'shape':<26} {'backend':<8} {'ms':>9} {'vs sdpa':>8} "
+        f"{'GFLOP/s':>8} {'of matmul':>9}  target",
+    ]
+    for row in result["timing"]:
+        target = row["target_vs_sdpa"]
+        verdict = (
+            ""
+            if target is None
+            else (f"<= {target}x " + ("ok" if row["vs_sdpa"] <= target else "MISSED"))
+        )
+        lines.append(
+            f"{row['case']:<24} {row['shape']:<26} {row['backend']:<8} "
+            f"{row['seconds'] * 1e3:9.1f} {row['vs_sdpa']:7.2f}x {row['gflops']:8.1f} "
+            f"{row['gflops'] / result['matmul_gflops']:8.0%}  {verdict}"
+        )
+    if result["memory"]:
+        lines.append("forward+backward peak extra memory (fresh process each):")
+    by_key = {}
+    for row in result["memory"]:
+        shape = f"L=S={row['length']} H={row['heads']}" + (" causal" if row["causal"] else "")
+        if "error" in row:
+            lines.append(f"  {row['backend']:<10} {shape:<26} failed: {row['error']}")
+            continue
+        by_key[(row["backend"], row["length"], row["heads"])] = row["extra_bytes"]
+        lines.append(
+            f"  {row['backend']:<10} {shape:<26} {row['extra_bytes'] / GIB:8.2f} GiB "
+            f"in {row['seconds']:.1f} s"
+        )
+        if row["length"] == 65536:
+            need = 4 * row["heads"] * row["length"] ** 2 / GIB
+            lines.append(
+                f"  {'':<10} target <= 3 GiB: "
+                + ("ok" if row["extra_bytes"] <= 3 * GIB else "MISSED")
+                + f" (one reference score matrix alone: {need:.0f} GiB)"
+            )
+    ref, flash = by_key.get(("reference", 16384, 2)), by_key.get(("flash", 16384, 2))
+    if ref and flash:
+        ratio = flash / ref
+        verdict = "ok" if ratio <= 1 / 8 else "MISSED"
+        lines.append(f"  flash / reference at L=S=16384: {ratio:.3f} (target <= 0.125) {verdict}")
+    return "\n".join(lines)
