@@ -223,9 +223,15 @@ def test_dense_mask_block_kinds_and_broadcast_padding():
 
 
 def test_plan_visits_only_allowed_blocks_and_merges_full_rows():
-    causal = build_plan(mask_source(None, True, 1024, 1024, "cpu"), 1024, 1024,
-                        block_q=64, block_k=64)  # fmt: skip
-    assert abs(causal.visited_fraction - (0.5 + 0.5 / 16)) < 1e-9
+    source = mask_source(None, True, 1024, 1024, "cpu")
+    blocks = build_plan(source, 1024, 1024, block_q=64, block_k=64, merge_rows=False)
+    assert len(blocks.rows) == 16 and sum(len(r.runs) for r in blocks.rows) == 31
+    assert abs(blocks.visited_fraction - (0.5 + 0.5 / 1024)) < 1e-9
+    whole = build_plan(source, 1024, 1024, block_q=64, block_k=64)
+    assert len(whole.rows) == 1 and whole.rows[0].runs[0].causal  # one causal call
+    shifted = build_plan(mask_source(None, True, 1000, 1024, "cpu"), 1000, 1024,
+                         block_q=64, block_k=64)  # fmt: skip
+    assert len(shifted.rows) == 16  # bottom-right with L != S: not top-left triangular
     dense = build_plan(None, 1000, 700, block_q=64, block_k=64)
     assert len(dense.rows) == 1 and len(dense.rows[0].runs) == 1  # one fused call
     mask = torch.zeros(256, 256, dtype=torch.bool)
@@ -259,7 +265,7 @@ def test_square_causal_uses_triangular_runs(kernel):
     """L == S with equal blocks: diagonal tiles run in the kernel's causal mode."""
     q, k, v = make_qkv(2, 8, 2, 203, 203, 32, requires_grad=True)
     source = mask_source(None, True, 203, 203, "cpu")
-    plan = build_plan(source, 203, 203, block_q=32, block_k=32)
+    plan = build_plan(source, 203, 203, block_q=32, block_k=32, merge_rows=False)
     assert sum(run.causal for row in plan.rows for run in row.runs) == 7
     out, lse = flash_attention(q, k, v, plan, scale=32**-0.5, fused=kernel == "fused")
     grad_out = torch.randn_like(out)

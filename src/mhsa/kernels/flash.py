@@ -58,14 +58,18 @@ def _tile_bias(
     return attn
 
 
-def _merge(acc, lse, out_r: Tensor, lse_r: Tensor) -> tuple[Tensor, Tensor]:
-    """Online softmax: combine normalised partial outputs by their logsumexp."""
-    if acc is None:
-        return out_r.to(lse_r.dtype), lse_r
-    new = torch.logaddexp(lse, lse_r)
-    safe = torch.where(torch.isneginf(new), torch.zeros_like(new), new)
-    acc = acc * torch.exp(lse - safe).unsqueeze(-1) + out_r * torch.exp(lse_r - safe).unsqueeze(-1)
-    return acc, new
+def _merge(partials: list[tuple[Tensor, Tensor]], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Combine normalised partial outputs (out_r, lse_r) of one row range by logsumexp."""
+    if len(partials) == 1:
+        return partials[0]
+    lse_all = torch.stack([lse_r for _, lse_r in partials])  # (runs, B, H, rows)
+    lse = torch.logsumexp(lse_all, dim=0)
+    safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    weights = torch.exp(lse_all - safe).unsqueeze(-1)  # 0 for rows with no allowed key
+    out = weights[0] * partials[0][0].to(dtype)
+    for weight, (out_r, _) in zip(weights[1:], partials[1:], strict=True):
+        out = out + weight * out_r
+    return out, lse
 
 
 def _fused_causal(run: Run, bias: Tensor | None) -> bool:
@@ -112,7 +116,7 @@ def flash_forward(
     for rows in plan.rows:
         q0, q1 = rows.q0, rows.q1
         q_blk = q[:, :, q0:q1]
-        acc = row_lse = None
+        partials = []
         for run in rows.runs:
             k_run, v_run = k[:, :, run.k0 : run.k1], v[:, :, run.k0 : run.k1]
             if fused:
@@ -122,10 +126,14 @@ def flash_forward(
             else:
                 attn = _tile_bias(plan, bias, q0, q1, run, dtype)
                 out_r, lse_r = _plain_run(q_blk, k_run, v_run, attn, scale, dropout, q0, run.k0)
-            acc, row_lse = _merge(acc, row_lse, out_r, lse_r)
-        if acc is not None:
-            out[:, :, q0:q1] = acc.to(q.dtype)
-            lse[:, :, q0:q1] = row_lse
+            partials.append((out_r, lse_r))
+        if not partials:
+            continue
+        if len(plan.rows) == 1 and q0 == 0 and q1 == q_len and len(partials) == 1:
+            return out_r.to(q.dtype), lse_r.to(dtype)  # one run covers everything
+        out_rows, lse_rows = _merge(partials, dtype)
+        out[:, :, q0:q1] = out_rows
+        lse[:, :, q0:q1] = lse_rows
     return out, lse
 
 

@@ -150,8 +150,16 @@ class BlockPlan:
 
     @property
     def visited_fraction(self) -> float:
-        """Fraction of the L x S entries inside visited tiles."""
-        area = sum((r.q1 - r.q0) * (run.k1 - run.k0) for r in self.rows for run in r.runs)
+        """Fraction of the L x S entries computed (causal runs count their triangle)."""
+        area = 0
+        for r in self.rows:
+            for run in r.runs:
+                rows, keys = r.q1 - r.q0, run.k1 - run.k0
+                if run.causal:  # row i computes min(i + 1, keys) entries
+                    tri = min(rows, keys)
+                    area += tri * (tri + 1) // 2 + (rows - tri) * keys
+                else:
+                    area += rows * keys
         return area / max(1, self.q_len * self.kv_len)
 
 
@@ -168,7 +176,9 @@ def build_plan(
     """Turn a mask source (or None for full attention) into a BlockPlan.
 
     max_run_keys caps a run's length (bounds the scores a plain tile materialises);
-    merge_rows joins adjacent query blocks whose runs are identical and all full.
+    merge_rows joins adjacent query blocks whose runs are identical and all full, and
+    makes a wholly lower-triangular mask a single causal run (for kernels that tile
+    internally).
     """
     num_q = _num_blocks(q_len, block_q)
     num_k = _num_blocks(kv_len, block_k)
@@ -179,6 +189,10 @@ def build_plan(
     cap_blocks = max(1, max_run_keys // block_k) if max_run_keys else num_k
     rows: list[RowRange] = []
     triangular = getattr(source, "lower_triangular", None)
+    if merge_rows and triangular is not None and triangular(0, q_len, 0, kv_len):
+        # the whole matrix is one lower-triangular tile: one call in causal mode
+        whole = [RowRange(0, q_len, [Run(0, kv_len, False, True)])]
+        return BlockPlan(q_len, kv_len, block_q, block_k, whole, source)
     for qi, row in enumerate(kinds.tolist()):
         q0, q1 = qi * block_q, min(q_len, (qi + 1) * block_q)
         runs = _runs(row, block_k, kv_len, cap_blocks)
