@@ -21,3 +21,21 @@ def test_console_script_runs():
         [sys.executable, "-m", "mhsa.cli", "info"], capture_output=True, text=True, check=True
     )
     assert "backends" in result.stdout
+
+
+def test_bench_attention_json_small(capsys):
+    import json
+
+    args = ["bench", "attention", "--length", "128", "--repeat", "1", "--no-memory", "--json"]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    cases = {(row["case"], row["backend"]) for row in result["timing"]}
+    assert ("causal forward+backward", "flash") in cases
+    assert all(row["seconds"] > 0 and row["vs_sdpa"] > 0 for row in result["timing"])
+
+
+def test_memory_probe_runs_in_a_subprocess():
+    from mhsa.benchmarks.memory import measure_in_subprocess
+
+    row = measure_in_subprocess("flash", 256, heads=1, causal=True)
+    assert "error" not in row and row["peak_bytes"] >= row["baseline_bytes"] > 0
