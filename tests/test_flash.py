@@ -10,7 +10,7 @@ from helpers import golden, make_qkv, max_error
 from mhsa.kernels.flash import flash_attention
 from mhsa.kernels.plan import EMPTY, FULL, PARTIAL, CausalMask, DenseMask, build_plan, mask_source
 
-KERNELS = ["fused", "plain"]
+KERNELS = ["fused", "gather", "plain"]
 
 
 def run_flash(q, k, v, mask=None, *, causal=False, bias=None, kernel="fused", block=32,
@@ -20,11 +20,11 @@ def run_flash(q, k, v, mask=None, *, causal=False, bias=None, kernel="fused", bl
     plan = build_plan(
         source, q.shape[2], k.shape[2], block_q=block, block_k=block // 2,
         max_run_keys=3 * block // 2 if kernel == "plain" else None,
-        merge_rows=kernel == "fused",
+        merge_rows=kernel != "plain", gather=kernel == "gather",
     )  # fmt: skip
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return flash_attention(
-        q, k, v, plan, bias=bias, scale=scale, dropout=dropout, fused=kernel == "fused"
+        q, k, v, plan, bias=bias, scale=scale, dropout=dropout, fused=kernel != "plain"
     )
 
 
@@ -267,7 +267,7 @@ def test_square_causal_uses_triangular_runs(kernel):
     source = mask_source(None, True, 203, 203, "cpu")
     plan = build_plan(source, 203, 203, block_q=32, block_k=32, merge_rows=False)
     assert sum(run.causal for row in plan.rows for run in row.runs) == 7
-    out, lse = flash_attention(q, k, v, plan, scale=32**-0.5, fused=kernel == "fused")
+    out, lse = flash_attention(q, k, v, plan, scale=32**-0.5, fused=kernel != "plain")
     grad_out = torch.randn_like(out)
     out.backward(grad_out)
     ref_out, ref_lse, ref_grads = reference_with_grads(q, k, v, None, None, True, grad_out)

@@ -1,6 +1,6 @@
 """mhsa: multi-head self-attention and its whole family, on PyTorch."""
 
-from . import nn, positional
+from . import masks, nn, positional
 from .backends import names as backends
 from .backends import use_backend
 from .cache import KVCache
@@ -13,6 +13,7 @@ __all__ = [
     "attention",
     "attention_weights",
     "backends",
+    "masks",
     "nn",
     "positional",
     "use_backend",

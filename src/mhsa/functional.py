@@ -19,6 +19,7 @@ from .kernels.dense import (
     stats_dtype,
 )
 from .kernels.dropout import draw_seed
+from .masks import Pattern
 
 
 def _check_common(
@@ -42,7 +43,7 @@ def attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    mask: Tensor | None = None,
+    mask: Tensor | Pattern | None = None,
     *,
     bias: Tensor | None = None,
     causal: bool = False,
@@ -58,7 +59,8 @@ def attention(
         k: (B, H_kv, S, D) keys; H % H_kv == 0 gives grouped-query attention
             (query head h uses key head h // (H // H_kv)); H_kv = 1 is multi-query.
         v: (B, H_kv, S, D_v) values.
-        mask: bool, broadcastable to (B, H, L, S); True means "may attend".
+        mask: an mhsa.masks pattern (e.g. SlidingWindow(256, 0)), or a bool tensor
+            broadcastable to (B, H, L, S); True means "may attend".
         bias: float, broadcastable to (B, H, L, S); added to the scaled scores.
         causal: query i may attend key j only if j <= i + S - L (aligned
             bottom-right, so with a KV cache the newest query sees every key).
@@ -148,14 +150,19 @@ def attention_weights(
         )
     q_sel = q.index_select(1, head_idx)
     k_sel = k.index_select(1, head_idx // (num_heads // k.shape[1]))
-    mask_sel, bias_sel = _select(mask, 1, head_idx), _select(bias, 1, head_idx)
+    keys = torch.arange(kv_len, device=q.device)
+    if mask is None or isinstance(mask, Tensor):
+        mask_sel = _select(mask, 1, head_idx)
+        allowed = None if mask_sel is None else _select(mask_sel, 2, row_idx)
+    else:  # a pattern, the same for every head: evaluate it on the selected rows only
+        mask_sel = mask
+        allowed = mask.allowed(row_idx.view(-1, 1), keys.view(1, -1), q_len, kv_len)
+    bias_sel = _select(bias, 1, head_idx)
     dtype = stats_dtype(q.dtype)
     scores = grouped_scores(q_sel.index_select(2, row_idx), k_sel, resolved_scale, dtype)
     if bias_sel is not None:
         scores = scores + _select(bias_sel, 2, row_idx).to(dtype)
-    allowed = None if mask_sel is None else _select(mask_sel, 2, row_idx)
     if causal:
-        keys = torch.arange(kv_len, device=q.device)
         visible = keys.view(1, -1) <= row_idx.view(-1, 1) + (kv_len - q_len)
         allowed = visible if allowed is None else allowed & visible
     if allowed is not None:

@@ -11,6 +11,8 @@ import math
 import torch
 from torch import Tensor
 
+from .masks.base import Pattern
+
 LAYOUT = "(batch, num_heads, seq_len, head_dim)"
 
 
@@ -75,12 +77,20 @@ def _check_broadcast(name: str, t: Tensor, target: tuple[int, ...]) -> None:
         )
 
 
-def check_mask(mask: Tensor | None, target: tuple[int, ...], device: torch.device) -> None:
-    """A mask is a bool tensor, True = may attend, broadcastable to (B, H, L, S)."""
+def check_mask(mask, target: tuple[int, ...], device: torch.device) -> None:
+    """A mask is a pattern from mhsa.masks, or a bool tensor (True = may attend)
+    broadcastable to (B, H, L, S)."""
     if mask is None:
         return
+    if isinstance(mask, Pattern):
+        mask.check_lengths(target[2], target[3])
+        mask.check_batch(target[0])
+        return
     if not isinstance(mask, Tensor):
-        raise TypeError(f"mask must be a bool torch.Tensor or None, got {type(mask).__name__}")
+        raise TypeError(
+            f"mask must be a bool torch.Tensor, an mhsa.masks pattern or None, "
+            f"got {type(mask).__name__}"
+        )
     if mask.dtype != torch.bool:
         raise TypeError(
             f"mask must have dtype torch.bool (True = may attend), got {mask.dtype}; "

@@ -17,10 +17,11 @@ def causal_mask(q_len: int, kv_len: int, device: torch.device | None = None) -> 
     return cols <= rows + (kv_len - q_len)
 
 
-def combined_mask(
-    mask: Tensor | None, causal: bool, q_len: int, kv_len: int, device: torch.device
-) -> Tensor | None:
-    """The user's mask and the causal mask, and-ed (None when there is neither)."""
+def combined_mask(mask, causal: bool, q_len: int, kv_len: int, device: torch.device):
+    """The user's mask (a bool tensor or a pattern, materialised) and the causal mask,
+    and-ed: a bool tensor broadcastable to (B, H, L, S), or None when there is neither."""
+    if mask is not None and not isinstance(mask, Tensor):
+        mask = mask.dense(q_len, kv_len, device)
     if not causal:
         return mask
     tri = causal_mask(q_len, kv_len, device)

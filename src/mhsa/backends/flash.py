@@ -24,7 +24,8 @@ def plan_for(mask, causal: bool, q_len: int, kv_len: int, device, fused: bool):
     """The block plan the flash backend uses for a call."""
     source = mask_source(mask, causal, q_len, kv_len, device)
     if fused:
-        return build_plan(source, q_len, kv_len, block_q=FUSED_BLOCK, block_k=FUSED_BLOCK)
+        block = getattr(mask, "block_size", None) or FUSED_BLOCK
+        return build_plan(source, q_len, kv_len, block_q=block, block_k=block, gather=True)
     return build_plan(
         source,
         q_len,

@@ -62,7 +62,7 @@ class SdpaBackend(Backend):
     def forward(self, q, k, v, *, mask, bias, causal, scale, dropout_p, return_lse):
         q_len, kv_len = q.shape[2], k.shape[2]
         is_causal = causal and q_len == kv_len and mask is None and bias is None
-        if not is_causal:
+        if not is_causal:  # patterns and bottom-right causal masks are materialised
             mask = combined_mask(mask, causal, q_len, kv_len, q.device)
         attn_mask, dead = _merged_attn_mask(mask, bias, q.dtype)
         out = F.scaled_dot_product_attention(

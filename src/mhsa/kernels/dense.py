@@ -54,11 +54,16 @@ def probs_times_v(probs: Tensor, v: Tensor) -> Tensor:
     return out.view(batch, num_heads, q_len, v.shape[-1])
 
 
-def apply_dropout(probs: Tensor, p: float, seed: int, q0: int = 0, k0: int = 0) -> Tensor:
-    """Drop entries of probs (B, H, rows, cols) at global offsets (q0, k0), scale by 1/(1-p).
+def apply_dropout(
+    probs: Tensor, p: float, seed: int, q0: int = 0, cols: Tensor | None = None
+) -> Tensor:
+    """Drop entries of probs (B, H, rows, keys) whose rows start at q0 and whose key
+    indices are cols (default 0..keys-1); scale the rest by 1/(1-p).
 
     The kept entries are a hash of (seed, batch*head, row, col): the same for any tiling.
     """
-    batch, num_heads, rows, cols = probs.shape
-    keep = keep_mask(seed, batch, num_heads, (q0, q0 + rows), (k0, k0 + cols), p, probs.device)
+    batch, num_heads, rows, keys = probs.shape
+    if cols is None:
+        cols = torch.arange(keys, device=probs.device)
+    keep = keep_mask(seed, batch, num_heads, q0, q0 + rows, cols, p)
     return probs * keep / (1.0 - p)

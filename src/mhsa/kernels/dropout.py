@@ -25,20 +25,15 @@ def draw_seed() -> int:
 
 
 def keep_mask(
-    seed: int,
-    batch: int,
-    num_heads: int,
-    rows: tuple[int, int],
-    cols: tuple[int, int],
-    p: float,
-    device: torch.device,
+    seed: int, batch: int, num_heads: int, q0: int, q1: int, cols: Tensor, p: float
 ) -> Tensor:
-    """(B, H, rows, cols) bool: True where the entry survives dropout with rate p."""
+    """(B, H, q1 - q0, len(cols)) bool: True where entry (row, col) survives dropout
+    with rate p; rows are q0..q1-1, cols the key indices."""
+    device = cols.device
     heads = torch.arange(batch * num_heads, device=device, dtype=torch.int64)
-    row_ids = torch.arange(*rows, device=device, dtype=torch.int64)
-    col_ids = torch.arange(*cols, device=device, dtype=torch.int64)
+    row_ids = torch.arange(q0, q1, device=device, dtype=torch.int64)
     head_hash = _mix32((heads + seed) & _MASK32).view(-1, 1)
     row_hash = _mix32(head_hash ^ row_ids.view(1, -1))  # (B*H, rows)
-    full = _mix32(row_hash.unsqueeze(-1) ^ col_ids.view(1, 1, -1))  # (B*H, rows, cols)
+    full = _mix32(row_hash.unsqueeze(-1) ^ cols.view(1, 1, -1))  # (B*H, rows, cols)
     threshold = int(p * 2**32)
-    return (full >= threshold).view(batch, num_heads, rows[1] - rows[0], cols[1] - cols[0])
+    return (full >= threshold).view(batch, num_heads, q1 - q0, cols.numel())

@@ -37,21 +37,42 @@ def fused_available(q: Tensor, v: Tensor, dropout_p: float) -> bool:
     )
 
 
-def _slice_tile(t: Tensor, q0: int, q1: int, k0: int, k1: int) -> Tensor:
-    """Rows q0:q1 and columns k0:k1 of a (..., L or 1, S or 1) tensor."""
+def _keys(run: Run, plan: BlockPlan, device) -> tuple[Tensor, Tensor | None]:
+    """(key indices of the run, the same for gathering or None when contiguous)."""
+    index = run.key_index(plan.block_k, device)
+    cols = torch.arange(run.k0, run.k1, device=device) if index is None else index
+    return cols, index
+
+
+def _take(t: Tensor, run: Run, index: Tensor | None) -> Tensor:
+    """The run's keys of a (B, H_kv, S, X) tensor: a view, or a gathered copy."""
+    return t[:, :, run.k0 : run.k1] if index is None else t.index_select(2, index)
+
+
+def _add_keys(acc: Tensor, run: Run, index: Tensor | None, value: Tensor) -> None:
+    """acc[:, :, run's keys] += value."""
+    if index is None:
+        acc[:, :, run.k0 : run.k1] += value
+    else:
+        acc.index_add_(2, index, value.to(acc.dtype))
+
+
+def _tile_rows(t: Tensor, q0: int, q1: int, cols: Tensor) -> Tensor:
+    """Rows q0:q1 and key columns cols of a (..., L or 1, S or 1) tensor."""
     rows = t if t.shape[-2] == 1 else t[..., q0:q1, :]
-    return rows if rows.shape[-1] == 1 else rows[..., k0:k1]
+    return rows if rows.shape[-1] == 1 else rows.index_select(-1, cols)
 
 
 def _tile_bias(
-    plan: BlockPlan, bias: Tensor | None, q0: int, q1: int, run: Run, dtype: torch.dtype
-) -> Tensor | None:
-    """Additive tile (..., rows, keys): the bias, and -inf where the mask forbids."""
-    attn = None if bias is None else _slice_tile(bias, q0, q1, run.k0, run.k1).to(dtype)
+    plan: BlockPlan, bias: Tensor | None, q0: int, q1: int, run: Run, cols: Tensor,
+    dtype: torch.dtype,
+) -> Tensor | None:  # fmt: skip
+    """Additive tile (1 or B, 1 or H, rows, keys): the bias, -inf where the mask forbids."""
+    attn = None if bias is None else _tile_rows(bias, q0, q1, cols).to(dtype)
     if not run.full:
-        allowed = plan.source.tile(q0, q1, run.k0, run.k1)
-        base = torch.zeros((), dtype=dtype, device=allowed.device) if attn is None else attn
-        minus_inf = torch.tensor(-torch.inf, dtype=dtype, device=allowed.device)
+        allowed = plan.source.tile(q0, q1, cols)
+        base = torch.zeros((), dtype=dtype, device=cols.device) if attn is None else attn
+        minus_inf = torch.tensor(-torch.inf, dtype=dtype, device=cols.device)
         attn = torch.where(allowed, base, minus_inf)
     if attn is not None and attn.dim() < 4:
         attn = attn.view((1,) * (4 - attn.dim()) + tuple(attn.shape))
@@ -85,13 +106,13 @@ def _fused_run(q_blk, k_run, v_run, attn, scale, causal) -> tuple[Tensor, Tensor
     return out_r, lse_r
 
 
-def _plain_run(q_blk, k_run, v_run, attn, scale, dropout, q0, k0):
+def _plain_run(q_blk, k_run, v_run, attn, scale, dropout, q0, cols):
     scores = grouped_scores(q_blk, k_run, scale, stats_dtype(q_blk.dtype))
     if attn is not None:
         scores = scores + attn
     probs, lse_r = masked_softmax(scores)
     if dropout is not None:
-        probs = apply_dropout(probs, dropout[0], dropout[1], q0, k0)
+        probs = apply_dropout(probs, dropout[0], dropout[1], q0, cols)
     return probs_times_v(probs, v_run), lse_r
 
 
@@ -118,14 +139,15 @@ def flash_forward(
         q_blk = q[:, :, q0:q1]
         partials = []
         for run in rows.runs:
-            k_run, v_run = k[:, :, run.k0 : run.k1], v[:, :, run.k0 : run.k1]
+            cols, index = _keys(run, plan, q.device)
+            k_run, v_run = _take(k, run, index), _take(v, run, index)
             if fused:
                 causal = _fused_causal(run, bias)
-                attn = None if causal else _tile_bias(plan, bias, q0, q1, run, q.dtype)
+                attn = None if causal else _tile_bias(plan, bias, q0, q1, run, cols, q.dtype)
                 out_r, lse_r = _fused_run(q_blk, k_run, v_run, attn, scale, causal)
             else:
-                attn = _tile_bias(plan, bias, q0, q1, run, dtype)
-                out_r, lse_r = _plain_run(q_blk, k_run, v_run, attn, scale, dropout, q0, run.k0)
+                attn = _tile_bias(plan, bias, q0, q1, run, cols, dtype)
+                out_r, lse_r = _plain_run(q_blk, k_run, v_run, attn, scale, dropout, q0, cols)
             partials.append((out_r, lse_r))
         if not partials:
             continue
@@ -146,6 +168,18 @@ def _reduce_to(grad: Tensor, shape: torch.Size) -> Tensor:
     """Sum a (B, H, rows, keys) gradient over the dims where the target has size 1."""
     dims = [i for i, size in enumerate(shape) if size == 1 and grad.shape[i] != 1]
     return grad.sum(dim=dims, keepdim=True) if dims else grad
+
+
+def _add_bias_grad(dbias: Tensor, q0: int, q1: int, cols: Tensor, grad_scores: Tensor) -> None:
+    """dbias[..., q0:q1, cols] += grad_scores, summed over dims where dbias has size 1."""
+    grad = _reduce_to(grad_scores, dbias.shape[:2] + (q1 - q0, len(cols)))
+    grad = grad.sum(dim=-2, keepdim=True) if dbias.shape[-2] == 1 else grad
+    grad = grad.sum(dim=-1, keepdim=True) if dbias.shape[-1] == 1 else grad
+    rows = dbias if dbias.shape[-2] == 1 else dbias[..., q0:q1, :]
+    if dbias.shape[-1] == 1:
+        rows += grad
+    else:
+        rows.index_add_(-1, cols, grad)
 
 
 def flash_backward(
@@ -181,19 +215,20 @@ def flash_backward(
         q0, q1 = rows.q0, rows.q1
         q_blk, go_blk = q[:, :, q0:q1], grad_out[:, :, q0:q1]
         for run in rows.runs:
-            k_run, v_run = k[:, :, run.k0 : run.k1], v[:, :, run.k0 : run.k1]
+            cols, index = _keys(run, plan, q.device)
+            k_run, v_run = _take(k, run, index), _take(v, run, index)
             if fused:
                 causal = _fused_causal(run, bias)
-                attn = None if causal else _tile_bias(plan, bias4, q0, q1, run, q.dtype)
+                attn = None if causal else _tile_bias(plan, bias4, q0, q1, run, cols, q.dtype)
                 dq_r, dk_r, dv_r = _FUSED_BACKWARD(
                     go_blk, q_blk, k_run, v_run, out[:, :, q0:q1],
                     lse_inv[:, :, q0:q1].contiguous(), 0.0, causal, attn_mask=attn, scale=scale,
                 )  # fmt: skip
                 dq[:, :, q0:q1] += dq_r
-                dk[:, :, run.k0 : run.k1] += dk_r
-                dv[:, :, run.k0 : run.k1] += dv_r
+                _add_keys(dk, run, index, dk_r)
+                _add_keys(dv, run, index, dv_r)
                 continue
-            attn = _tile_bias(plan, bias4, q0, q1, run, dtype)
+            attn = _tile_bias(plan, bias4, q0, q1, run, cols, dtype)
             scores = grouped_scores(q_blk, k_run, scale, dtype)
             if attn is not None:
                 scores = scores + attn
@@ -203,19 +238,17 @@ def flash_backward(
             kept = probs
             if dropout is not None:
                 p, seed = dropout
-                keep = keep_mask(seed, *probs.shape[:2], (q0, q1), (run.k0, run.k1), p, q.device)
+                keep = keep_mask(seed, *probs.shape[:2], q0, q1, cols, p)
                 kept = probs * keep / (1.0 - p)
                 grad_probs = grad_probs * keep / (1.0 - p)
-            dv[:, :, run.k0 : run.k1] += _fold(kept, num_kv_heads).transpose(-1, -2) @ go_f
+            _add_keys(dv, run, index, _fold(kept, num_kv_heads).transpose(-1, -2) @ go_f)
             grad_scores = probs * (grad_probs - delta[:, :, q0:q1].unsqueeze(-1))
             grad_scores_f = _fold(grad_scores, num_kv_heads)
             dq[:, :, q0:q1] += (grad_scores_f @ k_run.to(dtype)).view(dq[:, :, q0:q1].shape) * scale
-            dk[:, :, run.k0 : run.k1] += (
-                grad_scores_f.transpose(-1, -2) @ _fold(q_blk.to(dtype), num_kv_heads) * scale
-            )
+            grad_k = grad_scores_f.transpose(-1, -2) @ _fold(q_blk.to(dtype), num_kv_heads)
+            _add_keys(dk, run, index, grad_k * scale)
             if dbias is not None:
-                target = _slice_tile(dbias, q0, q1, run.k0, run.k1)
-                target += _reduce_to(grad_scores, target.shape)
+                _add_bias_grad(dbias, q0, q1, cols, grad_scores)
     grad_bias = None if dbias is None else dbias.view(bias.shape).to(bias.dtype)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), grad_bias
 

@@ -4,13 +4,16 @@ A mask source describes what may be attended, at two resolutions:
     block_kinds(q_len, kv_len, block_q, block_k) -> (num_q_blocks, num_k_blocks) int8
         EMPTY (never visited), PARTIAL (element mask applied), FULL (no mask applied),
         conservative over batch and heads (FULL only if full for every batch and head).
-    tile(q0, q1, k0, k1) -> bool (True = may attend), broadcastable to (B, H, q1-q0, k1-k0)
+    tile(q0, q1, cols) -> bool (True = may attend) for query rows q0..q1-1 and the key
+        indices cols (int64, 1-D), broadcastable to (B, H, q1-q0, len(cols))
 and optionally
     lower_triangular(q0, q1, k0, k1) -> bool: the tile's mask is exactly c <= r
 
 A BlockPlan turns the block kinds into work: for each range of query rows, a list of
-key runs (contiguous key ranges of one kind). Query block rows whose runs are all FULL
-and identical are merged, so dense attention is one run over everything.
+key runs of one kind: contiguous key ranges or, for kernels that do best with few
+large calls, all the row's FULL blocks (and all its PARTIAL blocks) gathered into one
+run each. Query block rows whose runs are all FULL and identical are merged, so
+dense attention is one run over everything.
 """
 
 from __future__ import annotations
@@ -28,6 +31,24 @@ def _num_blocks(length: int, block: int) -> int:
     return -(-length // block)
 
 
+def reduce_blocks(mask: Tensor, q_len: int, kv_len: int, block_q: int, block_k: int) -> Tensor:
+    """Block kinds of a bool (..., L or 1, S or 1) mask, conservative over leading dims."""
+    mask = mask.reshape(-1, *mask.shape[-2:])  # (N, L or 1, S or 1)
+    rows, cols = mask.shape[1:]
+    # a size-1 dimension is reduced as one block of size 1, then broadcast
+    bq, bk = (block_q if rows > 1 else 1), (block_k if cols > 1 else 1)
+    pad = (0, _num_blocks(cols, bk) * bk - cols, 0, _num_blocks(rows, bq) * bq - rows)
+    # pad with values that change neither "any allowed" nor "all allowed"
+    padded_any, padded_all = F.pad(mask, pad, value=False), F.pad(mask, pad, value=True)
+    shape = (mask.shape[0], padded_any.shape[1] // bq, bq, padded_any.shape[2] // bk, bk)
+    any_allowed = padded_any.view(shape).any(dim=4).any(dim=2).any(dim=0).cpu()
+    all_allowed = padded_all.view(shape).all(dim=4).all(dim=2).all(dim=0).cpu()
+    kinds = torch.full(any_allowed.shape, PARTIAL, dtype=torch.int8)
+    kinds[~any_allowed] = EMPTY
+    kinds[all_allowed] = FULL
+    return kinds.expand(_num_blocks(q_len, block_q), _num_blocks(kv_len, block_k))
+
+
 class DenseMask:
     """A bool tensor (..., L, S), True = may attend."""
 
@@ -35,24 +56,11 @@ class DenseMask:
         self.mask = mask
 
     def block_kinds(self, q_len: int, kv_len: int, block_q: int, block_k: int) -> Tensor:
-        mask = self.mask.reshape(-1, *self.mask.shape[-2:])  # (N, L or 1, S or 1)
-        rows, cols = mask.shape[1:]
-        # a size-1 dimension is reduced as one block of size 1, then broadcast
-        bq, bk = (block_q if rows > 1 else 1), (block_k if cols > 1 else 1)
-        pad = (0, _num_blocks(cols, bk) * bk - cols, 0, _num_blocks(rows, bq) * bq - rows)
-        # pad with values that change neither "any allowed" nor "all allowed"
-        padded_any, padded_all = F.pad(mask, pad, value=False), F.pad(mask, pad, value=True)
-        shape = (mask.shape[0], padded_any.shape[1] // bq, bq, padded_any.shape[2] // bk, bk)
-        any_allowed = padded_any.view(shape).any(dim=4).any(dim=2).any(dim=0).cpu()
-        all_allowed = padded_all.view(shape).all(dim=4).all(dim=2).all(dim=0).cpu()
-        kinds = torch.full(any_allowed.shape, PARTIAL, dtype=torch.int8)
-        kinds[~any_allowed] = EMPTY
-        kinds[all_allowed] = FULL
-        return kinds.expand(_num_blocks(q_len, block_q), _num_blocks(kv_len, block_k))
+        return reduce_blocks(self.mask, q_len, kv_len, block_q, block_k)
 
-    def tile(self, q0: int, q1: int, k0: int, k1: int) -> Tensor:
+    def tile(self, q0: int, q1: int, cols: Tensor) -> Tensor:
         rows = self.mask if self.mask.shape[-2] == 1 else self.mask[..., q0:q1, :]
-        return rows if rows.shape[-1] == 1 else rows[..., k0:k1]
+        return rows if rows.shape[-1] == 1 else rows.index_select(-1, cols)
 
 
 class CausalMask:
@@ -80,10 +88,9 @@ class CausalMask:
         """Whether the tile's mask is exactly local key c <= local row r."""
         return k0 == q0 + self.shift
 
-    def tile(self, q0: int, q1: int, k0: int, k1: int) -> Tensor:
-        rows = torch.arange(q0, q1, device=self.device).view(-1, 1)
-        cols = torch.arange(k0, k1, device=self.device).view(1, -1)
-        return cols <= rows + self.shift
+    def tile(self, q0: int, q1: int, cols: Tensor) -> Tensor:
+        rows = torch.arange(q0, q1, device=cols.device).view(-1, 1)
+        return cols.view(1, -1) <= rows + self.shift
 
 
 class AllOf:
@@ -96,19 +103,22 @@ class AllOf:
         kinds = [s.block_kinds(q_len, kv_len, block_q, block_k) for s in self.sources]
         return torch.stack(kinds).amin(dim=0)  # EMPTY < PARTIAL < FULL
 
-    def tile(self, q0: int, q1: int, k0: int, k1: int) -> Tensor:
-        tiles = [s.tile(q0, q1, k0, k1) for s in self.sources]
+    def tile(self, q0: int, q1: int, cols: Tensor) -> Tensor:
+        tiles = [s.tile(q0, q1, cols) for s in self.sources]
         result = tiles[0]
         for t in tiles[1:]:
             result = result & t
         return result
 
 
-def mask_source(mask: Tensor | None, causal: bool, q_len: int, kv_len: int, device):
-    """The mask source for a call's mask and causal flag (None when all is allowed)."""
+def mask_source(mask, causal: bool, q_len: int, kv_len: int, device):
+    """The mask source for a call's mask (a bool tensor, or a pattern that binds itself
+    with .source) and causal flag; None when everything is allowed."""
     sources = []
-    if mask is not None:
+    if isinstance(mask, Tensor):
         sources.append(DenseMask(mask))
+    elif mask is not None:
+        sources.append(mask.source(q_len, kv_len, device))
     if causal:
         sources.append(CausalMask(q_len, kv_len, device))
     if not sources:
@@ -120,14 +130,30 @@ def mask_source(mask: Tensor | None, causal: bool, q_len: int, kv_len: int, devi
 class Run:
     """Keys k0..k1-1 for one range of query rows; full runs need no element mask.
 
-    causal marks a partial run whose mask is exactly "local key c <= local row r",
-    which a kernel may compute in its causal mode instead of applying the mask.
+    blocks, when set, makes a gathered run: only those key blocks (of the plan's
+    block_k), which need not be adjacent; k0..k1 then spans them. causal marks a
+    partial run whose mask is exactly "local key c <= local row r", which a kernel
+    may compute in its causal mode instead of applying the mask.
     """
 
     k0: int
     k1: int
     full: bool
     causal: bool = False
+    blocks: tuple[int, ...] | None = None
+
+    def key_index(self, block_k: int, device) -> Tensor | None:
+        """The key indices of a gathered run (int64), or None for a contiguous one."""
+        if self.blocks is None:
+            return None
+        starts = torch.tensor(self.blocks, device=device).mul_(block_k).view(-1, 1)
+        index = (starts + torch.arange(block_k, device=device)).flatten()
+        return index[index < self.k1]
+
+    def num_keys(self, block_k: int) -> int:
+        if self.blocks is None:
+            return self.k1 - self.k0
+        return len(self.blocks) * block_k - max(0, (self.blocks[-1] + 1) * block_k - self.k1)
 
 
 @dataclass
@@ -154,7 +180,7 @@ class BlockPlan:
         area = 0
         for r in self.rows:
             for run in r.runs:
-                rows, keys = r.q1 - r.q0, run.k1 - run.k0
+                rows, keys = r.q1 - r.q0, run.num_keys(self.block_k)
                 if run.causal:  # row i computes min(i + 1, keys) entries
                     tri = min(rows, keys)
                     area += tri * (tri + 1) // 2 + (rows - tri) * keys
@@ -172,13 +198,15 @@ def build_plan(
     block_k: int,
     max_run_keys: int | None = None,
     merge_rows: bool = True,
+    gather: bool = False,
 ) -> BlockPlan:
     """Turn a mask source (or None for full attention) into a BlockPlan.
 
     max_run_keys caps a run's length (bounds the scores a plain tile materialises);
     merge_rows joins adjacent query blocks whose runs are identical and all full, and
-    makes a wholly lower-triangular mask a single causal run (for kernels that tile
-    internally).
+    makes a wholly lower-triangular mask a single causal run; gather puts each row's
+    FULL blocks, and its PARTIAL blocks, into one run each. The last two suit
+    kernels that tile internally and pay per call.
     """
     num_q = _num_blocks(q_len, block_q)
     num_k = _num_blocks(kv_len, block_k)
@@ -195,10 +223,15 @@ def build_plan(
         return BlockPlan(q_len, kv_len, block_q, block_k, whole, source)
     for qi, row in enumerate(kinds.tolist()):
         q0, q1 = qi * block_q, min(q_len, (qi + 1) * block_q)
-        runs = _runs(row, block_k, kv_len, cap_blocks)
+        if gather:
+            runs = _gathered_runs(row, block_k, kv_len)
+        else:
+            runs = _runs(row, block_k, kv_len, cap_blocks)
         if triangular is not None:
             runs = [
-                Run(r.k0, r.k1, False, True) if not r.full and triangular(q0, q1, r.k0, r.k1) else r
+                Run(r.k0, r.k1, False, True)
+                if not r.full and r.blocks is None and triangular(q0, q1, r.k0, r.k1)
+                else r
                 for r in runs
             ]
         previous = rows[-1] if rows else None
@@ -224,4 +257,18 @@ def _runs(row: list[int], block_k: int, kv_len: int, cap_blocks: int) -> list[Ru
             start = None
         if start is None and kind != EMPTY and kj < len(row):
             start = kj
+    return runs
+
+
+def _gathered_runs(row: list[int], block_k: int, kv_len: int) -> list[Run]:
+    """One run of the row's FULL blocks and one of its PARTIAL blocks (gathered when
+    they are not adjacent)."""
+    runs = []
+    for kind in (FULL, PARTIAL):
+        blocks = [kj for kj, k in enumerate(row) if k == kind]
+        if not blocks:
+            continue
+        k0, k1 = blocks[0] * block_k, min(kv_len, (blocks[-1] + 1) * block_k)
+        adjacent = blocks[-1] - blocks[0] + 1 == len(blocks)
+        runs.append(Run(k0, k1, kind == FULL, blocks=None if adjacent else tuple(blocks)))
     return runs

@@ -7,6 +7,7 @@ from torch import Tensor, nn
 
 from ..cache import KVCache
 from ..functional import attention, attention_and_weights
+from ..masks import KeyPadding, Pattern
 from ..positional import AttentionPosition
 
 
@@ -95,7 +96,7 @@ class MultiHeadAttention(nn.Module):
         key: Tensor | None = None,
         value: Tensor | None = None,
         *,
-        mask: Tensor | None = None,
+        mask: Tensor | Pattern | None = None,
         key_padding_mask: Tensor | None = None,
         bias: Tensor | None = None,
         causal: bool = False,
@@ -106,8 +107,8 @@ class MultiHeadAttention(nn.Module):
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from query (B, L, E) to key (B, S, kdim) / value (B, S, vdim).
 
-        key=None means self-attention (key = value = query). mask is bool,
-        broadcastable to (B, H, L, S) or (L, S), True = may attend;
+        key=None means self-attention (key = value = query). mask is an mhsa.masks
+        pattern or a bool tensor broadcastable to (B, H, L, S), True = may attend;
         key_padding_mask is (B, S) bool, True = a real token; bias is a float added
         to the scores, broadcastable to (B, H, L, S). causal is aligned
         bottom-right. With a cache, the new keys/values are appended and attention
@@ -154,6 +155,8 @@ class MultiHeadAttention(nn.Module):
     ) -> Tensor | None:
         if key_padding_mask is None:
             return mask
+        if isinstance(mask, Pattern):  # stays a pattern, so the flash engine can plan it
+            return mask & KeyPadding(key_padding_mask)
         if key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != (
             batch,
             kv_len,

@@ -1,0 +1,43 @@
+"""Attention patterns: what may attend, as composable data (`a | b`, `a & b`).
+
+Pass one as `mask=` to mhsa.attention: the reference and sdpa backends materialise
+`pattern.dense(L, S)`; the flash backend plans with `pattern.block_layout(...)` and
+never visits an empty block.
+"""
+
+from .base import EMPTY, FULL, PARTIAL, Intersection, Pattern, Union
+from .patterns import (
+    BlockSparse,
+    Causal,
+    Dilated,
+    Document,
+    Full,
+    GlobalTokens,
+    KeyPadding,
+    PrefixLM,
+    RandomBlocks,
+    SlidingWindow,
+)
+from .presets import BlockBand, bigbird, longformer
+
+__all__ = [
+    "EMPTY",
+    "FULL",
+    "PARTIAL",
+    "BlockBand",
+    "BlockSparse",
+    "Causal",
+    "Dilated",
+    "Document",
+    "Full",
+    "GlobalTokens",
+    "Intersection",
+    "KeyPadding",
+    "Pattern",
+    "PrefixLM",
+    "RandomBlocks",
+    "SlidingWindow",
+    "Union",
+    "bigbird",
+    "longformer",
+]

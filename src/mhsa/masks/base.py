@@ -1,0 +1,166 @@
+"""The Pattern base class: an attention mask as data, at element and block resolution.
+
+A pattern says which keys each query may attend, for any (L, S), with queries
+aligned bottom-right (query i sits at position i + S - L, as for causal masks):
+    dense(L, S)                 bool (L, S), or (B, 1, L, S) for per-sequence patterns
+    block_layout(L, S, block)   int8 (ceil(L/block), ceil(S/block)): EMPTY, PARTIAL, FULL
+Patterns compose: `a | b` allows what either allows, `a & b` what both allow.
+Subclasses implement `allowed(rows, cols, L, S)` and, where it can be computed without
+the dense mask, `kinds(L, S, block_q, block_k)`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ..kernels.plan import EMPTY, FULL, PARTIAL, reduce_blocks
+
+__all__ = ["EMPTY", "FULL", "PARTIAL", "Pattern"]
+
+
+def num_blocks(length: int, block: int) -> int:
+    return -(-length // block)
+
+
+def block_ranges(length: int, block: int) -> tuple[Tensor, Tensor]:
+    """(first, last) index of each block, int64 (num_blocks,)."""
+    first = torch.arange(0, length, block)
+    return first, (first + block - 1).clamp(max=length - 1)
+
+
+class Pattern:
+    """Base class of attention patterns. Instances are immutable."""
+
+    batch_size: int | None = None  # set by per-sequence patterns
+    block_size: int | None = None  # set by block-structured patterns: a tiling hint
+
+    def allowed(self, rows: Tensor, cols: Tensor, q_len: int, kv_len: int) -> Tensor:
+        """Element mask for query indices rows (R, 1) and key indices cols (1, C):
+        bool broadcastable to (B, 1, R, C), True = may attend."""
+        raise NotImplementedError
+
+    def kinds(self, q_len: int, kv_len: int, block_q: int, block_k: int) -> Tensor:
+        """Block kinds (EMPTY/PARTIAL/FULL), int8 (num_q_blocks, num_k_blocks).
+
+        The default reduces the dense mask; patterns with structure override it.
+        """
+        return reduce_blocks(self.dense(q_len, kv_len), q_len, kv_len, block_q, block_k)
+
+    def lower_triangular(self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int) -> bool:
+        """Whether the tile's mask is exactly local key c <= local row r."""
+        return False
+
+    # public API -----------------------------------------------------------------
+
+    def dense(self, q_len: int, kv_len: int, device: torch.device | str | None = None) -> Tensor:
+        """The element mask, bool (L, S) or (B, 1, L, S); True = may attend."""
+        self.check_lengths(q_len, kv_len)
+        rows = torch.arange(q_len, device=device).view(-1, 1)
+        cols = torch.arange(kv_len, device=device).view(1, -1)
+        mask = self.allowed(rows, cols, q_len, kv_len)
+        return mask.expand(*mask.shape[:-2], q_len, kv_len)
+
+    def block_layout(
+        self, q_len: int, kv_len: int, block: int, block_k: int | None = None
+    ) -> Tensor:
+        """int8 (ceil(L/block), ceil(S/block_k)): EMPTY (0), PARTIAL (1) or FULL (2)."""
+        self.check_lengths(q_len, kv_len)
+        block_k = block if block_k is None else block_k
+        for name, value in (("block", block), ("block_k", block_k)):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        return self.kinds(q_len, kv_len, block, block_k).to(torch.int8)
+
+    def source(self, q_len: int, kv_len: int, device: torch.device | str | None = None):
+        """This pattern bound to (L, S): the mask source the tiled engine plans with."""
+        self.check_lengths(q_len, kv_len)
+        return _BoundPattern(self, q_len, kv_len, device)
+
+    def check_lengths(self, q_len: int, kv_len: int) -> None:
+        """Raise ValueError if the pattern cannot describe an (L, S) attention."""
+
+    def check_batch(self, batch: int) -> None:
+        if self.batch_size is not None and self.batch_size not in (1, batch):
+            raise ValueError(
+                f"{type(self).__name__} was built for batch size {self.batch_size}, "
+                f"but q has batch size {batch}"
+            )
+
+    def __or__(self, other: Pattern) -> Pattern:
+        return Union(self, other)
+
+    def __and__(self, other: Pattern) -> Pattern:
+        return Intersection(self, other)
+
+
+class Union(Pattern):
+    """Allowed where any part allows."""
+
+    def __init__(self, *parts: Pattern) -> None:
+        for part in parts:
+            if not isinstance(part, Pattern):
+                raise TypeError(f"can only combine patterns, got {type(part).__name__}")
+        self.parts = parts
+        sizes = {p.batch_size for p in parts} - {None}
+        if len(sizes) > 1:
+            raise ValueError(f"patterns for different batch sizes cannot combine: {sizes}")
+        self.batch_size = sizes.pop() if sizes else None
+        blocks = [p.block_size for p in parts if p.block_size]
+        self.block_size = math.gcd(*blocks) if blocks else None
+
+    def allowed(self, rows, cols, q_len, kv_len):
+        masks = [p.allowed(rows, cols, q_len, kv_len) for p in self.parts]
+        out = masks[0]
+        for m in masks[1:]:
+            out = out | m
+        return out
+
+    def kinds(self, q_len, kv_len, block_q, block_k):
+        kinds = [p.kinds(q_len, kv_len, block_q, block_k) for p in self.parts]
+        return torch.stack([k.expand_as(kinds[0]) for k in kinds]).amax(0)  # EMPTY<PARTIAL<FULL
+
+    def check_lengths(self, q_len, kv_len):
+        for p in self.parts:
+            p.check_lengths(q_len, kv_len)
+
+    def __repr__(self) -> str:
+        return " | ".join(map(repr, self.parts))
+
+
+class Intersection(Union):
+    """Allowed where every part allows."""
+
+    def allowed(self, rows, cols, q_len, kv_len):
+        masks = [p.allowed(rows, cols, q_len, kv_len) for p in self.parts]
+        out = masks[0]
+        for m in masks[1:]:
+            out = out & m
+        return out
+
+    def kinds(self, q_len, kv_len, block_q, block_k):
+        kinds = [p.kinds(q_len, kv_len, block_q, block_k) for p in self.parts]
+        return torch.stack([k.expand_as(kinds[0]) for k in kinds]).amin(0)
+
+    def __repr__(self) -> str:
+        return " & ".join(f"({p!r})" for p in self.parts)
+
+
+class _BoundPattern:
+    """A pattern at fixed (L, S): the mask-source protocol of mhsa.kernels.plan."""
+
+    def __init__(self, pattern: Pattern, q_len: int, kv_len: int, device) -> None:
+        self.pattern, self.q_len, self.kv_len, self.device = pattern, q_len, kv_len, device
+
+    def block_kinds(self, q_len: int, kv_len: int, block_q: int, block_k: int) -> Tensor:
+        return self.pattern.kinds(q_len, kv_len, block_q, block_k)
+
+    def tile(self, q0: int, q1: int, k0: int, k1: int) -> Tensor:
+        rows = torch.arange(q0, q1, device=self.device).view(-1, 1)
+        cols = torch.arange(k0, k1, device=self.device).view(1, -1)
+        return self.pattern.allowed(rows, cols, self.q_len, self.kv_len)
+
+    def lower_triangular(self, q0: int, q1: int, k0: int, k1: int) -> bool:
+        return self.pattern.lower_triangular(q0, q1, k0, k1, self.q_len, self.kv_len)

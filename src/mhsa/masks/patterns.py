@@ -1,0 +1,330 @@
+"""The attention patterns. Queries are aligned bottom-right: with L queries and S keys,
+query i sits at position i + S - L (so with L == S, at position i)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ..kernels.plan import CausalMask, reduce_blocks
+from .base import EMPTY, FULL, PARTIAL, Pattern, block_ranges, num_blocks
+
+
+def _int_at_least(name: str, value: int, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return value
+
+
+def _kinds_from(full: Tensor, empty: Tensor) -> Tensor:
+    kinds = torch.full(full.shape, PARTIAL, dtype=torch.int8)
+    kinds[empty] = EMPTY
+    kinds[full] = FULL
+    return kinds
+
+
+def _query_positions(q_len: int, kv_len: int, block_q: int) -> tuple[Tensor, Tensor]:
+    first, last = block_ranges(q_len, block_q)
+    return first + (kv_len - q_len), last + (kv_len - q_len)
+
+
+class Full(Pattern):
+    """Every query attends every key."""
+
+    def allowed(self, rows, cols, q_len, kv_len):
+        return torch.ones(rows.shape[0], cols.shape[1], dtype=torch.bool, device=rows.device)
+
+    def kinds(self, q_len, kv_len, block_q, block_k):
+        return torch.full((num_blocks(q_len, block_q), num_blocks(kv_len, block_k)), FULL,
+                          dtype=torch.int8)  # fmt: skip
+
+    def __repr__(self) -> str:
+        return "Full()"
+
+
+class Causal(Pattern):
+    """Query at position p attends keys j <= p (bottom-right aligned)."""
+
+    def allowed(self, rows, cols, q_len, kv_len):
+        return cols <= rows + (kv_len - q_len)
+
+    def kinds(self, q_len, kv_len, block_q, block_k):
+        return CausalMask(q_len, kv_len, "cpu").block_kinds(q_len, kv_len, block_q, block_k)
+
+    def lower_triangular(self, q0, q1, k0, k1, q_len, kv_len):
+        return k0 == q0 + kv_len - q_len
+
+    def __repr__(self) -> str:
+        return "Causal()"
+
+
+class SlidingWindow(Pattern):
+    """Query at position p attends keys p - left .. p + right, inclusive.
+
+    right=0 is causal local attention; SlidingWindow(w, w) is Longformer's window.
+    """
+
+    def __init__(self, left: int, right: int) -> None:
+        self.left = _int_at_least("left", left, 0)
+        self.right = _int_at_least("right", right, 0)
+
+    def allowed(self, rows, cols, q_len, kv_len):
+        offset = cols - (rows + (kv_len - q_len))  # key minus query position
+        return (offset >= -self.left) & (offset <= self.right)
+
+    def kinds(self, q_len, kv_len, block_q, block_k):
+        p_first, p_last = _query_positions(q_len, kv_len, block_q)
+        k_first, k_last = block_ranges(kv_len, block_k)
+        p_first, p_last = p_first.view(-1, 1), p_last.view(-1, 1)
+        # full: every row's window covers the whole key block; empty: no row reaches it
+        full = (k_first >= p_last - self.left) & (k_last <= p_first + self.right)
+        empty = (k_last < p_first - self.left) | (k_first > p_last + self.right)
+        return _kinds_from(full, empty)
+
+    def lower_triangular(self, q0, q1, k0, k1, q_len, kv_len):
+        return self.right == 0 and k0 == q0 + kv_len - q_len and q1 - q0 - 1 <= self.left
+
+    def __repr__(self) -> str:
+        return f"SlidingWindow({self.left}, {self.right})"
+
+
+class Dilated(Pattern):
+    """Query at position p attends keys p + t * dilation for t in -window..window."""
+
+    def __init__(self, window: int, dilation: int) -> None:
+        self.window = _int_at_least("window", window, 0)
+        self.dilation = _int_at_least("dilation", dilation, 1)
+        span = self.window * self.dilation
+        self._span = SlidingWindow(span, span)
+
+    def allowed(self, rows, cols, q_len, kv_len):
+        offset = cols - (rows + (kv_len - q_len))
+        return self._span.allowed(rows, cols, q_len, kv_len) & (offset % self.dilation == 0)
+
+    def kinds(self, q_len, kv_len, block_q, block_k):
+        kinds = self._span.kinds(q_len, kv_len, block_q, block_k).clone()
+        if self.dilation > 1:  # a full window block still skips keys between the steps
+            kinds[kinds == FULL] = PARTIAL
+        return kinds
+
+    def __repr__(self) -> str:
+        return f"Dilated({self.window}, {self.dilation})"
+
+
+class BlockSparse(Pattern):
+    """An explicit layout: query block a attends key block b where layout[a, b].
+
+    layout is bool (ceil(L / block_size), ceil(S / block_size)), blocks counted from
+    query row 0 and key 0.
+    """
+
+    def __init__(self, layout: Tensor, block_size: int) -> None:
+        if not isinstance(layout, Tensor) or layout.dtype != torch.bool or layout.dim() != 2:
+            raise TypeError("layout must be a 2-D bool tensor (query blocks, key blocks)")
+        self.layout = layout.cpu()
+        self.block_size = _int_at_least("block_size", block_size, 1)
+
+    def check_lengths(self, q_len, kv_len):
+        want = (num_blocks(q_len, self.block_size), num_blocks(kv_len, self.block_size))
+        if tuple(self.layout.shape) != want:
+            raise ValueError(
+                f"layout has shape {tuple(self.layout.shape)} but L={q_len}, S={kv_len} with "
+                f"block_size={self.block_size} need (ceil(L/block), ceil(S/block)) = {want}"
+            )
+
+    def layout_for(self, q_len: int, kv_len: int) -> Tensor:
+        return self.layout
+
+    def allowed(self, rows, cols, q_len, kv_len):
+        layout = self.layout_for(q_len, kv_len).to(rows.device)
+        return layout[rows // self.block_size, cols // self.block_size]
+
+    def kinds(self, q_len, kv_len, block_q, block_k):
+        if block_q == block_k == self.block_size:
+            layout = self.layout_for(q_len, kv_len)
+            return _kinds_from(layout, ~layout)
+        return super().kinds(q_len, kv_len, block_q, block_k)
+
+    def __repr__(self) -> str:
+        return f"BlockSparse(<{tuple(self.layout.shape)} layout>, {self.block_size})"
+
+
+class RandomBlocks(BlockSparse):
+    """BigBird's random attention: each query block attends num_blocks key blocks
+    drawn uniformly without replacement, fixed by the seed (all if fewer exist)."""
+
+    def __init__(self, num_blocks: int, block_size: int, seed: int = 0) -> None:
+        self.num_blocks = _int_at_least("num_blocks", num_blocks, 0)
+        self.block_size = _int_at_least("block_size", block_size, 1)
+        self.seed = seed
+        self._layouts: dict[tuple[int, int], Tensor] = {}
+
+    def check_lengths(self, q_len, kv_len):
+        pass
+
+    def layout_for(self, q_len: int, kv_len: int) -> Tensor:
+        key = (q_len, kv_len)
+        if key not in self._layouts:
+            rows, cols = num_blocks(q_len, self.block_size), num_blocks(kv_len, self.block_size)
+            generator = torch.Generator().manual_seed(self.seed)
+            layout = torch.zeros(rows, cols, dtype=torch.bool)
+            for r in range(rows):
+                layout[r, torch.randperm(cols, generator=generator)[: self.num_blocks]] = True
+            self._layouts[key] = layout
+        return self._layouts[key]
+
+    def __repr__(self) -> str:
+        return f"RandomBlocks({self.num_blocks}, {self.block_size}, seed={self.seed})"
+
+
+class GlobalTokens(Pattern):
+    """Longformer's global attention: the tokens at these positions attend every key,
+    and every query attends them."""
+
+    def __init__(self, indices: Sequence[int] | Tensor) -> None:
+        idx = torch.as_tensor(indices, dtype=torch.long).flatten()
+        if idx.numel() and idx.min() < 0:
+            raise ValueError(f"indices must be >= 0, got {idx.tolist()}")
+        self.indices = idx.unique()
+
+    def check_lengths(self, q_len, kv_len):
+        if self.indices.numel() and self.indices.max() >= kv_len:
+            raise ValueError(
+                f"global token index {int(self.indices.max())} is out of range for {kv_len} keys"
+            )
+
+    def _is_global(self, positions: Tensor) -> Tensor:
+        return torch.isin(positions, self.indices.to(positions.device))
+
+    def allowed(self, rows, cols, q_len, kv_len):
+        return self._is_global(rows + (kv_len - q_len)) | self._is_global(cols)
+
+    def kinds(self, q_len, kv_len, block_q, block_k):
+        shift = kv_len - q_len
+        q_blocks = num_blocks(q_len, block_q)
+        k_blocks = num_blocks(kv_len, block_k)
+        rows = self.indices - shift
+        rows = rows[(rows >= 0) & (rows < q_len)]
+        row_count = torch.bincount(rows // block_q, minlength=q_blocks)
+        col_count = torch.bincount(self.indices // block_k, minlength=k_blocks)
+        row_first, row_last = block_ranges(q_len, block_q)
+        col_first, col_last = block_ranges(kv_len, block_k)
+        row_size, col_size = row_last - row_first + 1, col_last - col_first + 1
+        full = (row_count == row_size).view(-1, 1) | (col_count == col_size).view(1, -1)
+        empty = (row_count == 0).view(-1, 1) & (col_count == 0).view(1, -1)
+        return _kinds_from(full, empty)
+
+    def __repr__(self) -> str:
+        return f"GlobalTokens({self.indices.tolist()})"
+
+
+class KeyPadding(Pattern):
+    """Per sequence, only the first lengths[b] keys are real (or a (B, S) bool tensor,
+    True = real key)."""
+
+    def __init__(self, lengths: Sequence[int] | Tensor) -> None:
+        t = torch.as_tensor(lengths)
+        if t.dtype == torch.bool:
+            if t.dim() != 2:
+                raise ValueError(
+                    f"a key padding mask must be (batch, S) bool, got {tuple(t.shape)}"
+                )
+            self.keys = t
+        else:
+            if t.dim() != 1 or t.is_floating_point() or (t.numel() and t.min() < 0):
+                raise ValueError(f"lengths must be a 1-D sequence of ints >= 0, got {lengths!r}")
+            self.keys = None
+            self.lengths = t.long()
+        self.batch_size = t.shape[0]
+
+    def _real(self, cols: Tensor, kv_len: int) -> Tensor:
+        """(B, 1, 1, C) bool: which of the key indices are real."""
+        if self.keys is not None:
+            return self.keys.to(cols.device)[:, cols.flatten()].view(self.batch_size, 1, 1, -1)
+        return cols.view(1, 1, 1, -1) < self.lengths.to(cols.device).view(-1, 1, 1, 1)
+
+    def check_lengths(self, q_len, kv_len):
+        if self.keys is not None and self.keys.shape[1] != kv_len:
+            raise ValueError(f"key padding mask covers {self.keys.shape[1]} keys, S is {kv_len}")
+        if self.keys is None and self.lengths.numel() and self.lengths.max() > kv_len:
+            raise ValueError(f"a length {int(self.lengths.max())} exceeds S = {kv_len}")
+
+    def allowed(self, rows, cols, q_len, kv_len):
+        return self._real(cols, kv_len)
+
+    def kinds(self, q_len, kv_len, block_q, block_k):
+        real = self._real(torch.arange(kv_len).view(1, -1), kv_len)  # (B, 1, 1, S)
+        return reduce_blocks(real, q_len, kv_len, block_q, block_k)
+
+    def __repr__(self) -> str:
+        return "KeyPadding(...)"
+
+
+class Document(Pattern):
+    """Packed sequences: a query attends only keys of its own document.
+
+    ids: (S,) or (B, S) document id of every key position; queries take the ids of
+    their positions (bottom-right).
+    """
+
+    def __init__(self, ids: Sequence[int] | Tensor) -> None:
+        t = torch.as_tensor(ids)
+        if t.dim() not in (1, 2) or t.is_floating_point():
+            raise ValueError(f"ids must be int, (S,) or (batch, S), got {tuple(t.shape)}")
+        self.ids = t.long().view(-1, t.shape[-1])  # (1 or B, S)
+        self.batch_size = t.shape[0] if t.dim() == 2 else None
+
+    def check_lengths(self, q_len, kv_len):
+        if self.ids.shape[1] != kv_len or q_len > kv_len:
+            raise ValueError(
+                f"ids cover {self.ids.shape[1]} positions; need S = {kv_len} and L <= S "
+                f"(got L = {q_len})"
+            )
+
+    def allowed(self, rows, cols, q_len, kv_len):
+        ids = self.ids.to(rows.device)
+        q_ids = ids[:, (rows + (kv_len - q_len)).flatten()].view(ids.shape[0], 1, -1, 1)
+        k_ids = ids[:, cols.flatten()].view(ids.shape[0], 1, 1, -1)
+        return q_ids == k_ids
+
+    def kinds(self, q_len, kv_len, block_q, block_k):
+        if not (self.ids[:, 1:] >= self.ids[:, :-1]).all():
+            return super().kinds(q_len, kv_len, block_q, block_k)  # unsorted: reduce
+        q_ids = self.ids[:, kv_len - q_len :]
+
+        def ranges(ids: Tensor, block: int) -> tuple[Tensor, Tensor]:
+            first, last = block_ranges(ids.shape[1], block)
+            return ids[:, first], ids[:, last]  # sorted: min and max of each block
+
+        q_lo, q_hi = ranges(q_ids, block_q)
+        k_lo, k_hi = ranges(self.ids, block_k)
+        q_lo, q_hi = q_lo.unsqueeze(-1), q_hi.unsqueeze(-1)
+        k_lo, k_hi = k_lo.unsqueeze(-2), k_hi.unsqueeze(-2)
+        full = ((q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo)).all(0)
+        empty = ((q_hi < k_lo) | (k_hi < q_lo)).all(0)
+        return _kinds_from(full, empty)
+
+    def __repr__(self) -> str:
+        return "Document(...)"
+
+
+class PrefixLM(Pattern):
+    """The first n keys are visible to every query (bidirectional prefix); the rest
+    causally."""
+
+    def __init__(self, n: int) -> None:
+        self.n = _int_at_least("n", n, 0)
+
+    def allowed(self, rows, cols, q_len, kv_len):
+        return (cols <= rows + (kv_len - q_len)) | (cols < self.n)
+
+    def kinds(self, q_len, kv_len, block_q, block_k):
+        causal = Causal().kinds(q_len, kv_len, block_q, block_k)
+        k_first, k_last = block_ranges(kv_len, block_k)
+        prefix = torch.where(k_last < self.n, FULL, torch.where(k_first < self.n, PARTIAL, EMPTY))
+        return torch.maximum(causal, prefix.to(torch.int8).view(1, -1))
+
+    def __repr__(self) -> str:
+        return f"PrefixLM({self.n})"
