@@ -157,10 +157,9 @@ class _BoundPattern:
     def block_kinds(self, q_len: int, kv_len: int, block_q: int, block_k: int) -> Tensor:
         return self.pattern.kinds(q_len, kv_len, block_q, block_k)
 
-    def tile(self, q0: int, q1: int, k0: int, k1: int) -> Tensor:
-        rows = torch.arange(q0, q1, device=self.device).view(-1, 1)
-        cols = torch.arange(k0, k1, device=self.device).view(1, -1)
-        return self.pattern.allowed(rows, cols, self.q_len, self.kv_len)
+    def tile(self, q0: int, q1: int, cols: Tensor) -> Tensor:
+        rows = torch.arange(q0, q1, device=cols.device).view(-1, 1)
+        return self.pattern.allowed(rows, cols.view(1, -1), self.q_len, self.kv_len)
 
     def lower_triangular(self, q0: int, q1: int, k0: int, k1: int) -> bool:
         return self.pattern.lower_triangular(q0, q1, k0, k1, self.q_len, self.kv_len)

@@ -287,7 +287,8 @@ class Document(Pattern):
         ids = self.ids.to(rows.device)
         q_ids = ids[:, (rows + (kv_len - q_len)).flatten()].view(ids.shape[0], 1, -1, 1)
         k_ids = ids[:, cols.flatten()].view(ids.shape[0], 1, 1, -1)
-        return q_ids == k_ids
+        same = q_ids == k_ids
+        return same if self.batch_size is not None else same[0, 0]
 
     def kinds(self, q_len, kv_len, block_q, block_k):
         if not (self.ids[:, 1:] >= self.ids[:, :-1]).all():

@@ -1,0 +1,171 @@
+"""Patterns: dense vs block layout, attention with patterns on every backend, composition."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mhsa
+from helpers import make_qkv, max_error
+from mhsa import masks
+from mhsa.masks import EMPTY, FULL
+
+BATCH = 2
+
+
+def make_patterns(q_len: int, kv_len: int) -> dict[str, masks.Pattern]:
+    """One of each pattern (and some compositions) for these lengths."""
+    generator = torch.Generator().manual_seed(1)
+    layout = torch.rand(-(-q_len // 16), -(-kv_len // 16), generator=generator) > 0.6
+    ids = torch.repeat_interleave(torch.arange(5), torch.tensor([3, 40, 1, 90, kv_len - 134]))
+    return {
+        "full": masks.Full(),
+        "causal": masks.Causal(),
+        "window": masks.SlidingWindow(17, 5),
+        "local-causal": masks.SlidingWindow(30, 0),
+        "dilated": masks.Dilated(4, 3),
+        "block-sparse": masks.BlockSparse(layout, 16),
+        "global": masks.GlobalTokens([0, 5, kv_len - 1]),
+        "random": masks.RandomBlocks(2, 16, seed=3),
+        "padding": masks.KeyPadding([kv_len - 50, kv_len]),
+        "padding-bool": masks.KeyPadding(torch.rand(BATCH, kv_len, generator=generator) > 0.2),
+        "document": masks.Document(ids),
+        "prefix": masks.PrefixLM(20),
+        "longformer": masks.longformer(8, [1, 100]),
+        "bigbird": masks.bigbird(16, seed=2),
+        "window&padding": masks.SlidingWindow(40, 40) & masks.KeyPadding([kv_len - 7, 9]),
+        "dilated|causal": masks.Dilated(2, 5) | masks.Causal(),
+    }
+
+
+LENGTHS = [(203, 203), (113, 203), (1, 203)]
+
+
+@pytest.mark.parametrize("q_len, kv_len", LENGTHS)
+@pytest.mark.parametrize("block", [(16, 16), (32, 64), (7, 13)])
+def test_dense_agrees_with_block_layout(q_len, kv_len, block):
+    for name, pattern in make_patterns(q_len, kv_len).items():
+        dense = pattern.dense(q_len, kv_len)
+        dense = dense.reshape(-1, q_len, kv_len)
+        layout = pattern.block_layout(q_len, kv_len, *block)
+        block_q, block_k = block
+        assert layout.shape == (-(-q_len // block_q), -(-kv_len // block_k)), name
+        for (qi, kj), kind in zip(
+            torch.cartesian_prod(torch.arange(layout.shape[0]), torch.arange(layout.shape[1])),
+            layout.flatten(), strict=True,
+        ):  # fmt: skip
+            tile = dense[:, qi * block_q : (qi + 1) * block_q, kj * block_k : (kj + 1) * block_k]
+            if kind == EMPTY:
+                assert not tile.any(), (name, qi, kj)
+            elif kind == FULL:
+                assert tile.all(), (name, qi, kj)
+
+
+@pytest.mark.parametrize("backend", ["flash", "sdpa"])
+@pytest.mark.parametrize("q_len, kv_len", LENGTHS)
+def test_attention_with_pattern_equals_reference_with_dense_mask(backend, q_len, kv_len):
+    for name, pattern in make_patterns(q_len, kv_len).items():
+        q, k, v = make_qkv(BATCH, 4, 2, q_len, kv_len, 16, requires_grad=True)
+        out = mhsa.attention(q, k, v, pattern, backend=backend)
+        grad_out = torch.randn_like(out)
+        out.backward(grad_out)
+        dense = pattern.dense(q_len, kv_len)
+        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+        ref = mhsa.attention(q64, k64, v64, dense, backend="reference")
+        ref.backward(grad_out.double())
+        assert max_error(out, ref) < 2e-5, name
+        for got, want in ((q, q64), (k, k64), (v, v64)):
+            assert max_error(got.grad, want.grad) < 1e-4, name
+
+
+def test_flash_plans_only_the_allowed_blocks():
+    pattern = masks.SlidingWindow(256, 256)
+    source = pattern.source(16384, 16384)
+    from mhsa.kernels.plan import build_plan
+
+    plan = build_plan(source, 16384, 16384, block_q=256, block_k=256, gather=True)
+    assert plan.visited_fraction < 3 * 256 / 16384 + 1e-9
+    bird = masks.bigbird(64)
+    plan = build_plan(bird.source(8192, 8192), 8192, 8192, block_q=64, block_k=64, gather=True)
+    allowed = bird.dense(8192, 8192).float().mean().item()
+    assert plan.visited_fraction == pytest.approx(allowed, rel=1e-6)  # block aligned: exact
+
+
+def test_composition():
+    L = S = 64
+    window, globals_ = masks.SlidingWindow(4, 4), masks.GlobalTokens([0, 7])
+    assert torch.equal((window | globals_).dense(L, S), masks.longformer(4, [0, 7]).dense(L, S))
+    assert torch.equal((window | globals_).dense(L, S), window.dense(L, S) | globals_.dense(L, S))
+    assert torch.equal((window & masks.Causal()).dense(L, S), masks.SlidingWindow(4, 0).dense(L, S))
+    assert torch.equal(masks.Dilated(4, 1).dense(L, S), window.dense(L, S))
+    assert torch.equal(masks.PrefixLM(0).dense(L, S), masks.Causal().dense(L, S))
+    assert masks.Full().dense(3, 5).all()
+    lengths = masks.KeyPadding([3, 5]).dense(4, 5)
+    as_bool = masks.KeyPadding(torch.arange(5).view(1, -1) < torch.tensor([[3], [5]]))
+    assert lengths.shape == (2, 1, 4, 5) and torch.equal(lengths, as_bool.dense(4, 5))
+
+
+def test_pattern_semantics():
+    dense = masks.SlidingWindow(2, 1).dense(4, 10)  # queries at positions 6..9
+    assert dense[0].nonzero().flatten().tolist() == [4, 5, 6, 7]
+    assert dense[3].nonzero().flatten().tolist() == [7, 8, 9]
+    dilated = masks.Dilated(2, 3).dense(20, 20)
+    assert dilated[10].nonzero().flatten().tolist() == [4, 7, 10, 13, 16]
+    glob = masks.GlobalTokens([2]).dense(5, 5)
+    assert glob[2].all() and glob[:, 2].all() and glob.sum() == 9
+    doc = masks.Document([0, 0, 1, 1, 1]).dense(5, 5)
+    assert doc[1].tolist() == [True, True, False, False, False]
+    assert doc[4].tolist() == [False, False, True, True, True]
+    prefix = masks.PrefixLM(3).dense(5, 5)
+    assert prefix[0].tolist() == [True, True, True, False, False]
+    assert prefix[4].all()
+    random = masks.RandomBlocks(3, 8, seed=5)
+    layout = random.layout_for(64, 80)
+    assert layout.sum(1).tolist() == [3] * 8
+    assert torch.equal(layout, masks.RandomBlocks(3, 8, seed=5).layout_for(64, 80))
+    assert not torch.equal(layout, masks.RandomBlocks(3, 8, seed=6).layout_for(64, 80))
+
+
+def test_pattern_validation():
+    with pytest.raises(ValueError, match="left must be an int >= 0"):
+        masks.SlidingWindow(-1, 0)
+    with pytest.raises(ValueError, match="dilation must be an int >= 1"):
+        masks.Dilated(3, 0)
+    with pytest.raises(ValueError, match=r"layout has shape \(2, 2\).*need .* = \(3, 2\)"):
+        masks.BlockSparse(torch.ones(2, 2, dtype=torch.bool), 16).dense(40, 32)
+    with pytest.raises(TypeError, match="layout must be a 2-D bool tensor"):
+        masks.BlockSparse(torch.ones(2, 2), 16)
+    with pytest.raises(ValueError, match="global token index 40 is out of range"):
+        masks.GlobalTokens([1, 40]).dense(40, 40)
+    with pytest.raises(ValueError, match="indices must be >= 0"):
+        masks.GlobalTokens([-1])
+    with pytest.raises(ValueError, match="exceeds S = 8"):
+        masks.KeyPadding([3, 9]).dense(8, 8)
+    with pytest.raises(ValueError, match="window_blocks must be odd"):
+        masks.bigbird(16, window_blocks=2)
+    with pytest.raises(ValueError, match="block must be a positive int"):
+        masks.Causal().block_layout(8, 8, 0)
+    q, k, v = make_qkv(3, 2, 2, 8, 8, 4)
+    with pytest.raises(ValueError, match="built for batch size 2, but q has batch size 3"):
+        mhsa.attention(q, k, v, masks.KeyPadding([3, 4]))
+    with pytest.raises(ValueError, match="ids cover 5 positions"):
+        mhsa.attention(q, k, v, masks.Document([0, 0, 1, 1, 1]))
+
+
+def test_module_combines_pattern_with_key_padding():
+    mha = mhsa.nn.MultiHeadAttention(16, 4).eval()
+    x = torch.randn(2, 30, 16)
+    padding = torch.ones(2, 30, dtype=torch.bool)
+    padding[0, 20:] = False
+    pattern = masks.SlidingWindow(5, 0)
+    dense = pattern.dense(30, 30)
+    expected = mha(x, mask=dense, key_padding_mask=padding)
+    assert max_error(mha(x, mask=pattern, key_padding_mask=padding), expected) < 1e-5
+
+
+def test_attention_weights_with_pattern_rows():
+    q, k, _ = make_qkv(2, 4, 2, 113, 113, 16)
+    pattern = masks.longformer(6, [0])
+    full = mhsa.attention_weights(q, k, pattern.dense(113, 113))
+    part = mhsa.attention_weights(q, k, pattern, rows=[0, 50, 112], heads=[3])
+    assert max_error(part, full[:, [3]][:, :, [0, 50, 112]]) < 1e-6
