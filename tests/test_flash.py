@@ -228,7 +228,7 @@ def test_plan_visits_only_allowed_blocks_and_merges_full_rows():
     assert len(blocks.rows) == 16 and sum(len(r.runs) for r in blocks.rows) == 31
     assert abs(blocks.visited_fraction - (0.5 + 0.5 / 1024)) < 1e-9
     whole = build_plan(source, 1024, 1024, block_q=64, block_k=64)
-    assert len(whole.rows) == 1 and whole.rows[0].runs[0].causal  # one causal call
+    assert len(whole.rows) == 1 and whole.rows[0].runs[0].triangle == "lower"  # one causal call
     shifted = build_plan(mask_source(None, True, 1000, 1024, "cpu"), 1000, 1024,
                          block_q=64, block_k=64)  # fmt: skip
     assert len(shifted.rows) == 16  # bottom-right with L != S: not top-left triangular
@@ -266,7 +266,7 @@ def test_square_causal_uses_triangular_runs(kernel):
     q, k, v = make_qkv(2, 8, 2, 203, 203, 32, requires_grad=True)
     source = mask_source(None, True, 203, 203, "cpu")
     plan = build_plan(source, 203, 203, block_q=32, block_k=32, merge_rows=False)
-    assert sum(run.causal for row in plan.rows for run in row.runs) == 7
+    assert sum(run.triangle == "lower" for row in plan.rows for run in row.runs) == 7
     out, lse = flash_attention(q, k, v, plan, scale=32**-0.5, fused=kernel != "plain")
     grad_out = torch.randn_like(out)
     out.backward(grad_out)

@@ -169,3 +169,24 @@ def test_attention_weights_with_pattern_rows():
     full = mhsa.attention_weights(q, k, pattern.dense(113, 113))
     part = mhsa.attention_weights(q, k, pattern, rows=[0, 50, 112], heads=[3])
     assert max_error(part, full[:, [3]][:, :, [0, 50, 112]]) < 1e-6
+
+
+@pytest.mark.parametrize("pattern", [masks.SlidingWindow(32, 32), masks.SlidingWindow(40, 0)],
+                         ids=["band", "local-causal"])  # fmt: skip
+def test_triangular_window_tiles_run_unmasked_in_causal_mode(pattern):
+    from mhsa.kernels.flash import flash_attention
+    from mhsa.kernels.plan import build_plan
+
+    q, k, v = make_qkv(2, 4, 2, 203, 203, 16, requires_grad=True)
+    plan = build_plan(pattern.source(203, 203), 203, 203, block_q=32, block_k=32, gather=True)
+    triangles = {run.triangle for row in plan.rows for run in row.runs}
+    assert "lower" in triangles and ("upper" in triangles) == (pattern.right > 0)
+    out, _ = flash_attention(q, k, v, plan, scale=0.25, fused=True)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = mhsa.attention(q64, k64, v64, pattern.dense(203, 203), scale=0.25, backend="reference")
+    ref.backward(grad_out.double())
+    assert max_error(out, ref) < 2e-5
+    for got, want in ((q, q64), (k, k64), (v, v64)):
+        assert max_error(got.grad, want.grad) < 1e-4

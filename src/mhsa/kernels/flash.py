@@ -40,8 +40,9 @@ def fused_available(q: Tensor, v: Tensor, dropout_p: float) -> bool:
 def _keys(run: Run, plan: BlockPlan, device) -> tuple[Tensor, Tensor | None]:
     """(key indices of the run, the same for gathering or None when contiguous)."""
     index = run.key_index(plan.block_k, device)
-    cols = torch.arange(run.k0, run.k1, device=device) if index is None else index
-    return cols, index
+    if index is not None:
+        return index, index
+    return torch.arange(run.k0, run.k1, device=device), None
 
 
 def _take(t: Tensor, run: Run, index: Tensor | None) -> Tensor:
@@ -93,17 +94,36 @@ def _merge(partials: list[tuple[Tensor, Tensor]], dtype: torch.dtype) -> tuple[T
     return out, lse
 
 
-def _fused_causal(run: Run, bias: Tensor | None) -> bool:
-    """A lower-triangular run without bias runs in the kernel's causal mode, unmasked."""
-    return run.causal and bias is None
+def _fused_triangle(run: Run, bias: Tensor | None) -> str | None:
+    """Triangular runs without bias run in the kernel's causal mode, unmasked."""
+    return run.triangle if bias is None else None
 
 
-def _fused_run(q_blk, k_run, v_run, attn, scale, causal) -> tuple[Tensor, Tensor]:
+def _fused_run(q_blk, k_run, v_run, attn, scale, triangle) -> tuple[Tensor, Tensor]:
+    if triangle == "upper":  # c >= r is c' <= r' on reversed rows and keys
+        out_r, lse_r = _FUSED_FORWARD(
+            q_blk.flip(2), k_run.flip(2), v_run.flip(2), 0.0, True, scale=scale
+        )
+        return out_r.flip(2), lse_r.flip(-1)
+    causal = triangle == "lower"
     out_r, lse_r = _FUSED_FORWARD(q_blk, k_run, v_run, 0.0, causal, attn_mask=attn, scale=scale)
     if attn is not None:  # the kernel reports lse 0 for rows with no allowed key
         dead = torch.isneginf(attn).all(dim=-1)
         lse_r = lse_r.masked_fill(dead, -torch.inf)
     return out_r, lse_r
+
+
+def _fused_run_backward(go_blk, q_blk, k_run, v_run, out_blk, lse_blk, attn, scale, triangle):
+    if triangle == "upper":
+        grads = _FUSED_BACKWARD(
+            go_blk.flip(2), q_blk.flip(2), k_run.flip(2), v_run.flip(2), out_blk.flip(2),
+            lse_blk.flip(-1), 0.0, True, scale=scale,
+        )  # fmt: skip
+        return tuple(g.flip(2) for g in grads)
+    return _FUSED_BACKWARD(
+        go_blk, q_blk, k_run, v_run, out_blk, lse_blk, 0.0, triangle == "lower",
+        attn_mask=attn, scale=scale,
+    )  # fmt: skip
 
 
 def _plain_run(q_blk, k_run, v_run, attn, scale, dropout, q0, cols):
@@ -142,9 +162,9 @@ def flash_forward(
             cols, index = _keys(run, plan, q.device)
             k_run, v_run = _take(k, run, index), _take(v, run, index)
             if fused:
-                causal = _fused_causal(run, bias)
-                attn = None if causal else _tile_bias(plan, bias, q0, q1, run, cols, q.dtype)
-                out_r, lse_r = _fused_run(q_blk, k_run, v_run, attn, scale, causal)
+                triangle = _fused_triangle(run, bias)
+                attn = None if triangle else _tile_bias(plan, bias, q0, q1, run, cols, q.dtype)
+                out_r, lse_r = _fused_run(q_blk, k_run, v_run, attn, scale, triangle)
             else:
                 attn = _tile_bias(plan, bias, q0, q1, run, cols, dtype)
                 out_r, lse_r = _plain_run(q_blk, k_run, v_run, attn, scale, dropout, q0, cols)
@@ -218,11 +238,11 @@ def flash_backward(
             cols, index = _keys(run, plan, q.device)
             k_run, v_run = _take(k, run, index), _take(v, run, index)
             if fused:
-                causal = _fused_causal(run, bias)
-                attn = None if causal else _tile_bias(plan, bias4, q0, q1, run, cols, q.dtype)
-                dq_r, dk_r, dv_r = _FUSED_BACKWARD(
+                triangle = _fused_triangle(run, bias)
+                attn = None if triangle else _tile_bias(plan, bias4, q0, q1, run, cols, q.dtype)
+                dq_r, dk_r, dv_r = _fused_run_backward(
                     go_blk, q_blk, k_run, v_run, out[:, :, q0:q1],
-                    lse_inv[:, :, q0:q1].contiguous(), 0.0, causal, attn_mask=attn, scale=scale,
+                    lse_inv[:, :, q0:q1].contiguous(), attn, scale, triangle,
                 )  # fmt: skip
                 dq[:, :, q0:q1] += dq_r
                 _add_keys(dk, run, index, dk_r)

@@ -8,12 +8,14 @@ A mask source describes what may be attended, at two resolutions:
         indices cols (int64, 1-D), broadcastable to (B, H, q1-q0, len(cols))
 and optionally
     lower_triangular(q0, q1, k0, k1) -> bool: the tile's mask is exactly c <= r
+    upper_triangular(q0, q1, k0, k1) -> bool: the tile is square and its mask is c >= r
+(r, c: row and key index within the tile), which kernels compute in causal mode.
 
 A BlockPlan turns the block kinds into work: for each range of query rows, a list of
-key runs of one kind: contiguous key ranges or, for kernels that do best with few
-large calls, all the row's FULL blocks (and all its PARTIAL blocks) gathered into one
-run each. Query block rows whose runs are all FULL and identical are merged, so
-dense attention is one run over everything.
+key runs: contiguous key ranges of one kind or, for kernels that pay per call, few
+runs per row (triangular tiles, all FULL blocks, all other PARTIAL blocks; gathered
+when not adjacent). Query block rows whose runs are all FULL and identical merge,
+so dense attention is one run over everything.
 """
 
 from __future__ import annotations
@@ -131,15 +133,16 @@ class Run:
     """Keys k0..k1-1 for one range of query rows; full runs need no element mask.
 
     blocks, when set, makes a gathered run: only those key blocks (of the plan's
-    block_k), which need not be adjacent; k0..k1 then spans them. causal marks a
-    partial run whose mask is exactly "local key c <= local row r", which a kernel
-    may compute in its causal mode instead of applying the mask.
+    block_k), which need not be adjacent; k0..k1 then spans them. triangle marks a
+    partial run whose mask is exactly "local key c <= local row r" ("lower") or
+    "c >= r" on a square tile ("upper"), which a kernel may compute in its causal
+    mode (on flipped rows and keys for "upper") instead of applying the mask.
     """
 
     k0: int
     k1: int
     full: bool
-    causal: bool = False
+    triangle: str | None = None
     blocks: tuple[int, ...] | None = None
 
     def key_index(self, block_k: int, device) -> Tensor | None:
@@ -176,12 +179,12 @@ class BlockPlan:
 
     @property
     def visited_fraction(self) -> float:
-        """Fraction of the L x S entries computed (causal runs count their triangle)."""
+        """Fraction of the L x S entries computed (triangular runs count their triangle)."""
         area = 0
         for r in self.rows:
             for run in r.runs:
                 rows, keys = r.q1 - r.q0, run.num_keys(self.block_k)
-                if run.causal:  # row i computes min(i + 1, keys) entries
+                if run.triangle:  # row i computes min(i + 1, keys) entries (or mirrored)
                     tri = min(rows, keys)
                     area += tri * (tri + 1) // 2 + (rows - tri) * keys
                 else:
@@ -204,9 +207,9 @@ def build_plan(
 
     max_run_keys caps a run's length (bounds the scores a plain tile materialises);
     merge_rows joins adjacent query blocks whose runs are identical and all full, and
-    makes a wholly lower-triangular mask a single causal run; gather puts each row's
-    FULL blocks, and its PARTIAL blocks, into one run each. The last two suit
-    kernels that tile internally and pay per call.
+    makes a wholly lower-triangular mask a single causal run; gather puts all of a
+    row's blocks into one run. The last two suit kernels that tile internally and pay
+    per call.
     """
     num_q = _num_blocks(q_len, block_q)
     num_k = _num_blocks(kv_len, block_k)
@@ -216,23 +219,18 @@ def build_plan(
         kinds = source.block_kinds(q_len, kv_len, block_q, block_k)
     cap_blocks = max(1, max_run_keys // block_k) if max_run_keys else num_k
     rows: list[RowRange] = []
-    triangular = getattr(source, "lower_triangular", None)
-    if merge_rows and triangular is not None and triangular(0, q_len, 0, kv_len):
+    if merge_rows and _triangle(source, 0, q_len, 0, kv_len) == "lower":
         # the whole matrix is one lower-triangular tile: one call in causal mode
-        whole = [RowRange(0, q_len, [Run(0, kv_len, False, True)])]
+        whole = [RowRange(0, q_len, [Run(0, kv_len, False, "lower")])]
         return BlockPlan(q_len, kv_len, block_q, block_k, whole, source)
     for qi, row in enumerate(kinds.tolist()):
         q0, q1 = qi * block_q, min(q_len, (qi + 1) * block_q)
         if gather:
-            runs = _gathered_runs(row, block_k, kv_len)
+            runs = _gathered_runs(source, q0, q1, row, block_k, kv_len)
         else:
-            runs = _runs(row, block_k, kv_len, cap_blocks)
-        if triangular is not None:
             runs = [
-                Run(r.k0, r.k1, False, True)
-                if not r.full and r.blocks is None and triangular(q0, q1, r.k0, r.k1)
-                else r
-                for r in runs
+                _with_triangle(source, q0, q1, run)
+                for run in _runs(row, block_k, kv_len, cap_blocks)
             ]
         previous = rows[-1] if rows else None
         if (
@@ -260,15 +258,42 @@ def _runs(row: list[int], block_k: int, kv_len: int, cap_blocks: int) -> list[Ru
     return runs
 
 
-def _gathered_runs(row: list[int], block_k: int, kv_len: int) -> list[Run]:
-    """One run of the row's FULL blocks and one of its PARTIAL blocks (gathered when
-    they are not adjacent)."""
-    runs = []
-    for kind in (FULL, PARTIAL):
-        blocks = [kj for kj, k in enumerate(row) if k == kind]
-        if not blocks:
-            continue
-        k0, k1 = blocks[0] * block_k, min(kv_len, (blocks[-1] + 1) * block_k)
-        adjacent = blocks[-1] - blocks[0] + 1 == len(blocks)
-        runs.append(Run(k0, k1, kind == FULL, blocks=None if adjacent else tuple(blocks)))
+def _triangle(source, q0: int, q1: int, k0: int, k1: int) -> str | None:
+    """ "lower" or "upper" if the source says the tile's mask is that triangle."""
+    lower = getattr(source, "lower_triangular", None)
+    if lower is not None and lower(q0, q1, k0, k1):
+        return "lower"
+    upper = getattr(source, "upper_triangular", None)
+    if upper is not None and upper(q0, q1, k0, k1):
+        return "upper"
+    return None
+
+
+def _with_triangle(source, q0: int, q1: int, run: Run) -> Run:
+    if run.full or run.blocks is not None:
+        return run
+    triangle = _triangle(source, q0, q1, run.k0, run.k1)
+    return Run(run.k0, run.k1, False, triangle) if triangle else run
+
+
+def _gathered_runs(source, q0: int, q1: int, row: list[int], block_k: int, kv_len: int):
+    """Few runs for the row: its triangular PARTIAL blocks one each (unmasked in causal
+    mode), then all its FULL blocks as one run and all other PARTIAL blocks as one
+    masked run, gathered when they are not adjacent."""
+    runs, full, partial = [], [], []
+    for kj, kind in enumerate(row):
+        if kind == FULL:
+            full.append(kj)
+        elif kind == PARTIAL:
+            k0, k1 = kj * block_k, min(kv_len, (kj + 1) * block_k)
+            triangle = _triangle(source, q0, q1, k0, k1)
+            if triangle:
+                runs.append(Run(k0, k1, False, triangle))
+            else:
+                partial.append(kj)
+    for blocks, is_full in ((full, True), (partial, False)):
+        if blocks:
+            k0, k1 = blocks[0] * block_k, min(kv_len, (blocks[-1] + 1) * block_k)
+            adjacent = blocks[-1] - blocks[0] + 1 == len(blocks)
+            runs.append(Run(k0, k1, is_full, blocks=None if adjacent else tuple(blocks)))
     return runs

@@ -53,6 +53,10 @@ class Pattern:
         """Whether the tile's mask is exactly local key c <= local row r."""
         return False
 
+    def upper_triangular(self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int) -> bool:
+        """Whether the tile is square and its mask is exactly local key c >= local row r."""
+        return False
+
     # public API -----------------------------------------------------------------
 
     def dense(self, q_len: int, kv_len: int, device: torch.device | str | None = None) -> Tensor:
@@ -163,3 +167,6 @@ class _BoundPattern:
 
     def lower_triangular(self, q0: int, q1: int, k0: int, k1: int) -> bool:
         return self.pattern.lower_triangular(q0, q1, k0, k1, self.q_len, self.kv_len)
+
+    def upper_triangular(self, q0: int, q1: int, k0: int, k1: int) -> bool:
+        return self.pattern.upper_triangular(q0, q1, k0, k1, self.q_len, self.kv_len)

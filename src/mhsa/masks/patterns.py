@@ -84,7 +84,14 @@ class SlidingWindow(Pattern):
         return _kinds_from(full, empty)
 
     def lower_triangular(self, q0, q1, k0, k1, q_len, kv_len):
-        return self.right == 0 and k0 == q0 + kv_len - q_len and q1 - q0 - 1 <= self.left
+        # the right edge runs along the tile's diagonal; the left edge never cuts in
+        first = q0 + kv_len - q_len  # position of the tile's first query
+        return k0 == first + self.right and q1 - q0 - 1 <= self.left + self.right
+
+    def upper_triangular(self, q0, q1, k0, k1, q_len, kv_len):
+        # the left edge runs along the diagonal of a square tile; the right never cuts
+        first = q0 + kv_len - q_len
+        return k1 - k0 == q1 - q0 and k0 == first - self.left and k1 - 1 <= first + self.right
 
     def __repr__(self) -> str:
         return f"SlidingWindow({self.left}, {self.right})"
