@@ -4,6 +4,7 @@ from . import masks, nn, positional
 from .backends import names as backends
 from .backends import use_backend
 from .cache import KVCache
+from .cluster import cluster_attention
 from .functional import attention, attention_weights
 
 __version__ = "0.1.0"
@@ -12,6 +13,7 @@ __all__ = [
     "KVCache",
     "attention",
     "attention_weights",
+    "cluster_attention",
     "backends",
     "masks",
     "nn",
