@@ -66,16 +66,24 @@ def info(_: argparse.Namespace) -> int:
 
 
 def bench(args: argparse.Namespace) -> int:
-    """Run a benchmark; print its table, or JSON with --json."""
+    """Run a benchmark suite; print its table, or JSON with --json."""
     import json
 
-    from .benchmarks import attention
+    from .benchmarks import attention, sparse
 
-    result = attention.run(
-        length=args.length, heads=args.heads, head_dim=args.head_dim, repeat=args.repeat,
-        memory=not args.no_memory, long=args.long,
-    )  # fmt: skip
-    print(json.dumps(result, indent=2) if args.json else attention.report(result))
+    if args.suite == "attention":
+        result = attention.run(
+            length=args.length, heads=args.heads, head_dim=args.head_dim, repeat=args.repeat,
+            memory=not args.no_memory, long=args.long,
+        )  # fmt: skip
+        text = attention.report(result)
+    else:
+        result = sparse.run(repeat=args.repeat, quick=args.quick)
+        text = sparse.report(result)
+        if args.plot:
+            sparse.plot(result, args.plot)
+            text += f"\nplot written to {args.plot}"
+    print(json.dumps(result, indent=2, default=str) if args.json else text)
     return 0
 
 
@@ -87,12 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
         run=info
     )
     bench_parser = commands.add_parser("bench", help="benchmarks: ratios against peers")
-    bench_parser.add_argument("suite", choices=["attention"], help="which benchmark")
+    bench_parser.add_argument("suite", choices=["attention", "sparse"], help="which benchmark")
     bench_parser.add_argument("--json", action="store_true", help="print JSON")
     bench_parser.add_argument("--length", type=int, default=4096, help="L = S for timings")
     bench_parser.add_argument("--heads", type=int, default=8)
     bench_parser.add_argument("--head-dim", type=int, default=64)
     bench_parser.add_argument("--repeat", type=int, default=5, help="best of N runs")
+    bench_parser.add_argument("--plot", metavar="FILE", help="sparse: write a PNG plot")
+    bench_parser.add_argument("--quick", action="store_true", help="sparse: small smoke run")
     bench_parser.add_argument("--no-memory", action="store_true", help="skip memory cases")
     bench_parser.add_argument(
         "--long", action="store_true", help="add causal L=S=65536 memory (minutes)"

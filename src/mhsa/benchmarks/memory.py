@@ -2,8 +2,9 @@
 
     python -m mhsa.benchmarks.memory --backend flash --length 16384 --heads 8 --causal
 
-prints one JSON line: the baseline RSS after creating the inputs, the peak RSS
-(ru_maxrss) after forward+backward, and their difference.
+prints one JSON line: the baseline RSS after a small warm-up and creating the inputs,
+the peak RSS (VmHWM, reset to the baseline first) after forward+backward, and their
+difference.
 """
 
 from __future__ import annotations
@@ -24,25 +25,66 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def measure(backend: str, length: int, heads: int, head_dim: int, causal: bool) -> dict:
+def _reset_peak() -> bool:
+    """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS, where allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def pattern_named(name: str | None):
+    """The patterns the benchmarks use, by name (None: no mask)."""
+    from mhsa import masks
+
+    return {
+        None: None,
+        "window": masks.SlidingWindow(256, 256),
+        "bigbird": masks.bigbird(64),
+    }[name]
+
+
+def measure(
+    backend: str, length: int, heads: int, head_dim: int, causal: bool, pattern: str | None = None
+) -> dict:
     import mhsa
 
+    mask = pattern_named(pattern)
+    # a small warm-up first, so one-time costs (thread pools, libraries) are not counted
+    tiny = [torch.randn(1, heads, 128, head_dim, requires_grad=True) for _ in range(3)]
+    mhsa.attention(*tiny, mask, causal=causal, backend=backend).sum().backward()
     q, k, v = (torch.randn(1, heads, length, head_dim, requires_grad=True) for _ in range(3))
     baseline = _rss_bytes()
+    _reset_peak()
     start = time.perf_counter()
-    out = mhsa.attention(q, k, v, causal=causal, backend=backend)
+    out = mhsa.attention(q, k, v, mask, causal=causal, backend=backend)
     out.sum().backward()
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    peak = _peak_bytes()
     return {
         "backend": backend, "length": length, "heads": heads, "head_dim": head_dim,
-        "causal": causal, "seconds": seconds, "baseline_bytes": baseline,
+        "causal": causal, "pattern": pattern, "seconds": seconds, "baseline_bytes": baseline,
         "peak_bytes": peak, "extra_bytes": peak - baseline,
     }  # fmt: skip
 
 
 def measure_in_subprocess(
-    backend: str, length: int, heads: int, head_dim: int = 64, causal: bool = False
+    backend: str,
+    length: int,
+    heads: int,
+    head_dim: int = 64,
+    causal: bool = False,
+    pattern: str | None = None,
 ) -> dict:
     """Run `measure` in a fresh interpreter so that peaks do not mix."""
     cmd = [
@@ -51,10 +93,13 @@ def measure_in_subprocess(
     ]  # fmt: skip
     if causal:
         cmd.append("--causal")
+    if pattern:
+        cmd += ["--pattern", pattern]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
+        error = (result.stderr.strip().splitlines() or ["killed"])[-1]
         return {"backend": backend, "length": length, "heads": heads, "causal": causal,
-                "error": (result.stderr.strip().splitlines() or ["killed"])[-1]}  # fmt: skip
+                "pattern": pattern, "error": error}  # fmt: skip
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -65,8 +110,10 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--pattern", choices=["window", "bigbird"])
     args = parser.parse_args()
-    print(json.dumps(measure(args.backend, args.length, args.heads, args.head_dim, args.causal)))
+    row = measure(args.backend, args.length, args.heads, args.head_dim, args.causal, args.pattern)
+    print(json.dumps(row))
 
 
 if __name__ == "__main__":

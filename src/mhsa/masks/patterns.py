@@ -224,7 +224,9 @@ class GlobalTokens(Pattern):
         return _kinds_from(full, empty)
 
     def __repr__(self) -> str:
-        return f"GlobalTokens({self.indices.tolist()})"
+        idx = self.indices.tolist()
+        shown = idx if len(idx) <= 6 else [*idx[:3], "...", idx[-1]]
+        return f"GlobalTokens([{', '.join(map(str, shown))}])"
 
 
 class KeyPadding(Pattern):
