@@ -39,3 +39,12 @@ def test_memory_probe_runs_in_a_subprocess():
 
     row = measure_in_subprocess("flash", 256, heads=1, causal=True)
     assert "error" not in row and row["peak_bytes"] >= row["baseline_bytes"] > 0
+
+
+def test_sparse_bench_cases_run_small():
+    from mhsa.benchmarks import sparse
+
+    bird = sparse.bigbird_case(256, repeat=1)
+    assert set(bird["forward"]) == {"flash", "sdpa dense mask"}
+    scaling = sparse.scaling_case(256, 512, repeat=1)
+    assert scaling["length_ratio"] == 2 and scaling["ratio"] > 0

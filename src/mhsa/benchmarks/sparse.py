@@ -32,10 +32,13 @@ def _flex(mask_mod, length: int):
     except ImportError as error:
         return None, str(error)
     start = time.perf_counter()
-    block_mask = create_block_mask(mask_mod, None, None, length, length, device="cpu")
-    compiled = torch.compile(flex_attention)
-    q, k, v = _inputs(length, 8)
-    compiled(q, k, v, block_mask=block_mask)
+    try:
+        block_mask = create_block_mask(mask_mod, None, None, length, length, device="cpu")
+        compiled = torch.compile(flex_attention)
+        q, k, v = _inputs(length, 8)
+        compiled(q, k, v, block_mask=block_mask)
+    except Exception as error:  # no compiler toolchain, unsupported platform, ...
+        return None, f"{type(error).__name__}: {str(error).splitlines()[0]}"
     seconds = time.perf_counter() - start
     return (lambda q, k, v: compiled(q, k, v, block_mask=block_mask)), seconds
 
