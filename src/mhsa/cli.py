@@ -9,7 +9,7 @@ import sys
 import torch
 
 from . import __version__
-from .backends import AttentionSpec, get, names
+from .backends import AttentionSpec, get, names, select
 
 # Typical calls (float32, GQA 8/2) that show what each backend can and cannot serve.
 _PROBES = {
@@ -50,7 +50,7 @@ def info(_: argparse.Namespace) -> int:
         print(f"device: cuda ({torch.cuda.get_device_name()})")
     else:
         print(f"device: cpu ({torch.get_num_threads()} threads)")
-    print("backends (auto preference order):")
+    print("backends:")
     for name in names():
         backend = get(name)
         reason = backend.available()
@@ -62,6 +62,10 @@ def info(_: argparse.Namespace) -> int:
             limit = backend.supports(_probe_spec(device, **changes))
             if limit is not None:
                 print(f"  {'':<10} not for {probe}: {limit}")
+    print("auto picks (B=1, H=8, H_kv=2, L=S=128, D=64, float32):")
+    for probe, changes in {"plain": {}, **_PROBES}.items():
+        chosen = select(_probe_spec(device, **changes), "auto").name
+        print(f"  {probe:<12} {chosen}")
     return 0
 
 

@@ -44,7 +44,7 @@ class SdpaBackend(Backend):
 
     def supports(self, spec: AttentionSpec) -> str | None:
         if spec.return_lse:
-            return "it does not return the logsumexp (use backend='reference')"
+            return "it does not return the logsumexp (flash and reference do)"
         return None
 
     def preference(self, spec: AttentionSpec) -> float:
