@@ -1,4 +1,11 @@
-"""Key/value caches for incremental decoding."""
+"""Key/value caches for incremental decoding.
+
+Sequences of different lengths decode together left-padded: sequence b's real tokens
+start at index `start[b]`; keys before it are padding that no query may attend.
+Both caches return the keys and values to attend over (oldest first), and tell which
+of them are real (`key_padding`); attention over them is causal bottom-right, so a
+prefill of many tokens and a decode step of one go through the same code.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +13,15 @@ import torch
 from torch import Tensor
 
 
-class KVCache:
-    """Preallocated keys and values for one attention layer, appended in place.
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
 
-    Holds k (B, H_kv, max_len, D) and v (B, H_kv, max_len, D_v); `update` writes the
-    new tokens after the ones already stored and returns views of everything so
-    far. Attention over the result is causal bottom-right, so a prefill of many
-    tokens and a decode step of one token go through the same code.
-    """
+
+class KVCache:
+    """Preallocated keys (B, H_kv, max_len, D) and values (B, H_kv, max_len, D_v) for
+    one attention layer, appended in place. Appending past max_len raises."""
 
     def __init__(
         self,
@@ -26,43 +34,125 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> None:
-        for name, value in (
-            ("batch", batch),
-            ("num_kv_heads", num_kv_heads),
-            ("max_len", max_len),
-            ("head_dim", head_dim),
-        ):
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        _check_positive(batch=batch, num_kv_heads=num_kv_heads, max_len=max_len, head_dim=head_dim)
         value_dim = head_dim if value_dim is None else value_dim
         self.k = torch.zeros(batch, num_kv_heads, max_len, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros(batch, num_kv_heads, max_len, value_dim, dtype=dtype, device=device)
-        self.length = 0
+        self.start = torch.zeros(batch, dtype=torch.long, device=device)
+        self.length = 0  # tokens appended so far, padding included
 
     @property
     def max_len(self) -> int:
         return self.k.shape[2]
 
+    def set_padding(self, start: Tensor) -> None:
+        """Declare left padding: sequence b's first real token is at index start[b]."""
+        if self.length:
+            raise ValueError("set_padding must come before the first update")
+        if start.shape != self.start.shape:
+            raise ValueError(
+                f"start must have shape {tuple(self.start.shape)}, got {tuple(start.shape)}"
+            )
+        self.start = start.to(device=self.start.device, dtype=torch.long)
+
+    @property
+    def positions(self) -> Tensor:
+        """(B,) real tokens cached per sequence: the position of its next token."""
+        return (self.length - self.start).clamp(min=0)
+
+    def next_positions(self, count: int) -> Tensor:
+        """(B, count) positions of the next `count` tokens (0 for padding)."""
+        index = torch.arange(self.length, self.length + count, device=self.start.device)
+        return (index.view(1, -1) - self.start.view(-1, 1)).clamp(min=0)
+
+    def _check(self, k: Tensor, v: Tensor) -> None:
+        want = (self.k.shape[0], self.k.shape[1], k.shape[2], self.k.shape[3])
+        if (
+            tuple(k.shape) != want
+            or tuple(v.shape[:3]) != want[:3]
+            or v.shape[3] != self.v.shape[3]
+        ):
+            raise ValueError(
+                f"cache holds (batch, num_kv_heads, *, head_dim) = ({want[0]}, {want[1]}, *, "
+                f"{want[3]}); got k {tuple(k.shape)}, v {tuple(v.shape)}"
+            )
+
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Append k (B, H_kv, T, D), v (B, H_kv, T, D_v); return all keys and values."""
-        new = k.shape[2]
-        expected = (self.k.shape[0], self.k.shape[1], new, self.k.shape[3])
-        if tuple(k.shape) != expected or v.shape[:3] != k.shape[:3]:
+        self._check(k, v)
+        end = self.length + k.shape[2]
+        if end > self.max_len:
             raise ValueError(
-                f"cache holds (batch, num_kv_heads, *, head_dim) = {expected[:2]} + (*, "
-                f"{expected[3]}); got k {tuple(k.shape)}, v {tuple(v.shape)}"
-            )
-        if self.length + new > self.max_len:
-            raise ValueError(
-                f"KVCache overflow: {self.length} cached + {new} new tokens > max_len "
+                f"KVCache overflow: {self.length} cached + {k.shape[2]} new tokens > max_len "
                 f"{self.max_len}; allocate the cache with a larger max_len"
             )
-        end = self.length + new
         self.k[:, :, self.length : end] = k
         self.v[:, :, self.length : end] = v
         self.length = end
         return self.k[:, :, :end], self.v[:, :, :end]
 
+    def key_padding(self) -> Tensor | None:
+        """(B, S) bool, True = a real key, for the keys the last update returned."""
+        if not self.start.any():
+            return None
+        index = torch.arange(self.length, device=self.start.device)
+        return index.view(1, -1) >= self.start.view(-1, 1)
+
     def reset(self) -> None:
-        """Forget the cached tokens (the memory is kept)."""
+        """Forget the cached tokens and the padding (the memory is kept)."""
         self.length = 0
+        self.start.zero_()
+
+
+class SlidingWindowCache(KVCache):
+    """A ring buffer of the last `window` keys and values, for sliding-window attention:
+    memory is bounded by the window however long the sequence grows.
+
+    update returns the kept keys followed by the new ones, oldest first, so a
+    SlidingWindow mask aligned bottom-right applies to them as to the full sequence.
+    """
+
+    def __init__(
+        self,
+        batch: int,
+        num_kv_heads: int,
+        window: int,
+        head_dim: int,
+        value_dim: int | None = None,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__(
+            batch, num_kv_heads, window, head_dim, value_dim, dtype=dtype, device=device
+        )
+        self.first = 0  # index of the first key the last update returned
+
+    @property
+    def window(self) -> int:
+        return self.k.shape[2]
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        self._check(k, v)
+        new = k.shape[2]
+        kept = min(self.length, self.window)
+        order = torch.arange(self.length - kept, self.length, device=k.device) % self.window
+        k_all = torch.cat([self.k.index_select(2, order), k], dim=2)
+        v_all = torch.cat([self.v.index_select(2, order), v], dim=2)
+        stored = min(new, self.window)  # only the newest `window` tokens stay
+        slots = torch.arange(self.length + new - stored, self.length + new, device=k.device)
+        self.k.index_copy_(2, slots % self.window, k[:, :, new - stored :])
+        self.v.index_copy_(2, slots % self.window, v[:, :, new - stored :])
+        self.first = self.length - kept
+        self.length += new
+        return k_all, v_all
+
+    def key_padding(self) -> Tensor | None:
+        if not self.start.any():
+            return None
+        index = torch.arange(self.first, self.length, device=self.start.device)
+        return index.view(1, -1) >= self.start.view(-1, 1)
+
+    def reset(self) -> None:
+        super().reset()
+        self.first = 0

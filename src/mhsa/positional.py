@@ -30,6 +30,14 @@ def _check_fits(length: int, offset: int, max_len: int) -> None:
         )
 
 
+def _check_positions(positions: Tensor, max_len: int) -> None:
+    if positions.numel() and int(positions.max()) >= max_len:
+        raise ValueError(
+            f"position {int(positions.max())} exceeds max_len={max_len}; "
+            "build the encoding with a larger max_len"
+        )
+
+
 def sinusoidal_table(length: int, d_model: int, base: float = 10000.0) -> Tensor:
     """(length, d_model) float32: PE[p, 2i] = sin(p / base^(2i/d)), PE[p, 2i+1] = cos(...)."""
     positions = torch.arange(length, dtype=torch.float64).unsqueeze(1)
@@ -50,8 +58,12 @@ class SinusoidalPositionalEncoding(nn.Module):
         _check_positive("max_len", max_len)
         self.register_buffer("table", sinusoidal_table(max_len, d_model, base), persistent=False)
 
-    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
-        """x (B, L, d_model) -> x + PE[offset : offset + L]."""
+    def forward(self, x: Tensor, offset: int = 0, positions: Tensor | None = None) -> Tensor:
+        """x (B, L, d_model) -> x + PE[offset : offset + L], or x + PE[positions] for
+        per-sequence positions (B, L) (e.g. left-padded batches)."""
+        if positions is not None:
+            _check_positions(positions, self.table.shape[0])
+            return x + self.table[positions].to(x.dtype)
         _check_fits(x.shape[1], offset, self.table.shape[0])
         return x + self.table[offset : offset + x.shape[1]].to(x.dtype)
 
@@ -65,8 +77,12 @@ class LearnedPositionalEmbedding(nn.Module):
         _check_positive("d_model", d_model)
         self.embedding = nn.Embedding(max_len, d_model)
 
-    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
-        """x (B, L, d_model) -> x + E[offset : offset + L]."""
+    def forward(self, x: Tensor, offset: int = 0, positions: Tensor | None = None) -> Tensor:
+        """x (B, L, d_model) -> x + E[offset : offset + L], or x + E[positions] for
+        per-sequence positions (B, L)."""
+        if positions is not None:
+            _check_positions(positions, self.embedding.num_embeddings)
+            return x + self.embedding(positions).to(x.dtype)
         _check_fits(x.shape[1], offset, self.embedding.num_embeddings)
         positions = torch.arange(offset, offset + x.shape[1], device=x.device)
         return x + self.embedding(positions).to(x.dtype)

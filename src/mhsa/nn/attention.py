@@ -130,6 +130,13 @@ class MultiHeadAttention(nn.Module):
             q, k = position.rotate(q, k, offset)
         if cache is not None:
             k, v = cache.update(k, v)
+            cached_padding = cache.key_padding()  # which cached keys are left padding
+            if cached_padding is not None:
+                key_padding_mask = (
+                    cached_padding
+                    if key_padding_mask is None
+                    else key_padding_mask & cached_padding
+                )
         if position is not None:
             position_bias = position.attention_bias(q.shape[2], k.shape[2])
             if position_bias is not None:

@@ -16,7 +16,11 @@ from ..cache import KVCache
 from ..positional import AttentionPosition
 from .attention import MultiHeadAttention
 
-ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
+ACTIVATIONS = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # GPT-2's "gelu_new"
+}
 
 
 class FeedForward(nn.Module):

@@ -1,0 +1,289 @@
+"""GPT: a decoder-only Transformer with causal attention and a KV cache for generation.
+
+    tokens (B, T) -> token embedding (+ learned or sinusoidal positions)
+                  -> n_layer pre-norm blocks (causal self-attention, feed-forward)
+                  -> final layer norm -> logits (B, T, vocab) with the tied embedding
+
+Rotary and ALiBi positions act inside attention instead. With `window` set, each
+token attends only the last `window` positions (itself included).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..cache import KVCache, SlidingWindowCache
+from ..masks import SlidingWindow
+from ..nn import TransformerEncoderLayer
+from ..positional import (
+    ALiBi,
+    LearnedPositionalEmbedding,
+    RotaryEmbedding,
+    SinusoidalPositionalEncoding,
+)
+
+POSITIONS = ("learned", "sinusoidal", "rotary", "alibi")
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_head: int | None = None  # None: n_head (no grouped-query attention)
+    d_model: int = 256
+    max_len: int = 256
+    dropout: float = 0.0
+    position: str = "learned"
+    window: int | None = None
+    d_ff: int | None = None  # None: 4 * d_model
+    activation: str = "gelu_tanh"
+    bias: bool = True
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if self.position not in POSITIONS:
+            raise ValueError(f"position must be one of {POSITIONS}, got {self.position!r}")
+        if self.d_model % self.n_head:
+            raise ValueError(
+                f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})"
+            )
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"window must be >= 1 or None, got {self.window}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        head_dim = config.d_model // config.n_head
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos_emb = {
+            "learned": lambda: LearnedPositionalEmbedding(config.max_len, config.d_model),
+            "sinusoidal": lambda: SinusoidalPositionalEncoding(config.d_model, config.max_len),
+            "rotary": lambda: None,
+            "alibi": lambda: None,
+        }[config.position]()
+        self.attn_position = {
+            "rotary": lambda: RotaryEmbedding(head_dim),
+            "alibi": lambda: ALiBi(config.n_head),
+        }.get(config.position, lambda: None)()
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(
+            TransformerEncoderLayer(
+                config.d_model,
+                config.n_head,
+                dim_feedforward=config.d_ff or 4 * config.d_model,
+                dropout=config.dropout,
+                activation=config.activation,
+                norm_first=True,
+                layer_norm_eps=config.norm_eps,
+                num_kv_heads=config.n_kv_head,
+                bias=config.bias,
+            )  # fmt: skip
+            for _ in range(config.n_layer)
+        )
+        self.ln_f = nn.LayerNorm(config.d_model, eps=config.norm_eps)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(
+        self,
+        idx: Tensor,
+        *,
+        caches: list[KVCache] | None = None,
+        start: Tensor | None = None,
+    ) -> Tensor:
+        """idx (B, T) token ids -> logits (B, T, vocab).
+
+        caches: one per layer (see make_caches); the tokens continue what they hold.
+        start: (B,) index of each sequence's first real token when left-padded
+        (without caches; with caches the caches hold it).
+        """
+        batch, length = idx.shape
+        if caches is not None:
+            positions = caches[0].next_positions(length)
+            padding = None  # the caches report their own padding
+        else:
+            index = torch.arange(length, device=idx.device).view(1, -1)
+            begin = torch.zeros(batch, 1, dtype=torch.long, device=idx.device)
+            begin = begin if start is None else start.view(-1, 1)
+            positions = (index - begin).clamp(min=0).expand(batch, length)
+            padding = None if start is None else index >= begin
+        x = self.tok_emb(idx)
+        if self.pos_emb is not None:
+            x = self.pos_emb(x, positions=positions)
+        x = self.drop(x)
+        window = self.config.window
+        mask = None if window is None else SlidingWindow(window - 1, 0)
+        for i, block in enumerate(self.blocks):
+            x = block(
+                x, mask=mask, key_padding_mask=padding, causal=window is None,
+                position=self.attn_position, cache=None if caches is None else caches[i],
+            )  # fmt: skip
+        return self.ln_f(x) @ self.tok_emb.weight.T  # tied output head
+
+    def make_caches(self, batch: int, max_len: int) -> list[KVCache]:
+        """Empty caches for every layer: ring buffers of `window` with a window."""
+        config = self.config
+        param = self.tok_emb.weight
+        kv_heads = config.n_kv_head or config.n_head
+        head_dim = config.d_model // config.n_head
+        options = {"dtype": param.dtype, "device": param.device}
+        if config.window is not None:
+            return [SlidingWindowCache(batch, kv_heads, config.window, head_dim, **options)
+                    for _ in self.blocks]  # fmt: skip
+        return [KVCache(batch, kv_heads, max_len, head_dim, **options) for _ in self.blocks]
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: Tensor | list[Tensor],
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_token: int | None = None,
+        use_cache: bool = True,
+        generator: torch.Generator | None = None,
+    ) -> Tensor | list[Tensor]:
+        """Continue prompts: a (B, T) tensor, or a list of 1-D prompts of any lengths
+        (decoded together, left-padded). temperature 0 is greedy. After eos_token a
+        sequence stops growing. Returns prompts + new tokens in the same form."""
+        as_list = isinstance(idx, (list, tuple))
+        prompts = list(idx) if as_list else list(idx.unbind(0))
+        if not prompts or min(p.numel() for p in prompts) == 0:
+            raise ValueError("generate needs at least one non-empty prompt")
+        lengths = torch.tensor([p.numel() for p in prompts])
+        width = int(lengths.max())
+        device = self.tok_emb.weight.device
+        tokens = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+        for b, p in enumerate(prompts):
+            tokens[b, width - p.numel() :] = p.to(device)
+        start = (width - lengths).to(device)
+        if self.pos_emb is not None and width + max_new_tokens > self.config.max_len:
+            raise ValueError(
+                f"prompt ({width}) + max_new_tokens ({max_new_tokens}) exceeds max_len "
+                f"{self.config.max_len} of this model's {self.config.position} positions"
+            )
+        caches = self.make_caches(len(prompts), width + max_new_tokens) if use_cache else None
+        if caches is not None:
+            for cache in caches:
+                cache.set_padding(start)
+            logits = self(tokens, caches=caches)[:, -1]
+        else:
+            logits = self(tokens, start=start)[:, -1]
+        new = []
+        done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+        for _ in range(max_new_tokens):
+            nxt = sample(logits, temperature=temperature, top_k=top_k, top_p=top_p,
+                         generator=generator)  # fmt: skip
+            if eos_token is not None:
+                nxt = torch.where(done, torch.full_like(nxt, eos_token), nxt)
+                done |= nxt == eos_token
+            new.append(nxt)
+            if eos_token is not None and bool(done.all()):
+                break
+            tokens = torch.cat([tokens, nxt.view(-1, 1)], dim=1)
+            if caches is not None:
+                logits = self(nxt.view(-1, 1), caches=caches)[:, -1]
+            else:
+                logits = self(tokens, start=start)[:, -1]
+        generated = torch.stack(new, dim=1) if new else tokens[:, :0]
+        if not as_list:  # equal-length prompts: one tensor, eos repeated after the end
+            return torch.cat([idx.to(device), generated], dim=1)
+        return [torch.cat([p.to(device), _until_eos(g, eos_token)])
+                for p, g in zip(prompts, generated, strict=True)]  # fmt: skip
+
+    @classmethod
+    def from_hf_gpt2(cls, state_dict: dict[str, Tensor], config: GPTConfig) -> GPT:
+        """Build a GPT from weights named as in transformers' GPT2LMHeadModel.
+
+        GPT-2's Conv1D layers store weights as (in, out): they are transposed here,
+        and its fused c_attn is split into q, k and v projections.
+        """
+        if config.position != "learned" or config.n_kv_head not in (None, config.n_head):
+            raise ValueError("GPT-2 weights need position='learned' and no grouped-query heads")
+        sd = {k.removeprefix("transformer."): v for k, v in state_dict.items()}
+        model = cls(config)
+        with torch.no_grad():
+            model.tok_emb.weight.copy_(sd["wte.weight"])
+            model.pos_emb.embedding.weight.copy_(sd["wpe.weight"])
+            for i, block in enumerate(model.blocks):
+                p = f"h.{i}."
+                attn = block.self_attn
+                for proj, w, b in zip(
+                    (attn.q_proj, attn.k_proj, attn.v_proj),
+                    sd[p + "attn.c_attn.weight"].t().chunk(3, dim=0),
+                    sd[p + "attn.c_attn.bias"].chunk(3), strict=True,
+                ):  # fmt: skip
+                    proj.weight.copy_(w)
+                    proj.bias.copy_(b)
+                pairs = [
+                    (attn.out_proj, "attn.c_proj"),
+                    (block.feed_forward.linear1, "mlp.c_fc"),
+                    (block.feed_forward.linear2, "mlp.c_proj"),
+                ]
+                for linear, name in pairs:
+                    linear.weight.copy_(sd[p + name + ".weight"].t())
+                    linear.bias.copy_(sd[p + name + ".bias"])
+                for norm, name in ((block.attn_block.norm, "ln_1"), (block.ff_block.norm, "ln_2")):
+                    norm.weight.copy_(sd[p + name + ".weight"])
+                    norm.bias.copy_(sd[p + name + ".bias"])
+            model.ln_f.weight.copy_(sd["ln_f.weight"])
+            model.ln_f.bias.copy_(sd["ln_f.bias"])
+        return model
+
+    def loss(self, idx: Tensor, targets: Tensor) -> Tensor:
+        """Mean next-token cross-entropy of logits for idx (B, T) against targets (B, T)."""
+        logits = self(idx)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _until_eos(tokens: Tensor, eos_token: int | None) -> Tensor:
+    if eos_token is None:
+        return tokens
+    hits = (tokens == eos_token).nonzero()
+    return tokens if hits.numel() == 0 else tokens[: int(hits[0]) + 1]
+
+
+def sample(
+    logits: Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Next tokens (B,) from logits (B, V): greedy at temperature 0, else sampled
+    from the softmax at that temperature, restricted to the top_k tokens and/or the
+    smallest set whose probability reaches top_p."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, -torch.inf)
+    if top_p is not None:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p  # keep the first
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), -torch.inf)
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -1,0 +1,127 @@
+"""GPT: cached decoding equals full recomputation; batched prompts; GPT-2 weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import max_error
+from mhsa.cache import KVCache, SlidingWindowCache
+from mhsa.models import GPT, GPTConfig
+from mhsa.models.gpt import sample
+
+
+def small(**changes) -> GPT:
+    options = dict(vocab_size=61, n_layer=2, n_head=4, d_model=32, max_len=64)
+    options.update(changes)
+    return GPT(GPTConfig(**options)).eval()
+
+
+@pytest.mark.parametrize("position", ["learned", "sinusoidal", "rotary", "alibi"])
+@pytest.mark.parametrize("n_kv_head, window", [(None, None), (2, None), (1, 5)],
+                         ids=["mha", "gqa", "mqa-window"])  # fmt: skip
+def test_cached_decoding_equals_full_recompute(position, n_kv_head, window):
+    model = small(position=position, n_kv_head=n_kv_head, window=window)
+    idx = torch.randint(0, 61, (3, 23))
+    full = model(idx)
+    caches = model.make_caches(3, 23)
+    steps = [model(idx[:, :9], caches=caches)]  # prefill
+    steps += [model(idx[:, t : t + 1], caches=caches) for t in range(9, 20)]
+    steps += [model(idx[:, 20:], caches=caches)]  # a multi-token step after decoding
+    assert max_error(torch.cat(steps, dim=1), full) < 1e-5
+    if window is not None:
+        assert isinstance(caches[0], SlidingWindowCache) and caches[0].k.shape[2] == window
+
+
+@pytest.mark.parametrize("position", ["learned", "rotary", "alibi"])
+def test_left_padded_batch_equals_each_prompt_alone(position):
+    model = small(position=position, n_kv_head=2)
+    prompts = [torch.randint(0, 61, (n,)) for n in (5, 12, 1)]
+    width = 12
+    tokens = torch.zeros(3, width, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        tokens[b, width - p.numel() :] = p
+    start = torch.tensor([width - p.numel() for p in prompts])
+    padded = model(tokens, start=start)
+    caches = model.make_caches(3, width + 4)
+    for cache in caches:
+        cache.set_padding(start)
+    cached = model(tokens, caches=caches)
+    for b, p in enumerate(prompts):
+        alone = model(p.view(1, -1))[0]
+        assert max_error(padded[b, start[b] :], alone) < 1e-5
+        assert max_error(cached[b, start[b] :], alone) < 1e-5
+
+
+def test_batched_generation_matches_single_and_uncached():
+    model = small(position="rotary")
+    prompts = [torch.randint(0, 61, (n,)) for n in (3, 9, 6)]
+    batched = model.generate(prompts, 10, temperature=0)
+    for prompt, out in zip(prompts, batched, strict=True):
+        alone = model.generate(prompt.view(1, -1), 10, temperature=0)[0]
+        assert torch.equal(out, alone)
+        assert torch.equal(out[: prompt.numel()], prompt)
+    uncached = model.generate(prompts, 10, temperature=0, use_cache=False)
+    assert all(torch.equal(a, b) for a, b in zip(batched, uncached, strict=True))
+
+
+def test_eos_stops_a_sequence():
+    model = small()
+    prompt = torch.randint(0, 61, (1, 4))
+    greedy = model.generate(prompt, 8, temperature=0)[0, 4:]
+    eos = int(greedy[2])
+    out = model.generate([prompt[0]], 8, temperature=0, eos_token=eos)[0]
+    assert out[-1] == eos and out.numel() <= 4 + 3
+
+
+def test_sampling_rules():
+    logits = torch.tensor([[0.0, 3.0, 2.0, -1.0]])
+    assert sample(logits, temperature=0).item() == 1
+    gen = torch.Generator().manual_seed(0)
+    draws = {sample(logits, top_k=2, generator=gen).item() for _ in range(200)}
+    assert draws == {1, 2}
+    draws = {sample(logits, top_p=0.5, generator=gen).item() for _ in range(100)}
+    assert draws == {1}  # the top token alone already has probability > 0.5
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        sample(logits, temperature=-1)
+
+
+def test_limits_are_clear_errors():
+    model = small(max_len=16)
+    with pytest.raises(ValueError, match="exceeds max_len 16"):
+        model.generate(torch.zeros(1, 10, dtype=torch.long), 10)
+    cache = KVCache(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="overflow"):
+        cache.update(torch.zeros(1, 2, 5, 8), torch.zeros(1, 2, 5, 8))
+    with pytest.raises(ValueError, match="position must be one of"):
+        GPTConfig(position="relative")
+
+
+def test_sliding_window_cache_memory_is_bounded():
+    cache = SlidingWindowCache(1, 1, 4, 2)
+    for t in range(10):
+        k = torch.full((1, 1, 1, 2), float(t))
+        keys, _ = cache.update(k, k)
+    assert cache.k.shape[2] == 4
+    assert keys[0, 0, :, 0].tolist() == [5.0, 6.0, 7.0, 8.0, 9.0]  # oldest first
+
+
+def test_logits_equal_transformers_gpt2():
+    transformers = pytest.importorskip("transformers")
+    hf_config = transformers.GPT2Config(
+        vocab_size=101, n_positions=64, n_embd=48, n_layer=3, n_head=4,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(hf_config).eval()
+    config = GPTConfig(vocab_size=101, n_layer=3, n_head=4, d_model=48, max_len=64)
+    ours = GPT.from_hf_gpt2(hf.state_dict(), config).eval()
+    idx = torch.randint(0, 101, (2, 30))
+    with torch.no_grad():
+        expected = hf(idx).logits
+    assert max_error(ours(idx), expected) < 1e-4
+    generated = ours.generate(idx[:, :10], 8, temperature=0)
+    with torch.no_grad():
+        hf_generated = hf.generate(idx[:, :10], max_new_tokens=8, do_sample=False,
+                                   pad_token_id=0)  # fmt: skip
+    assert torch.equal(generated, hf_generated)
