@@ -48,3 +48,17 @@ def test_sparse_bench_cases_run_small():
     assert set(bird["forward"]) == {"flash", "sdpa dense mask"}
     scaling = sparse.scaling_case(256, 512, repeat=1)
     assert scaling["length_ratio"] == 2 and scaling["ratio"] > 0
+
+
+def test_train_gpt_then_generate(tmp_path, capsys):
+    data = tmp_path / "data.txt"
+    data.write_text("for i in range(10):\n    print(i)\n" * 100)
+    out = tmp_path / "run"
+    args = ["train", "gpt", "--data", str(data), "--out", str(out), "--steps", "4",
+            "--eval-every", "2", "--layers", "1", "--d-model", "32", "--seq-len", "32"]  # fmt: skip
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "unigram baseline" in text and (out / "latest").exists()
+    assert main(["generate", str(out), "--prompt", "for ", "--max-new-tokens", "5"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("for ") and "tokens/s" in captured.err

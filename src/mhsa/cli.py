@@ -91,6 +91,79 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def train_gpt(args: argparse.Namespace) -> int:
+    """Train a byte-level GPT on the standard library's source (or --data FILE)."""
+    from .data.text import ByteTokenizer, TextTask, describe_loss, read_text, stdlib_corpus
+    from .models import GPT, GPTConfig
+    from .train import TrainConfig, load_checkpoint, train
+
+    torch.manual_seed(args.seed)
+    tokenizer = ByteTokenizer()
+    text = read_text(args.data) if args.data else stdlib_corpus()
+    config = GPTConfig(
+        vocab_size=tokenizer.vocab_size, n_layer=args.layers, n_head=args.heads,
+        n_kv_head=args.kv_heads, d_model=args.d_model, max_len=args.seq_len,
+        dropout=args.dropout, position=args.position, window=args.window,
+    )  # fmt: skip
+    if args.resume:  # the checkpoint's model, not the command line's
+        config = GPTConfig(**load_checkpoint(args.out)["info"]["config"])
+    task = TextTask(tokenizer.encode(text), config.max_len, args.batch_size)
+    model = GPT(config)
+    params = sum(p.numel() for p in model.parameters())
+    baseline = task.unigram_loss(tokenizer.vocab_size)
+    print(
+        f"data: {'--data ' + args.data if args.data else 'Python standard library source'}, "
+        f"{len(task.train):,} train / {len(task.val):,} validation tokens ({tokenizer.name})"
+    )
+    print(f"model: GPT {config.n_layer} layers, d_model {config.d_model}, {config.n_head} heads, "
+          f"{config.position} positions, {params / 1e6:.2f}M parameters")  # fmt: skip
+    train_config = TrainConfig(steps=args.steps, lr=args.lr, eval_every=args.eval_every,
+                               checkpoint_every=args.eval_every, seed=args.seed)  # fmt: skip
+    info = {"model": "gpt", "config": config.to_dict(), "tokenizer": tokenizer.name}
+    result = train(model, task, train_config, args.out, model_info=info, resume=args.resume,
+                   stop_after=args.stop_after)  # fmt: skip
+    final = result["history"][-1]["val_loss"] if result["history"] else float("nan")
+    print(f"validation loss {describe_loss(final)}; unigram baseline {describe_loss(baseline)}")
+    print(
+        f"{result['step']} steps in {result['seconds']:.0f} s "
+        f"({result['tokens_per_second'] / 1e3:.1f}k tokens/s); checkpoint: {args.out}"
+    )
+    return 0
+
+
+def generate(args: argparse.Namespace) -> int:
+    """Sample a continuation from a trained checkpoint, with the KV cache."""
+    import time
+
+    from .data.text import ByteTokenizer
+    from .models import GPT, GPTConfig
+    from .train import load_checkpoint
+
+    state = load_checkpoint(args.checkpoint)
+    if state["info"].get("model") != "gpt":
+        raise SystemExit(f"{state['path']} holds a {state['info'].get('model')!r} model, not gpt")
+    model = GPT(GPTConfig(**state["info"]["config"]))
+    model.load_state_dict(state["weights"])
+    model.eval()
+    tokenizer = ByteTokenizer()
+    prompt = tokenizer.encode(args.prompt)
+    if prompt.numel() == 0:
+        raise SystemExit("--prompt must not be empty")
+    room = model.config.max_len - prompt.numel()
+    if model.config.position in ("learned", "sinusoidal") and args.max_new_tokens > room:
+        raise SystemExit(f"--max-new-tokens at most {room} for this prompt (max_len "
+                         f"{model.config.max_len})")  # fmt: skip
+    generator = torch.Generator().manual_seed(args.seed)
+    start = time.perf_counter()
+    out = model.generate([prompt], args.max_new_tokens, temperature=args.temperature,
+                         top_k=args.top_k, generator=generator)[0]  # fmt: skip
+    seconds = time.perf_counter() - start
+    print(tokenizer.decode(out))
+    new = out.numel() - prompt.numel()
+    print(f"[{new} tokens in {seconds:.2f} s: {new / seconds:.1f} tokens/s]", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mhsa", description=__doc__)
     parser.add_argument("--version", action="version", version=f"mhsa {__version__}")
@@ -98,6 +171,38 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("info", help="versions, device and attention backends").set_defaults(
         run=info
     )
+    train_parser = commands.add_parser("train", help="train a model on built-in data")
+    train_models = train_parser.add_subparsers(dest="model", required=True)
+    gpt = train_models.add_parser("gpt", help="byte-level GPT on Python's own source code")
+    gpt.add_argument("--data", help="a text file to train on instead")
+    gpt.add_argument("--out", default="runs/gpt", help="checkpoint folder (default runs/gpt)")
+    gpt.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
+    gpt.add_argument("--steps", type=int, default=600)
+    gpt.add_argument("--stop-after", type=int, help="stop after N steps (checkpointed)")
+    gpt.add_argument("--batch-size", type=int, default=24)
+    gpt.add_argument("--seq-len", type=int, default=128)
+    gpt.add_argument("--layers", type=int, default=4)
+    gpt.add_argument("--heads", type=int, default=4)
+    gpt.add_argument("--kv-heads", type=int)
+    gpt.add_argument("--d-model", type=int, default=192)
+    gpt.add_argument("--dropout", type=float, default=0.0)
+    gpt.add_argument("--position", default="rotary",
+                     choices=["learned", "sinusoidal", "rotary", "alibi"])  # fmt: skip
+    gpt.add_argument("--window", type=int, help="sliding-window attention span")
+    gpt.add_argument("--lr", type=float, default=2e-3)
+    gpt.add_argument("--eval-every", type=int, default=100)
+    gpt.add_argument("--seed", type=int, default=0)
+    gpt.set_defaults(run=train_gpt)
+
+    gen = commands.add_parser("generate", help="sample text from a GPT checkpoint")
+    gen.add_argument("checkpoint", help="output folder of `mhsa train gpt`, or a step folder")
+    gen.add_argument("--prompt", default="def ")
+    gen.add_argument("--max-new-tokens", type=int, default=100)
+    gen.add_argument("--temperature", type=float, default=0.8)
+    gen.add_argument("--top-k", type=int, default=40)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.set_defaults(run=generate)
+
     bench_parser = commands.add_parser("bench", help="benchmarks: ratios against peers")
     bench_parser.add_argument("suite", choices=["attention", "sparse"], help="which benchmark")
     bench_parser.add_argument("--json", action="store_true", help="print JSON")

@@ -1,0 +1,1 @@
+"""Built-in datasets and tokenizers for the CLI tasks (nothing is downloaded)."""
