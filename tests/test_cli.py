@@ -62,3 +62,37 @@ def test_train_gpt_then_generate(tmp_path, capsys):
     assert main(["generate", str(out), "--prompt", "for ", "--max-new-tokens", "5"]) == 0
     captured = capsys.readouterr()
     assert captured.out.startswith("for ") and "tokens/s" in captured.err
+
+
+def test_attention_maps_match_the_modules_and_plot(tmp_path):
+    import torch
+
+    from mhsa.models import GPT, GPTConfig
+    from mhsa.viz import attention_maps, plot_maps
+
+    model = GPT(GPTConfig(vocab_size=256, n_layer=2, n_head=3, d_model=24, max_len=32,
+                          position="alibi", window=6))  # fmt: skip
+    idx = torch.randint(0, 256, (1, 11))
+    maps = attention_maps(model, idx)
+    assert len(maps) == 2 and maps[0].shape == (1, 3, 11, 11)
+    assert torch.allclose(maps[0].sum(-1), torch.ones(1, 3, 11), atol=1e-5)
+    assert (maps[1][0, :, 8, :2] == 0).all()  # outside the window of 6
+    # the first layer's map is what its module computes with need_weights
+    block = model.blocks[0]
+    x = block.attn_block.norm(model.tok_emb(idx))
+    _, weights = block.self_attn(x, mask=__import__("mhsa").masks.SlidingWindow(5, 0),
+                                 position=model.attn_position, need_weights=True,
+                                 average_weights=False)  # fmt: skip
+    assert torch.allclose(maps[0], weights, atol=1e-6)
+    plot_maps(maps, list("abcdefghijk"), str(tmp_path / "maps.png"))
+    assert (tmp_path / "maps.png").stat().st_size > 1000
+
+
+def test_generate_bench_quick():
+    from mhsa.benchmarks import generate
+
+    result = generate.run(quick=True)
+    rates = result["cache"]["tokens_per_s"]
+    assert rates["mhsa, cache"] > 0 and rates["same greedy tokens as transformers"] is True
+    window = result["window"]["results"]
+    assert window["sliding-window cache"]["cache_bytes"] < window["full cache"]["cache_bytes"]

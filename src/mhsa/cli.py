@@ -73,7 +73,7 @@ def bench(args: argparse.Namespace) -> int:
     """Run a benchmark suite; print its table, or JSON with --json."""
     import json
 
-    from .benchmarks import attention, sparse
+    from .benchmarks import attention, generate, sparse
 
     if args.suite == "attention":
         result = attention.run(
@@ -81,6 +81,9 @@ def bench(args: argparse.Namespace) -> int:
             memory=not args.no_memory, long=args.long,
         )  # fmt: skip
         text = attention.report(result)
+    elif args.suite == "generate":
+        result = generate.run(repeat=args.repeat, quick=args.quick)
+        text = generate.report(result)
     else:
         result = sparse.run(repeat=args.repeat, quick=args.quick)
         text = sparse.report(result)
@@ -164,6 +167,26 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def viz(args: argparse.Namespace) -> int:
+    """Attention maps of a GPT checkpoint for one text, every layer and head, as a PNG."""
+    from .data.text import ByteTokenizer
+    from .models import GPT, GPTConfig
+    from .train import load_checkpoint
+    from .viz import attention_maps, plot_maps
+
+    state = load_checkpoint(args.checkpoint)
+    model = GPT(GPTConfig(**state["info"]["config"]))
+    model.load_state_dict(state["weights"])
+    tokens = ByteTokenizer().encode(args.text)
+    if not 0 < tokens.numel() <= model.config.max_len:
+        raise SystemExit(f"--text must be 1..{model.config.max_len} bytes, got {tokens.numel()}")
+    maps = attention_maps(model, tokens.view(1, -1))
+    labels = [repr(chr(t))[1:-1] if t < 128 else "?" for t in tokens.tolist()]
+    plot_maps(maps, labels, args.out, title=f"{state['path']}: {args.text!r}")
+    print(f"{len(maps)} layers x {maps[0].shape[1]} heads written to {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mhsa", description=__doc__)
     parser.add_argument("--version", action="version", version=f"mhsa {__version__}")
@@ -203,15 +226,23 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(run=generate)
 
+    viz_parser = commands.add_parser("viz", help="attention maps of a checkpoint, as a PNG")
+    viz_parser.add_argument("checkpoint")
+    viz_parser.add_argument("--text", required=True)
+    viz_parser.add_argument("--out", default="maps.png")
+    viz_parser.set_defaults(run=viz)
+
     bench_parser = commands.add_parser("bench", help="benchmarks: ratios against peers")
-    bench_parser.add_argument("suite", choices=["attention", "sparse"], help="which benchmark")
+    bench_parser.add_argument(
+        "suite", choices=["attention", "sparse", "generate"], help="which benchmark"
+    )
     bench_parser.add_argument("--json", action="store_true", help="print JSON")
     bench_parser.add_argument("--length", type=int, default=4096, help="L = S for timings")
     bench_parser.add_argument("--heads", type=int, default=8)
     bench_parser.add_argument("--head-dim", type=int, default=64)
     bench_parser.add_argument("--repeat", type=int, default=5, help="best of N runs")
     bench_parser.add_argument("--plot", metavar="FILE", help="sparse: write a PNG plot")
-    bench_parser.add_argument("--quick", action="store_true", help="sparse: small smoke run")
+    bench_parser.add_argument("--quick", action="store_true", help="small smoke run")
     bench_parser.add_argument("--no-memory", action="store_true", help="skip memory cases")
     bench_parser.add_argument(
         "--long", action="store_true", help="add causal L=S=65536 memory (minutes)"

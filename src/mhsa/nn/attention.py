@@ -6,7 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from ..cache import KVCache
-from ..functional import attention, attention_and_weights
+from ..functional import attention, attention_and_weights, attention_weights
 from ..masks import KeyPadding, Pattern
 from ..positional import AttentionPosition
 
@@ -115,6 +115,26 @@ class MultiHeadAttention(nn.Module):
         runs over everything cached. Returns (B, L, E), and with need_weights also
         the probabilities (B, L, S) averaged over heads, or (B, H, L, S).
         """
+        q, k, v, mask, bias = self._inputs(
+            query, key, value, mask, key_padding_mask, bias, position, cache
+        )
+        dropout = self.dropout if self.training else 0.0
+        if need_weights:
+            out, weights = attention_and_weights(
+                q, k, v, mask, bias=bias, causal=causal, dropout_p=dropout
+            )
+        else:
+            out = attention(
+                q, k, v, mask, bias=bias, causal=causal, dropout_p=dropout, backend=self.backend
+            )
+        out = self.out_proj(out.transpose(1, 2).reshape(query.shape[0], query.shape[1], -1))
+        if not need_weights:
+            return out
+        return out, (weights.mean(dim=1) if average_weights else weights)
+
+    def _inputs(self, query, key, value, mask, key_padding_mask, bias, position, cache):
+        """Project and split heads, apply positions, update the cache, merge masks:
+        (q (B, H, L, hd), k, v (B, H_kv, S, hd), mask, bias) for the attention call."""
         if query.dim() != 3:
             raise ValueError(
                 f"query must be (batch, q_len, embed_dim), got shape {tuple(query.shape)}"
@@ -131,30 +151,38 @@ class MultiHeadAttention(nn.Module):
         if cache is not None:
             k, v = cache.update(k, v)
             cached_padding = cache.key_padding()  # which cached keys are left padding
-            if cached_padding is not None:
-                key_padding_mask = (
-                    cached_padding
-                    if key_padding_mask is None
-                    else key_padding_mask & cached_padding
-                )
+            if cached_padding is not None and key_padding_mask is not None:
+                key_padding_mask = key_padding_mask & cached_padding
+            elif cached_padding is not None:
+                key_padding_mask = cached_padding
         if position is not None:
             position_bias = position.attention_bias(q.shape[2], k.shape[2])
             if position_bias is not None:
                 bias = position_bias if bias is None else bias + position_bias
         mask = self._merge_masks(mask, key_padding_mask, query.shape[0], k.shape[2])
-        dropout = self.dropout if self.training else 0.0
-        if need_weights:
-            out, weights = attention_and_weights(
-                q, k, v, mask, bias=bias, causal=causal, dropout_p=dropout
-            )
-        else:
-            out = attention(
-                q, k, v, mask, bias=bias, causal=causal, dropout_p=dropout, backend=self.backend
-            )
-        out = self.out_proj(out.transpose(1, 2).reshape(query.shape[0], query.shape[1], -1))
-        if not need_weights:
-            return out
-        return out, (weights.mean(dim=1) if average_weights else weights)
+        return q, k, v, mask, bias
+
+    @torch.no_grad()
+    def attention_map(
+        self,
+        query: Tensor,
+        key: Tensor | None = None,
+        *,
+        mask: Tensor | Pattern | None = None,
+        key_padding_mask: Tensor | None = None,
+        bias: Tensor | None = None,
+        causal: bool = False,
+        position: AttentionPosition | None = None,
+        heads=None,
+        rows=None,
+        **_: object,
+    ) -> Tensor:
+        """The attention probabilities (B, H, L, S) this module computes for these inputs
+        (same arguments as forward), recomputed on demand by mhsa.attention_weights."""
+        q, k, _, mask, bias = self._inputs(
+            query, key, None, mask, key_padding_mask, bias, position, None
+        )
+        return attention_weights(q, k, mask, bias=bias, causal=causal, heads=heads, rows=rows)
 
     @staticmethod
     def _merge_masks(

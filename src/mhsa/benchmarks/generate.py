@@ -1,0 +1,126 @@
+"""`mhsa bench generate`: decoding speed with and without the KV cache, against
+transformers' GPT-2, and with a sliding-window cache at a long prompt.
+
+A 6-layer, d_model 384, 6-head GPT with random weights; batch 1, greedy.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..cache import KVCache
+from ..models import GPT, GPTConfig
+
+LAYERS, D_MODEL, HEADS = 6, 384, 6
+
+
+def _tokens_per_s(fn, new_tokens: int, repeat: int) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return new_tokens / best
+
+
+def cache_case(prompt: int, new: int, repeat: int) -> dict:
+    config = GPTConfig(vocab_size=256, n_layer=LAYERS, n_head=HEADS, d_model=D_MODEL,
+                       max_len=prompt + new)  # fmt: skip
+    model = GPT(config).eval()
+    idx = torch.randint(0, 256, (1, prompt))
+    rates = {
+        "mhsa, cache": _tokens_per_s(
+            lambda: model.generate(idx, new, temperature=0), new, repeat),
+        "mhsa, no cache": _tokens_per_s(
+            lambda: model.generate(idx, new, temperature=0, use_cache=False), new, 1),
+    }  # fmt: skip
+    try:
+        import transformers
+    except ImportError:
+        rates["transformers"] = None
+    else:
+        hf_config = transformers.GPT2Config(
+            vocab_size=256, n_positions=prompt + new, n_embd=D_MODEL, n_layer=LAYERS,
+            n_head=HEADS,
+        )  # fmt: skip
+        hf = transformers.GPT2LMHeadModel(hf_config).eval()
+        ours = GPT.from_hf_gpt2(hf.state_dict(), config).eval()
+        same = torch.equal(
+            ours.generate(idx, 16, temperature=0),
+            hf.generate(idx, max_new_tokens=16, do_sample=False, pad_token_id=0),
+        )
+
+        def hf_generate():
+            with torch.no_grad():
+                hf.generate(idx, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                            use_cache=True, pad_token_id=0)  # fmt: skip
+
+        rates["transformers"] = _tokens_per_s(hf_generate, new, repeat)
+        rates["mhsa, GPT-2 weights"] = _tokens_per_s(
+            lambda: ours.generate(idx, new, temperature=0), new, repeat)  # fmt: skip
+        rates["same greedy tokens as transformers"] = same
+    return {"prompt": prompt, "new_tokens": new, "tokens_per_s": rates}
+
+
+def window_case(prompt: int, new: int, window: int, repeat: int) -> dict:
+    config = GPTConfig(vocab_size=256, n_layer=LAYERS, n_head=HEADS, d_model=D_MODEL,
+                       max_len=prompt + new, position="rotary", window=window)  # fmt: skip
+    model = GPT(config).eval()
+    idx = torch.randint(0, 256, (1, prompt))
+    head_dim = D_MODEL // HEADS
+
+    def run(full: bool):
+        if full:  # a full cache for the same windowed model
+            caches = [KVCache(1, HEADS, prompt + new, head_dim) for _ in model.blocks]
+        else:
+            caches = model.make_caches(1, prompt + new)
+        with torch.no_grad():
+            logits = model(idx, caches=caches)[:, -1]
+            for _ in range(new):
+                nxt = logits.argmax(-1, keepdim=True)
+                logits = model(nxt, caches=caches)[:, -1]
+        return sum(c.k.numel() + c.v.numel() for c in caches) * 4
+
+    rows = {}
+    for name, full in (("sliding-window cache", False), ("full cache", True)):
+        memory = run(full)
+        rows[name] = {"tokens_per_s": _tokens_per_s(lambda full=full: run(full), new, repeat),
+                      "cache_bytes": memory}  # fmt: skip
+    return {"prompt": prompt, "new_tokens": new, "window": window, "results": rows}
+
+
+def run(repeat: int = 3, quick: bool = False) -> dict:
+    torch.manual_seed(0)
+    if quick:
+        return {"cache": cache_case(32, 16, 1), "window": window_case(64, 8, 16, 1)}
+    return {"cache": cache_case(256, 256, repeat), "window": window_case(2048, 256, 256, repeat)}
+
+
+def report(result: dict) -> str:
+    cache = result["cache"]
+    rates = cache["tokens_per_s"]
+    lines = [f"GPT {LAYERS} layers, d_model {D_MODEL}, {HEADS} heads, random weights, batch 1, "
+             f"greedy; prompt {cache['prompt']}, {cache['new_tokens']} new tokens"]  # fmt: skip
+    base = rates["mhsa, cache"]
+    for name, value in rates.items():
+        if isinstance(value, bool) or value is None:
+            lines.append(f"  {name}: {value if value is not None else 'transformers missing'}")
+        else:
+            lines.append(f"  {name:<22} {value:8.1f} tokens/s  (mhsa cache / this: "
+                         f"{base / value:5.2f}x)")  # fmt: skip
+    nocache = rates["mhsa, no cache"]
+    lines.append(f"  target cache >= 5x no cache: {'ok' if base / nocache >= 5 else 'MISSED'}")
+    if rates.get("transformers"):
+        ratio = rates["mhsa, GPT-2 weights"] / rates["transformers"]
+        lines.append(f"  target >= 1.0x transformers: {ratio:.2f}x "
+                     f"{'ok' if ratio >= 1.0 else 'MISSED'}")  # fmt: skip
+    window = result["window"]
+    lines.append(f"window {window['window']}, prompt {window['prompt']}, "
+                 f"{window['new_tokens']} new tokens:")  # fmt: skip
+    for name, row in window["results"].items():
+        lines.append(f"  {name:<22} {row['tokens_per_s']:8.1f} tokens/s, cache "
+                     f"{row['cache_bytes'] / 2**20:7.1f} MiB")  # fmt: skip
+    return "\n".join(lines)
