@@ -110,7 +110,7 @@ def test_logits_equal_transformers_gpt2():
     transformers = pytest.importorskip("transformers")
     hf_config = transformers.GPT2Config(
         vocab_size=101, n_positions=64, n_embd=48, n_layer=3, n_head=4,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None,
     )  # fmt: skip
     torch.manual_seed(0)
     hf = transformers.GPT2LMHeadModel(hf_config).eval()

@@ -44,7 +44,7 @@ def cache_case(prompt: int, new: int, repeat: int) -> dict:
     else:
         hf_config = transformers.GPT2Config(
             vocab_size=256, n_positions=prompt + new, n_embd=D_MODEL, n_layer=LAYERS,
-            n_head=HEADS,
+            n_head=HEADS, bos_token_id=None, eos_token_id=None,
         )  # fmt: skip
         hf = transformers.GPT2LMHeadModel(hf_config).eval()
         ours = GPT.from_hf_gpt2(hf.state_dict(), config).eval()
