@@ -187,6 +187,31 @@ def viz(args: argparse.Namespace) -> int:
     return 0
 
 
+def embed(args: argparse.Namespace) -> int:
+    """Sentence embeddings (all-MiniLM-L6-v2), as JSON or a cosine-similarity matrix."""
+    import json
+
+    from .embed import SentenceEncoder
+
+    try:
+        encoder = SentenceEncoder()
+    except RuntimeError as error:
+        raise SystemExit(str(error)) from error
+    vectors = encoder.encode(args.sentences)
+    if args.similarity:
+        sims = vectors @ vectors.T
+        width = max(len(s) for s in args.sentences[:20])
+        for sentence, row in zip(args.sentences, sims.tolist(), strict=True):
+            print(f"{sentence[:40]:<{min(width, 40)}}  " + " ".join(f"{v:6.3f}" for v in row))
+    elif args.json:
+        print(json.dumps(vectors.tolist()))
+    else:
+        for sentence, vector in zip(args.sentences, vectors.tolist(), strict=True):
+            print(f"{sentence[:40]!r}: [{', '.join(f'{v:.4f}' for v in vector[:6])}, ...] "
+                  f"({len(vector)} dims)")  # fmt: skip
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mhsa", description=__doc__)
     parser.add_argument("--version", action="version", version=f"mhsa {__version__}")
@@ -225,6 +250,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=40)
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(run=generate)
+
+    embed_parser = commands.add_parser("embed", help="sentence embeddings (all-MiniLM-L6-v2)")
+    embed_parser.add_argument("sentences", nargs="+")
+    embed_parser.add_argument("--json", action="store_true", help="print the vectors as JSON")
+    embed_parser.add_argument("--similarity", action="store_true", help="print cosine matrix")
+    embed_parser.set_defaults(run=embed)
 
     viz_parser = commands.add_parser("viz", help="attention maps of a checkpoint, as a PNG")
     viz_parser.add_argument("checkpoint")

