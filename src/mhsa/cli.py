@@ -134,6 +134,66 @@ def train_gpt(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fit(model, task, info: dict, args: argparse.Namespace, lr: float) -> dict:
+    """Run the shared training loop with the common command-line options."""
+    from .train import TrainConfig, train
+
+    params = sum(p.numel() for p in model.parameters())
+    print(f"model: {info['model']}, {params / 1e6:.3f}M parameters")
+    config = TrainConfig(steps=args.steps, lr=lr, eval_every=args.eval_every,
+                         checkpoint_every=args.eval_every, seed=args.seed)  # fmt: skip
+    result = train(model, task, config, args.out, model_info=info, resume=args.resume,
+                   stop_after=args.stop_after)  # fmt: skip
+    last = result["history"][-1] if result["history"] else {}
+    accuracy = f", test accuracy {last['test_acc']:.2%}" if "test_acc" in last else ""
+    print(
+        f"{result['step']} steps in {result['seconds']:.0f} s; validation loss "
+        f"{last.get('val_loss', float('nan')):.4f}{accuracy}; checkpoint: {args.out}"
+    )
+    return result
+
+
+def train_vit(args: argparse.Namespace) -> int:
+    """A ViT on sklearn's bundled digits (or --data DIR of class sub-folders)."""
+    from .data.classify import ClassificationTask, digits, image_folder, shift_augment, split
+    from .models.vit import ViT, ViTConfig
+
+    torch.manual_seed(args.seed)
+    if args.data:
+        images, labels, _ = image_folder(args.data, args.image_size, args.channels)
+    else:
+        images, labels = digits()
+    config = ViTConfig(image_size=images.shape[-1], patch_size=args.patch_size,
+                       channels=images.shape[1], num_classes=int(labels.max()) + 1,
+                       d_model=args.d_model, n_layer=args.layers, n_head=args.heads,
+                       dropout=args.dropout)  # fmt: skip
+    train_split, test_split = split(images, labels, 0.2, seed=args.seed)
+    print(
+        f"data: {'--data ' + args.data if args.data else 'sklearn digits'}, "
+        f"{len(train_split[1])} train / {len(test_split[1])} test images"
+    )
+    task = ClassificationTask(
+        train_split,
+        test_split,
+        args.batch_size,
+        augment=shift_augment,
+        items_per_sample=(config.image_size // config.patch_size) ** 2,
+    )
+    _fit(ViT(config), task, {"model": "vit", "config": config.to_dict()}, args, args.lr)
+    return 0
+
+
+def _common_train_options(
+    parser: argparse.ArgumentParser, steps: int, out: str, eval_every: int = 100
+) -> None:
+    parser.add_argument("--out", default=out, help=f"checkpoint folder (default {out})")
+    parser.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--stop-after", type=int, help="stop after N steps (checkpointed)")
+    parser.add_argument("--eval-every", type=int, default=eval_every)
+    parser.add_argument("--seed", type=int, default=0)
+
+
 def generate(args: argparse.Namespace) -> int:
     """Sample a continuation from a trained checkpoint, with the KV cache."""
     import time
@@ -241,6 +301,20 @@ def build_parser() -> argparse.ArgumentParser:
     gpt.add_argument("--eval-every", type=int, default=100)
     gpt.add_argument("--seed", type=int, default=0)
     gpt.set_defaults(run=train_gpt)
+
+    vit = train_models.add_parser("vit", help="ViT on sklearn's digits (or --data DIR)")
+    _common_train_options(vit, steps=6000, out="runs/vit", eval_every=1000)
+    vit.add_argument("--data", help="a folder with one sub-folder of images per class")
+    vit.add_argument("--image-size", type=int, default=32, help="with --data")
+    vit.add_argument("--channels", type=int, default=1, choices=[1, 3], help="with --data")
+    vit.add_argument("--patch-size", type=int, default=2)
+    vit.add_argument("--batch-size", type=int, default=64)
+    vit.add_argument("--layers", type=int, default=4)
+    vit.add_argument("--heads", type=int, default=4)
+    vit.add_argument("--d-model", type=int, default=64)
+    vit.add_argument("--dropout", type=float, default=0.0)
+    vit.add_argument("--lr", type=float, default=2e-3)
+    vit.set_defaults(run=train_vit)
 
     gen = commands.add_parser("generate", help="sample text from a GPT checkpoint")
     gen.add_argument("checkpoint", help="output folder of `mhsa train gpt`, or a step folder")

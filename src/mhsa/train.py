@@ -4,6 +4,7 @@ A model trains if it has `loss(*batch) -> scalar`; a task supplies batches:
     task.train_batch(generator) -> batch     random, drawn from `generator`
     task.eval_batches() -> list of batches   fixed
     task.tokens_per_batch() -> int           for the tokens/s figure
+    task.metrics(model) -> dict              optional, e.g. test accuracy, at each eval
 
 Checkpoints live in an output directory as `step-NNNNNN/` folders holding
 `model.safetensors` (weights), `config.json` (what rebuilds the model) and
@@ -118,9 +119,17 @@ def train(
         _progress(step, config.steps, loss.item(), tokens_done / elapsed, elapsed)
         if step % config.eval_every == 0 or step == config.steps:
             val = evaluate(model, task)
-            history.append({"step": step, "train_loss": loss.item(), "val_loss": val})
+            record = {"step": step, "train_loss": loss.item(), "val_loss": val}
+            if hasattr(task, "metrics"):
+                model.eval()
+                with torch.no_grad():
+                    record.update(task.metrics(model))
+                model.train()
+            history.append(record)
             sys.stderr.write("\n")
-            log(f"step {step}: val loss {val:.4f}")
+            extra = "".join(f", {k} {v:.4f}" for k, v in record.items() if k not in
+                            ("step", "train_loss", "val_loss"))  # fmt: skip
+            log(f"step {step}: val loss {val:.4f}{extra}")
         if step % config.checkpoint_every == 0 or step == end:
             trainer = {
                 "optimizer": optimizer.state_dict(), "generator": generator.get_state(),

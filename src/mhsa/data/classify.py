@@ -1,0 +1,120 @@
+"""Classification data for the encoders: a task over in-memory tensors, sklearn's
+bundled digits, and folders of labelled images."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+
+class ClassificationTask:
+    """Random training batches, fixed test batches, test accuracy as the metric.
+
+    inputs may be a tensor (N, ...) or a list of tensors (padded per batch by
+    `collate`, which returns the model's input arguments)."""
+
+    def __init__(
+        self,
+        train: tuple, test: tuple, batch_size: int, *,
+        augment: Callable[[Tensor, torch.Generator], Tensor] | None = None,
+        collate: Callable | None = None, items_per_sample: int = 1,
+    ) -> None:  # fmt: skip
+        self.train_x, self.train_y = train
+        self.test_x, self.test_y = test
+        self.batch_size, self.augment = batch_size, augment
+        self.collate = collate or (lambda xs: (torch.stack(xs) if isinstance(xs, list) else xs,))
+        self.items_per_sample = items_per_sample
+        order = torch.arange(len(self.test_y)).split(max(batch_size, 256))
+        self._eval = [(*self._inputs(self.test_x, idx), self.test_y[idx]) for idx in order]
+
+    def _inputs(self, data, idx: Tensor) -> tuple:
+        if isinstance(data, list):
+            return self.collate([data[i] for i in idx.tolist()])
+        return self.collate(data[idx])
+
+    def train_batch(self, generator: torch.Generator) -> tuple:
+        idx = torch.randint(0, len(self.train_y), (self.batch_size,), generator=generator)
+        inputs = self._inputs(self.train_x, idx)
+        if self.augment is not None:
+            inputs = (self.augment(inputs[0], generator), *inputs[1:])
+        return (*inputs, self.train_y[idx])
+
+    def eval_batches(self) -> list[tuple]:
+        return self._eval
+
+    def tokens_per_batch(self) -> int:
+        return self.batch_size * self.items_per_sample
+
+    def metrics(self, model) -> dict:
+        correct = sum((model(*b[:-1]).argmax(-1) == b[-1]).sum().item() for b in self._eval)
+        return {"test_acc": correct / len(self.test_y)}
+
+
+def split(x, y: Tensor, test_fraction: float, seed: int) -> tuple[tuple, tuple]:
+    """A shuffled split, stratified by label, fixed by the seed."""
+    generator = torch.Generator().manual_seed(seed)
+    test_idx = []
+    for label in y.unique():
+        members = (y == label).nonzero().flatten()
+        members = members[torch.randperm(len(members), generator=generator)]
+        test_idx.append(members[: max(1, round(len(members) * test_fraction))])
+    test = torch.cat(test_idx)
+    mask = torch.ones(len(y), dtype=torch.bool)
+    mask[test] = False
+    train = mask.nonzero().flatten()
+
+    def take(idx):
+        return [x[i] for i in idx.tolist()] if isinstance(x, list) else x[idx]
+
+    return (take(train), y[train]), (take(test), y[test])
+
+
+def digits() -> tuple[Tensor, Tensor]:
+    """scikit-learn's bundled 8x8 handwritten digits: images (1797, 1, 8, 8) in [0, 1]."""
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as error:
+        raise SystemExit("the digits data needs scikit-learn: pip install scikit-learn") from error
+    data = load_digits()
+    images = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    return images, torch.tensor(data.target, dtype=torch.long)
+
+
+def shift_augment(images: Tensor, generator: torch.Generator, max_shift: int = 1) -> Tensor:
+    """Shift each image by up to max_shift pixels in each direction (zero fill)."""
+    padded = torch.nn.functional.pad(images, (max_shift,) * 4)
+    size = images.shape[-1]
+    out = torch.empty_like(images)
+    offsets = torch.randint(0, 2 * max_shift + 1, (len(images), 2), generator=generator)
+    for i, (dy, dx) in enumerate(offsets.tolist()):
+        out[i] = padded[i, :, dy : dy + size, dx : dx + size]
+    return out
+
+
+def image_folder(directory: str | Path, size: int, channels: int) -> tuple[Tensor, Tensor, list]:
+    """Images under directory/<class name>/*.{png,jpg,jpeg}, resized to size x size."""
+    try:
+        from PIL import Image
+    except ImportError as error:
+        raise SystemExit("--data DIR needs Pillow: pip install pillow") from error
+    directory = Path(directory)
+    classes = (
+        sorted(p.name for p in directory.iterdir() if p.is_dir()) if directory.is_dir() else []
+    )
+    if len(classes) < 2:
+        raise SystemExit(f"--data {directory}: need one sub-folder per class (two or more)")
+    images, labels = [], []
+    mode = "L" if channels == 1 else "RGB"
+    for label, name in enumerate(classes):
+        for path in sorted((directory / name).iterdir()):
+            if path.suffix.lower() in (".png", ".jpg", ".jpeg"):
+                image = Image.open(path).convert(mode).resize((size, size))
+                array = torch.tensor(list(image.getdata()), dtype=torch.float32) / 255.0
+                images.append(array.view(size, size, channels).permute(2, 0, 1))
+                labels.append(label)
+    if not images:
+        raise SystemExit(f"--data {directory}: no .png/.jpg images found")
+    return torch.stack(images), torch.tensor(labels), classes

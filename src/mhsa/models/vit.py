@@ -1,0 +1,87 @@
+"""Vision Transformer: an image as a sequence of patches.
+
+    image (B, C, H, W) -> non-overlapping patches, linearly embedded (B, N, d)
+      -> prepend a learned [CLS] token, add learned positions
+      -> n_layer pre-norm encoder blocks -> layer norm -> linear head on [CLS]
+
+Position embeddings are interpolated (bicubic over the patch grid) when the image
+size differs from the one the model was built for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..nn import TransformerEncoderLayer
+
+
+@dataclass
+class ViTConfig:
+    image_size: int = 8
+    patch_size: int = 2
+    channels: int = 1
+    num_classes: int = 10
+    d_model: int = 64
+    n_layer: int = 4
+    n_head: int = 4
+    d_ff: int | None = None
+    dropout: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.image_size % self.patch_size:
+            raise ValueError(f"image_size ({self.image_size}) must be a multiple of "
+                             f"patch_size ({self.patch_size})")  # fmt: skip
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class ViT(nn.Module):
+    def __init__(self, config: ViTConfig) -> None:
+        super().__init__()
+        self.config = config
+        d = config.d_model
+        self.patch_embed = nn.Conv2d(config.channels, d, config.patch_size, config.patch_size)
+        grid = config.image_size // config.patch_size
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, d))
+        self.pos_emb = nn.Parameter(torch.randn(1, 1 + grid * grid, d) * 0.02)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(
+            TransformerEncoderLayer(d, config.n_head, dim_feedforward=config.d_ff or 4 * d,
+                                    dropout=config.dropout, activation="gelu", norm_first=True)
+            for _ in range(config.n_layer)
+        )  # fmt: skip
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, config.num_classes)
+
+    def positions(self, grid_h: int, grid_w: int) -> Tensor:
+        """(1, 1 + grid_h * grid_w, d): the learned positions, resized to this grid."""
+        grid = self.config.image_size // self.config.patch_size
+        if (grid_h, grid_w) == (grid, grid):
+            return self.pos_emb
+        cls_pos, patch_pos = self.pos_emb[:, :1], self.pos_emb[:, 1:]
+        patch_pos = patch_pos.reshape(1, grid, grid, -1).permute(0, 3, 1, 2)
+        patch_pos = F.interpolate(patch_pos, size=(grid_h, grid_w), mode="bicubic",
+                                  align_corners=False)  # fmt: skip
+        return torch.cat([cls_pos, patch_pos.flatten(2).transpose(1, 2)], dim=1)
+
+    def forward(self, images: Tensor) -> Tensor:
+        """images (B, C, H, W), H and W multiples of patch_size -> logits (B, classes)."""
+        if images.dim() != 4 or images.shape[1] != self.config.channels:
+            raise ValueError(f"images must be (batch, {self.config.channels}, H, W), "
+                             f"got {tuple(images.shape)}")  # fmt: skip
+        patches = self.patch_embed(images)  # (B, d, H/p, W/p)
+        grid_h, grid_w = patches.shape[2:]
+        x = patches.flatten(2).transpose(1, 2)  # (B, N, d)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+        x = self.drop(x + self.positions(grid_h, grid_w))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x[:, 0]))
+
+    def loss(self, images: Tensor, labels: Tensor) -> Tensor:
+        return F.cross_entropy(self(images), labels)

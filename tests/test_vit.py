@@ -1,0 +1,40 @@
+"""ViT: shapes, position interpolation, training end to end on a tiny config."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mhsa.cli import main
+from mhsa.models.vit import ViT, ViTConfig
+
+
+def test_forward_shapes_and_cls_readout():
+    model = ViT(ViTConfig(image_size=8, patch_size=2, num_classes=10, d_model=32, n_layer=2))
+    assert model(torch.randn(5, 1, 8, 8)).shape == (5, 10)
+    assert model.pos_emb.shape == (1, 17, 32)  # [CLS] + 4 x 4 patches
+
+
+def test_positions_interpolate_for_other_image_sizes():
+    model = ViT(ViTConfig(image_size=8, patch_size=2, d_model=16, n_layer=1, n_head=2)).eval()
+    assert model(torch.randn(2, 1, 12, 16)).shape == (2, 10)
+    assert torch.equal(model.positions(4, 4), model.pos_emb)
+    resized = model.positions(6, 8)
+    assert resized.shape == (1, 49, 16) and torch.equal(resized[:, 0], model.pos_emb[:, 0])
+
+
+def test_bad_images_are_clear_errors():
+    model = ViT(ViTConfig(d_model=16, n_layer=1, n_head=2))
+    with pytest.raises(ValueError, match=r"images must be \(batch, 1, H, W\)"):
+        model(torch.randn(2, 3, 8, 8))
+    with pytest.raises(ValueError, match="multiple of patch_size"):
+        ViTConfig(image_size=9, patch_size=2)
+
+
+def test_train_vit_end_to_end(tmp_path, capsys):
+    args = ["train", "vit", "--out", str(tmp_path / "vit"), "--steps", "6", "--eval-every", "3",
+            "--layers", "1", "--d-model", "16", "--heads", "2"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "sklearn digits" in out and "test accuracy" in out
+    assert (tmp_path / "vit" / "latest" / "model.safetensors").exists()
