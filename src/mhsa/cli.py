@@ -183,6 +183,26 @@ def train_vit(args: argparse.Namespace) -> int:
     return 0
 
 
+def train_points(args: argparse.Namespace) -> int:
+    """A point-cloud transformer on built-in randomly posed shapes."""
+    from .data.classify import ClassificationTask
+    from .data.shapes import SHAPES, collate, dataset
+    from .models.points import PointCloudConfig, PointCloudTransformer
+
+    torch.manual_seed(args.seed)
+    train_split = dataset(args.per_class, seed=args.seed)
+    test_split = dataset(max(20, args.per_class // 5), seed=args.seed + 10_000)
+    print(f"data: {len(SHAPES)} shapes ({', '.join(SHAPES)}), {len(train_split[1])} train / "
+          f"{len(test_split[1])} test clouds of 96-160 points")  # fmt: skip
+    config = PointCloudConfig(num_classes=len(SHAPES), d_model=args.d_model, n_layer=args.layers,
+                              n_head=args.heads, pooling=args.pooling)  # fmt: skip
+    task = ClassificationTask(train_split, test_split, args.batch_size, collate=collate,
+                              items_per_sample=128)  # fmt: skip
+    _fit(PointCloudTransformer(config), task, {"model": "points", "config": config.to_dict()},
+         args, args.lr)  # fmt: skip
+    return 0
+
+
 def _common_train_options(
     parser: argparse.ArgumentParser, steps: int, out: str, eval_every: int = 100
 ) -> None:
@@ -315,6 +335,17 @@ def build_parser() -> argparse.ArgumentParser:
     vit.add_argument("--dropout", type=float, default=0.0)
     vit.add_argument("--lr", type=float, default=2e-3)
     vit.set_defaults(run=train_vit)
+
+    points = train_models.add_parser("points", help="point-cloud transformer on built-in shapes")
+    _common_train_options(points, steps=1500, out="runs/points", eval_every=250)
+    points.add_argument("--per-class", type=int, default=300, help="training clouds per shape")
+    points.add_argument("--batch-size", type=int, default=32)
+    points.add_argument("--layers", type=int, default=3)
+    points.add_argument("--heads", type=int, default=4)
+    points.add_argument("--d-model", type=int, default=96)
+    points.add_argument("--pooling", default="attention", choices=["attention", "mean", "max"])
+    points.add_argument("--lr", type=float, default=1e-3)
+    points.set_defaults(run=train_points)
 
     gen = commands.add_parser("generate", help="sample text from a GPT checkpoint")
     gen.add_argument("checkpoint", help="output folder of `mhsa train gpt`, or a step folder")

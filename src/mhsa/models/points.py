@@ -1,0 +1,97 @@
+"""Permutation-invariant attention on point clouds.
+
+    points (B, N, 3) -> scaled to unit RMS radius -> per-point MLP on coordinates and
+      radius (no positional encoding)
+      -> n_layer pre-norm self-attention blocks (padding masked)   equivariant
+      -> pooling: attention from a learned seed query, or masked mean / max  invariant
+      -> linear head -> logits (B, classes)
+
+Attention without positions treats the points as a set: permuting the input permutes
+the per-point features and leaves the pooled output unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..nn import MultiHeadAttention, TransformerEncoderLayer
+
+POOLINGS = ("attention", "mean", "max")
+
+
+@dataclass
+class PointCloudConfig:
+    num_classes: int = 6
+    d_model: int = 96
+    n_layer: int = 3
+    n_head: int = 4
+    d_ff: int | None = None
+    dropout: float = 0.0
+    pooling: str = "attention"
+
+    def __post_init__(self) -> None:
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class PointCloudTransformer(nn.Module):
+    def __init__(self, config: PointCloudConfig) -> None:
+        super().__init__()
+        self.config = config
+        d = config.d_model
+        self.embed = nn.Sequential(nn.Linear(4, d), nn.GELU(), nn.Linear(d, d))
+        self.blocks = nn.ModuleList(
+            TransformerEncoderLayer(d, config.n_head, dim_feedforward=config.d_ff or 2 * d,
+                                    dropout=config.dropout, activation="gelu", norm_first=True)
+            for _ in range(config.n_layer)
+        )  # fmt: skip
+        self.norm = nn.LayerNorm(d)
+        self.seed = nn.Parameter(torch.randn(1, 1, d) * 0.02)
+        self.pool_attn = MultiHeadAttention(d, config.n_head)
+        self.head = nn.Linear(d, config.num_classes)
+
+    def encode(self, points: Tensor, mask: Tensor | None = None) -> Tensor:
+        """points (B, N, 3), mask (B, N) True = a real point -> features (B, N, d)."""
+        if points.dim() != 3 or points.shape[-1] != 3:
+            raise ValueError(f"points must be (batch, N, 3), got {tuple(points.shape)}")
+        points = points / _rms_radius(points, mask)  # scale-invariant input
+        # coordinates and distance from the origin (rotation-invariant), per point
+        x = self.embed(torch.cat([points, points.norm(dim=-1, keepdim=True)], dim=-1))
+        for block in self.blocks:
+            x = block(x, key_padding_mask=mask)
+        return self.norm(x)
+
+    def pool(self, features: Tensor, mask: Tensor | None) -> Tensor:
+        """(B, N, d) -> (B, d), invariant to the order of the points."""
+        kind = self.config.pooling
+        if kind == "attention":
+            seed = self.seed.expand(features.shape[0], -1, -1)
+            return self.pool_attn(seed, features, key_padding_mask=mask)[:, 0]
+        weights = torch.ones(features.shape[:2], device=features.device) if mask is None \
+            else mask.to(features.dtype)  # fmt: skip
+        if kind == "mean":
+            return (features * weights.unsqueeze(-1)).sum(1) / weights.sum(1, keepdim=True)
+        return features.masked_fill(weights.unsqueeze(-1) == 0, -torch.inf).amax(dim=1)
+
+    def forward(self, points: Tensor, mask: Tensor | None = None) -> Tensor:
+        """points (B, N, 3), mask (B, N) -> logits (B, classes)."""
+        return self.head(self.pool(self.encode(points, mask), mask))
+
+    def loss(self, points: Tensor, mask: Tensor, labels: Tensor) -> Tensor:
+        return F.cross_entropy(self(points, mask), labels)
+
+
+def _rms_radius(points: Tensor, mask: Tensor | None) -> Tensor:
+    """(B, 1, 1): root-mean-square distance of each cloud's real points from the origin."""
+    sq = points.square().sum(-1)
+    if mask is None:
+        return sq.mean(-1).sqrt().clamp(min=1e-6).view(-1, 1, 1)
+    mean = (sq * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    return mean.sqrt().clamp(min=1e-6).view(-1, 1, 1)
