@@ -207,6 +207,32 @@ def train_bert(args: argparse.Namespace) -> int:
     return 0
 
 
+def train_ast(args: argparse.Namespace) -> int:
+    """An Audio Spectrogram Transformer on spoken digits synthesised with espeak-ng."""
+    from .data.classify import ClassificationTask
+    from .data.speech import log_mel, synthesize, voices
+    from .models.ast import AST, ASTConfig
+
+    torch.manual_seed(args.seed)
+    voice_list = voices()
+    order = torch.randperm(len(voice_list), generator=torch.Generator().manual_seed(args.seed))
+    voice_list = [voice_list[i] for i in order[: args.voices].tolist()]
+    held_out = max(1, len(voice_list) // 5)
+    print(f"synthesising {len(voice_list) * 10 * args.per_voice} clips with espeak-ng "
+          f"({len(voice_list)} voices, {held_out} held out for testing) ...")  # fmt: skip
+    audio, labels, speakers = synthesize(args.per_voice, args.seed, voice_list)
+    features = log_mel(audio)
+    mean = features.mean(dim=(1, 2), keepdim=True)
+    features = (features - mean) / features.std(dim=(1, 2), keepdim=True)  # per clip
+    test = speakers < held_out  # whole voices, never heard in training
+    config = ASTConfig(n_mels=features.shape[1], frames=features.shape[2], d_model=args.d_model,
+                       n_layer=args.layers, n_head=args.heads)  # fmt: skip
+    task = ClassificationTask((features[~test], labels[~test]), (features[test], labels[test]),
+                              args.batch_size, items_per_sample=sum(config.grid()))  # fmt: skip
+    _fit(AST(config), task, {"model": "ast", "config": config.to_dict()}, args, args.lr)
+    return 0
+
+
 def train_points(args: argparse.Namespace) -> int:
     """A point-cloud transformer on built-in randomly posed shapes."""
     from .data.classify import ClassificationTask
@@ -370,6 +396,17 @@ def build_parser() -> argparse.ArgumentParser:
     vit.add_argument("--dropout", type=float, default=0.0)
     vit.add_argument("--lr", type=float, default=2e-3)
     vit.set_defaults(run=train_vit)
+
+    ast = train_models.add_parser("ast", help="AST on spoken digits synthesised by espeak-ng")
+    _common_train_options(ast, steps=1000, out="runs/ast", eval_every=250)
+    ast.add_argument("--voices", type=int, default=84, help="how many voices (of 84)")
+    ast.add_argument("--per-voice", type=int, default=3, help="clips per digit and voice")
+    ast.add_argument("--batch-size", type=int, default=32)
+    ast.add_argument("--layers", type=int, default=4)
+    ast.add_argument("--heads", type=int, default=4)
+    ast.add_argument("--d-model", type=int, default=96)
+    ast.add_argument("--lr", type=float, default=1e-3)
+    ast.set_defaults(run=train_ast)
 
     points = train_models.add_parser("points", help="point-cloud transformer on built-in shapes")
     _common_train_options(points, steps=1500, out="runs/points", eval_every=250)

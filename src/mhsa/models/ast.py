@@ -1,0 +1,68 @@
+"""Audio Spectrogram Transformer: a log-mel spectrogram as a sequence of patches.
+
+spectrogram (B, mels, frames) -> overlapping 2-D patches (a strided convolution)
+  -> prepend [CLS], add learned positions -> pre-norm encoder -> head on [CLS]
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..nn import TransformerEncoderLayer
+
+
+@dataclass
+class ASTConfig:
+    n_mels: int = 64
+    frames: int = 101
+    patch: int = 16
+    stride: int = 10  # < patch: patches overlap, as in AST
+    num_classes: int = 10
+    d_model: int = 96
+    n_layer: int = 4
+    n_head: int = 4
+    dropout: float = 0.1
+
+    def grid(self) -> tuple[int, int]:
+        return ((self.n_mels - self.patch) // self.stride + 1,
+                (self.frames - self.patch) // self.stride + 1)  # fmt: skip
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class AST(nn.Module):
+    def __init__(self, config: ASTConfig) -> None:
+        super().__init__()
+        self.config = config
+        d = config.d_model
+        self.patch_embed = nn.Conv2d(1, d, config.patch, config.stride)
+        rows, cols = config.grid()
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, d))
+        self.pos_emb = nn.Parameter(torch.randn(1, 1 + rows * cols, d) * 0.02)
+        self.blocks = nn.ModuleList(
+            TransformerEncoderLayer(d, config.n_head, dim_feedforward=4 * d,
+                                    dropout=config.dropout, activation="gelu", norm_first=True)
+            for _ in range(config.n_layer)
+        )  # fmt: skip
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, config.num_classes)
+
+    def forward(self, spectrogram: Tensor) -> Tensor:
+        """spectrogram (B, n_mels, frames), normalised log-mel -> logits (B, classes)."""
+        expected = (self.config.n_mels, self.config.frames)
+        if spectrogram.dim() != 3 or tuple(spectrogram.shape[1:]) != expected:
+            raise ValueError(f"spectrogram must be (batch, {expected[0]}, {expected[1]}), "
+                             f"got {tuple(spectrogram.shape)}")  # fmt: skip
+        x = self.patch_embed(spectrogram.unsqueeze(1)).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_emb
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x[:, 0]))
+
+    def loss(self, spectrogram: Tensor, labels: Tensor) -> Tensor:
+        return F.cross_entropy(self(spectrogram), labels)
