@@ -62,7 +62,7 @@ def info(_: argparse.Namespace) -> int:
             limit = backend.supports(_probe_spec(device, **changes))
             if limit is not None:
                 print(f"  {'':<10} not for {probe}: {limit}")
-    print("auto picks (B=1, H=8, H_kv=2, L=S=128, D=64, float32):")
+    print("auto picks (B=1, H=8, H_kv=2, L=S=1024, D=64, float32):")
     for probe, changes in {"plain": {}, **_PROBES}.items():
         chosen = select(_probe_spec(device, **changes), "auto").name
         print(f"  {probe:<12} {chosen}")
@@ -416,7 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     points.add_argument("--heads", type=int, default=4)
     points.add_argument("--d-model", type=int, default=96)
     points.add_argument("--pooling", default="attention", choices=["attention", "mean", "max"])
-    points.add_argument("--lr", type=float, default=1e-3)
+    points.add_argument("--lr", type=float, default=2e-3)
     points.set_defaults(run=train_points)
 
     gen = commands.add_parser("generate", help="sample text from a GPT checkpoint")

@@ -39,6 +39,9 @@ def _merged_attn_mask(
     return torch.where(dead, torch.zeros((), dtype=dtype, device=attn.device), attn), dead
 
 
+SMALL_SCORES = 256 * 256  # L * S up to which sdpa is preferred whatever the mask
+
+
 class SdpaBackend(Backend):
     name = "sdpa"
 
@@ -51,6 +54,9 @@ class SdpaBackend(Backend):
         # Fastest when its fused kernels apply: no mask or bias to materialise, causal
         # only where its top-left alignment equals ours, and (on CPU) no dropout and
         # D == D_v; otherwise the tiled engine skips blocks and stays memory-lean.
+        # Small score matrices cost nothing to materialise: one call beats a plan.
+        if spec.q_len * spec.kv_len <= SMALL_SCORES:
+            return 3.0
         plain = not spec.has_mask and not spec.has_bias
         aligned = not spec.causal or spec.q_len == spec.kv_len
         if spec.device.type == "cpu":
