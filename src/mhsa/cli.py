@@ -264,6 +264,18 @@ def _common_train_options(
     parser.add_argument("--seed", type=int, default=0)
 
 
+def _size_options(
+    parser: argparse.ArgumentParser, *, batch_size: int, layers: int, heads: int, d_model: int,
+    lr: float,
+) -> None:  # fmt: skip
+    """The model-size and optimisation options every `mhsa train` command has."""
+    parser.add_argument("--batch-size", type=int, default=batch_size)
+    parser.add_argument("--layers", type=int, default=layers)
+    parser.add_argument("--heads", type=int, default=heads)
+    parser.add_argument("--d-model", type=int, default=d_model)
+    parser.add_argument("--lr", type=float, default=lr)
+
+
 def generate(args: argparse.Namespace) -> int:
     """Sample a continuation from a trained checkpoint, with the KV cache."""
     import time
@@ -357,17 +369,13 @@ def build_parser() -> argparse.ArgumentParser:
     gpt.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
     gpt.add_argument("--steps", type=int, default=600)
     gpt.add_argument("--stop-after", type=int, help="stop after N steps (checkpointed)")
-    gpt.add_argument("--batch-size", type=int, default=24)
+    _size_options(gpt, batch_size=24, layers=4, heads=4, d_model=192, lr=2e-3)
     gpt.add_argument("--seq-len", type=int, default=128)
-    gpt.add_argument("--layers", type=int, default=4)
-    gpt.add_argument("--heads", type=int, default=4)
     gpt.add_argument("--kv-heads", type=int)
-    gpt.add_argument("--d-model", type=int, default=192)
     gpt.add_argument("--dropout", type=float, default=0.0)
     gpt.add_argument("--position", default="rotary",
                      choices=["learned", "sinusoidal", "rotary", "alibi"])  # fmt: skip
     gpt.add_argument("--window", type=int, help="sliding-window attention span")
-    gpt.add_argument("--lr", type=float, default=2e-3)
     gpt.add_argument("--eval-every", type=int, default=100)
     gpt.add_argument("--seed", type=int, default=0)
     gpt.set_defaults(run=train_gpt)
@@ -375,12 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
     bert = train_models.add_parser("bert", help="masked-LM BERT on Python's own source code")
     _common_train_options(bert, steps=300, out="runs/bert")
     bert.add_argument("--data", help="a text file to train on instead")
-    bert.add_argument("--batch-size", type=int, default=16)
+    _size_options(bert, batch_size=16, layers=4, heads=4, d_model=192, lr=1e-3)
     bert.add_argument("--seq-len", type=int, default=128)
-    bert.add_argument("--layers", type=int, default=4)
-    bert.add_argument("--heads", type=int, default=4)
-    bert.add_argument("--d-model", type=int, default=192)
-    bert.add_argument("--lr", type=float, default=1e-3)
     bert.set_defaults(run=train_bert)
 
     vit = train_models.add_parser("vit", help="ViT on sklearn's digits (or --data DIR)")
@@ -389,34 +393,22 @@ def build_parser() -> argparse.ArgumentParser:
     vit.add_argument("--image-size", type=int, default=32, help="with --data")
     vit.add_argument("--channels", type=int, default=1, choices=[1, 3], help="with --data")
     vit.add_argument("--patch-size", type=int, default=2)
-    vit.add_argument("--batch-size", type=int, default=64)
-    vit.add_argument("--layers", type=int, default=4)
-    vit.add_argument("--heads", type=int, default=4)
-    vit.add_argument("--d-model", type=int, default=64)
+    _size_options(vit, batch_size=64, layers=4, heads=4, d_model=64, lr=2e-3)
     vit.add_argument("--dropout", type=float, default=0.0)
-    vit.add_argument("--lr", type=float, default=2e-3)
     vit.set_defaults(run=train_vit)
 
     ast = train_models.add_parser("ast", help="AST on spoken digits synthesised by espeak-ng")
     _common_train_options(ast, steps=1000, out="runs/ast", eval_every=250)
     ast.add_argument("--voices", type=int, default=84, help="how many voices (of 84)")
     ast.add_argument("--per-voice", type=int, default=3, help="clips per digit and voice")
-    ast.add_argument("--batch-size", type=int, default=32)
-    ast.add_argument("--layers", type=int, default=4)
-    ast.add_argument("--heads", type=int, default=4)
-    ast.add_argument("--d-model", type=int, default=96)
-    ast.add_argument("--lr", type=float, default=1e-3)
+    _size_options(ast, batch_size=32, layers=4, heads=4, d_model=96, lr=1e-3)
     ast.set_defaults(run=train_ast)
 
     points = train_models.add_parser("points", help="point-cloud transformer on built-in shapes")
     _common_train_options(points, steps=1500, out="runs/points", eval_every=250)
     points.add_argument("--per-class", type=int, default=300, help="training clouds per shape")
-    points.add_argument("--batch-size", type=int, default=32)
-    points.add_argument("--layers", type=int, default=3)
-    points.add_argument("--heads", type=int, default=4)
-    points.add_argument("--d-model", type=int, default=96)
+    _size_options(points, batch_size=32, layers=3, heads=4, d_model=96, lr=2e-3)
     points.add_argument("--pooling", default="attention", choices=["attention", "mean", "max"])
-    points.add_argument("--lr", type=float, default=2e-3)
     points.set_defaults(run=train_points)
 
     gen = commands.add_parser("generate", help="sample text from a GPT checkpoint")

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..nn import TransformerEncoderLayer
+from .init import normal_init
 
 
 @dataclass
@@ -76,15 +77,7 @@ class Bert(nn.Module):
         self.mlm_dense = nn.Linear(hidden, hidden)
         self.mlm_norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
         self.mlm_bias = nn.Parameter(torch.zeros(config.vocab_size))
-        self.apply(self._init_weights)
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        """BERT's initialisation: normal(0, 0.02) weights, zero biases."""
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+        self.apply(normal_init)
 
     def forward(
         self,

@@ -25,6 +25,7 @@ from ..positional import (
     RotaryEmbedding,
     SinusoidalPositionalEncoding,
 )
+from .init import normal_init
 
 POSITIONS = ("learned", "sinusoidal", "rotary", "alibi")
 
@@ -91,14 +92,7 @@ class GPT(nn.Module):
             for _ in range(config.n_layer)
         )
         self.ln_f = nn.LayerNorm(config.d_model, eps=config.norm_eps)
-        self.apply(self._init_weights)
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+        self.apply(normal_init)
 
     def forward(
         self,
