@@ -96,3 +96,8 @@ def test_generate_bench_quick():
     assert rates["mhsa, cache"] > 0 and rates["same greedy tokens as transformers"] is True
     window = result["window"]["results"]
     assert window["sliding-window cache"]["cache_bytes"] < window["full cache"]["cache_bytes"]
+
+
+def test_bad_checkpoint_path_is_a_clear_error(tmp_path, capsys):
+    assert main(["generate", str(tmp_path / "missing")]) == 2
+    assert "is not a checkpoint" in capsys.readouterr().err

@@ -453,7 +453,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except (FileNotFoundError, ValueError) as error:  # bad paths and arguments: no traceback
+        print(f"mhsa {args.command}: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
