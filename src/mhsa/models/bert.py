@@ -9,7 +9,7 @@ MLM head: dense -> GELU -> layer norm -> tied word embeddings -> vocabulary logi
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -171,8 +171,3 @@ def mean_pool(hidden: Tensor, attention_mask: Tensor, normalize: bool = True) ->
     weights = attention_mask.to(hidden.dtype).unsqueeze(-1)
     pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
     return F.normalize(pooled, dim=-1) if normalize else pooled
-
-
-def config_from_dict(values: dict) -> BertConfig:
-    names = {f.name for f in fields(BertConfig)}
-    return BertConfig(**{k: v for k, v in values.items() if k in names})
