@@ -11,26 +11,7 @@ import mhsa
 from helpers import golden, make_qkv, max_error
 from mhsa.backends import AttentionSpec, select
 
-
-def spec(**changes) -> AttentionSpec:
-    fields = dict(
-        batch=1,
-        num_heads=4,
-        num_kv_heads=2,
-        q_len=8,
-        kv_len=8,
-        head_dim=16,
-        value_dim=16,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        has_mask=False,
-        has_bias=False,
-        causal=False,
-        dropout_p=0.0,
-        return_lse=False,
-    )
-    fields.update(changes)
-    return AttentionSpec(**fields)
+spec = AttentionSpec.example
 
 
 def test_auto_prefers_sdpa_where_its_fused_kernels_apply_else_flash():

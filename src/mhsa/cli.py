@@ -20,27 +20,6 @@ _PROBES = {
 }
 
 
-def _probe_spec(device: torch.device, **changes) -> AttentionSpec:
-    fields = dict(
-        batch=1,
-        num_heads=8,
-        num_kv_heads=2,
-        q_len=128,
-        kv_len=128,
-        head_dim=64,
-        value_dim=64,
-        dtype=torch.float32,
-        device=device,
-        has_mask=False,
-        has_bias=False,
-        causal=False,
-        dropout_p=0.0,
-        return_lse=False,
-    )
-    fields.update(changes)
-    return AttentionSpec(**fields)
-
-
 def info(_: argparse.Namespace) -> int:
     """Print versions, the device, and each backend's status."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -59,12 +38,12 @@ def info(_: argparse.Namespace) -> int:
             continue
         print(f"  {name:<10} usable")
         for probe, changes in _PROBES.items():
-            limit = backend.supports(_probe_spec(device, **changes))
+            limit = backend.supports(AttentionSpec.example(device=device, **changes))
             if limit is not None:
                 print(f"  {'':<10} not for {probe}: {limit}")
     print("auto picks (B=1, H=8, H_kv=2, L=S=1024, D=64, float32):")
     for probe, changes in {"plain": {}, **_PROBES}.items():
-        chosen = select(_probe_spec(device, **changes), "auto").name
+        chosen = select(AttentionSpec.example(device=device, **changes), "auto").name
         print(f"  {probe:<12} {chosen}")
     return 0
 

@@ -36,6 +36,17 @@ class AttentionSpec:
     dropout_p: float
     return_lse: bool
 
+    @classmethod
+    def example(cls, **changes) -> AttentionSpec:
+        """A typical call (B=1, H=8, H_kv=2, L=S=1024, D=64, float32, CPU), with changes."""
+        fields = dict(
+            batch=1, num_heads=8, num_kv_heads=2, q_len=1024, kv_len=1024, head_dim=64,
+            value_dim=64, dtype=torch.float32, device=torch.device("cpu"), has_mask=False,
+            has_bias=False, causal=False, dropout_p=0.0, return_lse=False,
+        )  # fmt: skip
+        fields.update(changes)
+        return cls(**fields)
+
 
 class Backend:
     """Base class: one subclass per file in mhsa/backends."""

@@ -37,17 +37,14 @@ def fused_available(q: Tensor, v: Tensor, dropout_p: float) -> bool:
     )
 
 
-def _keys(run: Run, plan: BlockPlan, device) -> tuple[Tensor, Tensor | None]:
-    """(key indices of the run, the same for gathering or None when contiguous)."""
-    index = run.key_index(plan.block_k, device)
-    if index is not None:
-        return index, index
-    return torch.arange(run.k0, run.k1, device=device), None
-
-
-def _take(t: Tensor, run: Run, index: Tensor | None) -> Tensor:
-    """The run's keys of a (B, H_kv, S, X) tensor: a view, or a gathered copy."""
-    return t[:, :, run.k0 : run.k1] if index is None else t.index_select(2, index)
+def _run_keys(k: Tensor, v: Tensor, run: Run, plan: BlockPlan):
+    """(key indices, gather index or None when contiguous, k_run, v_run) of one run:
+    the keys and values are views for contiguous runs, gathered copies otherwise."""
+    index = run.key_index(plan.block_k, k.device)
+    if index is None:
+        cols = torch.arange(run.k0, run.k1, device=k.device)
+        return cols, None, k[:, :, run.k0 : run.k1], v[:, :, run.k0 : run.k1]
+    return index, index, k.index_select(2, index), v.index_select(2, index)
 
 
 def _add_keys(acc: Tensor, run: Run, index: Tensor | None, value: Tensor) -> None:
@@ -159,8 +156,7 @@ def flash_forward(
         q_blk = q[:, :, q0:q1]
         partials = []
         for run in rows.runs:
-            cols, index = _keys(run, plan, q.device)
-            k_run, v_run = _take(k, run, index), _take(v, run, index)
+            cols, index, k_run, v_run = _run_keys(k, v, run, plan)
             if fused:
                 triangle = _fused_triangle(run, bias)
                 attn = None if triangle else _tile_bias(plan, bias, q0, q1, run, cols, q.dtype)
@@ -235,8 +231,7 @@ def flash_backward(
         q0, q1 = rows.q0, rows.q1
         q_blk, go_blk = q[:, :, q0:q1], grad_out[:, :, q0:q1]
         for run in rows.runs:
-            cols, index = _keys(run, plan, q.device)
-            k_run, v_run = _take(k, run, index), _take(v, run, index)
+            cols, index, k_run, v_run = _run_keys(k, v, run, plan)
             if fused:
                 triangle = _fused_triangle(run, bias)
                 attn = None if triangle else _tile_bias(plan, bias4, q0, q1, run, cols, q.dtype)
