@@ -27,6 +27,17 @@ def test_permutation_invariant_output_and_equivariant_encoder(pooling):
     assert max_error(permuted_features[real], features[:, perm][real]) < 1e-5
 
 
+def test_output_is_invariant_to_rotation_shift_and_scale():
+    model = PointCloudTransformer(PointCloudConfig(d_model=32, n_layer=2)).eval()
+    g = torch.Generator().manual_seed(0)
+    cloud = torch.randn(100, 3, generator=g) * torch.tensor([3.0, 2.0, 1.0])  # distinct axes
+    cloud = cloud + 0.2 * cloud.square()  # and a non-zero third moment on each axis
+    q, _ = torch.linalg.qr(torch.randn(3, 3, generator=g))
+    moved = 2.5 * cloud @ q.T + torch.tensor([1.0, -2.0, 0.5])
+    with torch.no_grad():
+        assert max_error(model(moved.unsqueeze(0)), model(cloud.unsqueeze(0))) < 1e-4
+
+
 def test_padding_does_not_change_the_output():
     model = PointCloudTransformer(PointCloudConfig(d_model=32, n_layer=2)).eval()
     cloud = point_cloud("torus", torch.Generator().manual_seed(0))

@@ -384,8 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
     ast.set_defaults(run=train_ast)
 
     points = train_models.add_parser("points", help="point-cloud transformer on built-in shapes")
-    _common_train_options(points, steps=1500, out="runs/points", eval_every=250)
-    points.add_argument("--per-class", type=int, default=300, help="training clouds per shape")
+    _common_train_options(points, steps=2000, out="runs/points", eval_every=250)
+    points.add_argument("--per-class", type=int, default=1000, help="training clouds per shape")
     _size_options(points, batch_size=32, layers=3, heads=4, d_model=96, lr=2e-3)
     points.add_argument("--pooling", default="attention", choices=["attention", "mean", "max"])
     points.set_defaults(run=train_points)

@@ -1,7 +1,8 @@
 """Permutation-invariant attention on point clouds.
 
-    points (B, N, 3) -> scaled to unit RMS radius -> per-point MLP on coordinates and
-      radius (no positional encoding)
+    points (B, N, 3) -> centred, turned into the cloud's principal axes (PCA), scaled
+      to unit RMS radius -> per-point MLP on coordinates and radius (no positional
+      encoding)
       -> n_layer pre-norm self-attention blocks (padding masked)   equivariant
       -> pooling: attention from a learned seed query, or masked mean / max  invariant
       -> linear head -> logits (B, classes)
@@ -61,7 +62,7 @@ class PointCloudTransformer(nn.Module):
         """points (B, N, 3), mask (B, N) True = a real point -> features (B, N, d)."""
         if points.dim() != 3 or points.shape[-1] != 3:
             raise ValueError(f"points must be (batch, N, 3), got {tuple(points.shape)}")
-        points = points / _rms_radius(points, mask)  # scale-invariant input
+        points = _canonical_pose(points, mask)  # invariant to shift, rotation and scale
         # coordinates and distance from the origin (rotation-invariant), per point
         x = self.embed(torch.cat([points, points.norm(dim=-1, keepdim=True)], dim=-1))
         for block in self.blocks:
@@ -88,10 +89,22 @@ class PointCloudTransformer(nn.Module):
         return F.cross_entropy(self(points, mask), labels)
 
 
-def _rms_radius(points: Tensor, mask: Tensor | None) -> Tensor:
-    """(B, 1, 1): root-mean-square distance of each cloud's real points from the origin."""
-    sq = points.square().sum(-1)
-    if mask is None:
-        return sq.mean(-1).sqrt().clamp(min=1e-6).view(-1, 1, 1)
-    mean = (sq * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-    return mean.sqrt().clamp(min=1e-6).view(-1, 1, 1)
+def _canonical_pose(points: Tensor, mask: Tensor | None) -> Tensor:
+    """(B, N, 3) -> the same clouds centred, in the frame of their principal axes
+    (largest variance first; each axis signed so the third moment is >= 0) and scaled
+    to unit root-mean-square radius. Padding (mask False) is ignored and set to 0.
+
+    Statistics are float64: eigenvectors of a nearly degenerate covariance (a cube,
+    a sphere) swing with rounding, and must not depend on the order of the points."""
+    weights = torch.ones(points.shape[:2], dtype=torch.float64, device=points.device) \
+        if mask is None else mask.to(torch.float64)  # fmt: skip
+    weights = (weights / weights.sum(-1, keepdim=True).clamp(min=1)).unsqueeze(-1)  # (B, N, 1)
+    x = points.to(torch.float64)
+    x = (x - (x * weights).sum(1, keepdim=True)) * (weights > 0)
+    covariance = (x * weights).transpose(1, 2) @ x  # (B, 3, 3)
+    variance, axes = torch.linalg.eigh(covariance)  # ascending
+    x = x @ axes.flip(-1)
+    skew = (x.pow(3) * weights).sum(1, keepdim=True)
+    x = x * torch.where(skew < 0, -1.0, 1.0)
+    radius = variance.sum(-1).sqrt().clamp(min=1e-6).view(-1, 1, 1)
+    return (x / radius).to(points.dtype)
