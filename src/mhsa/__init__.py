@@ -3,14 +3,16 @@
 from . import masks, nn, positional
 from .backends import names as backends
 from .backends import use_backend
-from .cache import KVCache
+from .cache import DecoderCache, KVCache, MemoryCache
 from .cluster import cluster_attention
 from .functional import attention, attention_weights
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DecoderCache",
     "KVCache",
+    "MemoryCache",
     "attention",
     "attention_weights",
     "cluster_attention",

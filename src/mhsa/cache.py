@@ -103,6 +103,11 @@ class KVCache:
         self.length = 0
         self.start.zero_()
 
+    def reorder(self, index: Tensor) -> None:
+        """Keep sequence index[b] as sequence b (beam search: the surviving beams)."""
+        self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
+        self.start = self.start.index_select(0, index)
+
 
 class SlidingWindowCache(KVCache):
     """A ring buffer of the last `window` keys and values, for sliding-window attention:
@@ -156,3 +161,50 @@ class SlidingWindowCache(KVCache):
     def reset(self) -> None:
         super().reset()
         self.first = 0
+
+
+class MemoryCache:
+    """Cross-attention keys and values of a fixed memory (an encoder output): the
+    first call projects them, every later decoding step reuses them."""
+
+    def __init__(self) -> None:
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep sequence index[b] as sequence b."""
+        if self.k is not None:
+            self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
+
+
+class DecoderCache:
+    """What an encoder-decoder's decoder keeps between steps, one entry per layer:
+    a KVCache for causal self-attention and a MemoryCache for cross-attention."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch: int,
+        num_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        _check_positive(num_layers=num_layers)
+        options = {"dtype": dtype, "device": device}
+        self.self_attn = [
+            KVCache(batch, num_kv_heads, max_len, head_dim, **options) for _ in range(num_layers)
+        ]
+        self.cross_attn = [MemoryCache() for _ in range(num_layers)]
+
+    @property
+    def length(self) -> int:
+        """Decoder tokens cached so far."""
+        return self.self_attn[0].length
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep sequence index[b] as sequence b, in every layer."""
+        for cache in (*self.self_attn, *self.cross_attn):
+            cache.reorder(index)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..cache import KVCache
+from ..cache import KVCache, MemoryCache
 from ..functional import attention, attention_and_weights, attention_weights
 from ..masks import KeyPadding, Pattern
 from ..positional import AttentionPosition
@@ -103,7 +103,7 @@ class MultiHeadAttention(nn.Module):
         need_weights: bool = False,
         average_weights: bool = True,
         position: AttentionPosition | None = None,
-        cache: KVCache | None = None,
+        cache: KVCache | MemoryCache | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from query (B, L, E) to key (B, S, kdim) / value (B, S, vdim).
 
@@ -112,8 +112,10 @@ class MultiHeadAttention(nn.Module):
         key_padding_mask is (B, S) bool, True = a real token; bias is a float added
         to the scores, broadcastable to (B, H, L, S). causal is aligned
         bottom-right. With a cache, the new keys/values are appended and attention
-        runs over everything cached. Returns (B, L, E), and with need_weights also
-        the probabilities (B, L, S) averaged over heads, or (B, H, L, S).
+        runs over everything cached; with a MemoryCache (cross-attention), key and
+        value are projected on the first call only and reused after. Returns
+        (B, L, E), and with need_weights also the probabilities (B, L, S) averaged
+        over heads, or (B, H, L, S).
         """
         q, k, v, mask, bias = self._inputs(
             query, key, value, mask, key_padding_mask, bias, position, cache
@@ -143,8 +145,14 @@ class MultiHeadAttention(nn.Module):
             key = query
         value = key if value is None else value
         q = self._split(self.q_proj(query), self.num_heads)
-        k = self._split(self.k_proj(key), self.num_kv_heads)
-        v = self._split(self.v_proj(value), self.num_kv_heads)
+        if isinstance(cache, MemoryCache):  # cross-attention: project the memory once
+            if cache.k is None:
+                cache.k = self._split(self.k_proj(key), self.num_kv_heads)
+                cache.v = self._split(self.v_proj(value), self.num_kv_heads)
+            k, v, cache = cache.k, cache.v, None
+        else:
+            k = self._split(self.k_proj(key), self.num_kv_heads)
+            v = self._split(self.v_proj(value), self.num_kv_heads)
         offset = cache.length if cache is not None else 0
         if position is not None:
             q, k = position.rotate(q, k, offset)

@@ -12,7 +12,7 @@ import copy
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..cache import KVCache
+from ..cache import DecoderCache, KVCache, MemoryCache
 from ..positional import AttentionPosition
 from .attention import MultiHeadAttention
 
@@ -179,8 +179,12 @@ class TransformerDecoderLayer(nn.Module):
         memory_key_padding_mask: Tensor | None = None,
         position: AttentionPosition | None = None,
         cache: KVCache | None = None,
+        memory_cache: MemoryCache | None = None,
     ) -> Tensor:
-        """x (B, L, d_model), memory (B, S, d_model) -> (B, L, d_model)."""
+        """x (B, L, d_model), memory (B, S, d_model) -> (B, L, d_model).
+
+        cache holds this layer's self-attention keys/values while decoding;
+        memory_cache its cross-attention keys/values, projected from memory once."""
 
         def self_attend(h: Tensor) -> Tensor:
             return self.self_attn(
@@ -194,7 +198,11 @@ class TransformerDecoderLayer(nn.Module):
 
         def cross_attend(h: Tensor) -> Tensor:
             return self.cross_attn(
-                h, memory, mask=memory_mask, key_padding_mask=memory_key_padding_mask
+                h,
+                memory,
+                mask=memory_mask,
+                key_padding_mask=memory_key_padding_mask,
+                cache=memory_cache,
             )
 
         x = self.self_block(x, self_attend)
@@ -272,9 +280,12 @@ class TransformerDecoder(nn.Module):
         memory_mask: Tensor | None = None,
         memory_key_padding_mask: Tensor | None = None,
         position: AttentionPosition | None = None,
+        cache: DecoderCache | None = None,
     ) -> Tensor:
-        """x (B, L, d_model), memory (B, S, d_model) -> (B, L, d_model)."""
-        for layer in self.layers:
+        """x (B, L, d_model), memory (B, S, d_model) -> (B, L, d_model).
+
+        With a cache, x holds only the new tokens (causal is aligned bottom-right)."""
+        for i, layer in enumerate(self.layers):
             x = layer(
                 x,
                 memory,
@@ -284,6 +295,8 @@ class TransformerDecoder(nn.Module):
                 memory_mask=memory_mask,
                 memory_key_padding_mask=memory_key_padding_mask,
                 position=position,
+                cache=None if cache is None else cache.self_attn[i],
+                memory_cache=None if cache is None else cache.cross_attn[i],
             )
         return x if self.norm is None else self.norm(x)
 
