@@ -191,13 +191,16 @@ class DecoderCache:
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        cache_memory: bool = True,
     ) -> None:
+        """cache_memory=False keeps no cross-attention keys/values: each step
+        projects the memory again (for checking the MemoryCache)."""
         _check_positive(num_layers=num_layers)
         options = {"dtype": dtype, "device": device}
         self.self_attn = [
             KVCache(batch, num_kv_heads, max_len, head_dim, **options) for _ in range(num_layers)
         ]
-        self.cross_attn = [MemoryCache() for _ in range(num_layers)]
+        self.cross_attn = [MemoryCache() if cache_memory else None for _ in range(num_layers)]
 
     @property
     def length(self) -> int:
@@ -207,4 +210,5 @@ class DecoderCache:
     def reorder(self, index: Tensor) -> None:
         """Keep sequence index[b] as sequence b, in every layer."""
         for cache in (*self.self_attn, *self.cross_attn):
-            cache.reorder(index)
+            if cache is not None:
+                cache.reorder(index)

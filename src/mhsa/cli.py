@@ -232,6 +232,57 @@ def train_points(args: argparse.Namespace) -> int:
     return 0
 
 
+def train_translate(args: argparse.Namespace) -> int:
+    """The encoder-decoder Transformer on English -> French numbers (num2words)."""
+    from .data.numbers import NumberTranslationTask
+    from .models.seq2seq import Seq2Seq, Seq2SeqConfig
+
+    torch.manual_seed(args.seed)
+    task = NumberTranslationTask(args.batch_size, seed=args.seed)
+    vocab = len(task.vocab)
+    print(f"data: numbers 0..999999 in English -> French (num2words), {vocab} words; "
+          f"{len(task.test_numbers)} held-out numbers never seen in training")  # fmt: skip
+    config = Seq2SeqConfig(src_vocab=vocab, tgt_vocab=vocab, d_model=args.d_model,
+                           n_head=args.heads, n_encoder_layer=args.layers,
+                           n_decoder_layer=args.layers, dropout=args.dropout,
+                           max_len=32)  # fmt: skip
+    info = {"model": "seq2seq", "config": config.to_dict(), "vocab": task.vocab.words}
+    result = _fit(Seq2Seq(config), task, info, args, args.lr)
+    last = result["history"][-1] if result["history"] else {}
+    if "exact_match" in last:
+        print(f"held-out exact match (greedy): {last['exact_match']:.2%}")
+    return 0
+
+
+def translate(args: argparse.Namespace) -> int:
+    """Translate English number words with a `mhsa train translate` checkpoint."""
+    from .data.numbers import Vocabulary, pad_batch
+    from .models.seq2seq import Seq2Seq, Seq2SeqConfig
+    from .train import load_checkpoint
+
+    state = load_checkpoint(args.checkpoint)
+    if state["info"].get("model") != "seq2seq":
+        raise SystemExit(
+            f"{state['path']} holds a {state['info'].get('model')!r} model, not seq2seq"
+        )
+    model = Seq2Seq(Seq2SeqConfig(**state["info"]["config"]))
+    model.load_state_dict(state["weights"])
+    model.eval()
+    vocab = Vocabulary(state["info"]["vocab"])
+    for text in args.texts:
+        unknown = vocab.unknown_words(text)
+        if unknown:
+            raise ValueError(f"unknown words {unknown} in {text!r}: the model knows English "
+                             f"number words such as 'three hundred and twelve'")  # fmt: skip
+    ids = pad_batch([vocab.encode(text) for text in args.texts])
+    if ids.shape[1] > model.config.max_len:
+        raise ValueError(f"a text is longer than the model's {model.config.max_len} tokens")
+    outputs = model.translate(ids, beam_size=args.beam_size, length_penalty=args.length_penalty)
+    for out in outputs:
+        print(vocab.decode(out))
+    return 0
+
+
 def _common_train_options(
     parser: argparse.ArgumentParser, steps: int, out: str, eval_every: int = 100
 ) -> None:
@@ -390,6 +441,12 @@ def build_parser() -> argparse.ArgumentParser:
     points.add_argument("--pooling", default="attention", choices=["attention", "mean", "max"])
     points.set_defaults(run=train_points)
 
+    trans = train_models.add_parser("translate", help="English -> French numbers (seq2seq)")
+    _common_train_options(trans, steps=800, out="runs/translate", eval_every=200)
+    _size_options(trans, batch_size=64, layers=3, heads=4, d_model=128, lr=1e-3)
+    trans.add_argument("--dropout", type=float, default=0.1)
+    trans.set_defaults(run=train_translate)
+
     gen = commands.add_parser("generate", help="sample text from a GPT checkpoint")
     gen.add_argument("checkpoint", help="output folder of `mhsa train gpt`, or a step folder")
     gen.add_argument("--prompt", default="def ")
@@ -398,6 +455,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=40)
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(run=generate)
+
+    translate_parser = commands.add_parser("translate", help="translate with a seq2seq checkpoint")
+    translate_parser.add_argument("checkpoint", help="output folder of `mhsa train translate`")
+    translate_parser.add_argument("texts", nargs="+", help='e.g. "three hundred and twelve"')
+    translate_parser.add_argument("--beam-size", type=int, default=4)
+    translate_parser.add_argument("--length-penalty", type=float, default=1.0)
+    translate_parser.set_defaults(run=translate)
 
     embed_parser = commands.add_parser("embed", help="sentence embeddings (all-MiniLM-L6-v2)")
     embed_parser.add_argument("sentences", nargs="+")

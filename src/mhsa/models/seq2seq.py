@@ -1,0 +1,155 @@
+"""The encoder-decoder Transformer of "Attention Is All You Need", for translation.
+
+    source ids (B, S) -> embedding * sqrt(d) + sinusoidal positions -> post-norm
+      encoder -> memory (B, S, d)
+    target ids (B, T) -> embedding * sqrt(d) + sinusoidal positions -> post-norm
+      decoder (causal self-attention, cross-attention to memory) -> logits (B, T, V)
+      through the target embedding (tied), as in the paper
+
+Training is teacher-forced. `translate` decodes greedily or with beam search; the
+decoder keeps a KV cache for its self-attention, and cross-attention keys/values
+are projected from the memory once per source sentence.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..cache import DecoderCache
+from ..nn import (
+    TransformerDecoder,
+    TransformerDecoderLayer,
+    TransformerEncoder,
+    TransformerEncoderLayer,
+)
+from ..positional import SinusoidalPositionalEncoding
+from ..search import beam_search, greedy_search
+from .init import normal_init
+
+
+@dataclass
+class Seq2SeqConfig:
+    src_vocab: int
+    tgt_vocab: int
+    d_model: int = 128
+    n_head: int = 4
+    n_encoder_layer: int = 3
+    n_decoder_layer: int = 3
+    d_ff: int | None = None  # default 4 * d_model
+    dropout: float = 0.1
+    max_len: int = 64
+    share_embeddings: bool = True  # one table for source and target (same vocabulary)
+    pad_id: int = 0
+    bos_id: int = 1
+    eos_id: int = 2
+
+    def __post_init__(self) -> None:
+        if self.share_embeddings and self.src_vocab != self.tgt_vocab:
+            raise ValueError(
+                f"share_embeddings needs src_vocab == tgt_vocab, got {self.src_vocab} and "
+                f"{self.tgt_vocab}; use one vocabulary or share_embeddings=False"
+            )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Seq2Seq(nn.Module):
+    def __init__(self, config: Seq2SeqConfig) -> None:
+        super().__init__()
+        self.config = config
+        d = config.d_model
+        self.tgt_embed = nn.Embedding(config.tgt_vocab, d)
+        self.src_embed = (
+            self.tgt_embed if config.share_embeddings else nn.Embedding(config.src_vocab, d)
+        )
+        self.positions = SinusoidalPositionalEncoding(d, config.max_len)
+        self.dropout = nn.Dropout(config.dropout)
+        options = {"dim_feedforward": config.d_ff or 4 * d, "dropout": config.dropout}
+        self.encoder = TransformerEncoder(
+            TransformerEncoderLayer(d, config.n_head, **options), config.n_encoder_layer
+        )
+        self.decoder = TransformerDecoder(
+            TransformerDecoderLayer(d, config.n_head, **options), config.n_decoder_layer
+        )
+        self.apply(normal_init)
+
+    def _embed(self, table: nn.Embedding, ids: Tensor, offset: int = 0) -> Tensor:
+        x = table(ids) * math.sqrt(self.config.d_model)
+        return self.dropout(self.positions(x, offset))
+
+    def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
+        """src (B, S) ids -> (memory (B, S, d), key padding (B, S), True = real token)."""
+        _check_ids("src", src, self.config.src_vocab, self.config.max_len)
+        padding = src != self.config.pad_id
+        return self.encoder(self._embed(self.src_embed, src), key_padding_mask=padding), padding
+
+    def decode(
+        self, tgt: Tensor, memory: Tensor, padding: Tensor, cache: DecoderCache | None = None
+    ) -> Tensor:
+        """tgt (B, T) ids (only the new ones with a cache) -> logits (B, T, tgt_vocab)."""
+        offset = 0 if cache is None else cache.length
+        x = self._embed(self.tgt_embed, tgt, offset)
+        h = self.decoder(x, memory, causal=True, memory_key_padding_mask=padding, cache=cache)
+        return h @ self.tgt_embed.weight.T
+
+    def forward(self, src: Tensor, tgt: Tensor) -> Tensor:
+        """Teacher forcing: src (B, S), tgt (B, T) decoder inputs -> logits (B, T, V)."""
+        _check_ids("tgt", tgt, self.config.tgt_vocab, self.config.max_len)
+        return self.decode(tgt, *self.encode(src))
+
+    def loss(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor) -> Tensor:
+        """Cross-entropy of tgt_out (B, T) given src and tgt_in, padding ignored."""
+        logits = self(src, tgt_in)
+        return F.cross_entropy(logits.flatten(0, 1), tgt_out.flatten(),
+                               ignore_index=self.config.pad_id)  # fmt: skip
+
+    @torch.no_grad()
+    def translate(
+        self,
+        src: Tensor,
+        *,
+        beam_size: int = 1,
+        length_penalty: float = 1.0,
+        max_new_tokens: int | None = None,
+        cache_memory: bool = True,
+    ) -> list[list[int]]:
+        """src (B, S) ids -> B lists of target ids (no <bos>, no <eos>). beam_size 1
+        is greedy. cache_memory=False recomputes cross-attention keys/values at every
+        step (same result, slower: for checking the cache)."""
+        config = self.config
+        max_new = max_new_tokens or config.max_len - 1
+        if not 0 < max_new < config.max_len:
+            raise ValueError(f"max_new_tokens must be in [1, {config.max_len - 1}], got {max_new}")
+        memory, padding = self.encode(src)
+        memory = memory.repeat_interleave(beam_size, dim=0)
+        padding = padding.repeat_interleave(beam_size, dim=0)
+        cache = DecoderCache(
+            config.n_decoder_layer, memory.shape[0], config.n_head, max_new + 1,
+            config.d_model // config.n_head, dtype=memory.dtype, device=memory.device,
+            cache_memory=cache_memory,
+        )  # fmt: skip
+
+        def step(tokens: Tensor) -> Tensor:
+            return self.decode(tokens, memory, padding, cache)[:, -1]
+
+        start = torch.full((src.shape[0], 1), config.bos_id, device=src.device)
+        if beam_size == 1:
+            return greedy_search(step, start, config.eos_id, max_new)
+        return beam_search(step, cache.reorder, start, config.eos_id, max_new, beam_size,
+                           length_penalty)  # fmt: skip
+
+
+def _check_ids(name: str, ids: Tensor, vocab: int, max_len: int) -> None:
+    if ids.dim() != 2 or ids.dtype != torch.long:
+        raise ValueError(f"{name} must be (batch, length) int64 ids, got {ids.dtype} "
+                         f"{tuple(ids.shape)}")  # fmt: skip
+    if ids.shape[1] > max_len:
+        raise ValueError(f"{name} has {ids.shape[1]} tokens, more than max_len {max_len}")
+    if ids.numel() and (ids.min() < 0 or ids.max() >= vocab):
+        raise ValueError(f"{name} ids must be in [0, {vocab}), got [{ids.min()}, {ids.max()}]")

@@ -1,0 +1,140 @@
+"""Encoder-decoder Transformer: cached decoding equals recomputation, beam search
+finds the exact optimum when wide enough, the number task keeps its test set apart."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from mhsa.cli import main
+from mhsa.data.numbers import NumberTranslationTask, detokenize, pad_batch, tokenize
+from mhsa.models.seq2seq import Seq2Seq, Seq2SeqConfig
+from mhsa.search import beam_search, greedy_search
+
+
+def _model(**changes) -> Seq2Seq:
+    torch.manual_seed(0)
+    options = {"src_vocab": 11, "tgt_vocab": 11, "d_model": 16, "n_head": 2,
+               "n_encoder_layer": 2, "n_decoder_layer": 2, "dropout": 0.0, "max_len": 12}
+    return Seq2Seq(Seq2SeqConfig(**{**options, **changes})).eval()  # fmt: skip
+
+
+def _uncached_greedy(model: Seq2Seq, src: torch.Tensor, steps: int) -> list[list[int]]:
+    """Greedy decoding that reruns the whole decoder on the whole prefix every step."""
+    tokens = torch.full((src.shape[0], 1), model.config.bos_id)
+    for _ in range(steps):
+        tokens = torch.cat([tokens, model(src, tokens)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    eos = model.config.eos_id
+    return [row[1:].tolist()[: row[1:].tolist().index(eos)] if eos in row[1:] else
+            row[1:].tolist() for row in tokens]  # fmt: skip
+
+
+def test_cached_greedy_equals_recomputation():
+    model = _model()
+    src = torch.tensor([[5, 6, 7, 2, 0, 0], [4, 9, 8, 10, 6, 2]])
+    with torch.no_grad():
+        cached = model.translate(src, max_new_tokens=8)
+        assert cached == _uncached_greedy(model, src, 8)
+        assert model.translate(src, max_new_tokens=8, cache_memory=False) == cached
+
+
+def test_beam_search_with_and_without_the_memory_cache():
+    model = _model(n_head=4)
+    src = torch.tensor([[5, 6, 7, 2], [4, 9, 8, 2]])
+    with torch.no_grad():
+        beams = model.translate(src, beam_size=3, max_new_tokens=8)
+        assert model.translate(src, beam_size=3, max_new_tokens=8, cache_memory=False) == beams
+
+
+class _HistoryModel:
+    """A toy decoder whose next-token logits depend on the whole prefix; its state
+    (the prefixes) is reordered like a KV cache."""
+
+    def __init__(self, rows: int, vocab: int) -> None:
+        self.prefixes: list[tuple[int, ...]] = [() for _ in range(rows)]
+        self.vocab = vocab
+
+    def logits(self, prefix: tuple[int, ...]) -> torch.Tensor:
+        seed = hash(prefix) % (2**31)
+        return torch.randn(self.vocab, generator=torch.Generator().manual_seed(seed)) * 2
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.prefixes = [p + tuple(t) for p, t in zip(self.prefixes, tokens.tolist(), strict=True)]
+        return torch.stack([self.logits(p) for p in self.prefixes])
+
+    def reorder(self, index: torch.Tensor) -> None:
+        self.prefixes = [self.prefixes[i] for i in index.tolist()]
+
+
+def _exhaustive_best(model: _HistoryModel, start: int, eos: int, max_new: int, penalty: float):
+    best, best_score = None, -math.inf
+    for length in range(1, max_new + 1):
+        for body in itertools.product([t for t in range(model.vocab) if t != eos],
+                                      repeat=length - 1):  # fmt: skip
+            seq, score = (start,), 0.0
+            for token in (*body, eos):
+                score += torch.log_softmax(model.logits(seq), -1)[token].item()
+                seq += (token,)
+            if score / length**penalty > best_score:
+                best, best_score = list(body), score / length**penalty
+    return best
+
+
+@pytest.mark.parametrize("penalty", [0.0, 1.0])
+def test_wide_beam_search_finds_the_exact_optimum(penalty):
+    vocab, eos, max_new, beam = 4, 0, 4, 64  # 3**3 live prefixes at most: exhaustive
+    for start in (1, 2):
+        model = _HistoryModel(beam, vocab)
+        found = beam_search(model.step, model.reorder, torch.tensor([[start]]), eos, max_new,
+                            beam, penalty)[0]  # fmt: skip
+        assert found == _exhaustive_best(_HistoryModel(1, vocab), start, eos, max_new, penalty)
+
+
+def test_greedy_search_stops_each_row_at_eos():
+    def step(tokens):  # row 0 ends at once (eos = 0), row 1 always says 2
+        return torch.tensor([[5.0, 0, 0], [0, 0, 5.0]])
+
+    assert greedy_search(step, torch.tensor([[1], [1]]), eos=0, max_new_tokens=3) == [[], [2, 2, 2]]
+
+
+def test_number_words_round_trip_and_held_out_numbers_stay_out():
+    from num2words import num2words
+
+    for n in (0, 21, 71, 80, 1200, 99999, 123456, 999999):
+        for lang in ("en", "fr"):
+            assert detokenize(tokenize(num2words(n, lang=lang))) == num2words(n, lang=lang)
+    task = NumberTranslationTask(64, test_size=200)
+    held_out = {tuple(s) for s in task.test_sources}
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        src, decoder_in, decoder_out = task.train_batch(generator)
+        for row in src.tolist():
+            assert tuple(t for t in row if t != 0) not in held_out
+        shifted = decoder_in[:, 1:] != 0  # decoder input = <bos> + target: output shifted
+        assert (decoder_in[:, 1:][shifted] == decoder_out[:, :-1][shifted]).all()
+        assert (decoder_in[:, 0] == 1).all()
+    assert task.vocab.decode(task.test_targets[0]) == num2words(task.test_numbers[0], lang="fr")
+
+
+def test_bad_inputs_say_what_to_fix():
+    with pytest.raises(ValueError, match="share_embeddings"):
+        Seq2SeqConfig(src_vocab=10, tgt_vocab=12)
+    model = _model()
+    with pytest.raises(ValueError, match="src ids must be in"):
+        model.translate(torch.tensor([[3, 11]]))
+    with pytest.raises(ValueError, match="max_len"):
+        model.translate(pad_batch([[3] * 13]))
+
+
+def test_train_and_translate_end_to_end(tmp_path, capsys):
+    out = str(tmp_path / "tr")
+    args = ["train", "translate", "--out", out, "--steps", "3", "--eval-every", "3",
+            "--layers", "1", "--d-model", "16", "--heads", "2", "--batch-size", "8"]  # fmt: skip
+    assert main(args) == 0
+    assert "held-out exact match" in capsys.readouterr().out
+    assert main(["translate", out, "three hundred and twelve", "--beam-size", "2"]) == 0
+    assert main(["translate", out, "hello"]) == 2
+    assert "unknown words" in capsys.readouterr().err
