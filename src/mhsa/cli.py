@@ -76,9 +76,11 @@ def bench(args: argparse.Namespace) -> int:
 def train_gpt(args: argparse.Namespace) -> int:
     """Train a byte-level GPT on the standard library's source (or --data FILE)."""
     from .data.text import ByteTokenizer, TextTask, describe_loss, read_text, stdlib_corpus
+    from .launch import join_torchrun_group
     from .models import GPT, GPTConfig
     from .train import TrainConfig, load_checkpoint, train
 
+    join_torchrun_group()  # a no-op unless started by torchrun with several processes
     torch.manual_seed(args.seed)
     tokenizer = ByteTokenizer()
     text = read_text(args.data) if args.data else stdlib_corpus()
@@ -408,6 +410,9 @@ def build_parser() -> argparse.ArgumentParser:
     gpt.add_argument("--window", type=int, help="sliding-window attention span")
     gpt.add_argument("--eval-every", type=int, default=100)
     gpt.add_argument("--seed", type=int, default=0)
+    gpt.add_argument("--nproc", type=int, default=1,
+                     help="data-parallel processes (DistributedDataParallel; gloo on CPU); "
+                          "or launch with torchrun")  # fmt: skip
     gpt.set_defaults(run=train_gpt)
 
     bert = train_models.add_parser("bert", help="masked-LM BERT on Python's own source code")
@@ -494,9 +499,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _spawn_data_parallel(args: argparse.Namespace, nproc: int) -> int:
+    """Run the command in nproc local processes, one process group (gloo on CPU)."""
+    from .launch import spawn
+
+    if args.batch_size % nproc:
+        raise ValueError(
+            f"--batch-size {args.batch_size} must be divisible by --nproc {nproc}: each "
+            "process trains on an equal share of every batch"
+        )
+    args.nproc = 1  # inside the group each worker trains as one rank of it
+    spawn(args.run, nproc, args)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        nproc = getattr(args, "nproc", 1)
+        if nproc > 1:
+            return _spawn_data_parallel(args, nproc)
         return args.run(args)
     except (FileNotFoundError, ValueError) as error:  # bad paths and arguments: no traceback
         print(f"mhsa {args.command}: {error}", file=sys.stderr)

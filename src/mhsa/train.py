@@ -26,8 +26,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
-from torch import nn
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 
 
 @dataclass
@@ -103,12 +105,14 @@ def train(
         step, history = trainer["step"], trainer["history"]
         log(f"resumed from {state['path']} at step {step}")
     model.train()
+    compute_loss, rank, world = _data_parallel(model)
     start, tokens_done = time.perf_counter(), 0
     end = config.steps if stop_after is None else min(config.steps, step + stop_after)
     while step < end:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, config)
-        loss = model.loss(*task.train_batch(generator))
+        # every rank draws the same global batch and trains on its share of the rows
+        loss = compute_loss(*_local_rows(task.train_batch(generator), rank, world))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
@@ -116,6 +120,11 @@ def train(
         step += 1
         tokens_done += task.tokens_per_batch()
         elapsed = time.perf_counter() - start
+        loss = _mean_over_ranks(loss.detach(), world)
+        if rank:  # rank 0 alone reports, evaluates and writes checkpoints
+            if step % config.checkpoint_every == 0 or step == end:
+                dist.barrier()
+            continue
         _progress(step, config.steps, loss.item(), tokens_done / elapsed, elapsed)
         if step % config.eval_every == 0 or step == config.steps:
             val = evaluate(model, task)
@@ -137,9 +146,54 @@ def train(
                 "train_config": asdict(config),
             }  # fmt: skip
             save_checkpoint(out_dir, step, model, model_info, trainer)
+            if world > 1:
+                dist.barrier()
     seconds = time.perf_counter() - start
     return {"step": step, "seconds": seconds, "history": history,
             "tokens_per_second": tokens_done / max(seconds, 1e-9)}  # fmt: skip
+
+
+class _Loss(nn.Module):
+    """model.loss as a forward, so that DistributedDataParallel sees the call."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *batch) -> Tensor:
+        return self.model.loss(*batch)
+
+
+def _data_parallel(model: nn.Module) -> tuple:
+    """(loss function, rank, world size): model.loss in one process; under an initialised
+    torch.distributed group, DistributedDataParallel (gradients averaged over ranks)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return model.loss, 0, 1
+    return DistributedDataParallel(_Loss(model)), dist.get_rank(), dist.get_world_size()
+
+
+def _local_rows(batch: tuple, rank: int, world: int) -> tuple:
+    """This rank's contiguous share of a global batch: every tensor whose first dimension
+    is the batch is cut along it, so the mean of the ranks' losses is the global loss."""
+    if world == 1:
+        return batch
+    size = batch[0].shape[0]
+    if size % world:
+        raise ValueError(
+            f"the batch size ({size}) must be divisible by the number of processes ({world}): "
+            "change --batch-size or --nproc"
+        )
+    rows = slice(rank * size // world, (rank + 1) * size // world)
+    return tuple(
+        t[rows] if isinstance(t, Tensor) and t.dim() and t.shape[0] == size else t for t in batch
+    )
+
+
+def _mean_over_ranks(value: Tensor, world: int) -> Tensor:
+    if world > 1:
+        dist.all_reduce(value)
+        value = value / world
+    return value
 
 
 def _progress(step: int, total: int, loss: float, tokens_per_s: float, elapsed: float) -> None:
