@@ -16,7 +16,6 @@ from torch import Tensor
 
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
-MAX_NUMBER = 1_000_000  # numbers 0 .. 999 999
 TARGETS = ("fr",)
 
 
@@ -84,8 +83,17 @@ def pad_batch(rows: list[list[int]], prefix: list[int] | None = None) -> Tensor:
     return out
 
 
+def draw_number(generator: torch.Generator, min_digits: int = 1) -> int:
+    """A number whose digit count is uniform in min_digits..6, so that short numbers
+    are as common as long ones (uniform over 0..999999 would almost never say "seven")."""
+    digits = int(torch.randint(min_digits, 7, (), generator=generator))
+    low = 0 if digits == 1 else 10 ** (digits - 1)
+    return int(torch.randint(low, 10**digits, (), generator=generator))
+
+
 class NumberTranslationTask:
-    """Random training numbers, `test_size` held-out numbers, exact match as the metric.
+    """Random training numbers, `test_size` held-out numbers of 3 to 6 digits never
+    drawn for training, exact match as the metric.
 
     Batches are (source (B, S), decoder input (B, T) = <bos> + target, decoder output
     (B, T) = target + <eos>), padded with <pad>."""
@@ -99,9 +107,11 @@ class NumberTranslationTask:
         self.vocab = number_vocabulary(target)
         self.batch_size = batch_size
         generator = torch.Generator().manual_seed(seed + 777)
-        test = torch.randperm(MAX_NUMBER, generator=generator)[:test_size].tolist()
-        self.test_numbers, self._held_out = test, set(test)
-        pairs = [self.pair(n) for n in test]
+        held_out: set[int] = set()
+        while len(held_out) < test_size:  # 3 to 6 digits: all of 0..99 stay in training
+            held_out.add(draw_number(generator, min_digits=3))
+        self.test_numbers, self._held_out = sorted(held_out), held_out
+        pairs = [self.pair(n) for n in self.test_numbers]
         self.test_sources = [src for src, _ in pairs]
         self.test_targets = [tgt[:-1] for _, tgt in pairs]  # without <eos>
         self._eval = [self._batch(pairs[i : i + 250]) for i in range(0, len(pairs), 250)]
@@ -119,7 +129,7 @@ class NumberTranslationTask:
     def train_batch(self, generator: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
         numbers: list[int] = []
         while len(numbers) < self.batch_size:
-            n = int(torch.randint(0, MAX_NUMBER, (), generator=generator))
+            n = draw_number(generator)
             if n not in self._held_out:
                 numbers.append(n)
         return self._batch([self.pair(n) for n in numbers])
