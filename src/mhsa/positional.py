@@ -115,14 +115,21 @@ class RotaryEmbedding(AttentionPosition):
         inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
-        """x (B, H, L, D) at positions offset..offset+L-1 -> rotated x, same shape."""
+    def forward(self, x: Tensor, offset: int = 0, positions: Tensor | None = None) -> Tensor:
+        """x (B, H, L, D) at positions offset..offset+L-1, or at `positions` (L,) when
+        given (e.g. a shard of a longer sequence) -> rotated x, same shape."""
         if x.shape[-1] != 2 * self.inv_freq.numel():
             raise ValueError(
                 f"x has head_dim {x.shape[-1]} but this RotaryEmbedding was built for "
                 f"{2 * self.inv_freq.numel()}"
             )
-        positions = torch.arange(offset, offset + x.shape[-2], device=x.device)
+        if positions is None:
+            positions = torch.arange(offset, offset + x.shape[-2], device=x.device)
+        elif positions.shape != (x.shape[-2],):
+            raise ValueError(
+                f"positions must be ({x.shape[-2]},), one per token of x, got "
+                f"{tuple(positions.shape)}"
+            )
         angles = positions.float().unsqueeze(1) * self.inv_freq.to(x.device)  # (L, D/2)
         cos, sin = angles.cos(), angles.sin()
         x1, x2 = x.float().chunk(2, dim=-1)
@@ -131,6 +138,20 @@ class RotaryEmbedding(AttentionPosition):
 
     def rotate(self, q: Tensor, k: Tensor, offset: int = 0) -> tuple[Tensor, Tensor]:
         return self(q, offset), self(k, offset)
+
+    def at(self, positions: Tensor) -> AttentionPosition:
+        """The same rotation for tokens at fixed global `positions` (L,): the local
+        shard of a sequence split across processes (q and k share the positions)."""
+        return _RotaryAt(self, positions)
+
+
+class _RotaryAt(AttentionPosition):
+    def __init__(self, rotary: RotaryEmbedding, positions: Tensor) -> None:
+        super().__init__()
+        self.rotary, self.positions = rotary, positions
+
+    def rotate(self, q: Tensor, k: Tensor, offset: int = 0) -> tuple[Tensor, Tensor]:
+        return self.rotary(q, positions=self.positions), self.rotary(k, positions=self.positions)
 
 
 def alibi_slopes(num_heads: int) -> Tensor:

@@ -100,15 +100,28 @@ class GPT(nn.Module):
         *,
         caches: list[KVCache] | None = None,
         start: Tensor | None = None,
+        positions: Tensor | None = None,
     ) -> Tensor:
         """idx (B, T) token ids -> logits (B, T, vocab).
 
         caches: one per layer (see make_caches); the tokens continue what they hold.
         start: (B,) index of each sequence's first real token when left-padded
         (without caches; with caches the caches hold it).
+        positions: (T,) global positions of idx's tokens when idx is one process's
+        shard of longer sequences (context parallelism; attention then runs under
+        mhsa.distributed.context_parallel). Not with ALiBi, caches or start.
         """
         batch, length = idx.shape
-        if caches is not None:
+        attn_position = self.attn_position
+        if positions is not None:
+            if caches is not None or start is not None or self.config.position == "alibi":
+                raise ValueError("positions (a sequence shard) does not go with caches, "
+                                 "start or ALiBi positions")  # fmt: skip
+            positions = positions.to(idx.device)
+            if attn_position is not None:
+                attn_position = attn_position.at(positions)
+            positions, padding = positions.expand(batch, length), None
+        elif caches is not None:
             positions = caches[0].next_positions(length)
             padding = None  # the caches report their own padding
         else:
@@ -126,7 +139,7 @@ class GPT(nn.Module):
         for i, block in enumerate(self.blocks):
             x = block(
                 x, mask=mask, key_padding_mask=padding, causal=window is None,
-                position=self.attn_position, cache=None if caches is None else caches[i],
+                position=attn_position, cache=None if caches is None else caches[i],
             )  # fmt: skip
         return self.ln_f(x) @ self.tok_emb.weight.T  # tied output head
 
@@ -242,9 +255,10 @@ class GPT(nn.Module):
             model.ln_f.bias.copy_(sd["ln_f.bias"])
         return model
 
-    def loss(self, idx: Tensor, targets: Tensor) -> Tensor:
-        """Mean next-token cross-entropy of logits for idx (B, T) against targets (B, T)."""
-        logits = self(idx)
+    def loss(self, idx: Tensor, targets: Tensor, positions: Tensor | None = None) -> Tensor:
+        """Mean next-token cross-entropy of logits for idx (B, T) against targets (B, T)
+        (positions: see forward)."""
+        logits = self(idx, positions=positions)
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
