@@ -7,8 +7,9 @@ import torch
 
 import mhsa
 from helpers import golden, make_qkv, max_error, naive_same_dtype
+from mhsa.backends import local_names
 
-BACKENDS = mhsa.backends()
+BACKENDS = local_names()
 
 # (num_heads, num_kv_heads, q_len, kv_len, head_dim)
 SHAPES = [

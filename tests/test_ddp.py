@@ -4,26 +4,34 @@ different number of processes."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mhsa.cli import main
 from mhsa.data.text import ByteTokenizer, TextTask
-from mhsa.launch import spawn
+from mhsa.launch import run_local
 from mhsa.models import GPT, GPTConfig
 from mhsa.train import TrainConfig, load_checkpoint, train
 
 TEXT = "def f(x):\n    return x * 2  # doubles\n" * 200
 
 
-def run(out_dir: str, steps: int = 4, stop_after: int | None = None, resume: bool = False):
+def run(out_dir: str, steps: int = 4, stop_after: int | None = None, resume: bool = False,
+        context_parallel: str | None = None, position: str = "learned"):  # fmt: skip
     """A tiny GPT trained for `steps` steps, loss recorded at every step (rank 0)."""
     torch.manual_seed(0)
-    config = GPTConfig(vocab_size=256, n_layer=2, n_head=2, d_model=32, max_len=32, dropout=0.0)
+    config = GPTConfig(vocab_size=256, n_layer=2, n_head=2, d_model=32, max_len=32, dropout=0.0,
+                       position=position)  # fmt: skip
     task = TextTask(ByteTokenizer().encode(TEXT), 32, batch_size=4, eval_batches=1)
     train_config = TrainConfig(steps=steps, eval_every=1, checkpoint_every=1, warmup=2)
     info = {"model": "gpt", "config": config.to_dict(), "tokenizer": "bytes"}
     train(GPT(config), task, train_config, out_dir, model_info=info, resume=resume,
-          stop_after=stop_after, log=lambda *_: None)  # fmt: skip
+          stop_after=stop_after, log=lambda *_: None,
+          context_parallel=context_parallel)  # fmt: skip
+
+
+def as_rank(rank: int, world_size: int, *args) -> None:
+    run(*args)
 
 
 def losses(out_dir) -> list[tuple[float, float]]:
@@ -39,17 +47,25 @@ def assert_same(a: list, b: list) -> None:
 
 def test_two_ranks_train_like_one_process_with_the_same_global_batch(tmp_path):
     run(str(tmp_path / "one"))
-    spawn(run, 2, str(tmp_path / "two"))
+    run_local(as_rank, 2, str(tmp_path / "two"))
     assert_same(losses(tmp_path / "two"), losses(tmp_path / "one"))
     assert len(losses(tmp_path / "one")) == 4
 
 
 def test_resume_with_a_different_number_of_processes(tmp_path):
     run(str(tmp_path / "straight"))
-    spawn(run, 2, str(tmp_path / "split"), 4, 2)  # two ranks, "killed" after step 2
+    run_local(as_rank, 2, str(tmp_path / "split"), 4, 2)  # two ranks, "killed" after step 2
     assert load_checkpoint(tmp_path / "split")["trainer"]["step"] == 2
     run(str(tmp_path / "split"), resume=True)  # finished by one process
     assert_same(losses(tmp_path / "split"), losses(tmp_path / "straight"))
+
+
+@pytest.mark.parametrize("position", ["rotary", "learned"])
+def test_context_parallel_ranks_train_like_one_process(tmp_path, position):
+    """Each of 2 ranks holds half of every sequence (zigzag); attention is ring attention."""
+    run(str(tmp_path / "one"), position=position)
+    run_local(as_rank, 2, str(tmp_path / "cp"), 4, None, False, "zigzag", position)
+    assert_same(losses(tmp_path / "cp"), losses(tmp_path / "one"))
 
 
 def test_cli_data_parallel_checks_the_batch_split(tmp_path, capsys):

@@ -8,6 +8,7 @@ from torch import nn
 
 import mhsa
 from helpers import max_error
+from mhsa.backends import local_names
 from mhsa.nn import MultiHeadAttention, from_torch_masks
 
 
@@ -19,7 +20,7 @@ def torch_mha(embed_dim=32, num_heads=4, **kwargs) -> nn.MultiheadAttention:
     return module
 
 
-@pytest.mark.parametrize("backend", mhsa.backends())
+@pytest.mark.parametrize("backend", local_names())
 def test_self_attention_matches_torch_with_masks(backend):
     theirs = torch_mha()
     ours = MultiHeadAttention.from_torch(theirs, backend=backend).eval()

@@ -63,6 +63,11 @@ def bench(args: argparse.Namespace) -> int:
     elif args.suite == "generate":
         result = generate.run(repeat=args.repeat, quick=args.quick)
         text = generate.report(result)
+    elif args.suite == "ring":
+        from .benchmarks import ring
+
+        result = ring.run(nproc=args.nproc, repeat=min(args.repeat, 2), quick=args.quick)
+        text = ring.report(result)
     else:
         result = sparse.run(repeat=args.repeat, quick=args.quick)
         text = sparse.report(result)
@@ -105,7 +110,8 @@ def train_gpt(args: argparse.Namespace) -> int:
                                checkpoint_every=args.eval_every, seed=args.seed)  # fmt: skip
     info = {"model": "gpt", "config": config.to_dict(), "tokenizer": tokenizer.name}
     result = train(model, task, train_config, args.out, model_info=info, resume=args.resume,
-                   stop_after=args.stop_after)  # fmt: skip
+                   stop_after=args.stop_after,
+                   context_parallel="zigzag" if args.context_parallel else None)  # fmt: skip
     final = result["history"][-1]["val_loss"] if result["history"] else float("nan")
     print(f"validation loss {describe_loss(final)}; unigram baseline {describe_loss(baseline)}")
     print(
@@ -413,7 +419,10 @@ def build_parser() -> argparse.ArgumentParser:
     gpt.add_argument("--nproc", type=int, default=1,
                      help="data-parallel processes (DistributedDataParallel; gloo on CPU); "
                           "or launch with torchrun")  # fmt: skip
-    gpt.set_defaults(run=train_gpt)
+    gpt.add_argument("--context-parallel", action="store_true",
+                     help="with --nproc: shard each sequence across the processes "
+                          "(zigzag), attend with ring attention")  # fmt: skip
+    gpt.set_defaults(run=train_gpt, data_parallel=True)
 
     bert = train_models.add_parser("bert", help="masked-LM BERT on Python's own source code")
     _common_train_options(bert, steps=300, out="runs/bert")
@@ -482,8 +491,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_parser = commands.add_parser("bench", help="benchmarks: ratios against peers")
     bench_parser.add_argument(
-        "suite", choices=["attention", "sparse", "generate"], help="which benchmark"
+        "suite", choices=["attention", "sparse", "generate", "ring"], help="which benchmark"
     )
+    bench_parser.add_argument("--nproc", type=int, default=2, help="ring: processes")
     bench_parser.add_argument("--json", action="store_true", help="print JSON")
     bench_parser.add_argument("--length", type=int, default=4096, help="L = S for timings")
     bench_parser.add_argument("--heads", type=int, default=8)
@@ -501,24 +511,35 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _spawn_data_parallel(args: argparse.Namespace, nproc: int) -> int:
     """Run the command in nproc local processes, one process group (gloo on CPU)."""
-    from .launch import spawn
+    from .launch import run_local
 
-    if args.batch_size % nproc:
+    if args.context_parallel:
+        if args.seq_len % (2 * nproc):
+            raise ValueError(f"--seq-len {args.seq_len} must be a multiple of 2 x --nproc "
+                             f"({2 * nproc}) to shard sequences (zigzag)")  # fmt: skip
+        if args.position == "alibi":
+            raise ValueError("--context-parallel works with learned, sinusoidal and rotary "
+                             "positions, not alibi")  # fmt: skip
+    elif args.batch_size % nproc:
         raise ValueError(
             f"--batch-size {args.batch_size} must be divisible by --nproc {nproc}: each "
             "process trains on an equal share of every batch"
         )
     args.nproc = 1  # inside the group each worker trains as one rank of it
-    spawn(args.run, nproc, args)
-    return 0
+    threads = max(1, torch.get_num_threads() // nproc)
+    return run_local(_run_as_rank, nproc, args, timeout=7 * 24 * 3600.0, threads=threads,
+                     quiet=True)[0]  # fmt: skip
+
+
+def _run_as_rank(rank: int, world_size: int, args: argparse.Namespace) -> int:
+    return args.run(args)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        nproc = getattr(args, "nproc", 1)
-        if nproc > 1:
-            return _spawn_data_parallel(args, nproc)
+        if getattr(args, "data_parallel", False) and args.nproc > 1:
+            return _spawn_data_parallel(args, args.nproc)
         return args.run(args)
     except (FileNotFoundError, ValueError) as error:  # bad paths and arguments: no traceback
         print(f"mhsa {args.command}: {error}", file=sys.stderr)

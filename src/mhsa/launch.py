@@ -1,5 +1,5 @@
-"""Starting torch.distributed process groups: N local processes (gloo on CPU, NCCL
-on GPUs), or joining the group that torchrun describes in the environment."""
+"""Starting torch.distributed process groups: N local CPU processes (gloo), or the
+group that torchrun describes in the environment (NCCL on GPUs)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,10 @@ import contextlib
 import os
 import socket
 import sys
+import time
 from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -15,14 +18,10 @@ import torch.multiprocessing as mp
 
 
 def free_port() -> int:
-    """A TCP port on localhost that nothing listens on right now."""
-    with socket.socket() as s:
+    """A TCP port that was free a moment ago (a socket bound to port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 def join_torchrun_group() -> bool:
@@ -30,30 +29,71 @@ def join_torchrun_group() -> bool:
     False when not launched by torchrun with more than one process."""
     if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return dist.is_initialized()
-    dist.init_process_group(default_backend())
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     return True
 
 
-def spawn(fn: Callable, nproc: int, *args, quiet_workers: bool = True) -> None:
-    """Run fn(*args) in nproc new local processes joined in one process group (gloo on
-    CPU). Workers other than rank 0 print nothing when quiet_workers. Raises if a
-    worker fails."""
-    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
-        raise ValueError(f"nproc must be a positive int, got {nproc!r}")
-    mp.spawn(_worker, args=(fn, nproc, free_port(), args, quiet_workers), nprocs=nproc)
+def run_local(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    threads: int | None = 1,
+    quiet: bool = False,
+) -> list[Any]:
+    """Run fn(rank, world_size, *args) in world_size spawned CPU processes that form a
+    gloo process group (the default group); return each rank's result, in rank order.
 
-
-def _worker(rank: int, fn: Callable, nproc: int, port: int, args: tuple, quiet: bool) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nproc
+    fn must be importable (a module-level function) and its result picklable. A child
+    that raises fails the call; one still running after `timeout` seconds is killed
+    and TimeoutError raised. threads sets torch's thread count in each child (None
+    keeps the default). quiet silences the output of every rank but 0.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    port = free_port()
+    results = mp.get_context("spawn").SimpleQueue()
+    context = mp.spawn(
+        _local_worker,
+        args=(world_size, port, fn, args, results, threads, timeout, quiet),
+        nprocs=world_size,
+        join=False,
     )
-    # share the cores instead of each process taking all of them
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
+    deadline = time.monotonic() + timeout
+    collected: dict[int, Any] = {}
+    finished = False
+    try:
+        while not finished:
+            finished = context.join(timeout=0.05)
+            while not results.empty():
+                rank, value = results.get()
+                collected[rank] = value
+            if not finished and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"run_local: {world_size} processes still running after {timeout} s"
+                )
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    return [collected.get(rank) for rank in range(world_size)]
+
+
+def _local_worker(rank, world_size, port, fn, args, results, threads, timeout, quiet) -> None:
+    if threads:
+        torch.set_num_threads(threads)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout),
+    )
     try:
         with _silenced(quiet and rank > 0):
-            fn(*args)
+            results.put((rank, fn(rank, world_size, *args)))
     finally:
         dist.destroy_process_group()
 

@@ -81,6 +81,7 @@ def train(
     resume: bool = False,
     stop_after: int | None = None,
     log=print,
+    context_parallel: str | None = None,
 ) -> dict:
     """Train `model` on `task` for config.steps steps, checkpointing into out_dir.
 
@@ -88,6 +89,13 @@ def train(
     resume continues from out_dir's latest checkpoint exactly where it stopped.
     stop_after ends the run early after that many steps (as a kill would, but with a
     checkpoint written first).
+
+    Under an initialised torch.distributed group every rank draws the same global
+    batch. By default (data parallel) each trains on its share of the rows with
+    DistributedDataParallel. With context_parallel (a layout of mhsa.distributed,
+    e.g. "zigzag") each rank takes its shard of every sequence instead - batches are
+    (tokens, targets) (B, T) and model.loss takes `positions` - attention runs as ring
+    attention, and gradients are averaged over ranks after backward.
     """
     out_dir = Path(out_dir)
     torch.manual_seed(config.seed)
@@ -105,16 +113,19 @@ def train(
         step, history = trainer["step"], trainer["history"]
         log(f"resumed from {state['path']} at step {step}")
     model.train()
-    compute_loss, rank, world = _data_parallel(model)
+    compute_loss, rank, world = _data_parallel(model, context_parallel)
     start, tokens_done = time.perf_counter(), 0
     end = config.steps if stop_after is None else min(config.steps, step + stop_after)
     while step < end:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, config)
         # every rank draws the same global batch and trains on its share of the rows
-        loss = compute_loss(*_local_rows(task.train_batch(generator), rank, world))
+        batch = task.train_batch(generator)
+        loss = compute_loss(*(batch if context_parallel else _local_rows(batch, rank, world)))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        if context_parallel and world > 1:
+            _average_gradients(model, world)
         nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
         optimizer.step()
         step += 1
@@ -164,12 +175,39 @@ class _Loss(nn.Module):
         return self.model.loss(*batch)
 
 
-def _data_parallel(model: nn.Module) -> tuple:
-    """(loss function, rank, world size): model.loss in one process; under an initialised
-    torch.distributed group, DistributedDataParallel (gradients averaged over ranks)."""
+def _data_parallel(model: nn.Module, context_parallel: str | None) -> tuple:
+    """(loss function on the global batch's rows for this rank, rank, world size)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return model.loss, 0, 1
-    return DistributedDataParallel(_Loss(model)), dist.get_rank(), dist.get_world_size()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if context_parallel:
+        return _SequenceShards(model, context_parallel, rank, world), rank, world
+    return DistributedDataParallel(_Loss(model)), rank, world
+
+
+class _SequenceShards:
+    """model.loss on this rank's shard of every sequence, attention as ring attention."""
+
+    def __init__(self, model: nn.Module, layout: str, rank: int, world: int) -> None:
+        self.model, self.layout, self.rank, self.world = model, layout, rank, world
+
+    def __call__(self, tokens: Tensor, targets: Tensor) -> Tensor:
+        from .distributed import context_parallel, shard
+
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        cut = {"rank": self.rank, "world_size": self.world, "layout": self.layout}
+        tokens, targets = shard(tokens, dim=1, **cut), shard(targets, dim=1, **cut)
+        with context_parallel(layout=self.layout):
+            return self.model.loss(tokens, targets, positions=shard(positions, dim=0, **cut))
+
+
+def _average_gradients(model: nn.Module, world: int) -> None:
+    """Every rank's loss is the mean over an equal number of tokens: the global mean's
+    gradient is the ranks' average."""
+    for param in model.parameters():
+        if param.grad is not None:
+            dist.all_reduce(param.grad)
+            param.grad /= world
 
 
 def _local_rows(batch: tuple, rank: int, world: int) -> tuple:

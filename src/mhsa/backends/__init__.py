@@ -3,10 +3,27 @@
 from .flash import FlashBackend
 from .reference import ReferenceBackend
 from .registry import AttentionSpec, Backend, get, names, register, select, use_backend
+from .ring import RingBackend, context_parallel
 from .sdpa import SdpaBackend
 
 register(SdpaBackend())
 register(FlashBackend())
 register(ReferenceBackend())
+register(RingBackend())  # serves only inside context_parallel(...)
 
-__all__ = ["AttentionSpec", "Backend", "get", "names", "register", "select", "use_backend"]
+__all__ = [
+    "AttentionSpec",
+    "Backend",
+    "context_parallel",
+    "get",
+    "local_names",
+    "names",
+    "register",
+    "select",
+    "use_backend",
+]
+
+
+def local_names() -> list[str]:
+    """The backends that compute attention in this process (all but `ring`)."""
+    return [name for name in names() if name != "ring"]

@@ -1,0 +1,80 @@
+"""The `ring` backend: attention over a sequence split across processes.
+
+Inside `context_parallel(group, layout)` every process holds one shard of each
+sequence (see mhsa.distributed.shard), and every attention call - from mhsa.attention
+or any module built on it - goes to mhsa.distributed.ring_attention, which sees the
+whole sequence. Outside that block the backend serves nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+from torch import Tensor
+
+from ..masks import Pattern
+from .registry import AttentionSpec, Backend, use_backend
+
+_active: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
+    "mhsa_context_parallel", default=None
+)
+
+
+@contextlib.contextmanager
+def context_parallel(group=None, layout: str = "zigzag") -> Iterator[None]:
+    """Run every attention call in the block as ring attention over `group` (default:
+    the whole world), the local tensors being this rank's shard in `layout`. A call
+    the ring cannot serve raises instead of silently attending only locally."""
+    token = _active.set((group, layout))
+    try:
+        with use_backend("ring"):
+            yield
+    finally:
+        _active.reset(token)
+
+
+class RingBackend(Backend):
+    name = "ring"
+
+    def available(self) -> str | None:
+        import torch.distributed as dist
+
+        return None if dist.is_available() else "torch.distributed is not available"
+
+    def supports(self, spec: AttentionSpec) -> str | None:
+        if _active.get() is None:
+            return "only inside mhsa.distributed.context_parallel(...)"
+        if spec.has_bias:
+            return "an additive bias is not supported across processes"
+        if spec.dropout_p:
+            return "dropout is not supported across processes"
+        if spec.return_lse:
+            return "return_lse is not supported"
+        return None
+
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        mask: Tensor | Pattern | None,
+        bias: Tensor | None,
+        causal: bool,
+        scale: float,
+        dropout_p: float,
+        return_lse: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        from ..distributed import ring_attention
+
+        if mask is not None and not isinstance(mask, Pattern):
+            raise ValueError(
+                "the ring backend takes masks as mhsa.masks patterns (global positions); "
+                "a tensor mask of the local shard is ambiguous"
+            )
+        group, layout = _active.get()
+        out = ring_attention(q, k, v, group=group, causal=causal, mask=mask, scale=scale,
+                             layout=layout)  # fmt: skip
+        return out, None
