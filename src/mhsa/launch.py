@@ -24,14 +24,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def join_torchrun_group() -> bool:
-    """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR...).
-    False when not launched by torchrun with more than one process."""
+def join_torchrun_group(quiet: bool = True) -> bool:
+    """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR...);
+    with quiet, ranks other than 0 print nothing from then on. False when not launched
+    by torchrun with more than one process."""
     if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return dist.is_initialized()
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if quiet and dist.get_rank() > 0:
+        sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - for the process
     return True
 
 
