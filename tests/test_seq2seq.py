@@ -17,8 +17,16 @@ from mhsa.search import beam_search, greedy_search
 
 def _model(**changes) -> Seq2Seq:
     torch.manual_seed(0)
-    options = {"src_vocab": 11, "tgt_vocab": 11, "d_model": 16, "n_head": 2,
-               "n_encoder_layer": 2, "n_decoder_layer": 2, "dropout": 0.0, "max_len": 12}
+    options = {
+        "src_vocab": 11,
+        "tgt_vocab": 11,
+        "d_model": 16,
+        "n_head": 2,
+        "n_encoder_layer": 2,
+        "n_decoder_layer": 2,
+        "dropout": 0.0,
+        "max_len": 12,
+    }
     return Seq2Seq(Seq2SeqConfig(**{**options, **changes})).eval()  # fmt: skip
 
 

