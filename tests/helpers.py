@@ -72,3 +72,13 @@ def naive_same_dtype(q: Tensor, k: Tensor, v: Tensor, causal: bool = False) -> T
 
 def max_error(actual: Tensor, expected: Tensor) -> float:
     return (actual.double() - expected.double()).abs().max().item()
+
+
+def cpu_backends() -> list[str]:
+    """The backends that serve a typical call here (on CPU): for tests over all of them."""
+    from mhsa.backends import AttentionSpec, get, local_names
+
+    spec = AttentionSpec.example()
+    return [
+        n for n in local_names() if get(n).available() is None and get(n).supports(spec) is None
+    ]

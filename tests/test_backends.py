@@ -6,10 +6,9 @@ import pytest
 import torch
 
 import mhsa
-from helpers import golden, make_qkv, max_error, naive_same_dtype
-from mhsa.backends import local_names
+from helpers import cpu_backends, golden, make_qkv, max_error, naive_same_dtype
 
-BACKENDS = local_names()
+BACKENDS = cpu_backends()
 
 # (num_heads, num_kv_heads, q_len, kv_len, head_dim)
 SHAPES = [

@@ -7,8 +7,7 @@ import torch
 import transformers
 
 import mhsa
-from helpers import max_error
-from mhsa.backends import local_names
+from helpers import cpu_backends, max_error
 from mhsa.embed import SentenceEncoder, minilm_directory
 from mhsa.models.bert import Bert, BertConfig, mean_pool
 
@@ -37,7 +36,7 @@ def test_hidden_states_and_embeddings_equal_transformers(encoder):
                      .pooler_output.detach()) < 1e-5  # fmt: skip
 
 
-@pytest.mark.parametrize("backend", local_names())
+@pytest.mark.parametrize("backend", cpu_backends())
 def test_embeddings_are_the_same_with_every_backend(encoder, backend):
     reference = encoder.encode(SENTENCES)
     with mhsa.use_backend(backend):

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mhsa
-from helpers import golden, make_qkv, max_error
-from mhsa.backends import AttentionSpec, local_names, select
+from helpers import cpu_backends, golden, make_qkv, max_error
+from mhsa.backends import AttentionSpec, select
 
 spec = AttentionSpec.example
 
@@ -46,7 +46,7 @@ def test_use_backend_forces_and_restores():
         assert select(spec(), "auto").name == "reference"
         assert select(spec(), "sdpa").name == "reference"
     assert select(spec(), "auto").name == "sdpa"
-    assert mhsa.backends() == ["sdpa", "flash", "reference", "ring"]
+    assert mhsa.backends() == ["sdpa", "flash", "flex", "reference", "ring"]
 
 
 def test_empty_query_gives_empty_output():
@@ -126,7 +126,7 @@ def test_every_backend_matches_reference_on_random_calls(
     }[mask_kind]
     mask = None if shapes is None else torch.rand(shapes) > 0.4
     expected = golden(q, k, v, mask, causal=causal)
-    for backend in local_names():
+    for backend in cpu_backends():
         out = mhsa.attention(q, k, v, mask, causal=causal, backend=backend)
         assert torch.isfinite(out).all()
         assert max_error(out, expected) < 1e-5, backend

@@ -7,8 +7,7 @@ import torch
 from torch import nn
 
 import mhsa
-from helpers import max_error
-from mhsa.backends import local_names
+from helpers import cpu_backends, max_error
 from mhsa.nn import MultiHeadAttention, from_torch_masks
 
 
@@ -20,7 +19,7 @@ def torch_mha(embed_dim=32, num_heads=4, **kwargs) -> nn.MultiheadAttention:
     return module
 
 
-@pytest.mark.parametrize("backend", local_names())
+@pytest.mark.parametrize("backend", cpu_backends())
 def test_self_attention_matches_torch_with_masks(backend):
     theirs = torch_mha()
     ours = MultiHeadAttention.from_torch(theirs, backend=backend).eval()

@@ -14,8 +14,10 @@ from .backends import AttentionSpec, get, names, select
 # Typical calls (float32, GQA 8/2) that show what each backend can and cannot serve.
 _PROBES = {
     "causal": {"causal": True},
+    "pattern": {"has_mask": True},
     "mask+bias": {"has_mask": True, "has_bias": True},
     "dropout": {"dropout_p": 0.1},
+    "pattern+dropout": {"has_mask": True, "dropout_p": 0.1},
     "return_lse": {"return_lse": True},
 }
 
@@ -41,10 +43,18 @@ def info(_: argparse.Namespace) -> int:
             limit = backend.supports(AttentionSpec.example(device=device, **changes))
             if limit is not None:
                 print(f"  {'':<10} not for {probe}: {limit}")
-    print("auto picks (B=1, H=8, H_kv=2, L=S=1024, D=64, float32):")
+    print(f"auto picks on {device.type} (B=1, H=8, H_kv=2, L=S=1024, D=64, float32):")
     for probe, changes in {"plain": {}, **_PROBES}.items():
         chosen = select(AttentionSpec.example(device=device, **changes), "auto").name
-        print(f"  {probe:<12} {chosen}")
+        print(f"  {probe:<16} {chosen}")
+    if device.type != "cuda":
+        print("preference table on CUDA (what auto would pick there; bf16):")
+        for probe, changes in {"plain": {}, **_PROBES}.items():
+            spec = AttentionSpec.example(device=torch.device("cuda"), dtype=torch.bfloat16,
+                                         **changes)  # fmt: skip
+            ranked = sorted((get(n).preference(spec), n) for n in names()
+                            if get(n).supports(spec) is None)  # fmt: skip
+            print(f"  {probe:<16} " + " > ".join(f"{n} ({p:g})" for p, n in ranked[::-1]))
     return 0
 
 

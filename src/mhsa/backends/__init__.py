@@ -1,6 +1,7 @@
 """Attention backends; `auto` picks the usable one with the highest preference."""
 
 from .flash import FlashBackend
+from .flex import FlexBackend
 from .reference import ReferenceBackend
 from .registry import AttentionSpec, Backend, get, names, register, select, use_backend
 from .ring import RingBackend, context_parallel
@@ -8,6 +9,7 @@ from .sdpa import SdpaBackend
 
 register(SdpaBackend())
 register(FlashBackend())
+register(FlexBackend())  # CUDA only
 register(ReferenceBackend())
 register(RingBackend())  # serves only inside context_parallel(...)
 

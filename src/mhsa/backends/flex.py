@@ -1,0 +1,158 @@
+"""The flex backend: PyTorch's compiled FlexAttention, for patterns on CUDA.
+
+A call's mask (an mhsa.masks pattern or a bool tensor) and bottom-right causal
+alignment become one mask_mod, looked up in the call's dense mask, and a BlockMask
+built from it; FlexAttention then skips the empty tiles and applies no mask in full
+ones. BlockMasks of patterns are cached per (pattern, causal, shape, device), so a
+model calling the same pattern in every layer builds it once. Used on CUDA only:
+on CPU FlexAttention has no backward, and our flash engine serves patterns there.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from ..masks import Pattern
+from .registry import AttentionSpec, Backend
+
+BLOCK = 128  # FlexAttention's tile
+
+
+def _flex_module():
+    from torch.nn.attention import flex_attention
+
+    return flex_attention
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_flex():
+    return torch.compile(_flex_module().flex_attention, dynamic=False)
+
+
+def _dense_mask(
+    mask: Tensor | Pattern | None, causal: bool, q_len: int, kv_len: int, device
+) -> Tensor | None:
+    """(Bm, Hm, L, S) bool, True = may attend, or None when nothing is masked."""
+    dense = mask.dense(q_len, kv_len, device) if isinstance(mask, Pattern) else mask
+    if causal:
+        rows = torch.arange(q_len, device=device).view(-1, 1)
+        lower = rows + (kv_len - q_len) >= torch.arange(kv_len, device=device).view(1, -1)
+        dense = lower if dense is None else dense & lower
+    if dense is None:
+        return None
+    while dense.dim() < 4:
+        dense = dense.unsqueeze(0)
+    return dense
+
+
+def block_mask_for(
+    mask: Tensor | Pattern | None, causal: bool, shape: tuple[int, int, int, int], device
+):
+    """The FlexAttention BlockMask of a call (batch, heads, L, S); None if unmasked.
+    Pattern masks are cached; tensor masks are rebuilt each call (they may change)."""
+    if not isinstance(mask, Pattern):
+        return _build_block_mask(mask, causal, shape, device)
+    key = (_pattern_key(mask), causal, tuple(shape), str(device))
+    if key not in _CACHE:
+        if len(_CACHE) >= CACHE_SIZE:
+            _CACHE.pop(next(iter(_CACHE)))  # the oldest entry
+        # the pattern is kept alive with its mask, so an id in a key is never reused
+        _CACHE[key] = (mask, _build_block_mask(mask, causal, shape, device))
+    return _CACHE[key][1]
+
+
+CACHE_SIZE = 64
+_CACHE: dict[tuple, tuple] = {}
+
+
+def _pattern_key(pattern: Pattern) -> tuple:
+    """Equal for equal patterns built from plain values (SlidingWindow(256, 0) twice);
+    patterns holding tensors (key padding, block layouts) are keyed by identity."""
+    fields = vars(pattern)
+    if any(isinstance(value, Tensor) for value in fields.values()):
+        return ("id", id(pattern))
+    parts = tuple(
+        tuple(_pattern_key(p) for p in value) if isinstance(value, (tuple, list)) and
+        all(isinstance(p, Pattern) for p in value) else repr(value)
+        for _, value in sorted(fields.items())
+    )  # fmt: skip
+    return (type(pattern).__name__, parts)
+
+
+def _build_block_mask(mask, causal: bool, shape: tuple, device):
+    batch, heads, q_len, kv_len = shape
+    dense = _dense_mask(mask, causal, q_len, kv_len, device)
+    if dense is None:
+        return None
+    per_batch, per_head = dense.shape[0] > 1, dense.shape[1] > 1
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return dense[b if per_batch else 0, h if per_head else 0, q_idx, kv_idx]
+
+    return _flex_module().create_block_mask(
+        mask_mod,
+        batch if per_batch else None,
+        heads if per_head else None,
+        q_len,
+        kv_len,
+        device=device,
+        BLOCK_SIZE=BLOCK,
+    )
+
+
+def flex_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Tensor | Pattern | None,
+    causal: bool,
+    scale: float,
+    compiled: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """(out (B, H, L, D_v), lse (B, H, L) float32) with FlexAttention; compiled=False
+    runs it eagerly (slow; for checking on CPU)."""
+    batch, heads, q_len, _ = q.shape
+    block_mask = block_mask_for(mask, causal, (batch, heads, q_len, k.shape[2]), q.device)
+    flex = _compiled_flex() if compiled else _flex_module().flex_attention
+    out, lse = flex(
+        q,
+        k,
+        v,
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=k.shape[1] != heads,
+        return_lse=True,
+    )
+    return out, lse.float()
+
+
+class FlexBackend(Backend):
+    name = "flex"
+
+    def available(self) -> str | None:
+        try:
+            _flex_module()
+        except ImportError:
+            return "torch.nn.attention.flex_attention is missing (torch >= 2.5 has it)"
+        return None
+
+    def supports(self, spec: AttentionSpec) -> str | None:
+        if spec.device.type != "cuda":
+            return "used on CUDA only (on CPU FlexAttention has no backward)"
+        if spec.has_bias:
+            return "no additive bias (triton and flash take one)"
+        if spec.dropout_p:
+            return "no dropout (triton and flash take it with any pattern)"
+        return None
+
+    def preference(self, spec: AttentionSpec) -> float:
+        # On CUDA: the choice for patterns (sdpa wins plain and aligned-causal calls)
+        return 2.5 if spec.has_mask or spec.causal else 0.5
+
+    def forward(self, q, k, v, *, mask, bias, causal, scale, dropout_p, return_lse):
+        out, lse = flex_forward(q, k, v, mask=mask, causal=causal, scale=scale)
+        return out, (lse if return_lse else None)

@@ -1,0 +1,67 @@
+"""The flex backend's conversion of our masks to FlexAttention BlockMasks, checked by
+running FlexAttention eagerly on CPU against the reference (the backend itself serves
+CUDA only), and its dispatch rules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mhsa
+from helpers import max_error
+from mhsa.backends import AttentionSpec, get
+from mhsa.backends.flex import block_mask_for, flex_forward
+from mhsa.masks import KeyPadding, SlidingWindow
+
+pytest.importorskip("torch.nn.attention.flex_attention")
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # eager flex warns
+
+CASES = [
+    ("none", None, False),
+    ("causal L != S", None, True),
+    ("window", SlidingWindow(5, 3), False),
+    ("causal window", SlidingWindow(5, 0), True),
+    ("bool tensor", "tensor", False),
+    ("key padding with a dead row", "padding", False),
+]
+
+
+@pytest.mark.parametrize(("name", "mask", "causal"), CASES, ids=[c[0] for c in CASES])
+def test_flex_equals_the_reference(name, mask, causal):
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 37, 16), torch.randn(2, 2, 45, 16), torch.randn(2, 2, 45, 16)
+    if mask == "tensor":
+        mask = torch.rand(2, 1, 37, 45) > 0.5
+    elif mask == "padding":
+        mask = KeyPadding(torch.tensor([[True] * 30 + [False] * 15, [False] * 45]))
+    out, lse = flex_forward(q, k, v, mask=mask, causal=causal, scale=0.25, compiled=False)
+    ref, ref_lse = mhsa.attention(q, k, v, mask, causal=causal, scale=0.25, return_lse=True,
+                                  backend="reference")  # fmt: skip
+    assert torch.isfinite(out).all()
+    assert max_error(out, ref) < 1e-5
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    finite = torch.isfinite(ref_lse)
+    assert max_error(lse[finite], ref_lse[finite]) < 1e-5
+
+
+def test_pattern_block_masks_are_cached_per_shape():
+    window = SlidingWindow(300, 0)
+    first = block_mask_for(window, True, (1, 1, 1024, 1024), "cpu")
+    assert block_mask_for(SlidingWindow(300, 0), True, (1, 1, 1024, 1024), "cpu") is first
+    assert block_mask_for(window, True, (1, 1, 2048, 2048), "cpu") is not first
+    assert block_mask_for(None, False, (1, 1, 1024, 1024), "cpu") is None
+    # tiles out of the window's reach are skipped: far fewer than all 8 x 8
+    assert int(first.kv_num_blocks.sum() + first.full_kv_num_blocks.sum()) < 64
+
+
+def test_flex_serves_cuda_only_and_refuses_what_it_cannot_do():
+    flex = get("flex")
+    assert "CUDA only" in flex.supports(AttentionSpec.example())
+    cuda = AttentionSpec.example(device=torch.device("cuda"), has_mask=True)
+    assert flex.supports(cuda) is None
+    assert "bias" in flex.supports(AttentionSpec.example(device=torch.device("cuda"),
+                                                        has_bias=True))  # fmt: skip
+    assert "dropout" in flex.supports(AttentionSpec.example(device=torch.device("cuda"),
+                                                           dropout_p=0.1))  # fmt: skip
+    with pytest.raises(ValueError, match="flex"):
+        mhsa.attention(*torch.randn(3, 1, 2, 8, 4), backend="flex")
