@@ -314,3 +314,13 @@ def test_transcribe_bench_quick(reference):
     assert [row["name"] for row in result["rows"]] == ["mhsa", "ctranslate2"]
     assert result["same_text"] and result["ratio"] > 0
     assert "RTF" in bench.report(result)
+
+
+def test_transcribe_command(capsys, tmp_path):
+    from mhsa.cli import main
+
+    assert main(["transcribe", str(alsa_wav("Front_Center"))]) == 0
+    assert capsys.readouterr().out.strip() == "Front Center"
+    (tmp_path / "notes.txt").write_text("not audio")
+    assert main(["transcribe", str(tmp_path / "notes.txt")]) == 2
+    assert "not a readable WAV" in capsys.readouterr().err
