@@ -119,7 +119,8 @@ def train(
     while step < end:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, config)
-        # every rank draws the same global batch and trains on its share of the rows
+        # every rank draws the same global batch; data parallel: each takes its share of
+        # the rows, context parallel: each its shard of every sequence (_SequenceShards)
         batch = task.train_batch(generator)
         loss = compute_loss(*(batch if context_parallel else _local_rows(batch, rank, world)))
         optimizer.zero_grad(set_to_none=True)
