@@ -33,6 +33,7 @@ from ..nn import (
     TransformerEncoderLayer,
 )
 from ..positional import LearnedPositionalEmbedding
+from ..search import greedy_search
 
 
 @dataclass
@@ -172,22 +173,17 @@ class Whisper(nn.Module):
         memory = self.encode(mel)
         batch = memory.shape[0]
         cache = self.make_cache(batch, prompt_len + max_new, cache_memory=reuse_memory)
-        tokens = torch.tensor(config.prompt, device=memory.device).expand(batch, -1)
-        done = torch.zeros(batch, dtype=torch.bool, device=memory.device)
-        generated, step_logits = [], []
-        for step in range(max_new):
+        step_logits: list[Tensor] = []
+
+        def step(tokens: Tensor) -> Tensor:
+            first = cache.length == 0  # the call that takes the prompt
             logits = self.logits(tokens, memory, cache)[:, -1]  # (B, n_vocab)
             if return_logits:
                 step_logits.append(logits)
-            next_id = self.suppress(logits, first=step == 0).argmax(dim=-1)
-            next_id = next_id.masked_fill(done, config.eot_id)
-            generated.append(next_id)
-            done |= next_id == config.eot_id
-            if done.all():
-                break
-            tokens = next_id[:, None]
-        ids = torch.stack(generated, dim=1).tolist()
-        ids = [row[: row.index(config.eot_id)] if config.eot_id in row else row for row in ids]
+            return self.suppress(logits, first=first)
+
+        prompt = torch.tensor(config.prompt, device=memory.device).expand(batch, -1)
+        ids = greedy_search(step, prompt, config.eot_id, max_new)
         return (ids, torch.stack(step_logits, dim=1)) if return_logits else ids
 
     def decode(self, ids: list[int]) -> str:
