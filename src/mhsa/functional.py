@@ -144,9 +144,10 @@ def attention_weights(
     row_idx = _indices("rows", rows, q_len, q.device)
     if backend == "auto":
         backend = "reference" if heads is None and rows is None else "flash"
-    if backend not in ("reference", "flash"):
+    if backend not in ("reference", "flash", "triton"):
         raise ValueError(
-            f"attention_weights backend must be 'auto', 'reference' or 'flash', got {backend!r}"
+            "attention_weights backend must be 'auto', 'reference', 'flash' or 'triton', "
+            f"got {backend!r}"
         )
     q_sel = q.index_select(1, head_idx)
     k_sel = k.index_select(1, head_idx // (num_heads // k.shape[1]))
@@ -158,6 +159,13 @@ def attention_weights(
         mask_sel = mask
         allowed = mask.allowed(row_idx.view(-1, 1), keys.view(1, -1), q_len, kv_len)
     bias_sel = _select(bias, 1, head_idx)
+    if backend == "triton":  # visited tiles only, normalised by the kernel's own lse
+        from .kernels.triton import triton_attention_weights  # imports triton
+
+        probs = triton_attention_weights(
+            q_sel, k_sel, mask_sel, bias=bias_sel, causal=causal, scale=resolved_scale
+        )
+        return probs.index_select(2, row_idx).to(q.dtype)
     dtype = stats_dtype(q.dtype)
     scores = grouped_scores(q_sel.index_select(2, row_idx), k_sel, resolved_scale, dtype)
     if bias_sel is not None:

@@ -6,10 +6,12 @@ from .reference import ReferenceBackend
 from .registry import AttentionSpec, Backend, get, names, register, select, use_backend
 from .ring import RingBackend, context_parallel
 from .sdpa import SdpaBackend
+from .triton import TritonBackend
 
 register(SdpaBackend())
 register(FlashBackend())
 register(FlexBackend())  # CUDA only
+register(TritonBackend())  # CUDA, or TRITON_INTERPRET=1 (tests)
 register(ReferenceBackend())
 register(RingBackend())  # serves only inside context_parallel(...)
 
