@@ -70,6 +70,18 @@ def naive_same_dtype(q: Tensor, k: Tensor, v: Tensor, causal: bool = False) -> T
     return torch.softmax(scores, dim=-1) @ v
 
 
+def assert_2x_3x_rule(q, k, v, out, grad_out, ref_out, ref_grads) -> None:
+    """Low-precision rule: out (causal) and q/k/v's .grad are within 2x (forward) and
+    3x (gradients) of the error that attention entirely in their dtype makes against
+    the same float64 answer (ref_out, ref_grads)."""
+    qn, kn, vn = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    naive = naive_same_dtype(qn, kn, vn, causal=True)
+    naive.backward(grad_out)
+    assert max_error(out, ref_out) <= 2 * max_error(naive, ref_out) + 1e-4
+    for got, naive_t, want in zip((q, k, v), (qn, kn, vn), ref_grads[:3], strict=True):
+        assert max_error(got.grad, want) <= 3 * max_error(naive_t.grad, want) + 1e-4
+
+
 def max_error(actual: Tensor, expected: Tensor) -> float:
     return (actual.double() - expected.double()).abs().max().item()
 
