@@ -70,6 +70,34 @@ def naive_same_dtype(q: Tensor, k: Tensor, v: Tensor, causal: bool = False) -> T
     return torch.softmax(scores, dim=-1) @ v
 
 
+def reference_with_grads(q, k, v, mask, bias, causal, grad_out, grad_lse=None, scale=None):
+    """(out, lse, [dq, dk, dv, dbias]) of the reference backend in float64, for the loss
+    sum(out * grad_out) (+ sum(lse * grad_lse) over finite lse)."""
+    tensors = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    bias64 = None if bias is None else bias.detach().double().requires_grad_()
+    out, lse = mhsa.attention(*tensors, mask, bias=bias64, causal=causal, scale=scale,
+                              backend="reference", return_lse=True)  # fmt: skip
+    loss = (out * grad_out.double()).sum()
+    if grad_lse is not None:
+        loss = loss + (torch.where(torch.isfinite(lse), lse, 0) * grad_lse.double()).sum()
+    loss.backward()
+    return out, lse, [t.grad for t in tensors] + [None if bias64 is None else bias64.grad]
+
+
+def assert_matches_reference(out, lse, inputs, ref_out, ref_lse, ref_grads) -> None:
+    """A kernel's float32 out (2e-5), lse (1e-5, -inf exactly where the reference's is)
+    and gradients of inputs (q, k, v, bias; 1e-4, finite) against the float64 reference."""
+    assert max_error(out, ref_out) < 2e-5
+    assert lse.dtype == torch.float32
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    finite = torch.isfinite(ref_lse)
+    assert max_error(lse[finite], ref_lse[finite]) < 1e-5
+    for got, want in zip(inputs, ref_grads, strict=True):
+        if want is not None:
+            assert torch.isfinite(got.grad).all()
+            assert max_error(got.grad, want) < 1e-4
+
+
 def assert_2x_3x_rule(q, k, v, out, grad_out, ref_out, ref_grads) -> None:
     """Low-precision rule: out (causal) and q/k/v's .grad are within 2x (forward) and
     3x (gradients) of the error that attention entirely in their dtype makes against

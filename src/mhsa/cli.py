@@ -284,16 +284,8 @@ def translate(args: argparse.Namespace) -> int:
     """Translate English number words with a `mhsa train translate` checkpoint."""
     from .data.numbers import Vocabulary, pad_batch
     from .models.seq2seq import Seq2Seq, Seq2SeqConfig
-    from .train import load_checkpoint
 
-    state = load_checkpoint(args.checkpoint)
-    if state["info"].get("model") != "seq2seq":
-        raise SystemExit(
-            f"{state['path']} holds a {state['info'].get('model')!r} model, not seq2seq"
-        )
-    model = Seq2Seq(Seq2SeqConfig(**state["info"]["config"]))
-    model.load_state_dict(state["weights"])
-    model.eval()
+    model, state = _load_model(args.checkpoint, "seq2seq", Seq2Seq, Seq2SeqConfig)
     vocab = Vocabulary(state["info"]["vocab"])
     for text in args.texts:
         unknown = vocab.unknown_words(text)
@@ -307,6 +299,20 @@ def translate(args: argparse.Namespace) -> int:
     for out in outputs:
         print(vocab.decode(out))
     return 0
+
+
+def _load_model(path: str, kind: str, model_cls, config_cls) -> tuple:
+    """(model in eval mode, checkpoint state) of a `mhsa train <kind>` checkpoint."""
+    from .train import load_checkpoint
+
+    state = load_checkpoint(path)
+    if state["info"].get("model") != kind:
+        raise ValueError(
+            f"{state['path']} holds a {state['info'].get('model')!r} model, not {kind}"
+        )
+    model = model_cls(config_cls(**state["info"]["config"]))
+    model.load_state_dict(state["weights"])
+    return model.eval(), state
 
 
 def transcribe(args: argparse.Namespace) -> int:
@@ -353,14 +359,8 @@ def generate(args: argparse.Namespace) -> int:
 
     from .data.text import ByteTokenizer
     from .models import GPT, GPTConfig
-    from .train import load_checkpoint
 
-    state = load_checkpoint(args.checkpoint)
-    if state["info"].get("model") != "gpt":
-        raise SystemExit(f"{state['path']} holds a {state['info'].get('model')!r} model, not gpt")
-    model = GPT(GPTConfig(**state["info"]["config"]))
-    model.load_state_dict(state["weights"])
-    model.eval()
+    model, _ = _load_model(args.checkpoint, "gpt", GPT, GPTConfig)
     tokenizer = ByteTokenizer()
     prompt = tokenizer.encode(args.prompt)
     if prompt.numel() == 0:
@@ -384,12 +384,9 @@ def viz(args: argparse.Namespace) -> int:
     """Attention maps of a GPT checkpoint for one text, every layer and head, as a PNG."""
     from .data.text import ByteTokenizer
     from .models import GPT, GPTConfig
-    from .train import load_checkpoint
     from .viz import attention_maps, plot_maps
 
-    state = load_checkpoint(args.checkpoint)
-    model = GPT(GPTConfig(**state["info"]["config"]))
-    model.load_state_dict(state["weights"])
+    model, state = _load_model(args.checkpoint, "gpt", GPT, GPTConfig)
     tokens = ByteTokenizer().encode(args.text)
     if not 0 < tokens.numel() <= model.config.max_len:
         raise SystemExit(f"--text must be 1..{model.config.max_len} bytes, got {tokens.numel()}")
@@ -567,8 +564,7 @@ def _spawn_data_parallel(args: argparse.Namespace, nproc: int) -> int:
         )
     args.nproc = 1  # inside the group each worker trains as one rank of it
     threads = max(1, torch.get_num_threads() // nproc)
-    return run_local(_run_as_rank, nproc, args, timeout=7 * 24 * 3600.0, threads=threads,
-                     quiet=True)[0]  # fmt: skip
+    return run_local(_run_as_rank, nproc, args, timeout=None, threads=threads, quiet=True)[0]
 
 
 def _run_as_rank(rank: int, world_size: int, args: argparse.Namespace) -> int:

@@ -4,6 +4,7 @@ group that torchrun describes in the environment (NCCL on GPUs)."""
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import socket
 import sys
@@ -42,7 +43,7 @@ def run_local(
     fn: Callable[..., Any],
     world_size: int,
     *args: Any,
-    timeout: float = 120.0,
+    timeout: float | None = 120.0,
     threads: int | None = 1,
     quiet: bool = False,
 ) -> list[Any]:
@@ -51,8 +52,9 @@ def run_local(
 
     fn must be importable (a module-level function) and its result picklable. A child
     that raises fails the call; one still running after `timeout` seconds is killed
-    and TimeoutError raised. threads sets torch's thread count in each child (None
-    keeps the default). quiet silences the output of every rank but 0.
+    and TimeoutError raised (None: no limit, e.g. for training). threads sets torch's
+    thread count in each child (None keeps the default). quiet silences the output of
+    every rank but 0.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -64,7 +66,7 @@ def run_local(
         nprocs=world_size,
         join=False,
     )
-    deadline = time.monotonic() + timeout
+    deadline = math.inf if timeout is None else time.monotonic() + timeout
     collected: dict[int, Any] = {}
     finished = False
     try:
@@ -92,7 +94,7 @@ def _local_worker(rank, world_size, port, fn, args, results, threads, timeout, q
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world_size,
-        timeout=timedelta(seconds=timeout),
+        timeout=None if timeout is None else timedelta(seconds=timeout),
     )
     try:
         with _silenced(quiet and rank > 0):

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ..masks import Pattern
+from .common import combined_mask
 from .registry import AttentionSpec, Backend
 
 BLOCK = 128  # FlexAttention's tile
@@ -36,16 +37,8 @@ def _dense_mask(
     mask: Tensor | Pattern | None, causal: bool, q_len: int, kv_len: int, device
 ) -> Tensor | None:
     """(Bm, Hm, L, S) bool, True = may attend, or None when nothing is masked."""
-    dense = mask.dense(q_len, kv_len, device) if isinstance(mask, Pattern) else mask
-    if causal:
-        rows = torch.arange(q_len, device=device).view(-1, 1)
-        lower = rows + (kv_len - q_len) >= torch.arange(kv_len, device=device).view(1, -1)
-        dense = lower if dense is None else dense & lower
-    if dense is None:
-        return None
-    while dense.dim() < 4:
-        dense = dense.unsqueeze(0)
-    return dense
+    dense = combined_mask(mask, causal, q_len, kv_len, device)
+    return None if dense is None else dense.view((1,) * (4 - dense.dim()) + dense.shape)
 
 
 def block_mask_for(

@@ -18,14 +18,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 
 import torch
 
 import mhsa
+from mhsa.backends.common import combined_mask
 from mhsa.masks import SlidingWindow
 from mhsa.masks.presets import bigbird
+
+from .timing import best_times, matmul_gflops
 
 BACKENDS = ("sdpa", "flex", "triton")
 
@@ -39,35 +41,9 @@ def _cases(window: int, block: int) -> dict:
     }
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def best_seconds(fn, device: torch.device, repeat: int) -> float:
-    fn()  # warm-up (and compilation)
-    _sync(device)
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def matmul_flops(device: torch.device, dtype: torch.dtype, size: int, repeat: int) -> float:
-    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
-    return 2 * size**3 / best_seconds(lambda: a @ b, device, repeat)
-
-
 def _allowed(mask, causal: bool, length: int, device: torch.device) -> int:
-    dense = torch.ones(length, length, dtype=torch.bool, device=device)
-    if mask is not None:
-        dense &= mask.dense(length, length, device).reshape(length, length)
-    if causal:
-        dense = dense.tril()
-    return int(dense.sum())
+    dense = combined_mask(mask, causal, length, length, device)
+    return length * length if dense is None else int(dense.expand(length, length).sum())
 
 
 def _call(name: str, q, k, v, mask, causal: bool, dry_run: bool):
@@ -123,7 +99,7 @@ def run(dry_run: bool, repeat: int = 10) -> dict:
                                               dry_run))  # fmt: skip
             except (ValueError, ImportError, RuntimeError) as error:
                 result["checks"].append({"backend": name, "case": case, "skipped": str(error)})
-    peak = matmul_flops(device, dtype, 256 if dry_run else 8192, repeat)
+    peak = matmul_gflops(256 if dry_run else 8192, repeat, device, dtype) * 1e9
     result["matmul_tflops"] = peak / 1e12
     for length in lengths:
         qkv = [torch.randn(batch, heads, length, dim, device=device, dtype=dtype)
@@ -133,10 +109,11 @@ def run(dry_run: bool, repeat: int = 10) -> dict:
             for backend in BACKENDS:
                 row = {"case": case, "backend": backend, "length": length}
                 try:
-                    seconds = best_seconds(
-                        lambda b=backend, m=mask, c=causal, t=qkv: _call(b, *t, m, c, dry_run),
-                        device, 1 if dry_run else repeat,
-                    )  # fmt: skip
+                    seconds = best_times(
+                        {backend: lambda b=backend, m=mask, c=causal, t=qkv:
+                            _call(b, *t, m, c, dry_run)},
+                        1 if dry_run else repeat, device,
+                    )[backend]  # fmt: skip
                     row.update(ms=seconds * 1e3, tflops=flops / seconds / 1e12,
                                of_matmul=flops / seconds / peak)  # fmt: skip
                 except (ValueError, ImportError, RuntimeError) as error:

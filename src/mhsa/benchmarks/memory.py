@@ -20,12 +20,12 @@ import time
 import torch
 
 
-def _rss_bytes() -> int:
+def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _reset_peak() -> bool:
+def reset_peak() -> bool:
     """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS, where allowed."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -35,7 +35,7 @@ def _reset_peak() -> bool:
         return False
 
 
-def _peak_bytes() -> int:
+def peak_bytes() -> int:
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmHWM:"):
@@ -64,13 +64,13 @@ def measure(
     tiny = [torch.randn(1, heads, 128, head_dim, requires_grad=True) for _ in range(3)]
     mhsa.attention(*tiny, mask, causal=causal, backend=backend).sum().backward()
     q, k, v = (torch.randn(1, heads, length, head_dim, requires_grad=True) for _ in range(3))
-    baseline = _rss_bytes()
-    _reset_peak()
+    baseline = rss_bytes()
+    reset_peak()
     start = time.perf_counter()
     out = mhsa.attention(q, k, v, mask, causal=causal, backend=backend)
     out.sum().backward()
     seconds = time.perf_counter() - start
-    peak = _peak_bytes()
+    peak = peak_bytes()
     return {
         "backend": backend, "length": length, "heads": heads, "head_dim": head_dim,
         "causal": causal, "pattern": pattern, "seconds": seconds, "baseline_bytes": baseline,

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import LAYOUTS
-from .memory import _peak_bytes, _reset_peak, _rss_bytes
+from .memory import peak_bytes, reset_peak, rss_bytes
 
 MIB = 2**20
 
@@ -57,8 +57,8 @@ def _measure(rank: int, world: int, ring: bool, length: int, heads: int, head_di
         torch.randn(1, heads, shard_len, head_dim, generator=gen).requires_grad_() for _ in range(3)
     ]
     dist.barrier()
-    baseline = _rss_bytes()
-    reset = _reset_peak()
+    baseline = rss_bytes()
+    reset = reset_peak()
     times = []
     for i in range(repeat):
         dist.barrier()
@@ -66,7 +66,7 @@ def _measure(rank: int, world: int, ring: bool, length: int, heads: int, head_di
         step(tensors)
         times.append(time.perf_counter() - start)
         if i == 0:
-            peak = _peak_bytes()
+            peak = peak_bytes()
     return {"extra_bytes": peak - baseline, "times": times, "peak_reset": reset}
 
 

@@ -8,22 +8,38 @@ from collections.abc import Callable
 import torch
 
 
-def best_times(fns: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:
+def best_times(
+    fns: dict[str, Callable[[], object]], repeat: int, device: torch.device | str = "cpu"
+) -> dict[str, float]:
     """Best-of-`repeat` seconds for each function, run interleaved after one warm-up
-    each, so that drift on a shared machine hits all of them alike."""
+    each, so that drift on a shared machine hits all of them alike. On a CUDA device
+    each timing waits for the queued kernels to finish."""
+    device = torch.device(device)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     for fn in fns.values():
         fn()
+    sync()
     best = {name: float("inf") for name in fns}
     for _ in range(repeat):
         for name, fn in fns.items():
             start = time.perf_counter()
             fn()
+            sync()
             best[name] = min(best[name], time.perf_counter() - start)
     return best
 
 
-def matmul_gflops(size: int = 2048, repeat: int = 5) -> float:
-    """Achieved GFLOP/s of a float32 (size x size) @ (size x size) matmul here."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    seconds = best_times({"matmul": lambda: a @ b}, repeat)["matmul"]
+def matmul_gflops(
+    size: int = 2048,
+    repeat: int = 5,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> float:
+    """Achieved GFLOP/s of a (size x size) @ (size x size) matmul here."""
+    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
+    seconds = best_times({"matmul": lambda: a @ b}, repeat, device)["matmul"]
     return 2 * size**3 / seconds / 1e9

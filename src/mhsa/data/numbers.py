@@ -106,6 +106,7 @@ class NumberTranslationTask:
         self.num2words, self.target = _num2words(), target
         self.vocab = number_vocabulary(target)
         self.batch_size = batch_size
+        self._pairs: dict[int, tuple[list[int], list[int]]] = {}
         generator = torch.Generator().manual_seed(seed + 777)
         held_out: set[int] = set()
         while len(held_out) < test_size:  # 3 to 6 digits: all of 0..99 stay in training
@@ -117,9 +118,12 @@ class NumberTranslationTask:
         self._eval = [self._batch(pairs[i : i + 250]) for i in range(0, len(pairs), 250)]
 
     def pair(self, number: int) -> tuple[list[int], list[int]]:
-        """(English ids + <eos>, target-language ids + <eos>) for one number."""
-        english, target = (self.num2words(number, lang=lang) for lang in ("en", self.target))
-        return self.vocab.encode(english), self.vocab.encode(target)
+        """(English ids + <eos>, target-language ids + <eos>) for one number; kept, as
+        num2words costs more than a training step's share of a pair."""
+        if number not in self._pairs:
+            english, target = (self.num2words(number, lang=lang) for lang in ("en", self.target))
+            self._pairs[number] = (self.vocab.encode(english), self.vocab.encode(target))
+        return self._pairs[number]
 
     def _batch(self, pairs: list[tuple[list[int], list[int]]]) -> tuple[Tensor, Tensor, Tensor]:
         sources, targets = zip(*pairs, strict=True)

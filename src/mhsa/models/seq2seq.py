@@ -123,7 +123,7 @@ class Seq2Seq(nn.Module):
         is greedy. cache_memory=False recomputes cross-attention keys/values at every
         step (same result, slower: for checking the cache)."""
         config = self.config
-        max_new = max_new_tokens or config.max_len - 1
+        max_new = config.max_len - 1 if max_new_tokens is None else max_new_tokens
         if not 0 < max_new < config.max_len:
             raise ValueError(f"max_new_tokens must be in [1, {config.max_len - 1}], got {max_new}")
         memory, padding = self.encode(src)
