@@ -236,6 +236,27 @@ def test_encoder_matches_ctranslate2(model, reference, mel):
     assert max_error(ours, golden) < 1e-3 and max_error(theirs, golden) < 1e-3
 
 
+def test_encoder_float32_noise_floor_is_above_1e4(model):
+    """Why the test above cannot ask for 1e-4 everywhere: computing only the first
+    convolution in another summation order (im2col + GEMM) changes its output by a few
+    ulps, and the encoder output by more than 1e-4 on this recording (token 1472)."""
+    mel = log_mel_spectrogram(load_audio(alsa_wav("Side_Left")))[None]
+    conv = model.conv1
+    cols = torch.nn.functional.pad(mel, (1, 1)).unfold(2, 3, 1)  # (1, 80, 3000, 3)
+    cols = cols.permute(0, 2, 1, 3).reshape(1, N_FRAMES, -1)
+    gemm_output = torch.matmul(conv.weight.reshape(len(conv.weight), -1), cols.transpose(1, 2))
+    gemm_output = gemm_output + conv.bias[:, None]
+    with torch.no_grad():
+        direct = model.encode(mel)
+        assert max_error(conv(mel), gemm_output) < 1e-5
+        try:
+            model.conv1.forward = lambda _: gemm_output  # an instance attribute shadows the method
+            reordered = model.encode(mel)
+        finally:
+            del model.conv1.forward
+    assert 1e-4 < max_error(direct, reordered) < 2e-3
+
+
 def test_greedy_tokens_and_step_logits_match_ctranslate2(model, reference, mel):
     ctranslate2, ct2 = reference
     features = ctranslate2.StorageView.from_array(mel.numpy())
