@@ -10,6 +10,7 @@ from __future__ import annotations
 from ..kernels.dropout import draw_seed
 from ..kernels.flash import flash_attention, fused_available
 from ..kernels.plan import build_plan, mask_source
+from ..masks import SlidingWindow
 from .registry import AttentionSpec, Backend
 
 # Tile sizes: the fused kernel tiles internally, so its runs can be long; plain torch
@@ -25,7 +26,10 @@ def plan_for(mask, causal: bool, q_len: int, kv_len: int, device, fused: bool):
     source = mask_source(mask, causal, q_len, kv_len, device)
     if fused:
         block = getattr(mask, "block_size", None) or FUSED_BLOCK
-        return build_plan(source, q_len, kv_len, block_q=block, block_k=block, gather=True)
+        plan = build_plan(source, q_len, kv_len, block_q=block, block_k=block, gather=True)
+        if type(mask) is SlidingWindow:  # causal (bottom-right) only narrows the right side
+            plan.band = (mask.left, min(mask.right, 0) if causal else mask.right)
+        return plan
     return build_plan(
         source,
         q_len,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .band import band_forward, interior_rows
 from .dense import apply_dropout, grouped_scores, masked_softmax, probs_times_v, stats_dtype
 from .dropout import keep_mask
 from .plan import BlockPlan, Run
@@ -151,7 +152,13 @@ def flash_forward(
     dtype = stats_dtype(q.dtype)
     out = q.new_zeros(batch, num_heads, q_len, v.shape[-1])
     lse = torch.full((batch, num_heads, q_len), -torch.inf, dtype=dtype, device=q.device)
-    for rows in plan.rows:
+    band = _band_interior(plan, bias, dropout, fused)
+    plan_rows = plan.rows
+    if band is not None:
+        first, end = band
+        band_forward(q, k, v, *plan.band, scale, first, end, out, lse)
+        plan_rows = [rows for rows in plan.rows if rows.q1 <= first or rows.q0 >= end]
+    for rows in plan_rows:
         q0, q1 = rows.q0, rows.q1
         q_blk = q[:, :, q0:q1]
         partials = []
@@ -173,6 +180,20 @@ def flash_forward(
         out[:, :, q0:q1] = out_rows
         lse[:, :, q0:q1] = lse_rows
     return out, lse
+
+
+def _band_interior(plan: BlockPlan, bias, dropout, fused: bool) -> tuple[int, int] | None:
+    """The rows (first, end) that the strided band call computes, or None."""
+    if plan.band is None or not fused or bias is not None or dropout is not None:
+        return None
+    band = interior_rows(plan.q_len, plan.kv_len, *plan.band, align=plan.block_q)
+    if band is None:
+        return None
+    first, end = band
+    if any(rows.q0 < end and rows.q1 > first and not (first <= rows.q0 and rows.q1 <= end)
+           for rows in plan.rows):  # fmt: skip
+        return None  # a plan row straddles the interior's edge
+    return band
 
 
 def _fold(t: Tensor, num_kv_heads: int) -> Tensor:

@@ -176,6 +176,10 @@ class BlockPlan:
     block_k: int
     rows: list[RowRange]
     source: object | None  # the mask source that gives element masks of partial runs
+    # (left, right) when the whole mask is a sliding window (query at position p
+    # attends keys p - left .. p + right): the fused engine then runs the band's
+    # interior in one strided call (kernels/band.py) and the plan's rows only at its edges
+    band: tuple[int, int] | None = None
 
     @property
     def visited_fraction(self) -> float:
