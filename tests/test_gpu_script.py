@@ -25,5 +25,26 @@ def test_gpu_script_dry_run(tmp_path, monkeypatch, capsys):
     for row in result["checks"]:
         assert "skipped" not in row, row
         assert max(row["max_errors"]) < 1e-5, row
-    assert all("ms" in row and row["tflops"] > 0 for row in result["bench"])
-    assert "of matmul" in capsys.readouterr().out
+    assert all("ms" in row and row["tflops"] > 0 and row["first_call_s"] > 0
+               for row in result["bench"])  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "of matmul" in printed and "triton forward vs flex, causal, L=64" in printed
+    assert list(tmp_path.iterdir()) == [tmp_path / "gpu.json"]  # no temporary file left
+
+
+def test_gpu_script_records_failures_and_the_budget(tmp_path, monkeypatch):
+    from mhsa.benchmarks import gpu
+
+    def broken(name, *args):
+        if name == "flex":
+            raise AssertionError("flex broke")  # not a ValueError: still recorded
+        return original(name, *args)
+
+    original = gpu._call
+    monkeypatch.setattr(gpu, "_call", broken)
+    result = gpu.run(True, repeat=1, out=tmp_path / "gpu.json", lengths=(64,), budget=0.0)
+    flex_checks = [row for row in result["checks"] if row["backend"] == "flex"]
+    assert all(row["skipped"] == "AssertionError: flex broke" for row in flex_checks)
+    assert all(row["skipped"] == "time budget spent" for row in result["bench"])
+    assert json.loads((tmp_path / "gpu.json").read_text()) == result
+    assert gpu.goals(result) == []
