@@ -11,7 +11,7 @@ import mhsa
 from helpers import max_error
 from mhsa.backends import AttentionSpec, get
 from mhsa.backends.flex import block_mask_for, flex_forward
-from mhsa.masks import KeyPadding, SlidingWindow
+from mhsa.masks import KeyPadding, RandomBlocks, SlidingWindow, bigbird
 
 pytest.importorskip("torch.nn.attention.flex_attention")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # eager flex warns
@@ -52,6 +52,32 @@ def test_pattern_block_masks_are_cached_per_shape():
     assert block_mask_for(None, False, (1, 1, 1024, 1024), "cpu") is None
     # tiles out of the window's reach are skipped: far fewer than all 8 x 8
     assert int(first.kv_num_blocks.sum() + first.full_kv_num_blocks.sum()) < 64
+    causal = block_mask_for(None, True, (1, 1, 1000, 1300), "cpu")  # closed form, cached
+    assert block_mask_for(None, True, (1, 1, 1000, 1300), "cpu") is causal
+    dense = block_mask_for(torch.ones(1000, 1300, dtype=torch.bool).tril(300), False,
+                           (1, 1, 1000, 1300), "cpu")  # fmt: skip
+    assert torch.equal(causal.to_dense(), dense.to_dense())
+
+
+def test_cache_keys_leave_out_private_caches():
+    pattern = bigbird(64)
+    key = pattern.cache_key()
+    pattern.dense(512, 512)  # fills RandomBlocks' own layout cache
+    assert pattern.cache_key() == key
+    random = RandomBlocks(3, 64, seed=0)
+    random.dense(512, 512)
+    assert random.cache_key() == RandomBlocks(3, 64, seed=0).cache_key()
+    assert random.cache_key() != RandomBlocks(3, 64, seed=1).cache_key()
+    padding = KeyPadding(torch.tensor([3, 5]))
+    assert padding.cache_key() == ("id", id(padding))  # holds a tensor: keyed by identity
+
+
+def test_compiled_flex_may_recompile_past_dynamos_default_limit():
+    from mhsa.backends.flex import RECOMPILE_LIMIT, _recompile_limit
+
+    with _recompile_limit():
+        assert torch._dynamo.config.recompile_limit >= RECOMPILE_LIMIT
+    assert torch._dynamo.config.recompile_limit < RECOMPILE_LIMIT  # restored afterwards
 
 
 def test_flex_serves_cuda_only_and_refuses_what_it_cannot_do():

@@ -9,6 +9,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -48,3 +49,25 @@ def test_gpu_script_records_failures_and_the_budget(tmp_path, monkeypatch):
     assert all(row["skipped"] == "time budget spent" for row in result["bench"])
     assert json.loads((tmp_path / "gpu.json").read_text()) == result
     assert gpu.goals(result) == []
+
+
+def test_gpu_script_times_the_others_when_one_fails_while_timed(monkeypatch):
+    from mhsa.benchmarks import gpu
+
+    calls = {"triton": 0}
+
+    def flaky(name, *args):
+        if name == "triton":
+            calls["triton"] += 1
+            if calls["triton"] > 1:  # the first (compiling) call works, a timed one fails
+                raise RuntimeError("illegal memory access")
+        return original(name, *args)
+
+    original = gpu._call
+    monkeypatch.setattr(gpu, "_call", flaky)
+    qkv = [torch.randn(1, 2, 64, 16) for _ in range(3)]
+    rows = gpu._bench_case(qkv, "dense", None, False, True, 1, torch.device("cpu"), 1e9,
+                           over_budget=False)  # fmt: skip
+    by_name = {row["backend"]: row for row in rows}
+    assert by_name["triton"]["skipped"] == "RuntimeError: illegal memory access"
+    assert "ms" in by_name["sdpa"] and "ms" in by_name["flex"]

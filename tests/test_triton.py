@@ -96,6 +96,14 @@ def test_tiles_follow_the_block_plan():
     assert window.tiles.shape == (1, int((window.row_kind == 1).sum()), 16, 16)
     padding = build_tiles(KeyPadding([64, 20]), False, shape, "cpu", (16, 16, 4, 1))
     assert padding.tiles.shape[0] == 2  # a per-sequence pattern: one buffer per batch
+    # cached for equal patterns and for no mask; rebuilt for tensors, other shapes/blocks
+    assert build_tiles(SlidingWindow(4, 0), False, shape, "cpu", (16, 16, 4, 1)) is window
+    assert build_tiles(None, True, shape, "cpu", (16, 16, 4, 1)) is causal
+    assert build_tiles(None, True, shape, "cpu", (32, 16, 4, 1)) is not causal
+    dense = torch.ones(64, 64, dtype=torch.bool)
+    assert build_tiles(dense, False, shape, "cpu", (16, 16, 4, 1)) is not build_tiles(
+        dense, False, shape, "cpu", (16, 16, 4, 1)
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -15,6 +15,7 @@ import functools
 import torch
 from torch import Tensor
 
+from ..kernels.memo import PatternCache
 from ..masks import Pattern
 from .common import combined_mask
 from .registry import AttentionSpec, Backend
@@ -28,9 +29,21 @@ def _flex_module():
     return flex_attention
 
 
+# torch.compile keeps at most recompile_limit (8) versions of flex_attention, one per
+# input shape here; past that it silently runs FlexAttention unfused, materialising
+# the whole score matrix. A model sees more shapes than that (every decoding length).
+RECOMPILE_LIMIT = 256
+
+
 @functools.lru_cache(maxsize=1)
 def _compiled_flex():
     return torch.compile(_flex_module().flex_attention, dynamic=False)
+
+
+def _recompile_limit():
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    return config.patch(**{name: max(getattr(config, name), RECOMPILE_LIMIT)})
 
 
 def _dense_mask(
@@ -45,41 +58,31 @@ def block_mask_for(
     mask: Tensor | Pattern | None, causal: bool, shape: tuple[int, int, int, int], device
 ):
     """The FlexAttention BlockMask of a call (batch, heads, L, S); None if unmasked.
-    Pattern masks are cached; tensor masks are rebuilt each call (they may change)."""
-    if not isinstance(mask, Pattern):
+    Patterns and plain causal masks are cached; tensor masks are rebuilt each call
+    (they may change in place)."""
+    if mask is None and not causal:
+        return None
+    if isinstance(mask, Tensor):
         return _build_block_mask(mask, causal, shape, device)
-    key = (_pattern_key(mask), causal, tuple(shape), str(device))
-    if key not in _CACHE:
-        if len(_CACHE) >= CACHE_SIZE:
-            _CACHE.pop(next(iter(_CACHE)))  # the oldest entry
-        # the pattern is kept alive with its mask, so an id in a key is never reused
-        _CACHE[key] = (mask, _build_block_mask(mask, causal, shape, device))
-    return _CACHE[key][1]
+    build = functools.partial(_build_block_mask, mask, causal, shape, device)
+    return _CACHE.get(mask, (causal, tuple(shape), str(device)), build)
 
 
-CACHE_SIZE = 64
-_CACHE: dict[tuple, tuple] = {}
-
-
-def _pattern_key(pattern: Pattern) -> tuple:
-    """Equal for equal patterns built from plain values (SlidingWindow(256, 0) twice);
-    patterns holding tensors (key padding, block layouts) are keyed by identity."""
-    fields = vars(pattern)
-    if any(isinstance(value, Tensor) for value in fields.values()):
-        return ("id", id(pattern))
-    parts = tuple(
-        tuple(_pattern_key(p) for p in value) if isinstance(value, (tuple, list)) and
-        all(isinstance(p, Pattern) for p in value) else repr(value)
-        for _, value in sorted(fields.items())
-    )  # fmt: skip
-    return (type(pattern).__name__, parts)
+_CACHE = PatternCache(size=64)
 
 
 def _build_block_mask(mask, causal: bool, shape: tuple, device):
     batch, heads, q_len, kv_len = shape
+    if mask is None:  # causal only: a closed form, no dense L x S mask to build or keep
+        shift = kv_len - q_len
+
+        def causal_mod(b, h, q_idx, kv_idx):
+            return kv_idx <= q_idx + shift
+
+        return _flex_module().create_block_mask(
+            causal_mod, None, None, q_len, kv_len, device=device, BLOCK_SIZE=BLOCK
+        )
     dense = _dense_mask(mask, causal, q_len, kv_len, device)
-    if dense is None:
-        return None
     per_batch, per_head = dense.shape[0] > 1, dense.shape[1] > 1
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -111,15 +114,16 @@ def flex_forward(
     batch, heads, q_len, _ = q.shape
     block_mask = block_mask_for(mask, causal, (batch, heads, q_len, k.shape[2]), q.device)
     flex = _compiled_flex() if compiled else _flex_module().flex_attention
-    out, lse = flex(
-        q,
-        k,
-        v,
-        block_mask=block_mask,
-        scale=scale,
-        enable_gqa=k.shape[1] != heads,
-        return_lse=True,
-    )
+    with _recompile_limit():
+        out, lse = flex(
+            q,
+            k,
+            v,
+            block_mask=block_mask,
+            scale=scale,
+            enable_gqa=k.shape[1] != heads,
+            return_lse=True,
+        )
     return out, lse.float()
 
 

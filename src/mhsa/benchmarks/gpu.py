@@ -174,10 +174,18 @@ def _bench_case(qkv, case, mask, causal, dry_run, repeat, device, peak, over_bud
             calls[name] = call
         except Exception as error:
             rows[name]["skipped"] = _failure(error)
-    if calls:
-        seconds = best_times(calls, 1 if dry_run else repeat, device)
-        for name, s in seconds.items():
-            rows[name].update(ms=s * 1e3, tflops=flops / s / 1e12, of_matmul=flops / s / peak)
+    repeat = 1 if dry_run else repeat
+    try:
+        seconds = best_times(calls, repeat, device) if calls else {}
+    except Exception:  # one backend failed while timing: time the others alone
+        seconds = {}
+        for name, call in calls.items():
+            try:
+                seconds[name] = best_times({name: call}, repeat, device)[name]
+            except Exception as error:
+                rows[name]["skipped"] = _failure(error)
+    for name, s in seconds.items():
+        rows[name].update(ms=s * 1e3, tflops=flops / s / 1e12, of_matmul=flops / s / peak)
     return list(rows.values())
 
 

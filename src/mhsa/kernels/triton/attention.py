@@ -121,11 +121,12 @@ def _attn_fwd(
     qi, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // num_heads, bh % num_heads
     b64, hk = b.to(tl.int64), h // group
+    h64, hk64 = h.to(tl.int64), hk.to(tl.int64)  # offsets of a head can pass 2**31
     rows = qi * BLOCK_M + tl.arange(0, BLOCK_M)
     dims, vdims = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
-    q = _load_2d(Q + b64 * sqb + h * sqh, rows, q_len, sql, dims, head_dim, sqd)
-    k_base, v_base = K + b64 * skb + hk * skh, V + b64 * svb + hk * svh
-    bias, mask = Bias + b64 * sbb + h * sbh, Mask + b64 * smb + h * smh
+    q = _load_2d(Q + b64 * sqb + h64 * sqh, rows, q_len, sql, dims, head_dim, sqd)
+    k_base, v_base = K + b64 * skb + hk64 * skh, V + b64 * svb + hk64 * svh
+    bias, mask = Bias + b64 * sbb + h64 * sbh, Mask + b64 * smb + h64 * smh
     tiles = Tiles + b64 * stb
     m_i = tl.full([BLOCK_M], float("-inf"), ACC)
     l_i = tl.zeros([BLOCK_M], ACC)
@@ -150,7 +151,7 @@ def _attn_fwd(
     alive = l_i > 0.0
     lse = tl.where(alive, m_i + tl.log(tl.where(alive, l_i, 1.0)), float("-inf"))
     out = acc / tl.where(alive, l_i, 1.0)[:, None]
-    o_ptrs = (Out + b64 * sob + h * soh + rows.to(tl.int64)[:, None] * sol
+    o_ptrs = (Out + b64 * sob + h64 * soh + rows.to(tl.int64)[:, None] * sol
               + vdims[None, :] * sod)
     tl.store(o_ptrs, out.to(Out.dtype.element_ty),
              mask=(rows[:, None] < q_len) & (vdims[None, :] < value_dim))
@@ -175,15 +176,16 @@ def _attn_bwd_dq(
     qi, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // num_heads, bh % num_heads
     b64, bh64, hk = b.to(tl.int64), bh.to(tl.int64), h // group
+    h64, hk64 = h.to(tl.int64), hk.to(tl.int64)  # offsets of a head can pass 2**31
     rows = qi * BLOCK_M + tl.arange(0, BLOCK_M)
     dims, vdims = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
     row_ok = rows < q_len
-    q = _load_2d(Q + b64 * sqb + h * sqh, rows, q_len, sql, dims, head_dim, sqd)
-    do = _load_2d(DO + b64 * sdb + h * sdh, rows, q_len, sdl, vdims, value_dim, sdd)
+    q = _load_2d(Q + b64 * sqb + h64 * sqh, rows, q_len, sql, dims, head_dim, sqd)
+    do = _load_2d(DO + b64 * sdb + h64 * sdh, rows, q_len, sdl, vdims, value_dim, sdd)
     lse = _load_lse(Lse, bh, rows, q_len)
     delta = tl.load(Delta + bh64 * q_len + rows, mask=row_ok, other=0.0)
-    k_base, v_base = K + b64 * skb + hk * skh, V + b64 * svb + hk * svh
-    bias, mask = Bias + b64 * sbb + h * sbh, Mask + b64 * smb + h * smh
+    k_base, v_base = K + b64 * skb + hk64 * skh, V + b64 * svb + hk64 * svh
+    bias, mask = Bias + b64 * sbb + h64 * sbh, Mask + b64 * smb + h64 * smh
     tiles = Tiles + b64 * stb
     dq = tl.zeros([BLOCK_M, BLOCK_D], ACC)
     for e in range(tl.load(row_ptr + qi), tl.load(row_ptr + qi + 1)):
@@ -225,12 +227,12 @@ def _attn_bwd_dkv(
     visit it (col_ptr/blk_* list them per key block): no atomics."""
     kj, bhk = tl.program_id(0), tl.program_id(1)
     b, hk = bhk // num_kv_heads, bhk % num_kv_heads
-    b64 = b.to(tl.int64)
+    b64, hk64 = b.to(tl.int64), hk.to(tl.int64)  # offsets of a head can pass 2**31
     cols = kj * BLOCK_N + tl.arange(0, BLOCK_N)
     dims, vdims = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
     col_ok = cols < kv_len
-    k = _load_2d(K + b64 * skb + hk * skh, cols, kv_len, sks, dims, head_dim, skd)
-    v = _load_2d(V + b64 * svb + hk * svh, cols, kv_len, svs, vdims, value_dim, svd)
+    k = _load_2d(K + b64 * skb + hk64 * skh, cols, kv_len, sks, dims, head_dim, skd)
+    v = _load_2d(V + b64 * svb + hk64 * svh, cols, kv_len, svs, vdims, value_dim, svd)
     tiles = Tiles + b64 * stb
     dk = tl.zeros([BLOCK_N, BLOCK_D], ACC)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], ACC)
@@ -238,8 +240,9 @@ def _attn_bwd_dkv(
     for g in range(0, group):
         h = hk * group + g
         bh = b * num_heads + h
-        q_base, do_base = Q + b64 * sqb + h * sqh, DO + b64 * sdb + h * sdh
-        bias, mask = Bias + b64 * sbb + h * sbh, Mask + b64 * smb + h * smh
+        h64 = h.to(tl.int64)
+        q_base, do_base = Q + b64 * sqb + h64 * sqh, DO + b64 * sdb + h64 * sdh
+        bias, mask = Bias + b64 * sbb + h64 * sbh, Mask + b64 * smb + h64 * smh
         for e in range(start, end):
             qi, kind, tile = tl.load(blk_idx + e), tl.load(blk_kind + e), tl.load(blk_tile + e)
             rows = qi * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -283,12 +286,13 @@ def _attn_probs(
     qi, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // num_heads, bh % num_heads
     b64, hk = b.to(tl.int64), h // group
+    h64, hk64 = h.to(tl.int64), hk.to(tl.int64)  # offsets of a head can pass 2**31
     rows = qi * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
-    q = _load_2d(Q + b64 * sqb + h * sqh, rows, q_len, sql, dims, head_dim, sqd)
+    q = _load_2d(Q + b64 * sqb + h64 * sqh, rows, q_len, sql, dims, head_dim, sqd)
     lse = _load_lse(Lse, bh, rows, q_len)
-    k_base = K + b64 * skb + hk * skh
-    bias, mask = Bias + b64 * sbb + h * sbh, Mask + b64 * smb + h * smh
+    k_base = K + b64 * skb + hk64 * skh
+    bias, mask = Bias + b64 * sbb + h64 * sbh, Mask + b64 * smb + h64 * smh
     tiles = Tiles + b64 * stb
     for e in range(tl.load(row_ptr + qi), tl.load(row_ptr + qi + 1)):
         kj, kind, tile = tl.load(blk_idx + e), tl.load(blk_kind + e), tl.load(blk_tile + e)

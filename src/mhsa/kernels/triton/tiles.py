@@ -10,12 +10,14 @@ holding only the partial tiles (memory follows the partial tiles, not L * S).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..memo import PatternCache
 from ..plan import FULL, PARTIAL, build_plan, mask_source
 
 MASK_NONE, MASK_TENSOR, MASK_TILES = 0, 1, 2
@@ -116,7 +118,19 @@ def build_tiles(
     blocks: tuple[int, int, int, int],
 ) -> TileLists:  # fmt: skip
     """Tile lists for a call: mask (None, bool tensor or pattern), causal, shape
-    (B, H, L, S), blocks (BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    (B, H, L, S), blocks (BLOCK_M, BLOCK_N, num_warps, num_stages). Cached for patterns
+    and no mask (building them runs the plan in Python and copies to the device);
+    rebuilt for tensor masks, which may change in place."""
+    if isinstance(mask, Tensor):
+        return _build_tiles(mask, causal, shape, device, blocks)
+    build = functools.partial(_build_tiles, mask, causal, shape, device, blocks)
+    return _CACHE.get(mask, (causal, tuple(shape), str(device), tuple(blocks)), build)
+
+
+_CACHE = PatternCache(size=64)
+
+
+def _build_tiles(mask, causal: bool, shape: tuple, device, blocks: tuple) -> TileLists:
     batch, num_heads, q_len, kv_len = shape
     block_m, block_n = blocks[:2]
     source = mask_source(mask, causal, q_len, kv_len, device)
