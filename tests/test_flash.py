@@ -14,6 +14,7 @@ from helpers import (
     max_error,
     reference_with_grads,
 )
+from mhsa import masks
 from mhsa.kernels.flash import flash_attention
 from mhsa.kernels.plan import EMPTY, FULL, PARTIAL, CausalMask, DenseMask, build_plan, mask_source
 
@@ -250,3 +251,18 @@ def test_square_causal_uses_triangular_runs(kernel):
     assert max_error(out, ref_out) < 2e-5 and max_error(lse, ref_lse) < 1e-5
     for got, want in zip((q, k, v), ref_grads[:3], strict=True):
         assert max_error(got.grad, want) < 1e-4
+
+
+@pytest.mark.parametrize("mask", [None, "causal", masks.SlidingWindow(20, 10)])
+def test_inputs_strided_in_their_last_dimension(mask):
+    """(B, H, D, L) tensors transposed: PyTorch's fused CPU kernel misreads a strided
+    last dimension, so the engine copies such inputs (and such output gradients)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 8, n).transpose(2, 3).requires_grad_() for n in (300, 350, 350))
+    causal = mask == "causal"
+    pattern = None if causal else mask
+    grad_out = torch.randn(2, 4, 8, 300).transpose(2, 3)
+    out, lse = mhsa.attention(q, k, v, pattern, causal=causal, backend="flash", return_lse=True)
+    out.backward(grad_out)
+    ref_out, ref_lse, ref_grads = reference_with_grads(q, k, v, pattern, None, causal, grad_out)
+    assert_matches_reference(out, lse, (q, k, v, None), ref_out, ref_lse, ref_grads)

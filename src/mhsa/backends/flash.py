@@ -27,8 +27,9 @@ def plan_for(mask, causal: bool, q_len: int, kv_len: int, device, fused: bool):
     if fused:
         block = getattr(mask, "block_size", None) or FUSED_BLOCK
         plan = build_plan(source, q_len, kv_len, block_q=block, block_k=block, gather=True)
-        if type(mask) is SlidingWindow:  # causal (bottom-right) only narrows the right side
-            plan.band = (mask.left, min(mask.right, 0) if causal else mask.right)
+        # a window exactly (not a subclass or a composition); causal caps it at key p
+        if type(mask) is SlidingWindow:
+            plan.band = (mask.left, 0 if causal else mask.right)
         return plan
     return build_plan(
         source,

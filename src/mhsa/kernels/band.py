@@ -37,11 +37,11 @@ def interior_rows(q_len: int, kv_len: int, left: int, right: int, align: int):
 def _blocks(t: Tensor, start: int, count: int, step: int, length: int) -> Tensor:
     """(count, H, length, D) view of t (H, N, D): block j is rows start + j * step ..
     start + j * step + length - 1. Blocks overlap when length > step."""
-    heads, rows, dim = t.stride()
+    head_stride, row_stride, dim_stride = t.stride()
     return t.as_strided(
         (count, t.shape[0], length, t.shape[2]),
-        (step * rows, heads, rows, dim),
-        t.storage_offset() + start * rows,
+        (step * row_stride, head_stride, row_stride, dim_stride),
+        t.storage_offset() + start * row_stride,
     )
 
 
@@ -60,17 +60,18 @@ def band_forward(
     first: int, end: int, out: Tensor, lse: Tensor,
 ) -> None:  # fmt: skip
     """Write rows first..end-1 of out (B, H, L, D_v) and lse (B, H, L) for the sliding
-    window (left, right); (first, end) comes from interior_rows."""
+    window (left, right); (first, end) comes from interior_rows. q, k, v must have a
+    unit stride in their last dimension (as flash_forward ensures); one call per batch
+    element, since blocks and heads already fill the kernel's two batch dimensions."""
     count = (end - first) // BAND_ROWS
     start = first + (k.shape[2] - q.shape[2]) - left  # first block's first key
     span = left + right + BAND_ROWS
     mask = band_mask(left, right, q.dtype, q.device)
     for i in range(q.shape[0]):
-        q_i, k_i, v_i = (t[i] if t.stride(-1) == 1 else t[i].contiguous() for t in (q, k, v))
         out_i, lse_i = _FUSED_FORWARD(
-            _blocks(q_i, first, count, BAND_ROWS, BAND_ROWS),
-            _blocks(k_i, start, count, BAND_ROWS, span),
-            _blocks(v_i, start, count, BAND_ROWS, span),
+            _blocks(q[i], first, count, BAND_ROWS, BAND_ROWS),
+            _blocks(k[i], start, count, BAND_ROWS, span),
+            _blocks(v[i], start, count, BAND_ROWS, span),
             0.0, False, attn_mask=mask, scale=scale,
         )  # fmt: skip
         heads = out.shape[1]

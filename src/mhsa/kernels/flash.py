@@ -38,6 +38,12 @@ def fused_available(q: Tensor, v: Tensor, dropout_p: float) -> bool:
     )
 
 
+def _unit_last_stride(*tensors: Tensor) -> list[Tensor]:
+    """The fused kernel misreads a tensor whose last dimension is strided (a (B, H, D, L)
+    tensor transposed, say): such tensors are copied."""
+    return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
+
+
 def _run_keys(k: Tensor, v: Tensor, run: Run, plan: BlockPlan):
     """(key indices, gather index or None when contiguous, k_run, v_run) of one run:
     the keys and values are views for contiguous runs, gathered copies otherwise."""
@@ -150,6 +156,8 @@ def flash_forward(
     """
     batch, num_heads, q_len, _ = q.shape
     dtype = stats_dtype(q.dtype)
+    if fused:
+        q, k, v = _unit_last_stride(q, k, v)
     out = q.new_zeros(batch, num_heads, q_len, v.shape[-1])
     lse = torch.full((batch, num_heads, q_len), -torch.inf, dtype=dtype, device=q.device)
     band = _band_interior(plan, bias, dropout, fused)
@@ -189,10 +197,12 @@ def _band_interior(plan: BlockPlan, bias, dropout, fused: bool) -> tuple[int, in
     band = interior_rows(plan.q_len, plan.kv_len, *plan.band, align=plan.block_q)
     if band is None:
         return None
+    # the interior is aligned to the plan's rows (not to BAND_ROWS) so that the plan's
+    # other rows are exactly the edges; only merged rows could straddle it
     first, end = band
     if any(rows.q0 < end and rows.q1 > first and not (first <= rows.q0 and rows.q1 <= end)
            for rows in plan.rows):  # fmt: skip
-        return None  # a plan row straddles the interior's edge
+        return None
     return band
 
 
@@ -236,6 +246,8 @@ def flash_backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Gradients of q, k, v (and of bias when bias_grad), recomputing each run's tile."""
     dtype = stats_dtype(q.dtype)
+    if fused:
+        grad_out, q, k, v, out = _unit_last_stride(grad_out, q, k, v, out)
     num_kv_heads = k.shape[1]
     dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=dtype, device=q.device)
