@@ -28,6 +28,8 @@ def test_gpu_script_dry_run(tmp_path, monkeypatch, capsys):
         assert max(row["max_errors"]) < 1e-5, row
     assert all("ms" in row and row["tflops"] > 0 and row["first_call_s"] > 0
                for row in result["bench"])  # fmt: skip
+    assert [row["config"] for row in result["tuning"]] == [[16, 16, 4, 1], [32, 16, 4, 1]]
+    assert all(row["ms"] > 0 for row in result["tuning"])
     printed = capsys.readouterr().out
     assert "of matmul" in printed and "triton forward vs flex, causal, L=64" in printed
     assert list(tmp_path.iterdir()) == [tmp_path / "gpu.json"]  # no temporary file left
@@ -47,6 +49,7 @@ def test_gpu_script_records_failures_and_the_budget(tmp_path, monkeypatch):
     flex_checks = [row for row in result["checks"] if row["backend"] == "flex"]
     assert all(row["skipped"] == "AssertionError: flex broke" for row in flex_checks)
     assert all(row["skipped"] == "time budget spent" for row in result["bench"])
+    assert all(row["skipped"] == "time budget spent" for row in result["tuning"])
     assert json.loads((tmp_path / "gpu.json").read_text()) == result
     assert gpu.goals(result) == []
 

@@ -306,3 +306,13 @@ def test_kernels_compile_for_a_gpu():
     result = subprocess.run([sys.executable, "-c", COMPILE_FOR_GPU], capture_output=True,
                             text=True, timeout=600, env=env)  # fmt: skip
     assert "compiled" in result.stdout, result.stderr[-3000:]
+
+
+def test_launch_config_override():
+    q, k, v, _, _, _, _ = make_case("causal-LneS-gqa", torch.float32)
+    default, _ = triton_attention(q, k, v, causal=True)
+    tuned, _ = triton_attention(q, k, v, causal=True, blocks=(32, 16, 4, 1))
+    assert max_error(tuned, default) < 1e-6
+    for bad in [(16,), (24, 16), (16, 16, 0, 1), (16, 16, 4)]:
+        with pytest.raises(ValueError, match="blocks must be"):
+            triton_attention(q, k, v, causal=True, blocks=bad)

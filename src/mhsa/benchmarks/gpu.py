@@ -12,8 +12,10 @@ bigbird(64); forward time and TFLOP/s (4 * D flops per allowed score entry), eac
 a fraction of a bf16 matmul measured in the same run; the backends of one case are
 timed interleaved. DIR/gpu.json is rewritten after every row (a run cut short keeps
 what it measured); a summary is printed, ending with the issue's goals (triton
-forward >= 0.8x flex; >= 60% of the matmul on causal L=8192). --budget (default
-420 s) stops starting new cases, to fit a 10-minute slot.
+forward >= 0.8x flex; >= 60% of the matmul on causal L=8192). After the first length,
+the triton forward is timed with each launch config in TUNING (causal), to choose the
+kernels' defaults from. --budget (default 420 s) stops starting new cases, to fit a
+10-minute slot.
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ from mhsa.masks.presets import bigbird
 from .timing import best_times, matmul_gflops
 
 BACKENDS = ("sdpa", "flex", "triton")
+# triton forward launch configs (BLOCK_M, BLOCK_N, num_warps, num_stages) timed on causal
+# attention at the first length, to choose kernels/triton/function.py's defaults from
+TUNING = ((64, 64, 4, 2), (64, 64, 8, 2), (128, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3),
+          (128, 128, 8, 2), (64, 128, 4, 3))  # fmt: skip
+DRY_RUN_TUNING = ((16, 16, 4, 1), (32, 16, 4, 1))
 
 
 def _cases(window: int, block: int) -> dict:
@@ -128,7 +135,7 @@ def run(
     cases = _cases(32, 16) if dry_run else _cases(1024, 64)
     results = Results(
         out, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        torch=torch.__version__, dtype=str(dtype),
+        torch=torch.__version__, dtype=str(dtype), tuning=[],
     )  # fmt: skip
     check_len = 64 if dry_run else 2048
     for case, (mask, causal) in cases.items():
@@ -149,7 +156,29 @@ def run(
                                over_budget=time.perf_counter() - start > budget)  # fmt: skip
             for row in rows:
                 results.add("bench", row)
+        if length == lengths[0]:
+            for config in DRY_RUN_TUNING if dry_run else TUNING:
+                over_budget = time.perf_counter() - start > budget
+                results.add("tuning", _tune(qkv, config, dry_run, repeat, device, peak,
+                                            over_budget))  # fmt: skip
     return results.data
+
+
+def _tune(qkv, config, dry_run, repeat, device, peak, over_budget) -> dict:
+    """The triton forward on causal attention with one launch config."""
+    from mhsa.kernels.triton import triton_attention
+
+    batch, heads, length, dim = qkv[0].shape
+    row = {"config": list(config), "length": length}
+    if over_budget:
+        return {**row, "skipped": "time budget spent"}
+    flops = 4 * dim * batch * heads * _allowed(None, True, length, device)
+    try:
+        call = lambda: triton_attention(*qkv, causal=True, blocks=config)  # noqa: E731
+        seconds = best_times({"triton": call}, 1 if dry_run else repeat, device)["triton"]
+    except Exception as error:
+        return {**row, "skipped": _failure(error)}
+    return {**row, "ms": seconds * 1e3, "of_matmul": flops / seconds / peak}
 
 
 def _bench_case(qkv, case, mask, causal, dry_run, repeat, device, peak, over_budget):
@@ -221,6 +250,10 @@ def summary(result: dict) -> str:
                                         f"{row['of_matmul']:6.1%} of matmul  first call "
                                         f"{row['first_call_s']:.1f} s")  # fmt: skip
         lines.append(f"  L={row['length']:<6} {row['case']:<18} {row['backend']:<7} {detail}")
+    lines.append("triton forward launch configs, causal (BLOCK_M, BLOCK_N, warps, stages):")
+    for row in result["tuning"]:
+        detail = row.get("skipped") or f"{row['ms']:9.3f} ms  {row['of_matmul']:6.1%} of matmul"
+        lines.append(f"  L={row['length']:<6} {str(tuple(row['config'])):<20} {detail}")
     lines.append("goals:")
     lines.extend(goals(result) or ["  not measured"])
     return "\n".join(lines)

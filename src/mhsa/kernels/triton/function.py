@@ -225,9 +225,14 @@ def _prepare(q, k, v, mask, bias, causal, scale, blocks):
     value_dim = q.shape[3] if v is None else v.shape[3]
     launch = block_sizes(q.shape[3], value_dim, q.dtype)
     if blocks is not None:
-        if len(blocks) != 2 or any(b < 16 or b & (b - 1) for b in blocks):
-            raise ValueError(f"blocks must be (BLOCK_M, BLOCK_N), powers of two >= 16: {blocks}")
-        launch = (*blocks, *launch[2:])
+        blocks = tuple(blocks)
+        tiles_ok = len(blocks) in (2, 4) and all(b >= 16 and not b & (b - 1) for b in blocks[:2])
+        if not tiles_ok or any(b < 1 for b in blocks[2:]):
+            raise ValueError(
+                "blocks must be (BLOCK_M, BLOCK_N) or (BLOCK_M, BLOCK_N, num_warps, "
+                f"num_stages), tiles powers of two >= 16, got {blocks}"
+            )
+        launch = blocks + launch[len(blocks) :]
     shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     tiles = build_tiles(mask, causal, shape, q.device, launch)
     return tiles, 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
@@ -244,7 +249,7 @@ def triton_attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     seed: int | None = None,
-    blocks: tuple[int, int] | None = None,
+    blocks: tuple[int, ...] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Exact attention in Triton: (out (B, H, L, D_v) in q's dtype, lse (B, H, L) float32,
     float64 for float64 inputs, which only the interpreter takes).
@@ -255,7 +260,8 @@ def triton_attention(
     causal aligned bottom-right (query i sees keys <= i + S - L); scale defaults to
     1/sqrt(D). Dropout keeps exactly the entries of mhsa.kernels.dropout.keep_mask
     with the given seed (default: drawn from torch's generator). blocks overrides
-    (BLOCK_M, BLOCK_N), each a power of two >= 16. A row with no allowed key gets
+    (BLOCK_M, BLOCK_N), each a power of two >= 16, and optionally (num_warps,
+    num_stages) after them. A row with no allowed key gets
     output 0, lse -inf and zero gradients.
     """
     if q.shape[2] == 0 or k.shape[2] == 0:
@@ -278,7 +284,7 @@ def triton_attention_weights(
     causal: bool = False,
     scale: float | None = None,
     lse: Tensor | None = None,
-    blocks: tuple[int, int] | None = None,
+    blocks: tuple[int, ...] | None = None,
 ) -> Tensor:
     """Softmax probabilities (B, H, L, S) of q k^T * scale + bias, float32 (the statistics
     dtype), masked as in triton_attention and normalised by lse (B, H, L) (default: the
