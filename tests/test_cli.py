@@ -48,6 +48,8 @@ def test_sparse_bench_cases_run_small():
     assert set(bird["forward"]) == {"flash", "sdpa dense mask"}
     scaling = sparse.scaling_case(256, 512, repeat=1)
     assert scaling["length_ratio"] == 2 and scaling["ratio"] > 0
+    dilated = sparse.dilated_case(256, repeat=1)
+    assert set(dilated["forward"]) == {"flash", "flash, same-size window", "sdpa dense mask"}
 
 
 def test_train_gpt_then_generate(tmp_path, capsys):

@@ -10,7 +10,8 @@ from __future__ import annotations
 from ..kernels.dropout import draw_seed
 from ..kernels.flash import flash_attention, fused_available
 from ..kernels.plan import build_plan, mask_source
-from ..masks import SlidingWindow
+from ..kernels.residues import residue_classes
+from ..masks import Dilated, SlidingWindow
 from .registry import AttentionSpec, Backend
 
 # Tile sizes: the fused kernel tiles internally, so its runs can be long; plain torch
@@ -49,6 +50,11 @@ class FlashBackend(Backend):
         return 2.0 if spec.device.type == "cpu" else 0.5
 
     def forward(self, q, k, v, *, mask, bias, causal, scale, dropout_p, return_lse):
+        if type(mask) is Dilated and mask.dilation > 1 and bias is None and not dropout_p:
+            classes = residue_classes(mask.window, mask.dilation, causal, q.shape[2], k.shape[2])
+            if classes is not None:
+                out, lse = self._by_residue(q, k, v, classes, mask.dilation, scale)
+                return out, (lse if return_lse else None)
         fused = fused_available(q, v, dropout_p)
         plan = plan_for(mask, causal, q.shape[2], k.shape[2], q.device, fused)
         dropout = (dropout_p, draw_seed()) if dropout_p > 0 else None
@@ -56,3 +62,21 @@ class FlashBackend(Backend):
             q, k, v, plan, bias=bias, scale=scale, dropout=dropout, fused=fused
         )
         return out, (lse if return_lse else None)
+
+    def _by_residue(self, q, k, v, classes, dilation: int, scale: float):
+        """Dilated attention as one sliding window per residue class (strided views)."""
+        batch, heads, q_len, _ = q.shape
+        out = q.new_zeros(batch, heads, q_len, v.shape[-1])
+        lse = None
+        for c in classes:
+            rows = slice(c.q_start, None, dilation)
+            keys = slice(c.k_start, None, dilation)
+            out_c, lse_c = self.forward(
+                q[:, :, rows], k[:, :, keys], v[:, :, keys], mask=c.window, bias=None,
+                causal=False, scale=scale, dropout_p=0.0, return_lse=True,
+            )  # fmt: skip
+            if lse is None:
+                lse = lse_c.new_empty(batch, heads, q_len)
+            out[:, :, rows] = out_c
+            lse[:, :, rows] = lse_c
+        return out, lse

@@ -121,6 +121,20 @@ def bigbird_case(length: int, repeat: int) -> dict:
             "allowed_fraction": dense.float().mean().item()}  # fmt: skip
 
 
+def dilated_case(length: int, repeat: int) -> dict:
+    """Dilated(64, 4) against a sliding window with as many allowed keys per query (129):
+    cost that follows the allowed entries makes the two alike."""
+    dilated, window = masks.Dilated(64, 4), masks.SlidingWindow(64, 64)
+    q, k, v = _inputs(length, 8)
+    dense = dilated.dense(length, length)
+    times = best_times({
+        "flash": lambda: mhsa.attention(q, k, v, dilated, backend="flash"),
+        "flash, same-size window": lambda: mhsa.attention(q, k, v, window, backend="flash"),
+        "sdpa dense mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense),
+    }, repeat)  # fmt: skip
+    return {"pattern": repr(dilated), "length": length, "forward": times}
+
+
 def memory_scaling(lengths: list[int]) -> list[dict]:
     return [measure_in_subprocess("flash", n, heads=8, pattern="window") for n in lengths]
 
@@ -159,6 +173,7 @@ def run(repeat: int = 3, quick: bool = False) -> dict:
             "window": window_cases(2048, 1),
             "scaling": scaling_case(1024, 4096, 1),
             "bigbird": bigbird_case(1024, 1),
+            "dilated": dilated_case(1024, 1),
             "memory": memory_scaling([1024, 2048]),
             "curves": curves([512, 1024], 1),
         }
@@ -166,6 +181,7 @@ def run(repeat: int = 3, quick: bool = False) -> dict:
         "window": window_cases(16384, repeat),
         "scaling": scaling_case(8192, 32768, repeat),
         "bigbird": bigbird_case(8192, repeat),
+        "dilated": dilated_case(16384, repeat),
         "memory": memory_scaling([4096, 8192, 16384, 32768]),
         "curves": curves([1024, 2048, 4096, 8192], repeat),
     }
@@ -212,6 +228,12 @@ def report(result: dict) -> str:
                  f"allowed), forward: flash {bird['forward']['flash'] * 1e3:.1f} ms, sdpa dense "
                  f"mask {bird['forward']['sdpa dense mask'] * 1e3:.1f} ms: {speedup:.1f}x "
                  f"(target >= 4x: {'ok' if speedup >= 4 else 'MISSED'})")  # fmt: skip
+    dilated = result["dilated"]
+    times = dilated["forward"]
+    lines.append(f"{dilated['pattern']} at L=S={dilated['length']}, forward: flash "
+                 f"{times['flash'] * 1e3:.1f} ms, SlidingWindow(64, 64) (as many keys per "
+                 f"query) {times['flash, same-size window'] * 1e3:.1f} ms, sdpa dense mask "
+                 f"{times['sdpa dense mask'] * 1e3:.1f} ms")  # fmt: skip
     lines.append("window forward+backward peak extra memory (fresh process each):")
     for row in result["memory"]:
         value = row.get("extra_bytes")
