@@ -246,8 +246,8 @@ def flash_backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Gradients of q, k, v (and of bias when bias_grad), recomputing each run's tile."""
     dtype = stats_dtype(q.dtype)
-    if fused:
-        grad_out, q, k, v, out = _unit_last_stride(grad_out, q, k, v, out)
+    if fused:  # (the fused backward reads any grad_out strides correctly)
+        q, k, v, out = _unit_last_stride(q, k, v, out)
     num_kv_heads = k.shape[1]
     dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=dtype, device=q.device)
