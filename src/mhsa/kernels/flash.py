@@ -158,14 +158,19 @@ def flash_forward(
     dtype = stats_dtype(q.dtype)
     if fused:
         q, k, v = _unit_last_stride(q, k, v)
-    out = q.new_zeros(batch, num_heads, q_len, v.shape[-1])
-    lse = torch.full((batch, num_heads, q_len), -torch.inf, dtype=dtype, device=q.device)
     band = _band_interior(plan, bias, dropout, fused)
     plan_rows = plan.rows
     if band is not None:
         first, end = band
-        band_forward(q, k, v, *plan.band, scale, first, end, out, lse)
         plan_rows = [rows for rows in plan.rows if rows.q1 <= first or rows.q0 >= end]
+    # every row is written below when the band and the plan's rows cover them all (rows
+    # without runs are zeroed there): then out need not be zero-filled first
+    covered = (end - first if band else 0) + sum(rows.q1 - rows.q0 for rows in plan_rows)
+    shape = (batch, num_heads, q_len, v.shape[-1])
+    out = q.new_empty(shape) if covered == q_len else q.new_zeros(shape)
+    lse = torch.full((batch, num_heads, q_len), -torch.inf, dtype=dtype, device=q.device)
+    if band is not None:
+        band_forward(q, k, v, *plan.band, scale, first, end, out, lse)
     for rows in plan_rows:
         q0, q1 = rows.q0, rows.q1
         q_blk = q[:, :, q0:q1]
@@ -180,7 +185,8 @@ def flash_forward(
                 attn = _tile_bias(plan, bias, q0, q1, run, cols, dtype)
                 out_r, lse_r = _plain_run(q_blk, k_run, v_run, attn, scale, dropout, q0, cols)
             partials.append((out_r, lse_r))
-        if not partials:
+        if not partials:  # no allowed key in these rows
+            out[:, :, q0:q1] = 0
             continue
         if len(plan.rows) == 1 and q0 == 0 and q1 == q_len and len(partials) == 1:
             return out_r.to(q.dtype), lse_r.to(dtype)  # one run covers everything
