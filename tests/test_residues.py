@@ -63,6 +63,7 @@ CASES = [  # (q_len, kv_len, window, dilation, causal, kv_heads)
     (1000, 614, 25, 3, True, 3),
     (333, 333, 0, 5, False, 3),
     (40, 40, 2, 64, False, 3),  # dilation beyond the length: each query its own class
+    (700, 700, 30, 1, True, 3),  # one class: a sliding window, through the band path
 ]
 
 

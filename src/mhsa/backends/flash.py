@@ -28,7 +28,8 @@ def plan_for(mask, causal: bool, q_len: int, kv_len: int, device, fused: bool):
     if fused:
         block = getattr(mask, "block_size", None) or FUSED_BLOCK
         plan = build_plan(source, q_len, kv_len, block_q=block, block_k=block, gather=True)
-        # a window exactly (not a subclass or a composition); causal caps it at key p
+        # a window exactly (not a subclass or a composition); causal caps its right side
+        # at the query's own position
         if type(mask) is SlidingWindow:
             plan.band = (mask.left, 0 if causal else mask.right)
         return plan
@@ -50,7 +51,7 @@ class FlashBackend(Backend):
         return 2.0 if spec.device.type == "cpu" else 0.5
 
     def forward(self, q, k, v, *, mask, bias, causal, scale, dropout_p, return_lse):
-        if type(mask) is Dilated and mask.dilation > 1 and bias is None and not dropout_p:
+        if type(mask) is Dilated and bias is None and not dropout_p:
             classes = residue_classes(mask.window, mask.dilation, causal, q.shape[2], k.shape[2])
             if classes is not None:
                 out, lse = self._by_residue(q, k, v, classes, mask.dilation, scale)
@@ -66,7 +67,7 @@ class FlashBackend(Backend):
     def _by_residue(self, q, k, v, classes, dilation: int, scale: float):
         """Dilated attention as one sliding window per residue class (strided views)."""
         batch, heads, q_len, _ = q.shape
-        out = q.new_zeros(batch, heads, q_len, v.shape[-1])
+        out = q.new_empty(batch, heads, q_len, v.shape[-1])  # the classes cover every row
         lse = None
         for c in classes:
             rows = slice(c.q_start, None, dilation)
