@@ -53,6 +53,14 @@ def _dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr):
 
 
 @triton.jit
+def _program_heads(bh, num_heads, group):
+    """(batch, query head, kv head) of a program over B * H, as int64: pointer offsets
+    of a head can pass 2**31."""
+    b, h = bh // num_heads, bh % num_heads
+    return b.to(tl.int64), h.to(tl.int64), (h // group).to(tl.int64)
+
+
+@triton.jit
 def _load_2d(base, idx, limit, stride, dims, dim, stride_d):
     """The tile base[idx, dims] for rows idx < limit and columns dims < dim, 0 elsewhere."""
     ptrs = base + idx.to(tl.int64)[:, None] * stride + dims[None, :] * stride_d
@@ -119,9 +127,7 @@ def _attn_fwd(
 ):
     """Grid (query blocks, B * H): out (B, H, L, D_v) and lse (B, H, L) of one block."""
     qi, bh = tl.program_id(0), tl.program_id(1)
-    b, h = bh // num_heads, bh % num_heads
-    b64, hk = b.to(tl.int64), h // group
-    h64, hk64 = h.to(tl.int64), hk.to(tl.int64)  # offsets of a head can pass 2**31
+    b64, h64, hk64 = _program_heads(bh, num_heads, group)
     rows = qi * BLOCK_M + tl.arange(0, BLOCK_M)
     dims, vdims = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
     q = _load_2d(Q + b64 * sqb + h64 * sqh, rows, q_len, sql, dims, head_dim, sqd)
@@ -174,9 +180,8 @@ def _attn_bwd_dq(
     """Grid (query blocks, B * H): dQ (B, H, L, D) in ACC of one block; with BIAS_GRAD
     also the block's dS tiles into dBias (B, H, L, S) ACC (each entry written once)."""
     qi, bh = tl.program_id(0), tl.program_id(1)
-    b, h = bh // num_heads, bh % num_heads
-    b64, bh64, hk = b.to(tl.int64), bh.to(tl.int64), h // group
-    h64, hk64 = h.to(tl.int64), hk.to(tl.int64)  # offsets of a head can pass 2**31
+    b64, h64, hk64 = _program_heads(bh, num_heads, group)
+    bh64 = bh.to(tl.int64)
     rows = qi * BLOCK_M + tl.arange(0, BLOCK_M)
     dims, vdims = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
     row_ok = rows < q_len
@@ -284,9 +289,7 @@ def _attn_probs(
     """Grid (query blocks, B * H): probabilities exp(s - lse) of the visited tiles into
     P (B, H, L, S) ACC (zero-filled by the caller: empty tiles stay 0)."""
     qi, bh = tl.program_id(0), tl.program_id(1)
-    b, h = bh // num_heads, bh % num_heads
-    b64, hk = b.to(tl.int64), h // group
-    h64, hk64 = h.to(tl.int64), hk.to(tl.int64)  # offsets of a head can pass 2**31
+    b64, h64, hk64 = _program_heads(bh, num_heads, group)
     rows = qi * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     q = _load_2d(Q + b64 * sqb + h64 * sqh, rows, q_len, sql, dims, head_dim, sqd)
