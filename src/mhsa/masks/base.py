@@ -89,16 +89,23 @@ class Pattern:
     def cache_key(self) -> tuple:
         """Hashable, equal for patterns built from equal plain values (SlidingWindow(256,
         0) twice); a pattern holding a tensor is keyed by its identity. Private
-        attributes (a pattern's own caches) are left out."""
+        attributes (a pattern's own caches) are left out. Computed once: patterns are
+        immutable, and backends ask on every call."""
+        key = vars(self).get("_cache_key")
+        if key is not None:
+            return key
         fields = {name: value for name, value in vars(self).items() if not name.startswith("_")}
         if any(isinstance(value, Tensor) for value in fields.values()):
-            return ("id", id(self))
-        parts = tuple(
-            tuple(p.cache_key() for p in value) if isinstance(value, (tuple, list)) and
-            all(isinstance(p, Pattern) for p in value) else repr(value)
-            for _, value in sorted(fields.items())
-        )  # fmt: skip
-        return (type(self).__name__, parts)
+            key = ("id", id(self))
+        else:
+            parts = tuple(
+                tuple(p.cache_key() for p in value) if isinstance(value, (tuple, list)) and
+                all(isinstance(p, Pattern) for p in value) else repr(value)
+                for _, value in sorted(fields.items())
+            )  # fmt: skip
+            key = (type(self).__name__, parts)
+        self._cache_key = key
+        return key
 
     def check_batch(self, batch: int) -> None:
         if self.batch_size is not None and self.batch_size not in (1, batch):
