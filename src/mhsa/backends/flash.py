@@ -10,8 +10,8 @@ from __future__ import annotations
 from ..kernels.dropout import draw_seed
 from ..kernels.flash import flash_attention, fused_available
 from ..kernels.plan import build_plan, mask_source
-from ..kernels.residues import residue_classes
-from ..masks import Dilated, SlidingWindow
+from ..masks import Band, Pattern, SlidingWindow
+from ..masks.residues import residue_classes
 from .registry import AttentionSpec, Backend
 
 # Tile sizes: the fused kernel tiles internally, so its runs can be long; plain torch
@@ -28,10 +28,10 @@ def plan_for(mask, causal: bool, q_len: int, kv_len: int, device, fused: bool):
     if fused:
         block = getattr(mask, "block_size", None) or FUSED_BLOCK
         plan = build_plan(source, q_len, kv_len, block_q=block, block_k=block, gather=True)
-        # a window exactly (not a subclass or a composition); causal caps its right side
-        # at the query's own position
-        if type(mask) is SlidingWindow:
-            plan.band = (mask.left, 0 if causal else mask.right)
+        band = _band_of(mask)
+        if band is not None and band.dilation == 1:
+            # causal caps the window's right side at the query's own position
+            plan.band = (band.left, 0 if causal else band.right)
         return plan
     return build_plan(
         source,
@@ -44,6 +44,11 @@ def plan_for(mask, causal: bool, q_len: int, kv_len: int, device, fused: bool):
     )
 
 
+def _band_of(mask) -> Band | None:
+    """The band a mask says it is exactly (Pattern.band), or None."""
+    return mask.band() if isinstance(mask, Pattern) else None
+
+
 class FlashBackend(Backend):
     name = "flash"
 
@@ -51,10 +56,14 @@ class FlashBackend(Backend):
         return 2.0 if spec.device.type == "cpu" else 0.5
 
     def forward(self, q, k, v, *, mask, bias, causal, scale, dropout_p, return_lse):
-        if type(mask) is Dilated and bias is None and not dropout_p:
-            classes = residue_classes(mask.window, mask.dilation, causal, q.shape[2], k.shape[2])
+        band = _band_of(mask)
+        if band is not None and band.dilation == 1:
+            # the plain window, whatever pattern said it: its plan has the band and triangles
+            mask = SlidingWindow(band.left, band.right)
+        elif band is not None and band.left == band.right and bias is None and not dropout_p:
+            classes = residue_classes(band.left, band.dilation, causal, q.shape[2], k.shape[2])
             if classes is not None:
-                out, lse = self._by_residue(q, k, v, classes, mask.dilation, scale)
+                out, lse = self._by_residue(q, k, v, classes, band.dilation, scale)
                 return out, (lse if return_lse else None)
         fused = fused_available(q, v, dropout_p)
         plan = plan_for(mask, causal, q.shape[2], k.shape[2], q.device, fused)

@@ -5,7 +5,7 @@ Pass one as `mask=` to mhsa.attention: the reference and sdpa backends materiali
 never visits an empty block.
 """
 
-from .base import EMPTY, FULL, PARTIAL, Intersection, Pattern, Union
+from .base import EMPTY, FULL, PARTIAL, Band, Intersection, Pattern, Union
 from .patterns import (
     BlockSparse,
     Causal,
@@ -24,6 +24,7 @@ __all__ = [
     "EMPTY",
     "FULL",
     "PARTIAL",
+    "Band",
     "BlockBand",
     "BlockSparse",
     "Causal",

@@ -12,13 +12,14 @@ the dense mask, `kinds(L, S, block_q, block_k)`.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from ..kernels.plan import EMPTY, FULL, PARTIAL, reduce_blocks
 
-__all__ = ["EMPTY", "FULL", "PARTIAL", "Pattern"]
+__all__ = ["EMPTY", "FULL", "PARTIAL", "Band", "Pattern"]
 
 
 def num_blocks(length: int, block: int) -> int:
@@ -29,6 +30,16 @@ def block_ranges(length: int, block: int) -> tuple[Tensor, Tensor]:
     """(first, last) index of each block, int64 (num_blocks,)."""
     first = torch.arange(0, length, block)
     return first, (first + block - 1).clamp(max=length - 1)
+
+
+@dataclass(frozen=True)
+class Band:
+    """A (dilated) sliding window: the query at position p attends the keys at
+    p + t * dilation for t in -left..right. Tiled engines have fast paths for it."""
+
+    left: int
+    right: int
+    dilation: int = 1
 
 
 class Pattern:
@@ -56,6 +67,12 @@ class Pattern:
     def upper_triangular(self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int) -> bool:
         """Whether the tile is square and its mask is exactly local key c >= local row r."""
         return False
+
+    def band(self) -> Band | None:
+        """The band this pattern is exactly, or None. Engines take their band fast paths
+        from this, so a new pattern opts in here; a subclass of a band pattern that
+        changes `allowed` must return None."""
+        return None
 
     # public API -----------------------------------------------------------------
 

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.plan import CausalMask, reduce_blocks
-from .base import EMPTY, FULL, PARTIAL, Pattern, block_ranges, num_blocks
+from .base import EMPTY, FULL, PARTIAL, Band, Pattern, block_ranges, num_blocks
 
 
 def _int_at_least(name: str, value: int, low: int) -> int:
@@ -93,6 +93,9 @@ class SlidingWindow(Pattern):
         first = q0 + kv_len - q_len
         return k1 - k0 == q1 - q0 and k0 == first - self.left and k1 - 1 <= first + self.right
 
+    def band(self) -> Band:
+        return Band(self.left, self.right)
+
     def __repr__(self) -> str:
         return f"SlidingWindow({self.left}, {self.right})"
 
@@ -115,6 +118,9 @@ class Dilated(Pattern):
         if self.dilation > 1:  # a full window block still skips keys between the steps
             kinds[kinds == FULL] = PARTIAL
         return kinds
+
+    def band(self) -> Band:
+        return Band(self.window, self.window, self.dilation)
 
     def __repr__(self) -> str:
         return f"Dilated({self.window}, {self.dilation})"

@@ -6,13 +6,16 @@ p's residue class mod d. Within one class, a strided view of the queries and one
 the keys (no copy), that is a plain sliding window, which the flash engine runs
 densely (kernels/band.py). Positions are bottom-right aligned (query i sits at
 i + S - L), so each class gets the window's offsets re-based to its own lengths.
+
+This is pattern algebra (integers in, windows out), so it lives with the patterns; the
+flash backend uses it for any pattern whose `band()` has a dilation above 1.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..masks import SlidingWindow
+from .patterns import SlidingWindow
 
 
 @dataclass(frozen=True)
