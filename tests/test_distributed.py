@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import mhsa
-from mhsa import distributed
-from mhsa.distributed import ring_attention, run_local, shard, unshard
+from mhsa.distributed import blocks, ring_attention, run_local, shard, transfer, unshard
+from mhsa.distributed import ring as ring_module
 from mhsa.masks import Causal, KeyPadding, SlidingWindow
 
 WORLD_SIZES = (1, 2, 3, 4)
@@ -126,7 +126,7 @@ def _gradcheck(rank: int, world: int) -> bool:
 def _count_work(rank: int, world: int, layout: str, **kwargs) -> tuple[int, int]:
     """(ring transfers, blocks computed) by this rank in one forward."""
     counts = [0, 0]
-    shift, forward = distributed._Ring.shift, distributed.flash_forward
+    shift, forward = transfer.Ring.shift, ring_module.flash_forward
 
     def counting_shift(*args, **kw):
         counts[0] += 1
@@ -136,11 +136,11 @@ def _count_work(rank: int, world: int, layout: str, **kwargs) -> tuple[int, int]
         counts[1] += 1
         return forward(*args, **kw)
 
-    distributed._Ring.shift, distributed.flash_forward = counting_shift, counting_forward
+    transfer.Ring.shift, ring_module.flash_forward = counting_shift, counting_forward
     try:
         ring_attention(*(torch.randn(1, 1, 6, 4) for _ in range(3)), layout=layout, **kwargs)
     finally:
-        distributed._Ring.shift, distributed.flash_forward = shift, forward
+        transfer.Ring.shift, ring_module.flash_forward = shift, forward
     return counts[0], counts[1]
 
 
@@ -275,7 +275,7 @@ def test_ring_attention_needs_a_process_group():
 
 def _schedule(world, layout, pattern, chunk=8):
     total = chunk * world * (2 if layout == "zigzag" else 1)
-    return distributed._schedule(world, layout, pattern.block_layout(total, total, chunk), 1)
+    return blocks.visit_order(world, layout, pattern.block_layout(total, total, chunk), 1)
 
 
 def test_sliding_window_visits_only_ranks_in_reach():
@@ -298,7 +298,7 @@ def test_block_mask_is_the_global_pattern_seen_from_the_block(q_start, k_start, 
         return pattern.block_layout(total, total, bq, bk)
 
     keys = torch.rand(2, chunk) > 0.3
-    local = distributed._BlockMask(pattern, q_start, k_start, total, keys, block, kinds)
+    local = blocks.BlockMask(pattern, q_start, k_start, total, keys, block, kinds)
     expected = pattern.dense(total, total)[q_start : q_start + chunk, k_start : k_start + chunk]
     expected = expected & keys.view(2, 1, 1, chunk)
     dense = local.dense(chunk, chunk)

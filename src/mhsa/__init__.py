@@ -1,6 +1,6 @@
 """mhsa: multi-head self-attention and its whole family, on PyTorch."""
 
-from . import masks, nn, positional
+from . import distributed, masks, nn, positional  # distributed registers the ring backend
 from .backends import names as backends
 from .backends import use_backend
 from .cache import DecoderCache, KVCache, MemoryCache
@@ -17,6 +17,7 @@ __all__ = [
     "attention_weights",
     "cluster_attention",
     "backends",
+    "distributed",
     "masks",
     "nn",
     "positional",

@@ -1,10 +1,11 @@
-"""Attention backends; `auto` picks the usable one with the highest preference."""
+"""Attention backends; `auto` picks the usable one with the highest preference.
+
+The `ring` backend is mhsa.distributed's: it registers itself there."""
 
 from .flash import FlashBackend
 from .flex import FlexBackend
 from .reference import ReferenceBackend
 from .registry import AttentionSpec, Backend, get, names, register, select, use_backend
-from .ring import RingBackend, context_parallel
 from .sdpa import SdpaBackend
 from .triton import TritonBackend
 
@@ -13,12 +14,10 @@ register(FlashBackend())
 register(FlexBackend())  # CUDA only
 register(TritonBackend())  # CUDA, or TRITON_INTERPRET=1 (tests)
 register(ReferenceBackend())
-register(RingBackend())  # serves only inside context_parallel(...)
 
 __all__ = [
     "AttentionSpec",
     "Backend",
-    "context_parallel",
     "get",
     "local_names",
     "names",

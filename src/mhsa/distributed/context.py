@@ -1,9 +1,10 @@
-"""The `ring` backend: attention over a sequence split across processes.
+"""Context parallelism: the `ring` backend and the block that turns it on.
 
 Inside `context_parallel(group, layout)` every process holds one shard of each
 sequence (see mhsa.distributed.shard), and every attention call - from mhsa.attention
-or any module built on it - goes to mhsa.distributed.ring_attention, which sees the
-whole sequence. Outside that block the backend serves nothing.
+or any module built on it - goes to ring_attention, which sees the whole sequence.
+Outside that block the backend serves nothing. It lives here, above the backends,
+and registers itself when mhsa.distributed is imported (mhsa's own import does so).
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from collections.abc import Iterator
 
 from torch import Tensor
 
+from ..backends.registry import AttentionSpec, Backend, register, use_backend
 from ..masks import Pattern
-from .registry import AttentionSpec, Backend, use_backend
+from .ring import ring_attention
 
 _active: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
     "mhsa_context_parallel", default=None
@@ -67,8 +69,6 @@ class RingBackend(Backend):
         dropout_p: float,
         return_lse: bool,
     ) -> tuple[Tensor, Tensor | None]:
-        from ..distributed import ring_attention
-
         if mask is not None and not isinstance(mask, Pattern):
             raise ValueError(
                 "the ring backend takes masks as mhsa.masks patterns (global positions); "
@@ -78,3 +78,6 @@ class RingBackend(Backend):
         out = ring_attention(q, k, v, group=group, causal=causal, mask=mask, scale=scale,
                              layout=layout)  # fmt: skip
         return out, None
+
+
+register(RingBackend())

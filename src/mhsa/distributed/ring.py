@@ -1,0 +1,235 @@
+"""Ring attention over torch.distributed: one sequence sharded across ranks.
+
+Each of P ranks holds L / P positions of q, k and v. The K/V shards travel around the
+ring with point-to-point isend/irecv while each rank attends its queries to the shard
+it holds; the partial outputs merge by their logsumexp (float32 statistics). Every
+block is computed by the tiled flash engine (mhsa.kernels.flash). The backward is
+exact: each rank recomputes its blocks from the final logsumexp while dK/dV
+accumulators travel with their shards and end at their owners.
+
+Layouts (how the sequence is cut) are in layout.py, the blocks and schedule of a call
+in blocks.py, the transfers in transfer.py. Which blocks are visited: an EMPTY block
+is never computed (so under causal no rank computes a future shard), and the ring only
+visits the source ranks that some rank needs: with
+SlidingWindow(left, right), rank r needs about ceil(left / shard) ranks before it and
+ceil(right / shard) after it, so the shards go one rank at a time through the left
+neighbours, then jump once to the farthest right neighbour and come back one at a
+time: len(schedule) - 1 transfers instead of P - 1, no compute on the others.
+
+Memory per rank, beyond the inputs: the output, a second K/V shard in flight, one
+dK/dV accumulator (it is received before each step's compute and added to in place),
+dq and the engine's temporaries of one block: about 1/P of one process's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..kernels.dense import stats_dtype
+from ..kernels.flash import flash_backward, flash_forward, fused_available
+from ..masks import FULL, Causal, Pattern
+from .blocks import Setup, split_pieces, tile_block, visit_order
+from .checks import check_across_ranks, local_problem
+from .layout import rank_chunks
+from .transfer import Ring, Travelling
+
+__all__ = ["ring_attention"]
+
+
+def _merge_into(out: Tensor, lse: Tensor, rows: slice, part: Tensor, part_lse: Tensor) -> None:
+    """Fold a partial (out, lse) of query rows into the running ones by logsumexp, in
+    place (no temporaries the size of out)."""
+    old = lse[:, :, rows]
+    new = torch.logaddexp(old, part_lse.to(lse.dtype))
+    safe = torch.where(torch.isneginf(new), torch.zeros_like(new), new)  # rows with no key
+    keep, add = torch.exp(old - safe).unsqueeze(-1), torch.exp(part_lse - safe).unsqueeze(-1)
+    out_rows = out[:, :, rows]
+    out_rows.mul_(keep).addcmul_(part.to(out.dtype), add)
+    lse[:, :, rows] = new
+
+
+def _ring_forward(q, k, v, keys, setup: Setup) -> tuple[Tensor, Tensor]:
+    """out (B, H, n, D_v) in q's dtype and lse (B, H, n) in the statistics dtype."""
+    ring, schedule = setup.ring, setup.schedule
+    dtype = stats_dtype(q.dtype)
+    batch, num_heads, length, _ = q.shape
+    out = torch.zeros(batch, num_heads, length, v.shape[-1], dtype=dtype, device=q.device)
+    lse = torch.full((batch, num_heads, length), -torch.inf, dtype=dtype, device=q.device)
+    shards = Travelling(ring, [k, v] if keys is None else [k, v, keys], owned=False, tag=0)
+    for step, offset in enumerate(schedule):
+        last = step + 1 == len(schedule)
+        if not last:  # the next shard travels while this one is used
+            shards.pass_on(schedule[step + 1] - offset)
+        k_cur, v_cur = shards.current[:2]
+        key_cur = shards.current[2] if keys is not None else None
+        src = (ring.rank + offset) % ring.world
+        for rows, cols, plan in setup.blocks(src, key_cur, q.device):
+            part, part_lse = flash_forward(
+                q[:, :, rows], k_cur[:, :, cols], v_cur[:, :, cols], None, plan, setup.scale,
+                None, setup.fused,
+            )  # fmt: skip
+            _merge_into(out, lse, rows, part, part_lse)
+        if not last:
+            shards.receive()
+    return out.to(q.dtype), lse
+
+
+def _ring_backward(grad_out, q, k, v, keys, out, lse, setup: Setup):
+    """dq, dk, dv of this rank's shards: blocks recomputed from the final lse.
+
+    The dK/dV accumulator of each shard travels with it: a rank receives it from the
+    shard's previous holder before computing (one accumulator per rank, not two:
+    every rank finishes its previous step at about the same time, so the wait is one
+    transfer), adds its blocks in place and passes it on, home to the owner at the end.
+    """
+    ring, schedule = setup.ring, setup.schedule
+    dtype = stats_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
+    shards = Travelling(ring, [k, v] if keys is None else [k, v, keys], owned=False, tag=0)
+    zeros = [torch.zeros(t.shape, dtype=dtype, device=q.device) for t in (k, v)]
+    grads = Travelling(ring, zeros, owned=True, tag=8)  # (dk, dv) of the shard held
+    for step, offset in enumerate(schedule):
+        last = step + 1 == len(schedule)
+        if not last:
+            shards.pass_on(schedule[step + 1] - offset)
+        if step > 0:  # what the shard's earlier holders accumulated
+            grads.receive()
+        k_cur, v_cur = shards.current[:2]
+        key_cur = shards.current[2] if keys is not None else None
+        dk, dv = grads.current
+        src = (ring.rank + offset) % ring.world
+        for rows, cols, plan in setup.blocks(src, key_cur, q.device):
+            dq_b, dk_b, dv_b, _ = flash_backward(
+                grad_out[:, :, rows], None, q[:, :, rows], k_cur[:, :, cols], v_cur[:, :, cols],
+                None, out[:, :, rows], lse[:, :, rows].contiguous(), plan, setup.scale, None,
+                setup.fused, False,
+            )  # fmt: skip
+            dq[:, :, rows] += dq_b
+            dk[:, :, cols] += dk_b
+            dv[:, :, cols] += dv_b
+            del dq_b, dk_b, dv_b
+        del k_cur, v_cur, key_cur, dk, dv
+        # pass the accumulator on with the shard, or home to its owner after the last step
+        delta = -offset if last else schedule[step + 1] - offset
+        if delta % ring.world:
+            grads.pass_on(delta)
+        if not last:
+            shards.receive()
+    del shards
+    if grads.incoming is not None:
+        grads.receive()
+    dk, dv = grads.current
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    """(q, k, v, key padding) shards -> out shard; saves only q, k, v, keys, out, lse."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, keys, setup):
+        out, lse = _ring_forward(q, k, v, keys, setup)
+        ctx.save_for_backward(q, k, v, keys, out, lse)
+        ctx.setup = setup
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, keys, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(grad_out, q, k, v, keys, out, lse, ctx.setup)
+        return dq, dk, dv, None, None
+
+
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    causal: bool = False,
+    mask: Pattern | None = None,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+    layout: str = "contiguous",
+    dropout_p: float = 0.0,
+) -> Tensor:
+    """Exact attention over a sequence sharded across the ranks of `group`.
+
+    Every rank of the group calls it with its own shards (n = L / P positions):
+
+    Args:
+        q: (B, H, n, D) this rank's queries.
+        k: (B, H_kv, n, D) this rank's keys; H % H_kv == 0 (grouped-query attention).
+        v: (B, H_kv, n, D_v) this rank's values.
+        group: the process group (default: the default group); P = its size.
+        causal: the query at global position p sees keys at positions <= p.
+        mask: an mhsa.masks pattern (e.g. SlidingWindow(w, 0)) on the whole (L, L)
+            sequence, in global positions; the same on every rank.
+        key_padding_mask: (B, n) bool, True = real key, for this rank's keys.
+        scale: multiplies q k^T; defaults to 1 / sqrt(D).
+        layout: "contiguous" or "zigzag", as the shards were cut by `shard`.
+        dropout_p: must be 0; dropout is not supported.
+
+    Returns:
+        (B, H, n, D_v) this rank's output rows, in q's dtype; gradients flow to q, k
+        and v. A query with no allowed key gets 0 output and zero gradients.
+
+    Each call all-gathers the shard shapes once, so a bad argument on any rank (uneven
+    shards, mismatched B/H/D, odd shard length for zigzag, unknown layout, dropout)
+    raises ValueError on every rank instead of hanging. Communication: K/V (and key
+    padding) shards move around the ring with isend/irecv, overlapped with compute;
+    chunk pairs that the mask leaves EMPTY are skipped and ranks no one needs are not
+    visited (see the module docstring).
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "ring_attention needs torch.distributed: call torch.distributed."
+            "init_process_group first (mhsa.distributed.run_local starts a local group)"
+        )
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    problem = local_problem(
+        q, k, v, mask, key_padding_mask, causal, scale, dropout_p, layout, world
+    )
+
+    def shape(t):
+        return tuple(t.shape) if isinstance(t, Tensor) else None
+
+    info = {
+        "problem": problem, "q": shape(q) or (0, 0, -1, 0), "k": shape(k), "v": shape(v),
+        "dtype": str(getattr(q, "dtype", None)), "layout": layout, "causal": causal,
+        "mask": repr(mask), "scale": repr(scale),
+        "key_padding_mask": "given" if key_padding_mask is not None else None,
+    }  # fmt: skip
+    infos: list[dict] = [{} for _ in range(world)]
+    dist.all_gather_object(infos, info, group=group)
+    check_across_ranks(infos)
+
+    chunk = q.shape[2] // len(rank_chunks(0, 1, layout))
+    split = split_pieces(chunk, layout)
+    piece, total = chunk // split, q.shape[2] * world
+    pattern = Causal() if causal else None
+    if mask is not None:
+        pattern = mask if pattern is None else pattern & mask
+    if pattern is None:
+        num_pieces = total // piece
+        piece_kinds = torch.full((num_pieces, num_pieces), FULL, dtype=torch.int8)
+    else:
+        piece_kinds = pattern.block_layout(total, total, piece)
+    setup = Setup(
+        ring=Ring(group, rank, world),
+        layout=layout,
+        split=split,
+        piece=piece,
+        total=total,
+        pattern=pattern,
+        piece_kinds=piece_kinds,
+        schedule=visit_order(world, layout, piece_kinds, split),
+        scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale),
+        fused=fused_available(q, v, 0.0),
+        block=tile_block(piece, getattr(pattern, "block_size", None)),
+    )
+    keys = None if key_padding_mask is None else key_padding_mask.to(torch.uint8).contiguous()
+    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), keys, setup)
