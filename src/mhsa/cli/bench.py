@@ -1,0 +1,66 @@
+"""`mhsa bench SUITE`: the benchmarks, as ratios against peers measured in the same run."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def bench(args: argparse.Namespace) -> int:
+    """Run a benchmark suite; print its table, or JSON with --json."""
+    import json
+
+    from ..benchmarks import attention, generate, sparse
+
+    if args.suite == "attention":
+        result = attention.run(
+            length=args.length, heads=args.heads, head_dim=args.head_dim, repeat=args.repeat,
+            memory=not args.no_memory, long=args.long,
+        )  # fmt: skip
+        text = attention.report(result)
+    elif args.suite == "generate":
+        result = generate.run(repeat=args.repeat, quick=args.quick)
+        text = generate.report(result)
+    elif args.suite == "transcribe":
+        from ..benchmarks import transcribe as transcribe_bench
+
+        try:
+            result = transcribe_bench.run(args.file, repeat=args.repeat, quick=args.quick)
+        except RuntimeError as error:  # ctranslate2 or the weights missing
+            raise SystemExit(str(error)) from error
+        text = transcribe_bench.report(result)
+    elif args.suite == "ring":
+        from ..benchmarks import ring
+
+        result = ring.run(nproc=args.nproc, repeat=min(args.repeat, 2), quick=args.quick)
+        text = ring.report(result)
+    else:
+        result = sparse.run(repeat=args.repeat, quick=args.quick)
+        text = sparse.report(result)
+        if args.plot:
+            sparse.plot(result, args.plot)
+            text += f"\nplot written to {args.plot}"
+    print(json.dumps(result, indent=2, default=str) if args.json else text)
+    return 0
+
+
+def add_parser(commands) -> None:
+    bench_parser = commands.add_parser("bench", help="benchmarks: ratios against peers")
+    bench_parser.add_argument(
+        "suite",
+        choices=["attention", "sparse", "generate", "ring", "transcribe"],
+        help="which benchmark",
+    )
+    bench_parser.add_argument("--file", help="transcribe: a WAV file (default: espeak-ng speech)")
+    bench_parser.add_argument("--nproc", type=int, default=2, help="ring: processes")
+    bench_parser.add_argument("--json", action="store_true", help="print JSON")
+    bench_parser.add_argument("--length", type=int, default=4096, help="L = S for timings")
+    bench_parser.add_argument("--heads", type=int, default=8)
+    bench_parser.add_argument("--head-dim", type=int, default=64)
+    bench_parser.add_argument("--repeat", type=int, default=5, help="best of N runs")
+    bench_parser.add_argument("--plot", metavar="FILE", help="sparse: write a PNG plot")
+    bench_parser.add_argument("--quick", action="store_true", help="small smoke run")
+    bench_parser.add_argument("--no-memory", action="store_true", help="skip memory cases")
+    bench_parser.add_argument(
+        "--long", action="store_true", help="add causal L=S=65536 memory (minutes)"
+    )
+    bench_parser.set_defaults(run=bench)

@@ -1,0 +1,38 @@
+"""`mhsa embed SENTENCE...`: sentence embeddings with all-MiniLM-L6-v2."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def embed(args: argparse.Namespace) -> int:
+    """Sentence embeddings (all-MiniLM-L6-v2), as JSON or a cosine-similarity matrix."""
+    import json
+
+    from ..embed import SentenceEncoder
+
+    try:
+        encoder = SentenceEncoder()
+    except RuntimeError as error:
+        raise SystemExit(str(error)) from error
+    vectors = encoder.encode(args.sentences)
+    if args.similarity:
+        sims = vectors @ vectors.T
+        width = max(len(s) for s in args.sentences[:20])
+        for sentence, row in zip(args.sentences, sims.tolist(), strict=True):
+            print(f"{sentence[:40]:<{min(width, 40)}}  " + " ".join(f"{v:6.3f}" for v in row))
+    elif args.json:
+        print(json.dumps(vectors.tolist()))
+    else:
+        for sentence, vector in zip(args.sentences, vectors.tolist(), strict=True):
+            print(f"{sentence[:40]!r}: [{', '.join(f'{v:.4f}' for v in vector[:6])}, ...] "
+                  f"({len(vector)} dims)")  # fmt: skip
+    return 0
+
+
+def add_parser(commands) -> None:
+    embed_parser = commands.add_parser("embed", help="sentence embeddings (all-MiniLM-L6-v2)")
+    embed_parser.add_argument("sentences", nargs="+")
+    embed_parser.add_argument("--json", action="store_true", help="print the vectors as JSON")
+    embed_parser.add_argument("--similarity", action="store_true", help="print cosine matrix")
+    embed_parser.set_defaults(run=embed)

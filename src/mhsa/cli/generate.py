@@ -1,0 +1,48 @@
+"""`mhsa generate CHECKPOINT`: sample text from a GPT checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from .common import load_model
+
+
+def generate(args: argparse.Namespace) -> int:
+    """Sample a continuation from a trained checkpoint, with the KV cache."""
+    import time
+
+    from ..data.text import ByteTokenizer
+    from ..models import GPT, GPTConfig
+
+    model, _ = load_model(args.checkpoint, "gpt", GPT, GPTConfig)
+    tokenizer = ByteTokenizer()
+    prompt = tokenizer.encode(args.prompt)
+    if prompt.numel() == 0:
+        raise SystemExit("--prompt must not be empty")
+    room = model.config.max_len - prompt.numel()
+    if model.config.position in ("learned", "sinusoidal") and args.max_new_tokens > room:
+        raise SystemExit(f"--max-new-tokens at most {room} for this prompt (max_len "
+                         f"{model.config.max_len})")  # fmt: skip
+    generator = torch.Generator().manual_seed(args.seed)
+    start = time.perf_counter()
+    out = model.generate([prompt], args.max_new_tokens, temperature=args.temperature,
+                         top_k=args.top_k, generator=generator)[0]  # fmt: skip
+    seconds = time.perf_counter() - start
+    print(tokenizer.decode(out))
+    new = out.numel() - prompt.numel()
+    print(f"[{new} tokens in {seconds:.2f} s: {new / seconds:.1f} tokens/s]", file=sys.stderr)
+    return 0
+
+
+def add_parser(commands) -> None:
+    gen = commands.add_parser("generate", help="sample text from a GPT checkpoint")
+    gen.add_argument("checkpoint", help="output folder of `mhsa train gpt`, or a step folder")
+    gen.add_argument("--prompt", default="def ")
+    gen.add_argument("--max-new-tokens", type=int, default=100)
+    gen.add_argument("--temperature", type=float, default=0.8)
+    gen.add_argument("--top-k", type=int, default=40)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.set_defaults(run=generate)

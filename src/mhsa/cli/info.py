@@ -1,0 +1,63 @@
+"""`mhsa info`: versions, the device, and what each attention backend can serve."""
+
+from __future__ import annotations
+
+import argparse
+import platform
+
+import torch
+
+from .. import __version__
+from ..backends import AttentionSpec, get, names, select
+
+# Typical calls (float32, GQA 8/2) that show what each backend can and cannot serve.
+_PROBES = {
+    "causal": {"causal": True},
+    "pattern": {"has_mask": True},
+    "mask+bias": {"has_mask": True, "has_bias": True},
+    "dropout": {"dropout_p": 0.1},
+    "pattern+dropout": {"has_mask": True, "dropout_p": 0.1},
+    "return_lse": {"return_lse": True},
+}
+
+
+def info(_: argparse.Namespace) -> int:
+    """Print versions, the device, and each backend's status."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    print(f"mhsa {__version__}")
+    print(f"python {platform.python_version()}, torch {torch.__version__}")
+    if device.type == "cuda":
+        print(f"device: cuda ({torch.cuda.get_device_name()})")
+    else:
+        print(f"device: cpu ({torch.get_num_threads()} threads)")
+    print("backends:")
+    for name in names():
+        backend = get(name)
+        reason = backend.available()
+        if reason is not None:
+            print(f"  {name:<10} unusable here: {reason}")
+            continue
+        print(f"  {name:<10} usable")
+        for probe, changes in _PROBES.items():
+            limit = backend.supports(AttentionSpec.example(device=device, **changes))
+            if limit is not None:
+                print(f"  {'':<10} not for {probe}: {limit}")
+    print(f"auto picks on {device.type} (B=1, H=8, H_kv=2, L=S=1024, D=64, float32):")
+    for probe, changes in {"plain": {}, **_PROBES}.items():
+        chosen = select(AttentionSpec.example(device=device, **changes), "auto").name
+        print(f"  {probe:<16} {chosen}")
+    if device.type != "cuda":
+        print("preference table on CUDA (what auto would pick there; bf16):")
+        for probe, changes in {"plain": {}, **_PROBES}.items():
+            spec = AttentionSpec.example(device=torch.device("cuda"), dtype=torch.bfloat16,
+                                         **changes)  # fmt: skip
+            ranked = sorted((get(n).preference(spec), n) for n in names()
+                            if get(n).supports(spec) is None)  # fmt: skip
+            print(f"  {probe:<16} " + " > ".join(f"{n} ({p:g})" for p, n in ranked[::-1]))
+    return 0
+
+
+def add_parser(commands) -> None:
+    commands.add_parser("info", help="versions, device and attention backends").set_defaults(
+        run=info
+    )

@@ -1,0 +1,289 @@
+"""`mhsa train MODEL`: train a model on built-in data with the one training loop."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from .common import common_train_options, size_options
+
+
+def train_gpt(args: argparse.Namespace) -> int:
+    """Train a byte-level GPT on the standard library's source (or --data FILE)."""
+    from ..data.text import ByteTokenizer, TextTask, describe_loss, read_text, stdlib_corpus
+    from ..launch import join_torchrun_group
+    from ..models import GPT, GPTConfig
+    from ..train import TrainConfig, load_checkpoint, train
+
+    join_torchrun_group()  # a no-op unless started by torchrun with several processes
+    torch.manual_seed(args.seed)
+    tokenizer = ByteTokenizer()
+    text = read_text(args.data) if args.data else stdlib_corpus()
+    config = GPTConfig(
+        vocab_size=tokenizer.vocab_size, n_layer=args.layers, n_head=args.heads,
+        n_kv_head=args.kv_heads, d_model=args.d_model, max_len=args.seq_len,
+        dropout=args.dropout, position=args.position, window=args.window,
+    )  # fmt: skip
+    if args.resume:  # the checkpoint's model, not the command line's
+        config = GPTConfig(**load_checkpoint(args.out)["info"]["config"])
+    task = TextTask(tokenizer.encode(text), config.max_len, args.batch_size)
+    model = GPT(config)
+    params = sum(p.numel() for p in model.parameters())
+    baseline = task.unigram_loss(tokenizer.vocab_size)
+    print(
+        f"data: {'--data ' + args.data if args.data else 'Python standard library source'}, "
+        f"{len(task.train):,} train / {len(task.val):,} validation tokens ({tokenizer.name})"
+    )
+    print(f"model: GPT {config.n_layer} layers, d_model {config.d_model}, {config.n_head} heads, "
+          f"{config.position} positions, {params / 1e6:.2f}M parameters")  # fmt: skip
+    train_config = TrainConfig(steps=args.steps, lr=args.lr, eval_every=args.eval_every,
+                               checkpoint_every=args.eval_every, seed=args.seed)  # fmt: skip
+    info = {"model": "gpt", "config": config.to_dict(), "tokenizer": tokenizer.name}
+    result = train(model, task, train_config, args.out, model_info=info, resume=args.resume,
+                   stop_after=args.stop_after,
+                   context_parallel="zigzag" if args.context_parallel else None)  # fmt: skip
+    final = result["history"][-1]["val_loss"] if result["history"] else float("nan")
+    print(f"validation loss {describe_loss(final)}; unigram baseline {describe_loss(baseline)}")
+    print(
+        f"{result['step']} steps in {result['seconds']:.0f} s "
+        f"({result['tokens_per_second'] / 1e3:.1f}k tokens/s); checkpoint: {args.out}"
+    )
+    return 0
+
+
+def fit(model, task, info: dict, args: argparse.Namespace, lr: float) -> dict:
+    """Run the shared training loop with the common command-line options."""
+    from ..train import TrainConfig, train
+
+    params = sum(p.numel() for p in model.parameters())
+    print(f"model: {info['model']}, {params / 1e6:.3f}M parameters")
+    config = TrainConfig(steps=args.steps, lr=lr, eval_every=args.eval_every,
+                         checkpoint_every=args.eval_every, seed=args.seed)  # fmt: skip
+    result = train(model, task, config, args.out, model_info=info, resume=args.resume,
+                   stop_after=args.stop_after)  # fmt: skip
+    last = result["history"][-1] if result["history"] else {}
+    accuracy = f", test accuracy {last['test_acc']:.2%}" if "test_acc" in last else ""
+    print(
+        f"{result['step']} steps in {result['seconds']:.0f} s; validation loss "
+        f"{last.get('val_loss', float('nan')):.4f}{accuracy}; checkpoint: {args.out}"
+    )
+    return result
+
+
+def train_vit(args: argparse.Namespace) -> int:
+    """A ViT on sklearn's bundled digits (or --data DIR of class sub-folders)."""
+    from ..data.classify import ClassificationTask, digits, image_folder, shift_augment, split
+    from ..models.vit import ViT, ViTConfig
+
+    torch.manual_seed(args.seed)
+    if args.data:
+        images, labels, _ = image_folder(args.data, args.image_size, args.channels)
+    else:
+        images, labels = digits()
+    config = ViTConfig(image_size=images.shape[-1], patch_size=args.patch_size,
+                       channels=images.shape[1], num_classes=int(labels.max()) + 1,
+                       d_model=args.d_model, n_layer=args.layers, n_head=args.heads,
+                       dropout=args.dropout)  # fmt: skip
+    train_split, test_split = split(images, labels, 0.2, seed=args.seed)
+    print(
+        f"data: {'--data ' + args.data if args.data else 'sklearn digits'}, "
+        f"{len(train_split[1])} train / {len(test_split[1])} test images"
+    )
+    task = ClassificationTask(
+        train_split,
+        test_split,
+        args.batch_size,
+        augment=shift_augment,
+        items_per_sample=(config.image_size // config.patch_size) ** 2,
+    )
+    fit(ViT(config), task, {"model": "vit", "config": config.to_dict()}, args, args.lr)
+    return 0
+
+
+def train_bert(args: argparse.Namespace) -> int:
+    """Masked-language-model pretraining of a small BERT on the standard library's source."""
+    from ..data.text import MaskedLMTask, read_text, stdlib_corpus
+    from ..models.bert import Bert, BertConfig
+    from ..train import evaluate
+
+    torch.manual_seed(args.seed)
+    text = read_text(args.data) if args.data else stdlib_corpus()
+    task = MaskedLMTask(torch.tensor(list(text.encode("utf-8"))), args.seq_len, args.batch_size)
+    config = BertConfig(vocab_size=MaskedLMTask.VOCAB, hidden_size=args.d_model,
+                        num_layers=args.layers, num_heads=args.heads,
+                        intermediate_size=4 * args.d_model, max_position=args.seq_len,
+                        dropout=0.1, pad_token_id=MaskedLMTask.PAD)  # fmt: skip
+    model = Bert(config)
+    start = evaluate(model, task)
+    print(f"data: {'--data ' + args.data if args.data else 'Python standard library source'}; "
+          f"15% of tokens selected (80/10/10), key padding; validation MLM loss at start "
+          f"{start:.4f}")  # fmt: skip
+    result = fit(model, task, {"model": "bert", "config": config.to_dict()}, args, args.lr)
+    end = result["history"][-1]["val_loss"] if result["history"] else float("nan")
+    print(f"validation MLM loss: {start:.4f} at start -> {end:.4f}")
+    return 0
+
+
+def train_ast(args: argparse.Namespace) -> int:
+    """An Audio Spectrogram Transformer on spoken digits synthesised with espeak-ng."""
+    from ..data.classify import ClassificationTask
+    from ..data.speech import log_mel, synthesize, voices
+    from ..models.ast import AST, ASTConfig
+
+    torch.manual_seed(args.seed)
+    voice_list = voices()
+    order = torch.randperm(len(voice_list), generator=torch.Generator().manual_seed(args.seed))
+    voice_list = [voice_list[i] for i in order[: args.voices].tolist()]
+    held_out = max(1, len(voice_list) // 5)
+    print(f"synthesising {len(voice_list) * 10 * args.per_voice} clips with espeak-ng "
+          f"({len(voice_list)} voices, {held_out} held out for testing) ...")  # fmt: skip
+    audio, labels, speakers = synthesize(args.per_voice, args.seed, voice_list)
+    features = log_mel(audio)
+    mean = features.mean(dim=(1, 2), keepdim=True)
+    features = (features - mean) / features.std(dim=(1, 2), keepdim=True)  # per clip
+    test = speakers < held_out  # whole voices, never heard in training
+    config = ASTConfig(n_mels=features.shape[1], frames=features.shape[2], d_model=args.d_model,
+                       n_layer=args.layers, n_head=args.heads)  # fmt: skip
+    task = ClassificationTask((features[~test], labels[~test]), (features[test], labels[test]),
+                              args.batch_size, items_per_sample=sum(config.grid()))  # fmt: skip
+    fit(AST(config), task, {"model": "ast", "config": config.to_dict()}, args, args.lr)
+    return 0
+
+
+def train_points(args: argparse.Namespace) -> int:
+    """A point-cloud transformer on built-in randomly posed shapes."""
+    from ..data.classify import ClassificationTask
+    from ..data.shapes import SHAPES, collate, dataset
+    from ..models.points import PointCloudConfig, PointCloudTransformer
+
+    torch.manual_seed(args.seed)
+    train_split = dataset(args.per_class, seed=args.seed)
+    test_split = dataset(max(20, args.per_class // 5), seed=args.seed + 10_000)
+    print(f"data: {len(SHAPES)} shapes ({', '.join(SHAPES)}), {len(train_split[1])} train / "
+          f"{len(test_split[1])} test clouds of 96-160 points")  # fmt: skip
+    config = PointCloudConfig(num_classes=len(SHAPES), d_model=args.d_model, n_layer=args.layers,
+                              n_head=args.heads, pooling=args.pooling)  # fmt: skip
+    task = ClassificationTask(train_split, test_split, args.batch_size, collate=collate,
+                              items_per_sample=128)  # fmt: skip
+    fit(PointCloudTransformer(config), task, {"model": "points", "config": config.to_dict()},
+         args, args.lr)  # fmt: skip
+    return 0
+
+
+def train_translate(args: argparse.Namespace) -> int:
+    """The encoder-decoder Transformer on English -> French numbers (num2words)."""
+    from ..data.numbers import NumberTranslationTask
+    from ..models.seq2seq import Seq2Seq, Seq2SeqConfig
+
+    torch.manual_seed(args.seed)
+    task = NumberTranslationTask(args.batch_size, seed=args.seed)
+    vocab = len(task.vocab)
+    print(f"data: numbers 0..999999 in English -> French (num2words), {vocab} words; "
+          f"{len(task.test_numbers)} held-out numbers never seen in training")  # fmt: skip
+    config = Seq2SeqConfig(src_vocab=vocab, tgt_vocab=vocab, d_model=args.d_model,
+                           n_head=args.heads, n_encoder_layer=args.layers,
+                           n_decoder_layer=args.layers, dropout=args.dropout,
+                           max_len=32)  # fmt: skip
+    info = {"model": "seq2seq", "config": config.to_dict(), "vocab": task.vocab.words}
+    result = fit(Seq2Seq(config), task, info, args, args.lr)
+    last = result["history"][-1] if result["history"] else {}
+    if "exact_match" in last:
+        print(f"held-out exact match (greedy): {last['exact_match']:.2%}")
+    return 0
+
+
+def _spawn_data_parallel(args: argparse.Namespace, nproc: int) -> int:
+    """Run the command in nproc local processes, one process group (gloo on CPU)."""
+    from ..launch import run_local
+
+    if args.context_parallel:
+        if args.seq_len % (2 * nproc):
+            raise ValueError(f"--seq-len {args.seq_len} must be a multiple of 2 x --nproc "
+                             f"({2 * nproc}) to shard sequences (zigzag)")  # fmt: skip
+        if args.position == "alibi":
+            raise ValueError("--context-parallel works with learned, sinusoidal and rotary "
+                             "positions, not alibi")  # fmt: skip
+    elif args.batch_size % nproc:
+        raise ValueError(
+            f"--batch-size {args.batch_size} must be divisible by --nproc {nproc}: each "
+            "process trains on an equal share of every batch"
+        )
+    args.nproc = 1  # inside the group each worker trains as one rank of it
+    threads = max(1, torch.get_num_threads() // nproc)
+    return run_local(_run_as_rank, nproc, args, timeout=None, threads=threads, quiet=True)[0]
+
+
+def _run_as_rank(rank: int, world_size: int, args: argparse.Namespace) -> int:
+    return args.run(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train in this process, or in --nproc local processes (data or context parallel)."""
+    if getattr(args, "data_parallel", False) and args.nproc > 1:
+        return _spawn_data_parallel(args, args.nproc)
+    return args.train(args)
+
+
+def add_parser(commands) -> None:
+    train_parser = commands.add_parser("train", help="train a model on built-in data")
+    train_models = train_parser.add_subparsers(dest="model", required=True)
+    gpt = train_models.add_parser("gpt", help="byte-level GPT on Python's own source code")
+    gpt.add_argument("--data", help="a text file to train on instead")
+    gpt.add_argument("--out", default="runs/gpt", help="checkpoint folder (default runs/gpt)")
+    gpt.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
+    gpt.add_argument("--steps", type=int, default=600)
+    gpt.add_argument("--stop-after", type=int, help="stop after N steps (checkpointed)")
+    size_options(gpt, batch_size=24, layers=4, heads=4, d_model=192, lr=2e-3)
+    gpt.add_argument("--seq-len", type=int, default=128)
+    gpt.add_argument("--kv-heads", type=int)
+    gpt.add_argument("--dropout", type=float, default=0.0)
+    gpt.add_argument("--position", default="rotary",
+                     choices=["learned", "sinusoidal", "rotary", "alibi"])  # fmt: skip
+    gpt.add_argument("--window", type=int, help="sliding-window attention span")
+    gpt.add_argument("--eval-every", type=int, default=100)
+    gpt.add_argument("--seed", type=int, default=0)
+    gpt.add_argument("--nproc", type=int, default=1,
+                     help="data-parallel processes (DistributedDataParallel; gloo on CPU); "
+                          "or launch with torchrun")  # fmt: skip
+    gpt.add_argument("--context-parallel", action="store_true",
+                     help="with --nproc: shard each sequence across the processes "
+                          "(zigzag), attend with ring attention")  # fmt: skip
+    gpt.set_defaults(run=run, train=train_gpt, data_parallel=True)
+
+    bert = train_models.add_parser("bert", help="masked-LM BERT on Python's own source code")
+    common_train_options(bert, steps=300, out="runs/bert")
+    bert.add_argument("--data", help="a text file to train on instead")
+    size_options(bert, batch_size=16, layers=4, heads=4, d_model=192, lr=1e-3)
+    bert.add_argument("--seq-len", type=int, default=128)
+    bert.set_defaults(run=run, train=train_bert)
+
+    vit = train_models.add_parser("vit", help="ViT on sklearn's digits (or --data DIR)")
+    common_train_options(vit, steps=6000, out="runs/vit", eval_every=1000)
+    vit.add_argument("--data", help="a folder with one sub-folder of images per class")
+    vit.add_argument("--image-size", type=int, default=32, help="with --data")
+    vit.add_argument("--channels", type=int, default=1, choices=[1, 3], help="with --data")
+    vit.add_argument("--patch-size", type=int, default=2)
+    size_options(vit, batch_size=64, layers=4, heads=4, d_model=64, lr=2e-3)
+    vit.add_argument("--dropout", type=float, default=0.0)
+    vit.set_defaults(run=run, train=train_vit)
+
+    ast = train_models.add_parser("ast", help="AST on spoken digits synthesised by espeak-ng")
+    common_train_options(ast, steps=1000, out="runs/ast", eval_every=250)
+    ast.add_argument("--voices", type=int, default=84, help="how many voices (of 84)")
+    ast.add_argument("--per-voice", type=int, default=3, help="clips per digit and voice")
+    size_options(ast, batch_size=32, layers=4, heads=4, d_model=96, lr=1e-3)
+    ast.set_defaults(run=run, train=train_ast)
+
+    points = train_models.add_parser("points", help="point-cloud transformer on built-in shapes")
+    common_train_options(points, steps=2000, out="runs/points", eval_every=250)
+    points.add_argument("--per-class", type=int, default=1000, help="training clouds per shape")
+    size_options(points, batch_size=32, layers=3, heads=4, d_model=96, lr=2e-3)
+    points.add_argument("--pooling", default="attention", choices=["attention", "mean", "max"])
+    points.set_defaults(run=run, train=train_points)
+
+    trans = train_models.add_parser("translate", help="English -> French numbers (seq2seq)")
+    common_train_options(trans, steps=800, out="runs/translate", eval_every=200)
+    size_options(trans, batch_size=64, layers=3, heads=4, d_model=128, lr=1e-3)
+    trans.add_argument("--dropout", type=float, default=0.1)
+    trans.set_defaults(run=run, train=train_translate)

