@@ -6,10 +6,10 @@ from .backends import use_backend
 from .cache import DecoderCache, KVCache, MemoryCache
 from .cluster import cluster_attention
 from .functional import attention, attention_weights
-
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = [
+    "__version__",
     "DecoderCache",
     "KVCache",
     "MemoryCache",

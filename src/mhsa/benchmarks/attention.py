@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import mhsa
+from mhsa.functional import attention
 
 from .memory import measure_in_subprocess
 from .timing import best_times, matmul_gflops
@@ -39,19 +39,19 @@ def timing_cases(length: int, heads: int, head_dim: int, repeat: int) -> list[di
     cases = [
         ("dense forward", fwd_flops, {
             "sdpa": lambda: F.scaled_dot_product_attention(q, k, v),
-            "flash": lambda: mhsa.attention(q, k, v, backend="flash"),
-            "auto": lambda: mhsa.attention(q, k, v),
+            "flash": lambda: attention(q, k, v, backend="flash"),
+            "auto": lambda: attention(q, k, v),
         }, {"flash": 1.3, "auto": 1.05}),
         ("causal forward", fwd_flops / 2, {
             "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-            "flash": lambda: mhsa.attention(q, k, v, causal=True, backend="flash"),
+            "flash": lambda: attention(q, k, v, causal=True, backend="flash"),
         }, {"flash": 1.3}),
         ("causal forward+backward", fwd_flops / 2 * 3.5, {
             "sdpa": _forward_backward(
                 lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True), grads
             ),
             "flash": _forward_backward(
-                lambda a, b, c: mhsa.attention(a, b, c, causal=True, backend="flash"), grads
+                lambda a, b, c: attention(a, b, c, causal=True, backend="flash"), grads
             ),
         }, {"flash": 1.6}),
     ]  # fmt: skip

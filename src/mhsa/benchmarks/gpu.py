@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-import mhsa
 from mhsa.backends.common import combined_mask
+from mhsa.functional import attention
 from mhsa.masks import SlidingWindow
 from mhsa.masks.presets import bigbird
 
@@ -63,7 +63,7 @@ def _call(name: str, q, k, v, mask, causal: bool, dry_run: bool):
 
         return flex_forward(q, k, v, mask=mask, causal=causal, scale=q.shape[-1] ** -0.5,
                             compiled=False)[0]  # fmt: skip
-    return mhsa.attention(q, k, v, mask, causal=causal, backend=name)
+    return attention(q, k, v, mask, causal=causal, backend=name)
 
 
 def check(name: str, case: str, mask, causal: bool, shape: tuple, dtype, device, dry_run: bool):
@@ -76,7 +76,7 @@ def check(name: str, case: str, mask, causal: bool, shape: tuple, dtype, device,
     backward = name != "flex" or not dry_run  # eager flex has no backward on CPU
     results = {}
     for label, inputs, call in (
-        ("ref", [t.float() for t in (q, k, v)], lambda *t: mhsa.attention(
+        ("ref", [t.float() for t in (q, k, v)], lambda *t: attention(
             *t, mask, causal=causal, backend="reference")),
         ("ours", [q, k, v], lambda *t: _call(name, *t, mask, causal, dry_run)),
     ):  # fmt: skip

@@ -57,17 +57,17 @@ def pattern_named(name: str | None):
 def measure(
     backend: str, length: int, heads: int, head_dim: int, causal: bool, pattern: str | None = None
 ) -> dict:
-    import mhsa
+    from mhsa.functional import attention
 
     mask = pattern_named(pattern)
     # a small warm-up first, so one-time costs (thread pools, libraries) are not counted
     tiny = [torch.randn(1, heads, 128, head_dim, requires_grad=True) for _ in range(3)]
-    mhsa.attention(*tiny, mask, causal=causal, backend=backend).sum().backward()
+    attention(*tiny, mask, causal=causal, backend=backend).sum().backward()
     q, k, v = (torch.randn(1, heads, length, head_dim, requires_grad=True) for _ in range(3))
     baseline = rss_bytes()
     reset_peak()
     start = time.perf_counter()
-    out = mhsa.attention(q, k, v, mask, causal=causal, backend=backend)
+    out = attention(q, k, v, mask, causal=causal, backend=backend)
     out.sum().backward()
     seconds = time.perf_counter() - start
     peak = peak_bytes()

@@ -36,13 +36,13 @@ def _cpus() -> int:
 def _measure(rank: int, world: int, ring: bool, length: int, heads: int, head_dim: int,
              causal: bool, layout: str, repeat: int) -> dict:  # fmt: skip
     """One process's memory and times (run in a spawned process of a local group)."""
-    import mhsa
     from mhsa.distributed import ring_attention
+    from mhsa.functional import attention
 
     def call(q, k, v):
         if ring:
             return ring_attention(q, k, v, causal=causal, layout=layout)
-        return mhsa.attention(q, k, v, causal=causal, backend="flash")
+        return attention(q, k, v, causal=causal, backend="flash")
 
     def step(tensors):
         for t in tensors:

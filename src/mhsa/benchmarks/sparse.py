@@ -11,8 +11,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-import mhsa
 from mhsa import masks
+from mhsa.functional import attention
 
 from .memory import measure_in_subprocess, pattern_named
 from .timing import best_times
@@ -63,7 +63,7 @@ def window_cases(length: int, repeat: int) -> dict:
 
     flex, flex_setup = _flex(window_mod, length)
     fns = {
-        "flash": lambda: mhsa.attention(q, k, v, pattern, backend="flash"),
+        "flash": lambda: attention(q, k, v, pattern, backend="flash"),
         "sdpa dense mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense),
     }
     if flex is not None:
@@ -74,7 +74,7 @@ def window_cases(length: int, repeat: int) -> dict:
     def flash_step():
         for t in grads:
             t.grad = None
-        mhsa.attention(*grads, pattern, backend="flash").sum().backward()
+        attention(*grads, pattern, backend="flash").sum().backward()
 
     backward = {"flash": best_times({"flash": flash_step}, repeat)["flash"]}
     flex_backward = None if flex is None else _flex_backward_reason(flex, length)
@@ -102,7 +102,7 @@ def scaling_case(short: int, long: int, repeat: int) -> dict:
         q, k, v = _inputs(length, 8)
 
         def forward(q=q, k=k, v=v):
-            return mhsa.attention(q, k, v, pattern, backend="flash")
+            return attention(q, k, v, pattern, backend="flash")
 
         times[length] = best_times({"flash": forward}, repeat)["flash"]
     return {"pattern": repr(pattern), "seconds": times, "ratio": times[long] / times[short],
@@ -114,7 +114,7 @@ def bigbird_case(length: int, repeat: int) -> dict:
     q, k, v = _inputs(length, 8)
     dense = pattern.dense(length, length)
     times = best_times({
-        "flash": lambda: mhsa.attention(q, k, v, pattern, backend="flash"),
+        "flash": lambda: attention(q, k, v, pattern, backend="flash"),
         "sdpa dense mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense),
     }, repeat)  # fmt: skip
     return {"pattern": repr(pattern), "length": length, "forward": times,
@@ -128,8 +128,8 @@ def dilated_case(length: int, repeat: int) -> dict:
     q, k, v = _inputs(length, 8)
     dense = dilated.dense(length, length)
     times = best_times({
-        "flash": lambda: mhsa.attention(q, k, v, dilated, backend="flash"),
-        "flash, same-size window": lambda: mhsa.attention(q, k, v, window, backend="flash"),
+        "flash": lambda: attention(q, k, v, dilated, backend="flash"),
+        "flash, same-size window": lambda: attention(q, k, v, window, backend="flash"),
         "sdpa dense mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense),
     }, repeat)  # fmt: skip
     return {"pattern": repr(dilated), "length": length, "forward": times}
@@ -157,7 +157,7 @@ def curves(lengths: list[int], repeat: int) -> list[dict]:
             q, k, v = _inputs(length, 8)
 
             def forward(q=q, k=k, v=v, pattern=pattern, causal=causal, backend=backend):
-                return mhsa.attention(q, k, v, pattern, causal=causal, backend=backend)
+                return attention(q, k, v, pattern, causal=causal, backend=backend)
 
             seconds = best_times({label: forward}, repeat)[label]
             memory = measure_in_subprocess(backend, length, 8, causal=causal, pattern=name)

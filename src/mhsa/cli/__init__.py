@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .. import __version__
+from ..version import __version__
 from . import bench, embed, generate, info, train, transcribe, translate, viz
 
 COMMANDS = (info, train, generate, translate, transcribe, embed, viz, bench)

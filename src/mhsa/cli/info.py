@@ -7,8 +7,8 @@ import platform
 
 import torch
 
-from .. import __version__
 from ..backends import AttentionSpec, get, names, select
+from ..version import __version__
 
 # Typical calls (float32, GQA 8/2) that show what each backend can and cannot serve.
 _PROBES = {
