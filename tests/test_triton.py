@@ -312,7 +312,8 @@ def test_launch_config_override():
     q, k, v, _, _, _, _ = make_case("causal-LneS-gqa", torch.float32)
     default, _ = triton_attention(q, k, v, causal=True)
     tuned, _ = triton_attention(q, k, v, causal=True, blocks=(32, 16, 4, 1))
-    assert max_error(tuned, default) < 1e-6
+    # other tiles sum in another order: a few float32 ulps apart (1.01e-6 on an AMD EPYC)
+    assert max_error(tuned, default) < 1e-5
     for bad in [(16,), (24, 16), (16, 16, 0, 1), (16, 16, 4)]:
         with pytest.raises(ValueError, match="blocks must be"):
             triton_attention(q, k, v, causal=True, blocks=bad)

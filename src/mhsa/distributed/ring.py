@@ -7,14 +7,14 @@ block is computed by the tiled flash engine (mhsa.kernels.flash). The backward i
 exact: each rank recomputes its blocks from the final logsumexp while dK/dV
 accumulators travel with their shards and end at their owners.
 
-Layouts (how the sequence is cut) are in layout.py, the blocks and schedule of a call
-in blocks.py, the transfers in transfer.py. Which blocks are visited: an EMPTY block
-is never computed (so under causal no rank computes a future shard), and the ring only
-visits the source ranks that some rank needs: with
-SlidingWindow(left, right), rank r needs about ceil(left / shard) ranks before it and
-ceil(right / shard) after it, so the shards go one rank at a time through the left
-neighbours, then jump once to the farthest right neighbour and come back one at a
-time: len(schedule) - 1 transfers instead of P - 1, no compute on the others.
+How the sequence is cut is in layout.py, the blocks and schedule of a call in
+blocks.py, the transfers in transfer.py. An EMPTY block is never computed (so under
+causal no rank computes a future shard), and the ring only visits the source ranks
+that some rank needs: with SlidingWindow(left, right), rank r needs about
+ceil(left / shard) ranks before it and ceil(right / shard) after it, so the shards go
+one rank at a time through the left neighbours, then jump once to the farthest right
+neighbour and come back one at a time: len(schedule) - 1 transfers instead of P - 1,
+no compute on the others.
 
 Memory per rank, beyond the inputs: the output, a second K/V shard in flight, one
 dK/dV accumulator (it is received before each step's compute and added to in place),
