@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from mhsa.cli import main
 
 
@@ -103,3 +105,50 @@ def test_generate_bench_quick():
 def test_bad_checkpoint_path_is_a_clear_error(tmp_path, capsys):
     assert main(["generate", str(tmp_path / "missing")]) == 2
     assert "is not a checkpoint" in capsys.readouterr().err
+
+
+def tiny_train(out, *extra: str) -> list[str]:
+    return ["train", "gpt", "--out", str(out), "--steps", "2", "--eval-every", "2",
+            "--layers", "1", "--d-model", "16", "--heads", "2", "--seq-len", "16",
+            "--batch-size", "2", *extra]  # fmt: skip
+
+
+def test_train_refuses_a_folder_with_a_checkpoint(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(tiny_train(out)) == 0
+    assert main(tiny_train(out)) == 2
+    err = capsys.readouterr().err
+    assert "mhsa train:" in err and "--resume" in err and "--overwrite" in err
+    assert (out / "step-000002").is_dir()
+    assert main(tiny_train(out, "--overwrite", "--steps", "4", "--eval-every", "4")) == 0
+    assert sorted(p.name for p in out.glob("step-*")) == ["step-000004"]
+
+
+def test_train_resume_into_another_model_kind_is_a_clear_error(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(tiny_train(out)) == 0
+    args = ["train", "points", "--out", str(out), "--resume", "--per-class", "2", "--steps", "1"]
+    assert main(args) == 2
+    assert "holds a 'gpt' model, not 'points'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option", ["--batch-size", "--steps", "--eval-every", "--keep"])
+def test_train_counts_must_be_positive(tmp_path, capsys, option):
+    with pytest.raises(SystemExit) as exit_info:
+        main(tiny_train(tmp_path / "run", option, "0"))
+    assert exit_info.value.code == 2
+    assert f"argument {option}: must be a whole number >= 1, got 0" in capsys.readouterr().err
+
+
+def test_ctrl_c_names_the_latest_checkpoint_and_exits_130(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    assert main(tiny_train(out)) == 0
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("mhsa.train.train", interrupted)
+    assert main(tiny_train(out, "--resume", "--steps", "4")) == 130
+    err = capsys.readouterr().err
+    assert "interrupted; the latest checkpoint is" in err and "step-000002" in err
+    assert "Traceback" not in err

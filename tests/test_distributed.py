@@ -13,7 +13,7 @@ import torch
 import mhsa
 from mhsa.distributed import blocks, ring_attention, run_local, shard, transfer, unshard
 from mhsa.distributed import ring as ring_module
-from mhsa.masks import Causal, KeyPadding, SlidingWindow
+from mhsa.masks import BlockSparse, Causal, KeyPadding, SlidingWindow
 
 WORLD_SIZES = (1, 2, 3, 4)
 TOLERANCE = 1e-5
@@ -103,6 +103,12 @@ def _error_checks(rank: int, world: int) -> dict[str, str | None]:
         "dropout": _expect_error(lambda: ring_attention(*qkv(4), dropout_p=0.1)),
         "masks differ": _expect_error(
             lambda: ring_attention(*qkv(4), mask=SlidingWindow(2 + rank, 0))
+        ),
+        # the same repr, different content: compared by content, no deadlock
+        "block layouts differ": _expect_error(
+            lambda: ring_attention(
+                *qkv(4), mask=BlockSparse(torch.eye(2 * world, dtype=torch.bool) | (rank > 0), 2)
+            )  # fmt: skip
         ),
     }
 
@@ -210,6 +216,7 @@ def test_bad_calls_raise_on_every_rank(world):
         "heads differ": "q shapes differ across ranks",
         "dropout": "dropout is not supported",
         "masks differ": "the same mask on every rank",
+        "block layouts differ": "the same mask on every rank (compared by content)",
     }
     for rank, result in enumerate(_results(world)):
         for name, text in expected.items():
@@ -226,6 +233,28 @@ def test_run_local_times_out_instead_of_hanging():
     with pytest.raises(TimeoutError):
         run_local(_sleep, 1, timeout=3)
     assert time.monotonic() - start < 30
+
+
+def _tensor(rank: int, world: int) -> torch.Tensor:
+    return torch.full((3, 5), float(rank))
+
+
+def test_run_local_returns_tensors_by_value():
+    for _ in range(3):
+        results = run_local(_tensor, 2, timeout=60)
+        assert [r.tolist() for r in results] == [[[0.0] * 5] * 3, [[1.0] * 5] * 3]
+
+
+def _fail_on_rank_1(rank: int, world: int) -> None:
+    if rank == 1:
+        raise ValueError("bad argument on rank 1")
+    torch.distributed.barrier()  # rank 0 then fails only because rank 1 left
+
+
+def test_run_local_reports_the_rank_that_failed_first():
+    with pytest.raises(RuntimeError, match="rank 1 failed first") as info:
+        run_local(_fail_on_rank_1, 2, timeout=60)
+    assert "ValueError: bad argument on rank 1" in str(info.value)
 
 
 def test_ring_benchmark_quick():

@@ -62,6 +62,19 @@ def test_empty_keys_give_zeros():
     assert (mhsa.attention_weights(q, k) == 0).all()
 
 
+@pytest.mark.parametrize(("q_len", "kv_len"), [(0, 5), (5, 0), (0, 0)])
+def test_empty_inputs_stay_in_the_graph_with_zero_gradients(q_len, kv_len):
+    q, k, v = make_qkv(2, 4, 2, q_len, kv_len, 8, requires_grad=True)
+    with torch.no_grad():
+        q.fill_(float("nan"))  # nothing to attend: not even nan may leak
+    out = mhsa.attention(q, k, v)
+    assert out.requires_grad and not out.isnan().any()
+    out.sum().backward()
+    for tensor in (q, k, v):
+        assert tensor.grad is not None and tensor.grad.shape == tensor.shape
+        assert (tensor.grad == 0).all()
+
+
 def test_attention_weights_match_the_formula():
     q, k, _ = make_qkv(2, 4, 2, 7, 9, 16)
     mask = torch.rand(2, 1, 7, 9) > 0.2

@@ -190,3 +190,19 @@ def test_triangular_window_tiles_run_unmasked_in_causal_mode(pattern):
     assert max_error(out, ref) < 2e-5
     for got, want in ((q, q64), (k, k64), (v, v64)):
         assert max_error(got.grad, want.grad) < 1e-4
+
+
+def test_fingerprint_compares_content_not_repr():
+    keys_a, keys_b = masks.KeyPadding([8] * 40), masks.KeyPadding([8] * 39 + [7])
+    assert repr(keys_a) == repr(keys_b) and keys_a.fingerprint() != keys_b.fingerprint()
+    assert keys_a.fingerprint() == masks.KeyPadding([8] * 40).fingerprint()
+    eye = torch.eye(2, dtype=torch.bool)
+    assert masks.BlockSparse(eye, 4).fingerprint() != masks.BlockSparse(~eye, 4).fingerprint()
+    assert masks.BlockSparse(eye, 4).fingerprint() != masks.BlockSparse(eye, 8).fingerprint()
+    window = masks.SlidingWindow(4, 0) & masks.GlobalTokens([0, 1])
+    same = masks.SlidingWindow(4, 0) & masks.GlobalTokens([0, 1])
+    assert window.fingerprint() == same.fingerprint()
+    assert (
+        window.fingerprint()
+        != (masks.SlidingWindow(4, 0) & masks.GlobalTokens([0, 2])).fingerprint()
+    )

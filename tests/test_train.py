@@ -7,23 +7,38 @@ import json
 import pytest
 import torch
 
+from mhsa.checkpoint import checkpoints_in, save_checkpoint
 from mhsa.data.text import ByteTokenizer, TextTask
 from mhsa.models import GPT, GPTConfig
-from mhsa.train import TrainConfig, load_checkpoint, resolve_checkpoint, train
+from mhsa.train import TrainConfig, TrainingDiverged, load_checkpoint, resolve_checkpoint, train
 
 TEXT = "def f(x):\n    return x * 2  # doubles\n" * 200
 
 
-def run(out_dir, *, steps=8, resume=False, stop_after=None):
+def run(out_dir, *, steps=8, resume=False, stop_after=None, overwrite=False, kind="gpt",
+        nan_from=None, log=lambda *_: None, **options):  # fmt: skip
+    """Train a tiny GPT; nan_from=N makes the loss nan from the N-th training step on."""
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=256, n_layer=2, n_head=2, d_model=32, max_len=32, dropout=0.1)
     task = TextTask(ByteTokenizer().encode(TEXT), 32, batch_size=4, eval_batches=2)
     model = GPT(config)
-    train_config = TrainConfig(steps=steps, eval_every=4, checkpoint_every=4, warmup=2)
-    info = {"model": "gpt", "config": config.to_dict(), "tokenizer": "bytes"}
+    if nan_from is not None:
+        calls, loss = [0], model.loss
+
+        def poisoned(*batch):
+            calls[0] += model.training
+            return loss(*batch) * (float("nan") if calls[0] >= nan_from else 1.0)
+
+        model.loss = poisoned
+    train_config = TrainConfig(steps=steps, eval_every=4, checkpoint_every=4, warmup=2, **options)
+    info = {"model": kind, "config": config.to_dict(), "tokenizer": "bytes"}
     result = train(model, task, train_config, out_dir, model_info=info, resume=resume,
-                   stop_after=stop_after, log=lambda *_: None)  # fmt: skip
+                   overwrite=overwrite, stop_after=stop_after, log=log)  # fmt: skip
     return model, result
+
+
+def step_names(out_dir) -> list[str]:
+    return [path.name for path in checkpoints_in(out_dir)]
 
 
 def test_resume_reaches_the_same_loss_as_an_uninterrupted_run(tmp_path):
@@ -57,12 +72,12 @@ def test_checkpoint_layout_and_reload(tmp_path):
 
 def test_a_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     run(tmp_path / "run", steps=4)
-    import mhsa.train as train_module
+    import mhsa.checkpoint as checkpoint_module
 
     def broken_save(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(train_module, "save_file", broken_save)
+    monkeypatch.setattr(checkpoint_module, "save_file", broken_save)
     with pytest.raises(OSError, match="disk full"):
         run(tmp_path / "run", steps=8, resume=True)
     assert resolve_checkpoint(tmp_path / "run").name == "step-000004"
@@ -72,3 +87,86 @@ def test_a_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="is not a checkpoint"):
         load_checkpoint(tmp_path)
+
+
+def test_a_folder_with_a_checkpoint_is_refused_without_resume_or_overwrite(tmp_path):
+    run(tmp_path / "run", steps=8)
+    before = load_checkpoint(tmp_path / "run")["weights"]
+    with pytest.raises(ValueError, match="already holds a checkpoint.*--resume.*--overwrite"):
+        run(tmp_path / "run", steps=4)
+    assert step_names(tmp_path / "run") == ["step-000008"]
+    after = load_checkpoint(tmp_path / "run")["weights"]
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    with pytest.raises(ValueError, match="exclude each other"):
+        run(tmp_path / "run", resume=True, overwrite=True)
+
+
+def test_overwrite_replaces_the_old_checkpoints_after_its_own_first(tmp_path):
+    run(tmp_path / "run", steps=8)
+    run(tmp_path / "run", steps=4, overwrite=True)
+    assert step_names(tmp_path / "run") == ["step-000004"]
+    assert resolve_checkpoint(tmp_path / "run").name == "step-000004"
+
+
+def test_keep_keeps_the_runs_latest_checkpoints(tmp_path):
+    run(tmp_path / "run", steps=12, keep=2)
+    assert step_names(tmp_path / "run") == ["step-000008", "step-000012"]
+    with pytest.raises(ValueError, match=r"keep must be an int >= 1 \(--keep\)"):
+        TrainConfig(keep=0)
+
+
+@pytest.mark.parametrize("field", ["steps", "eval_every", "checkpoint_every"])
+def test_train_config_rejects_non_positive_counts(field):
+    with pytest.raises(ValueError, match=f"{field} must be an int >= 1"):
+        TrainConfig(**{field: 0})
+    with pytest.raises(ValueError, match="nonfinite must be"):
+        TrainConfig(nonfinite="ignore")
+
+
+def test_resume_checks_the_model_kind_and_the_trainer_state(tmp_path):
+    run(tmp_path / "run", steps=4)
+    with pytest.raises(ValueError, match="holds a 'gpt' model, not 'points'"):
+        run(tmp_path / "run", steps=8, resume=True, kind="points")
+    (resolve_checkpoint(tmp_path / "run") / "trainer.pt").unlink()
+    with pytest.raises(ValueError, match="no trainer.pt.*cannot be resumed"):
+        run(tmp_path / "run", steps=8, resume=True)
+
+
+def test_divergence_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    with pytest.raises(TrainingDiverged, match="step 7.*last good checkpoint is .*step-000004"):
+        run(tmp_path / "run", steps=12, nan_from=7)
+    assert step_names(tmp_path / "run") == ["step-000004"]
+    weights = load_checkpoint(tmp_path / "run")["weights"]
+    assert all(w.isfinite().all() for w in weights.values())
+
+
+def test_skip_nonfinite_skips_steps_and_writes_finite_weights(tmp_path):
+    lines = []
+    model, result = run(tmp_path / "run", steps=8, nan_from=7, nonfinite="skip", log=lines.append)
+    assert result["step"] == 8 and sum("step skipped" in line for line in lines) == 2
+    assert all(p.isfinite().all() for p in model.parameters())
+    with pytest.raises(TrainingDiverged, match="10 steps in a row"):
+        run(tmp_path / "again", steps=20, nan_from=1, nonfinite="skip")
+    assert step_names(tmp_path / "again") == ["step-000008"]  # the untouched initial weights
+
+
+def test_a_checkpoint_with_non_finite_weights_is_never_written(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        model.weight[0, 0] = float("inf")
+    with pytest.raises(ValueError, match="weight holds nan or inf"):
+        save_checkpoint(tmp_path, 1, model, {"model": "x"}, {})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_leftovers_of_a_killed_run_are_cleaned_and_its_checkpoint_resumes(tmp_path):
+    run(tmp_path / "run", steps=4)
+    out = tmp_path / "run"
+    (out / ".tmp-killed").mkdir()
+    (out / ".tmp-killed" / "model.safetensors").write_bytes(b"half")
+    (out / ".latest-99999").symlink_to("step-000004")
+    (out / "latest").unlink()  # killed between the folder's rename and the link's
+    assert resolve_checkpoint(out).name == "step-000004"
+    _, result = run(out, steps=8, resume=True)
+    assert result["step"] == 8
+    assert sorted(p.name for p in out.iterdir()) == ["latest", "step-000008"]

@@ -82,7 +82,10 @@ def attention(
     batch, num_heads, q_len, head_dim = q.shape
     kv_len, value_dim = k.shape[2], v.shape[3]
     if q_len == 0 or kv_len == 0:
-        out = q.new_zeros(batch, num_heads, q_len, value_dim)
+        # exact zeros that stay in the autograd graph (zero gradients), as SDPA's do:
+        # a sum over no elements is 0 whatever the inputs hold, nan included
+        connected = sum(t.reshape(-1)[:0].sum() for t in (q, k, v))
+        out = q.new_zeros(batch, num_heads, q_len, value_dim) + connected
         lse = q.new_full((batch, num_heads, q_len), -torch.inf, dtype=stats_dtype(q.dtype))
         return (out, lse) if return_lse else out
     spec = AttentionSpec(

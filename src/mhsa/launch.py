@@ -6,9 +6,11 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import pickle
 import socket
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -50,8 +52,10 @@ def run_local(
     """Run fn(rank, world_size, *args) in world_size spawned CPU processes that form a
     gloo process group (the default group); return each rank's result, in rank order.
 
-    fn must be importable (a module-level function) and its result picklable. A child
-    that raises fails the call; one still running after `timeout` seconds is killed
+    fn must be importable (a module-level function) and its result picklable (tensors
+    come back by value). A child that raises fails the call with a RuntimeError that
+    quotes the exception of the rank that failed first (the others usually fail only
+    because it left the group); one still running after `timeout` seconds is killed
     and TimeoutError raised (None: no limit, e.g. for training). threads sets torch's
     thread count in each child (None keeps the default). quiet silences the output of
     every rank but 0.
@@ -68,13 +72,26 @@ def run_local(
     )
     deadline = math.inf if timeout is None else time.monotonic() + timeout
     collected: dict[int, Any] = {}
+    failures: list[tuple[float, int, str]] = []
     finished = False
+
+    def drain() -> None:
+        while not results.empty():
+            rank, ok, payload = results.get()
+            if ok:
+                collected[rank] = pickle.loads(payload)
+            else:
+                failures.append((payload[0], rank, payload[1]))
+
     try:
         while not finished:
-            finished = context.join(timeout=0.05)
-            while not results.empty():
-                rank, value = results.get()
-                collected[rank] = value
+            try:
+                finished = context.join(timeout=0.05)
+            except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
+                time.sleep(0.2)  # let the other ranks' reports arrive
+                drain()
+                raise RuntimeError(_failure_report(failures, error)) from None
+            drain()
             if not finished and time.monotonic() > deadline:
                 raise TimeoutError(
                     f"run_local: {world_size} processes still running after {timeout} s"
@@ -84,6 +101,16 @@ def run_local(
             if process.is_alive():
                 process.kill()
     return [collected.get(rank) for rank in range(world_size)]
+
+
+def _failure_report(failures: list[tuple[float, int, str]], error: Exception) -> str:
+    """The first failing rank's traceback, then one line for each other failure."""
+    if not failures:
+        return f"run_local: a process failed: {error}"
+    failures.sort()
+    _, rank, text = failures[0]
+    others = "".join(f"\n  then rank {r}: {t.strip().splitlines()[-1]}" for _, r, t in failures[1:])
+    return f"run_local: rank {rank} failed first:\n{text.rstrip()}{others}"
 
 
 def _local_worker(rank, world_size, port, fn, args, results, threads, timeout, quiet) -> None:
@@ -98,7 +125,13 @@ def _local_worker(rank, world_size, port, fn, args, results, threads, timeout, q
     )
     try:
         with _silenced(quiet and rank > 0):
-            results.put((rank, fn(rank, world_size, *args)))
+            value = fn(rank, world_size, *args)
+        # plain pickle sends tensors by value; the queue's own pickler would share their
+        # memory with this process, which is gone by the time the parent reads them
+        results.put((rank, True, pickle.dumps(value)))
+    except BaseException:
+        results.put((rank, False, (time.time(), traceback.format_exc())))
+        raise
     finally:
         dist.destroy_process_group()
 

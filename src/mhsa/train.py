@@ -6,30 +6,49 @@ A model trains if it has `loss(*batch) -> scalar`; a task supplies batches:
     task.tokens_per_batch() -> int           for the tokens/s figure
     task.metrics(model) -> dict              optional, e.g. test accuracy, at each eval
 
-Checkpoints live in an output directory as `step-NNNNNN/` folders holding
-`model.safetensors` (weights), `config.json` (what rebuilds the model) and
-`trainer.pt` (optimizer, step, random states), with a `latest` symlink. A folder is
-written under a temporary name and renamed, and `latest` is swapped by an atomic
-rename, so a run killed at any moment leaves the previous checkpoint intact.
+Checkpoints (mhsa.checkpoint) are written atomically into an output folder. A run
+never deletes a checkpoint it did not write: it refuses a folder that holds one
+unless asked to resume it or to overwrite it (and then removes the old ones only once
+its own first checkpoint is written), and it keeps its own last `keep`. A non-finite
+loss or gradient stops the run (or skips the step, with nonfinite="skip"), so no
+checkpoint ever holds nan or inf weights.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import shutil
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
+
+from .checkpoint import (
+    checkpoints_in,
+    clean_leftovers,
+    latest_checkpoint,
+    load_checkpoint,
+    resolve_checkpoint,
+    save_checkpoint,
+)
+
+__all__ = [
+    "TrainConfig",
+    "TrainingDiverged",
+    "evaluate",
+    "load_checkpoint",
+    "lr_at",
+    "resolve_checkpoint",
+    "save_checkpoint",
+    "train",
+]
+
+MAX_SKIPPED_IN_A_ROW = 10  # nonfinite="skip" still stops when nothing finite comes back
 
 
 @dataclass
@@ -43,6 +62,23 @@ class TrainConfig:
     eval_every: int = 100
     checkpoint_every: int = 100
     seed: int = 0
+    keep: int = 1  # how many of its own latest checkpoints a run keeps
+    nonfinite: str = "stop"  # on a nan/inf loss or gradient: "stop", or "skip" the step
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "eval_every", "checkpoint_every", "keep", "warmup"):
+            value = getattr(self, name)
+            low = 0 if name == "warmup" else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{name} must be an int >= {low} ({flag}), got {value!r}")
+        if self.nonfinite not in ("stop", "skip"):
+            raise ValueError(f"nonfinite must be 'stop' or 'skip', got {self.nonfinite!r}")
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or a gradient became nan or inf; the message names the last good
+    checkpoint."""
 
 
 def lr_at(step: int, config: TrainConfig) -> float:
@@ -79,6 +115,7 @@ def train(
     *,
     model_info: dict,
     resume: bool = False,
+    overwrite: bool = False,
     stop_after: int | None = None,
     log=print,
     context_parallel: str | None = None,
@@ -86,7 +123,8 @@ def train(
     """Train `model` on `task` for config.steps steps, checkpointing into out_dir.
 
     model_info (JSON-able) goes into config.json to rebuild the model later.
-    resume continues from out_dir's latest checkpoint exactly where it stopped.
+    resume continues from out_dir's latest checkpoint exactly where it stopped;
+    without it, an out_dir that holds a checkpoint is refused unless overwrite is set.
     stop_after ends the run early after that many steps (as a kill would, but with a
     checkpoint written first).
 
@@ -103,8 +141,10 @@ def train(
     optimizer = _optimizer(model, config)
     step = 0
     history: list[dict] = []
+    owned, replaced = _checkpoints_to_manage(out_dir, resume, overwrite)
     if resume:
         state = load_checkpoint(out_dir)
+        _check_resumable(state, model_info)
         model.load_state_dict(state["weights"])
         trainer = state["trainer"]
         optimizer.load_state_dict(trainer["optimizer"])
@@ -114,7 +154,7 @@ def train(
         log(f"resumed from {state['path']} at step {step}")
     model.train()
     compute_loss, rank, world = _data_parallel(model, context_parallel)
-    start, tokens_done = time.perf_counter(), 0
+    start, tokens_done, skipped = time.perf_counter(), 0, 0
     end = config.steps if stop_after is None else min(config.steps, step + stop_after)
     while step < end:
         for group in optimizer.param_groups:
@@ -127,8 +167,15 @@ def train(
         loss.backward()
         if context_parallel and world > 1:
             _average_gradients(model, world)
-        nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-        optimizer.step()
+        norm = nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        if _finite_on_every_rank(loss.detach(), norm, world):
+            skipped = 0
+            optimizer.step()
+        else:
+            skipped += 1
+            if config.nonfinite == "stop" or skipped >= MAX_SKIPPED_IN_A_ROW:
+                raise TrainingDiverged(_divergence_message(out_dir, step, loss, config, skipped))
+            log(f"step {step + 1}: non-finite loss or gradient, step skipped")
         step += 1
         tokens_done += task.tokens_per_batch()
         elapsed = time.perf_counter() - start
@@ -157,12 +204,67 @@ def train(
                 "torch_rng": torch.get_rng_state(), "step": step, "history": history,
                 "train_config": asdict(config),
             }  # fmt: skip
-            save_checkpoint(out_dir, step, model, model_info, trainer)
+            written = save_checkpoint(out_dir, step, model, model_info, trainer)
+            owned = [p for p in owned if p != written] + [written]
+            for old in owned[: -config.keep] + [p for p in replaced if p != written]:
+                shutil.rmtree(old, ignore_errors=True)
+            owned, replaced = owned[-config.keep :], []
             if world > 1:
                 dist.barrier()
     seconds = time.perf_counter() - start
     return {"step": step, "seconds": seconds, "history": history,
             "tokens_per_second": tokens_done / max(seconds, 1e-9)}  # fmt: skip
+
+
+def _checkpoints_to_manage(out_dir: Path, resume: bool, overwrite: bool) -> tuple[list, list]:
+    """(this run's own checkpoints, old ones to remove after its first write). Refuses an
+    out_dir that holds a checkpoint, unless resuming it or overwriting it."""
+    if resume and overwrite:
+        raise ValueError("resume and overwrite exclude each other: choose one")
+    clean_leftovers(out_dir)
+    existing = checkpoints_in(out_dir)
+    if resume:
+        return existing, []
+    if existing and not overwrite:
+        raise ValueError(
+            f"{out_dir} already holds a checkpoint ({existing[-1].name}): pass --resume to "
+            "continue it, --overwrite to replace it, or choose another --out"
+        )
+    return [], existing
+
+
+def _check_resumable(state: dict, model_info: dict) -> None:
+    kind, want = state["info"].get("model"), model_info.get("model")
+    if kind != want:
+        raise ValueError(
+            f"{state['path']} holds a {kind!r} model, not {want!r}: --resume continues a run "
+            "of the same model; choose another --out for a new one"
+        )
+    if state["trainer"] is None:
+        raise ValueError(
+            f"{state['path']} has no trainer.pt (optimizer and random states), so it cannot "
+            "be resumed; start a new run with another --out"
+        )
+
+
+def _finite_on_every_rank(loss: Tensor, grad_norm: Tensor, world: int) -> bool:
+    """Whether the loss and gradients are finite on every rank (all ranks agree, so
+    they stop or skip together instead of leaving one waiting in a collective)."""
+    finite = (torch.isfinite(loss) & torch.isfinite(grad_norm)).to(torch.int32).view(1)
+    if world > 1:
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    return bool(finite.item())
+
+
+def _divergence_message(out_dir: Path, step: int, loss: Tensor, config, skipped: int) -> str:
+    good = latest_checkpoint(out_dir)
+    where = f"the last good checkpoint is {good}" if good else "no checkpoint was written"
+    what = f"{skipped} steps in a row" if skipped > 1 else f"at step {step + 1}"
+    return (
+        f"training diverged: non-finite loss ({loss.item():g}) or gradient {what}; {where}. "
+        f"Resume it with a lower --lr (now {config.lr:g}), or pass --skip-nonfinite to "
+        "skip such steps"
+    )
 
 
 class _Loss(nn.Module):
@@ -242,69 +344,3 @@ def _progress(step: int, total: int, loss: float, tokens_per_s: float, elapsed: 
     sys.stderr.write(f"\r[{bar}] step {step}/{total}  loss {loss:.4f}  "
                      f"{tokens_per_s / 1e3:.1f}k tok/s  eta {eta:4.0f}s ")  # fmt: skip
     sys.stderr.flush()
-
-
-def save_checkpoint(out_dir: Path, step: int, model: nn.Module, info: dict, trainer: dict) -> Path:
-    """Write step-NNNNNN/ atomically and point `latest` at it; drop older steps."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    final = out_dir / f"step-{step:06d}"
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out_dir))
-    try:
-        weights = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-        save_file(_untied(weights), tmp / "model.safetensors")
-        (tmp / "config.json").write_text(json.dumps({**info, "step": step}, indent=2))
-        torch.save(trainer, tmp / "trainer.pt")
-        for name in ("model.safetensors", "config.json", "trainer.pt"):
-            with open(tmp / name, "rb") as f:
-                os.fsync(f.fileno())
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    link = out_dir / f".latest-{os.getpid()}"
-    if link.is_symlink() or link.exists():
-        link.unlink()
-    link.symlink_to(final.name)
-    os.replace(link, out_dir / "latest")
-    for old in out_dir.glob("step-*"):
-        if old != final:
-            shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def _untied(weights: dict) -> dict:
-    """safetensors refuses shared storage: store one copy of each tensor."""
-    seen: dict[int, str] = {}
-    out = {}
-    for name, tensor in weights.items():
-        key = tensor.data_ptr()
-        out[name] = tensor.clone() if key in seen else tensor
-        seen.setdefault(key, name)
-    return out
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A step folder, or an output folder (its `latest`)."""
-    path = Path(path)
-    if (path / "latest").exists():
-        path = (path / "latest").resolve()
-    if not (path / "model.safetensors").is_file() or not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"{path} is not a checkpoint: expected model.safetensors and config.json "
-            "(or an output folder with a `latest` link), as `mhsa train` writes"
-        )
-    return path
-
-
-def load_checkpoint(path: str | Path) -> dict:
-    """{'path', 'info' (config.json), 'weights', 'trainer' (or None)}."""
-    path = resolve_checkpoint(path)
-    trainer_path = path / "trainer.pt"
-    return {
-        "path": path,
-        "info": json.loads((path / "config.json").read_text()),
-        "weights": load_file(path / "model.safetensors"),
-        "trainer": torch.load(trainer_path, weights_only=True) if trainer_path.exists() else None,
-    }

@@ -19,15 +19,59 @@ def load_model(path: str, kind: str, model_cls, config_cls) -> tuple:
     return model.eval(), state
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {value}")
+    return value
+
+
 def common_train_options(
     parser: argparse.ArgumentParser, steps: int, out: str, eval_every: int = 100
 ) -> None:
+    """The run options every `mhsa train` command has."""
     parser.add_argument("--out", default=out, help=f"checkpoint folder (default {out})")
-    parser.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
-    parser.add_argument("--steps", type=int, default=steps)
-    parser.add_argument("--stop-after", type=int, help="stop after N steps (checkpointed)")
-    parser.add_argument("--eval-every", type=int, default=eval_every)
-    parser.add_argument("--seed", type=int, default=0)
+    written = parser.add_mutually_exclusive_group()
+    written.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
+    written.add_argument("--overwrite", action="store_true",
+                         help="replace the checkpoints in --out (removed once this run has "
+                              "written its first)")  # fmt: skip
+    parser.add_argument(
+        "--keep",
+        type=positive_int,
+        default=1,
+        help="how many of the run's latest checkpoints to keep (default 1)",
+    )
+    parser.add_argument("--steps", type=positive_int, default=steps,
+                        help=f"training steps (default {steps})")  # fmt: skip
+    parser.add_argument(
+        "--stop-after",
+        type=positive_int,
+        help="stop after N steps (checkpointed); --resume continues",
+    )
+    parser.add_argument(
+        "--eval-every",
+        type=positive_int,
+        default=eval_every,
+        help=f"evaluate and checkpoint every N steps (default {eval_every})",
+    )
+    parser.add_argument("--skip-nonfinite", action="store_true",
+                        help="skip a step whose loss or gradient is nan/inf instead of "
+                             "stopping (still stops after 10 in a row)")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+
+
+def train_config(args: argparse.Namespace, lr: float):
+    """The TrainConfig of the command line's run options."""
+    from ..train import TrainConfig
+
+    return TrainConfig(steps=args.steps, lr=lr, eval_every=args.eval_every,
+                       checkpoint_every=args.eval_every, seed=args.seed, keep=args.keep,
+                       nonfinite="skip" if args.skip_nonfinite else "stop")  # fmt: skip
 
 
 def size_options(
@@ -35,8 +79,19 @@ def size_options(
     lr: float,
 ) -> None:  # fmt: skip
     """The model-size and optimisation options every `mhsa train` command has."""
-    parser.add_argument("--batch-size", type=int, default=batch_size)
-    parser.add_argument("--layers", type=int, default=layers)
-    parser.add_argument("--heads", type=int, default=heads)
-    parser.add_argument("--d-model", type=int, default=d_model)
-    parser.add_argument("--lr", type=float, default=lr)
+    parser.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=batch_size,
+        help=f"sequences or items per step (default {batch_size})",
+    )
+    parser.add_argument(
+        "--layers", type=positive_int, default=layers, help=f"transformer layers (default {layers})"
+    )
+    parser.add_argument(
+        "--heads", type=positive_int, default=heads, help=f"attention heads (default {heads})"
+    )
+    parser.add_argument(
+        "--d-model", type=positive_int, default=d_model, help=f"model width (default {d_model})"
+    )
+    parser.add_argument("--lr", type=float, default=lr, help=f"peak learning rate (default {lr:g})")

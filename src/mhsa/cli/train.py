@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 
-from .common import common_train_options, size_options
+from .common import common_train_options, size_options, train_config
 
 
 def train_gpt(args: argparse.Namespace) -> int:
@@ -14,7 +15,7 @@ def train_gpt(args: argparse.Namespace) -> int:
     from ..data.text import ByteTokenizer, TextTask, describe_loss, read_text, stdlib_corpus
     from ..launch import join_torchrun_group
     from ..models import GPT, GPTConfig
-    from ..train import TrainConfig, load_checkpoint, train
+    from ..train import load_checkpoint, train
 
     join_torchrun_group()  # a no-op unless started by torchrun with several processes
     torch.manual_seed(args.seed)
@@ -37,10 +38,10 @@ def train_gpt(args: argparse.Namespace) -> int:
     )
     print(f"model: GPT {config.n_layer} layers, d_model {config.d_model}, {config.n_head} heads, "
           f"{config.position} positions, {params / 1e6:.2f}M parameters")  # fmt: skip
-    train_config = TrainConfig(steps=args.steps, lr=args.lr, eval_every=args.eval_every,
-                               checkpoint_every=args.eval_every, seed=args.seed)  # fmt: skip
+    run_config = train_config(args, args.lr)
     info = {"model": "gpt", "config": config.to_dict(), "tokenizer": tokenizer.name}
-    result = train(model, task, train_config, args.out, model_info=info, resume=args.resume,
+    result = train(model, task, run_config, args.out, model_info=info, resume=args.resume,
+                   overwrite=args.overwrite,
                    stop_after=args.stop_after,
                    context_parallel="zigzag" if args.context_parallel else None)  # fmt: skip
     final = result["history"][-1]["val_loss"] if result["history"] else float("nan")
@@ -54,13 +55,12 @@ def train_gpt(args: argparse.Namespace) -> int:
 
 def fit(model, task, info: dict, args: argparse.Namespace, lr: float) -> dict:
     """Run the shared training loop with the common command-line options."""
-    from ..train import TrainConfig, train
+    from ..train import train
 
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {info['model']}, {params / 1e6:.3f}M parameters")
-    config = TrainConfig(steps=args.steps, lr=lr, eval_every=args.eval_every,
-                         checkpoint_every=args.eval_every, seed=args.seed)  # fmt: skip
-    result = train(model, task, config, args.out, model_info=info, resume=args.resume,
+    result = train(model, task, train_config(args, lr), args.out, model_info=info,
+                   resume=args.resume, overwrite=args.overwrite,
                    stop_after=args.stop_after)  # fmt: skip
     last = result["history"][-1] if result["history"] else {}
     accuracy = f", test accuracy {last['test_acc']:.2%}" if "test_acc" in last else ""
@@ -219,10 +219,23 @@ def _run_as_rank(rank: int, world_size: int, args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Train in this process, or in --nproc local processes (data or context parallel)."""
-    if getattr(args, "data_parallel", False) and args.nproc > 1:
-        return _spawn_data_parallel(args, args.nproc)
-    return args.train(args)
+    """Train in this process, or in --nproc local processes (data or context parallel).
+    A diverged run or Ctrl-C ends with a one-line message naming the latest checkpoint."""
+    from ..checkpoint import latest_checkpoint
+    from ..train import TrainingDiverged
+
+    try:
+        if getattr(args, "data_parallel", False) and args.nproc > 1:
+            return _spawn_data_parallel(args, args.nproc)
+        return args.train(args)
+    except TrainingDiverged as error:
+        print(f"\nmhsa train: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        latest = latest_checkpoint(args.out)
+        where = f"the latest checkpoint is {latest}" if latest else "no checkpoint was written"
+        print(f"\nmhsa train: interrupted; {where}", file=sys.stderr)
+        return 130
 
 
 def add_parser(commands) -> None:
@@ -230,10 +243,7 @@ def add_parser(commands) -> None:
     train_models = train_parser.add_subparsers(dest="model", required=True)
     gpt = train_models.add_parser("gpt", help="byte-level GPT on Python's own source code")
     gpt.add_argument("--data", help="a text file to train on instead")
-    gpt.add_argument("--out", default="runs/gpt", help="checkpoint folder (default runs/gpt)")
-    gpt.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
-    gpt.add_argument("--steps", type=int, default=600)
-    gpt.add_argument("--stop-after", type=int, help="stop after N steps (checkpointed)")
+    common_train_options(gpt, steps=600, out="runs/gpt")
     size_options(gpt, batch_size=24, layers=4, heads=4, d_model=192, lr=2e-3)
     gpt.add_argument("--seq-len", type=int, default=128)
     gpt.add_argument("--kv-heads", type=int)
@@ -241,8 +251,6 @@ def add_parser(commands) -> None:
     gpt.add_argument("--position", default="rotary",
                      choices=["learned", "sinusoidal", "rotary", "alibi"])  # fmt: skip
     gpt.add_argument("--window", type=int, help="sliding-window attention span")
-    gpt.add_argument("--eval-every", type=int, default=100)
-    gpt.add_argument("--seed", type=int, default=0)
     gpt.add_argument("--nproc", type=int, default=1,
                      help="data-parallel processes (DistributedDataParallel; gloo on CPU); "
                           "or launch with torchrun")  # fmt: skip

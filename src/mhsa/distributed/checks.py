@@ -88,6 +88,8 @@ def check_across_ranks(infos: list[dict]) -> None:
     for name in ("dtype", "layout", "causal", "mask", "scale", "key_padding_mask"):
         values = [info[name] for info in infos]
         if len(set(values)) > 1:
+            shown = [info["mask_repr"] for info in infos] if name == "mask" else values
             raise ValueError(
-                f"ring_attention needs the same {name} on every rank, got {values} by rank"
+                f"ring_attention needs the same {name} on every rank (compared by content), "
+                f"got {shown} by rank"
             )

@@ -200,7 +200,8 @@ def ring_attention(
     info = {
         "problem": problem, "q": shape(q) or (0, 0, -1, 0), "k": shape(k), "v": shape(v),
         "dtype": str(getattr(q, "dtype", None)), "layout": layout, "causal": causal,
-        "mask": repr(mask), "scale": repr(scale),
+        "mask": mask.fingerprint() if isinstance(mask, Pattern) else repr(mask),
+        "mask_repr": repr(mask), "scale": repr(scale),
         "key_padding_mask": "given" if key_padding_mask is not None else None,
     }  # fmt: skip
     infos: list[dict] = [{} for _ in range(world)]

@@ -11,6 +11,7 @@ the dense mask, `kinds(L, S, block_q, block_k)`.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -124,6 +125,17 @@ class Pattern:
         self._cache_key = key
         return key
 
+    def fingerprint(self) -> str:
+        """A digest of the pattern's content: its type and every public field, tensors by
+        their dtype, shape and values (unlike repr, which elides long ones). Equal on
+        two processes exactly when the patterns are equal."""
+        digest = hashlib.sha256(type(self).__name__.encode())
+        for name, value in sorted(vars(self).items()):
+            if not name.startswith("_"):
+                digest.update(name.encode())
+                _feed(digest, value)
+        return digest.hexdigest()
+
     def check_batch(self, batch: int) -> None:
         if self.batch_size is not None and self.batch_size not in (1, batch):
             raise ValueError(
@@ -136,6 +148,22 @@ class Pattern:
 
     def __and__(self, other: Pattern) -> Pattern:
         return Intersection(self, other)
+
+
+def _feed(digest, value) -> None:
+    """Add a pattern field's content to a hash."""
+    if isinstance(value, Pattern):
+        digest.update(value.fingerprint().encode())
+    elif isinstance(value, Tensor):
+        flat = value.detach().cpu().contiguous()
+        digest.update(f"{flat.dtype}{tuple(flat.shape)}".encode())
+        digest.update(flat.view(-1).view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
+    elif isinstance(value, (tuple, list)):
+        digest.update(f"{type(value).__name__}{len(value)}".encode())
+        for item in value:
+            _feed(digest, item)
+    else:
+        digest.update(repr(value).encode())
 
 
 class Union(Pattern):

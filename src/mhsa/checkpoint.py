@@ -1,0 +1,138 @@
+"""Checkpoints of `mhsa train`: written atomically, found again, never lost.
+
+An output folder holds `step-NNNNNN/` folders (`model.safetensors` weights,
+`config.json` to rebuild the model, `trainer.pt` optimizer and random states) and a
+`latest` link. A folder is written under a temporary `.tmp-*` name and renamed, and
+`latest` is swapped by an atomic rename, so a run killed at any moment leaves every
+complete checkpoint intact. Nothing here deletes a checkpoint: which ones a run may
+remove is the training loop's decision (mhsa.train).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+_STEP_FOLDER = re.compile(r"^step-(\d+)$")
+_FILES = ("model.safetensors", "config.json", "trainer.pt")
+
+
+def is_checkpoint(path: Path) -> bool:
+    return (path / "model.safetensors").is_file() and (path / "config.json").is_file()
+
+
+def checkpoints_in(out_dir: str | Path) -> list[Path]:
+    """The complete step folders of an output folder, oldest step first."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return []
+    found = [
+        (int(match[1]), path)
+        for path in out_dir.iterdir()
+        if (match := _STEP_FOLDER.match(path.name)) and is_checkpoint(path)
+    ]
+    return [path for _, path in sorted(found)]
+
+
+def clean_leftovers(out_dir: str | Path) -> None:
+    """Remove the temporary folders and links that a killed run left behind (only the
+    `.tmp-*` and `.latest-*` names that save_checkpoint itself uses)."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return
+    for path in out_dir.glob(".tmp-*"):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+    for path in out_dir.glob(".latest-*"):
+        if path.is_symlink():
+            path.unlink(missing_ok=True)
+
+
+def save_checkpoint(out_dir: Path, step: int, model: nn.Module, info: dict, trainer: dict) -> Path:
+    """Write step-NNNNNN/ atomically and point `latest` at it. Raises ValueError, and
+    writes nothing, if a weight is not finite."""
+    weights = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    bad = [name for name, w in weights.items() if w.is_floating_point() and not w.isfinite().all()]
+    if bad:
+        raise ValueError(f"not writing a checkpoint at step {step}: {bad[0]} holds nan or inf")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    final = out_dir / f"step-{step:06d}"
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out_dir))
+    try:
+        save_file(_untied(weights), tmp / "model.safetensors")
+        (tmp / "config.json").write_text(json.dumps({**info, "step": step}, indent=2))
+        torch.save(trainer, tmp / "trainer.pt")
+        for name in _FILES:
+            with open(tmp / name, "rb") as f:
+                os.fsync(f.fileno())
+        if final.exists():  # the same step again: move the old one aside, never rmtree first
+            old = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out_dir))
+            os.replace(final, old / final.name)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    link = out_dir / f".latest-{os.getpid()}"
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(final.name)
+    os.replace(link, out_dir / "latest")
+    return final
+
+
+def _untied(weights: dict) -> dict:
+    """safetensors refuses shared storage: store one copy of each tensor."""
+    seen: dict[int, str] = {}
+    out = {}
+    for name, tensor in weights.items():
+        key = tensor.data_ptr()
+        out[name] = tensor.clone() if key in seen else tensor
+        seen.setdefault(key, name)
+    return out
+
+
+def latest_checkpoint(out_dir: str | Path) -> Path | None:
+    """The checkpoint `latest` points at, else the newest complete step folder (a run
+    killed between a folder's rename and the link's), else None."""
+    out_dir = Path(out_dir)
+    link = out_dir / "latest"
+    if link.exists() and is_checkpoint(link.resolve()):
+        return link.resolve()
+    found = checkpoints_in(out_dir)
+    return found[-1] if found else None
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A step folder, or an output folder (its latest checkpoint)."""
+    path = Path(path)
+    if not is_checkpoint(path):
+        path = latest_checkpoint(path) or path
+    if not is_checkpoint(path):
+        raise FileNotFoundError(
+            f"{path} is not a checkpoint: expected model.safetensors and config.json "
+            "(or an output folder with a `latest` link), as `mhsa train` writes"
+        )
+    return path
+
+
+def load_checkpoint(path: str | Path) -> dict:
+    """{'path', 'info' (config.json), 'weights', 'trainer' (or None)}."""
+    path = resolve_checkpoint(path)
+    trainer_path = path / "trainer.pt"
+    return {
+        "path": path,
+        "info": json.loads((path / "config.json").read_text()),
+        "weights": load_file(path / "model.safetensors"),
+        "trainer": torch.load(trainer_path, weights_only=True) if trainer_path.exists() else None,
+    }
