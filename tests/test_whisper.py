@@ -55,7 +55,7 @@ def write_wav(path: Path, samples: np.ndarray, rate: int, bits: int, tag: int = 
     else:
         data = np.round(samples * (2 ** (bits - 1) - 1)).astype(f"<i{bits // 8}").tobytes()
     channels, block = samples.shape[1], samples.shape[1] * bits // 8
-    fmt = struct.pack("<HHIIHH", tag, channels, rate, rate * block, block, bits)
+    fmt = struct.pack("<HHIIHH", tag, channels, rate, rate * block & 0xFFFFFFFF, block, bits)
     body = b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt
     body += b"data" + struct.pack("<I", len(data)) + data
     path.write_bytes(b"RIFF" + struct.pack("<I", len(body)) + body)
@@ -190,6 +190,35 @@ def test_sinc_resampling_keeps_speech_band_and_removes_aliases():
     assert speech.resample(tone, 44100, 16000, method="sinc").shape == (round(48000 * 160 / 441),)
     with pytest.raises(ValueError, match="method"):
         speech.resample(tone, 48000, 16000, method="cubic")
+
+
+@pytest.mark.parametrize("rate", [11127, 16001, 8000])
+def test_sinc_resampling_of_awkward_rates_is_exact_and_small(rate):
+    """Coprime rates (11127 -> 16000 Hz) once built a 16000-phase filter bank (5.8 GB for
+    one second); the output must still be the band-limited tone, in bounded memory."""
+    t = torch.arange(rate, dtype=torch.float64) / rate
+    out = speech.resample(torch.sin(2 * math.pi * 440 * t).float(), rate, 16000, method="sinc")
+    expected = torch.sin(2 * math.pi * 440 * torch.arange(16000, dtype=torch.float64) / 16000)
+    assert out.shape == (16000,) and max_error(out[200:-200], expected[200:-200]) < 2e-3
+    probe = (
+        f"import resource, torch; from mhsa.data import speech; x = torch.randn({rate}); "
+        f"speech.resample(x[:100], {rate}, 16000, 'sinc'); "
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
+        f"speech.resample(x, {rate}, 16000, 'sinc'); "
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)"
+    )
+    grown_kib = int(subprocess.run([sys.executable, "-c", probe], capture_output=True,
+                                   text=True, check=True).stdout)  # fmt: skip
+    assert grown_kib < 200 * 1024
+
+
+@pytest.mark.parametrize("rate", [1, 999, 768_001, 4294967295])
+def test_sample_rates_outside_the_range_are_refused(tmp_path, rate):
+    with pytest.raises(ValueError, match=r"rate must be 1000\.\.768000 Hz"):
+        speech.resample(torch.zeros(10), rate, 16000, method="sinc")
+    path = write_wav(tmp_path / "odd.wav", np.zeros((10, 1)), rate, 16)
+    with pytest.raises(ValueError, match=r"odd.wav: sample rate .* outside 1000\.\.768000 Hz"):
+        speech.read_wav(path)
 
 
 # ---------------------------------------------------------------- model vs CTranslate2

@@ -79,45 +79,69 @@ def read_wav(path: str | Path) -> tuple[Tensor, int]:
         tag = struct.unpack("<H", fmt[24:26])[0]  # the sub-format GUID starts with the tag
     if channels == 0 or rate == 0 or block == 0:
         raise ValueError(f"{path}: not a readable WAV file (zero channels, rate or block size)")
+    if not MIN_RATE <= rate <= MAX_RATE:
+        raise ValueError(
+            f"{path}: sample rate {rate} Hz is outside {MIN_RATE}..{MAX_RATE} Hz (a damaged "
+            f"header?); {CONVERT_HINT}"
+        )
     data = data[: len(data) // block * block]  # drop a cut-off last frame
     audio = _decode_samples(data, tag, bits, path)
     return audio.view(-1, channels).mean(dim=1), rate
 
 
-def _sinc_kernel(up: int, down: int, zeros: int = 6, rolloff: float = 0.99) -> tuple[Tensor, int]:
-    """Band-limited interpolation filters, one per output phase: (up, 1, 2 * width + down)
-    and the half-width in input samples. Hann-windowed sinc, `zeros` zero crossings."""
-    cutoff = min(up, down) / down * rolloff  # in cycles per input sample, times 2
+# sample rates we resample from or to: telephone audio (8 kHz) to studio (768 kHz) and
+# some margin; outside it a file is almost surely corrupt (or minutes of work per second)
+MIN_RATE, MAX_RATE = 1_000, 768_000
+# scratch elements per step of the sinc resampler (float64): memory stays bounded
+RESAMPLE_SCRATCH = 1 << 22
+
+
+def check_rate(rate: int, name: str = "sample rate") -> None:
+    if not isinstance(rate, int) or not MIN_RATE <= rate <= MAX_RATE:
+        raise ValueError(f"{name} must be {MIN_RATE}..{MAX_RATE} Hz, got {rate!r}; {CONVERT_HINT}")
+
+
+def _sinc_resample(audio: Tensor, rate: int, target: int, length: int, zeros: int = 6,
+                   rolloff: float = 0.99) -> Tensor:  # fmt: skip
+    """Band-limited resampling: output m sits at input position x = m * rate / target
+    (exact integer arithmetic) and is the sum of the samples within `width` of x, each
+    weighted by a Hann-windowed sinc with `zeros` zero crossings. Computed in chunks of
+    outputs, so memory is bounded whatever the ratio of the rates."""
+    cutoff = min(rate, target) / rate * rolloff  # cycles per input sample, times 2
     width = math.ceil(zeros / cutoff)
-    taps = torch.arange(2 * width + down, dtype=torch.float64)
-    phase = torch.arange(up, dtype=torch.float64).view(-1, 1) * down / up
-    t = (phase - taps + width) * cutoff  # distance to each tap, in units of the cutoff period
-    window = torch.cos(t.clamp(-zeros, zeros) * math.pi / (2 * zeros)) ** 2
-    return (cutoff * torch.sinc(t) * window).float().unsqueeze(1), width
+    taps = torch.arange(-width, width + 2, dtype=torch.int64)  # around floor(x)
+    padded = torch.nn.functional.pad(audio.double(), (width, 2 * width + 2))
+    out = torch.empty(length, dtype=torch.float64)
+    step = max(1, RESAMPLE_SCRATCH // len(taps))
+    for m0 in range(0, length, step):
+        numerator = torch.arange(m0, min(length, m0 + step), dtype=torch.int64) * rate
+        whole, frac = numerator // target, (numerator % target).double() / target
+        t = (frac.view(-1, 1) - taps) * cutoff  # (chunk, taps): distance to x, in cutoffs
+        window = torch.cos(t.clamp(-zeros, zeros) * (math.pi / (2 * zeros))) ** 2
+        weights = cutoff * torch.sinc(t) * window
+        samples = padded[(whole.view(-1, 1) + taps + width).clamp(max=len(padded) - 1)]
+        out[m0 : m0 + len(whole)] = (weights * samples).sum(dim=1)
+    return out
 
 
 def resample(audio: Tensor, rate: int, target: int = SAMPLE_RATE, method: str = "linear") -> Tensor:
-    """Resample a 1-D waveform from `rate` to `target` Hz.
+    """Resample a 1-D waveform from `rate` to `target` Hz (each MIN_RATE..MAX_RATE).
 
     method "linear" interpolates linearly (cheap, aliases when downsampling);
-    "sinc" is band-limited (windowed-sinc polyphase filter), for speech recognition.
+    "sinc" is band-limited (windowed sinc), for speech recognition; its memory is
+    bounded for any pair of rates.
     """
     if method not in ("linear", "sinc"):
         raise ValueError(f"method must be 'linear' or 'sinc', got {method!r}")
-    if rate <= 0 or target <= 0:
-        raise ValueError(f"sample rates must be positive, got rate={rate}, target={target}")
+    check_rate(rate, "rate")
+    check_rate(target, "target")
     if rate == target or audio.numel() == 0:
         return audio
     length = max(1, round(len(audio) * target / rate))
     if method == "linear":
         return torch.nn.functional.interpolate(audio.view(1, 1, -1), size=length, mode="linear",
                                                align_corners=False).flatten()  # fmt: skip
-    common = math.gcd(rate, target)
-    up, down = target // common, rate // common
-    kernel, width = _sinc_kernel(up, down)
-    padded = torch.nn.functional.pad(audio.float().view(1, 1, -1), (width, width + down))
-    phases = torch.nn.functional.conv1d(padded, kernel.to(audio.device), stride=down)  # (1, up, n)
-    return phases[0].t().reshape(-1)[:length].to(audio.dtype)  # interleave the phases
+    return _sinc_resample(audio.cpu(), rate, target, length).to(audio.dtype).to(audio.device)
 
 
 def speak(word: str, voice: str, pitch: int, speed: int, workdir: Path) -> Tensor:
