@@ -206,3 +206,21 @@ def test_fingerprint_compares_content_not_repr():
         window.fingerprint()
         != (masks.SlidingWindow(4, 0) & masks.GlobalTokens([0, 2])).fingerprint()
     )
+
+
+@pytest.mark.parametrize(("q_len", "kv_len"), [(40, 40), (1, 1), (5, 9), (9, 5), (33, 70)])
+def test_presets_work_on_sequences_shorter_than_their_blocks(q_len, kv_len):
+    patterns = [masks.bigbird(32), masks.bigbird(64, 1, 1, 1), masks.BlockBand(64, 1),
+                masks.RandomBlocks(2, 64), masks.Dilated(3, 50)]  # fmt: skip
+    q, k, v = make_qkv(1, 2, q_len=q_len, kv_len=kv_len, head_dim=8)
+    for pattern in patterns:
+        want = mhsa.attention(q, k, v, pattern, backend="reference")
+        assert max_error(mhsa.attention(q, k, v, pattern, backend="flash"), want) < 1e-5
+    assert masks.bigbird(32).dense(40, 40)[:, :32].all()  # the global blocks that exist
+
+
+def test_explicit_global_tokens_past_the_keys_are_still_an_error():
+    with pytest.raises(ValueError, match="global token index 50 is out of range for 40 keys"):
+        masks.GlobalTokens([0, 50]).dense(40, 40)
+    with pytest.raises(ValueError, match="beyond_keys must be"):
+        masks.GlobalTokens([0], beyond_keys="clip")

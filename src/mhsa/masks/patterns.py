@@ -196,14 +196,19 @@ class GlobalTokens(Pattern):
     """Longformer's global attention: the tokens at these positions attend every key,
     and every query attends them."""
 
-    def __init__(self, indices: Sequence[int] | Tensor) -> None:
+    def __init__(self, indices: Sequence[int] | Tensor, *, beyond_keys: str = "error") -> None:
+        """beyond_keys="ignore" lets indices past the last key mean nothing (for presets
+        whose global tokens are "the first n", however many a sequence has)."""
         idx = torch.as_tensor(indices, dtype=torch.long).flatten()
         if idx.numel() and idx.min() < 0:
             raise ValueError(f"indices must be >= 0, got {idx.tolist()}")
+        if beyond_keys not in ("error", "ignore"):
+            raise ValueError(f"beyond_keys must be 'error' or 'ignore', got {beyond_keys!r}")
         self.indices = idx.unique()
+        self.beyond_keys = beyond_keys
 
     def check_lengths(self, q_len, kv_len):
-        if self.indices.numel() and self.indices.max() >= kv_len:
+        if self.beyond_keys == "error" and self.indices.numel() and self.indices.max() >= kv_len:
             raise ValueError(
                 f"global token index {int(self.indices.max())} is out of range for {kv_len} keys"
             )
@@ -221,7 +226,8 @@ class GlobalTokens(Pattern):
         rows = self.indices - shift
         rows = rows[(rows >= 0) & (rows < q_len)]
         row_count = torch.bincount(rows // block_q, minlength=q_blocks)
-        col_count = torch.bincount(self.indices // block_k, minlength=k_blocks)
+        cols = self.indices[self.indices < kv_len]
+        col_count = torch.bincount(cols // block_k, minlength=k_blocks)
         row_first, row_last = block_ranges(q_len, block_q)
         col_first, col_last = block_ranges(kv_len, block_k)
         row_size, col_size = row_last - row_first + 1, col_last - col_first + 1

@@ -57,7 +57,7 @@ def bigbird(
     _int_at_least("global_blocks", global_blocks, 0)
     return (
         BlockBand(block_size, window_blocks // 2)
-        | GlobalTokens(range(global_blocks * block_size))
+        | GlobalTokens(range(global_blocks * block_size), beyond_keys="ignore")
         | RandomBlocks(random_blocks, block_size, seed)
     )
 
