@@ -152,3 +152,18 @@ def test_ctrl_c_names_the_latest_checkpoint_and_exits_130(tmp_path, capsys, monk
     err = capsys.readouterr().err
     assert "interrupted; the latest checkpoint is" in err and "step-000002" in err
     assert "Traceback" not in err
+
+
+def test_generate_options(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(tiny_train(out)) == 0
+    base = ["generate", str(out), "--max-new-tokens", "3"]
+    assert main([*base, "--top-k", "0", "--top-p", "0.9"]) == 0
+    assert main([*base, "--prompt", ""]) == 2
+    assert "mhsa generate: --prompt must not be empty" in capsys.readouterr().err
+    assert main([*base, "--top-p", "0"]) == 2
+    assert "top_p must be in (0, 1]" in capsys.readouterr().err
+    for option, value in (("--top-k", "-1"), ("--max-new-tokens", "-5")):
+        with pytest.raises(SystemExit):
+            main(["generate", str(out), option, value])
+        assert f"argument {option}: must be a whole number >= 0" in capsys.readouterr().err

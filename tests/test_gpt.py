@@ -125,3 +125,39 @@ def test_logits_equal_transformers_gpt2():
         hf_generated = hf.generate(idx[:, :10], max_new_tokens=8, do_sample=False,
                                    pad_token_id=0)  # fmt: skip
     assert torch.equal(generated, hf_generated)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [({"n_head": 0}, "n_head must be an int >= 1"), ({"vocab_size": 0}, "vocab_size must be"),
+     ({"n_layer": -1}, "n_layer must be"), ({"d_model": -8}, "d_model must be"),
+     ({"n_kv_head": 3}, "n_kv_head must divide n_head"), ({"dropout": 1.5}, "dropout must be")],
+)  # fmt: skip
+def test_config_errors_name_the_field(options, message):
+    with pytest.raises(ValueError, match=message):
+        GPTConfig(**options)
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [({"top_k": 0}, ValueError, "top_k must be an int >= 1"),
+     ({"top_p": 0.0}, ValueError, r"top_p must be in \(0, 1\]"),
+     ({"top_p": -0.5}, ValueError, "top_p must be"),
+     ({"temperature": float("nan")}, ValueError, "temperature must be >= 0"),
+     ({"max_new_tokens": -1}, ValueError, "max_new_tokens must be >= 0"),
+     ({"prompt": torch.tensor([1.0, 2.0])}, TypeError, "prompt must hold integer token ids"),
+     ({"prompt": torch.tensor([1, 300])}, ValueError, "token id 300, outside .* 0..255"),
+     ({"prompt": torch.tensor([-1, 2])}, ValueError, "token id -1")],
+)  # fmt: skip
+def test_generate_errors_name_the_argument(options, error, message):
+    model = GPT(GPTConfig(vocab_size=256, n_layer=1, n_head=2, d_model=16, max_len=32)).eval()
+    prompt = options.pop("prompt", torch.tensor([1, 2, 3]))
+    max_new_tokens = options.pop("max_new_tokens", 2)
+    with pytest.raises(error, match=message):
+        model.generate([prompt], max_new_tokens, **options)
+
+
+def test_forward_rejects_token_ids_outside_the_vocabulary():
+    model = GPT(GPTConfig(vocab_size=10, n_layer=1, n_head=2, d_model=16, max_len=32))
+    with pytest.raises(ValueError, match="idx holds token id 10"):
+        model(torch.tensor([[1, 10]]))

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from .common import load_model
+from .common import load_model, non_negative_int
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -21,15 +21,16 @@ def generate(args: argparse.Namespace) -> int:
     tokenizer = ByteTokenizer()
     prompt = tokenizer.encode(args.prompt)
     if prompt.numel() == 0:
-        raise SystemExit("--prompt must not be empty")
+        raise ValueError("--prompt must not be empty")
     room = model.config.max_len - prompt.numel()
     if model.config.position in ("learned", "sinusoidal") and args.max_new_tokens > room:
-        raise SystemExit(f"--max-new-tokens at most {room} for this prompt (max_len "
+        raise ValueError(f"--max-new-tokens at most {room} for this prompt (max_len "
                          f"{model.config.max_len})")  # fmt: skip
     generator = torch.Generator().manual_seed(args.seed)
     start = time.perf_counter()
     out = model.generate([prompt], args.max_new_tokens, temperature=args.temperature,
-                         top_k=args.top_k, generator=generator)[0]  # fmt: skip
+                         top_k=args.top_k or None, top_p=args.top_p,
+                         generator=generator)[0]  # fmt: skip
     seconds = time.perf_counter() - start
     print(tokenizer.decode(out))
     new = out.numel() - prompt.numel()
@@ -40,9 +41,24 @@ def generate(args: argparse.Namespace) -> int:
 def add_parser(commands) -> None:
     gen = commands.add_parser("generate", help="sample text from a GPT checkpoint")
     gen.add_argument("checkpoint", help="output folder of `mhsa train gpt`, or a step folder")
-    gen.add_argument("--prompt", default="def ")
-    gen.add_argument("--max-new-tokens", type=int, default=100)
-    gen.add_argument("--temperature", type=float, default=0.8)
-    gen.add_argument("--top-k", type=int, default=40)
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--prompt", default="def ", help="text to continue (default 'def ')")
+    gen.add_argument(
+        "--max-new-tokens", type=non_negative_int, default=100, help="tokens to add (default 100)"
+    )
+    gen.add_argument(
+        "--temperature",
+        type=float,
+        default=0.8,
+        help="sampling temperature, 0 for greedy (default 0.8)",
+    )
+    gen.add_argument(
+        "--top-k",
+        type=non_negative_int,
+        default=40,
+        help="sample among the k likeliest tokens, 0 for all (default 40)",
+    )
+    gen.add_argument("--top-p", type=float,
+                     help="sample among the likeliest tokens whose probability reaches p, "
+                          "in (0, 1] (default: no limit)")  # fmt: skip
+    gen.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     gen.set_defaults(run=generate)

@@ -47,6 +47,20 @@ class GPTConfig:
     norm_eps: float = 1e-5
 
     def __post_init__(self) -> None:
+        for name in ("vocab_size", "n_layer", "n_head", "d_model", "max_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.n_kv_head is not None and (
+            not isinstance(self.n_kv_head, int)
+            or self.n_kv_head < 1
+            or self.n_head % self.n_kv_head
+        ):
+            raise ValueError(
+                f"n_kv_head must divide n_head ({self.n_head}) or be None, got {self.n_kv_head!r}"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
         if self.position not in POSITIONS:
             raise ValueError(f"position must be one of {POSITIONS}, got {self.position!r}")
         if self.d_model % self.n_head:
@@ -111,6 +125,7 @@ class GPT(nn.Module):
         shard of longer sequences (context parallelism; attention then runs under
         mhsa.distributed.context_parallel). Not with ALiBi, caches or start.
         """
+        check_token_ids(idx, self.config.vocab_size)
         batch, length = idx.shape
         attn_position = self.attn_position
         if positions is not None:
@@ -171,10 +186,17 @@ class GPT(nn.Module):
         """Continue prompts: a (B, T) tensor, or a list of 1-D prompts of any lengths
         (decoded together, left-padded). temperature 0 is greedy. After eos_token a
         sequence stops growing. Returns prompts + new tokens in the same form."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+            raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        check_sampling(temperature, top_k, top_p)
         as_list = isinstance(idx, (list, tuple))
         prompts = list(idx) if as_list else list(idx.unbind(0))
         if not prompts or min(p.numel() for p in prompts) == 0:
             raise ValueError("generate needs at least one non-empty prompt")
+        for prompt in prompts:
+            check_token_ids(prompt, self.config.vocab_size, name="prompt")
         lengths = torch.tensor([p.numel() for p in prompts])
         width = int(lengths.max())
         device = self.tok_emb.weight.device
@@ -280,8 +302,7 @@ def sample(
     """Next tokens (B,) from logits (B, V): greedy at temperature 0, else sampled
     from the softmax at that temperature, restricted to the top_k tokens and/or the
     smallest set whose probability reaches top_p."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
@@ -295,3 +316,24 @@ def sample(
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), -torch.inf)
     probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """Raise ValueError for sampling settings that select nothing or mean nothing."""
+    if not temperature >= 0:  # also catches nan
+        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be an int >= 1, or None for no limit; got {top_k!r}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], or None for no limit; got {top_p!r}")
+
+
+def check_token_ids(ids: Tensor, vocab_size: int, name: str = "idx") -> None:
+    """Raise for token ids that are not integers in [0, vocab_size)."""
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise TypeError(f"{name} must hold integer token ids, got {ids.dtype}")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+        raise ValueError(
+            f"{name} holds token id {bad}, outside this model's vocabulary 0..{vocab_size - 1}"
+        )
