@@ -3,10 +3,11 @@ teacher-forced pass; the cross-attention memory is projected once; reorder follo
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from helpers import max_error
-from mhsa.cache import DecoderCache
+from mhsa.cache import DecoderCache, KVCache
 from mhsa.nn import TransformerDecoder, TransformerDecoderLayer
 
 
@@ -55,3 +56,16 @@ def test_reorder_keeps_the_chosen_sequences():
         step = decoder(x[index, 3:], memory[index], causal=True, cache=cache)
         full = decoder(x[index], memory[index], causal=True)
     assert max_error(step, full[:, 3:]) < 1e-5
+
+
+def test_cache_arguments_are_checked():
+    cache = KVCache(2, 1, 8, 4)
+    with pytest.raises(ValueError, match=r"start must be in 0..7"):
+        cache.set_padding(torch.tensor([-3, 20]))
+    with pytest.raises(TypeError, match="start must hold integer indices"):
+        cache.set_padding(torch.tensor([0.5, 1.0]))
+    with pytest.raises(ValueError, match=r"reorder index must be in 0..1"):
+        cache.reorder(torch.tensor([0, 2]))
+    half = KVCache(2, 1, 8, 4, dtype=torch.float16)
+    with pytest.raises(TypeError, match="cache holds torch.float16"):
+        half.update(torch.randn(2, 1, 1, 4), torch.randn(2, 1, 1, 4))

@@ -224,3 +224,13 @@ def test_explicit_global_tokens_past_the_keys_are_still_an_error():
         masks.GlobalTokens([0, 50]).dense(40, 40)
     with pytest.raises(ValueError, match="beyond_keys must be"):
         masks.GlobalTokens([0], beyond_keys="clip")
+
+
+def test_bad_lengths_and_indices_are_clear_errors():
+    with pytest.raises(ValueError, match="q_len must be an int >= 0, got -1"):
+        masks.SlidingWindow(2, 0).dense(-1, 4)
+    with pytest.raises(ValueError, match="kv_len must be an int >= 0"):
+        masks.Causal().block_layout(4, 2.5, 2)
+    with pytest.raises(TypeError, match="indices must be integer positions"):
+        masks.GlobalTokens([1.7])
+    assert masks.GlobalTokens([]).dense(2, 2).sum() == 0

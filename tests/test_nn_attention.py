@@ -135,3 +135,30 @@ def test_module_gradients_match_reference_backend(backend):
         module(x, causal=True, key_padding_mask=padding).square().sum().backward()
     for (name, p), q in zip(ours.named_parameters(), ref.parameters(), strict=True):
         assert max_error(p.grad, q.grad) < 1e-4, name
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [({"embed_dim": -8}, "embed_dim must be an int >= 1"), ({"dropout": 1.5}, "dropout must be"),
+     ({"kdim": 0}, "kdim must be an int >= 1")],
+)  # fmt: skip
+def test_module_options_are_checked(options, message):
+    with pytest.raises(ValueError, match=message):
+        MultiHeadAttention(**{"embed_dim": 16, "num_heads": 2, **options})
+
+
+def test_module_inputs_are_checked():
+    mha = MultiHeadAttention(16, 2)
+    x = torch.randn(2, 5, 16)
+    with pytest.raises(ValueError, match=r"query must be \(batch, length, 16\), got \(2, 5, 12\)"):
+        mha(torch.randn(2, 5, 12))
+    with pytest.raises(ValueError, match=r"key must be \(batch, length, 16\), got \(5, 16\)"):
+        mha(x, torch.randn(5, 16))
+    with pytest.raises(TypeError, match="query is torch.float64 but the module's weights are"):
+        mha(x.double())
+
+
+def test_zero_head_dim_is_a_clear_error():
+    q = torch.randn(1, 2, 3, 0)
+    with pytest.raises(ValueError, match="head_dim 0: both must be >= 1"):
+        mhsa.attention(q, q, q)

@@ -49,9 +49,17 @@ class KVCache:
         """Declare left padding: sequence b's first real token is at index start[b]."""
         if self.length:
             raise ValueError("set_padding must come before the first update")
-        if start.shape != self.start.shape:
+        if not isinstance(start, Tensor) or start.shape != self.start.shape:
+            got = tuple(start.shape) if isinstance(start, Tensor) else type(start).__name__
             raise ValueError(
-                f"start must have shape {tuple(self.start.shape)}, got {tuple(start.shape)}"
+                f"start must be a tensor of shape {tuple(self.start.shape)}, got {got}"
+            )
+        if start.is_floating_point() or start.is_complex() or start.dtype == torch.bool:
+            raise TypeError(f"start must hold integer indices, got {start.dtype}")
+        if start.numel() and (int(start.min()) < 0 or int(start.max()) >= self.max_len):
+            raise ValueError(
+                f"start must be in 0..{self.max_len - 1} (the cache's max_len - 1), "
+                f"got {start.tolist()}"
             )
         self.start = start.to(device=self.start.device, dtype=torch.long)
 
@@ -75,6 +83,11 @@ class KVCache:
             raise ValueError(
                 f"cache holds (batch, num_kv_heads, *, head_dim) = ({want[0]}, {want[1]}, *, "
                 f"{want[3]}); got k {tuple(k.shape)}, v {tuple(v.shape)}"
+            )
+        if k.dtype != self.k.dtype or v.dtype != self.v.dtype:
+            raise TypeError(
+                f"cache holds {self.k.dtype}, got k {k.dtype}, v {v.dtype}: storing would "
+                "round them silently; allocate the cache with the model's dtype"
             )
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -105,6 +118,9 @@ class KVCache:
 
     def reorder(self, index: Tensor) -> None:
         """Keep sequence index[b] as sequence b (beam search: the surviving beams)."""
+        batch = self.k.shape[0]
+        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= batch):
+            raise ValueError(f"reorder index must be in 0..{batch - 1}, got {index.tolist()}")
         self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
         self.start = self.start.index_select(0, index)
 

@@ -42,6 +42,10 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
             "move them with .to(q.device)"
         )
     batch, num_heads, _, head_dim = q.shape
+    if head_dim == 0 or num_heads == 0:
+        raise ValueError(
+            f"q has {num_heads} heads of head_dim {head_dim}: both must be >= 1 {LAYOUT}"
+        )
     if k.shape[0] != batch or v.shape[0] != batch:
         raise ValueError(
             f"batch size differs: q has {batch}, k has {k.shape[0]}, v has {v.shape[0]}"

@@ -79,6 +79,7 @@ class Pattern:
 
     def dense(self, q_len: int, kv_len: int, device: torch.device | str | None = None) -> Tensor:
         """The element mask, bool (L, S) or (B, 1, L, S); True = may attend."""
+        _check_sizes(q_len, kv_len)
         self.check_lengths(q_len, kv_len)
         rows = torch.arange(q_len, device=device).view(-1, 1)
         cols = torch.arange(kv_len, device=device).view(1, -1)
@@ -89,6 +90,7 @@ class Pattern:
         self, q_len: int, kv_len: int, block: int, block_k: int | None = None
     ) -> Tensor:
         """int8 (ceil(L/block), ceil(S/block_k)): EMPTY (0), PARTIAL (1) or FULL (2)."""
+        _check_sizes(q_len, kv_len)
         self.check_lengths(q_len, kv_len)
         block_k = block if block_k is None else block_k
         for name, value in (("block", block), ("block_k", block_k)):
@@ -148,6 +150,12 @@ class Pattern:
 
     def __and__(self, other: Pattern) -> Pattern:
         return Intersection(self, other)
+
+
+def _check_sizes(q_len: int, kv_len: int) -> None:
+    for name, value in (("q_len", q_len), ("kv_len", kv_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
 
 
 def _feed(digest, value) -> None:

@@ -199,7 +199,10 @@ class GlobalTokens(Pattern):
     def __init__(self, indices: Sequence[int] | Tensor, *, beyond_keys: str = "error") -> None:
         """beyond_keys="ignore" lets indices past the last key mean nothing (for presets
         whose global tokens are "the first n", however many a sequence has)."""
-        idx = torch.as_tensor(indices, dtype=torch.long).flatten()
+        idx = torch.as_tensor(indices).flatten()
+        if idx.numel() and (idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool):
+            raise TypeError(f"indices must be integer positions, got {idx.tolist()[:6]}")
+        idx = idx.long()
         if idx.numel() and idx.min() < 0:
             raise ValueError(f"indices must be >= 0, got {idx.tolist()}")
         if beyond_keys not in ("error", "ignore"):

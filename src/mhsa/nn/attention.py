@@ -63,6 +63,10 @@ class MultiHeadAttention(nn.Module):
     ) -> None:
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        for name, width in (("embed_dim", embed_dim), ("kdim", kdim), ("vdim", vdim)):
+            if width is not None and (isinstance(width, bool) or not isinstance(width, int)
+                                      or width < 1):  # fmt: skip
+                raise ValueError(f"{name} must be an int >= 1, got {width!r}")
         if num_heads <= 0 or embed_dim % num_heads:
             raise ValueError(
                 f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})"
@@ -134,16 +138,28 @@ class MultiHeadAttention(nn.Module):
             return out
         return out, (weights.mean(dim=1) if average_weights else weights)
 
+    @staticmethod
+    def _check_input(name: str, t: Tensor, proj: nn.Linear) -> None:
+        """A (batch, length, width) input matching its projection's width and dtype."""
+        width = proj.in_features
+        if not isinstance(t, Tensor) or t.dim() != 3 or t.shape[-1] != width:
+            got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be (batch, length, {width}), got {got}")
+        if t.dtype != proj.weight.dtype:
+            raise TypeError(
+                f"{name} is {t.dtype} but the module's weights are {proj.weight.dtype}; "
+                f"convert one of them (e.g. {name}.to({proj.weight.dtype}) or module.to(...))"
+            )
+
     def _inputs(self, query, key, value, mask, key_padding_mask, bias, position, cache):
         """Project and split heads, apply positions, update the cache, merge masks:
         (q (B, H, L, hd), k, v (B, H_kv, S, hd), mask, bias) for the attention call."""
-        if query.dim() != 3:
-            raise ValueError(
-                f"query must be (batch, q_len, embed_dim), got shape {tuple(query.shape)}"
-            )
         if key is None:
             key = query
         value = key if value is None else value
+        for name, t, proj in (("query", query, self.q_proj), ("key", key, self.k_proj),
+                              ("value", value, self.v_proj)):  # fmt: skip
+            self._check_input(name, t, proj)
         q = self._split(self.q_proj(query), self.num_heads)
         if isinstance(cache, MemoryCache):  # cross-attention: project the memory once
             if cache.k is None:
