@@ -19,26 +19,24 @@ def load_model(path: str, kind: str, model_cls, config_cls) -> tuple:
     return model.eval(), state
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an int >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {value}")
-    return value
+def _whole_number(minimum: int):
+    """An argparse type: an int >= minimum, with a message naming the bound."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"must be a whole number >= {minimum}, got {text}")
+        return value
+
+    parse.__name__ = f"int >= {minimum}"  # what argparse calls it in its own messages
+    return parse
 
 
-def non_negative_int(text: str) -> int:
-    """argparse type: an int >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {value}")
-    return value
+positive_int = _whole_number(1)
+non_negative_int = _whole_number(0)
 
 
 def common_train_options(
