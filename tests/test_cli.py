@@ -167,3 +167,10 @@ def test_generate_options(tmp_path, capsys):
         with pytest.raises(SystemExit):
             main(["generate", str(out), option, value])
         assert f"argument {option}: must be a whole number >= 0" in capsys.readouterr().err
+
+
+def test_train_refuses_a_binary_data_file(tmp_path, capsys):
+    data = tmp_path / "data.bin"
+    data.write_bytes(bytes(range(256)) * 20)
+    assert main(tiny_train(tmp_path / "run", "--data", str(data))) == 2
+    assert "are not UTF-8 text (a binary file?)" in capsys.readouterr().err

@@ -146,3 +146,5 @@ def test_train_and_translate_end_to_end(tmp_path, capsys):
     assert main(["translate", out, "three hundred and twelve", "--beam-size", "2"]) == 0
     assert main(["translate", out, "hello"]) == 2
     assert "unknown words" in capsys.readouterr().err
+    assert main(["translate", out, " "]) == 2
+    assert "mhsa translate: a text to translate is empty" in capsys.readouterr().err

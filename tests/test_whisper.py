@@ -357,3 +357,9 @@ def test_transcribe_command(capsys, tmp_path):
     (tmp_path / "notes.txt").write_text("not audio")
     assert main(["transcribe", str(tmp_path / "notes.txt")]) == 2
     assert "not a readable WAV" in capsys.readouterr().err
+    # a bad file among good ones: reported, the others still transcribed, exit 2
+    good = str(alsa_wav("Front_Center"))
+    assert main(["transcribe", good, str(tmp_path / "notes.txt"), good]) == 2
+    captured = capsys.readouterr()
+    assert captured.out.count("Front Center") == 2
+    assert "not a readable WAV" in captured.err and "1 of 3 files failed" in captured.err

@@ -16,7 +16,9 @@ def embed(args: argparse.Namespace) -> int:
     except RuntimeError as error:
         raise SystemExit(str(error)) from error
     vectors = encoder.encode(args.sentences)
-    if args.similarity:
+    if args.similarity and args.json:
+        print(json.dumps((vectors @ vectors.T).tolist()))
+    elif args.similarity:
         sims = vectors @ vectors.T
         width = max(len(s) for s in args.sentences[:20])
         for sentence, row in zip(args.sentences, sims.tolist(), strict=True):
@@ -32,7 +34,12 @@ def embed(args: argparse.Namespace) -> int:
 
 def add_parser(commands) -> None:
     embed_parser = commands.add_parser("embed", help="sentence embeddings (all-MiniLM-L6-v2)")
-    embed_parser.add_argument("sentences", nargs="+")
-    embed_parser.add_argument("--json", action="store_true", help="print the vectors as JSON")
-    embed_parser.add_argument("--similarity", action="store_true", help="print cosine matrix")
+    embed_parser.add_argument("sentences", nargs="+", help="the sentences to embed")
+    embed_parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print JSON (the vectors, or with --similarity the matrix)",
+    )
+    embed_parser.add_argument("--similarity", action="store_true",
+                              help="print the cosine-similarity matrix")  # fmt: skip
     embed_parser.set_defaults(run=embed)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def transcribe(args: argparse.Namespace) -> int:
@@ -14,10 +15,18 @@ def transcribe(args: argparse.Namespace) -> int:
         model = load_whisper()
     except RuntimeError as error:
         raise SystemExit(str(error)) from error
-    for path in args.files:
-        text = transcribe_audio(path, model)
+    failed = 0
+    for path in args.files:  # a bad file is reported and the others still transcribed
+        try:
+            text = transcribe_audio(path, model)
+        except (FileNotFoundError, ValueError) as error:
+            print(f"mhsa transcribe: {error}", file=sys.stderr)
+            failed += 1
+            continue
         print(f"{path}: {text}" if len(args.files) > 1 else text)
-    return 0
+    if failed:
+        print(f"mhsa transcribe: {failed} of {len(args.files)} files failed", file=sys.stderr)
+    return 2 if failed else 0
 
 
 def add_parser(commands) -> None:

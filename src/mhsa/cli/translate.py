@@ -15,6 +15,8 @@ def translate(args: argparse.Namespace) -> int:
     model, state = load_model(args.checkpoint, "seq2seq", Seq2Seq, Seq2SeqConfig)
     vocab = Vocabulary(state["info"]["vocab"])
     for text in args.texts:
+        if not text.strip():
+            raise ValueError("a text to translate is empty; give English number words")
         unknown = vocab.unknown_words(text)
         if unknown:
             raise ValueError(f"unknown words {unknown} in {text!r}: the model knows English "

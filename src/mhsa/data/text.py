@@ -45,6 +45,12 @@ def read_text(path: str | Path) -> str:
     if not path.is_file():
         raise FileNotFoundError(f"--data {path}: no such file")
     text = path.read_text(encoding="utf-8", errors="replace")
+    undecodable = text.count("\ufffd") + text.count("\x00")
+    if undecodable > len(text) // 100:  # more than 1%: not UTF-8 text
+        raise ValueError(
+            f"--data {path}: {undecodable} of {len(text)} characters are not UTF-8 text "
+            "(a binary file?); give a UTF-8 text file"
+        )
     if len(text) < 1000:
         raise ValueError(f"--data {path}: only {len(text)} characters; give at least 1000")
     return text
