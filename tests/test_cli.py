@@ -159,6 +159,9 @@ def test_generate_options(tmp_path, capsys):
     assert main(tiny_train(out)) == 0
     base = ["generate", str(out), "--max-new-tokens", "3"]
     assert main([*base, "--top-k", "0", "--top-p", "0.9"]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert main(["generate", str(out), "--max-new-tokens", "20"]) == 0  # rotary, max_len 16
+    assert "warning: the model was trained on 16 tokens" in capsys.readouterr().err
     assert main([*base, "--prompt", ""]) == 2
     assert "mhsa generate: --prompt must not be empty" in capsys.readouterr().err
     assert main([*base, "--top-p", "0"]) == 2

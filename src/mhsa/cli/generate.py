@@ -23,9 +23,13 @@ def generate(args: argparse.Namespace) -> int:
     if prompt.numel() == 0:
         raise ValueError("--prompt must not be empty")
     room = model.config.max_len - prompt.numel()
-    if model.config.position in ("learned", "sinusoidal") and args.max_new_tokens > room:
-        raise ValueError(f"--max-new-tokens at most {room} for this prompt (max_len "
-                         f"{model.config.max_len})")  # fmt: skip
+    if args.max_new_tokens > room:
+        if model.config.position in ("learned", "sinusoidal"):
+            raise ValueError(f"--max-new-tokens at most {room} for this prompt (max_len "
+                             f"{model.config.max_len})")  # fmt: skip
+        print(f"mhsa generate: warning: the model was trained on {model.config.max_len} "
+              f"tokens; past that ({model.config.position} positions) its text degrades",
+              file=sys.stderr)  # fmt: skip
     generator = torch.Generator().manual_seed(args.seed)
     start = time.perf_counter()
     out = model.generate([prompt], args.max_new_tokens, temperature=args.temperature,
