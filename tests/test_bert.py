@@ -76,6 +76,16 @@ def test_missing_weights_package_is_a_clear_error(monkeypatch):
         minilm_directory()
 
 
+def test_missing_tokenizers_is_named_as_such(monkeypatch):
+    import sys
+
+    from mhsa.embed import SentenceEncoder
+
+    monkeypatch.setitem(sys.modules, "tokenizers", None)
+    with pytest.raises(RuntimeError, match="need the tokenizers package: pip install tokenizers"):
+        SentenceEncoder()
+
+
 def test_masked_lm_batches_follow_the_recipe():
     from mhsa.data.text import MaskedLMTask
 

