@@ -61,6 +61,9 @@ def add_parser(commands) -> None:
     bench_parser.add_argument("--quick", action="store_true", help="small smoke run")
     bench_parser.add_argument("--no-memory", action="store_true", help="skip memory cases")
     bench_parser.add_argument(
-        "--long", action="store_true", help="add causal L=S=65536 memory (minutes)"
+        "--long",
+        action="store_true",
+        help="attention: add the L=S=16384 memory cases (the reference needs ~12 GiB) and "
+        "causal L=S=65536 (minutes)",
     )
     bench_parser.set_defaults(run=bench)
