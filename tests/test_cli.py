@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from mhsa.cli import main
 
@@ -158,7 +159,9 @@ def test_generate_options(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(tiny_train(out)) == 0
     base = ["generate", str(out), "--max-new-tokens", "3"]
-    assert main([*base, "--top-k", "0", "--top-p", "0.9"]) == 0
+    threads = torch.get_num_threads()
+    assert main([*base, "--top-k", "0", "--top-p", "0.9", "--threads", "1"]) == 0
+    assert torch.get_num_threads() == threads  # restored after the command
     assert "warning" not in capsys.readouterr().err
     assert main(["generate", str(out), "--max-new-tokens", "20"]) == 0  # rotary, max_len 16
     assert "warning: the model was trained on 16 tokens" in capsys.readouterr().err

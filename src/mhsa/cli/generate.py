@@ -7,10 +7,20 @@ import sys
 
 import torch
 
-from .common import load_model, non_negative_int
+from .common import load_model, non_negative_int, positive_int
 
 
 def generate(args: argparse.Namespace) -> int:
+    """Sample with --threads torch threads (restored after: main may run in-process)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return _generate(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _generate(args: argparse.Namespace) -> int:
     """Sample a continuation from a trained checkpoint, with the KV cache."""
     import time
 
@@ -65,4 +75,11 @@ def add_parser(commands) -> None:
                      help="sample among the likeliest tokens whose probability reaches p, "
                           "in (0, 1] (default: no limit)")  # fmt: skip
     gen.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    gen.add_argument(
+        "--threads",
+        type=positive_int,
+        default=1,
+        help="torch threads (default 1: one token at a time of a small model "
+        "gains little from more, and loses much when cores are busy)",
+    )
     gen.set_defaults(run=generate)
