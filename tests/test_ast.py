@@ -61,3 +61,13 @@ def test_train_ast_end_to_end(tmp_path, capsys):
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "espeak-ng" in out and "test accuracy" in out
+    # classify a spoken word at 22050 Hz (espeak-ng's rate: resampled like any WAV)
+    import subprocess
+
+    wav = tmp_path / "seven.wav"
+    subprocess.run(["espeak-ng", "-v", "en-us", "-w", str(wav), "seven"], check=True)
+    assert main(["classify", str(tmp_path / "ast"), str(wav)]) == 0
+    label = capsys.readouterr().out.split(": ")[1].split(" (")[0]
+    assert label in speech.WORDS
+    assert main(["classify", str(tmp_path / "ast"), str(tmp_path / "missing.wav")]) == 2
+    assert "no such audio file" in capsys.readouterr().err

@@ -62,3 +62,16 @@ def test_train_points_end_to_end(tmp_path, capsys):
             "2", "--per-class", "5", "--layers", "1", "--d-model", "16"]  # fmt: skip
     assert main(args) == 0
     assert "test accuracy" in capsys.readouterr().out
+    # classify a cube written as x y z text rows
+    import numpy as np
+
+    from mhsa.data.shapes import SHAPES, point_cloud
+
+    cloud = point_cloud("cube", torch.Generator().manual_seed(3))
+    np.savetxt(tmp_path / "cube.txt", cloud.numpy())
+    assert main(["classify", str(tmp_path / "pts"), str(tmp_path / "cube.txt")]) == 0
+    label = capsys.readouterr().out.split(": ")[1].split(" (")[0]
+    assert label in SHAPES
+    (tmp_path / "flat.txt").write_text("1 2\n3 4\n")
+    assert main(["classify", str(tmp_path / "pts"), str(tmp_path / "flat.txt")]) == 2
+    assert "expected N x 3 points" in capsys.readouterr().err

@@ -38,3 +38,20 @@ def test_train_vit_end_to_end(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "sklearn digits" in out and "test accuracy" in out
     assert (tmp_path / "vit" / "latest" / "model.safetensors").exists()
+    # classify: a digit saved as a PNG, and a file that is not an image
+    from PIL import Image
+
+    from mhsa.data.classify import digits
+
+    images, _ = digits()
+    pixels = (images[0, 0] * 255).round().byte().numpy()
+    Image.fromarray(pixels, mode="L").save(tmp_path / "digit.png")
+    (tmp_path / "notes.txt").write_text("not an image")
+    files = [str(tmp_path / "digit.png"), str(tmp_path / "notes.txt")]
+    assert main(["classify", str(tmp_path / "vit"), *files, "--top", "2"]) == 2
+    captured = capsys.readouterr()
+    line = captured.out.strip()
+    assert line.startswith(f"{files[0]}: ") and line.count(" 0.") + line.count(" 1.0") == 2
+    assert (
+        "notes.txt: not a readable image" in captured.err and "1 of 2 files failed" in captured.err
+    )

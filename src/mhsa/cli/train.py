@@ -78,9 +78,10 @@ def train_vit(args: argparse.Namespace) -> int:
 
     torch.manual_seed(args.seed)
     if args.data:
-        images, labels, _ = image_folder(args.data, args.image_size, args.channels)
+        images, labels, classes = image_folder(args.data, args.image_size, args.channels)
     else:
         images, labels = digits()
+        classes = [str(d) for d in range(10)]
     config = ViTConfig(image_size=images.shape[-1], patch_size=args.patch_size,
                        channels=images.shape[1], num_classes=int(labels.max()) + 1,
                        d_model=args.d_model, n_layer=args.layers, n_head=args.heads,
@@ -97,7 +98,8 @@ def train_vit(args: argparse.Namespace) -> int:
         augment=shift_augment,
         items_per_sample=(config.image_size // config.patch_size) ** 2,
     )
-    fit(ViT(config), task, {"model": "vit", "config": config.to_dict()}, args, args.lr)
+    info = {"model": "vit", "config": config.to_dict(), "classes": classes}
+    fit(ViT(config), task, info, args, args.lr)
     return 0
 
 
@@ -128,7 +130,7 @@ def train_bert(args: argparse.Namespace) -> int:
 def train_ast(args: argparse.Namespace) -> int:
     """An Audio Spectrogram Transformer on spoken digits synthesised with espeak-ng."""
     from ..data.classify import ClassificationTask
-    from ..data.speech import log_mel, synthesize, voices
+    from ..data.speech import WORDS, log_mel, synthesize, voices
     from ..models.ast import AST, ASTConfig
 
     torch.manual_seed(args.seed)
@@ -147,7 +149,8 @@ def train_ast(args: argparse.Namespace) -> int:
                        n_layer=args.layers, n_head=args.heads)  # fmt: skip
     task = ClassificationTask((features[~test], labels[~test]), (features[test], labels[test]),
                               args.batch_size, items_per_sample=sum(config.grid()))  # fmt: skip
-    fit(AST(config), task, {"model": "ast", "config": config.to_dict()}, args, args.lr)
+    info = {"model": "ast", "config": config.to_dict(), "classes": list(WORDS)}
+    fit(AST(config), task, info, args, args.lr)
     return 0
 
 
@@ -166,7 +169,8 @@ def train_points(args: argparse.Namespace) -> int:
                               n_head=args.heads, pooling=args.pooling)  # fmt: skip
     task = ClassificationTask(train_split, test_split, args.batch_size, collate=collate,
                               items_per_sample=128)  # fmt: skip
-    fit(PointCloudTransformer(config), task, {"model": "points", "config": config.to_dict()},
+    info = {"model": "points", "config": config.to_dict(), "classes": list(SHAPES)}
+    fit(PointCloudTransformer(config), task, info,
          args, args.lr)  # fmt: skip
     return 0
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -94,12 +95,28 @@ def shift_augment(images: Tensor, generator: torch.Generator, max_shift: int = 1
     return out
 
 
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
+
+
+def load_image(path: str | Path, size: int, channels: int) -> Tensor:
+    """One image as (channels, size, size) in [0, 1], resized (needs Pillow)."""
+    try:
+        from PIL import Image, UnidentifiedImageError
+    except ImportError as error:
+        raise SystemExit("reading images needs Pillow: pip install pillow") from error
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such image")
+    try:
+        image = Image.open(path).convert("L" if channels == 1 else "RGB").resize((size, size))
+    except (UnidentifiedImageError, OSError) as error:
+        raise ValueError(f"{path}: not a readable image ({error})") from error
+    array = torch.from_numpy(np.asarray(image, dtype=np.float32).copy()) / 255.0
+    return array.view(size, size, channels).permute(2, 0, 1)
+
+
 def image_folder(directory: str | Path, size: int, channels: int) -> tuple[Tensor, Tensor, list]:
     """Images under directory/<class name>/*.{png,jpg,jpeg}, resized to size x size."""
-    try:
-        from PIL import Image
-    except ImportError as error:
-        raise SystemExit("--data DIR needs Pillow: pip install pillow") from error
     directory = Path(directory)
     classes = (
         sorted(p.name for p in directory.iterdir() if p.is_dir()) if directory.is_dir() else []
@@ -107,13 +124,10 @@ def image_folder(directory: str | Path, size: int, channels: int) -> tuple[Tenso
     if len(classes) < 2:
         raise SystemExit(f"--data {directory}: need one sub-folder per class (two or more)")
     images, labels = [], []
-    mode = "L" if channels == 1 else "RGB"
     for label, name in enumerate(classes):
         for path in sorted((directory / name).iterdir()):
-            if path.suffix.lower() in (".png", ".jpg", ".jpeg"):
-                image = Image.open(path).convert(mode).resize((size, size))
-                array = torch.tensor(list(image.getdata()), dtype=torch.float32) / 255.0
-                images.append(array.view(size, size, channels).permute(2, 0, 1))
+            if path.suffix.lower() in IMAGE_SUFFIXES:
+                images.append(load_image(path, size, channels))
                 labels.append(label)
     if not images:
         raise SystemExit(f"--data {directory}: no .png/.jpg images found")

@@ -4,6 +4,7 @@ and jittered, with a varying number of points. Nothing is downloaded."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -96,3 +97,23 @@ def collate(clouds: list[Tensor]) -> tuple[Tensor, Tensor]:
         points[i, : len(cloud)] = cloud
         mask[i, : len(cloud)] = True
     return points, mask
+
+
+def read_points(path: str | Path) -> Tensor:
+    """A point cloud (N, 3) from a .npy file or a text file of x y z rows, centred as the
+    built-in clouds are."""
+    import numpy as np
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such point file")
+    try:
+        array = np.load(path) if path.suffix == ".npy" else np.loadtxt(path, ndmin=2)
+    except ValueError as error:
+        raise ValueError(f"{path}: not a point file of x y z rows ({error})") from error
+    if array.ndim != 2 or array.shape[1] != 3 or len(array) == 0:
+        raise ValueError(f"{path}: expected N x 3 points (x y z per row), got {array.shape}")
+    cloud = torch.as_tensor(array, dtype=torch.float32)
+    if not cloud.isfinite().all():
+        raise ValueError(f"{path}: the points hold nan or inf")
+    return cloud - cloud.mean(dim=0)

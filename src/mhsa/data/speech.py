@@ -211,3 +211,19 @@ def log_mel(audio: Tensor, n_mels: int = 64, n_fft: int = 400, hop: int = 160) -
                       return_complex=True).abs().square()  # fmt: skip
     mel = mel_filterbank(n_fft, n_mels, SAMPLE_RATE).to(audio.device) @ spec
     return torch.log(mel + 1e-6).reshape(*audio.shape[:-1], n_mels, -1)
+
+
+def clip_features(path: str | Path, n_mels: int = 64) -> Tensor:
+    """A WAV file as the AST models see their training clips: 16 kHz, centred in a
+    CLIP_SECONDS clip (cropped if longer), log-mel (n_mels, frames) normalised per clip."""
+    audio, rate = read_wav(path)
+    audio = resample(audio, rate, method="sinc")
+    if not audio.isfinite().all():
+        raise ValueError(f"{path}: the samples hold nan or inf")
+    size = int(SAMPLE_RATE * CLIP_SECONDS)
+    audio = audio[:size]
+    clip = torch.zeros(size)
+    offset = (size - len(audio)) // 2
+    clip[offset : offset + len(audio)] = audio
+    features = log_mel(clip.view(1, -1), n_mels=n_mels)[0]
+    return (features - features.mean()) / features.std().clamp(min=1e-6)
