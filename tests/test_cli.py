@@ -180,3 +180,42 @@ def test_train_refuses_a_binary_data_file(tmp_path, capsys):
     data.write_bytes(bytes(range(256)) * 20)
     assert main(tiny_train(tmp_path / "run", "--data", str(data))) == 2
     assert "are not UTF-8 text (a binary file?)" in capsys.readouterr().err
+
+
+def test_damaged_or_mismatched_checkpoints_are_clear_errors(tmp_path, capsys):
+    import json
+
+    out = tmp_path / "run"
+    assert main(tiny_train(out)) == 0
+    step = out / "step-000002"
+    config_file = step / "config.json"
+    config = json.loads(config_file.read_text())
+    # a config that promises a 2e9-token vocabulary: refused from the file's header,
+    # before any model of that size is built
+    config["config"]["vocab_size"] = 2_000_000_000
+    config_file.write_text(json.dumps(config))
+    assert main(["generate", str(out), "--max-new-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "does not fit its config.json: wrong shape: tok_emb.weight" in err
+    config["config"]["vocab_size"] = 256
+    config["config"]["bogus"] = 1
+    config_file.write_text(json.dumps(config))
+    assert main(["generate", str(out), "--max-new-tokens", "1"]) == 2
+    assert "config.json: not a valid config" in capsys.readouterr().err
+    del config["config"]["bogus"]
+    config_file.write_text(json.dumps(config))
+    weights = step / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # truncated
+    assert main(["generate", str(out), "--max-new-tokens", "1"]) == 2
+    assert "model.safetensors: not a readable safetensors file" in capsys.readouterr().err
+    assert main(tiny_train(out, "--resume", "--steps", "4")) == 2
+    assert "not a readable safetensors file" in capsys.readouterr().err
+
+
+def test_resume_a_gpt_run_into_another_kind_is_a_clear_error(tmp_path, capsys):
+    out = tmp_path / "pts"
+    args = ["train", "points", "--out", str(out), "--steps", "1", "--eval-every", "1",
+            "--per-class", "2", "--layers", "1", "--d-model", "16"]  # fmt: skip
+    assert main(args) == 0
+    assert main(tiny_train(out, "--resume")) == 2
+    assert "holds a 'points' model, not 'gpt'" in capsys.readouterr().err

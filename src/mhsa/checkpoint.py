@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -126,13 +127,57 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return path
 
 
-def load_checkpoint(path: str | Path) -> dict:
-    """{'path', 'info' (config.json), 'weights', 'trainer' (or None)}."""
+def load_checkpoint(
+    path: str | Path, *, weights: bool = True, trainer: bool = True, expected: dict | None = None
+) -> dict:
+    """{'path', 'info' (config.json), 'weights', 'trainer' (or None)}; weights and
+    trainer only when asked. expected ({name: shape}) is checked against the file's
+    header before any tensor is read."""
     path = resolve_checkpoint(path)
+    try:
+        info = json.loads((path / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path / 'config.json'}: not valid JSON ({error})") from error
+    if not isinstance(info, dict):
+        raise ValueError(f"{path / 'config.json'}: expected a JSON object")
     trainer_path = path / "trainer.pt"
     return {
         "path": path,
-        "info": json.loads((path / "config.json").read_text()),
-        "weights": load_file(path / "model.safetensors"),
-        "trainer": torch.load(trainer_path, weights_only=True) if trainer_path.exists() else None,
+        "info": info,
+        "weights": read_weights(path / "model.safetensors", expected) if weights else None,
+        "trainer": (
+            torch.load(trainer_path, weights_only=True)
+            if trainer and trainer_path.exists()
+            else None
+        ),
     }
+
+
+def read_weights(file: Path, expected: dict | None = None) -> dict:
+    """The tensors of a safetensors file; with expected ({name: shape}) every name and
+    shape is checked from the header first. ValueError naming the file otherwise."""
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            names = handle.keys()  # noqa: SIM118 - a safe_open handle is not iterable
+            shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in names}
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"{file}: not a readable safetensors file ({error})") from error
+    if expected is not None:
+        missing = sorted(set(expected) - set(shapes))
+        extra = sorted(set(shapes) - set(expected))
+        wrong = [
+            f"{name} {shapes[name]} (the model has {tuple(expected[name])})"
+            for name in sorted(set(expected) & set(shapes))
+            if shapes[name] != tuple(expected[name])
+        ]
+        for what, names in (("missing", missing), ("unexpected", extra), ("wrong shape", wrong)):
+            if names:
+                shown = ", ".join(map(str, names[:3])) + (" ..." if len(names) > 3 else "")
+                raise ValueError(
+                    f"{file} does not fit its config.json: {what}: {shown}; it was written "
+                    "for another model, or damaged"
+                )
+    try:
+        return load_file(file)
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"{file}: not a readable safetensors file ({error})") from error

@@ -143,8 +143,10 @@ def train(
     history: list[dict] = []
     owned, replaced = _checkpoints_to_manage(out_dir, resume, overwrite)
     if resume:
-        state = load_checkpoint(out_dir)
+        state = load_checkpoint(out_dir, weights=False, trainer=False)
         _check_resumable(state, model_info)
+        shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        state = load_checkpoint(state["path"], expected=shapes)
         model.load_state_dict(state["weights"])
         trainer = state["trainer"]
         optimizer.load_state_dict(trainer["optimizer"])
@@ -240,7 +242,7 @@ def _check_resumable(state: dict, model_info: dict) -> None:
             f"{state['path']} holds a {kind!r} model, not {want!r}: --resume continues a run "
             "of the same model; choose another --out for a new one"
         )
-    if state["trainer"] is None:
+    if not (state["path"] / "trainer.pt").is_file():
         raise ValueError(
             f"{state['path']} has no trainer.pt (optimizer and random states), so it cannot "
             "be resumed; start a new run with another --out"

@@ -8,13 +8,14 @@ import sys
 
 import torch
 
-from .common import positive_int
+from .common import load_model, positive_int
 
 KINDS = ("vit", "ast", "points")
 
 
-def _model_and_reader(state: dict):
-    """(model in eval mode, file -> the model's input batch of one) for a checkpoint."""
+def _model_and_reader(path: str):
+    """(model in eval mode, checkpoint state, file -> the model's input batch of one)."""
+    from ..checkpoint import load_checkpoint
     from ..data.classify import load_image
     from ..data.shapes import read_points
     from ..data.speech import clip_features
@@ -22,41 +23,34 @@ def _model_and_reader(state: dict):
     from ..models.points import PointCloudConfig, PointCloudTransformer
     from ..models.vit import ViT, ViTConfig
 
-    kind, config = state["info"].get("model"), state["info"]["config"]
-    if kind == "vit":
-        model, config = ViT(ViTConfig(**config)), ViTConfig(**config)
-
-        def read(path):
-            return (load_image(path, config.image_size, config.channels)[None],)
-    elif kind == "ast":
-        model, config = AST(ASTConfig(**config)), ASTConfig(**config)
-
-        def read(path):
-            features = clip_features(path, config.n_mels)
-            if features.shape[1] != config.frames:
-                raise ValueError(f"{path}: {features.shape[1]} frames, the model takes "
-                                 f"{config.frames}")  # fmt: skip
-            return (features[None],)
-    elif kind == "points":
-        model = PointCloudTransformer(PointCloudConfig(**config))
-
-        def read(path):
-            return (read_points(path)[None],)
-    else:
+    info = load_checkpoint(path, weights=False, trainer=False)
+    kind = info["info"].get("model")
+    classes = {"vit": (ViT, ViTConfig), "ast": (AST, ASTConfig),
+               "points": (PointCloudTransformer, PointCloudConfig)}  # fmt: skip
+    if kind not in classes:
         raise ValueError(
-            f"{state['path']} holds a {kind!r} model; classify takes {', '.join(KINDS)} "
+            f"{info['path']} holds a {kind!r} model; classify takes {', '.join(KINDS)} "
             "checkpoints (mhsa train vit|ast|points)"
         )
-    model.load_state_dict(state["weights"])
-    return model.eval(), read
+    model, state = load_model(path, kind, *classes[kind])
+    config = model.config
+
+    def read(file):
+        if kind == "vit":
+            return (load_image(file, config.image_size, config.channels)[None],)
+        if kind == "points":
+            return (read_points(file)[None],)
+        features = clip_features(file, config.n_mels)
+        if features.shape[1] != config.frames:
+            raise ValueError(f"{file}: {features.shape[1]} frames, the model takes {config.frames}")
+        return (features[None],)
+
+    return model, state, read
 
 
 def classify(args: argparse.Namespace) -> int:
     """Print each file's most likely labels; a bad file is reported and the others go on."""
-    from ..train import load_checkpoint
-
-    state = load_checkpoint(args.checkpoint)
-    model, read = _model_and_reader(state)
+    model, state, read = _model_and_reader(args.checkpoint)
     classes = state["info"].get("classes") or [
         f"class {i}" for i in range(model.config.num_classes)
     ]

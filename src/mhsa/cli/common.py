@@ -5,16 +5,30 @@ from __future__ import annotations
 import argparse
 
 
-def load_model(path: str, kind: str, model_cls, config_cls) -> tuple:
-    """(model in eval mode, checkpoint state) of a `mhsa train <kind>` checkpoint."""
-    from ..train import load_checkpoint
+def load_model(path: str, kind: str | None, model_cls, config_cls) -> tuple:
+    """(model in eval mode, checkpoint state) of a `mhsa train <kind>` checkpoint. The
+    config is checked against the weights' names and shapes before anything large is
+    allocated (the model is first built on the meta device)."""
+    import torch
 
-    state = load_checkpoint(path)
-    if state["info"].get("model") != kind:
+    from ..checkpoint import load_checkpoint
+
+    state = load_checkpoint(path, weights=False, trainer=False)
+    if kind is not None and state["info"].get("model") != kind:
         raise ValueError(
             f"{state['path']} holds a {state['info'].get('model')!r} model, not {kind}"
         )
-    model = model_cls(config_cls(**state["info"]["config"]))
+    try:
+        config = config_cls(**state["info"]["config"])
+    except (KeyError, TypeError, ValueError) as error:
+        raise ValueError(
+            f"{state['path'] / 'config.json'}: not a valid config ({error})"
+        ) from error
+    with torch.device("meta"):
+        skeleton = model_cls(config)
+    expected = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
+    state["weights"] = load_checkpoint(state["path"], trainer=False, expected=expected)["weights"]
+    model = model_cls(config)
     model.load_state_dict(state["weights"])
     return model.eval(), state
 

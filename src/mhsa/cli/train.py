@@ -27,7 +27,11 @@ def train_gpt(args: argparse.Namespace) -> int:
         dropout=args.dropout, position=args.position, window=args.window,
     )  # fmt: skip
     if args.resume:  # the checkpoint's model, not the command line's
-        config = GPTConfig(**load_checkpoint(args.out)["info"]["config"])
+        saved = load_checkpoint(args.out, weights=False, trainer=False)
+        if saved["info"].get("model") != "gpt":
+            raise ValueError(f"{saved['path']} holds a {saved['info'].get('model')!r} model, "
+                             "not 'gpt': --resume continues a run of the same model")  # fmt: skip
+        config = GPTConfig(**saved["info"]["config"])
     task = TextTask(tokenizer.encode(text), config.max_len, args.batch_size)
     model = GPT(config)
     params = sum(p.numel() for p in model.parameters())
