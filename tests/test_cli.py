@@ -219,3 +219,12 @@ def test_resume_a_gpt_run_into_another_kind_is_a_clear_error(tmp_path, capsys):
     assert main(args) == 0
     assert main(tiny_train(out, "--resume")) == 2
     assert "holds a 'points' model, not 'gpt'" in capsys.readouterr().err
+
+
+def test_a_checkpoint_of_another_kind_is_named(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(tiny_train(out)) == 0
+    assert main(["classify", str(out), "x.png"]) == 2
+    assert "holds a 'gpt' model; this command takes vit or ast or points" in capsys.readouterr().err
+    assert main(["translate", str(out), "one"]) == 2
+    assert "holds a 'gpt' model; this command takes seq2seq" in capsys.readouterr().err

@@ -33,13 +33,16 @@ from .checkpoint import (
     clean_leftovers,
     latest_checkpoint,
     load_checkpoint,
+    read_weights,
     resolve_checkpoint,
     save_checkpoint,
 )
+from .validate import int_at_least
 
 __all__ = [
     "TrainConfig",
     "TrainingDiverged",
+    "check_resumable",
     "evaluate",
     "load_checkpoint",
     "lr_at",
@@ -67,11 +70,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "eval_every", "checkpoint_every", "keep", "warmup"):
-            value = getattr(self, name)
-            low = 0 if name == "warmup" else 1
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                flag = "--" + name.replace("_", "-")
-                raise ValueError(f"{name} must be an int >= {low} ({flag}), got {value!r}")
+            flag = "--" + name.replace("_", "-")
+            int_at_least(name, getattr(self, name), 0 if name == "warmup" else 1, f" ({flag})")
         if self.nonfinite not in ("stop", "skip"):
             raise ValueError(f"nonfinite must be 'stop' or 'skip', got {self.nonfinite!r}")
 
@@ -143,11 +143,10 @@ def train(
     history: list[dict] = []
     owned, replaced = _checkpoints_to_manage(out_dir, resume, overwrite)
     if resume:
-        state = load_checkpoint(out_dir, weights=False, trainer=False)
-        _check_resumable(state, model_info)
+        state = load_checkpoint(out_dir, weights=False)
+        check_resumable(state, model_info.get("model"))
         shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-        state = load_checkpoint(state["path"], expected=shapes)
-        model.load_state_dict(state["weights"])
+        model.load_state_dict(read_weights(state["path"] / "model.safetensors", shapes))
         trainer = state["trainer"]
         optimizer.load_state_dict(trainer["optimizer"])
         generator.set_state(trainer["generator"])
@@ -235,14 +234,16 @@ def _checkpoints_to_manage(out_dir: Path, resume: bool, overwrite: bool) -> tupl
     return [], existing
 
 
-def _check_resumable(state: dict, model_info: dict) -> None:
-    kind, want = state["info"].get("model"), model_info.get("model")
+def check_resumable(state: dict, want: str | None) -> None:
+    """Raise unless the checkpoint (load_checkpoint's state) holds a `want` model and its
+    trainer state."""
+    kind = state["info"].get("model")
     if kind != want:
         raise ValueError(
             f"{state['path']} holds a {kind!r} model, not {want!r}: --resume continues a run "
             "of the same model; choose another --out for a new one"
         )
-    if not (state["path"] / "trainer.pt").is_file():
+    if state["trainer"] is None:
         raise ValueError(
             f"{state['path']} has no trainer.pt (optimizer and random states), so it cannot "
             "be resumed; start a new run with another --out"

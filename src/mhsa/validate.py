@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from .masks.base import Pattern
+from .masks.base import int_at_least as int_at_least  # one int check for the layers above
 
 LAYOUT = "(batch, num_heads, seq_len, head_dim)"
 

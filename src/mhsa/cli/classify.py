@@ -10,12 +10,9 @@ import torch
 
 from .common import load_model, positive_int
 
-KINDS = ("vit", "ast", "points")
-
 
 def _model_and_reader(path: str):
     """(model in eval mode, checkpoint state, file -> the model's input batch of one)."""
-    from ..checkpoint import load_checkpoint
     from ..data.classify import load_image
     from ..data.shapes import read_points
     from ..data.speech import clip_features
@@ -23,16 +20,15 @@ def _model_and_reader(path: str):
     from ..models.points import PointCloudConfig, PointCloudTransformer
     from ..models.vit import ViT, ViTConfig
 
-    info = load_checkpoint(path, weights=False, trainer=False)
-    kind = info["info"].get("model")
-    classes = {"vit": (ViT, ViTConfig), "ast": (AST, ASTConfig),
-               "points": (PointCloudTransformer, PointCloudConfig)}  # fmt: skip
-    if kind not in classes:
-        raise ValueError(
-            f"{info['path']} holds a {kind!r} model; classify takes {', '.join(KINDS)} "
-            "checkpoints (mhsa train vit|ast|points)"
-        )
-    model, state = load_model(path, kind, *classes[kind])
+    model, state = load_model(
+        path,
+        {
+            "vit": (ViT, ViTConfig),
+            "ast": (AST, ASTConfig),
+            "points": (PointCloudTransformer, PointCloudConfig),
+        },
+    )
+    kind = state["info"]["model"]
     config = model.config
 
     def read(file):

@@ -5,19 +5,23 @@ from __future__ import annotations
 import argparse
 
 
-def load_model(path: str, kind: str | None, model_cls, config_cls) -> tuple:
-    """(model in eval mode, checkpoint state) of a `mhsa train <kind>` checkpoint. The
-    config is checked against the weights' names and shapes before anything large is
-    allocated (the model is first built on the meta device)."""
+def load_model(path: str, kinds: dict[str, tuple]) -> tuple:
+    """(model in eval mode, checkpoint state) of a `mhsa train` checkpoint whose model is
+    one of kinds ({kind: (model class, config class)}). The config is checked against
+    the weights' names and shapes before anything large is allocated (the model is
+    built on the meta device first)."""
     import torch
 
-    from ..checkpoint import load_checkpoint
+    from ..checkpoint import load_checkpoint, read_weights
 
     state = load_checkpoint(path, weights=False, trainer=False)
-    if kind is not None and state["info"].get("model") != kind:
+    kind = state["info"].get("model")
+    if kind not in kinds:
         raise ValueError(
-            f"{state['path']} holds a {state['info'].get('model')!r} model, not {kind}"
+            f"{state['path']} holds a {kind!r} model; this command takes "
+            f"{' or '.join(kinds)} checkpoints (mhsa train {'|'.join(kinds)})"
         )
+    model_cls, config_cls = kinds[kind]
     try:
         config = config_cls(**state["info"]["config"])
     except (KeyError, TypeError, ValueError) as error:
@@ -25,9 +29,8 @@ def load_model(path: str, kind: str | None, model_cls, config_cls) -> tuple:
             f"{state['path'] / 'config.json'}: not a valid config ({error})"
         ) from error
     with torch.device("meta"):
-        skeleton = model_cls(config)
-    expected = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
-    state["weights"] = load_checkpoint(state["path"], trainer=False, expected=expected)["weights"]
+        expected = {name: tuple(t.shape) for name, t in model_cls(config).state_dict().items()}
+    state["weights"] = read_weights(state["path"] / "model.safetensors", expected)
     model = model_cls(config)
     model.load_state_dict(state["weights"])
     return model.eval(), state

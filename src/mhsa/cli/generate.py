@@ -27,7 +27,7 @@ def _generate(args: argparse.Namespace) -> int:
     from ..data.text import ByteTokenizer
     from ..models import GPT, GPTConfig
 
-    model, _ = load_model(args.checkpoint, "gpt", GPT, GPTConfig)
+    model, _ = load_model(args.checkpoint, {"gpt": (GPT, GPTConfig)})
     tokenizer = ByteTokenizer()
     prompt = tokenizer.encode(args.prompt)
     if prompt.numel() == 0:

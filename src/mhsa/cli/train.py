@@ -15,7 +15,7 @@ def train_gpt(args: argparse.Namespace) -> int:
     from ..data.text import ByteTokenizer, TextTask, describe_loss, read_text, stdlib_corpus
     from ..launch import join_torchrun_group
     from ..models import GPT, GPTConfig
-    from ..train import load_checkpoint, train
+    from ..train import check_resumable, load_checkpoint, train
 
     join_torchrun_group()  # a no-op unless started by torchrun with several processes
     torch.manual_seed(args.seed)
@@ -27,10 +27,8 @@ def train_gpt(args: argparse.Namespace) -> int:
         dropout=args.dropout, position=args.position, window=args.window,
     )  # fmt: skip
     if args.resume:  # the checkpoint's model, not the command line's
-        saved = load_checkpoint(args.out, weights=False, trainer=False)
-        if saved["info"].get("model") != "gpt":
-            raise ValueError(f"{saved['path']} holds a {saved['info'].get('model')!r} model, "
-                             "not 'gpt': --resume continues a run of the same model")  # fmt: skip
+        saved = load_checkpoint(args.out, weights=False)
+        check_resumable(saved, "gpt")
         config = GPTConfig(**saved["info"]["config"])
     task = TextTask(tokenizer.encode(text), config.max_len, args.batch_size)
     model = GPT(config)
@@ -134,7 +132,7 @@ def train_bert(args: argparse.Namespace) -> int:
 def train_ast(args: argparse.Namespace) -> int:
     """An Audio Spectrogram Transformer on spoken digits synthesised with espeak-ng."""
     from ..data.classify import ClassificationTask
-    from ..data.speech import WORDS, log_mel, synthesize, voices
+    from ..data.speech import WORDS, log_mel, normalise_clips, synthesize, voices
     from ..models.ast import AST, ASTConfig
 
     torch.manual_seed(args.seed)
@@ -145,9 +143,7 @@ def train_ast(args: argparse.Namespace) -> int:
     print(f"synthesising {len(voice_list) * 10 * args.per_voice} clips with espeak-ng "
           f"({len(voice_list)} voices, {held_out} held out for testing) ...")  # fmt: skip
     audio, labels, speakers = synthesize(args.per_voice, args.seed, voice_list)
-    features = log_mel(audio)
-    mean = features.mean(dim=(1, 2), keepdim=True)
-    features = (features - mean) / features.std(dim=(1, 2), keepdim=True)  # per clip
+    features = normalise_clips(log_mel(audio))
     test = speakers < held_out  # whole voices, never heard in training
     config = ASTConfig(n_mels=features.shape[1], frames=features.shape[2], d_model=args.d_model,
                        n_layer=args.layers, n_head=args.heads)  # fmt: skip

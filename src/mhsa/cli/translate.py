@@ -12,7 +12,7 @@ def translate(args: argparse.Namespace) -> int:
     from ..data.numbers import Vocabulary, pad_batch
     from ..models.seq2seq import Seq2Seq, Seq2SeqConfig
 
-    model, state = load_model(args.checkpoint, "seq2seq", Seq2Seq, Seq2SeqConfig)
+    model, state = load_model(args.checkpoint, {"seq2seq": (Seq2Seq, Seq2SeqConfig)})
     vocab = Vocabulary(state["info"]["vocab"])
     for text in args.texts:
         if not text.strip():

@@ -13,7 +13,7 @@ def viz(args: argparse.Namespace) -> int:
     from ..models import GPT, GPTConfig
     from ..viz import attention_maps, plot_maps
 
-    model, state = load_model(args.checkpoint, "gpt", GPT, GPTConfig)
+    model, state = load_model(args.checkpoint, {"gpt": (GPT, GPTConfig)})
     tokens = ByteTokenizer().encode(args.text)
     if not 0 < tokens.numel() <= model.config.max_len:
         raise SystemExit(f"--text must be 1..{model.config.max_len} bytes, got {tokens.numel()}")

@@ -155,14 +155,22 @@ def speak(word: str, voice: str, pitch: int, speed: int, workdir: Path) -> Tenso
     return resample(audio, rate)
 
 
-def fit_clip(audio: Tensor, g: torch.Generator) -> Tensor:
-    """Place the audio at a random offset in a fixed-length clip (cropped if longer)."""
+def fit_clip(audio: Tensor, g: torch.Generator | None = None) -> Tensor:
+    """Place the audio in a fixed-length clip (cropped if longer): at a random offset
+    drawn from g, or centred without one."""
     size = int(SAMPLE_RATE * CLIP_SECONDS)
     audio = audio[:size]
     clip = torch.zeros(size)
-    offset = int(torch.randint(0, size - len(audio) + 1, (), generator=g))
+    room = size - len(audio)
+    offset = room // 2 if g is None else int(torch.randint(0, room + 1, (), generator=g))
     clip[offset : offset + len(audio)] = audio
     return clip
+
+
+def normalise_clips(features: Tensor) -> Tensor:
+    """Log-mel features (..., n_mels, frames) scaled to zero mean and unit std per clip."""
+    mean = features.mean(dim=(-2, -1), keepdim=True)
+    return (features - mean) / features.std(dim=(-2, -1), keepdim=True).clamp(min=1e-6)
 
 
 def voices() -> list[str]:
@@ -220,10 +228,4 @@ def clip_features(path: str | Path, n_mels: int = 64) -> Tensor:
     audio = resample(audio, rate, method="sinc")
     if not audio.isfinite().all():
         raise ValueError(f"{path}: the samples hold nan or inf")
-    size = int(SAMPLE_RATE * CLIP_SECONDS)
-    audio = audio[:size]
-    clip = torch.zeros(size)
-    offset = (size - len(audio)) // 2
-    clip[offset : offset + len(audio)] = audio
-    features = log_mel(clip.view(1, -1), n_mels=n_mels)[0]
-    return (features - features.mean()) / features.std().clamp(min=1e-6)
+    return normalise_clips(log_mel(fit_clip(audio), n_mels=n_mels))

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ..kernels.plan import EMPTY, FULL, PARTIAL, reduce_blocks
 
-__all__ = ["EMPTY", "FULL", "PARTIAL", "Band", "Pattern"]
+__all__ = ["EMPTY", "FULL", "PARTIAL", "Band", "Pattern", "int_at_least"]
 
 
 def num_blocks(length: int, block: int) -> int:
@@ -130,13 +130,17 @@ class Pattern:
     def fingerprint(self) -> str:
         """A digest of the pattern's content: its type and every public field, tensors by
         their dtype, shape and values (unlike repr, which elides long ones). Equal on
-        two processes exactly when the patterns are equal."""
+        two processes exactly when the patterns are equal. Computed once, as cache_key."""
+        cached = vars(self).get("_fingerprint")
+        if cached is not None:
+            return cached
         digest = hashlib.sha256(type(self).__name__.encode())
         for name, value in sorted(vars(self).items()):
             if not name.startswith("_"):
                 digest.update(name.encode())
                 _feed(digest, value)
-        return digest.hexdigest()
+        self._fingerprint = digest.hexdigest()
+        return self._fingerprint
 
     def check_batch(self, batch: int) -> None:
         if self.batch_size is not None and self.batch_size not in (1, batch):
@@ -152,10 +156,16 @@ class Pattern:
         return Intersection(self, other)
 
 
+def int_at_least(name: str, value: int, low: int, hint: str = "") -> int:
+    """value, if it is an int (not a bool) >= low; else ValueError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}{hint}, got {value!r}")
+    return value
+
+
 def _check_sizes(q_len: int, kv_len: int) -> None:
-    for name, value in (("q_len", q_len), ("kv_len", kv_len)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    int_at_least("q_len", q_len, 0)
+    int_at_least("kv_len", kv_len, 0)
 
 
 def _feed(digest, value) -> None:

@@ -9,13 +9,16 @@ import torch
 from torch import Tensor
 
 from ..kernels.plan import CausalMask, reduce_blocks
-from .base import EMPTY, FULL, PARTIAL, Band, Pattern, block_ranges, num_blocks
-
-
-def _int_at_least(name: str, value: int, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    return value
+from .base import (
+    EMPTY,
+    FULL,
+    PARTIAL,
+    Band,
+    Pattern,
+    block_ranges,
+    int_at_least,
+    num_blocks,
+)
 
 
 def _kinds_from(full: Tensor, empty: Tensor) -> Tensor:
@@ -67,8 +70,8 @@ class SlidingWindow(Pattern):
     """
 
     def __init__(self, left: int, right: int) -> None:
-        self.left = _int_at_least("left", left, 0)
-        self.right = _int_at_least("right", right, 0)
+        self.left = int_at_least("left", left, 0)
+        self.right = int_at_least("right", right, 0)
 
     def allowed(self, rows, cols, q_len, kv_len):
         offset = cols - (rows + (kv_len - q_len))  # key minus query position
@@ -104,8 +107,8 @@ class Dilated(Pattern):
     """Query at position p attends keys p + t * dilation for t in -window..window."""
 
     def __init__(self, window: int, dilation: int) -> None:
-        self.window = _int_at_least("window", window, 0)
-        self.dilation = _int_at_least("dilation", dilation, 1)
+        self.window = int_at_least("window", window, 0)
+        self.dilation = int_at_least("dilation", dilation, 1)
         span = self.window * self.dilation
         self._span = SlidingWindow(span, span)
 
@@ -137,7 +140,7 @@ class BlockSparse(Pattern):
         if not isinstance(layout, Tensor) or layout.dtype != torch.bool or layout.dim() != 2:
             raise TypeError("layout must be a 2-D bool tensor (query blocks, key blocks)")
         self.layout = layout.cpu()
-        self.block_size = _int_at_least("block_size", block_size, 1)
+        self.block_size = int_at_least("block_size", block_size, 1)
 
     def check_lengths(self, q_len, kv_len):
         want = (num_blocks(q_len, self.block_size), num_blocks(kv_len, self.block_size))
@@ -169,8 +172,8 @@ class RandomBlocks(BlockSparse):
     drawn uniformly without replacement, fixed by the seed (all if fewer exist)."""
 
     def __init__(self, num_blocks: int, block_size: int, seed: int = 0) -> None:
-        self.num_blocks = _int_at_least("num_blocks", num_blocks, 0)
-        self.block_size = _int_at_least("block_size", block_size, 1)
+        self.num_blocks = int_at_least("num_blocks", num_blocks, 0)
+        self.block_size = int_at_least("block_size", block_size, 1)
         self.seed = seed
         self._layouts: dict[tuple[int, int], Tensor] = {}
 
@@ -340,7 +343,7 @@ class PrefixLM(Pattern):
     causally."""
 
     def __init__(self, n: int) -> None:
-        self.n = _int_at_least("n", n, 0)
+        self.n = int_at_least("n", n, 0)
 
     def allowed(self, rows, cols, q_len, kv_len):
         return (cols <= rows + (kv_len - q_len)) | (cols < self.n)

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .base import Pattern, num_blocks
-from .patterns import GlobalTokens, RandomBlocks, SlidingWindow, _int_at_least, _kinds_from
+from .base import Pattern, int_at_least, num_blocks
+from .patterns import GlobalTokens, RandomBlocks, SlidingWindow, _kinds_from
 
 
 class BlockBand(Pattern):
@@ -16,8 +16,8 @@ class BlockBand(Pattern):
     a + radius (blocks of block_size, by position, queries aligned bottom-right)."""
 
     def __init__(self, block_size: int, radius: int) -> None:
-        self.block_size = _int_at_least("block_size", block_size, 1)
-        self.radius = _int_at_least("radius", radius, 0)
+        self.block_size = int_at_least("block_size", block_size, 1)
+        self.radius = int_at_least("radius", radius, 0)
 
     def allowed(self, rows, cols, q_len, kv_len):
         q_block = (rows + (kv_len - q_len)) // self.block_size
@@ -49,12 +49,12 @@ def bigbird(
     """BigBird (ITC): each query block attends `window_blocks` neighbouring key blocks
     (itself in the middle), the first `global_blocks` blocks are global tokens, plus
     `random_blocks` random key blocks per query block, fixed by the seed."""
-    _int_at_least("window_blocks", window_blocks, 1)
+    int_at_least("window_blocks", window_blocks, 1)
     if window_blocks % 2 == 0:
         raise ValueError(
             f"window_blocks must be odd (the block itself in the middle), got {window_blocks}"
         )
-    _int_at_least("global_blocks", global_blocks, 0)
+    int_at_least("global_blocks", global_blocks, 0)
     return (
         BlockBand(block_size, window_blocks // 2)
         | GlobalTokens(range(global_blocks * block_size), beyond_keys="ignore")

@@ -25,6 +25,7 @@ from ..positional import (
     RotaryEmbedding,
     SinusoidalPositionalEncoding,
 )
+from ..validate import int_at_least
 from .init import normal_init
 
 POSITIONS = ("learned", "sinusoidal", "rotary", "alibi")
@@ -48,9 +49,7 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "n_layer", "n_head", "d_model", "max_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            int_at_least(name, getattr(self, name), 1)
         if self.n_kv_head is not None and (
             not isinstance(self.n_kv_head, int)
             or self.n_kv_head < 1

@@ -9,6 +9,7 @@ from ..cache import KVCache, MemoryCache
 from ..functional import attention, attention_and_weights, attention_weights
 from ..masks import KeyPadding, Pattern
 from ..positional import AttentionPosition
+from ..validate import int_at_least
 
 
 def from_torch_masks(
@@ -64,9 +65,8 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         for name, width in (("embed_dim", embed_dim), ("kdim", kdim), ("vdim", vdim)):
-            if width is not None and (isinstance(width, bool) or not isinstance(width, int)
-                                      or width < 1):  # fmt: skip
-                raise ValueError(f"{name} must be an int >= 1, got {width!r}")
+            if width is not None:
+                int_at_least(name, width, 1)
         if num_heads <= 0 or embed_dim % num_heads:
             raise ValueError(
                 f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})"
