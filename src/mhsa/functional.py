@@ -10,6 +10,7 @@ from torch import Tensor
 
 from . import validate
 from .backends import AttentionSpec, select
+from .backends.isolate import isolate_masked_nonfinite
 from .backends.reference import attention_probs
 from .kernels.dense import (
     apply_dropout,
@@ -29,10 +30,11 @@ def _check_common(
     bias: Tensor | None,
     causal: bool,
     scale: float | None,
+    sharded: bool = False,
 ) -> float:
     """Validate mask/bias/causal/scale against q and k; return the resolved scale."""
     target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    validate.check_mask(mask, target, q.device)
+    validate.check_mask(mask, target, q.device, sharded)
     validate.check_bias(bias, target, q.device)
     validate.check_causal(causal)
     validate.check_scale(scale)
@@ -75,13 +77,13 @@ def attention(
         key gets output 0, lse -inf and zero gradients.
     """
     validate.check_qkv(q, k, v)
-    resolved_scale = _check_common(q, k, mask, bias, causal, scale)
     validate.check_dropout(dropout_p)
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str, got {type(backend).__name__}")
     batch, num_heads, q_len, head_dim = q.shape
     kv_len, value_dim = k.shape[2], v.shape[3]
     if q_len == 0 or kv_len == 0:
+        _check_common(q, k, mask, bias, causal, scale)
         # exact zeros that stay in the autograd graph (zero gradients), as SDPA's do:
         # a sum over no elements is 0 whatever the inputs hold, nan included
         connected = sum(t.reshape(-1)[:0].sum() for t in (q, k, v))
@@ -104,17 +106,12 @@ def attention(
         dropout_p=float(dropout_p),
         return_lse=return_lse,
     )
-    out, lse = select(spec, backend).forward(
-        q,
-        k,
-        v,
-        mask=mask,
-        bias=bias,
-        causal=causal,
-        scale=resolved_scale,
-        dropout_p=float(dropout_p),
-        return_lse=return_lse,
-    )
+    chosen = select(spec, backend)
+    resolved_scale = _check_common(q, k, mask, bias, causal, scale, chosen.sharded)
+    call = dict(mask=mask, bias=bias, causal=causal, scale=resolved_scale,
+                dropout_p=float(dropout_p), return_lse=return_lse)  # fmt: skip
+    out, lse = chosen.forward(q, k, v, **call)
+    out, lse = isolate_masked_nonfinite(chosen, q, k, v, out, lse, call)
     return (out, lse) if return_lse else out
 
 

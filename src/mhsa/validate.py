@@ -82,13 +82,15 @@ def _check_broadcast(name: str, t: Tensor, target: tuple[int, ...]) -> None:
         )
 
 
-def check_mask(mask, target: tuple[int, ...], device: torch.device) -> None:
+def check_mask(mask, target: tuple[int, ...], device: torch.device, sharded: bool = False) -> None:
     """A mask is a pattern from mhsa.masks, or a bool tensor (True = may attend)
-    broadcastable to (B, H, L, S)."""
+    broadcastable to (B, H, L, S). sharded: q and k are one rank's shards, so a
+    pattern's lengths are global (the ring backend checks them)."""
     if mask is None:
         return
     if isinstance(mask, Pattern):
-        mask.check_lengths(target[2], target[3])
+        if not sharded:
+            mask.check_lengths(target[2], target[3])
         mask.check_batch(target[0])
         return
     if not isinstance(mask, Tensor):

@@ -52,6 +52,7 @@ class Backend:
     """Base class: one subclass per file in mhsa/backends."""
 
     name: str = ""
+    sharded: bool = False  # q, k, v are one process's shards of longer sequences
 
     def available(self) -> str | None:
         """None if the backend can run on this machine, else why not."""
@@ -64,6 +65,11 @@ class Backend:
     def preference(self, spec: AttentionSpec) -> float:
         """How much `auto` prefers this backend for `spec` (higher wins)."""
         return 0.0
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether flag holds on any process taking part in the call: backends whose
+        forward is a collective (ring) must take the same branch on every rank."""
+        return flag
 
     def forward(
         self,

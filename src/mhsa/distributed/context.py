@@ -39,6 +39,7 @@ def context_parallel(group=None, layout: str = "zigzag") -> Iterator[None]:
 
 class RingBackend(Backend):
     name = "ring"
+    sharded = True
 
     def available(self) -> str | None:
         import torch.distributed as dist
@@ -55,6 +56,16 @@ class RingBackend(Backend):
         if spec.return_lse:
             return "return_lse is not supported"
         return None
+
+    def any_rank(self, flag: bool) -> bool:
+        import torch
+        import torch.distributed as dist
+
+        group, _ = _active.get()
+        nccl = dist.get_backend(group) == "nccl"  # NCCL reduces CUDA tensors only
+        votes = torch.tensor([int(flag)], device="cuda" if nccl else "cpu")
+        dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=group)
+        return bool(votes.item())
 
     def forward(
         self,

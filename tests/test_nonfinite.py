@@ -1,0 +1,207 @@
+"""A masked-out key or value never affects the output, finite or not (issue 15, item 4).
+
+Seeded fuzz: nan / +inf / -inf put into keys and values that some or all queries are
+masked from, for every backend, against a float64 formula written out here on the
+same inputs with those entries set to 0. Rows that attend a non-finite key are left
+out (their output is non-finite by the formula); every other row, its lse and the
+gradients of a loss over those rows must match. Unwritten and padded cache slots
+are covered through KVCache, and ring attention through a real gloo group.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+import pytest
+import torch
+
+import mhsa
+from mhsa.backends import get
+from mhsa.cache import KVCache
+from mhsa.distributed import context_parallel, run_local, shard, unshard
+from mhsa.masks import KeyPadding, SlidingWindow
+
+BACKENDS = ["reference", "sdpa", "flash", "auto"]
+CASES = 80  # per backend
+BAD_VALUES = (float("nan"), float("inf"), -float("inf"))
+
+
+def _formula(q, k, v, allowed, bias, scale):
+    """float64 softmax(q k^T * scale + bias, masked) v; rows with no allowed key are 0."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = q.double() @ k.transpose(-1, -2) * scale
+    if bias is not None:
+        scores = scores + bias.double()
+    scores = scores.masked_fill(~allowed, -torch.inf)
+    alive = allowed.any(-1, keepdim=True) & ~torch.isneginf(scores).all(-1, keepdim=True)
+    probs = torch.softmax(scores.masked_fill(~alive, 0.0), dim=-1) * alive
+    lse = torch.logsumexp(scores, dim=-1)
+    return probs @ v, lse
+
+
+def _case(gen: torch.Generator):
+    """Random shapes, a random kind of mask, and non-finite entries at random keys."""
+
+    def rand_int(low, high):
+        return int(torch.randint(low, high + 1, (1,), generator=gen))
+
+    batch, kv_heads, group = rand_int(1, 2), rand_int(1, 2), rand_int(1, 2)
+    q_len, kv_len, dim = rand_int(1, 40), rand_int(1, 60), rand_int(1, 3) * 8
+    q = torch.randn(batch, kv_heads * group, q_len, dim, generator=gen)
+    k = torch.randn(batch, kv_heads, kv_len, dim, generator=gen)
+    v = torch.randn(batch, kv_heads, kv_len, dim, generator=gen)
+    kind = ["causal", "tensor", "padding", "window", "bias"][rand_int(0, 4)]
+    rows = torch.arange(q_len).view(-1, 1) + kv_len - q_len
+    cols = torch.arange(kv_len).view(1, -1)
+    mask, bias, causal = None, None, kind == "causal"
+    allowed = cols <= rows if causal else torch.ones(q_len, kv_len, dtype=torch.bool)
+    if kind == "tensor":
+        mask = torch.rand(batch, 1, q_len, kv_len, generator=gen) > 0.4
+        allowed = mask
+    elif kind == "padding":
+        lengths = [rand_int(0, kv_len) for _ in range(batch)]
+        mask = KeyPadding(lengths)
+        allowed = (cols < torch.tensor(lengths).view(-1, 1, 1, 1)).expand(-1, 1, q_len, -1)
+    elif kind == "window":
+        mask = SlidingWindow(rand_int(0, 6), rand_int(0, 6))
+        allowed = mask.dense(q_len, kv_len, torch.device("cpu"))
+    elif kind == "bias":  # -inf entries of a bias mask as well
+        bias = torch.randn(1, kv_heads * group, q_len, kv_len, generator=gen)
+        hidden = torch.rand(bias.shape, generator=gen) > 0.6
+        bias = bias.masked_fill(hidden, -torch.inf)
+        allowed = ~hidden
+    for _ in range(rand_int(1, 3)):
+        target = k if rand_int(0, 1) else v
+        index = [rand_int(0, n - 1) for n in target.shape]
+        target[tuple(index)] = BAD_VALUES[rand_int(0, 2)]
+    return q, k, v, mask, bias, causal, allowed
+
+
+def _clean_rows(k, v, allowed, num_heads):
+    """(B, H, L) rows that attend no key holding a non-finite entry."""
+    bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # (B, H_kv, S)
+    bad = bad.repeat_interleave(num_heads // k.shape[1], 1).unsqueeze(2)  # (B, H, 1, S)
+    return ~(allowed & bad).any(-1)
+
+
+def _max_error(got, want) -> float:
+    return (got.double() - want.detach()).abs().max().item() if got.numel() else 0.0
+
+
+def _zeroed(t):
+    return torch.where(torch.isfinite(t), t, torch.zeros(()))
+
+
+def _check(backend: str, q, k, v, mask, bias, causal, allowed):
+    scale = q.shape[-1] ** -0.5
+    allowed = allowed.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    clean = _clean_rows(k, v, allowed, q.shape[1])
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with_lse = backend != "sdpa"  # sdpa does not return the logsumexp
+    result = mhsa.attention(
+        *leaves, mask, bias=bias, causal=causal, backend=backend, return_lse=with_lse
+    )
+    out, lse = result if with_lse else (result, None)
+    expected = [t.clone().double().requires_grad_() for t in (q, _zeroed(k), _zeroed(v))]
+    want_out, want_lse = _formula(*expected, allowed, bias, scale)
+    assert torch.isfinite(out[clean]).all(), "a masked non-finite key leaked"
+    assert _max_error(out[clean], want_out[clean]) < 1e-5
+    if lse is not None:
+        assert torch.equal(torch.isneginf(lse[clean]), torch.isneginf(want_lse[clean]))
+        alive = clean & ~torch.isneginf(want_lse)
+        assert _max_error(lse[alive], want_lse[alive]) < 1e-5
+    if allowed.all() and not clean.all():
+        return  # nothing is masked: the rows that attend a nan key make every grad nan
+    weight = torch.randn(out.shape) * clean.unsqueeze(-1)
+    (out * weight).sum().backward()
+    (want_out * weight.double()).sum().backward()
+    for name, got, want in zip("qkv", leaves, expected, strict=True):
+        assert torch.isfinite(got.grad).all(), f"d{name} holds a non-finite entry"
+        error = _max_error(got.grad, want.grad)
+        assert error < 1e-4, f"d{name} differs by {error}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_masked_nonfinite_keys_and_values_never_leak(backend):
+    gen = torch.Generator().manual_seed(15)
+    for number in range(CASES):
+        case = _case(gen)
+        try:
+            _check(backend, *case)
+        except AssertionError as error:
+            raise AssertionError(f"case {number}: {error}") from error
+
+
+def test_masked_nonfinite_triton_interpreter():
+    pytest.importorskip("triton")
+    from mhsa.kernels.triton import interpreting
+
+    if not interpreting() or get("triton").available() is not None:
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set")
+    gen = torch.Generator().manual_seed(16)
+    for number in range(12):
+        case = _case(gen)
+        try:
+            _check("triton", *case)
+        except AssertionError as error:
+            raise AssertionError(f"case {number}: {error}") from error
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unwritten_and_padded_cache_slots_are_ignored(backend):
+    """Decode steps over a left-padded KVCache whose padding slots and unwritten tail
+    hold nan/inf give the same outputs as over a cache that never held them."""
+    gen = torch.Generator().manual_seed(3)
+    batch, heads, dim, prompt = 3, 2, 8, 6
+    start = torch.tensor([0, 2, 5])
+    outputs = []
+    for poison in (None, float("nan"), float("inf")):
+        cache = KVCache(batch, heads, 16, dim)
+        if poison is not None:
+            cache.k.fill_(poison)
+            cache.v.fill_(-poison)
+        cache.set_padding(start)
+        steps = torch.randn(
+            batch, heads, prompt + 4, dim, generator=torch.Generator().manual_seed(5)
+        )
+        k_all, v_all = cache.update(steps[:, :, :prompt], steps[:, :, :prompt] * 2)
+        if poison is not None:  # the padding slots are garbage too
+            for b, s in enumerate(start.tolist()):
+                cache.k[b, :, :s] = poison
+                cache.v[b, :, :s] = poison
+        step_outputs = []
+        for t in range(prompt, prompt + 4):
+            k_all, v_all = cache.update(steps[:, :, t : t + 1], steps[:, :, t : t + 1] * 2)
+            mask = cache.key_padding().view(batch, 1, 1, -1)
+            q = torch.randn(batch, heads, 1, dim, generator=gen)
+            step_outputs.append(mhsa.attention(q, k_all, v_all, mask, backend=backend))
+        outputs.append(torch.cat(step_outputs, dim=2))
+        gen.manual_seed(3)
+    assert torch.isfinite(outputs[0]).all()
+    for poisoned in outputs[1:]:
+        assert torch.equal(poisoned, outputs[0])
+
+
+def _ring_worker(rank: int, world: int) -> float:
+    """Max error of ring attention (context_parallel) against one process, with nan in
+    padded keys and values."""
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 2, 8 * world, 8, generator=gen) for _ in range(3))
+    lengths = [5 * world, 3]
+    for b, length in enumerate(lengths):
+        k[b, :, length:] = float("nan")
+        v[b, :, length:] = float("inf")
+    mask = KeyPadding(lengths)
+    expected = mhsa.attention(q, _zeroed(k), _zeroed(v), mask, causal=True, backend="reference")
+    local = [shard(t, rank, world, "zigzag") for t in (q, k, v)]
+    with context_parallel(layout="zigzag"):
+        out = mhsa.attention(*local, mask, causal=True)
+    return (unshard(out, world, "zigzag") - expected).abs().max().item()
+
+
+def test_ring_attention_ignores_masked_nonfinite_keys():
+    errors = run_local(_ring_worker, 2, timeout=120)
+    assert max(errors) < 1e-5, errors
