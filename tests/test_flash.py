@@ -266,3 +266,12 @@ def test_inputs_strided_in_their_last_dimension(mask):
     out.backward(grad_out)
     ref_out, ref_lse, ref_grads = reference_with_grads(q, k, v, pattern, None, causal, grad_out)
     assert_matches_reference(out, lse, (q, k, v, None), ref_out, ref_lse, ref_grads)
+
+
+def test_attention_weights_of_an_empty_selection_is_empty():
+    q, k = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 7, 8)
+    for backend in ("auto", "flash", "reference"):
+        assert mhsa.attention_weights(q, k, rows=[], backend=backend).shape == (2, 4, 0, 7)
+        assert mhsa.attention_weights(q, k, heads=[], backend=backend).shape == (2, 0, 5, 7)
+    with pytest.raises(TypeError, match="rows must be a 1-D sequence of ints"):
+        mhsa.attention_weights(q, k, rows=[0.5])

@@ -179,6 +179,46 @@ def test_read_wav_errors(tmp_path):
         speech.read_wav(adpcm)
 
 
+def _raw_wav(path: Path, channels: int, block: int, bits: int, data: bytes, tag: int = 1) -> Path:
+    """A WAV file with the header fields as given, consistent or not."""
+    fmt = struct.pack("<HHIIHH", tag, channels, 16000, 16000 * block, block, bits)
+    body = b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt
+    body += b"data" + struct.pack("<I", len(data)) + data
+    path.write_bytes(b"RIFF" + struct.pack("<I", len(body)) + body)
+    return path
+
+
+TONE_16 = (np.sin(np.arange(1600) / 5) * 9000).astype("<i2").tobytes()
+
+
+@pytest.mark.parametrize(
+    ("channels", "block", "bits", "data", "tag", "message"),
+    [
+        (1, 2, 16, b"", 1, "holds no audio"),
+        (1, 2, 16, b"\x01", 1, "holds no audio"),
+        (65535, 2, 16, TONE_16, 1, "block align 2 bytes does not match 65535 channels"),
+        (1, 3, 16, TONE_16, 1, "block align 3 bytes does not match 1 channels x 16 bits"),
+        (2, 2, 16, TONE_16, 1, "block align 2 bytes does not match 2 channels"),
+        (1, 4, 32, np.array([0.1, np.nan, 0.2], "<f4").tobytes(), 3, "nan or inf"),
+        (1, 4, 32, np.array([0.1, -np.inf], "<f4").tobytes(), 3, "nan or inf"),
+        (1, 4, 32, np.array([0.1, 1e30], "<f4").tobytes(), 3, "far beyond full scale"),
+    ],
+)  # fmt: skip
+def test_damaged_wavs_are_one_line_errors(tmp_path, channels, block, bits, data, tag, message):
+    path = _raw_wav(tmp_path / "damaged.wav", channels, block, bits, data, tag)
+    with pytest.raises(ValueError, match=message) as info:
+        speech.read_wav(path)
+    assert str(path) in str(info.value)
+
+
+def test_many_channels_with_a_consistent_header_are_averaged(tmp_path):
+    frames = np.full((4, 65535), 192, dtype=np.uint8)  # 8-bit: 192 is +0.5
+    audio, rate = speech.read_wav(
+        _raw_wav(tmp_path / "wide.wav", 65535, 65535, 8, frames.tobytes())
+    )
+    assert rate == 16000 and audio.shape == (4,) and torch.allclose(audio, torch.full((4,), 0.5))
+
+
 def test_sinc_resampling_keeps_speech_band_and_removes_aliases():
     t = torch.arange(48000, dtype=torch.float64) / 48000
     tone = torch.sin(2 * math.pi * 1000 * t).float()

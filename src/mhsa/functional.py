@@ -149,6 +149,8 @@ def attention_weights(
             "attention_weights backend must be 'auto', 'reference', 'flash' or 'triton', "
             f"got {backend!r}"
         )
+    if head_idx.numel() == 0 or row_idx.numel() == 0:  # an empty selection is no error
+        return q.new_zeros(q.shape[0], head_idx.numel(), row_idx.numel(), kv_len)
     q_sel = q.index_select(1, head_idx)
     k_sel = k.index_select(1, head_idx // (num_heads // k.shape[1]))
     keys = torch.arange(kv_len, device=q.device)
@@ -191,6 +193,8 @@ def _indices(name: str, value, size: int, device: torch.device) -> Tensor:
     if value is None:
         return torch.arange(size, device=device)
     idx = torch.as_tensor(value, device=device)
+    if idx.numel() == 0 and not isinstance(value, Tensor):
+        idx = idx.long()  # [] is a float tensor to torch: an empty selection of ints
     if idx.dim() != 1 or idx.is_floating_point() or idx.dtype == torch.bool:
         raise TypeError(f"{name} must be a 1-D sequence of ints, got {value!r}")
     if idx.numel() and (idx.min() < 0 or idx.max() >= size):

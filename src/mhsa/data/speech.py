@@ -84,9 +84,33 @@ def read_wav(path: str | Path) -> tuple[Tensor, int]:
             f"{path}: sample rate {rate} Hz is outside {MIN_RATE}..{MAX_RATE} Hz (a damaged "
             f"header?); {CONVERT_HINT}"
         )
+    if block != channels * ((bits + 7) // 8):  # whole bytes per sample
+        raise ValueError(
+            f"{path}: damaged WAV header: block align {block} bytes does not match "
+            f"{channels} channels x {bits} bits; {CONVERT_HINT}"
+        )
     data = data[: len(data) // block * block]  # drop a cut-off last frame
+    if not data:
+        raise ValueError(f"{path}: the WAV file holds no audio (an empty data chunk)")
     audio = _decode_samples(data, tag, bits, path)
+    if tag == FLOAT:
+        _check_float_samples(audio, path)
     return audio.view(-1, channels).mean(dim=1), rate
+
+
+# float WAVs may exceed full scale a little (no clipping); far beyond it they are damaged
+MAX_FLOAT_SAMPLE = 64.0
+
+
+def _check_float_samples(audio: Tensor, path: Path) -> None:
+    if not bool(audio.isfinite().all()):
+        raise ValueError(f"{path}: the float samples hold nan or inf (a damaged file?)")
+    peak = float(audio.abs().max())
+    if peak > MAX_FLOAT_SAMPLE:
+        raise ValueError(
+            f"{path}: float samples reach {peak:.3g}, far beyond full scale (1.0; at most "
+            f"{MAX_FLOAT_SAMPLE:g} is read); normalise the audio first"
+        )
 
 
 # sample rates we resample from or to: telephone audio (8 kHz) to studio (768 kHz) and
