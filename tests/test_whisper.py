@@ -118,6 +118,94 @@ def test_read_ctranslate2_quantized_alias_and_errors(tmp_path):
         read_ctranslate2(tmp_path / "nowhere")
 
 
+def _ct2_raw(name: bytes, shape: list[int], type_id: int, raw: bytes) -> bytes:
+    """One variable with every field as given, consistent or not."""
+    header = struct.pack("<H", len(name) + 1) + name + b"\0" + struct.pack("<B", len(shape))
+    header += b"".join(struct.pack("<I", d) for d in shape)
+    return header + struct.pack("<BI", type_id, len(raw)) + raw
+
+
+def _ct2_file(variables: list[bytes]) -> bytes:
+    variables = [v for v in variables if v]  # b"": dropped
+    body = struct.pack("<I", 6) + _ct2_string("WhisperSpec") + struct.pack("<I", 3)
+    return body + struct.pack("<I", len(variables)) + b"".join(variables) + struct.pack("<I", 0)
+
+
+TYPE_IDS = {torch.float32: 0, torch.int8: 1, torch.int16: 2, torch.int32: 3, torch.float16: 4}
+
+
+@pytest.mark.parametrize(
+    ("variable", "message"),
+    [
+        (_ct2_raw(b"w", [2**31, 2**31], 0, b"\0" * 16), r"holds 16 bytes, but its shape"),
+        (_ct2_raw(b"w", [3], 0, b"\0" * 8), r"holds 8 bytes, but its shape \[3\]"),
+        (_ct2_raw(b"w\xff\xfe", [1], 0, b"\0" * 4), "not valid UTF-8"),
+        (_ct2_raw(b"w", [1], 9, b"\0" * 4), "unknown dtype id 9"),
+    ],
+)
+def test_read_ctranslate2_damaged_variables(tmp_path, variable, message):
+    (tmp_path / "model.bin").write_bytes(_ct2_file([variable]))
+    with pytest.raises(ValueError, match=message) as info:
+        read_ctranslate2(tmp_path)
+    assert str(tmp_path / "model.bin") in str(info.value)
+
+
+def _damaged_copy(model_dir: Path, folder: Path, change) -> Path:
+    """The real conversion with one variable changed: change(name, tensor) returns the
+    variable's bytes (or b"" to drop it), None to keep it as it is."""
+    folder.mkdir()
+    for name in ("config.json", "vocabulary.txt", "tokenizer.json"):
+        shutil.copy(model_dir / name, folder / name)
+    variables = []
+    for name, tensor in read_ctranslate2(model_dir, dtype=None).items():
+        changed = change(name, tensor)
+        raw = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+        default = _ct2_raw(name.encode(), list(tensor.shape), TYPE_IDS[tensor.dtype], raw)
+        variables.append(default if changed is None else changed)
+    (folder / "model.bin").write_bytes(_ct2_file(variables))
+    return folder
+
+
+FFN = "encoder/layer_0/ffn/linear_0/weight"
+
+
+def _reshaped(name, tensor):  # a consistent variable of the wrong shape
+    if name != FFN:
+        return None
+    part = tensor[:, :-1].contiguous()
+    raw = part.view(torch.uint8).numpy().tobytes()
+    return _ct2_raw(name.encode(), list(part.shape), 4, raw)
+
+
+def _retyped(type_id: int):  # the same bytes under another dtype id of the same size
+    def change(name, tensor):
+        if name != FFN:
+            return None
+        raw = tensor.view(torch.uint8).numpy().tobytes()
+        return _ct2_raw(name.encode(), list(tensor.shape), type_id, raw)
+
+    return change
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (_reshaped, "the variable for encoder.layers.0.feed_forward.linear1.weight has shape"),
+        (_retyped(5), "float variables stored in 2 types"),  # float16 -> bfloat16
+        (_retyped(2), "stored as torch.int16 without a scale"),  # float16 -> int16
+        (lambda n, t: _ct2_raw(n.encode(), [], 2, b"\0\0") if n == "encoder/num_heads" else None,
+         "n_head must be an int >= 1, got 0"),
+        (lambda n, t: b"" if n == "decoder/layer_norm/gamma" else None,
+         "'decoder/layer_norm/gamma' is missing"),
+    ],
+)  # fmt: skip
+def test_damaged_whisper_conversions_are_one_line_errors(model_dir, tmp_path, change, message):
+    folder = _damaged_copy(model_dir, tmp_path / "damaged", change)
+    with pytest.raises(ValueError, match=message) as info:
+        Whisper.from_ctranslate2(folder)
+    assert str(folder / "model.bin") in str(info.value)
+
+
 # ---------------------------------------------------------------- audio front end
 
 

@@ -14,6 +14,7 @@ models store integer weights `w` with a `w_scale` beside them: float = w / scale
 
 from __future__ import annotations
 
+import math
 import struct
 from pathlib import Path
 
@@ -45,7 +46,15 @@ class _Reader:
         return struct.unpack("<" + fmt, self.take(struct.calcsize(fmt)))[0]
 
     def string(self) -> str:
-        return self.take(self.number("H"))[:-1].decode("utf-8")  # drop the trailing NUL
+        start = self.pos
+        raw = self.take(self.number("H"))[:-1]  # drop the trailing NUL
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(
+                f"{self.path}: the name at offset {start} is not valid UTF-8: a damaged "
+                "CTranslate2 model; download or convert it again"
+            ) from None
 
     def header(self) -> tuple[int, str, int]:
         version = self.number("I")
@@ -55,6 +64,21 @@ class _Reader:
                 f"(supported: {VERSIONS}); convert the model again with ctranslate2 >= 3"
             )
         return version, self.string(), self.number("I")
+
+
+def _check_one_float_type(tensors: dict[str, Tensor], path: Path) -> None:
+    """A converter stores every float variable (quantization scales aside) in one float
+    type; a second one means a flipped dtype id, whose bytes would load as garbage."""
+    kinds: dict[torch.dtype, str] = {}
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not name.endswith("_scale"):
+            kinds.setdefault(tensor.dtype, name)
+    if len(kinds) > 1:
+        found = ", ".join(f"{name!r} is {dtype}" for dtype, name in kinds.items())
+        raise ValueError(
+            f"{path}: float variables stored in {len(kinds)} types ({found}); a converter "
+            "writes one: a damaged CTranslate2 model"
+        )
 
 
 def _model_file(path: str | Path) -> Path:
@@ -93,8 +117,17 @@ def read_ctranslate2(
         type_id = reader.number("B")
         if type_id >= len(DTYPES):
             raise ValueError(f"{path}: variable {name!r} has an unknown dtype id {type_id}")
-        raw = reader.take(reader.number("I"))
-        tensors[name] = torch.frombuffer(bytearray(raw), dtype=DTYPES[type_id]).reshape(shape)
+        dtype_stored = DTYPES[type_id]
+        size = reader.number("I")
+        expected = math.prod(shape) * dtype_stored.itemsize  # Python ints: no overflow
+        if size != expected:
+            raise ValueError(
+                f"{path}: variable {name!r} holds {size} bytes, but its shape {shape} of "
+                f"{dtype_stored} needs {expected}: a damaged CTranslate2 model"
+            )
+        raw = reader.take(size)
+        tensors[name] = torch.frombuffer(bytearray(raw), dtype=dtype_stored).reshape(shape)
+    _check_one_float_type(tensors, path)
     for name in [name for name in tensors if name + "_scale" in tensors]:
         scale = tensors.pop(name + "_scale").float()
         weight = tensors[name].float()

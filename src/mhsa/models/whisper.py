@@ -34,6 +34,7 @@ from ..nn import (
 )
 from ..positional import LearnedPositionalEmbedding
 from ..search import greedy_search
+from ..validate import int_at_least
 
 
 @dataclass
@@ -54,6 +55,9 @@ class WhisperConfig:
     suppress_ids_begin: tuple[int, ...] = ()  # not generated as the first token
 
     def __post_init__(self) -> None:
+        for name in ("n_mels", "n_audio_ctx", "n_vocab", "n_text_ctx", "d_model", "n_head",
+                     "n_audio_layer", "n_text_layer"):  # fmt: skip
+            int_at_least(name, getattr(self, name), 1)
         if self.d_model % self.n_head:
             raise ValueError(
                 f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})"
@@ -223,29 +227,70 @@ class Whisper(nn.Module):
         tensors = read_ctranslate2(directory, dtype=dtype)
         extra = json.loads((directory / "config.json").read_text())
         vocabulary = (directory / "vocabulary.txt").read_text(encoding="utf-8").split("\n")
-        vocabulary = vocabulary[: tensors["decoder/embeddings/weight"].shape[0]]
-        ids = {token: i for i, token in enumerate(vocabulary)}
-        prompt = ["<|startoftranscript|>", "<|notimestamps|>"]
-        if extra.get("lang_ids"):  # multilingual: transcribe English
-            prompt[1:1] = ["<|en|>", "<|transcribe|>"]
-        config = WhisperConfig(
-            n_mels=tensors["encoder/conv1/weight"].shape[1],
-            n_audio_ctx=tensors["encoder/position_encodings/encodings"].shape[0],
-            n_vocab=len(vocabulary),
-            n_text_ctx=tensors["decoder/position_encodings/encodings"].shape[0],
-            d_model=tensors["encoder/conv1/weight"].shape[0],
-            n_head=int(tensors["encoder/num_heads"]),
-            n_audio_layer=_count_layers(tensors, "encoder"),
-            n_text_layer=_count_layers(tensors, "decoder"),
-            eot_id=ids["<|endoftext|>"],
-            prompt=tuple(ids[token] for token in prompt),
-            suppress_ids=tuple(extra.get("suppress_ids", ())),
-            suppress_ids_begin=tuple(extra.get("suppress_ids_begin", ())),
-        )
+        path = directory / "model.bin"
+        try:
+            vocabulary = vocabulary[: tensors["decoder/embeddings/weight"].shape[0]]
+            config = _config_from_ctranslate2(tensors, vocabulary, extra, directory)
+            state = _state_dict_from_ctranslate2(tensors, config)
+        except KeyError as error:
+            raise ValueError(
+                f"{path}: variable {error.args[0]!r} is missing: not a complete Whisper "
+                "conversion; download or convert it again"
+            ) from None
+        except ValueError as error:
+            raise ValueError(f"{path}: {error}") from None
         tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
         model = cls(config, tokenizer).to(dtype)
-        model.load_state_dict(_state_dict_from_ctranslate2(tensors, config))
+        _check_weights(state, model.state_dict(), path)
+        model.load_state_dict(state)
         return model.to(device).eval()
+
+
+def _config_from_ctranslate2(tensors, vocabulary, extra, directory: Path) -> WhisperConfig:
+    """The sizes read off the tensors' shapes (a missing one raises KeyError) and the
+    special tokens' ids off vocabulary.txt."""
+    num_heads = tensors["encoder/num_heads"]
+    if num_heads.numel() != 1 or num_heads.is_floating_point():
+        raise ValueError(f"encoder/num_heads must be one integer, got {num_heads.tolist()}")
+    ids = {token: i for i, token in enumerate(vocabulary)}
+    prompt = ["<|startoftranscript|>", "<|notimestamps|>"]
+    if extra.get("lang_ids"):  # multilingual: transcribe English
+        prompt[1:1] = ["<|en|>", "<|transcribe|>"]
+    missing = [token for token in ["<|endoftext|>", *prompt] if token not in ids]
+    if missing:
+        raise ValueError(f"{directory / 'vocabulary.txt'} lacks the special tokens {missing}")
+    return WhisperConfig(
+        n_mels=tensors["encoder/conv1/weight"].shape[1],
+        n_audio_ctx=tensors["encoder/position_encodings/encodings"].shape[0],
+        n_vocab=len(vocabulary),
+        n_text_ctx=tensors["decoder/position_encodings/encodings"].shape[0],
+        d_model=tensors["encoder/conv1/weight"].shape[0],
+        n_head=int(num_heads),
+        n_audio_layer=_count_layers(tensors, "encoder"),
+        n_text_layer=_count_layers(tensors, "decoder"),
+        eot_id=ids["<|endoftext|>"],
+        prompt=tuple(ids[token] for token in prompt),
+        suppress_ids=tuple(extra.get("suppress_ids", ())),
+        suppress_ids_begin=tuple(extra.get("suppress_ids_begin", ())),
+    )
+
+
+def _check_weights(state: dict[str, Tensor], expected: dict[str, Tensor], path: Path) -> None:
+    """Every weight float and of the shape the model built from the config expects."""
+    for name, want in expected.items():
+        got = state.get(name)
+        if got is None:
+            raise ValueError(f"{path}: no variable for {name}: not a complete Whisper conversion")
+        if not got.is_floating_point():
+            raise ValueError(
+                f"{path}: the variable for {name} is stored as {got.dtype} without a scale, "
+                "expected a float type (a flipped dtype id?): a damaged model"
+            )
+        if got.shape != want.shape:
+            raise ValueError(
+                f"{path}: the variable for {name} has shape {tuple(got.shape)}, the model "
+                f"expects {tuple(want.shape)}: a damaged or mismatched conversion"
+            )
 
 
 def _count_layers(tensors: dict[str, Tensor], stack: str) -> int:
