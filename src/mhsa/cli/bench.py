@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from .common import positive_int
+
 
 def bench(args: argparse.Namespace) -> int:
     """Run a benchmark suite; print its table, or JSON with --json."""
@@ -51,12 +53,25 @@ def add_parser(commands) -> None:
         help="which benchmark",
     )
     bench_parser.add_argument("--file", help="transcribe: a WAV file (default: espeak-ng speech)")
-    bench_parser.add_argument("--nproc", type=int, default=2, help="ring: processes")
+    bench_parser.add_argument(
+        "--nproc", type=positive_int, default=2, help="ring: processes (default 2)"
+    )
     bench_parser.add_argument("--json", action="store_true", help="print JSON")
-    bench_parser.add_argument("--length", type=int, default=4096, help="L = S for timings")
-    bench_parser.add_argument("--heads", type=int, default=8)
-    bench_parser.add_argument("--head-dim", type=int, default=64)
-    bench_parser.add_argument("--repeat", type=int, default=5, help="best of N runs")
+    bench_parser.add_argument(
+        "--length",
+        type=positive_int,
+        default=4096,
+        help="attention: L = S for timings (default 4096)",
+    )
+    bench_parser.add_argument(
+        "--heads", type=positive_int, default=8, help="attention: query heads (default 8)"
+    )
+    bench_parser.add_argument(
+        "--head-dim", type=positive_int, default=64, help="attention: D per head (default 64)"
+    )
+    bench_parser.add_argument(
+        "--repeat", type=positive_int, default=5, help="report the best of N runs (default 5)"
+    )
     bench_parser.add_argument("--plot", metavar="FILE", help="sparse: write a PNG plot")
     bench_parser.add_argument("--quick", action="store_true", help="small smoke run")
     bench_parser.add_argument("--no-memory", action="store_true", help="skip memory cases")

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from .common import common_train_options, size_options, train_config
+from .common import common_train_options, positive_int, size_options, train_config
 
 
 def train_gpt(args: argparse.Namespace) -> int:
@@ -249,15 +249,32 @@ def add_parser(commands) -> None:
     gpt.add_argument("--data", help="a text file to train on instead")
     common_train_options(gpt, steps=600, out="runs/gpt")
     size_options(gpt, batch_size=24, layers=4, heads=4, d_model=192, lr=2e-3)
-    gpt.add_argument("--seq-len", type=int, default=128)
-    gpt.add_argument("--kv-heads", type=int)
-    gpt.add_argument("--dropout", type=float, default=0.0)
-    gpt.add_argument("--position", default="rotary",
-                     choices=["learned", "sinusoidal", "rotary", "alibi"])  # fmt: skip
-    gpt.add_argument("--window", type=int, help="sliding-window attention span")
-    gpt.add_argument("--nproc", type=int, default=1,
-                     help="data-parallel processes (DistributedDataParallel; gloo on CPU); "
-                          "or launch with torchrun")  # fmt: skip
+    gpt.add_argument(
+        "--seq-len",
+        type=positive_int,
+        default=128,
+        help="tokens per training sequence, the longest context (default 128)",
+    )
+    gpt.add_argument(
+        "--kv-heads",
+        type=positive_int,
+        help="key/value heads for grouped-query attention (default: --heads)",
+    )
+    gpt.add_argument("--dropout", type=float, default=0.0, help="dropout rate (default 0.0)")
+    gpt.add_argument(
+        "--position",
+        default="rotary",
+        choices=["learned", "sinusoidal", "rotary", "alibi"],
+        help="positional information (default rotary)",
+    )
+    gpt.add_argument("--window", type=positive_int, help="sliding-window attention span")
+    gpt.add_argument(
+        "--nproc",
+        type=positive_int,
+        default=1,
+        help="data-parallel processes (DistributedDataParallel; gloo on CPU); "
+        "or launch with torchrun (default 1)",
+    )
     gpt.add_argument("--context-parallel", action="store_true",
                      help="with --nproc: shard each sequence across the processes "
                           "(zigzag), attend with ring attention")  # fmt: skip
@@ -267,35 +284,64 @@ def add_parser(commands) -> None:
     common_train_options(bert, steps=300, out="runs/bert")
     bert.add_argument("--data", help="a text file to train on instead")
     size_options(bert, batch_size=16, layers=4, heads=4, d_model=192, lr=1e-3)
-    bert.add_argument("--seq-len", type=int, default=128)
+    bert.add_argument(
+        "--seq-len",
+        type=positive_int,
+        default=128,
+        help="tokens per training sequence (default 128)",
+    )
     bert.set_defaults(run=run, train=train_bert)
 
     vit = train_models.add_parser("vit", help="ViT on sklearn's digits (or --data DIR)")
     common_train_options(vit, steps=6000, out="runs/vit", eval_every=1000)
     vit.add_argument("--data", help="a folder with one sub-folder of images per class")
-    vit.add_argument("--image-size", type=int, default=32, help="with --data")
+    vit.add_argument(
+        "--image-size",
+        type=positive_int,
+        default=32,
+        help="with --data: images are resized to this side (default 32)",
+    )
     vit.add_argument("--channels", type=int, default=1, choices=[1, 3], help="with --data")
-    vit.add_argument("--patch-size", type=int, default=2)
+    vit.add_argument(
+        "--patch-size",
+        type=positive_int,
+        default=2,
+        help="side of the square patches, one token each (default 2)",
+    )
     size_options(vit, batch_size=64, layers=4, heads=4, d_model=64, lr=2e-3)
-    vit.add_argument("--dropout", type=float, default=0.0)
+    vit.add_argument("--dropout", type=float, default=0.0, help="dropout rate (default 0.0)")
     vit.set_defaults(run=run, train=train_vit)
 
     ast = train_models.add_parser("ast", help="AST on spoken digits synthesised by espeak-ng")
     common_train_options(ast, steps=1000, out="runs/ast", eval_every=250)
-    ast.add_argument("--voices", type=int, default=84, help="how many voices (of 84)")
-    ast.add_argument("--per-voice", type=int, default=3, help="clips per digit and voice")
+    ast.add_argument(
+        "--voices", type=positive_int, default=84, help="how many voices (of 84; default 84)"
+    )
+    ast.add_argument(
+        "--per-voice", type=positive_int, default=3, help="clips per digit and voice (default 3)"
+    )
     size_options(ast, batch_size=32, layers=4, heads=4, d_model=96, lr=1e-3)
     ast.set_defaults(run=run, train=train_ast)
 
     points = train_models.add_parser("points", help="point-cloud transformer on built-in shapes")
     common_train_options(points, steps=2000, out="runs/points", eval_every=250)
-    points.add_argument("--per-class", type=int, default=1000, help="training clouds per shape")
+    points.add_argument(
+        "--per-class",
+        type=positive_int,
+        default=1000,
+        help="training clouds per shape (default 1000)",
+    )
     size_options(points, batch_size=32, layers=3, heads=4, d_model=96, lr=2e-3)
-    points.add_argument("--pooling", default="attention", choices=["attention", "mean", "max"])
+    points.add_argument(
+        "--pooling",
+        default="attention",
+        choices=["attention", "mean", "max"],
+        help="how point features become one vector (default attention)",
+    )
     points.set_defaults(run=run, train=train_points)
 
     trans = train_models.add_parser("translate", help="English -> French numbers (seq2seq)")
     common_train_options(trans, steps=800, out="runs/translate", eval_every=200)
     size_options(trans, batch_size=64, layers=3, heads=4, d_model=128, lr=1e-3)
-    trans.add_argument("--dropout", type=float, default=0.1)
+    trans.add_argument("--dropout", type=float, default=0.1, help="dropout rate (default 0.1)")
     trans.set_defaults(run=run, train=train_translate)

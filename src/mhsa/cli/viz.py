@@ -26,7 +26,11 @@ def viz(args: argparse.Namespace) -> int:
 
 def add_parser(commands) -> None:
     viz_parser = commands.add_parser("viz", help="attention maps of a checkpoint, as a PNG")
-    viz_parser.add_argument("checkpoint")
-    viz_parser.add_argument("--text", required=True)
-    viz_parser.add_argument("--out", default="maps.png")
+    viz_parser.add_argument(
+        "checkpoint", help="output folder of `mhsa train gpt`, or a step folder"
+    )
+    viz_parser.add_argument("--text", required=True, help="the text whose attention is drawn")
+    viz_parser.add_argument(
+        "--out", default="maps.png", help="the PNG file to write (default maps.png)"
+    )
     viz_parser.set_defaults(run=viz)
