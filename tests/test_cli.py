@@ -227,4 +227,27 @@ def test_a_checkpoint_of_another_kind_is_named(tmp_path, capsys):
     assert main(["classify", str(out), "x.png"]) == 2
     assert "holds a 'gpt' model; this command takes vit or ast or points" in capsys.readouterr().err
     assert main(["translate", str(out), "one"]) == 2
-    assert "holds a 'gpt' model; this command takes seq2seq" in capsys.readouterr().err
+    assert "takes seq2seq checkpoints (mhsa train translate)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--lr", "-1"], "lr must be a finite number > 0 (--lr), got -1.0"),
+        (["--lr", "nan"], "lr must be a finite number > 0 (--lr), got nan"),
+        (["--dropout", "1.5"], "dropout must be in [0, 1), got 1.5"),
+    ],
+)
+def test_bad_training_values_are_one_line_errors(tmp_path, capsys, args, message):
+    assert main(tiny_train(tmp_path / "run", *args)) == 2
+    err = capsys.readouterr().err
+    assert f"mhsa train: {message}" in err and "Traceback" not in err
+
+
+def test_bad_text_arguments_are_one_line_errors(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(tiny_train(out)) == 0
+    assert main(["generate", str(out), "--prompt", "\udcff"]) == 2  # how argv holds bad bytes
+    assert "mhsa generate: --prompt is not valid text" in capsys.readouterr().err
+    assert main(["viz", str(out), "--text", "", "--out", str(tmp_path / "m.png")]) == 2
+    assert "mhsa viz: --text must be 1..16 bytes, got 0" in capsys.readouterr().err

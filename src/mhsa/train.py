@@ -72,6 +72,8 @@ class TrainConfig:
         for name in ("steps", "eval_every", "checkpoint_every", "keep", "warmup"):
             flag = "--" + name.replace("_", "-")
             int_at_least(name, getattr(self, name), 0 if name == "warmup" else 1, f" ({flag})")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be a finite number > 0 (--lr), got {self.lr!r}")
         if self.nonfinite not in ("stop", "skip"):
             raise ValueError(f"nonfinite must be 'stop' or 'skip', got {self.nonfinite!r}")
 

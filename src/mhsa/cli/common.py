@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+TRAIN_COMMANDS = {"seq2seq": "translate"}  # model kinds trained by another command's name
+
 
 def load_model(path: str, kinds: dict[str, tuple]) -> tuple:
     """(model in eval mode, checkpoint state) of a `mhsa train` checkpoint whose model is
@@ -17,9 +19,10 @@ def load_model(path: str, kinds: dict[str, tuple]) -> tuple:
     state = load_checkpoint(path, weights=False, trainer=False)
     kind = state["info"].get("model")
     if kind not in kinds:
+        commands = [TRAIN_COMMANDS.get(name, name) for name in kinds]
         raise ValueError(
             f"{state['path']} holds a {kind!r} model; this command takes "
-            f"{' or '.join(kinds)} checkpoints (mhsa train {'|'.join(kinds)})"
+            f"{' or '.join(kinds)} checkpoints (mhsa train {'|'.join(commands)})"
         )
     model_cls, config_cls = kinds[kind]
     try:

@@ -29,7 +29,10 @@ def _generate(args: argparse.Namespace) -> int:
 
     model, _ = load_model(args.checkpoint, {"gpt": (GPT, GPTConfig)})
     tokenizer = ByteTokenizer()
-    prompt = tokenizer.encode(args.prompt)
+    try:
+        prompt = tokenizer.encode(args.prompt)
+    except UnicodeEncodeError:
+        raise ValueError("--prompt is not valid text (undecodable bytes); pass UTF-8") from None
     if prompt.numel() == 0:
         raise ValueError("--prompt must not be empty")
     room = model.config.max_len - prompt.numel()

@@ -16,7 +16,7 @@ def viz(args: argparse.Namespace) -> int:
     model, state = load_model(args.checkpoint, {"gpt": (GPT, GPTConfig)})
     tokens = ByteTokenizer().encode(args.text)
     if not 0 < tokens.numel() <= model.config.max_len:
-        raise SystemExit(f"--text must be 1..{model.config.max_len} bytes, got {tokens.numel()}")
+        raise ValueError(f"--text must be 1..{model.config.max_len} bytes, got {tokens.numel()}")
     maps = attention_maps(model, tokens.view(1, -1))
     labels = [repr(chr(t))[1:-1] if t < 128 else "?" for t in tokens.tolist()]
     plot_maps(maps, labels, args.out, title=f"{state['path']}: {args.text!r}")

@@ -49,6 +49,8 @@ class Seq2SeqConfig:
     eos_id: int = 2
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
         if self.share_embeddings and self.src_vocab != self.tgt_vocab:
             raise ValueError(
                 f"share_embeddings needs src_vocab == tgt_vocab, got {self.src_vocab} and "
