@@ -1,11 +1,10 @@
-"""Shared test helpers: inputs in the library's layout and the float64 golden answer."""
+"""Shared test helpers: inputs in the library's layout and the float64 golden answer
+(written here from the formula, independent of the library's own math)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
-
-import mhsa
 
 
 def make_qkv(
@@ -43,18 +42,45 @@ def make_qkv(
     )
 
 
+def golden_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask=None, *, bias: Tensor | None = None,
+    causal: bool = False, scale: float | None = None,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """(out (B, H, L, D_v), lse (B, H, L)) in float64, written out from the formula and
+    sharing no code with mhsa: softmax(q k^T * scale + bias) v over the allowed keys
+    (mask True, causal aligned bottom-right), rows with no allowed key 0 and lse -inf.
+    A pattern mask is materialised with its own .dense (the mask's definition).
+    Differentiable (rows with no allowed key get zero gradients)."""
+    q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[1] // k.shape[1]  # query head h reads key head h // group
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    q_len, kv_len = q.shape[2], k.shape[2]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.einsum("bhld,bhsd->bhls", q, k) * scale
+    if bias is not None:
+        scores = scores + bias.double()
+    allowed = torch.ones(q_len, kv_len, dtype=torch.bool)
+    if causal:
+        rows = torch.arange(q_len).view(-1, 1)
+        allowed = torch.arange(kv_len).view(1, -1) <= rows + (kv_len - q_len)
+    if mask is not None:
+        dense = mask if isinstance(mask, Tensor) else mask.dense(q_len, kv_len, q.device)
+        allowed = allowed & dense.to(q.device)
+    scores = torch.where(allowed, scores, torch.tensor(-torch.inf, dtype=torch.float64))
+    top = scores.detach().amax(dim=-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    weights = torch.exp(scores - top)
+    total = weights.sum(dim=-1, keepdim=True)
+    alive = total > 0
+    probs = weights / torch.where(alive, total, torch.ones_like(total))
+    lse = torch.where(alive, top + torch.log(torch.where(alive, total, torch.ones_like(total))),
+                      torch.full_like(total, -torch.inf))  # fmt: skip
+    return torch.einsum("bhls,bhsd->bhld", probs, v), lse.squeeze(-1)
+
+
 def golden(q: Tensor, k: Tensor, v: Tensor, mask=None, **kwargs) -> Tensor:
-    """The reference backend in float64 on the same inputs."""
-    bias = kwargs.pop("bias", None)
-    return mhsa.attention(
-        q.detach().double(),
-        k.detach().double(),
-        v.detach().double(),
-        mask,
-        bias=None if bias is None else bias.detach().double(),
-        backend="reference",
-        **kwargs,
-    )
+    """The float64 golden output on the same inputs (see golden_attention)."""
+    return golden_attention(q.detach(), k.detach(), v.detach(), mask, **kwargs)[0]
 
 
 def naive_same_dtype(q: Tensor, k: Tensor, v: Tensor, causal: bool = False) -> Tensor:
@@ -71,12 +97,11 @@ def naive_same_dtype(q: Tensor, k: Tensor, v: Tensor, causal: bool = False) -> T
 
 
 def reference_with_grads(q, k, v, mask, bias, causal, grad_out, grad_lse=None, scale=None):
-    """(out, lse, [dq, dk, dv, dbias]) of the reference backend in float64, for the loss
+    """(out, lse, [dq, dk, dv, dbias]) of the golden formula in float64, for the loss
     sum(out * grad_out) (+ sum(lse * grad_lse) over finite lse)."""
     tensors = [t.detach().double().requires_grad_() for t in (q, k, v)]
     bias64 = None if bias is None else bias.detach().double().requires_grad_()
-    out, lse = mhsa.attention(*tensors, mask, bias=bias64, causal=causal, scale=scale,
-                              backend="reference", return_lse=True)  # fmt: skip
+    out, lse = golden_attention(*tensors, mask, bias=bias64, causal=causal, scale=scale)
     loss = (out * grad_out.double()).sum()
     if grad_lse is not None:
         loss = loss + (torch.where(torch.isfinite(lse), lse, 0) * grad_lse.double()).sum()

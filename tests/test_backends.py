@@ -117,6 +117,19 @@ def test_custom_scale_and_value_dim(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_large_scores_are_stable(backend, causal):
+    """q and k x 30: scores in the thousands, far past exp's float32 range (88): the
+    softmax must subtract each row's maximum."""
+    q, k, v = make_qkv(2, 4, 2, 37, 53, 32)
+    q, k = q * 30, k * 30
+    mask = random_mask(2, 4, 37, 53)
+    out = mhsa.attention(q, k, v, mask, causal=causal, backend=backend)
+    assert torch.isfinite(out).all()
+    assert max_error(out, golden(q, k, v, mask, causal=causal)) < 1e-3
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_error_bound(backend, dtype):
     q, k, v = make_qkv(2, 8, 2, 113, 203, 64, dtype=dtype)
@@ -140,6 +153,12 @@ def test_dropout_drops_the_expected_fraction(backend):
     assert abs(dropped - p) < 0.01
     kept = out != 0
     assert torch.allclose(out[kept], probs[kept] / (1 - p), rtol=1e-4, atol=1e-6)
+    # independent draws for every head and batch element: two masks agree on an entry
+    # with probability p^2 + (1 - p)^2 (0.58), not 1
+    independent = p**2 + (1 - p) ** 2
+    for a, b in (((0, 0), (0, 1)), ((0, 0), (1, 0)), ((1, 2), (3, 3))):
+        agree = (kept[a] == kept[b]).float().mean().item()
+        assert abs(agree - independent) < 0.03, (a, b, agree)
 
 
 def test_dropout_is_unbiased_on_average():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -84,6 +86,48 @@ def test_sampling_rules():
     assert draws == {1}  # the top token alone already has probability > 0.5
     with pytest.raises(ValueError, match="temperature must be >= 0"):
         sample(logits, temperature=-1)
+
+
+def test_sampling_frequencies_follow_temperature_top_k_and_top_p():
+    """20000 draws per setting against the distribution written out here (4 sigma)."""
+    logits = torch.tensor([0.0, 1.0, 2.0, 0.5])
+    rows = logits.expand(20000, 4)
+    gen = torch.Generator().manual_seed(1)
+
+    def frequencies(**options) -> torch.Tensor:
+        draws = sample(rows, generator=gen, **options)
+        return torch.bincount(draws, minlength=4).double() / draws.numel()
+
+    def softmax(values: list[float]) -> torch.Tensor:
+        exp = torch.tensor([math.exp(x) for x in values], dtype=torch.float64)
+        return exp / exp.sum()
+
+    tempered = softmax([x / 0.5 for x in logits.tolist()])  # temperature divides
+    assert max_error(frequencies(temperature=0.5), tempered) < 0.015
+    top2 = softmax([-math.inf, 2.0, 4.0, -math.inf])  # the two likeliest, at T = 0.5
+    assert max_error(frequencies(temperature=0.5, top_k=2), top2) < 0.015
+    # at T = 1 the sorted probabilities are .579, .213, .129, .078: the smallest set
+    # reaching 0.75 is the first two, reaching 0.8 the first three
+    nucleus = softmax([-math.inf, 1.0, 2.0, -math.inf])
+    assert max_error(frequencies(top_p=0.75), nucleus) < 0.015
+    nucleus = softmax([-math.inf, 1.0, 2.0, 0.5])
+    assert max_error(frequencies(top_p=0.8), nucleus) < 0.015
+
+
+@pytest.mark.parametrize("position", ["learned", "rotary"])
+def test_window_attends_exactly_the_last_window_tokens(position):
+    """With window 4, one layer: the logits at position 12 depend on tokens 9..12 only."""
+    model = small(n_layer=1, window=4, position=position)
+    ids = torch.randint(0, 61, (1, 20), generator=torch.Generator().manual_seed(0))
+
+    def logits_after_changing(index: int) -> torch.Tensor:
+        changed = ids.clone()
+        changed[0, index] = (changed[0, index] + 1) % 61
+        return model(changed)[0, 12]
+
+    base = model(ids)[0, 12]
+    assert max_error(logits_after_changing(8), base) < 1e-6  # outside the window
+    assert max_error(logits_after_changing(9), base) > 1e-3  # its oldest token
 
 
 def test_limits_are_clear_errors():

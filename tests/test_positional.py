@@ -60,6 +60,37 @@ def test_rotary_scores_depend_only_on_relative_offset():
     assert score(3, 1) != pytest.approx(score(1, 3), abs=1e-3)
 
 
+def test_rotary_exact_values_at_known_positions():
+    """Pair (c, c + D/2) at position m is rotated by m * base^(-2c/D), counter-clockwise:
+    written out channel by channel in float64."""
+    dim, base = 8, 10000.0
+    x = torch.randn(1, 1, 4, dim)
+    positions = [0, 1, 7, 1000]
+    got = RotaryEmbedding(dim, base)(x, positions=torch.tensor(positions))
+    for row, m in enumerate(positions):
+        for c in range(dim // 2):
+            angle = m * base ** (-2 * c / dim)
+            a, b = x[0, 0, row, c].item(), x[0, 0, row, c + dim // 2].item()
+            assert got[0, 0, row, c].item() == pytest.approx(
+                a * math.cos(angle) - b * math.sin(angle), abs=2e-5
+            )
+            assert got[0, 0, row, c + dim // 2].item() == pytest.approx(
+                b * math.cos(angle) + a * math.sin(angle), abs=2e-5)  # fmt: skip
+
+
+def test_rotary_equals_transformers_apply_rotary_pos_emb():
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    dim, base = 16, 500000.0
+    q, k = torch.randn(2, 3, 9, dim), torch.randn(2, 3, 9, dim)
+    offset = 5
+    positions = torch.arange(offset, offset + 9, dtype=torch.float32)
+    freqs = positions[:, None] * base ** (-torch.arange(0, dim, 2).float() / dim)[None, :]
+    angles = torch.cat([freqs, freqs], dim=-1)  # their layout: (L, D), halves repeated
+    q_ref, k_ref = llama.apply_rotary_pos_emb(q, k, angles.cos()[None], angles.sin()[None])
+    q_ours, k_ours = RotaryEmbedding(dim, base).rotate(q, k, offset=offset)
+    assert max_error(q_ours, q_ref) < 1e-5 and max_error(k_ours, k_ref) < 1e-5
+
+
 def test_rotary_preserves_norm_and_is_identity_at_zero():
     rope = RotaryEmbedding(8)
     x = torch.randn(2, 3, 6, 8)

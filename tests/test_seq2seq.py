@@ -40,6 +40,35 @@ def _uncached_greedy(model: Seq2Seq, src: torch.Tensor, steps: int) -> list[list
             row[1:].tolist() for row in tokens]  # fmt: skip
 
 
+def test_encoder_and_decoder_inputs_are_scaled_embeddings_plus_sinusoids():
+    """What enters each stack, written out: embedding * sqrt(d) + PE (Vaswani et al.)."""
+    model = _model()
+    d = model.config.d_model
+    src, tgt = torch.tensor([[3, 4, 5, 6]]), torch.tensor([[1, 7, 8]])
+    seen = {}
+
+    def keep(name):
+        def hook(module, args):
+            seen[name] = args[0]  # returns None: the inputs are left as they are
+
+        return hook
+
+    model.encoder.register_forward_pre_hook(keep("enc"))
+    model.decoder.register_forward_pre_hook(keep("dec"))
+    model(src, tgt)
+
+    def expected(table, ids):
+        pe = torch.zeros(ids.shape[1], d)
+        for pos in range(ids.shape[1]):
+            for i in range(d):
+                angle = pos / 10000 ** ((i - i % 2) / d)
+                pe[pos, i] = math.sin(angle) if i % 2 == 0 else math.cos(angle)
+        return table.weight[ids].detach() * math.sqrt(d) + pe
+
+    assert torch.allclose(seen["enc"], expected(model.src_embed, src), atol=1e-5)
+    assert torch.allclose(seen["dec"], expected(model.tgt_embed, tgt), atol=1e-5)
+
+
 def test_cached_greedy_equals_recomputation():
     model = _model()
     src = torch.tensor([[5, 6, 7, 2, 0, 0], [4, 9, 8, 10, 6, 2]])

@@ -10,7 +10,14 @@ import torch
 from mhsa.checkpoint import checkpoints_in, save_checkpoint
 from mhsa.data.text import ByteTokenizer, TextTask
 from mhsa.models import GPT, GPTConfig
-from mhsa.train import TrainConfig, TrainingDiverged, load_checkpoint, resolve_checkpoint, train
+from mhsa.train import (
+    TrainConfig,
+    TrainingDiverged,
+    load_checkpoint,
+    lr_at,
+    resolve_checkpoint,
+    train,
+)
 
 TEXT = "def f(x):\n    return x * 2  # doubles\n" * 200
 
@@ -51,6 +58,24 @@ def test_resume_reaches_the_same_loss_as_an_uninterrupted_run(tmp_path):
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values(),
                             strict=True):  # fmt: skip
         assert torch.equal(a, b), name
+
+
+def test_training_lowers_the_validation_loss(tmp_path):
+    """24 steps on the repetitive text take the validation loss below 60% of its start
+    (measured 5.6 -> 2.9); a step that never updates the weights cannot."""
+    _, result = run(tmp_path / "run", steps=24, lr=1e-2)
+    first, last = result["history"][0]["val_loss"], result["history"][-1]["val_loss"]
+    assert last < 0.6 * first, (first, last)
+
+
+def test_lr_warm_up_and_cosine_end_points():
+    config = TrainConfig(steps=110, lr=1e-3, warmup=10, min_lr_ratio=0.1)
+    assert lr_at(0, config) == pytest.approx(1e-4)  # (step + 1) / warmup
+    assert lr_at(9, config) == pytest.approx(1e-3)
+    assert lr_at(10, config) == pytest.approx(1e-3)  # the cosine starts at the peak
+    assert lr_at(60, config) == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5))  # half way
+    assert lr_at(110, config) == pytest.approx(1e-4)  # ends at lr * min_lr_ratio
+    assert lr_at(500, config) == pytest.approx(1e-4)
 
 
 def test_checkpoint_layout_and_reload(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from mhsa.cli import main
 from mhsa.models.vit import ViT, ViTConfig
@@ -21,6 +22,17 @@ def test_positions_interpolate_for_other_image_sizes():
     assert torch.equal(model.positions(4, 4), model.pos_emb)
     resized = model.positions(6, 8)
     assert resized.shape == (1, 49, 16) and torch.equal(resized[:, 0], model.pos_emb[:, 0])
+
+
+def test_interpolated_positions_equal_bicubic_resize_of_the_grid():
+    """A 4 x 4 grid resized to 6 rows x 8 columns: patch (r, c) of the wider image gets
+    the bicubic resize's value at row r, column c (rows are the image's height)."""
+    model = ViT(ViTConfig(image_size=8, patch_size=2, d_model=16, n_layer=1, n_head=2))
+    grid = model.pos_emb[0, 1:].detach().reshape(4, 4, 16).permute(2, 0, 1)  # (d, rows, cols)
+    resized = F.interpolate(grid[None], size=(6, 8), mode="bicubic", align_corners=False)[0]
+    got = model.positions(6, 8)[0, 1:].detach().reshape(6, 8, 16)  # row-major patches
+    for r, c in ((0, 0), (0, 7), (5, 0), (2, 5), (5, 7)):
+        assert torch.allclose(got[r, c], resized[:, r, c], atol=1e-6)
 
 
 def test_bad_images_are_clear_errors():
