@@ -130,9 +130,9 @@ def assert_2x_3x_rule(q, k, v, out, grad_out, ref_out, ref_grads) -> None:
     qn, kn, vn = (t.detach().clone().requires_grad_() for t in (q, k, v))
     naive = naive_same_dtype(qn, kn, vn, causal=True)
     naive.backward(grad_out)
-    assert max_error(out, ref_out) <= 2 * max_error(naive, ref_out) + 1e-4
+    assert max_error(out, ref_out) <= 2 * max_error(naive, ref_out)
     for got, naive_t, want in zip((q, k, v), (qn, kn, vn), ref_grads[:3], strict=True):
-        assert max_error(got.grad, want) <= 3 * max_error(naive_t.grad, want) + 1e-4
+        assert max_error(got.grad, want) <= 3 * max_error(naive_t.grad, want)
 
 
 def max_error(actual: Tensor, expected: Tensor) -> float:
@@ -144,6 +144,9 @@ def cpu_backends() -> list[str]:
     from mhsa.backends import AttentionSpec, get, local_names
 
     spec = AttentionSpec.example()
+    # triton serves CPU tensors only in its (slow) interpreter: test_triton.py covers it
     return [
-        n for n in local_names() if get(n).available() is None and get(n).supports(spec) is None
+        n
+        for n in local_names()
+        if n != "triton" and get(n).available() is None and get(n).supports(spec) is None
     ]

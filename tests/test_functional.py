@@ -154,3 +154,17 @@ def test_every_backend_matches_reference_on_random_calls(
     row_sums = probs.sum(-1)
     assert torch.allclose(row_sums[has_key], torch.ones(()), atol=1e-5)
     assert (row_sums[~has_key] == 0).all()
+
+
+@pytest.mark.parametrize("backend", ["auto", *cpu_backends()])
+def test_a_custom_scale_is_used(backend):
+    """scale=0.1 (far from 1/sqrt(16) = 0.25) against the golden formula at 0.1; the
+    weights too."""
+    q, k, v = make_qkv(2, 4, 2, 9, 11, 16)
+    out = mhsa.attention(q, k, v, causal=True, scale=0.1, backend=backend)
+    assert max_error(out, golden(q, k, v, causal=True, scale=0.1)) < 1e-5
+    assert max_error(out, golden(q, k, v, causal=True)) > 1e-2
+    weights = mhsa.attention_weights(q, k, scale=0.1)
+    expected = torch.softmax(q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2)
+                             * 0.1, dim=-1)  # fmt: skip
+    assert max_error(weights, expected) < 1e-6

@@ -11,6 +11,7 @@ from helpers import max_error
 from mhsa.cache import KVCache, SlidingWindowCache
 from mhsa.models import GPT, GPTConfig
 from mhsa.models.gpt import sample
+from optional import needs
 
 
 def small(**changes) -> GPT:
@@ -151,7 +152,7 @@ def test_sliding_window_cache_memory_is_bounded():
 
 
 def test_logits_equal_transformers_gpt2():
-    transformers = pytest.importorskip("transformers")
+    transformers = needs("transformers")
     hf_config = transformers.GPT2Config(
         vocab_size=101, n_positions=64, n_embd=48, n_layer=3, n_head=4,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None,

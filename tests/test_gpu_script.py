@@ -4,14 +4,12 @@ check and benchmark case on tiny CPU shapes (triton in the interpreter, flex eag
 from __future__ import annotations
 
 import json
-import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+from optional import needs
 
-pytest.importorskip("triton")
+needs("triton")
 
 
 def test_gpu_script_dry_run(tmp_path, monkeypatch, capsys):

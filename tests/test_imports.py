@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -144,3 +146,15 @@ def test_the_checker_sees_an_upward_import_and_a_cycle(tmp_path):
         ["mhsa.high", "mhsa.low.a", "mhsa.high"],
         ["mhsa.low.a", "mhsa.high", "mhsa.low.a"],
     )
+
+
+def test_mhsa_imports_without_triton():
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import mhsa\n"
+        "from mhsa.backends.triton import TritonBackend\n"
+        "print(TritonBackend().available())\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, check=True)  # fmt: skip
+    assert "not installed" in result.stdout

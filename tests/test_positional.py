@@ -17,6 +17,7 @@ from mhsa.positional import (
     SinusoidalPositionalEncoding,
     alibi_slopes,
 )
+from optional import needs
 
 
 def test_sinusoidal_exact_values():
@@ -79,7 +80,7 @@ def test_rotary_exact_values_at_known_positions():
 
 
 def test_rotary_equals_transformers_apply_rotary_pos_emb():
-    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    llama = needs("transformers.models.llama.modeling_llama")
     dim, base = 16, 500000.0
     q, k = torch.randn(2, 3, 9, dim), torch.randn(2, 3, 9, dim)
     offset = 5

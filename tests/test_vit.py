@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from mhsa.cli import main
 from mhsa.models.vit import ViT, ViTConfig
+from optional import needs
 
 
 def test_forward_shapes_and_cls_readout():
@@ -44,6 +45,7 @@ def test_bad_images_are_clear_errors():
 
 
 def test_train_vit_end_to_end(tmp_path, capsys):
+    needs("sklearn")  # the built-in digits
     args = ["train", "vit", "--out", str(tmp_path / "vit"), "--steps", "6", "--eval-every", "3",
             "--layers", "1", "--d-model", "16", "--heads", "2"]  # fmt: skip
     assert main(args) == 0

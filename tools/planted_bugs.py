@@ -1,0 +1,93 @@
+"""Plant realistic bugs in a copy of src/, one at a time, and run the test file that owns
+the code: every bug must make it fail. Nothing in the working tree is changed.
+
+    python tools/planted_bugs.py            # all bugs
+    python tools/planted_bugs.py rotary     # those whose name contains "rotary"
+
+Prints one line per bug (caught or MISSED, the failing tests) and exits 1 if any
+bug went unnoticed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# name: (file under src/mhsa, original text, planted text, owning test file)
+BUGS = {
+    "gpt window one too wide": (
+        "models/gpt.py", "SlidingWindow(window - 1, 0)", "SlidingWindow(window, 0)",
+        "tests/test_gpt.py"),
+    "custom scale ignored": (
+        "functional.py", "if scale is None else float(scale)", "if scale is None else 1.0 / "
+        "math.sqrt(q.shape[-1])", "tests/test_functional.py"),
+    "rotary rotation sign flipped": (
+        "positional.py", "(x1 * cos - x2 * sin, x2 * cos + x1 * sin)",
+        "(x1 * cos + x2 * sin, x2 * cos - x1 * sin)", "tests/test_positional.py"),
+    "rotary frequencies wrong": (
+        "positional.py", "dtype=torch.float32) / head_dim)",
+        "dtype=torch.float32) / (head_dim // 2))", "tests/test_positional.py"),
+    "softmax without max subtraction": (
+        "kernels/dense.py", "row_max = torch.where(torch.isfinite(row_max), row_max, "
+        "torch.zeros_like(row_max))", "row_max = torch.zeros_like(row_max)",
+        "tests/test_backends.py"),
+    "dropout hash ignores head and batch": (
+        "kernels/dropout.py", "heads = torch.arange(batch * num_heads, device=device, "
+        "dtype=torch.int64)", "heads = torch.zeros(batch * num_heads, device=device, "
+        "dtype=torch.int64)", "tests/test_backends.py"),
+    "zero_grad after backward": (
+        "train.py", "        optimizer.zero_grad(set_to_none=True)\n        loss.backward()\n",
+        "        loss.backward()\n        optimizer.zero_grad(set_to_none=True)\n",
+        "tests/test_train.py"),
+    "vit interpolation height and width swapped": (
+        "models/vit.py", "size=(grid_h, grid_w)", "size=(grid_w, grid_h)", "tests/test_vit.py"),
+    "seq2seq embeddings not scaled by sqrt(d)": (
+        "models/seq2seq.py", "x = table(ids) * math.sqrt(self.config.d_model)",
+        "x = table(ids)", "tests/test_seq2seq.py"),
+    "sampling multiplies by the temperature": (
+        "models/gpt.py", "logits = logits.float() / temperature",
+        "logits = logits.float() * temperature", "tests/test_gpt.py"),
+}  # fmt: skip
+
+
+def run_with_bug(name: str, workdir: Path) -> tuple[bool, str]:
+    """(caught, the failing tests or the run's last line) for one planted bug."""
+    relative, original, planted, test_file = BUGS[name]
+    src = workdir / "src"
+    shutil.rmtree(src, ignore_errors=True)
+    shutil.copytree(ROOT / "src", src, ignore=shutil.ignore_patterns("__pycache__"))
+    target = src / "mhsa" / relative
+    text = target.read_text()
+    if text.count(original) != 1:
+        raise SystemExit(f"{name}: the original text is not found once in {relative}")
+    target.write_text(text.replace(original, planted))
+    env = {**os.environ, "PYTHONPATH": f"{src}{os.pathsep}{ROOT / 'tests'}"}
+    command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+               "-o", "addopts=", str(ROOT / test_file)]  # fmt: skip
+    result = subprocess.run(command, env=env, capture_output=True, text=True, cwd=workdir)
+    failed = [line.split(" ")[1] for line in result.stdout.splitlines()
+              if line.startswith("FAILED ")]  # fmt: skip
+    last = (result.stdout.strip().splitlines() or ["(no output)"])[-1]
+    return result.returncode != 0, ", ".join(failed) or last
+
+
+def main(argv: list[str]) -> int:
+    chosen = [name for name in BUGS if not argv or any(a in name for a in argv)]
+    missed = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in chosen:
+            caught, detail = run_with_bug(name, Path(tmp))
+            missed += not caught
+            print(f"{'caught' if caught else 'MISSED'}  {name}: {detail}", flush=True)
+    print(f"{len(chosen) - missed} of {len(chosen)} planted bugs caught")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
