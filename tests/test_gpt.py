@@ -196,6 +196,7 @@ def test_config_errors_name_the_field(options, message):
 )  # fmt: skip
 def test_generate_errors_name_the_argument(options, error, message):
     model = GPT(GPTConfig(vocab_size=256, n_layer=1, n_head=2, d_model=16, max_len=32)).eval()
+    options = dict(options)  # the parametrize dict is shared: a rerun must see it whole
     prompt = options.pop("prompt", torch.tensor([1, 2, 3]))
     max_new_tokens = options.pop("max_new_tokens", 2)
     with pytest.raises(error, match=message):

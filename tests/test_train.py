@@ -195,3 +195,32 @@ def test_leftovers_of_a_killed_run_are_cleaned_and_its_checkpoint_resumes(tmp_pa
     _, result = run(out, steps=8, resume=True)
     assert result["step"] == 8
     assert sorted(p.name for p in out.iterdir()) == ["latest", "step-000008"]
+
+
+def test_every_step_uses_lr_at_and_a_nan_gradient_stops_the_run(tmp_path, monkeypatch):
+    """The optimizer sees lr_at(step) at every step (warm-up, then cosine); a finite
+    loss whose gradient is nan stops the run like a nan loss."""
+    seen = []
+    step = torch.optim.AdamW.step
+
+    def recording_step(self, *args, **kwargs):
+        seen.append(self.param_groups[0]["lr"])
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", recording_step)
+    run(tmp_path / "lr", steps=8)
+    config = TrainConfig(steps=8, eval_every=4, checkpoint_every=4, warmup=2)
+    assert seen == pytest.approx([lr_at(s, config) for s in range(8)])
+
+    def nan_gradient(module, grad_input, grad_output):
+        return tuple(None if g is None else g * float("nan") for g in grad_input)
+
+    original = GPT.__init__
+
+    def poisoned_init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.ln_f.register_full_backward_hook(nan_gradient)
+
+    monkeypatch.setattr(GPT, "__init__", poisoned_init)
+    with pytest.raises(TrainingDiverged):
+        run(tmp_path / "nan-grad", steps=1)  # the first step must not be taken

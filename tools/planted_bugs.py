@@ -53,6 +53,13 @@ BUGS = {
     "sampling multiplies by the temperature": (
         "models/gpt.py", "logits = logits.float() / temperature",
         "logits = logits.float() * temperature", "tests/test_gpt.py"),
+    # found by the mutation run (tools/mutation.py), not in the original list
+    "learning rate schedule never applied": (
+        "train.py", '            group["lr"] = lr_at(step, config)\n',
+        "            pass\n", "tests/test_train.py"),
+    "a nan gradient with a finite loss is stepped": (
+        "train.py", "torch.isfinite(loss) & torch.isfinite(grad_norm)",
+        "torch.isfinite(loss) | torch.isfinite(grad_norm)", "tests/test_train.py"),
 }  # fmt: skip
 
 
