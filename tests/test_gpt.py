@@ -207,3 +207,15 @@ def test_forward_rejects_token_ids_outside_the_vocabulary():
     model = GPT(GPTConfig(vocab_size=10, n_layer=1, n_head=2, d_model=16, max_len=32))
     with pytest.raises(ValueError, match="idx holds token id 10"):
         model(torch.tensor([[1, 10]]))
+
+
+def test_left_padded_generation_with_a_sliding_window_cache_equals_each_prompt_alone():
+    """The window cache's key padding (its padded path): a left-padded batch decoded
+    past the window gives each prompt's own greedy tokens."""
+    model = small(window=4, position="rotary")
+    prompts = [torch.randint(0, 61, (n,), generator=torch.Generator().manual_seed(n))
+               for n in (6, 2, 9)]  # fmt: skip
+    together = model.generate(prompts, 10, temperature=0)
+    for prompt, out in zip(prompts, together, strict=True):
+        alone = model.generate([prompt], 10, temperature=0)[0]
+        assert torch.equal(out, alone)

@@ -56,12 +56,17 @@ class KVCache:
             )
         if start.is_floating_point() or start.is_complex() or start.dtype == torch.bool:
             raise TypeError(f"start must hold integer indices, got {start.dtype}")
-        if start.numel() and (int(start.min()) < 0 or int(start.max()) >= self.max_len):
-            raise ValueError(
-                f"start must be in 0..{self.max_len - 1} (the cache's max_len - 1), "
-                f"got {start.tolist()}"
-            )
+        last = self._last_start()
+        if start.numel() and (
+            int(start.min()) < 0 or (last is not None and int(start.max()) > last)
+        ):
+            limit = "0 or more" if last is None else f"in 0..{last} (the cache's max_len - 1)"
+            raise ValueError(f"start must be {limit}, got {start.tolist()}")
         self.start = start.to(device=self.start.device, dtype=torch.long)
+
+    def _last_start(self) -> int | None:
+        """The largest allowed padding start (None: no bound)."""
+        return self.max_len - 1
 
     @property
     def positions(self) -> Tensor:
@@ -152,6 +157,9 @@ class SlidingWindowCache(KVCache):
     @property
     def window(self) -> int:
         return self.k.shape[2]
+
+    def _last_start(self) -> int | None:
+        return None  # starts are absolute positions; the ring buffer wraps past them
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         self._check(k, v)
