@@ -168,3 +168,12 @@ def test_a_custom_scale_is_used(backend):
     expected = torch.softmax(q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2)
                              * 0.1, dim=-1)  # fmt: skip
     assert max_error(weights, expected) < 1e-6
+
+
+def test_attention_weights_of_selected_heads_use_the_custom_scale():
+    """The flash path normalises by its own lse: computed at the caller's scale too."""
+    q, k = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 9, 8)
+    full = mhsa.attention_weights(q, k, scale=0.1, causal=True)
+    part = mhsa.attention_weights(q, k, scale=0.1, causal=True, heads=[1, 3], rows=[0, 5])
+    assert max_error(part, full[:, [1, 3]][:, :, [0, 5]]) < 1e-6
+    assert torch.allclose(part.sum(-1), torch.ones(1, 2, 2))
