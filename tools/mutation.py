@@ -84,9 +84,9 @@ def mutmut_config(module: str, tests: list[str]) -> str:
         f"pytest_add_cli_args_test_selection = {toml_list(tests)}\n"
         'pytest_add_cli_args = ["-p", "no:cacheprovider"]\n'
         # every run (stats, clean, each mutant) in a fresh fork of a process that only
-        # collected the tests: torch is not fork-safe after use, and some tests change
-        # their parametrize arguments (test_gpt's options.pop), so a second run in one
-        # process would not be a clean run
+        # collected the tests: torch is not fork-safe after use, and a test that changes
+        # shared state (test_gpt once popped its parametrize dicts) would make a second
+        # run in one process unclean
         'process_isolation = "forkserver"\n'
     )
 
