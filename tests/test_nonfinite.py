@@ -1,8 +1,8 @@
 """A masked-out key or value never affects the output, finite or not (issue 15, item 4).
 
 Seeded fuzz: nan / +inf / -inf put into keys and values that some or all queries are
-masked from, for every backend, against a float64 formula written out here on the
-same inputs with those entries set to 0. Rows that attend a non-finite key are left
+masked from, for every backend, against the float64 golden formula on the same
+inputs with those entries set to 0. Rows that attend a non-finite key are left
 out (their output is non-finite by the formula); every other row, its lse and the
 gradients of a loss over those rows must match. Unwritten and padded cache slots
 are covered through KVCache, and ring attention through a real gloo group.
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import mhsa
+from helpers import golden_attention, max_error
 from mhsa.backends import get
 from mhsa.cache import KVCache
 from mhsa.distributed import context_parallel, run_local, shard, unshard
@@ -23,20 +24,6 @@ from optional import needs
 BACKENDS = ["reference", "sdpa", "flash", "auto"]
 CASES = 80  # per backend
 BAD_VALUES = (float("nan"), float("inf"), -float("inf"))
-
-
-def _formula(q, k, v, allowed, bias, scale):
-    """float64 softmax(q k^T * scale + bias, masked) v; rows with no allowed key are 0."""
-    group = q.shape[1] // k.shape[1]
-    k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
-    scores = q.double() @ k.transpose(-1, -2) * scale
-    if bias is not None:
-        scores = scores + bias.double()
-    scores = scores.masked_fill(~allowed, -torch.inf)
-    alive = allowed.any(-1, keepdim=True) & ~torch.isneginf(scores).all(-1, keepdim=True)
-    probs = torch.softmax(scores.masked_fill(~alive, 0.0), dim=-1) * alive
-    lse = torch.logsumexp(scores, dim=-1)
-    return probs @ v, lse
 
 
 def _case(gen: torch.Generator):
@@ -84,10 +71,6 @@ def _clean_rows(k, v, allowed, num_heads):
     return ~(allowed & bad).any(-1)
 
 
-def _max_error(got, want) -> float:
-    return (got.double() - want.detach()).abs().max().item() if got.numel() else 0.0
-
-
 def _zeroed(t):
     return torch.where(torch.isfinite(t), t, torch.zeros(()))
 
@@ -103,13 +86,13 @@ def _check(backend: str, q, k, v, mask, bias, causal, allowed):
     )
     out, lse = result if with_lse else (result, None)
     expected = [t.clone().double().requires_grad_() for t in (q, _zeroed(k), _zeroed(v))]
-    want_out, want_lse = _formula(*expected, allowed, bias, scale)
+    want_out, want_lse = golden_attention(*expected, allowed, bias=bias, scale=scale)
     assert torch.isfinite(out[clean]).all(), "a masked non-finite key leaked"
-    assert _max_error(out[clean], want_out[clean]) < 1e-5
+    assert max_error(out[clean], want_out[clean]) < 1e-5
     if lse is not None:
         assert torch.equal(torch.isneginf(lse[clean]), torch.isneginf(want_lse[clean]))
         alive = clean & ~torch.isneginf(want_lse)
-        assert _max_error(lse[alive], want_lse[alive]) < 1e-5
+        assert max_error(lse[alive], want_lse[alive]) < 1e-5
     if allowed.all() and not clean.all():
         return  # nothing is masked: the rows that attend a nan key make every grad nan
     weight = torch.randn(out.shape) * clean.unsqueeze(-1)
@@ -117,7 +100,7 @@ def _check(backend: str, q, k, v, mask, bias, causal, allowed):
     (want_out * weight.double()).sum().backward()
     for name, got, want in zip("qkv", leaves, expected, strict=True):
         assert torch.isfinite(got.grad).all(), f"d{name} holds a non-finite entry"
-        error = _max_error(got.grad, want.grad)
+        error = max_error(got.grad, want.grad)
         assert error < 1e-4, f"d{name} differs by {error}"
 
 

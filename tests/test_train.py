@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -61,11 +62,12 @@ def test_resume_reaches_the_same_loss_as_an_uninterrupted_run(tmp_path):
 
 
 def test_training_lowers_the_validation_loss(tmp_path):
-    """24 steps on the repetitive text take the validation loss below 60% of its start
-    (measured 5.6 -> 2.9); a step that never updates the weights cannot."""
+    """24 steps on the repetitive text take the validation loss below half of an
+    untrained model's, ln(256) = 5.55 for uniform bytes (measured 2.22 at step 24,
+    5.51 at step 1); a step that never updates the weights stays near 5.5."""
     _, result = run(tmp_path / "run", steps=24, lr=1e-2)
-    first, last = result["history"][0]["val_loss"], result["history"][-1]["val_loss"]
-    assert last < 0.6 * first, (first, last)
+    last = result["history"][-1]["val_loss"]
+    assert last < 0.5 * math.log(256), result["history"]
 
 
 def test_lr_warm_up_and_cosine_end_points():

@@ -13,6 +13,8 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 
+import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from ..backends.registry import AttentionSpec, Backend, register, use_backend
@@ -42,8 +44,6 @@ class RingBackend(Backend):
     sharded = True
 
     def available(self) -> str | None:
-        import torch.distributed as dist
-
         return None if dist.is_available() else "torch.distributed is not available"
 
     def supports(self, spec: AttentionSpec) -> str | None:
@@ -58,9 +58,6 @@ class RingBackend(Backend):
         return None
 
     def any_rank(self, flag: bool) -> bool:
-        import torch
-        import torch.distributed as dist
-
         group, _ = _active.get()
         nccl = dist.get_backend(group) == "nccl"  # NCCL reduces CUDA tensors only
         votes = torch.tensor([int(flag)], device="cuda" if nccl else "cpu")
