@@ -130,6 +130,50 @@ def test_wide_beam_search_finds_the_exact_optimum(penalty):
         assert found == _exhaustive_best(_HistoryModel(1, vocab), start, eos, max_new, penalty)
 
 
+def _narrow_beam(model: _HistoryModel, start: int, eos: int, max_new: int, k: int) -> list[int]:
+    """Beam search without length penalty written out: each step the 2k best
+    extensions are read in order, eos ones finish, the first k others live on."""
+    alive, finished = [(0.0, (start,))], []
+    for _ in range(max_new):
+        extended = [(score + log_p, prefix + (token,)) for score, prefix in alive
+                    for token, log_p in enumerate(torch.log_softmax(model.logits(prefix), -1)
+                                                  .tolist())]  # fmt: skip
+        alive = []
+        for score, prefix in sorted(extended, reverse=True)[: 2 * k]:
+            if len(alive) == k:
+                break
+            if prefix[-1] == eos:
+                finished.append((score, list(prefix[1:-1])))
+            else:
+                alive.append((score, prefix))
+    return max(finished)[1] if finished else list(alive[0][1][1:])
+
+
+@pytest.mark.parametrize("beam", [1, 2, 3])
+@pytest.mark.parametrize("max_new", [2, 6])
+def test_narrow_beam_search_on_a_batch_equals_the_written_out_search(beam, max_new):
+    vocab, eos, starts = 5, 0, (1, 2, 3)
+    model = _HistoryModel(len(starts) * beam, vocab)
+    found = beam_search(model.step, model.reorder, torch.tensor([[s] for s in starts]), eos,
+                        max_new, beam, 0.0)  # fmt: skip
+    reference = _HistoryModel(1, vocab)
+    assert found == [_narrow_beam(reference, s, eos, max_new, beam) for s in starts]
+
+
+def test_beam_search_stops_when_no_live_beam_can_win():
+    calls = []
+
+    def step(tokens):  # eos (0) is always far more likely than anything else
+        calls.append(tokens.shape)
+        return torch.tensor([[5.0, 0, 0, 0]]).expand(tokens.shape[0], 4)
+
+    found = beam_search(step, lambda index: None, torch.tensor([[1]]), eos=0,
+                        max_new_tokens=10, beam_size=2)  # fmt: skip
+    # step 1: one hypothesis ends; step 2: two more end, and the live beams (two
+    # unlikely tokens deep) score below both of the best two that ended
+    assert found == [[]] and len(calls) == 2
+
+
 def test_greedy_search_stops_each_row_at_eos():
     def step(tokens):  # row 0 ends at once (eos = 0), row 1 always says 2
         return torch.tensor([[5.0, 0, 0], [0, 0, 5.0]])

@@ -108,7 +108,9 @@ def beam_search(
 
 def _done(finished: list, alive: Tensor, length: int, k: int, length_penalty: float) -> bool:
     """Stop once k hypotheses ended and the best live beam, normalised at its current
-    length, cannot beat the worst of them (log-probs only fall as beams grow)."""
+    length, scores no better than the worst of them. Exact without a length penalty
+    (log-probs only fall as beams grow); with one, the usual heuristic, since dividing
+    by a longer length can raise a live beam's normalised score."""
     if len(finished) < k:
         return False
     worst = sorted(score for score, _ in finished)[-k]
