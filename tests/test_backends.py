@@ -167,3 +167,14 @@ def test_dropout_is_unbiased_on_average():
     q, k, v = make_qkv(1, 2, 2, 5, 6, 8)
     runs = torch.stack([mhsa.attention(q, k, v, dropout_p=0.5) for _ in range(4000)])
     assert max_error(runs.mean(0), mhsa.attention(q, k, v)) < 0.05
+
+
+def test_dropout_seeds_follow_torch_seed_and_span_31_bits():
+    from mhsa.kernels.dropout import draw_seed
+
+    torch.manual_seed(0)
+    seeds = [draw_seed() for _ in range(200)]
+    torch.manual_seed(0)
+    assert [draw_seed() for _ in range(200)] == seeds
+    # uniform on [0, 2**31 - 1): 200 distinct draws, the largest above 2**30
+    assert len(set(seeds)) == 200 and 2**30 < max(seeds) < 2**31 - 1 and min(seeds) >= 0

@@ -90,12 +90,12 @@ class _HistoryModel:
     """A toy decoder whose next-token logits depend on the whole prefix; its state
     (the prefixes) is reordered like a KV cache."""
 
-    def __init__(self, rows: int, vocab: int) -> None:
+    def __init__(self, rows: int, vocab: int, salt: int = 0) -> None:
         self.prefixes: list[tuple[int, ...]] = [() for _ in range(rows)]
-        self.vocab = vocab
+        self.vocab, self.salt = vocab, salt
 
     def logits(self, prefix: tuple[int, ...]) -> torch.Tensor:
-        seed = hash(prefix) % (2**31)
+        seed = hash((self.salt, *prefix)) % (2**31)
         return torch.randn(self.vocab, generator=torch.Generator().manual_seed(seed)) * 2
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -130,11 +130,14 @@ def test_wide_beam_search_finds_the_exact_optimum(penalty):
         assert found == _exhaustive_best(_HistoryModel(1, vocab), start, eos, max_new, penalty)
 
 
-def _narrow_beam(model: _HistoryModel, start: int, eos: int, max_new: int, k: int) -> list[int]:
-    """Beam search without length penalty written out: each step the 2k best
-    extensions are read in order, eos ones finish, the first k others live on."""
+def _narrow_beam(model: _HistoryModel, start: int, eos: int, max_new: int, k: int,
+                 penalty: float) -> list[int]:  # fmt: skip
+    """Beam search written out: each step the 2k best extensions are read in order,
+    eos ones finish (scored log-prob / length**penalty), the first k others live on;
+    the search stops once k have finished and the best live beam, scored at its
+    current length, is no better than the k-th best finished."""
     alive, finished = [(0.0, (start,))], []
-    for _ in range(max_new):
+    for length in range(1, max_new + 1):
         extended = [(score + log_p, prefix + (token,)) for score, prefix in alive
                     for token, log_p in enumerate(torch.log_softmax(model.logits(prefix), -1)
                                                   .tolist())]  # fmt: skip
@@ -143,24 +146,31 @@ def _narrow_beam(model: _HistoryModel, start: int, eos: int, max_new: int, k: in
             if len(alive) == k:
                 break
             if prefix[-1] == eos:
-                finished.append((score, list(prefix[1:-1])))
+                finished.append((score / length**penalty, list(prefix[1:-1])))
             else:
                 alive.append((score, prefix))
+        kth_best = sorted(score for score, _ in finished)[-k] if len(finished) >= k else None
+        if kth_best is not None and alive[0][0] / length**penalty <= kth_best:
+            break
     return max(finished)[1] if finished else list(alive[0][1][1:])
 
 
 @pytest.mark.parametrize("beam", [1, 2, 3])
 @pytest.mark.parametrize("max_new", [2, 6])
-def test_narrow_beam_search_on_a_batch_equals_the_written_out_search(beam, max_new):
+@pytest.mark.parametrize("penalty", [0.0, 1.0])
+def test_narrow_beam_search_on_a_batch_equals_the_written_out_search(beam, max_new, penalty):
     vocab, eos, starts = 5, 0, (1, 2, 3)
-    model = _HistoryModel(len(starts) * beam, vocab)
-    found = beam_search(model.step, model.reorder, torch.tensor([[s] for s in starts]), eos,
-                        max_new, beam, 0.0)  # fmt: skip
-    reference = _HistoryModel(1, vocab)
-    assert found == [_narrow_beam(reference, s, eos, max_new, beam) for s in starts]
+    for salt in range(3):
+        model = _HistoryModel(len(starts) * beam, vocab, salt)
+        found = beam_search(model.step, model.reorder, torch.tensor([[s] for s in starts]), eos,
+                            max_new, beam, penalty)  # fmt: skip
+        reference = _HistoryModel(1, vocab, salt)
+        assert found == [_narrow_beam(reference, s, eos, max_new, beam, penalty) for s in starts]
 
 
-def test_beam_search_stops_when_no_live_beam_can_win():
+@pytest.mark.parametrize("penalty", [0.0, 1.0])
+@pytest.mark.parametrize("beam, steps", [(1, 1), (2, 2)])
+def test_beam_search_stops_when_no_live_beam_can_win(penalty, beam, steps):
     calls = []
 
     def step(tokens):  # eos (0) is always far more likely than anything else
@@ -168,10 +178,40 @@ def test_beam_search_stops_when_no_live_beam_can_win():
         return torch.tensor([[5.0, 0, 0, 0]]).expand(tokens.shape[0], 4)
 
     found = beam_search(step, lambda index: None, torch.tensor([[1]]), eos=0,
-                        max_new_tokens=10, beam_size=2)  # fmt: skip
-    # step 1: one hypothesis ends; step 2: two more end, and the live beams (two
-    # unlikely tokens deep) score below both of the best two that ended
-    assert found == [[]] and len(calls) == 2
+                        max_new_tokens=10, beam_size=beam, length_penalty=penalty)  # fmt: skip
+    # beam 1: the one hypothesis that ends at step 1 beats the live beam; beam 2:
+    # step 1 ends one hypothesis, step 2 two more, and the live beams (two unlikely
+    # tokens deep) score below the best two that ended
+    assert found == [[]] and len(calls) == steps
+
+
+def test_search_defaults_and_bad_arguments():
+    model = _HistoryModel(4, 5, salt=1)
+    found = beam_search(model.step, model.reorder, torch.tensor([[1]]), 0, 6)
+    model = _HistoryModel(4, 5, salt=1)
+    assert found == beam_search(model.step, model.reorder, torch.tensor([[1]]), 0, 6,
+                                beam_size=4, length_penalty=1.0)  # fmt: skip
+    step = _HistoryModel(1, 5).step
+    assert len(greedy_search(step, torch.tensor([[1]]), eos=0, max_new_tokens=1)[0]) <= 1
+    for bad in (torch.tensor([1, 2]), torch.zeros(1, 0, dtype=torch.long)):
+        with pytest.raises(ValueError, match=r"start must be \(batch, prefix_len >= 1\)"):
+            greedy_search(step, bad, eos=0, max_new_tokens=2)
+    with pytest.raises(ValueError, match="max_new_tokens must be positive, got 0"):
+        greedy_search(step, torch.tensor([[1]]), eos=0, max_new_tokens=0)
+    with pytest.raises(ValueError, match="beam_size must be positive, got 0"):
+        beam_search(step, lambda index: None, torch.tensor([[1]]), 0, 2, beam_size=0)
+
+
+def test_greedy_search_returns_once_every_row_ended():
+    calls = []
+
+    def step(tokens):  # row 0 ends at step 1, row 1 at step 2; then both would go on
+        calls.append(len(calls))
+        ends = torch.tensor([[5.0, 0, 0], [0, 0, 5.0]]) if len(calls) == 1 else None
+        return ends if ends is not None else torch.tensor([[0, 5.0, 0], [5.0, 0, 0]])
+
+    found = greedy_search(step, torch.tensor([[1], [1]]), eos=0, max_new_tokens=5)
+    assert found == [[], [2]] and len(calls) == 2
 
 
 def test_greedy_search_stops_each_row_at_eos():
