@@ -21,6 +21,7 @@ from .kernels.dense import (
 )
 from .kernels.dropout import draw_seed
 from .masks import Pattern
+from .scores import ScoreFunction, as_score
 
 
 def _check_common(
@@ -31,11 +32,17 @@ def _check_common(
     causal: bool,
     scale: float | None,
     sharded: bool = False,
+    score: ScoreFunction | None = None,
+    sinks: Tensor | None = None,
 ) -> float:
-    """Validate mask/bias/causal/scale against q and k; return the resolved scale."""
+    """Validate mask/bias/causal/scale/score/sinks against q and k; return the resolved
+    scale."""
     target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     validate.check_mask(mask, target, q.device, sharded)
     validate.check_bias(bias, target, q.device)
+    validate.check_sinks(sinks, q.shape[1], q.device)
+    if score is not None:
+        score.check(q.shape[1], q.device, stats_dtype(q.dtype))
     validate.check_causal(causal)
     validate.check_scale(scale)
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
@@ -53,8 +60,10 @@ def attention(
     dropout_p: float = 0.0,
     backend: str = "auto",
     return_lse: bool = False,
+    score: ScoreFunction | list | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """Scaled dot-product attention: softmax(q k^T * scale + bias) v.
+    """Scaled dot-product attention: softmax(score(q k^T * scale) + bias) v.
 
     Args:
         q: (B, H, L, D) queries.
@@ -70,25 +79,33 @@ def attention(
         dropout_p: probability of dropping an attention weight (0 disables it).
         backend: "auto" (fastest that serves the call) or a name from mhsa.backends().
         return_lse: also return the logsumexp of each row's scores.
+        score: an mhsa.scores function (ALiBi, RelativeBias, Softcap, ScoreMod) or a
+            list of them applied in order to the scaled scores, before the bias and the
+            mask; positions are global, query i at i + S - L like causal.
+        sinks: (H,) float logits, one per query head, of a key without a value: it
+            takes probability mass (exp(sink) joins each row's denominator).
 
     Returns:
         out (B, H, L, D_v) in q's dtype; with return_lse, (out, lse) where lse is
         (B, H, L) float32 (float64 for float64 inputs). A query row with no allowed
-        key gets output 0, lse -inf and zero gradients.
+        key gets output 0, lse -inf (the sink's logit, with sinks) and zero gradients.
     """
     validate.check_qkv(q, k, v)
     validate.check_dropout(dropout_p)
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str, got {type(backend).__name__}")
+    score = as_score(score)
     batch, num_heads, q_len, head_dim = q.shape
     kv_len, value_dim = k.shape[2], v.shape[3]
     if q_len == 0 or kv_len == 0:
-        _check_common(q, k, mask, bias, causal, scale)
+        _check_common(q, k, mask, bias, causal, scale, score=score, sinks=sinks)
         # exact zeros that stay in the autograd graph (zero gradients), as SDPA's do:
         # a sum over no elements is 0 whatever the inputs hold, nan included
         connected = sum(t.reshape(-1)[:0].sum() for t in (q, k, v))
         out = q.new_zeros(batch, num_heads, q_len, value_dim) + connected
         lse = q.new_full((batch, num_heads, q_len), -torch.inf, dtype=stats_dtype(q.dtype))
+        if sinks is not None:  # every row's only "key" is its sink
+            lse = (lse.clamp(min=0) * 0 + sinks.to(lse.dtype).view(1, -1, 1)).expand_as(lse)
         return (out, lse) if return_lse else out
     spec = AttentionSpec(
         batch=batch,
@@ -105,11 +122,15 @@ def attention(
         causal=causal,
         dropout_p=float(dropout_p),
         return_lse=return_lse,
+        has_score=score is not None,
+        score_additive=score is None or score.additive,
+        has_sinks=sinks is not None,
     )
     chosen = select(spec, backend)
-    resolved_scale = _check_common(q, k, mask, bias, causal, scale, chosen.sharded)
+    resolved_scale = _check_common(q, k, mask, bias, causal, scale, chosen.sharded, score, sinks)
     call = dict(mask=mask, bias=bias, causal=causal, scale=resolved_scale,
-                dropout_p=float(dropout_p), return_lse=return_lse)  # fmt: skip
+                dropout_p=float(dropout_p), return_lse=return_lse, score=score,
+                sinks=sinks)  # fmt: skip
     out, lse = chosen.forward(q, k, v, **call)
     out, lse = isolate_masked_nonfinite(chosen, q, k, v, out, lse, call)
     return (out, lse) if return_lse else out

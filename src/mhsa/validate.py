@@ -125,6 +125,20 @@ def check_bias(bias: Tensor | None, target: tuple[int, ...], device: torch.devic
     _check_broadcast("bias", bias, target)
 
 
+def check_sinks(sinks: Tensor | None, num_heads: int, device: torch.device) -> None:
+    """Sinks are (H,) float logits, one per query head."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, Tensor) or not sinks.is_floating_point():
+        got = sinks.dtype if isinstance(sinks, Tensor) else type(sinks).__name__
+        raise TypeError(f"sinks must be a float tensor of shape (H,), got {got}")
+    if tuple(sinks.shape) != (num_heads,):
+        raise ValueError(f"sinks must have shape (H,) = ({num_heads},), one logit per query "
+                         f"head, got {tuple(sinks.shape)}")  # fmt: skip
+    if sinks.device != device:
+        raise ValueError(f"sinks are on {sinks.device} but q is on {device}; move them with .to()")
+
+
 def check_scale(scale: float | None) -> None:
     if scale is None:
         return

@@ -55,22 +55,24 @@ class FlashBackend(Backend):
     def preference(self, spec: AttentionSpec) -> float:
         return 2.0 if spec.device.type == "cpu" else 0.5
 
-    def forward(self, q, k, v, *, mask, bias, causal, scale, dropout_p, return_lse):
+    def forward(self, q, k, v, *, mask, bias, causal, scale, dropout_p, return_lse,
+                score=None, sinks=None):  # fmt: skip
         band = _band_of(mask)
+        plain = bias is None and score is None and sinks is None
         if band is not None and band.dilation == 1:
             # the plain window, whatever pattern said it: its plan has the band and triangles
             mask = SlidingWindow(band.left, band.right)
-        elif band is not None and band.left == band.right and bias is None and not dropout_p:
+        elif band is not None and band.left == band.right and plain and not dropout_p:
             classes = residue_classes(band.left, band.dilation, causal, q.shape[2], k.shape[2])
             if classes is not None:
                 out, lse = self._by_residue(q, k, v, classes, band.dilation, scale)
                 return out, (lse if return_lse else None)
-        fused = fused_available(q, v, dropout_p)
+        # the fused kernel adds a float mask per tile: additive score functions only
+        fused = fused_available(q, v, dropout_p) and (score is None or score.additive)
         plan = plan_for(mask, causal, q.shape[2], k.shape[2], q.device, fused)
         dropout = (dropout_p, draw_seed()) if dropout_p > 0 else None
-        out, lse = flash_attention(
-            q, k, v, plan, bias=bias, scale=scale, dropout=dropout, fused=fused
-        )
+        out, lse = flash_attention(q, k, v, plan, bias=bias, scale=scale, dropout=dropout,
+                                   fused=fused, score=score, sinks=sinks)  # fmt: skip
         return out, (lse if return_lse else None)
 
     def _by_residue(self, q, k, v, classes, dilation: int, scale: float):

@@ -142,6 +142,8 @@ class FlexBackend(Backend):
             return "used on CUDA only (on CPU FlexAttention has no backward)"
         if spec.has_bias:
             return "no additive bias (triton and flash take one)"
+        if spec.has_score or spec.has_sinks:
+            return "no score functions or sinks yet (flash and reference take them)"
         if spec.dropout_p:
             return "no dropout (triton and flash take it with any pattern)"
         return None
@@ -150,6 +152,7 @@ class FlexBackend(Backend):
         # On CUDA: the choice for patterns (sdpa wins plain and aligned-causal calls)
         return 2.5 if spec.has_mask or spec.causal else 0.5
 
-    def forward(self, q, k, v, *, mask, bias, causal, scale, dropout_p, return_lse):
+    def forward(self, q, k, v, *, mask, bias, causal, scale, dropout_p, return_lse,
+                score=None, sinks=None):  # fmt: skip
         out, lse = flex_forward(q, k, v, mask=mask, causal=causal, scale=scale)
         return out, (lse if return_lse else None)

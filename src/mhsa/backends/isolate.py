@@ -46,8 +46,10 @@ def isolate_masked_nonfinite(
     and values ignored. out (B, H, L, D_v) and lse are that call's results."""
     if call["mask"] is None and call["bias"] is None and (not call["causal"] or q.shape[2] == 1):
         return out, lse  # every key is allowed (causal: the one query sees them all)
+    score = call.get("score")
+    inputs = (q, k, v, call["bias"], call.get("sinks"), *(score.tensors() if score else ()))
     needs_grad = torch.is_grad_enabled() and any(
-        isinstance(t, Tensor) and t.requires_grad for t in (q, k, v, call["bias"])
+        isinstance(t, Tensor) and t.requires_grad for t in inputs
     )
     # a sum is non-finite when any term is (it may also overflow: then the slow path
     # below finds no bad key and returns); one reduction, no boolean tensor
@@ -80,6 +82,7 @@ def _attends_bad_key(
     with torch.no_grad():
         share, _ = backend.forward(
             torch.zeros_like(q), torch.zeros_like(k), indicator,
-            **{**call, "bias": bias, "dropout_p": 0.0, "return_lse": False},
+            **{**call, "bias": bias, "dropout_p": 0.0, "return_lse": False, "score": None,
+               "sinks": None},
         )  # fmt: skip
     return share[..., 0] > 0

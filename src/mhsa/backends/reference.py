@@ -19,6 +19,7 @@ from ..kernels.dense import (
     stats_dtype,
 )
 from ..kernels.dropout import draw_seed
+from ..scores import ScoreFunction, apply_score
 from .common import combined_mask
 from .registry import AttentionSpec, Backend
 
@@ -31,23 +32,44 @@ def attention_probs(
     bias: Tensor | None,
     causal: bool,
     scale: float,
+    score: ScoreFunction | None = None,
+    sinks: Tensor | None = None,
+    heads: Tensor | None = None,
+    q_pos: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Probabilities (B, H, L, S) and lse (B, H, L), both in the statistics dtype."""
+    """Probabilities (B, H, L, S) and lse (B, H, L), both in the statistics dtype.
+
+    score is applied to the scaled scores, then the bias is added and the mask applied;
+    sinks (H,) join each row's denominator. heads and q_pos: the indices of q's heads
+    and the global positions of its rows when q is a selection of them (by default
+    0..H-1 and S - L..S - 1), for the score function."""
     dtype = stats_dtype(q.dtype)
     scores = grouped_scores(q, k, scale, dtype)
+    if score is not None:
+        q_len, kv_len = q.shape[2], k.shape[2]
+        if q_pos is None:
+            q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
+        scores = apply_score(score, scores, q_pos, torch.arange(kv_len, device=q.device), heads)
     if bias is not None:
         scores = scores + bias.to(dtype)
     allowed = combined_mask(mask, causal, q.shape[2], k.shape[2], q.device)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, -torch.inf)
-    return masked_softmax(scores)
+    if sinks is None:
+        return masked_softmax(scores)
+    # the sink is one more key, without a value: a column added, then dropped
+    sink = sinks.to(dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+    probs, lse = masked_softmax(torch.cat([scores, sink], dim=-1))
+    return probs[..., :-1], lse
 
 
 class ReferenceBackend(Backend):
     name = "reference"
 
-    def forward(self, q, k, v, *, mask, bias, causal, scale, dropout_p, return_lse):
-        probs, lse = attention_probs(q, k, mask=mask, bias=bias, causal=causal, scale=scale)
+    def forward(self, q, k, v, *, mask, bias, causal, scale, dropout_p, return_lse,
+                score=None, sinks=None):  # fmt: skip
+        probs, lse = attention_probs(q, k, mask=mask, bias=bias, causal=causal, scale=scale,
+                                     score=score, sinks=sinks)  # fmt: skip
         if dropout_p > 0:
             probs = apply_dropout(probs, dropout_p, draw_seed())
         out = probs_times_v(probs, v).to(q.dtype)

@@ -35,6 +35,9 @@ class AttentionSpec:
     causal: bool
     dropout_p: float
     return_lse: bool
+    has_score: bool = False  # an mhsa.scores function
+    score_additive: bool = True  # it only adds a bias (ALiBi, RelativeBias), or none
+    has_sinks: bool = False
 
     @classmethod
     def example(cls, **changes) -> AttentionSpec:
@@ -83,6 +86,8 @@ class Backend:
         scale: float,
         dropout_p: float,
         return_lse: bool,
+        score=None,
+        sinks: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Return (out (B, H, L, D_v), lse (B, H, L) float32 or None)."""
         raise NotImplementedError

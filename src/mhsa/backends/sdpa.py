@@ -46,6 +46,8 @@ class SdpaBackend(Backend):
     name = "sdpa"
 
     def supports(self, spec: AttentionSpec) -> str | None:
+        if spec.has_score or spec.has_sinks:
+            return "no score functions or sinks (flash and reference apply them per tile)"
         if spec.return_lse:
             return "it does not return the logsumexp (flash and reference do)"
         return None
@@ -65,7 +67,8 @@ class SdpaBackend(Backend):
             fused = True
         return 3.0 if plain and aligned and fused else 1.0
 
-    def forward(self, q, k, v, *, mask, bias, causal, scale, dropout_p, return_lse):
+    def forward(self, q, k, v, *, mask, bias, causal, scale, dropout_p, return_lse,
+                score=None, sinks=None):  # fmt: skip
         q_len, kv_len = q.shape[2], k.shape[2]
         is_causal = causal and q_len == kv_len and mask is None and bias is None
         if not is_causal:  # patterns and bottom-right causal masks are materialised

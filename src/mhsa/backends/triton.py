@@ -49,6 +49,8 @@ class TritonBackend(Backend):
             return "CPU tensors need TRITON_INTERPRET=1 (the slow interpreter); use flash on CPU"
         if spec.device.type not in ("cuda", "cpu"):
             return f"it runs on CUDA devices, got {spec.device.type}"
+        if spec.has_score or spec.has_sinks:
+            return "no score functions or sinks yet (flash and reference take them)"
         if spec.dtype not in DTYPES:
             return f"it takes float32, float16 or bfloat16, got {spec.dtype}"
         if max(spec.head_dim, spec.value_dim) > MAX_HEAD_DIM:
@@ -66,7 +68,8 @@ class TritonBackend(Backend):
             return 4.0
         return 0.8  # below sdpa (1.0 / 3.0), above the plain-torch flash engine (0.5)
 
-    def forward(self, q, k, v, *, mask, bias, causal, scale, dropout_p, return_lse):
+    def forward(self, q, k, v, *, mask, bias, causal, scale, dropout_p, return_lse,
+                score=None, sinks=None):  # fmt: skip
         from ..kernels.triton import triton_attention  # imports triton
 
         seed = draw_seed() if dropout_p > 0 else None

@@ -51,6 +51,8 @@ class RingBackend(Backend):
             return "only inside mhsa.distributed.context_parallel(...)"
         if spec.has_bias:
             return "an additive bias is not supported across processes"
+        if spec.has_score or spec.has_sinks:
+            return "score functions and sinks are not supported across processes yet"
         if spec.dropout_p:
             return "dropout is not supported across processes"
         if spec.return_lse:
@@ -76,6 +78,8 @@ class RingBackend(Backend):
         scale: float,
         dropout_p: float,
         return_lse: bool,
+        score=None,
+        sinks: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         if mask is not None and not isinstance(mask, Pattern):
             raise ValueError(

@@ -103,7 +103,7 @@ def _ring_backward(grad_out, q, k, v, keys, out, lse, setup: Setup):
         dk, dv = grads.current
         src = (ring.rank + offset) % ring.world
         for rows, cols, plan in setup.blocks(src, key_cur, q.device):
-            dq_b, dk_b, dv_b, _ = flash_backward(
+            dq_b, dk_b, dv_b, *_ = flash_backward(
                 grad_out[:, :, rows], None, q[:, :, rows], k_cur[:, :, cols], v_cur[:, :, cols],
                 None, out[:, :, rows], lse[:, :, rows].contiguous(), plan, setup.scale, None,
                 setup.fused, False,

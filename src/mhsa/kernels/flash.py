@@ -21,6 +21,7 @@ from .band import band_forward, interior_rows
 from .dense import apply_dropout, grouped_scores, masked_softmax, probs_times_v, stats_dtype
 from .dropout import keep_mask
 from .plan import BlockPlan, Run
+from .scored import add_sinks, score_grads, score_tile, sink_grad
 
 _FUSED_FORWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FUSED_BACKWARD = getattr(
@@ -70,10 +71,14 @@ def _tile_rows(t: Tensor, q0: int, q1: int, cols: Tensor) -> Tensor:
 
 def _tile_bias(
     plan: BlockPlan, bias: Tensor | None, q0: int, q1: int, run: Run, cols: Tensor,
-    dtype: torch.dtype,
+    dtype: torch.dtype, score=None, shape: tuple = (),
 ) -> Tensor | None:  # fmt: skip
-    """Additive tile (1 or B, 1 or H, rows, keys): the bias, -inf where the mask forbids."""
+    """Additive tile (1 or B, 1 or H, rows, keys): the bias (and an additive score
+    function's values, given the call's (B, H)), -inf where the mask forbids."""
     attn = None if bias is None else _tile_rows(bias, q0, q1, cols).to(dtype)
+    if score is not None:
+        values = score_tile(score, None, *shape, q0 + plan.kv_len - plan.q_len, q1 - q0, cols)
+        attn = values.to(dtype) if attn is None else attn + values.to(dtype)
     if not run.full:
         allowed = plan.source.tile(q0, q1, cols)
         base = torch.zeros((), dtype=dtype, device=cols.device) if attn is None else attn
@@ -98,9 +103,10 @@ def _merge(partials: list[tuple[Tensor, Tensor]], dtype: torch.dtype) -> tuple[T
     return out, lse
 
 
-def _fused_triangle(run: Run, bias: Tensor | None) -> str | None:
-    """Triangular runs without bias run in the kernel's causal mode, unmasked."""
-    return run.triangle if bias is None else None
+def _fused_triangle(run: Run, bias: Tensor | None, score) -> str | None:
+    """Triangular runs without bias or score function run in the kernel's causal mode,
+    unmasked."""
+    return run.triangle if bias is None and score is None else None
 
 
 def _fused_run(q_blk, k_run, v_run, attn, scale, triangle) -> tuple[Tensor, Tensor]:
@@ -130,8 +136,10 @@ def _fused_run_backward(go_blk, q_blk, k_run, v_run, out_blk, lse_blk, attn, sca
     )  # fmt: skip
 
 
-def _plain_run(q_blk, k_run, v_run, attn, scale, dropout, q0, cols):
+def _plain_run(q_blk, k_run, v_run, attn, scale, dropout, q0, cols, score, shift):
     scores = grouped_scores(q_blk, k_run, scale, stats_dtype(q_blk.dtype))
+    if score is not None:
+        scores = score_tile(score, scores, *scores.shape[:2], q0 + shift, scores.shape[2], cols)
     if attn is not None:
         scores = scores + attn
     probs, lse_r = masked_softmax(scores)
@@ -149,16 +157,25 @@ def flash_forward(
     scale: float,
     dropout: tuple[float, int] | None,
     fused: bool,
+    score=None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """out (B, H, L, D_v) in q's dtype and lse (B, H, L) in the statistics dtype.
 
-    dropout is (p, seed) or None; fused selects the fused CPU segment kernel.
+    dropout is (p, seed) or None; fused selects the fused CPU segment kernel (then a
+    score function must be additive); sinks (H,) are logits of a key without a value.
     """
+    out, lse = _forward_runs(q, k, v, bias, plan, scale, dropout, fused, score)
+    return (out, lse) if sinks is None else add_sinks(out, lse, sinks)
+
+
+def _forward_runs(q, k, v, bias, plan, scale, dropout, fused, score):
     batch, num_heads, q_len, _ = q.shape
     dtype = stats_dtype(q.dtype)
+    shift = plan.kv_len - plan.q_len
     if fused:
         q, k, v = _unit_last_stride(q, k, v)
-    band = _band_interior(plan, bias, dropout, fused)
+    band = _band_interior(plan, bias, dropout, fused) if score is None else None
     plan_rows = plan.rows
     if band is not None:
         first, end = band
@@ -178,12 +195,14 @@ def flash_forward(
         for run in rows.runs:
             cols, index, k_run, v_run = _run_keys(k, v, run, plan)
             if fused:
-                triangle = _fused_triangle(run, bias)
-                attn = None if triangle else _tile_bias(plan, bias, q0, q1, run, cols, q.dtype)
+                triangle = _fused_triangle(run, bias, score)
+                attn = None if triangle else _tile_bias(plan, bias, q0, q1, run, cols, q.dtype,
+                                                        score, (batch, num_heads))  # fmt: skip
                 out_r, lse_r = _fused_run(q_blk, k_run, v_run, attn, scale, triangle)
             else:
                 attn = _tile_bias(plan, bias, q0, q1, run, cols, dtype)
-                out_r, lse_r = _plain_run(q_blk, k_run, v_run, attn, scale, dropout, q0, cols)
+                out_r, lse_r = _plain_run(q_blk, k_run, v_run, attn, scale, dropout, q0, cols,
+                                          score, shift)  # fmt: skip
             partials.append((out_r, lse_r))
         if not partials:  # no allowed key in these rows
             out[:, :, q0:q1] = 0
@@ -249,9 +268,16 @@ def flash_backward(
     dropout: tuple[float, int] | None,
     fused: bool,
     bias_grad: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """Gradients of q, k, v (and of bias when bias_grad), recomputing each run's tile."""
+    score=None,
+    sinks: Tensor | None = None,
+    score_params: tuple[Tensor, ...] = (),
+) -> tuple:
+    """Gradients (dq, dk, dv, dbias or None, dsinks or None, [d score_params]),
+    recomputing each run's tile; dbias when bias_grad, dsinks when sinks are given."""
     dtype = stats_dtype(q.dtype)
+    batch, num_heads = q.shape[:2]
+    shift = plan.kv_len - plan.q_len
+    param_grads: list[Tensor | None] = [None] * len(score_params)
     if fused:  # (the fused backward reads any grad_out strides correctly)
         q, k, v, out = _unit_last_stride(q, k, v, out)
     num_kv_heads = k.shape[1]
@@ -262,7 +288,7 @@ def flash_backward(
     dbias = torch.zeros(bias4.shape, dtype=dtype, device=q.device) if bias_grad else None
     # rows with no allowed key: lse +inf makes every recomputed probability exactly 0
     lse_inv = torch.where(torch.isneginf(lse), torch.full_like(lse, torch.inf), lse)
-    if not fused:
+    if not fused or sinks is not None:
         delta = (grad_out.to(dtype) * out.to(dtype)).sum(dim=-1)
         if grad_lse is not None:
             delta = delta - grad_lse.to(dtype)
@@ -272,8 +298,9 @@ def flash_backward(
         for run in rows.runs:
             cols, index, k_run, v_run = _run_keys(k, v, run, plan)
             if fused:
-                triangle = _fused_triangle(run, bias)
-                attn = None if triangle else _tile_bias(plan, bias4, q0, q1, run, cols, q.dtype)
+                triangle = _fused_triangle(run, bias, score)
+                attn = None if triangle else _tile_bias(plan, bias4, q0, q1, run, cols, q.dtype,
+                                                        score, (batch, num_heads))  # fmt: skip
                 dq_r, dk_r, dv_r = _fused_run_backward(
                     go_blk, q_blk, k_run, v_run, out[:, :, q0:q1],
                     lse_inv[:, :, q0:q1].contiguous(), attn, scale, triangle,
@@ -283,7 +310,10 @@ def flash_backward(
                 _add_keys(dv, run, index, dv_r)
                 continue
             attn = _tile_bias(plan, bias4, q0, q1, run, cols, dtype)
-            scores = grouped_scores(q_blk, k_run, scale, dtype)
+            raw = grouped_scores(q_blk, k_run, scale, dtype)
+            scores = raw
+            if score is not None:
+                scores = score_tile(score, raw, batch, num_heads, q0 + shift, q1 - q0, cols)
             if attn is not None:
                 scores = scores + attn
             probs = torch.exp(scores - lse_inv[:, :, q0:q1].unsqueeze(-1))
@@ -297,40 +327,51 @@ def flash_backward(
                 grad_probs = grad_probs * keep / (1.0 - p)
             _add_keys(dv, run, index, _fold(kept, num_kv_heads).transpose(-1, -2) @ go_f)
             grad_scores = probs * (grad_probs - delta[:, :, q0:q1].unsqueeze(-1))
+            if dbias is not None:  # the bias is added after the score function
+                _add_bias_grad(dbias, q0, q1, cols, grad_scores)
+            if score is not None:
+                grad_scores = score_grads(score, raw, q0 + shift, cols, grad_scores,
+                                          score_params, param_grads)  # fmt: skip
             grad_scores_f = _fold(grad_scores, num_kv_heads)
             dq[:, :, q0:q1] += (grad_scores_f @ k_run.to(dtype)).view(dq[:, :, q0:q1].shape) * scale
             grad_k = grad_scores_f.transpose(-1, -2) @ _fold(q_blk.to(dtype), num_kv_heads)
             _add_keys(dk, run, index, grad_k * scale)
-            if dbias is not None:
-                _add_bias_grad(dbias, q0, q1, cols, grad_scores)
     grad_bias = None if dbias is None else dbias.view(bias.shape).to(bias.dtype)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), grad_bias
+    grad_sinks = None if sinks is None else sink_grad(sinks, lse, delta)
+    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), grad_bias, grad_sinks,
+            param_grads)  # fmt: skip
 
 
 class FlashAttention(torch.autograd.Function):
-    """(q, k, v, bias) -> (out, lse); saves only q, k, v, bias, out and lse."""
+    """(q, k, v, bias, sinks, *score tensors) -> (out, lse); saves only the inputs, out
+    and lse. The score function's tensors are inputs so that gradients reach them."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, plan, scale, dropout, fused):
-        out, lse = flash_forward(q, k, v, bias, plan, scale, dropout, fused)
+    def forward(ctx, q, k, v, bias, sinks, plan, scale, dropout, fused, score, *score_params):
+        out, lse = flash_forward(q, k, v, bias, plan, scale, dropout, fused, score, sinks)
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None
-        ctx.save_for_backward(q, k, v, bias, out, lse)
+        ctx.save_for_backward(q, k, v, bias, sinks, out, lse, *score_params)
         ctx.plan, ctx.scale, ctx.dropout, ctx.fused = plan, scale, dropout, fused
+        ctx.score = score
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        q, k, v, bias, out, lse = ctx.saved_tensors
+        q, k, v, bias, sinks, out, lse, *saved_params = ctx.saved_tensors
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         bias_grad = bias is not None and ctx.needs_input_grad[3]
-        # the fused kernel takes neither an lse gradient nor returns a bias gradient
-        fused = ctx.fused and grad_lse is None and not bias_grad
-        dq, dk, dv, dbias = flash_backward(
+        wanted = ctx.needs_input_grad[10:]
+        params = tuple(p for p, want in zip(saved_params, wanted, strict=True) if want)
+        # the fused kernel takes no lse gradient and returns no bias or score gradient
+        fused = ctx.fused and grad_lse is None and not bias_grad and not params
+        dq, dk, dv, dbias, dsinks, found = flash_backward(
             grad_out, grad_lse, q, k, v, bias, out, lse, ctx.plan, ctx.scale, ctx.dropout,
-            fused, bias_grad,
+            fused, bias_grad, ctx.score, sinks, params,
         )  # fmt: skip
-        return dq, dk, dv, dbias, None, None, None, None
+        found = iter(found)
+        param_grads = [next(found) if want else None for want in wanted]
+        return (dq, dk, dv, dbias, dsinks, None, None, None, None, None, *param_grads)
 
 
 def flash_attention(
@@ -343,13 +384,21 @@ def flash_attention(
     scale: float,
     dropout: tuple[float, int] | None = None,
     fused: bool | None = None,
+    score=None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Tiled exact attention over `plan`: (out (B, H, L, D_v), lse (B, H, L)).
 
+    score: an mhsa.scores function applied to each tile's scaled scores (before the
+    bias and the mask); sinks (H,): per-head logits of a key without a value.
     fused=None picks the fused CPU kernel where it applies; False forces plain torch.
     """
     can_fuse = fused_available(q, v, dropout[0] if dropout else 0.0)
+    can_fuse = can_fuse and (score is None or score.additive)
     if fused and not can_fuse:
-        raise ValueError("the fused kernel needs a CPU tensor, no dropout and D == D_v")
+        raise ValueError("the fused kernel needs a CPU tensor, no dropout, D == D_v and no "
+                         "score function other than additive ones")  # fmt: skip
     use_fused = can_fuse if fused is None else fused
-    return FlashAttention.apply(q, k, v, bias, plan, scale, dropout, use_fused)
+    params = () if score is None else score.tensors()
+    return FlashAttention.apply(q, k, v, bias, sinks, plan, scale, dropout, use_fused, score,
+                                *params)  # fmt: skip

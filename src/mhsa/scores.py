@@ -1,0 +1,324 @@
+"""Score functions: changes to attention scores that are not yes/no masks.
+
+A score function rewrites each scaled score s = (q . k) * scale of query position i
+and key position j, elementwise: `ALiBi` and `RelativeBias` add a per-head value of
+i - j, `Softcap` squashes s into (-cap, cap) (Gemma 2), and `ScoreMod` applies any
+function written with torch ops, with FlexAttention's signature
+fn(score, batch, head, q_idx, kv_idx). Several compose in order:
+`ALiBi(slopes).then(Softcap(30.0))`, or pass a list to `mhsa.attention(score=...)`.
+
+Positions are global and aligned bottom-right like causal masks: query row r of L
+sits at position r + S - L, so the newest query of a KV cache is at S - 1.
+
+Like masks they are data: the reference backend materialises them; the flash engine
+evaluates them per tile from index vectors and never builds an (L, S) tensor; its
+backward differentiates through them, to `tensors()` as well (slopes, a bias table,
+tensors a ScoreMod closes over).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+
+class ScoreFunction:
+    """Base class. Arguments of __call__ broadcast to (B, H, rows, keys): score is
+    float, batch (B, 1, 1, 1), head (1, H, 1, 1), q_pos (1, 1, rows, 1) and
+    k_pos (1, 1, 1, keys) are int64 global indices."""
+
+    # an additive function returns score + bias(batch, head, q_pos, k_pos), the bias
+    # not depending on the score: engines may add it to a tile's float mask
+    additive: bool = False
+
+    def __call__(self, score: Tensor, batch: Tensor, head: Tensor, q_pos: Tensor,
+                 k_pos: Tensor) -> Tensor:  # fmt: skip
+        return score + self.bias(batch, head, q_pos, k_pos).to(score.dtype)
+
+    def bias(self, batch: Tensor, head: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        raise NotImplementedError(f"{type(self).__name__} is not additive")
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        """The tensors the function reads that gradients may flow to."""
+        return ()
+
+    def check(self, num_heads: int, device: torch.device, dtype: torch.dtype) -> None:
+        """Raise ValueError if the function cannot serve a call with num_heads heads whose
+        scores are computed in dtype on device."""
+
+    def then(self, other: ScoreFunction) -> ScoreFunction:
+        """This function, then `other` on its result."""
+        return Compose(self, other)
+
+
+class ALiBi(ScoreFunction):
+    """Attention with linear biases: score - slopes[h] * |i - j|.
+
+    slopes (H,): one per query head (mhsa.positional.alibi_slopes(H) gives the
+    paper's); a tensor that requires grad is learned."""
+
+    additive = True
+
+    def __init__(self, slopes: Tensor) -> None:
+        if not isinstance(slopes, Tensor) or slopes.dim() != 1 or not slopes.is_floating_point():
+            raise ValueError(f"ALiBi slopes must be a 1-D float tensor (H,), got {_describe(slopes)}")
+        self.slopes = slopes
+
+    def bias(self, batch, head, q_pos, k_pos):
+        return -self.slopes[head] * (q_pos - k_pos).abs()
+
+    def tensors(self):
+        return (self.slopes,)
+
+    def check(self, num_heads, device, dtype):
+        _check_heads("ALiBi slopes", self.slopes.shape[0], num_heads)
+        _check_device("ALiBi slopes", self.slopes, device)
+
+    def __repr__(self) -> str:
+        return f"ALiBi(slopes of {self.slopes.shape[0]} heads)"
+
+
+def t5_bucket(offsets: Tensor, num_buckets: int, max_distance: int, bidirectional: bool) -> Tensor:
+    """T5's bucket id of key-minus-query offsets (int64, any shape).
+
+    Offsets below num_buckets / 2 (per direction when bidirectional) get their own
+    bucket; larger ones share logarithmically wider buckets up to max_distance."""
+    buckets = num_buckets
+    result = torch.zeros_like(offsets)
+    if bidirectional:
+        buckets //= 2
+        result = result + (offsets > 0).long() * buckets
+        distance = offsets.abs()
+    else:
+        distance = (-offsets).clamp(min=0)  # only the past is distinguished
+    exact = buckets // 2
+    log_ratio = torch.log(distance.float().clamp(min=1) / exact) / math.log(max_distance / exact)
+    large = (exact + (log_ratio * (buckets - exact)).long()).clamp(max=buckets - 1)
+    return result + torch.where(distance < exact, distance, large)
+
+
+class RelativeBias(ScoreFunction):
+    """T5's bucketed relative position bias: score + table[bucket(j - i), h].
+
+    table (num_buckets, H), usually an nn.Embedding's weight (learned)."""
+
+    additive = True
+
+    def __init__(self, table: Tensor, num_buckets: int = 32, max_distance: int = 128,
+                 bidirectional: bool = True) -> None:  # fmt: skip
+        min_buckets = 4 if bidirectional else 2
+        if not isinstance(num_buckets, int) or num_buckets < min_buckets:
+            raise ValueError(f"num_buckets must be an int >= {min_buckets}, got {num_buckets!r}")
+        if not isinstance(max_distance, int) or max_distance < num_buckets // 2:
+            raise ValueError(f"max_distance must be an int >= num_buckets / 2, got "
+                             f"{max_distance!r}")  # fmt: skip
+        if (not isinstance(table, Tensor) or table.dim() != 2 or table.shape[0] != num_buckets
+                or not table.is_floating_point()):  # fmt: skip
+            raise ValueError(f"RelativeBias table must be a float tensor (num_buckets "
+                             f"{num_buckets}, H), got {_describe(table)}")  # fmt: skip
+        self.table, self.num_buckets = table, num_buckets
+        self.max_distance, self.bidirectional = max_distance, bidirectional
+
+    def bias(self, batch, head, q_pos, k_pos):
+        bucket = t5_bucket(k_pos - q_pos, self.num_buckets, self.max_distance, self.bidirectional)
+        return self.table[bucket, head]
+
+    def tensors(self):
+        return (self.table,)
+
+    def check(self, num_heads, device, dtype):
+        _check_heads("RelativeBias table", self.table.shape[1], num_heads)
+        _check_device("RelativeBias table", self.table, device)
+
+    def __repr__(self) -> str:
+        return (f"RelativeBias({self.num_buckets} buckets, max_distance {self.max_distance}, "
+                f"{'bidirectional' if self.bidirectional else 'causal'})")  # fmt: skip
+
+
+class Softcap(ScoreFunction):
+    """Logit softcapping (Gemma 2): cap * tanh(score / cap)."""
+
+    def __init__(self, cap: float) -> None:
+        if isinstance(cap, bool) or not isinstance(cap, int | float) or not cap > 0 \
+                or not math.isfinite(cap):  # fmt: skip
+            raise ValueError(f"Softcap cap must be a finite number > 0, got {cap!r}")
+        self.cap = float(cap)
+
+    def __call__(self, score, batch, head, q_pos, k_pos):
+        return torch.tanh(score / self.cap) * self.cap
+
+    def __repr__(self) -> str:
+        return f"Softcap({self.cap:g})"
+
+
+class ScoreMod(ScoreFunction):
+    """Any elementwise fn(score, batch, head, q_idx, kv_idx) -> new score, written with
+    torch ops that broadcast (FlexAttention's score_mod). Tensors it closes over that
+    require grad receive gradients; name others in `tensors`."""
+
+    def __init__(self, fn: Callable[..., Tensor], tensors: Sequence[Tensor] = ()) -> None:
+        if not callable(fn):
+            raise TypeError(f"ScoreMod needs a callable fn(score, b, h, q_idx, kv_idx), "
+                            f"got {type(fn).__name__}")  # fmt: skip
+        self.fn = fn
+        self._tensors = tuple(tensors) + _closure_tensors(fn)
+        self._checked: set = set()
+
+    def __call__(self, score, batch, head, q_pos, k_pos):
+        return self.fn(score, batch, head, q_pos, k_pos)
+
+    def tensors(self):
+        return _unique(self._tensors)
+
+    def check(self, num_heads, device, dtype):
+        key = (num_heads, str(device), dtype)
+        if key not in self._checked:
+            _check_elementwise(self, num_heads, device, dtype)
+            self._checked.add(key)
+
+    def __repr__(self) -> str:
+        return f"ScoreMod({getattr(self.fn, '__name__', self.fn)!r})"
+
+
+class Compose(ScoreFunction):
+    """Score functions applied in order."""
+
+    def __init__(self, *functions: ScoreFunction) -> None:
+        flat: list[ScoreFunction] = []
+        for f in functions:
+            if not isinstance(f, ScoreFunction):
+                raise TypeError(f"score functions must be mhsa.scores objects (ALiBi, "
+                                f"RelativeBias, Softcap, ScoreMod), got {type(f).__name__}")  # fmt: skip
+            flat.extend(f.functions if isinstance(f, Compose) else [f])
+        self.functions = tuple(flat)
+        self.additive = all(f.additive for f in flat)
+
+    def __call__(self, score, batch, head, q_pos, k_pos):
+        for f in self.functions:
+            score = f(score, batch, head, q_pos, k_pos)
+        return score
+
+    def bias(self, batch, head, q_pos, k_pos):
+        return sum(f.bias(batch, head, q_pos, k_pos) for f in self.functions)
+
+    def tensors(self):
+        return _unique(t for f in self.functions for t in f.tensors())
+
+    def check(self, num_heads, device, dtype):
+        for f in self.functions:
+            f.check(num_heads, device, dtype)
+
+    def __repr__(self) -> str:
+        return " then ".join(repr(f) for f in self.functions)
+
+
+def as_score(score) -> ScoreFunction | None:
+    """None, a ScoreFunction, or a sequence of them composed in order."""
+    if score is None or isinstance(score, ScoreFunction):
+        return score
+    if isinstance(score, list | tuple):
+        return Compose(*score) if score else None
+    raise TypeError(f"score must be an mhsa.scores function (ALiBi, RelativeBias, Softcap, "
+                    f"ScoreMod) or a list of them, got {type(score).__name__}")  # fmt: skip
+
+
+def tile_indices(batch: int, heads: Tensor | int, q_pos: Tensor, k_pos: Tensor):
+    """(batch, head, q_pos, k_pos) index tensors shaped to broadcast against a
+    (B, H, rows, keys) score tile; heads is H (all) or the query heads' indices."""
+    device = q_pos.device
+    head = torch.arange(heads, device=device) if isinstance(heads, int) else heads
+    return (torch.arange(batch, device=device).view(-1, 1, 1, 1), head.view(1, -1, 1, 1),
+            q_pos.view(1, 1, -1, 1), k_pos.view(1, 1, 1, -1))  # fmt: skip
+
+
+def apply_score(score_fn: ScoreFunction, scores: Tensor, q_pos: Tensor, k_pos: Tensor,
+                heads: Tensor | None = None) -> Tensor:  # fmt: skip
+    """score_fn on a (B, H, rows, keys) tile whose rows sit at global q_pos (rows,) and
+    keys at k_pos (keys,); heads are the tile's query heads (default 0..H-1)."""
+    index = tile_indices(scores.shape[0], scores.shape[1] if heads is None else heads,
+                         q_pos, k_pos)  # fmt: skip
+    return score_fn(scores, *index).expand(scores.shape)
+
+
+def tile_bias(score_fn: ScoreFunction, batch: int, heads: int, q_pos: Tensor, k_pos: Tensor,
+              dtype: torch.dtype) -> Tensor:  # fmt: skip
+    """An additive function's bias on a tile: (1 or B, H, rows, keys) in dtype."""
+    bias = score_fn.bias(*tile_indices(batch, heads, q_pos, k_pos)).to(dtype)
+    return bias.expand(bias.shape[0], heads, len(q_pos), len(k_pos))
+
+
+def _check_elementwise(fn: ScoreFunction, num_heads: int, device: torch.device,
+                       dtype: torch.dtype) -> None:  # fmt: skip
+    """Evaluate fn on a small probe tile and on one entry of it: the same shape and
+    dtype as the scores, and the entry's value equal, or a ValueError naming the fault."""
+    heads = min(num_heads, 2)
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.randn(1, heads, 3, 4, generator=generator).to(device, dtype)
+    q_pos, k_pos = torch.arange(3, device=device), torch.arange(4, device=device)
+    batch, head, rows, keys = tile_indices(1, heads, q_pos, k_pos)
+    with torch.no_grad():
+        try:
+            out = fn(scores, batch, head, rows, keys)
+        except Exception as error:
+            raise ValueError(f"{fn!r} failed on a (1, {heads}, 3, 4) score tile: {error}. A "
+                             "score_mod takes (score, batch, head, q_idx, kv_idx) tensors that "
+                             "broadcast, and uses torch ops") from error  # fmt: skip
+        if not isinstance(out, Tensor) or out.dtype != scores.dtype:
+            got = out.dtype if isinstance(out, Tensor) else type(out).__name__
+            raise ValueError(f"{fn!r} must return a tensor of the scores' dtype "
+                             f"{scores.dtype}, got {got}")  # fmt: skip
+        if torch.broadcast_shapes(out.shape, scores.shape) != scores.shape:
+            raise ValueError(f"{fn!r} must return the scores' shape {tuple(scores.shape)} "
+                             f"(elementwise), got {tuple(out.shape)}")  # fmt: skip
+        # the entry (last head, row 1, key 2) alone
+        one = fn(scores[:, -1:, 1:2, 2:3], batch, head[:, -1:], rows[:, :, 1:2], keys[..., 2:3])
+        expected = out.expand(scores.shape)[:, -1:, 1:2, 2:3]
+        if one.shape != expected.shape or not torch.allclose(one, expected, equal_nan=True):
+            raise ValueError(f"{fn!r} is not elementwise: one score computed alone differs "
+                             "from the same score in a tile (a score_mod may not reduce over "
+                             "or mix entries)")  # fmt: skip
+
+
+def _closure_tensors(fn: Callable) -> tuple[Tensor, ...]:
+    """Tensors (and parameters of modules) that fn closes over or reads as globals."""
+    try:
+        variables = inspect.getclosurevars(fn)
+    except (TypeError, ValueError):
+        return ()
+    found: list[Tensor] = []
+    for value in [*variables.nonlocals.values(), *variables.globals.values()]:
+        if isinstance(value, Tensor) and value.is_floating_point():
+            found.append(value)
+        elif isinstance(value, nn.Module):
+            found.extend(value.parameters())
+    return tuple(found)
+
+
+def _unique(tensors) -> tuple[Tensor, ...]:
+    seen, result = set(), []
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            result.append(t)
+    return tuple(result)
+
+
+def _check_heads(name: str, got: int, num_heads: int) -> None:
+    if got != num_heads:
+        raise ValueError(f"{name} have {got} heads but the call has {num_heads} query heads: "
+                         "give one value per query head")  # fmt: skip
+
+
+def _check_device(name: str, t: Tensor, device: torch.device) -> None:
+    if t.device.type != device.type:
+        raise ValueError(f"{name} are on {t.device} but q is on {device}: move them with .to()")
+
+
+def _describe(value) -> str:
+    if isinstance(value, Tensor):
+        return f"{value.dtype} tensor of shape {tuple(value.shape)}"
+    return type(value).__name__
