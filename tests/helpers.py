@@ -44,11 +44,14 @@ def make_qkv(
 
 def golden_attention(
     q: Tensor, k: Tensor, v: Tensor, mask=None, *, bias: Tensor | None = None,
-    causal: bool = False, scale: float | None = None,
+    causal: bool = False, scale: float | None = None, modify=None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """(out (B, H, L, D_v), lse (B, H, L)) in float64, written out from the formula and
-    sharing no code with mhsa: softmax(q k^T * scale + bias) v over the allowed keys
-    (mask True, causal aligned bottom-right), rows with no allowed key 0 and lse -inf.
+    sharing no code with mhsa: softmax(modify(q k^T * scale) + bias) v over the allowed
+    keys (mask True, causal aligned bottom-right), rows with no allowed key 0 and lse
+    -inf. modify(scores (B, H, L, S), i (L, 1), j (1, S)) gets global positions, query
+    i at row + S - L; sinks (H,) are logits of one more key without a value.
     A pattern mask is materialised with its own .dense (the mask's definition).
     Differentiable (rows with no allowed key get zero gradients)."""
     q, k, v = q.double(), k.double(), v.double()
@@ -57,6 +60,9 @@ def golden_attention(
     q_len, kv_len = q.shape[2], k.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     scores = torch.einsum("bhld,bhsd->bhls", q, k) * scale
+    if modify is not None:
+        i = torch.arange(kv_len - q_len, kv_len).view(-1, 1)
+        scores = modify(scores, i, torch.arange(kv_len).view(1, -1))
     if bias is not None:
         scores = scores + bias.double()
     allowed = torch.ones(q_len, kv_len, dtype=torch.bool)
@@ -67,6 +73,10 @@ def golden_attention(
         dense = mask if isinstance(mask, Tensor) else mask.dense(q_len, kv_len, q.device)
         allowed = allowed & dense.to(q.device)
     scores = torch.where(allowed, scores, torch.tensor(-torch.inf, dtype=torch.float64))
+    if sinks is not None:
+        column = sinks.double().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        scores = torch.cat([scores, column], dim=-1)
+        v = torch.cat([v, v.new_zeros(*v.shape[:2], 1, v.shape[3])], dim=2)  # no value
     top = scores.detach().amax(dim=-1, keepdim=True)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     weights = torch.exp(scores - top)

@@ -271,16 +271,25 @@ def _check_elementwise(fn: ScoreFunction, num_heads: int, device: torch.device,
             got = out.dtype if isinstance(out, Tensor) else type(out).__name__
             raise ValueError(f"{fn!r} must return a tensor of the scores' dtype "
                              f"{scores.dtype}, got {got}")  # fmt: skip
-        if torch.broadcast_shapes(out.shape, scores.shape) != scores.shape:
+        if not _broadcasts_to(out.shape, scores.shape):
             raise ValueError(f"{fn!r} must return the scores' shape {tuple(scores.shape)} "
                              f"(elementwise), got {tuple(out.shape)}")  # fmt: skip
-        # the entry (last head, row 1, key 2) alone
-        one = fn(scores[:, -1:, 1:2, 2:3], batch, head[:, -1:], rows[:, :, 1:2], keys[..., 2:3])
-        expected = out.expand(scores.shape)[:, -1:, 1:2, 2:3]
-        if one.shape != expected.shape or not torch.allclose(one, expected, equal_nan=True):
+        for h, r, c in ((0, 0, 0), (heads - 1, 1, 2), (0, 2, 3)):  # single entries alone
+            one = fn(scores[:, h : h + 1, r : r + 1, c : c + 1], batch, head[:, h : h + 1],
+                     rows[:, :, r : r + 1], keys[..., c : c + 1])  # fmt: skip
+            expected = out.expand(scores.shape)[:, h : h + 1, r : r + 1, c : c + 1]
+            if one.shape == expected.shape and torch.allclose(one, expected, equal_nan=True):
+                continue
             raise ValueError(f"{fn!r} is not elementwise: one score computed alone differs "
                              "from the same score in a tile (a score_mod may not reduce over "
                              "or mix entries)")  # fmt: skip
+
+
+def _broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
+    try:
+        return torch.broadcast_shapes(shape, target) == target
+    except RuntimeError:
+        return False
 
 
 def _closure_tensors(fn: Callable) -> tuple[Tensor, ...]:

@@ -1,0 +1,237 @@
+"""Score functions and sinks: every backend that takes them equals the float64 golden
+formula (written out here) in outputs, logsumexp and gradients, including gradients
+to the function's own tensors; bad input fails at the first call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mhsa
+from helpers import golden_attention, max_error
+from mhsa.masks import SlidingWindow, bigbird
+from mhsa.positional import alibi_slopes
+from mhsa.scores import ALiBi, Compose, RelativeBias, ScoreMod, Softcap, t5_bucket
+from optional import needs
+
+HEADS = 4
+# (L, S, causal, mask, H_kv, D): L == S, L < S with a window and GQA, L > S with
+# dead rows and MQA, a BigBird pattern at D = 128
+SHAPES = {
+    "square-causal": (37, 37, True, None, 4, 16),
+    "wide-window-gqa": (20, 45, False, SlidingWindow(8, 3), 2, 59),
+    "tall-causal-mqa": (45, 20, True, None, 1, 16),
+    "bigbird-d128": (64, 64, False, bigbird(8, seed=1), 2, 128),
+}
+
+
+def hf_bucket(offsets, bidirectional=True, num_buckets=32, max_distance=128):
+    needs("transformers")
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    return T5Attention._relative_position_bucket(offsets, bidirectional, num_buckets,
+                                                 max_distance)  # fmt: skip
+
+
+def make_case(name: str, dtype=torch.float32):
+    """(score for mhsa, sinks or None, golden modify(scores, i, j), learnable tensors)."""
+    generator = torch.Generator().manual_seed(3)
+    slopes = alibi_slopes(HEADS).to(dtype).requires_grad_()
+    table = (torch.randn(32, HEADS, generator=generator) * 0.5).to(dtype).requires_grad_()
+    weight = (1 + 0.3 * torch.randn(HEADS, generator=generator)).to(dtype).requires_grad_()
+    sinks = torch.randn(HEADS, generator=generator).to(dtype).requires_grad_()
+
+    def alibi(s, i, j):
+        return s - slopes.double().view(1, -1, 1, 1) * (i - j).abs()
+
+    def relative(s, i, j):
+        return s + table.double()[hf_bucket(j - i)].permute(2, 0, 1).unsqueeze(0)
+
+    def softcap(s, i, j, cap=2.0):
+        return cap * torch.tanh(s / cap)
+
+    def mod(s, i, j):
+        return s * weight.double().view(1, -1, 1, 1) + 0.01 * (i - j)
+
+    mod_fn = ScoreMod(lambda s, b, h, qi, ki: s * weight[h].to(s.dtype) + 0.01 * (qi - ki))
+    cases = {
+        "alibi": (ALiBi(slopes), None, alibi, [slopes]),
+        "relative": (RelativeBias(table), None, relative, [table]),
+        "softcap": (Softcap(2.0), None, softcap, []),
+        "score_mod": (mod_fn, None, mod, [weight]),
+        "sinks": (None, sinks, None, [sinks]),
+        "alibi-then-softcap": ([ALiBi(slopes), Softcap(1.5)], None,
+                               lambda s, i, j: softcap(alibi(s, i, j), i, j, 1.5), [slopes]),
+        "relative-softcap-sinks": (RelativeBias(table).then(Softcap(3.0)), sinks,
+                                   lambda s, i, j: softcap(relative(s, i, j), i, j, 3.0),
+                                   [table, sinks]),
+    }  # fmt: skip
+    return cases[name]
+
+
+CASES = ["alibi", "relative", "softcap", "score_mod", "sinks", "alibi-then-softcap",
+         "relative-softcap-sinks"]  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["reference", "flash"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("case", CASES)
+def test_scores_and_sinks_match_the_golden_formula(case, shape, backend):
+    q_len, kv_len, causal, mask, kv_heads, dim = SHAPES[shape]
+    torch.manual_seed(0)
+    q = torch.randn(2, HEADS, q_len, dim, requires_grad=True)
+    k = torch.randn(2, kv_heads, kv_len, dim, requires_grad=True)
+    v = torch.randn(2, kv_heads, kv_len, dim, requires_grad=True)
+    score, sinks, modify, learned = make_case(case)
+    grad_out, grad_lse = torch.randn(2, HEADS, q_len, dim), torch.randn(2, HEADS, q_len)
+
+    def loss(out, lse):
+        return (out * grad_out.to(out.dtype)).sum() + (lse.nan_to_num(0, 0, 0) * grad_lse).sum()
+
+    out, lse = mhsa.attention(q, k, v, mask, causal=causal, score=score, sinks=sinks,
+                              backend=backend, return_lse=True)  # fmt: skip
+    inputs = [q, k, v, *learned]
+    got = torch.autograd.grad(loss(out, lse), inputs)
+    ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_sinks = None if sinks is None else sinks
+    ref_out, ref_lse = golden_attention(*ref_inputs, mask, causal=causal, modify=modify,
+                                        sinks=ref_sinks)  # fmt: skip
+    want = torch.autograd.grad(loss(ref_out, ref_lse), [*ref_inputs, *learned])
+    assert max_error(out, ref_out) < 2e-5
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    finite = torch.isfinite(ref_lse)
+    assert max_error(lse[finite], ref_lse[finite]) < 2e-5
+    for name, g, w in zip(["q", "k", "v", "learned", "learned"], got, want, strict=False):
+        assert torch.isfinite(g).all(), name
+        assert max_error(g, w) < 1e-4 * max(1.0, w.abs().max().item()), name
+
+
+def test_a_row_with_no_allowed_key_and_a_sink_gives_zero_and_the_sinks_logit():
+    q = torch.randn(1, 2, 5, 8)
+    k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+    sinks = torch.tensor([0.5, -1.0], requires_grad=True)
+    for backend in ("reference", "flash"):
+        out, lse = mhsa.attention(q, k, v, causal=True, sinks=sinks, backend=backend,
+                                  return_lse=True)  # fmt: skip
+        assert torch.equal(out[:, :, :2], torch.zeros(1, 2, 2, 8))  # rows 0, 1 see no key
+        assert torch.equal(lse[0, :, :2], sinks.detach().view(2, 1).expand(2, 2))
+        (grad,) = torch.autograd.grad(lse[:, :, :2].sum(), sinks)
+        assert torch.allclose(grad, torch.full((2,), 2.0))  # d lse / d sink = 1 there
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_flash_gradcheck_in_float64(case):
+    """Both autograd paths: the tile math (gradients to the function's tensors) and,
+    for additive functions without learned tensors, the fused kernel's backward."""
+    torch.manual_seed(0)
+    q = torch.randn(1, HEADS, 4, 3, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, 6, 3, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 2, 6, 3, dtype=torch.float64, requires_grad=True)
+    score, sinks, _, learned = make_case(case, torch.float64)
+
+    def run(*tensors):
+        out, lse = mhsa.attention(*tensors[:3], causal=True, score=score, sinks=sinks,
+                                  backend="flash", return_lse=True)  # fmt: skip
+        return out, lse.nan_to_num(0, 0, 0)
+
+    assert torch.autograd.gradcheck(run, (q, k, v, *learned), fast_mode=True)
+    for t in learned:
+        t.requires_grad_(False)
+    assert torch.autograd.gradcheck(run, (q, k, v), fast_mode=True)
+
+
+@pytest.mark.parametrize("case", ["alibi-then-softcap", "relative-softcap-sinks"])
+def test_dropout_with_scores_equals_the_reference_given_the_same_keep_mask(case):
+    q, k, v = (torch.randn(2, HEADS, 30, 8, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))  # fmt: skip
+    score, sinks, _, learned = make_case(case, torch.float64)
+    results = []
+    for backend in ("reference", "flash"):
+        torch.manual_seed(7)  # the same dropout seed for both
+        out = mhsa.attention(q, k, v, causal=True, score=score, sinks=sinks, dropout_p=0.3,
+                             backend=backend)  # fmt: skip
+        results.append([out, *torch.autograd.grad(out.square().sum(), [q, k, v, *learned])])
+    for got, want in zip(*results, strict=True):
+        assert max_error(got, want) < 1e-10
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_is_within_twice_attention_computed_in_that_dtype(dtype):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, HEADS, 70, 32) for _ in range(3))
+    slopes = alibi_slopes(HEADS)
+    score = [ALiBi(slopes), Softcap(5.0)]
+    expected, _ = golden_attention(q, k, v, causal=True, modify=lambda s, i, j: 5.0 * torch.tanh(
+        (s - slopes.double().view(1, -1, 1, 1) * (i - j).abs()) / 5.0))  # fmt: skip
+    low = [t.to(dtype) for t in (q, k, v)]
+    out = mhsa.attention(*low, causal=True, score=score, backend="flash")
+    scores = low[0] @ low[1].transpose(-1, -2) * 32**-0.5  # all in the low dtype
+    distance = (torch.arange(70).view(-1, 1) - torch.arange(70)).abs().to(dtype)
+    scores = 5.0 * torch.tanh((scores - slopes.to(dtype).view(1, -1, 1, 1) * distance) / 5.0)
+    scores = scores.masked_fill(torch.ones(70, 70, dtype=torch.bool).triu(1), -torch.inf)
+    naive = torch.softmax(scores, dim=-1) @ low[2]
+    assert max_error(out, expected) <= 2 * max_error(naive, expected)
+
+
+def test_t5_buckets_equal_transformers():
+    offsets = torch.arange(-300, 301).view(-1, 1)
+    for bidirectional in (True, False):
+        for buckets, distance in ((32, 128), (8, 20)):
+            assert torch.equal(t5_bucket(offsets, buckets, distance, bidirectional),
+                               hf_bucket(offsets, bidirectional, buckets, distance))  # fmt: skip
+
+
+def test_positions_are_global_and_aligned_bottom_right():
+    """Decoding the last query against a cache equals the last row of the full call."""
+    q, k, v = (torch.randn(1, HEADS, 12, 8) for _ in range(3))
+    score = ALiBi(alibi_slopes(HEADS)).then(Softcap(4.0))
+    full = mhsa.attention(q, k, v, causal=True, score=score, backend="flash")
+    last = mhsa.attention(q[:, :, -1:], k, v, score=score, backend="flash")
+    assert max_error(last, full[:, :, -1:]) < 1e-6
+
+
+def test_backends_without_score_functions_say_so():
+    q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
+    with pytest.raises(ValueError, match="sdpa.*no score functions or sinks"):
+        mhsa.attention(q, k, v, score=Softcap(1.0), backend="sdpa")
+    with pytest.raises(ValueError, match="sdpa.*no score functions or sinks"):
+        mhsa.attention(q, k, v, sinks=torch.zeros(2), backend="sdpa")
+    out = mhsa.attention(q, k, v, score=Softcap(1.0))  # auto picks one that serves it
+    assert max_error(out, mhsa.attention(q, k, v, score=Softcap(1.0), backend="reference")) < 1e-6
+
+
+def test_bad_score_functions_and_sinks_fail_at_the_first_call():
+    q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
+
+    def call(**kwargs):
+        return mhsa.attention(q, k, v, backend="flash", **kwargs)
+
+    with pytest.raises(ValueError, match=r"must return the scores' shape \(1, 2, 3, 4\)"):
+        call(score=ScoreMod(lambda s, b, h, qi, ki: s.sum(-1)))
+    with pytest.raises(ValueError, match="scores' dtype torch.float32, got torch.int64"):
+        call(score=ScoreMod(lambda s, b, h, qi, ki: qi - ki + 0 * b))
+    with pytest.raises(ValueError, match="is not elementwise"):
+        call(score=ScoreMod(lambda s, b, h, qi, ki: s - s.amax(-1, keepdim=True)))
+    with pytest.raises(ValueError, match="failed on a"):
+        call(score=ScoreMod(lambda s, b, h, qi, ki: s @ s))
+    with pytest.raises(TypeError, match="ScoreMod needs a callable"):
+        ScoreMod(3)
+    with pytest.raises(TypeError, match="score must be an mhsa.scores function"):
+        call(score=lambda s: s)
+    with pytest.raises(TypeError, match="score functions must be mhsa.scores objects"):
+        Compose(Softcap(1.0), "tanh")
+    with pytest.raises(ValueError, match=r"sinks must have shape \(H,\) = \(2,\)"):
+        call(sinks=torch.zeros(3))
+    with pytest.raises(TypeError, match="sinks must be a float tensor"):
+        call(sinks=torch.zeros(2, dtype=torch.long))
+    for cap in (0, -1.0, float("inf"), True):
+        with pytest.raises(ValueError, match="cap must be a finite number > 0"):
+            Softcap(cap)
+    with pytest.raises(ValueError, match=r"table must be a float tensor \(num_buckets 32, H\)"):
+        RelativeBias(torch.zeros(16, 2))
+    with pytest.raises(ValueError, match="have 3 heads but the call has 2 query heads"):
+        call(score=RelativeBias(torch.zeros(32, 3)))
+    with pytest.raises(ValueError, match="have 4 heads but the call has 2 query heads"):
+        call(score=ALiBi(alibi_slopes(4)))
+    with pytest.raises(ValueError, match="ALiBi slopes must be a 1-D float tensor"):
+        ALiBi(torch.ones(2, 2))
