@@ -20,7 +20,7 @@ def small(**changes) -> GPT:
     return GPT(GPTConfig(**options)).eval()
 
 
-@pytest.mark.parametrize("position", ["learned", "sinusoidal", "rotary", "alibi"])
+@pytest.mark.parametrize("position", ["learned", "sinusoidal", "rotary", "alibi", "t5"])
 @pytest.mark.parametrize("n_kv_head, window", [(None, None), (2, None), (1, 5)],
                          ids=["mha", "gqa", "mqa-window"])  # fmt: skip
 def test_cached_decoding_equals_full_recompute(position, n_kv_head, window):
@@ -36,7 +36,7 @@ def test_cached_decoding_equals_full_recompute(position, n_kv_head, window):
         assert isinstance(caches[0], SlidingWindowCache) and caches[0].k.shape[2] == window
 
 
-@pytest.mark.parametrize("position", ["learned", "rotary", "alibi"])
+@pytest.mark.parametrize("position", ["learned", "rotary", "alibi", "t5"])
 def test_left_padded_batch_equals_each_prompt_alone(position):
     model = small(position=position, n_kv_head=2)
     prompts = [torch.randint(0, 61, (n,)) for n in (5, 12, 1)]

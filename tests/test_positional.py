@@ -113,7 +113,7 @@ def test_alibi_slopes_for_any_head_count():
 
 def test_alibi_bias_is_bottom_right_linear_distance():
     alibi = ALiBi(2)
-    bias = alibi.attention_bias(2, 5)  # queries at positions 3 and 4
+    bias = alibi.dense_bias(2, 5)  # queries at positions 3 and 4
     assert bias.shape == (2, 2, 5)
     slope = alibi.slopes[0].item()
     assert bias[0, 1].tolist() == pytest.approx([-4 * slope, -3 * slope, -2 * slope, -slope, 0])
@@ -127,7 +127,7 @@ def test_relative_bias_buckets():
     assert rel.bucket(offsets).tolist() == [0, 1, 2, 2, 5, 6, 2, 3, 3, 7]
     causal = RelativePositionBias(3, num_buckets=4, max_distance=8, bidirectional=False)
     assert causal.bucket(torch.tensor([0, -1, -2, -5, -100, 4])).tolist() == [0, 1, 2, 3, 3, 0]
-    bias = rel.attention_bias(4, 6)
+    bias = rel.dense_bias(4, 6)
     assert bias.shape == (3, 4, 6)
     assert torch.equal(bias[:, 0, 2], rel.embedding.weight[0])  # query at 2, key at 2
 

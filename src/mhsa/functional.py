@@ -21,7 +21,7 @@ from .kernels.dense import (
 )
 from .kernels.dropout import draw_seed
 from .masks import Pattern
-from .scores import ScoreFunction, as_score
+from .scores import ScoreFunction, SelectedHeads, apply_score, as_score
 
 
 def _check_common(
@@ -147,8 +147,10 @@ def attention_weights(
     backend: str = "auto",
     heads: Sequence[int] | Tensor | None = None,
     rows: Sequence[int] | Tensor | None = None,
+    score: ScoreFunction | list | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
-    """The attention probabilities softmax(q k^T * scale + bias), (B, h, r, S).
+    """The attention probabilities softmax(score(q k^T * scale) + bias), (B, h, r, S).
 
     Same arguments and conventions as `attention`; rows with no allowed key are 0.
     heads and rows pick query heads and query rows (default all): only those
@@ -159,7 +161,8 @@ def attention_weights(
     (float64 for float64 inputs) and returned in q's dtype.
     """
     validate.check_qkv(q, k, k)
-    resolved_scale = _check_common(q, k, mask, bias, causal, scale)
+    score = as_score(score)
+    resolved_scale = _check_common(q, k, mask, bias, causal, scale, score=score, sinks=sinks)
     num_heads, q_len, kv_len = q.shape[1], q.shape[2], k.shape[2]
     head_idx = _indices("heads", heads, num_heads, q.device)
     row_idx = _indices("rows", rows, q_len, q.device)
@@ -182,7 +185,12 @@ def attention_weights(
         mask_sel = mask
         allowed = mask.allowed(row_idx.view(-1, 1), keys.view(1, -1), q_len, kv_len)
     bias_sel = _select(bias, 1, head_idx)
+    score_sel = None if score is None else SelectedHeads(score, head_idx, num_heads)
+    sinks_sel = None if sinks is None else sinks.index_select(0, head_idx)
     if backend == "triton":  # visited tiles only, normalised by the kernel's own lse
+        if score is not None or sinks is not None:
+            raise ValueError("attention_weights backend 'triton' takes no score functions "
+                             "or sinks yet; use 'flash' or 'reference'")  # fmt: skip
         from .kernels.triton import triton_attention_weights  # imports triton
 
         probs = triton_attention_weights(
@@ -191,6 +199,8 @@ def attention_weights(
         return probs.index_select(2, row_idx).to(q.dtype)
     dtype = stats_dtype(q.dtype)
     scores = grouped_scores(q_sel.index_select(2, row_idx), k_sel, resolved_scale, dtype)
+    if score is not None:
+        scores = apply_score(score, scores, row_idx + (kv_len - q_len), keys, head_idx)
     if bias_sel is not None:
         scores = scores + _select(bias_sel, 2, row_idx).to(dtype)
     if causal:
@@ -199,10 +209,13 @@ def attention_weights(
     if allowed is not None:
         scores = scores.masked_fill(~allowed, -torch.inf)
     if backend == "reference":
-        return masked_softmax(scores)[0].to(q.dtype)
+        if sinks_sel is None:
+            return masked_softmax(scores)[0].to(q.dtype)
+        column = sinks_sel.to(dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        return masked_softmax(torch.cat([scores, column], dim=-1))[0][..., :-1].to(q.dtype)
     _, lse = attention(
         q_sel, k_sel, k_sel, mask_sel, bias=bias_sel, causal=causal, scale=resolved_scale,
-        backend="flash", return_lse=True,
+        backend="flash", return_lse=True, score=score_sel, sinks=sinks_sel,
     )  # fmt: skip
     lse = lse.index_select(2, row_idx)
     lse = torch.where(torch.isneginf(lse), torch.full_like(lse, torch.inf), lse)
@@ -241,14 +254,18 @@ def attention_and_weights(
     causal: bool = False,
     scale: float | None = None,
     dropout_p: float = 0.0,
+    score: ScoreFunction | list | None = None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(out (B, H, L, D_v), probs (B, H, L, S)) from one pass of the reference math.
 
     For modules that return weights (need_weights=True); probs are before dropout.
     """
     validate.check_qkv(q, k, v)
-    resolved_scale = _check_common(q, k, mask, bias, causal, scale)
+    score = as_score(score)
+    resolved_scale = _check_common(q, k, mask, bias, causal, scale, score=score, sinks=sinks)
     validate.check_dropout(dropout_p)
-    probs, _ = attention_probs(q, k, mask=mask, bias=bias, causal=causal, scale=resolved_scale)
+    probs, _ = attention_probs(q, k, mask=mask, bias=bias, causal=causal, scale=resolved_scale,
+                               score=score, sinks=sinks)  # fmt: skip
     dropped = apply_dropout(probs, dropout_p, draw_seed()) if dropout_p > 0 else probs
     return probs_times_v(dropped, v).to(q.dtype), probs.to(q.dtype)

@@ -3,7 +3,8 @@
 Added to token embeddings (B, L, d_model):
     SinusoidalPositionalEncoding, LearnedPositionalEmbedding
 Used inside attention (pass as `position=` to mhsa.nn.MultiHeadAttention):
-    RotaryEmbedding (rotates q and k), ALiBi and RelativePositionBias (score biases)
+    RotaryEmbedding (rotates q and k), ALiBi and RelativePositionBias (score functions
+    from mhsa.scores, evaluated per tile inside the attention engine)
 
 Positions inside attention follow the causal convention: with L queries and S keys,
 keys sit at positions 0..S-1 and queries at S-L..S-1 (bottom-right).
@@ -15,6 +16,8 @@ import math
 
 import torch
 from torch import Tensor, nn
+
+from . import scores
 
 
 def _check_positive(name: str, value: int) -> None:
@@ -96,7 +99,12 @@ class AttentionPosition(nn.Module):
         return q, k
 
     def attention_bias(self, q_len: int, kv_len: int) -> Tensor | None:
-        """(H, L, S) float bias added to the scores, or None."""
+        """(H, L, S) float bias added to the scores, or None (a dense tensor: prefer
+        `score`, which the engine evaluates per tile)."""
+        return None
+
+    def score(self) -> scores.ScoreFunction | None:
+        """An mhsa.scores function applied to the scores inside attention, or None."""
         return None
 
 
@@ -184,9 +192,13 @@ class ALiBi(AttentionPosition):
         super().__init__()
         self.register_buffer("slopes", alibi_slopes(num_heads), persistent=False)
 
-    def attention_bias(self, q_len: int, kv_len: int) -> Tensor:
+    def score(self) -> scores.ALiBi:
+        return scores.ALiBi(self.slopes)
+
+    def dense_bias(self, q_len: int, kv_len: int) -> Tensor:
+        """The (H, L, S) bias the score function adds, materialised (for inspection)."""
         distance = relative_offsets(q_len, kv_len, self.slopes.device).abs().float()
-        return -self.slopes.view(-1, 1, 1) * distance  # (H, L, S)
+        return -self.slopes.view(-1, 1, 1) * distance
 
 
 class RelativePositionBias(AttentionPosition):
@@ -217,22 +229,13 @@ class RelativePositionBias(AttentionPosition):
 
     def bucket(self, offsets: Tensor) -> Tensor:
         """Map key-minus-query offsets (any shape, int64) to bucket ids."""
-        buckets = self.num_buckets
-        result = torch.zeros_like(offsets)
-        if self.bidirectional:
-            buckets //= 2
-            result = result + (offsets > 0).long() * buckets
-            distance = offsets.abs()
-        else:
-            distance = (-offsets).clamp(min=0)  # only the past is distinguished
-        exact = buckets // 2
-        log_ratio = torch.log(distance.float().clamp(min=1) / exact) / math.log(
-            self.max_distance / exact
-        )
-        large = exact + (log_ratio * (buckets - exact)).long()
-        large = large.clamp(max=buckets - 1)
-        return result + torch.where(distance < exact, distance, large)
+        return scores.t5_bucket(offsets, self.num_buckets, self.max_distance, self.bidirectional)
 
-    def attention_bias(self, q_len: int, kv_len: int) -> Tensor:
+    def score(self) -> scores.RelativeBias:
+        return scores.RelativeBias(self.embedding.weight, self.num_buckets, self.max_distance,
+                                   self.bidirectional)  # fmt: skip
+
+    def dense_bias(self, q_len: int, kv_len: int) -> Tensor:
+        """The (H, L, S) bias the score function adds, materialised (for inspection)."""
         offsets = relative_offsets(q_len, kv_len, self.embedding.weight.device)
-        return self.embedding(self.bucket(offsets)).permute(2, 0, 1)  # (H, L, S)
+        return self.embedding(self.bucket(offsets)).permute(2, 0, 1)

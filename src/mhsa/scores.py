@@ -216,6 +216,27 @@ class Compose(ScoreFunction):
         return " then ".join(repr(f) for f in self.functions)
 
 
+class SelectedHeads(ScoreFunction):
+    """`score` seen from a call on a selection of query heads: local head h is global
+    head index[h] of num_heads."""
+
+    def __init__(self, score: ScoreFunction, index: Tensor, num_heads: int) -> None:
+        self.score, self.index, self.num_heads = score, index, num_heads
+        self.additive = score.additive
+
+    def __call__(self, score, batch, head, q_pos, k_pos):
+        return self.score(score, batch, self.index[head], q_pos, k_pos)
+
+    def bias(self, batch, head, q_pos, k_pos):
+        return self.score.bias(batch, self.index[head], q_pos, k_pos)
+
+    def tensors(self):
+        return self.score.tensors()
+
+    def check(self, num_heads, device, dtype):
+        self.score.check(self.num_heads, device, dtype)
+
+
 def as_score(score) -> ScoreFunction | None:
     """None, a ScoreFunction, or a sequence of them composed in order."""
     if score is None or isinstance(score, ScoreFunction):

@@ -205,9 +205,9 @@ def _spawn_data_parallel(args: argparse.Namespace, nproc: int) -> int:
         if args.seq_len % (2 * nproc):
             raise ValueError(f"--seq-len {args.seq_len} must be a multiple of 2 x --nproc "
                              f"({2 * nproc}) to shard sequences (zigzag)")  # fmt: skip
-        if args.position == "alibi":
+        if args.position in ("alibi", "t5"):
             raise ValueError("--context-parallel works with learned, sinusoidal and rotary "
-                             "positions, not alibi")  # fmt: skip
+                             f"positions, not {args.position}")  # fmt: skip
     elif args.batch_size % nproc:
         raise ValueError(
             f"--batch-size {args.batch_size} must be divisible by --nproc {nproc}: each "
@@ -264,8 +264,8 @@ def add_parser(commands) -> None:
     gpt.add_argument(
         "--position",
         default="rotary",
-        choices=["learned", "sinusoidal", "rotary", "alibi"],
-        help="positional information (default rotary)",
+        choices=["learned", "sinusoidal", "rotary", "alibi", "t5"],
+        help="positional information; t5 is a learned relative bias (default rotary)",
     )
     gpt.add_argument("--window", type=positive_int, help="sliding-window attention span")
     gpt.add_argument(

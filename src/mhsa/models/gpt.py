@@ -4,7 +4,9 @@
                   -> n_layer pre-norm blocks (causal self-attention, feed-forward)
                   -> final layer norm -> logits (B, T, vocab) with the tied embedding
 
-Rotary and ALiBi positions act inside attention instead. With `window` set, each
+Rotary, ALiBi and T5 relative-bias positions act inside attention instead (ALiBi and
+the T5 bias as score functions the engine evaluates per tile; one T5 table is shared
+by every layer, as in T5). With `window` set, each
 token attends only the last `window` positions (itself included).
 """
 
@@ -22,13 +24,15 @@ from ..nn import TransformerEncoderLayer
 from ..positional import (
     ALiBi,
     LearnedPositionalEmbedding,
+    RelativePositionBias,
     RotaryEmbedding,
     SinusoidalPositionalEncoding,
 )
 from ..validate import int_at_least
 from .init import normal_init
 
-POSITIONS = ("learned", "sinusoidal", "rotary", "alibi")
+POSITIONS = ("learned", "sinusoidal", "rotary", "alibi", "t5")
+SCORE_POSITIONS = ("alibi", "t5")  # score functions: not yet across processes
 
 
 @dataclass
@@ -82,12 +86,11 @@ class GPT(nn.Module):
         self.pos_emb = {
             "learned": lambda: LearnedPositionalEmbedding(config.max_len, config.d_model),
             "sinusoidal": lambda: SinusoidalPositionalEncoding(config.d_model, config.max_len),
-            "rotary": lambda: None,
-            "alibi": lambda: None,
-        }[config.position]()
+        }.get(config.position, lambda: None)()
         self.attn_position = {
             "rotary": lambda: RotaryEmbedding(head_dim),
             "alibi": lambda: ALiBi(config.n_head),
+            "t5": lambda: RelativePositionBias(config.n_head, bidirectional=False),
         }.get(config.position, lambda: None)()
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(
@@ -122,15 +125,16 @@ class GPT(nn.Module):
         (without caches; with caches the caches hold it).
         positions: (T,) global positions of idx's tokens when idx is one process's
         shard of longer sequences (context parallelism; attention then runs under
-        mhsa.distributed.context_parallel). Not with ALiBi, caches or start.
+        mhsa.distributed.context_parallel). Not with ALiBi or T5 positions, caches or
+        start.
         """
         check_token_ids(idx, self.config.vocab_size)
         batch, length = idx.shape
         attn_position = self.attn_position
         if positions is not None:
-            if caches is not None or start is not None or self.config.position == "alibi":
+            if caches is not None or start is not None or self.config.position in SCORE_POSITIONS:
                 raise ValueError("positions (a sequence shard) does not go with caches, "
-                                 "start or ALiBi positions")  # fmt: skip
+                                 "start or ALiBi/T5 positions")  # fmt: skip
             positions = positions.to(idx.device)
             if attn_position is not None:
                 attn_position = attn_position.at(positions)

@@ -124,15 +124,15 @@ class MultiHeadAttention(nn.Module):
         q, k, v, mask, bias = self._inputs(
             query, key, value, mask, key_padding_mask, bias, position, cache
         )
+        score = None if position is None else position.score()
         dropout = self.dropout if self.training else 0.0
         if need_weights:
             out, weights = attention_and_weights(
-                q, k, v, mask, bias=bias, causal=causal, dropout_p=dropout
+                q, k, v, mask, bias=bias, causal=causal, dropout_p=dropout, score=score
             )
         else:
-            out = attention(
-                q, k, v, mask, bias=bias, causal=causal, dropout_p=dropout, backend=self.backend
-            )
+            out = attention(q, k, v, mask, bias=bias, causal=causal, dropout_p=dropout,
+                            backend=self.backend, score=score)  # fmt: skip
         out = self.out_proj(out.transpose(1, 2).reshape(query.shape[0], query.shape[1], -1))
         if not need_weights:
             return out
@@ -206,7 +206,9 @@ class MultiHeadAttention(nn.Module):
         q, k, _, mask, bias = self._inputs(
             query, key, None, mask, key_padding_mask, bias, position, None
         )
-        return attention_weights(q, k, mask, bias=bias, causal=causal, heads=heads, rows=rows)
+        score = None if position is None else position.score()
+        return attention_weights(q, k, mask, bias=bias, causal=causal, heads=heads, rows=rows,
+                                 score=score)  # fmt: skip
 
     @staticmethod
     def _merge_masks(
