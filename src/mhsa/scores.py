@@ -65,7 +65,8 @@ class ALiBi(ScoreFunction):
 
     def __init__(self, slopes: Tensor) -> None:
         if not isinstance(slopes, Tensor) or slopes.dim() != 1 or not slopes.is_floating_point():
-            raise ValueError(f"ALiBi slopes must be a 1-D float tensor (H,), got {_describe(slopes)}")
+            raise ValueError("ALiBi slopes must be a 1-D float tensor (H,), got "
+                             f"{_describe(slopes)}")  # fmt: skip
         self.slopes = slopes
 
     def bias(self, batch, head, q_pos, k_pos):
@@ -191,8 +192,8 @@ class Compose(ScoreFunction):
         flat: list[ScoreFunction] = []
         for f in functions:
             if not isinstance(f, ScoreFunction):
-                raise TypeError(f"score functions must be mhsa.scores objects (ALiBi, "
-                                f"RelativeBias, Softcap, ScoreMod), got {type(f).__name__}")  # fmt: skip
+                raise TypeError("score functions must be mhsa.scores objects (ALiBi, RelativeBias, "
+                                f"Softcap, ScoreMod), got {type(f).__name__}")  # fmt: skip
             flat.extend(f.functions if isinstance(f, Compose) else [f])
         self.functions = tuple(flat)
         self.additive = all(f.additive for f in flat)
