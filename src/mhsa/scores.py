@@ -70,7 +70,8 @@ class ALiBi(ScoreFunction):
         self.slopes = slopes
 
     def bias(self, batch, head, q_pos, k_pos):
-        return -self.slopes[head] * (q_pos - k_pos).abs()
+        distance = (q_pos.to(self.slopes.dtype) - k_pos.to(self.slopes.dtype)).abs()
+        return -self.slopes[head] * distance
 
     def tensors(self):
         return (self.slopes,)

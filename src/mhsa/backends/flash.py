@@ -20,11 +20,19 @@ FUSED_BLOCK = 256
 PLAIN_BLOCK_Q = 128
 PLAIN_BLOCK_K = 128
 PLAIN_MAX_RUN = 1024
+# the fused kernel with a score function or bias reads a float tile of its values:
+# runs are capped so that a tile stays small (8 heads x 256 x 2048 floats: 16 MiB)
+FUSED_SCORED_MAX_RUN = 2048
 
 
-def plan_for(mask, causal: bool, q_len: int, kv_len: int, device, fused: bool):
-    """The block plan the flash backend uses for a call."""
+def plan_for(mask, causal: bool, q_len: int, kv_len: int, device, fused: bool,
+             scored: bool = False):  # fmt: skip
+    """The block plan the flash backend uses for a call; scored: the tiles carry a
+    score function's or a bias's values."""
     source = mask_source(mask, causal, q_len, kv_len, device)
+    if fused and scored:
+        return build_plan(source, q_len, kv_len, block_q=FUSED_BLOCK, block_k=FUSED_BLOCK,
+                          max_run_keys=FUSED_SCORED_MAX_RUN, merge_rows=False)  # fmt: skip
     if fused:
         block = getattr(mask, "block_size", None) or FUSED_BLOCK
         plan = build_plan(source, q_len, kv_len, block_q=block, block_k=block, gather=True)
@@ -69,7 +77,8 @@ class FlashBackend(Backend):
                 return out, (lse if return_lse else None)
         # the fused kernel adds a float mask per tile: additive score functions only
         fused = fused_available(q, v, dropout_p) and (score is None or score.additive)
-        plan = plan_for(mask, causal, q.shape[2], k.shape[2], q.device, fused)
+        plan = plan_for(mask, causal, q.shape[2], k.shape[2], q.device, fused,
+                        scored=score is not None)  # fmt: skip
         dropout = (dropout_p, draw_seed()) if dropout_p > 0 else None
         out, lse = flash_attention(q, k, v, plan, bias=bias, scale=scale, dropout=dropout,
                                    fused=fused, score=score, sinks=sinks)  # fmt: skip

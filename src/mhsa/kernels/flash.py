@@ -71,15 +71,16 @@ def _tile_rows(t: Tensor, q0: int, q1: int, cols: Tensor) -> Tensor:
 
 def _tile_bias(
     plan: BlockPlan, bias: Tensor | None, q0: int, q1: int, run: Run, cols: Tensor,
-    dtype: torch.dtype, score=None, shape: tuple = (),
+    dtype: torch.dtype, score=None, shape: tuple = (), triangle: str | None = None,
 ) -> Tensor | None:  # fmt: skip
     """Additive tile (1 or B, 1 or H, rows, keys): the bias (and an additive score
-    function's values, given the call's (B, H)), -inf where the mask forbids."""
+    function's values, given the call's (B, H)), -inf where the mask forbids, unless
+    the run is a triangle that the kernel computes in its causal mode."""
     attn = None if bias is None else _tile_rows(bias, q0, q1, cols).to(dtype)
     if score is not None:
         values = score_tile(score, None, *shape, q0 + plan.kv_len - plan.q_len, q1 - q0, cols)
         attn = values.to(dtype) if attn is None else attn + values.to(dtype)
-    if not run.full:
+    if not run.full and triangle is None:
         allowed = plan.source.tile(q0, q1, cols)
         base = torch.zeros((), dtype=dtype, device=cols.device) if attn is None else attn
         minus_inf = torch.tensor(-torch.inf, dtype=dtype, device=cols.device)
@@ -103,21 +104,22 @@ def _merge(partials: list[tuple[Tensor, Tensor]], dtype: torch.dtype) -> tuple[T
     return out, lse
 
 
-def _fused_triangle(run: Run, bias: Tensor | None, score) -> str | None:
-    """Triangular runs without bias or score function run in the kernel's causal mode,
-    unmasked."""
-    return run.triangle if bias is None and score is None else None
+def _flipped(attn: Tensor | None) -> Tensor | None:
+    return None if attn is None else attn.flip(-2, -1)
 
 
-def _fused_run(q_blk, k_run, v_run, attn, scale, triangle) -> tuple[Tensor, Tensor]:
+def _fused_run(q_blk, k_run, v_run, attn, scale, triangle, masked) -> tuple[Tensor, Tensor]:
+    """One run on the fused kernel; a triangle run in its causal mode, attn (the bias
+    and score values, without -inf) added."""
     if triangle == "upper":  # c >= r is c' <= r' on reversed rows and keys
         out_r, lse_r = _FUSED_FORWARD(
-            q_blk.flip(2), k_run.flip(2), v_run.flip(2), 0.0, True, scale=scale
-        )
+            q_blk.flip(2), k_run.flip(2), v_run.flip(2), 0.0, True, attn_mask=_flipped(attn),
+            scale=scale,
+        )  # fmt: skip
         return out_r.flip(2), lse_r.flip(-1)
     causal = triangle == "lower"
     out_r, lse_r = _FUSED_FORWARD(q_blk, k_run, v_run, 0.0, causal, attn_mask=attn, scale=scale)
-    if attn is not None:  # the kernel reports lse 0 for rows with no allowed key
+    if masked:  # the kernel reports lse 0 for rows with no allowed key
         dead = torch.isneginf(attn).all(dim=-1)
         lse_r = lse_r.masked_fill(dead, -torch.inf)
     return out_r, lse_r
@@ -127,7 +129,7 @@ def _fused_run_backward(go_blk, q_blk, k_run, v_run, out_blk, lse_blk, attn, sca
     if triangle == "upper":
         grads = _FUSED_BACKWARD(
             go_blk.flip(2), q_blk.flip(2), k_run.flip(2), v_run.flip(2), out_blk.flip(2),
-            lse_blk.flip(-1), 0.0, True, scale=scale,
+            lse_blk.flip(-1), 0.0, True, attn_mask=_flipped(attn), scale=scale,
         )  # fmt: skip
         return tuple(g.flip(2) for g in grads)
     return _FUSED_BACKWARD(
@@ -195,10 +197,12 @@ def _forward_runs(q, k, v, bias, plan, scale, dropout, fused, score):
         for run in rows.runs:
             cols, index, k_run, v_run = _run_keys(k, v, run, plan)
             if fused:
-                triangle = _fused_triangle(run, bias, score)
-                attn = None if triangle else _tile_bias(plan, bias, q0, q1, run, cols, q.dtype,
-                                                        score, (batch, num_heads))  # fmt: skip
-                out_r, lse_r = _fused_run(q_blk, k_run, v_run, attn, scale, triangle)
+                triangle = run.triangle
+                attn = _tile_bias(plan, bias, q0, q1, run, cols, q.dtype, score,
+                                  (batch, num_heads), triangle)  # fmt: skip
+                # attn may hold -inf: the mask's, or a bias's
+                masked = bias is not None or (not run.full and triangle is None)
+                out_r, lse_r = _fused_run(q_blk, k_run, v_run, attn, scale, triangle, masked)
             else:
                 attn = _tile_bias(plan, bias, q0, q1, run, cols, dtype)
                 out_r, lse_r = _plain_run(q_blk, k_run, v_run, attn, scale, dropout, q0, cols,
@@ -298,9 +302,9 @@ def flash_backward(
         for run in rows.runs:
             cols, index, k_run, v_run = _run_keys(k, v, run, plan)
             if fused:
-                triangle = _fused_triangle(run, bias, score)
-                attn = None if triangle else _tile_bias(plan, bias4, q0, q1, run, cols, q.dtype,
-                                                        score, (batch, num_heads))  # fmt: skip
+                triangle = run.triangle
+                attn = _tile_bias(plan, bias4, q0, q1, run, cols, q.dtype, score,
+                                  (batch, num_heads), triangle)  # fmt: skip
                 dq_r, dk_r, dv_r = _fused_run_backward(
                     go_blk, q_blk, k_run, v_run, out[:, :, q0:q1],
                     lse_inv[:, :, q0:q1].contiguous(), attn, scale, triangle,
