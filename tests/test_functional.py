@@ -327,6 +327,8 @@ def test_attention_weights_statistics_dtype(selection):
 
 
 def test_attention_weights_with_the_triton_backend_selects_heads_and_rows():
+    from mhsa.kernels.triton import triton_attention_weights
+
     """Triton's CPU interpreter on a tiny call: per-head mask, bias, causal, custom
     scale, float16 in and out."""
     q, k, _ = make_qkv(2, 4, 2, 5, 7, 8, dtype=torch.float16)
@@ -338,6 +340,13 @@ def test_attention_weights_with_the_triton_backend_selects_heads_and_rows():
     want = golden(q, k, _eye_values(k), mask, **options)[:, [3, 0]][:, :, [4, 1]]
     assert got.shape == (2, 2, 2, 7) and got.dtype == torch.float16
     assert max_error(got, want) < 2e-3
+    # in float32: the kernel's own numbers (query heads 3, 0 read key heads 1, 0)
+    q, k, bias = q.float(), k.float(), bias.float()
+    got = mhsa.attention_weights(q, k, mask, bias=bias, causal=True, scale=0.5, heads=[3, 0],
+                                 rows=[4, 1], backend="triton")  # fmt: skip
+    kernel = triton_attention_weights(q[:, [3, 0]], k[:, [1, 0]], mask[:, [3, 0]],
+                                      bias=bias[[3, 0]], causal=True, scale=0.5)  # fmt: skip
+    assert torch.equal(got, kernel[:, :, [4, 1]])
 
 
 @pytest.mark.parametrize(("q_len", "kv_len"), [(5, 7), (0, 7), (5, 0)])
