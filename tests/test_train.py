@@ -336,7 +336,7 @@ def test_a_run_equals_its_written_out_optimisation_and_reports_it(tmp_path, caps
     config = TrainConfig(**LINE)
     expected, losses, history, clipped = line_reference(config)
     assert 0 < clipped < 7  # the run clips some steps, not all
-    times = iter([0.0] + [0.5 + i / 16 for i in range(8)])
+    times = iter([100.0] + [100.5 + i / 16 for i in range(8)])  # exact in binary
     monkeypatch.setattr(train_module, "time", SimpleNamespace(perf_counter=lambda: next(times)))
     capsys.readouterr()
     model, task, result, lines = train_line(tmp_path / "run", config)
