@@ -16,6 +16,8 @@ from mhsa.positional import (
     RotaryEmbedding,
     SinusoidalPositionalEncoding,
     alibi_slopes,
+    relative_offsets,
+    sinusoidal_table,
 )
 from optional import needs
 
@@ -160,3 +162,206 @@ def test_added_encodings_break_permutation_equivariance():
     x = torch.randn(2, 9, 16)
     perm = torch.randperm(9)
     assert max_error(mha(pe(x[:, perm])), mha(pe(x))[:, perm]) > 1e-3
+
+
+# --- argument checks: each names the argument and what it got -----------------------
+
+
+@pytest.mark.parametrize("bad", [0, -3, True, 2.0])
+def test_sizes_must_be_positive_ints_and_say_which(bad):
+    cases = [
+        (lambda v: SinusoidalPositionalEncoding(v), "d_model"),
+        (lambda v: SinusoidalPositionalEncoding(8, max_len=v), "max_len"),
+        (lambda v: LearnedPositionalEmbedding(v, 8), "max_len"),
+        (lambda v: LearnedPositionalEmbedding(8, v), "d_model"),
+        (lambda v: RotaryEmbedding(v), "head_dim"),
+        (alibi_slopes, "num_heads"),
+        (lambda v: RelativePositionBias(v), "num_heads"),
+        (lambda v: RelativePositionBias(2, max_distance=v), "max_distance"),
+    ]
+    for build, name in cases:
+        with pytest.raises(ValueError, match=rf"^{name} must be a positive int, got {bad!r}$"):
+            build(bad)
+
+
+def test_out_of_range_offsets_name_the_positions_and_the_fix():
+    pe, emb = SinusoidalPositionalEncoding(8, max_len=10), LearnedPositionalEmbedding(10, 8)
+    for module in (pe, emb):
+        with pytest.raises(
+            ValueError,
+            match=r"^positions 7\.\.10 exceed max_len=10; build the encoding with a larger "
+            r"max_len$",
+        ):
+            module(torch.zeros(1, 4, 8), offset=7)
+        with pytest.raises(ValueError, match=r"positions -1\.\.1 exceed max_len=10"):
+            module(torch.zeros(1, 3, 8), offset=-1)
+        module(torch.zeros(1, 4, 8), offset=6)  # the last four positions fit
+        big = torch.tensor([[0, 3], [10, 2]])
+        with pytest.raises(
+            ValueError,
+            match=r"^position 10 exceeds max_len=10; build the encoding with a larger max_len$",
+        ):
+            module(torch.zeros(2, 2, 8), positions=big)
+
+
+def test_sinusoidal_default_max_len_is_4096():
+    pe = SinusoidalPositionalEncoding(4)
+    pe(torch.zeros(1, 1, 4), offset=4095)
+    with pytest.raises(ValueError, match="max_len=4096"):
+        pe(torch.zeros(1, 1, 4), offset=4096)
+
+
+def test_rotary_rejects_wrong_head_dim_and_positions_shape_with_details():
+    rope = RotaryEmbedding(8)
+    with pytest.raises(
+        ValueError, match=r"^x has head_dim 6 but this RotaryEmbedding was built for 8$"
+    ):
+        rope(torch.zeros(1, 2, 5, 6))
+    with pytest.raises(
+        ValueError, match=r"^positions must be \(5,\), one per token of x, got \(1, 5\)$"
+    ):
+        rope(torch.zeros(1, 2, 5, 8), positions=torch.arange(5).unsqueeze(0))
+
+
+def test_relative_bias_minimum_bucket_counts():
+    RelativePositionBias(2, num_buckets=4)  # two per direction: the fewest that work
+    RelativePositionBias(2, num_buckets=2, bidirectional=False)
+    with pytest.raises(ValueError, match=r"^num_buckets must be >= 4, got 3$"):
+        RelativePositionBias(2, num_buckets=3)
+    with pytest.raises(ValueError, match=r"^num_buckets must be >= 2, got 1$"):
+        RelativePositionBias(2, num_buckets=1, bidirectional=False)
+
+
+# --- exact values on the paths the tests above do not take ---------------------------
+
+
+def sinusoid(pos: int, i: int, d_model: int, base: float = 10000.0) -> float:
+    angle = pos / base ** ((i - i % 2) / d_model)
+    return math.sin(angle) if i % 2 == 0 else math.cos(angle)
+
+
+def test_sinusoidal_table_is_accurate_far_from_the_origin():
+    """The angles are formed in float64: in float32 they would be off by ~1e-3 at 4000."""
+    d_model = 6
+    table = sinusoidal_table(4096, d_model)  # the default base, 10000
+    assert table.dtype == torch.float32 and table.shape == (4096, d_model)
+    for pos in (0, 1, 1000, 4095):
+        for i in range(d_model):
+            assert table[pos, i].item() == pytest.approx(sinusoid(pos, i, d_model), abs=1e-6)
+
+
+def test_sinusoidal_encoding_uses_its_base():
+    pe = SinusoidalPositionalEncoding(4, max_len=8, base=100.0)
+    out = pe(torch.zeros(1, 8, 4, dtype=torch.float64))[0]
+    want = torch.tensor([[sinusoid(p, i, 4, 100.0) for i in range(4)] for p in range(8)])
+    assert max_error(out, want) < 1e-6
+
+
+@pytest.mark.parametrize("module", ["sinusoidal", "learned"])
+def test_added_encodings_at_per_sequence_positions(module):
+    """positions (B, L), e.g. a left-padded batch: row b gets the encodings of its own
+    positions, which may exceed d_model (the table is indexed by position, not channel)."""
+    d_model, max_len = 4, 20
+    if module == "sinusoidal":
+        enc = SinusoidalPositionalEncoding(d_model, max_len=max_len)
+        rows = torch.tensor([[sinusoid(p, i, d_model) for i in range(d_model)]
+                             for p in range(max_len)])  # fmt: skip
+    else:
+        enc = LearnedPositionalEmbedding(max_len, d_model)
+        rows = enc.embedding.weight.detach()
+    x = torch.randn(2, 3, d_model)
+    positions = torch.tensor([[0, 0, 1], [5, 12, 19]])
+    got = enc(x, positions=positions)
+    for b in range(2):
+        for t in range(3):
+            want = x[b, t] + rows[positions[b, t]]
+            assert max_error(got[b, t], want) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_outputs_keep_the_input_dtype(dtype):
+    x4 = torch.randn(1, 2, 3, 8).to(dtype)
+    x3 = x4[0]
+    positions = torch.tensor([[0, 2, 1], [3, 0, 1]])
+    assert SinusoidalPositionalEncoding(8)(x3).dtype == dtype
+    assert SinusoidalPositionalEncoding(8)(x3, positions=positions).dtype == dtype
+    assert LearnedPositionalEmbedding(8, 8)(x3).dtype == dtype
+    assert RotaryEmbedding(8)(x4).dtype == dtype
+    assert RotaryEmbedding(8)(x4, positions=torch.tensor([4, 1, 0])).dtype == dtype
+
+
+@pytest.mark.parametrize("base", [None, 500.0])
+def test_rotary_default_base_and_rotate_default_offset(base):
+    """rotate(q, k) without an offset starts at position 0; the default base is 10000."""
+    dim = 8
+    rope = RotaryEmbedding(dim) if base is None else RotaryEmbedding(dim, base)
+    base = 10000.0 if base is None else base
+    q, k = torch.randn(1, 2, 3, dim), torch.randn(1, 1, 3, dim)
+    for x, got in zip((q, k), rope.rotate(q, k), strict=True):
+        for h in range(x.shape[1]):
+            for m in range(3):
+                for c in range(dim // 2):
+                    angle = m * base ** (-2 * c / dim)
+                    a, b = x[0, h, m, c].item(), x[0, h, m, c + dim // 2].item()
+                    want = a * math.cos(angle) - b * math.sin(angle)
+                    assert got[0, h, m, c].item() == pytest.approx(want, abs=1e-5)
+
+
+def test_rotary_at_fixed_positions_rotates_q_and_k_alike():
+    """at(positions) is the rotation of a shard: position p of q and k as in the full
+    sequence, whatever `offset` the caller passes."""
+    rope = RotaryEmbedding(8)
+    q, k = torch.randn(1, 2, 3, 8), torch.randn(1, 1, 3, 8)
+    full_q, full_k = rope.rotate(torch.cat([q, q], 2), torch.cat([k, k], 2))
+    q_at, k_at = rope.at(torch.tensor([3, 4, 5])).rotate(q, k, offset=17)
+    assert max_error(q_at, full_q[:, :, 3:]) < 1e-5 and max_error(k_at, full_k[:, :, 3:]) < 1e-5
+
+
+def test_rotary_and_alibi_follow_the_device_of_their_inputs():
+    """Positions are made where x (rotary) or the slopes (ALiBi) live: checked on the meta
+    device, which needs no GPU and refuses to mix with CPU tensors."""
+    meta = torch.device("meta")
+    assert RotaryEmbedding(8)(torch.zeros(1, 2, 3, 8, device=meta)).device == meta
+    assert ALiBi(2).to(meta).attention_bias(2, 5).device == meta
+    assert relative_offsets(2, 5, meta).device == meta
+
+
+def test_fixed_tables_are_not_saved_in_the_state_dict():
+    """Sinusoidal tables, rotary frequencies and ALiBi slopes are recomputed, not loaded:
+    their state_dicts are empty, so checkpoints stay small and load across max_len."""
+    for module in (SinusoidalPositionalEncoding(8, max_len=16), RotaryEmbedding(8), ALiBi(4)):
+        assert module.state_dict() == {}
+        assert len(list(module.buffers())) == 1
+
+
+def t5_bucket(offset: int, num_buckets: int, max_distance: int, bidirectional: bool) -> int:
+    """T5's _relative_position_bucket for one offset (key minus query), in float64."""
+    bucket = 0
+    if bidirectional:
+        num_buckets //= 2
+        bucket += num_buckets if offset > 0 else 0
+        distance = abs(offset)
+    else:
+        distance = max(-offset, 0)
+    exact = num_buckets // 2
+    if distance < exact:
+        return bucket + distance
+    scale = math.log(distance / exact) / math.log(max_distance / exact)
+    return bucket + min(num_buckets - 1, exact + int(scale * (num_buckets - exact)))
+
+
+def test_relative_bias_defaults_are_t5s():
+    rel = RelativePositionBias(3)
+    assert rel.embedding.weight.shape == (32, 3)  # loads T5's (32, heads) table
+    offsets = list(range(-300, 301))
+    want = [t5_bucket(o, 32, 128, True) for o in offsets]
+    assert rel.bucket(torch.tensor(offsets)).tolist() == want
+
+
+def test_relative_bias_one_exact_bucket():
+    """With a single exact bucket (distance 0), distance 1 starts the log buckets at 1."""
+    rel = RelativePositionBias(1, num_buckets=3, max_distance=4, bidirectional=False)
+    offsets = [0, -1, -2, -3, -4, -100, 5]
+    want = [t5_bucket(o, 3, 4, False) for o in offsets]
+    assert want == [0, 1, 2, 2, 2, 2, 0]
+    assert rel.bucket(torch.tensor(offsets)).tolist() == want

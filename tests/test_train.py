@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import shutil
+from dataclasses import asdict
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+import mhsa.train as train_module
 from mhsa.checkpoint import checkpoints_in, save_checkpoint
 from mhsa.data.text import ByteTokenizer, TextTask
 from mhsa.models import GPT, GPTConfig
@@ -119,7 +124,9 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
 def test_a_folder_with_a_checkpoint_is_refused_without_resume_or_overwrite(tmp_path):
     run(tmp_path / "run", steps=8)
     before = load_checkpoint(tmp_path / "run")["weights"]
-    with pytest.raises(ValueError, match="already holds a checkpoint.*--resume.*--overwrite"):
+    refusal = (r"already holds a checkpoint \(step-000008\): pass --resume to continue it, "
+               "--overwrite to replace it, or choose another --out$")  # fmt: skip
+    with pytest.raises(ValueError, match=refusal):
         run(tmp_path / "run", steps=4)
     assert step_names(tmp_path / "run") == ["step-000008"]
     after = load_checkpoint(tmp_path / "run")["weights"]
@@ -152,7 +159,8 @@ def test_train_config_rejects_non_positive_counts(field):
 
 def test_resume_checks_the_model_kind_and_the_trainer_state(tmp_path):
     run(tmp_path / "run", steps=4)
-    with pytest.raises(ValueError, match="holds a 'gpt' model, not 'points'"):
+    with pytest.raises(ValueError, match="holds a 'gpt' model, not 'points': --resume continues "
+                       "a run of the same model; choose another --out for a new one$"):  # fmt: skip
         run(tmp_path / "run", steps=8, resume=True, kind="points")
     (resolve_checkpoint(tmp_path / "run") / "trainer.pt").unlink()
     with pytest.raises(ValueError, match="no trainer.pt.*cannot be resumed"):
@@ -226,3 +234,241 @@ def test_every_step_uses_lr_at_and_a_nan_gradient_stops_the_run(tmp_path, monkey
     monkeypatch.setattr(GPT, "__init__", poisoned_init)
     with pytest.raises(TrainingDiverged):
         run(tmp_path / "nan-grad", steps=1)  # the first step must not be taken
+
+
+class Line(torch.nn.Module):
+    """y = gain * x @ weight.T + bias: one matrix (weight-decayed), a vector and a
+    scalar (not), and a frozen matrix that the optimizer must leave out."""
+
+    def __init__(self, inputs: int = 3) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.linspace(0.5, -1.0, inputs)[None])
+        self.bias = torch.nn.Parameter(torch.tensor([0.25]))
+        self.gain = torch.nn.Parameter(torch.tensor(1.5))
+        self.frozen = torch.nn.Parameter(torch.ones(2, 2), requires_grad=False)
+
+    def loss(self, x, y):
+        return ((self.gain * (x @ self.weight.T) + self.bias - y) ** 2).mean()
+
+
+class LineTask:
+    """Targets of y = x . (1, 2, 3) - 1, 5 rows a batch (nan targets from the nan_from-th
+    batch on); two metrics."""
+
+    def __init__(self, nan_from: int | None = None) -> None:
+        self.nan_from, self.batches = nan_from, 0
+        g = torch.Generator().manual_seed(7)
+        self.fixed = [self._batch(g) for _ in range(2)]
+        self.metric_calls = []  # (model.training, grad enabled) at each metrics call
+
+    def _batch(self, generator):
+        x = torch.randn(5, 3, generator=generator)
+        return x, x @ torch.tensor([[1.0], [2.0], [3.0]]) - 1.0
+
+    def train_batch(self, generator):
+        x, y = self._batch(generator)
+        self.batches += 1
+        poisoned = self.nan_from is not None and self.batches >= self.nan_from
+        return x, y * float("nan") if poisoned else y
+
+    def eval_batches(self):
+        return self.fixed
+
+    def tokens_per_batch(self):
+        return 525
+
+    def metrics(self, model):
+        self.metric_calls.append((model.training, torch.is_grad_enabled()))
+        return {"bias_error": abs(model.bias.item() + 1.0), "gain": model.gain.item()}
+
+
+LINE = {"steps": 7, "lr": 0.3, "warmup": 2, "min_lr_ratio": 0.2, "weight_decay": 0.2,
+        "grad_clip": 5.0, "eval_every": 3, "checkpoint_every": 3, "seed": 3}  # fmt: skip
+
+
+def line_reference(config: TrainConfig):
+    """config's run written out: AdamW with betas (0.9, 0.95), weight decay on the
+    matrix only, lr_at(step) at every step, gradients scaled to a norm <= grad_clip
+    (as clip_grad_norm_: by grad_clip / (norm + 1e-6)), batches drawn from a generator
+    seeded with seed + 1; an evaluation after every eval_every-th and the last step.
+    (model, the training losses, the history, how many steps were clipped)"""
+    model, task = Line(), LineTask()
+    generator = torch.Generator().manual_seed(config.seed + 1)
+    groups = [{"params": [model.weight], "weight_decay": config.weight_decay},
+              {"params": [model.bias, model.gain], "weight_decay": 0.0}]  # fmt: skip
+    optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95))
+    losses, history, clipped = [], [], 0
+    for step in range(config.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, config)
+        loss = model.loss(*task.train_batch(generator))
+        optimizer.zero_grad()
+        loss.backward()
+        grads = [p.grad for p in (model.weight, model.bias, model.gain)]
+        norm = math.sqrt(sum(float((g**2).sum()) for g in grads))
+        clipped += norm > config.grad_clip
+        with torch.no_grad():
+            for g in grads:
+                g *= min(1.0, config.grad_clip / (norm + 1e-6))
+        optimizer.step()
+        losses.append(loss.item())
+        if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
+            with torch.no_grad():
+                val = sum(model.loss(*b).item() for b in task.fixed) / len(task.fixed)
+            history.append({"step": step + 1, "train_loss": loss.item(), "val_loss": val,
+                            "bias_error": abs(model.bias.item() + 1.0),
+                            "gain": model.gain.item()})  # fmt: skip
+    return model, losses, history, clipped
+
+
+def train_line(out_dir, config, *, model=None, task=None, log=None, **kwargs):
+    model, task, lines = model or Line(), task or LineTask(), []
+    info = {"model": "line", "config": {}}
+    result = train(model, task, config, out_dir, model_info=info, log=log or lines.append,
+                   **kwargs)  # fmt: skip
+    return model, task, result, lines
+
+
+def test_a_run_equals_its_written_out_optimisation_and_reports_it(tmp_path, capsys, monkeypatch):
+    """Weights, history, metrics, log lines, progress line and statistics of a 7-step run
+    of a linear model, under a clock whose first step takes 0.5 s and every later
+    one 1/16 s (0.9375 s in all)."""
+    config = TrainConfig(**LINE)
+    expected, losses, history, clipped = line_reference(config)
+    assert 0 < clipped < 7  # the run clips some steps, not all
+    times = iter([100.0] + [100.5 + i / 16 for i in range(8)])  # exact in binary
+    monkeypatch.setattr(train_module, "time", SimpleNamespace(perf_counter=lambda: next(times)))
+    capsys.readouterr()
+    model, task, result, lines = train_line(tmp_path / "run", config)
+    for name, want in expected.named_parameters():
+        torch.testing.assert_close(getattr(model, name), want, rtol=1e-5, atol=1e-6, msg=name)
+    assert torch.equal(model.frozen, torch.ones(2, 2)) and model.training
+    assert list(result) == ["step", "seconds", "history", "tokens_per_second"]
+    assert result["step"] == 7 and result["seconds"] == 0.9375
+    assert result["tokens_per_second"] == pytest.approx(7 * 525 / 0.9375)
+    assert [r["step"] for r in result["history"]] == [3, 6, 7]
+    for got, want in zip(result["history"], history, strict=True):
+        assert list(got) == ["step", "train_loss", "val_loss", "bias_error", "gain"]
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert task.metric_calls == [(False, False)] * 3  # in eval mode, without autograd
+    assert lines == [
+        f"step {r['step']}: val loss {r['val_loss']:.4f}, bias_error {r['bias_error']:.4f}, "
+        f"gain {r['gain']:.4f}"
+        for r in result["history"]
+    ]
+    # the progress line: a 24-character bar, the step, its training loss, the tokens per
+    # second so far and the time left at the mean time per step so far; a line break
+    # after each evaluation
+    err = capsys.readouterr().err
+    shown = re.findall(r"\r\[([#-]{24})\] step (\d)/7  loss (\S+)  (\S+)k tok/s  eta +(\d+)s ", err)
+    elapsed = [0.5 + i / 16 for i in range(7)]
+    assert [(bar, int(s), float(loss), rate, int(eta)) for bar, s, loss, rate, eta in shown] == [
+        ("#" * (24 * s // 7) + "-" * (24 - 24 * s // 7), s, pytest.approx(x, abs=1e-4),
+         f"{525 * s / t / 1e3:.1f}", round(t / s * (7 - s)))
+        for s, x, t in zip(range(1, 8), losses, elapsed, strict=True)
+    ]  # fmt: skip
+    assert shown[0][3:] == ("1.1", "3")  # 1050 tokens/s; 0.5 s per step, 6 steps left
+    assert err.count("\n") == 3 and err.endswith("\n")
+    # the checkpoint records the optimizer's two groups and the run's TrainConfig
+    trainer = load_checkpoint(tmp_path / "run")["trainer"]
+    groups = trainer["optimizer"]["param_groups"]
+    assert [(g["params"], g["weight_decay"], g["betas"]) for g in groups] == [
+        ([0], 0.2, (0.9, 0.95)), ([1, 2], 0.0, (0.9, 0.95))]  # fmt: skip
+    shapes = [tuple(trainer["optimizer"]["state"][i]["exp_avg"].shape) for i in range(3)]
+    assert shapes == [(1, 3), (1,), ()]  # weight decayed; bias and gain not; frozen left out
+    assert trainer["train_config"] == asdict(config) and trainer["step"] == 7
+
+
+def test_a_resumed_run_equals_a_straight_one_and_rotates_the_checkpoints_it_found(tmp_path):
+    """A run stopped after step 4 and resumed ends with the straight run's weights and
+    its whole history (step 3's record comes from the checkpoint); the resumed run owns
+    the checkpoints it found (keep=2 rotates them out) and survives one of them being
+    removed by hand meanwhile; a checkpoint of another shape is refused before loading."""
+    config = TrainConfig(**LINE, keep=2)
+    straight, _, full, _ = train_line(tmp_path / "straight", config)
+    out = tmp_path / "split"
+    _, _, first, _ = train_line(out, config, stop_after=4)
+    assert first["step"] == 4 and [r["step"] for r in first["history"]] == [3]
+    assert step_names(out) == ["step-000003", "step-000004"]
+    lines = []
+
+    def log(line):  # after the run listed its checkpoints: someone removes one
+        lines.append(line)
+        shutil.rmtree(out / "step-000003", ignore_errors=True)
+
+    resumed, _, second, _ = train_line(out, config, resume=True, log=log)
+    assert lines[0] == f"resumed from {out / 'step-000004'} at step 4"
+    assert second["step"] == 7 and second["history"] == full["history"]
+    for name, want in straight.named_parameters():
+        assert torch.equal(getattr(resumed, name), want), name
+    assert step_names(out) == ["step-000006", "step-000007"]
+    with pytest.raises(ValueError, match=r"does not fit its config.json: wrong shape: weight"):
+        train_line(out, TrainConfig(**{**LINE, "steps": 9}), model=Line(inputs=4), resume=True)
+
+
+def test_skipped_steps_are_counted_in_a_row_and_the_messages_say_where_to_go_on(tmp_path):
+    """With nonfinite="skip" the count of skipped steps starts again after a good step:
+    nan from the 3rd batch on stops the run at the 10th skipped step in a row (step 12),
+    each skipped step logged; "stop" stops at the first, naming the step."""
+    config = TrainConfig(**{**LINE, "steps": 20}, nonfinite="skip")
+    lines = []
+    with pytest.raises(TrainingDiverged) as stopped:
+        train_line(tmp_path / "skip", config, task=LineTask(nan_from=3), log=lines.append)
+    assert [line for line in lines if "non-finite" in line] == [
+        f"step {s}: non-finite loss or gradient, step skipped" for s in range(3, 12)
+    ]
+    assert str(stopped.value) == (
+        "training diverged: non-finite loss (nan) or gradient 10 steps in a row; the last "
+        f"good checkpoint is {tmp_path / 'skip' / 'step-000009'}. Resume it with a lower "
+        "--lr (now 0.3), or pass --skip-nonfinite to skip such steps"
+    )
+    with pytest.raises(TrainingDiverged) as stopped:
+        train_line(tmp_path / "stop", TrainConfig(**LINE), task=LineTask(nan_from=1))
+    assert str(stopped.value) == (
+        "training diverged: non-finite loss (nan) or gradient at step 1; no checkpoint was "
+        "written. Resume it with a lower --lr (now 0.3), or pass --skip-nonfinite to skip "
+        "such steps"
+    )
+    assert not (tmp_path / "stop").exists() or step_names(tmp_path / "stop") == []
+
+
+def test_overwrite_replaces_an_old_checkpoint_of_the_same_step_and_keeps_them_until_then(
+    tmp_path,
+):
+    out = tmp_path / "run"
+    old, *_ = train_line(out, TrainConfig(**{**LINE, "steps": 3}))
+    with pytest.raises(TrainingDiverged):  # diverges before its first checkpoint
+        train_line(out, TrainConfig(**LINE), task=LineTask(nan_from=2), overwrite=True)
+    assert step_names(out) == ["step-000003"]
+    new, *_ = train_line(out, TrainConfig(**{**LINE, "lr": 0.1}), overwrite=True, stop_after=3)
+    assert step_names(out) == ["step-000003"]
+    weights = load_checkpoint(out)["weights"]["weight"]
+    assert torch.equal(weights, new.weight.detach()) and not torch.equal(weights, old.weight)
+
+
+def test_train_config_messages_name_the_option_and_the_value():
+    for field, low in [("steps", 1), ("eval_every", 1), ("checkpoint_every", 1), ("keep", 1),
+                       ("warmup", 0)]:  # fmt: skip
+        flag = "--" + field.replace("_", "-")
+        TrainConfig(**{field: low})
+        with pytest.raises(ValueError, match=re.escape(f"{field} must be an int >= {low} "
+                                                       f"({flag}), got {low - 1}")):  # fmt: skip
+            TrainConfig(**{field: low - 1})
+    TrainConfig(lr=0.5)
+    for lr in (0.0, -1e-3, math.nan, math.inf):
+        with pytest.raises(ValueError, match=re.escape(f"lr must be a finite number > 0 (--lr), "
+                                                       f"got {lr!r}")):  # fmt: skip
+            TrainConfig(lr=lr)
+    TrainConfig(nonfinite="skip"), TrainConfig(nonfinite="stop")
+    with pytest.raises(
+        ValueError, match=re.escape("nonfinite must be 'stop' or 'skip', got 'Stop'")
+    ):
+        TrainConfig(nonfinite="Stop")
+
+
+def test_lr_ends_at_its_minimum_with_one_step_after_the_warm_up():
+    config = TrainConfig(steps=3, lr=1e-2, warmup=2, min_lr_ratio=0.25)
+    assert [lr_at(s, config) for s in range(4)] == pytest.approx([5e-3, 1e-2, 1e-2, 2.5e-3])
+    no_warmup = TrainConfig(steps=4, lr=1e-2, warmup=0, min_lr_ratio=0.25)
+    assert lr_at(0, no_warmup) == pytest.approx(1e-2)
+    assert lr_at(2, no_warmup) == pytest.approx(1e-2 * (0.25 + 0.75 * 0.5))
