@@ -322,7 +322,7 @@ def test_rotary_and_alibi_follow_the_device_of_their_inputs():
     device, which needs no GPU and refuses to mix with CPU tensors."""
     meta = torch.device("meta")
     assert RotaryEmbedding(8)(torch.zeros(1, 2, 3, 8, device=meta)).device == meta
-    assert ALiBi(2).to(meta).attention_bias(2, 5).device == meta
+    assert ALiBi(2).to(meta).dense_bias(2, 5).device == meta
     assert relative_offsets(2, 5, meta).device == meta
 
 
