@@ -54,26 +54,37 @@ def pattern_named(name: str | None):
     }[name]
 
 
+def score_named(name: str | None, heads: int):
+    """The score functions the benchmarks use, by name (None: none)."""
+    from mhsa.positional import alibi_slopes
+    from mhsa.scores import ALiBi, Softcap
+
+    return {None: None, "alibi": ALiBi(alibi_slopes(heads)), "softcap": Softcap(30.0)}[name]
+
+
 def measure(
-    backend: str, length: int, heads: int, head_dim: int, causal: bool, pattern: str | None = None
-) -> dict:
+    backend: str, length: int, heads: int, head_dim: int, causal: bool, pattern: str | None = None,
+    score: str | None = None,
+) -> dict:  # fmt: skip
     from mhsa.functional import attention
 
     mask = pattern_named(pattern)
+    score_fn = score_named(score, heads)
     # a small warm-up first, so one-time costs (thread pools, libraries) are not counted
     tiny = [torch.randn(1, heads, 128, head_dim, requires_grad=True) for _ in range(3)]
-    attention(*tiny, mask, causal=causal, backend=backend).sum().backward()
+    attention(*tiny, mask, causal=causal, backend=backend, score=score_fn).sum().backward()
     q, k, v = (torch.randn(1, heads, length, head_dim, requires_grad=True) for _ in range(3))
     baseline = rss_bytes()
     reset_peak()
     start = time.perf_counter()
-    out = attention(q, k, v, mask, causal=causal, backend=backend)
+    out = attention(q, k, v, mask, causal=causal, backend=backend, score=score_fn)
     out.sum().backward()
     seconds = time.perf_counter() - start
     peak = peak_bytes()
     return {
         "backend": backend, "length": length, "heads": heads, "head_dim": head_dim,
-        "causal": causal, "pattern": pattern, "seconds": seconds, "baseline_bytes": baseline,
+        "causal": causal, "pattern": pattern, "score": score, "seconds": seconds,
+        "baseline_bytes": baseline,
         "peak_bytes": peak, "extra_bytes": peak - baseline,
     }  # fmt: skip
 
@@ -85,6 +96,7 @@ def measure_in_subprocess(
     head_dim: int = 64,
     causal: bool = False,
     pattern: str | None = None,
+    score: str | None = None,
 ) -> dict:
     """Run `measure` in a fresh interpreter so that peaks do not mix."""
     cmd = [
@@ -95,11 +107,13 @@ def measure_in_subprocess(
         cmd.append("--causal")
     if pattern:
         cmd += ["--pattern", pattern]
+    if score:
+        cmd += ["--score", score]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         error = (result.stderr.strip().splitlines() or ["killed"])[-1]
         return {"backend": backend, "length": length, "heads": heads, "causal": causal,
-                "pattern": pattern, "error": error}  # fmt: skip
+                "pattern": pattern, "score": score, "error": error}  # fmt: skip
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -111,8 +125,10 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--pattern", choices=["window", "bigbird"])
+    parser.add_argument("--score", choices=["alibi", "softcap"])
     args = parser.parse_args()
-    row = measure(args.backend, args.length, args.heads, args.head_dim, args.causal, args.pattern)
+    row = measure(args.backend, args.length, args.heads, args.head_dim, args.causal, args.pattern,
+                  args.score)  # fmt: skip
     print(json.dumps(row))
 
 

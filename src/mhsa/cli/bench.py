@@ -30,6 +30,12 @@ def bench(args: argparse.Namespace) -> int:
         except RuntimeError as error:  # ctranslate2 or the weights missing
             raise SystemExit(str(error)) from error
         text = transcribe_bench.report(result)
+    elif args.suite == "scores":
+        from ..benchmarks import scores
+
+        length = 1024 if args.quick else args.length
+        result = scores.run(length=length, repeat=min(args.repeat, 3), memory=not args.no_memory)
+        text = scores.report(result)
     elif args.suite == "ring":
         from ..benchmarks import ring
 
@@ -49,7 +55,7 @@ def add_parser(commands) -> None:
     bench_parser = commands.add_parser("bench", help="benchmarks: ratios against peers")
     bench_parser.add_argument(
         "suite",
-        choices=["attention", "sparse", "generate", "ring", "transcribe"],
+        choices=["attention", "sparse", "generate", "ring", "transcribe", "scores"],
         help="which benchmark",
     )
     bench_parser.add_argument("--file", help="transcribe: a WAV file (default: espeak-ng speech)")
@@ -61,7 +67,7 @@ def add_parser(commands) -> None:
         "--length",
         type=positive_int,
         default=4096,
-        help="attention: L = S for timings (default 4096)",
+        help="attention, scores: L = S for timings (default 4096)",
     )
     bench_parser.add_argument(
         "--heads", type=positive_int, default=8, help="attention: query heads (default 8)"
