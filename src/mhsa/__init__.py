@@ -1,6 +1,6 @@
 """mhsa: multi-head self-attention and its whole family, on PyTorch."""
 
-from . import distributed, masks, nn, positional  # distributed registers the ring backend
+from . import distributed, masks, nn, positional, scores  # distributed registers ring
 from .backends import names as backends
 from .backends import use_backend
 from .cache import DecoderCache, KVCache, MemoryCache
@@ -21,5 +21,6 @@ __all__ = [
     "masks",
     "nn",
     "positional",
+    "scores",
     "use_backend",
 ]
