@@ -115,6 +115,12 @@ def test_cache_sizes_must_be_positive_ints(name, bad):
         KVCache(**{**sizes, name: bad})
 
 
+def test_sliding_window_cache_names_its_window():
+    for bad in (0, -1, 2.0):
+        with pytest.raises(ValueError, match=f"^window must be a positive int, got {bad!r}$"):
+            SlidingWindowCache(1, 1, bad, 4)
+
+
 def test_decoder_cache_layers_must_be_a_positive_int():
     for bad in (0, -2, False):
         with pytest.raises(ValueError, match=f"^num_layers must be a positive int, got {bad!r}$"):

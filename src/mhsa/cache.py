@@ -149,6 +149,7 @@ class SlidingWindowCache(KVCache):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> None:
+        _check_positive(window=window)  # (the base class would call it max_len)
         super().__init__(
             batch, num_kv_heads, window, head_dim, value_dim, dtype=dtype, device=device
         )
