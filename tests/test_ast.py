@@ -1,4 +1,5 @@
-"""AST: the log-mel front end, WAV reading, the model, training end to end (espeak-ng)."""
+"""AST: the log-mel front end, WAV reading, the model against torch's own modules,
+training end to end (espeak-ng)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import wave
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
+from helpers import max_error
 from mhsa.cli import main
 from mhsa.data import speech
 from mhsa.models.ast import AST, ASTConfig
@@ -47,6 +51,47 @@ def test_model_shapes_and_bad_input():
     assert model(torch.randn(2, 64, 101)).shape == (2, 10)
     with pytest.raises(ValueError, match=r"spectrogram must be \(batch, 64, 101\)"):
         model(torch.randn(2, 64, 50))
+
+
+def _torch_layer(block, d_model: int, heads: int) -> nn.TransformerEncoderLayer:
+    """torch's own pre-norm encoder layer holding one of our blocks' weights."""
+    layer = nn.TransformerEncoderLayer(d_model, heads, 4 * d_model, dropout=0.0, activation="gelu",
+                                       batch_first=True, norm_first=True)  # fmt: skip
+    attn = block.self_attn
+    with torch.no_grad():
+        layer.self_attn.in_proj_weight.copy_(
+            torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+        )
+        layer.self_attn.in_proj_bias.copy_(
+            torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
+        )
+    layer.self_attn.out_proj.load_state_dict(attn.out_proj.state_dict())
+    layer.linear1.load_state_dict(block.feed_forward.linear1.state_dict())
+    layer.linear2.load_state_dict(block.feed_forward.linear2.state_dict())
+    layer.norm1.load_state_dict(block.attn_block.norm.state_dict())
+    layer.norm2.load_state_dict(block.ff_block.norm.state_dict())
+    return layer.eval()
+
+
+def test_ast_equals_an_independent_composition_of_torch_modules():
+    """Overlapping patches cut with unfold, a CLS token, positions, torch's encoder
+    layers and the head, on the model's weights: the same logits."""
+    config = ASTConfig(n_mels=32, frames=41, d_model=32, n_layer=2, n_head=4, dropout=0.0)
+    torch.manual_seed(0)
+    model = AST(config).eval()
+    with torch.no_grad():
+        model.cls_token.normal_()  # zeros at init: make the CLS token count
+    x = torch.randn(2, 32, 41)
+    patches = F.unfold(x.unsqueeze(1), config.patch, stride=config.stride).transpose(1, 2)
+    assert patches.shape[1] == 2 * 3  # the (32 - 16) / 10 + 1 by (41 - 16) / 10 + 1 grid
+    kernel = model.patch_embed.weight.view(config.d_model, -1)
+    tokens = patches @ kernel.T + model.patch_embed.bias
+    tokens = torch.cat([model.cls_token.expand(2, -1, -1), tokens], dim=1) + model.pos_emb
+    for block in model.blocks:
+        tokens = _torch_layer(block, config.d_model, config.n_head)(tokens)
+    cls = F.layer_norm(tokens[:, 0], (config.d_model,), model.norm.weight, model.norm.bias)
+    with torch.no_grad():
+        assert max_error(model(x), model.head(cls)) < 1e-5
 
 
 def test_missing_espeak_is_a_clear_error(monkeypatch, tmp_path):
