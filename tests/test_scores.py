@@ -173,6 +173,29 @@ def test_low_precision_is_within_twice_attention_computed_in_that_dtype(dtype):
     assert max_error(out, expected) <= 2 * max_error(naive, expected)
 
 
+@pytest.mark.parametrize("backend", ["reference", "flash", "auto"])
+def test_attention_weights_of_selected_heads_and_rows_with_scores_and_sinks(backend):
+    """With v = identity the golden output is the probability matrix itself."""
+    torch.manual_seed(0)
+    q, k = torch.randn(2, HEADS, 9, 8), torch.randn(2, 2, 12, 8)
+    score, sinks, modify, _ = make_case("relative-softcap-sinks")
+    heads, rows = [1, 3], [0, 4, 8]
+    probs = mhsa.attention_weights(q, k, causal=True, score=score, sinks=sinks.detach(),
+                                   heads=heads, rows=rows, backend=backend)  # fmt: skip
+    eye = torch.eye(12).expand(2, 2, 12, 12)
+    expected, _ = golden_attention(q, k, eye, causal=True, modify=modify, sinks=sinks.detach())
+    assert max_error(probs, expected[:, heads][:, :, rows]) < 1e-6
+
+
+def test_empty_calls_with_sinks_give_the_sinks_as_lse():
+    q, k = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 0, 8)
+    sinks = torch.tensor([0.5, -2.0], requires_grad=True)
+    out, lse = mhsa.attention(q, k, k, sinks=sinks, return_lse=True)
+    assert torch.equal(out, torch.zeros(1, 2, 3, 8))
+    assert torch.equal(lse, sinks.detach().view(1, 2, 1).expand(1, 2, 3))
+    assert torch.equal(torch.autograd.grad(lse.sum(), sinks)[0], torch.full((2,), 3.0))
+
+
 def test_t5_buckets_equal_transformers():
     offsets = torch.arange(-300, 301).view(-1, 1)
     for bidirectional in (True, False):

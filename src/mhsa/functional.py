@@ -105,7 +105,7 @@ def attention(
         out = q.new_zeros(batch, num_heads, q_len, value_dim) + connected
         lse = q.new_full((batch, num_heads, q_len), -torch.inf, dtype=stats_dtype(q.dtype))
         if sinks is not None:  # every row's only "key" is its sink
-            lse = (lse.clamp(min=0) * 0 + sinks.to(lse.dtype).view(1, -1, 1)).expand_as(lse)
+            lse = sinks.to(lse.dtype).view(1, -1, 1).expand(batch, num_heads, q_len)
         return (out, lse) if return_lse else out
     spec = AttentionSpec(
         batch=batch,
