@@ -46,6 +46,11 @@ class ScoreFunction:
         """The tensors the function reads that gradients may flow to."""
         return ()
 
+    def input_grad(self, out: Tensor, grad_out: Tensor) -> Tensor | None:
+        """The gradient of the score given the function's output `out` and its
+        gradient, where the function knows it without autograd; else None."""
+        return grad_out if self.additive else None
+
     def check(self, num_heads: int, device: torch.device, dtype: torch.dtype) -> None:
         """Raise ValueError if the function cannot serve a call with num_heads heads whose
         scores are computed in dtype on device."""
@@ -153,6 +158,10 @@ class Softcap(ScoreFunction):
     def __call__(self, score, batch, head, q_pos, k_pos):
         return torch.tanh(score / self.cap) * self.cap
 
+    def input_grad(self, out, grad_out):
+        # d/ds cap * tanh(s / cap) = 1 - tanh(s / cap)**2 = 1 - (out / cap)**2
+        return grad_out * (1 - (out / self.cap).square())
+
     def __repr__(self) -> str:
         return f"Softcap({self.cap:g})"
 
@@ -209,6 +218,13 @@ class Compose(ScoreFunction):
 
     def tensors(self):
         return _unique(t for f in self.functions for t in f.tensors())
+
+    def input_grad(self, out, grad_out):
+        # additive functions pass the gradient through unchanged, so only the last
+        # function's derivative (from the final output) counts
+        if all(f.additive for f in self.functions[:-1]):
+            return self.functions[-1].input_grad(out, grad_out)
+        return None
 
     def check(self, num_heads, device, dtype):
         for f in self.functions:

@@ -318,6 +318,7 @@ def flash_backward(
             scores = raw
             if score is not None:
                 scores = score_tile(score, raw, batch, num_heads, q0 + shift, q1 - q0, cols)
+            modified = scores
             if attn is not None:
                 scores = scores + attn
             probs = torch.exp(scores - lse_inv[:, :, q0:q1].unsqueeze(-1))
@@ -334,7 +335,7 @@ def flash_backward(
             if dbias is not None:  # the bias is added after the score function
                 _add_bias_grad(dbias, q0, q1, cols, grad_scores)
             if score is not None:
-                grad_scores = score_grads(score, raw, q0 + shift, cols, grad_scores,
+                grad_scores = score_grads(score, raw, modified, q0 + shift, cols, grad_scores,
                                           score_params, param_grads)  # fmt: skip
             grad_scores_f = _fold(grad_scores, num_kv_heads)
             dq[:, :, q0:q1] += (grad_scores_f @ k_run.to(dtype)).view(dq[:, :, q0:q1].shape) * scale

@@ -31,13 +31,16 @@ def score_tile(
 
 
 def score_grads(
-    score: ScoreFunction, raw: Tensor, q_start: int, cols: Tensor, grad_scores: Tensor,
-    params: tuple[Tensor, ...], grads: list[Tensor | None],
+    score: ScoreFunction, raw: Tensor, out: Tensor, q_start: int, cols: Tensor,
+    grad_scores: Tensor, params: tuple[Tensor, ...], grads: list[Tensor | None],
 ) -> Tensor:  # fmt: skip
     """Gradient of the raw tile scores (B, H, rows, keys) given that of the function's
-    output, grad_scores; the gradients of params are added to grads (same order)."""
-    if score.additive and not params:
-        return grad_scores
+    output `out`, grad_scores; the gradients of params are added to grads (same order).
+    Without params, a function that knows its derivative from its output skips autograd."""
+    if not params:
+        known = score.input_grad(out, grad_scores)
+        if known is not None:
+            return known
     with torch.enable_grad():
         leaf = raw.detach().requires_grad_()
         out = score_tile(score, leaf, *raw.shape[:2], q_start, raw.shape[2], cols)
