@@ -123,7 +123,6 @@ def attention(
         dropout_p=float(dropout_p),
         return_lse=return_lse,
         has_score=score is not None,
-        score_additive=score is None or score.additive,
         has_sinks=sinks is not None,
     )
     chosen = select(spec, backend)

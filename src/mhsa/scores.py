@@ -251,6 +251,9 @@ class SelectedHeads(ScoreFunction):
     def tensors(self):
         return self.score.tensors()
 
+    def input_grad(self, out, grad_out):
+        return self.score.input_grad(out, grad_out)
+
     def check(self, num_heads, device, dtype):
         self.score.check(self.num_heads, device, dtype)
 
@@ -283,17 +286,11 @@ def apply_score(score_fn: ScoreFunction, scores: Tensor, q_pos: Tensor, k_pos: T
     return score_fn(scores, *index).expand(scores.shape)
 
 
-def tile_bias(score_fn: ScoreFunction, batch: int, heads: int, q_pos: Tensor, k_pos: Tensor,
-              dtype: torch.dtype) -> Tensor:  # fmt: skip
-    """An additive function's bias on a tile: (1 or B, H, rows, keys) in dtype."""
-    bias = score_fn.bias(*tile_indices(batch, heads, q_pos, k_pos)).to(dtype)
-    return bias.expand(bias.shape[0], heads, len(q_pos), len(k_pos))
-
-
 def _check_elementwise(fn: ScoreFunction, num_heads: int, device: torch.device,
                        dtype: torch.dtype) -> None:  # fmt: skip
-    """Evaluate fn on a small probe tile and on one entry of it: the same shape and
-    dtype as the scores, and the entry's value equal, or a ValueError naming the fault."""
+    """Evaluate fn on a small probe tile and on three single entries of it: the same
+    shape and dtype as the scores, and each entry's value equal, or a ValueError naming
+    the fault."""
     heads = min(num_heads, 2)
     generator = torch.Generator().manual_seed(0)
     scores = torch.randn(1, heads, 3, 4, generator=generator).to(device, dtype)

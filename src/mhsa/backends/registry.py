@@ -36,7 +36,6 @@ class AttentionSpec:
     dropout_p: float
     return_lse: bool
     has_score: bool = False  # an mhsa.scores function
-    score_additive: bool = True  # it only adds a bias (ALiBi, RelativeBias), or none
     has_sinks: bool = False
 
     @classmethod
