@@ -34,22 +34,18 @@ def attention_probs(
     scale: float,
     score: ScoreFunction | None = None,
     sinks: Tensor | None = None,
-    heads: Tensor | None = None,
-    q_pos: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Probabilities (B, H, L, S) and lse (B, H, L), both in the statistics dtype.
 
-    score is applied to the scaled scores, then the bias is added and the mask applied;
-    sinks (H,) join each row's denominator. heads and q_pos: the indices of q's heads
-    and the global positions of its rows when q is a selection of them (by default
-    0..H-1 and S - L..S - 1), for the score function."""
+    score is applied to the scaled scores (query row i at global position i + S - L),
+    then the bias is added and the mask applied; sinks (H,) join each row's
+    denominator."""
     dtype = stats_dtype(q.dtype)
     scores = grouped_scores(q, k, scale, dtype)
     if score is not None:
         q_len, kv_len = q.shape[2], k.shape[2]
-        if q_pos is None:
-            q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
-        scores = apply_score(score, scores, q_pos, torch.arange(kv_len, device=q.device), heads)
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
+        scores = apply_score(score, scores, q_pos, torch.arange(kv_len, device=q.device))
     if bias is not None:
         scores = scores + bias.to(dtype)
     allowed = combined_mask(mask, causal, q.shape[2], k.shape[2], q.device)
