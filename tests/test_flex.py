@@ -11,7 +11,9 @@ import mhsa
 from helpers import max_error
 from mhsa.backends import AttentionSpec, get
 from mhsa.backends.flex import block_mask_for, flex_forward
-from mhsa.masks import KeyPadding, RandomBlocks, SlidingWindow, bigbird
+from mhsa.masks import Document, KeyPadding, Pattern, PrefixLM, RandomBlocks, SlidingWindow, bigbird
+from mhsa.positional import alibi_slopes
+from mhsa.scores import ALiBi, RelativeBias, Softcap
 
 pytest.importorskip("torch.nn.attention.flex_attention")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # eager flex warns
@@ -91,3 +93,35 @@ def test_flex_serves_cuda_only_and_refuses_what_it_cannot_do():
                                                            dropout_p=0.1))  # fmt: skip
     with pytest.raises(ValueError, match="flex"):
         mhsa.attention(*torch.randn(3, 1, 2, 8, 4), backend="flex")
+
+
+RULE_PATTERNS = {
+    "window": SlidingWindow(5, 3),
+    "document": Document([0] * 20 + [1] * 25),
+    "bigbird": bigbird(8, seed=1),
+    "prefix-lm": PrefixLM(10),
+    "key padding": KeyPadding(torch.tensor([[True] * 30 + [False] * 15, [True] * 45])),
+}
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("pattern", list(RULE_PATTERNS))
+def test_patterns_and_scores_reach_flex_as_rules_never_dense(pattern, causal, monkeypatch):
+    """mask_mod asks the pattern's elementwise rule; score functions become score_mods
+    with global query positions: Pattern.dense is never called, results equal the
+    reference's."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 37, 16), torch.randn(2, 2, 45, 16), torch.randn(2, 2, 45, 16)
+    mask = RULE_PATTERNS[pattern]
+    slopes, table = alibi_slopes(4), torch.randn(32, 4)
+    for score in (None, ALiBi(slopes), RelativeBias(table).then(Softcap(2.0))):
+        with monkeypatch.context() as patched:
+            patched.setattr(Pattern, "dense", lambda *_: pytest.fail("Pattern.dense called"))
+            out, lse = flex_forward(q, k, v, mask=mask, causal=causal, scale=0.25,
+                                    compiled=False, score=score)  # fmt: skip
+        ref, ref_lse = mhsa.attention(q, k, v, mask, causal=causal, scale=0.25, score=score,
+                                      return_lse=True, backend="reference")  # fmt: skip
+        assert max_error(out, ref) < 1e-5
+        assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+        finite = torch.isfinite(ref_lse)
+        assert max_error(lse[finite], ref_lse[finite]) < 1e-5

@@ -1,11 +1,13 @@
 """The flex backend: PyTorch's compiled FlexAttention, for patterns on CUDA.
 
-A call's mask (an mhsa.masks pattern or a bool tensor) and bottom-right causal
-alignment become one mask_mod, looked up in the call's dense mask, and a BlockMask
-built from it; FlexAttention then skips the empty tiles and applies no mask in full
-ones. BlockMasks of patterns are cached per (pattern, causal, shape, device), so a
-model calling the same pattern in every layer builds it once. Used on CUDA only:
-on CPU FlexAttention has no backward, and our flash engine serves patterns there.
+A call's mask and bottom-right causal alignment become one mask_mod (a pattern's own
+elementwise rule, `Pattern.allowed`, so no L x S mask is materialised; a bool tensor
+is looked up) and a BlockMask built from it; an mhsa.scores function becomes a
+score_mod, with our global query positions. FlexAttention then skips the empty tiles
+and applies no mask in full ones. BlockMasks of patterns are cached per (pattern,
+causal, shape, device), so a model calling the same pattern in every layer builds it
+once. Used on CUDA only: on CPU FlexAttention has no backward, and our flash engine
+serves patterns there.
 """
 
 from __future__ import annotations
@@ -73,8 +75,8 @@ _CACHE = PatternCache(size=64)
 
 def _build_block_mask(mask, causal: bool, shape: tuple, device):
     batch, heads, q_len, kv_len = shape
+    shift = kv_len - q_len
     if mask is None:  # causal only: a closed form, no dense L x S mask to build or keep
-        shift = kv_len - q_len
 
         def causal_mod(b, h, q_idx, kv_idx):
             return kv_idx <= q_idx + shift
@@ -82,6 +84,8 @@ def _build_block_mask(mask, causal: bool, shape: tuple, device):
         return _flex_module().create_block_mask(
             causal_mod, None, None, q_len, kv_len, device=device, BLOCK_SIZE=BLOCK
         )
+    if isinstance(mask, Pattern):
+        return _pattern_block_mask(mask, causal, shape, device)
     dense = _dense_mask(mask, causal, q_len, kv_len, device)
     per_batch, per_head = dense.shape[0] > 1, dense.shape[1] > 1
 
@@ -99,6 +103,38 @@ def _build_block_mask(mask, causal: bool, shape: tuple, device):
     )
 
 
+def _pattern_block_mask(pattern: Pattern, causal: bool, shape: tuple, device):
+    """A pattern's BlockMask from its elementwise rule: the mask_mod asks
+    `pattern.allowed` about one (query, key) pair at a time."""
+    batch, heads, q_len, kv_len = shape
+    shift = kv_len - q_len
+    index = torch.zeros(1, 1, dtype=torch.long, device=device)
+    per_batch = pattern.allowed(index, index, q_len, kv_len).shape[0] > 1
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        allowed = pattern.allowed(q_idx.view(1, 1), kv_idx.view(1, 1), q_len, kv_len)
+        allowed = allowed.reshape(allowed.shape[0])[b if per_batch else 0]
+        return allowed & (kv_idx <= q_idx + shift) if causal else allowed
+
+    return _flex_module().create_block_mask(
+        mask_mod, batch if per_batch else None, None, q_len, kv_len, device=device,
+        BLOCK_SIZE=BLOCK,
+    )  # fmt: skip
+
+
+def _score_mod(score, q_len: int, kv_len: int):
+    """An mhsa.scores function as FlexAttention's score_mod: flex numbers query rows
+    0..L-1, our functions see global positions (row + S - L)."""
+    if score is None:
+        return None
+    shift = kv_len - q_len
+
+    def score_mod(value, b, h, q_idx, kv_idx):
+        return score(value, b, h, q_idx + shift, kv_idx)
+
+    return score_mod
+
+
 def flex_forward(
     q: Tensor,
     k: Tensor,
@@ -108,9 +144,11 @@ def flex_forward(
     causal: bool,
     scale: float,
     compiled: bool = True,
+    score=None,
 ) -> tuple[Tensor, Tensor]:
-    """(out (B, H, L, D_v), lse (B, H, L) float32) with FlexAttention; compiled=False
-    runs it eagerly (slow; for checking on CPU)."""
+    """(out (B, H, L, D_v), lse (B, H, L) float32) with FlexAttention; score is an
+    mhsa.scores function or None; compiled=False runs it eagerly (slow; for checking
+    on CPU)."""
     batch, heads, q_len, _ = q.shape
     block_mask = block_mask_for(mask, causal, (batch, heads, q_len, k.shape[2]), q.device)
     flex = _compiled_flex() if compiled else _flex_module().flex_attention
@@ -119,6 +157,7 @@ def flex_forward(
             q,
             k,
             v,
+            score_mod=_score_mod(score, q_len, k.shape[2]),
             block_mask=block_mask,
             scale=scale,
             enable_gqa=k.shape[1] != heads,
@@ -142,8 +181,8 @@ class FlexBackend(Backend):
             return "used on CUDA only (on CPU FlexAttention has no backward)"
         if spec.has_bias:
             return "no additive bias (triton and flash take one)"
-        if spec.has_score or spec.has_sinks:
-            return "no score functions or sinks yet (flash and reference take them)"
+        if spec.has_sinks:
+            return "no sinks yet (flash and reference take them)"
         if spec.dropout_p:
             return "no dropout (triton and flash take it with any pattern)"
         return None
@@ -154,5 +193,5 @@ class FlexBackend(Backend):
 
     def forward(self, q, k, v, *, mask, bias, causal, scale, dropout_p, return_lse,
                 score=None, sinks=None):  # fmt: skip
-        out, lse = flex_forward(q, k, v, mask=mask, causal=causal, scale=scale)
+        out, lse = flex_forward(q, k, v, mask=mask, causal=causal, scale=scale, score=score)
         return out, (lse if return_lse else None)
