@@ -101,7 +101,8 @@ def test_scores_and_sinks_match_the_golden_formula(case, shape, backend):
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
     finite = torch.isfinite(ref_lse)
     assert max_error(lse[finite], ref_lse[finite]) < 2e-5
-    for name, g, w in zip(["q", "k", "v", "learned", "learned"], got, want, strict=False):
+    names = ["q", "k", "v"] + [f"learned {i}" for i in range(len(learned))]
+    for name, g, w in zip(names, got, want, strict=True):
         assert torch.isfinite(g).all(), name
         assert max_error(g, w) < 1e-4 * max(1.0, w.abs().max().item()), name
 
@@ -252,6 +253,11 @@ def test_bad_score_functions_and_sinks_fail_at_the_first_call():
             Softcap(cap)
     with pytest.raises(ValueError, match=r"table must be a float tensor \(num_buckets 32, H\)"):
         RelativeBias(torch.zeros(16, 2))
+    # log(max_distance / exact) must be positive: 16 exact buckets need max_distance > 16
+    with pytest.raises(ValueError, match=r"max_distance must be an int > 16 .*got 16$"):
+        RelativeBias(torch.zeros(32, 2), max_distance=16, bidirectional=False)
+    with pytest.raises(ValueError, match=r"^num_buckets must be >= 4, got 3$"):
+        RelativeBias(torch.zeros(3, 2), num_buckets=3)
     with pytest.raises(ValueError, match="have 3 heads but the call has 2 query heads"):
         call(score=RelativeBias(torch.zeros(32, 3)))
     with pytest.raises(ValueError, match="have 4 heads but the call has 2 query heads"):

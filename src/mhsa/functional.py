@@ -15,11 +15,11 @@ from .backends.reference import attention_probs
 from .kernels.dense import (
     apply_dropout,
     grouped_scores,
-    masked_softmax,
     probs_times_v,
     stats_dtype,
 )
 from .kernels.dropout import draw_seed
+from .kernels.scored import softmax_with_sinks
 from .masks import Pattern
 from .scores import ScoreFunction, SelectedHeads, apply_score, as_score
 
@@ -208,10 +208,7 @@ def attention_weights(
     if allowed is not None:
         scores = scores.masked_fill(~allowed, -torch.inf)
     if backend == "reference":
-        if sinks_sel is None:
-            return masked_softmax(scores)[0].to(q.dtype)
-        column = sinks_sel.to(dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
-        return masked_softmax(torch.cat([scores, column], dim=-1))[0][..., :-1].to(q.dtype)
+        return softmax_with_sinks(scores, sinks_sel)[0].to(q.dtype)
     _, lse = attention(
         q_sel, k_sel, k_sel, mask_sel, bias=bias_sel, causal=causal, scale=resolved_scale,
         backend="flash", return_lse=True, score=score_sel, sinks=sinks_sel,

@@ -219,9 +219,7 @@ class RelativePositionBias(AttentionPosition):
         super().__init__()
         _check_positive("num_heads", num_heads)
         _check_positive("max_distance", max_distance)
-        min_buckets = 4 if bidirectional else 2
-        if num_buckets < min_buckets:
-            raise ValueError(f"num_buckets must be >= {min_buckets}, got {num_buckets}")
+        scores.check_t5_buckets(num_buckets, max_distance, bidirectional)
         self.num_buckets = num_buckets
         self.max_distance = max_distance
         self.bidirectional = bidirectional

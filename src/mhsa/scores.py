@@ -82,11 +82,24 @@ class ALiBi(ScoreFunction):
         return (self.slopes,)
 
     def check(self, num_heads, device, dtype):
-        _check_heads("ALiBi slopes", self.slopes.shape[0], num_heads)
-        _check_device("ALiBi slopes", self.slopes, device)
+        _check_per_head("ALiBi slopes", self.slopes, 0, num_heads, device)
 
     def __repr__(self) -> str:
         return f"ALiBi(slopes of {self.slopes.shape[0]} heads)"
+
+
+def check_t5_buckets(num_buckets: int, max_distance: int, bidirectional: bool) -> None:
+    """T5's bucketing needs at least one exact bucket per direction and a max_distance
+    beyond the exact ones (its log scale divides by log(max_distance / exact))."""
+    min_buckets = 4 if bidirectional else 2
+    if isinstance(num_buckets, bool) or not isinstance(num_buckets, int) \
+            or num_buckets < min_buckets:  # fmt: skip
+        raise ValueError(f"num_buckets must be >= {min_buckets}, got {num_buckets!r}")
+    exact = (num_buckets // 2 if bidirectional else num_buckets) // 2
+    if isinstance(max_distance, bool) or not isinstance(max_distance, int) \
+            or max_distance <= exact:  # fmt: skip
+        raise ValueError(f"max_distance must be an int > {exact} (the offsets bucketed one "
+                         f"by one), got {max_distance!r}")  # fmt: skip
 
 
 def t5_bucket(offsets: Tensor, num_buckets: int, max_distance: int, bidirectional: bool) -> Tensor:
@@ -117,12 +130,7 @@ class RelativeBias(ScoreFunction):
 
     def __init__(self, table: Tensor, num_buckets: int = 32, max_distance: int = 128,
                  bidirectional: bool = True) -> None:  # fmt: skip
-        min_buckets = 4 if bidirectional else 2
-        if not isinstance(num_buckets, int) or num_buckets < min_buckets:
-            raise ValueError(f"num_buckets must be an int >= {min_buckets}, got {num_buckets!r}")
-        if not isinstance(max_distance, int) or max_distance < num_buckets // 2:
-            raise ValueError(f"max_distance must be an int >= num_buckets / 2, got "
-                             f"{max_distance!r}")  # fmt: skip
+        check_t5_buckets(num_buckets, max_distance, bidirectional)
         if (not isinstance(table, Tensor) or table.dim() != 2 or table.shape[0] != num_buckets
                 or not table.is_floating_point()):  # fmt: skip
             raise ValueError(f"RelativeBias table must be a float tensor (num_buckets "
@@ -138,8 +146,7 @@ class RelativeBias(ScoreFunction):
         return (self.table,)
 
     def check(self, num_heads, device, dtype):
-        _check_heads("RelativeBias table", self.table.shape[1], num_heads)
-        _check_device("RelativeBias table", self.table, device)
+        _check_per_head("RelativeBias table", self.table, 1, num_heads, device)
 
     def __repr__(self) -> str:
         return (f"RelativeBias({self.num_buckets} buckets, max_distance {self.max_distance}, "
@@ -352,13 +359,11 @@ def _unique(tensors) -> tuple[Tensor, ...]:
     return tuple(result)
 
 
-def _check_heads(name: str, got: int, num_heads: int) -> None:
-    if got != num_heads:
-        raise ValueError(f"{name} have {got} heads but the call has {num_heads} query heads: "
-                         "give one value per query head")  # fmt: skip
-
-
-def _check_device(name: str, t: Tensor, device: torch.device) -> None:
+def _check_per_head(name: str, t: Tensor, axis: int, num_heads: int, device) -> None:
+    """t holds one value per query head along `axis`, on q's device."""
+    if t.shape[axis] != num_heads:
+        raise ValueError(f"{name} have {t.shape[axis]} heads but the call has {num_heads} "
+                         "query heads: give one value per query head")  # fmt: skip
     if t.device.type != device.type:
         raise ValueError(f"{name} are on {t.device} but q is on {device}: move them with .to()")
 

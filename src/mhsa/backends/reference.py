@@ -14,11 +14,11 @@ from torch import Tensor
 from ..kernels.dense import (
     apply_dropout,
     grouped_scores,
-    masked_softmax,
     probs_times_v,
     stats_dtype,
 )
 from ..kernels.dropout import draw_seed
+from ..kernels.scored import softmax_with_sinks
 from ..scores import ScoreFunction, apply_score
 from .common import combined_mask
 from .registry import AttentionSpec, Backend
@@ -51,12 +51,7 @@ def attention_probs(
     allowed = combined_mask(mask, causal, q.shape[2], k.shape[2], q.device)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, -torch.inf)
-    if sinks is None:
-        return masked_softmax(scores)
-    # the sink is one more key, without a value: a column added, then dropped
-    sink = sinks.to(dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
-    probs, lse = masked_softmax(torch.cat([scores, sink], dim=-1))
-    return probs[..., :-1], lse
+    return softmax_with_sinks(scores, sinks)
 
 
 class ReferenceBackend(Backend):

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from ..scores import ScoreFunction, tile_indices
+from .dense import masked_softmax
 
 
 def score_tile(
@@ -49,6 +50,16 @@ def score_grads(
         if grad is not None:
             grads[i] = grad if grads[i] is None else grads[i] + grad
     return torch.zeros_like(raw) if found[0] is None else found[0]
+
+
+def softmax_with_sinks(scores: Tensor, sinks: Tensor | None) -> tuple[Tensor, Tensor]:
+    """masked_softmax of (B, H, L, S) scores with each head's sink (H,) as one more key
+    that has no value: (probs (B, H, L, S), lse (B, H, L))."""
+    if sinks is None:
+        return masked_softmax(scores)
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+    probs, lse = masked_softmax(torch.cat([scores, sink], dim=-1))
+    return probs[..., :-1], lse
 
 
 def add_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
