@@ -37,6 +37,12 @@ def test_bench_attention_json_small(capsys):
     assert all(row["seconds"] > 0 and row["vs_sdpa"] > 0 for row in result["timing"])
 
 
+def test_bench_scores_small(capsys):
+    assert main(["bench", "scores", "--length", "128", "--repeat", "1", "--no-memory"]) == 0
+    out = capsys.readouterr().out
+    assert "L=S=128" in out and all(name in out for name in ("None", "alibi", "softcap"))
+
+
 def test_memory_probe_runs_in_a_subprocess():
     from mhsa.benchmarks.memory import measure_in_subprocess
 

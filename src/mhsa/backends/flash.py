@@ -20,15 +20,15 @@ FUSED_BLOCK = 256
 PLAIN_BLOCK_Q = 128
 PLAIN_BLOCK_K = 128
 PLAIN_MAX_RUN = 1024
-# the fused kernel with a score function or bias reads a float tile of its values:
-# runs are capped so that a tile stays small (8 heads x 256 x 2048 floats: 16 MiB)
+# the fused kernel reads a score function's values as a float tile: runs are capped so
+# that a tile stays small (8 heads x 256 x 2048 floats: 16 MiB)
 FUSED_SCORED_MAX_RUN = 2048
 
 
 def plan_for(mask, causal: bool, q_len: int, kv_len: int, device, fused: bool,
              scored: bool = False):  # fmt: skip
-    """The block plan the flash backend uses for a call; scored: the tiles carry a
-    score function's or a bias's values."""
+    """The block plan the flash backend uses for a call; scored: each tile computes a
+    score function's values."""
     source = mask_source(mask, causal, q_len, kv_len, device)
     if fused and scored:
         return build_plan(source, q_len, kv_len, block_q=FUSED_BLOCK, block_k=FUSED_BLOCK,
