@@ -89,6 +89,12 @@ def test_flex_serves_cuda_only_and_refuses_what_it_cannot_do():
     assert flex.supports(cuda) is None
     assert "bias" in flex.supports(AttentionSpec.example(device=torch.device("cuda"),
                                                         has_bias=True))  # fmt: skip
+    assert (
+        flex.supports(
+            AttentionSpec.example(device=torch.device("cuda"), has_sinks=True, has_score=True)
+        )
+        is None
+    )
     assert "dropout" in flex.supports(AttentionSpec.example(device=torch.device("cuda"),
                                                            dropout_p=0.1))  # fmt: skip
     with pytest.raises(ValueError, match="flex"):
@@ -125,3 +131,23 @@ def test_patterns_and_scores_reach_flex_as_rules_never_dense(pattern, causal, mo
         assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
         finite = torch.isfinite(ref_lse)
         assert max_error(lse[finite], ref_lse[finite]) < 1e-5
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sinks_join_flex_through_its_lse(causal):
+    """Sinks are added to FlexAttention's (out, lse) afterwards; a dead row (key
+    padding) keeps output 0 and gets lse = its sink. (FlexAttention has no CPU backward:
+    gradients reach the sinks through add_sinks, as in the flash engine.)"""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 37, 16), torch.randn(2, 2, 45, 16), torch.randn(2, 2, 45, 16)
+    mask = KeyPadding(torch.tensor([[True] * 30 + [False] * 15, [False] * 45]))
+    sinks = torch.randn(4)
+    out, lse = flex_forward(q, k, v, mask=mask, causal=causal, scale=0.25, compiled=False,
+                            score=ALiBi(alibi_slopes(4)), sinks=sinks)  # fmt: skip
+    ref, ref_lse = mhsa.attention(q, k, v, mask, causal=causal, scale=0.25, sinks=sinks,
+                                  score=ALiBi(alibi_slopes(4)), return_lse=True,
+                                  backend="reference")  # fmt: skip
+    assert max_error(out, ref) < 1e-5
+    assert max_error(lse, ref_lse) < 1e-5
+    assert out[1].abs().max() == 0
+    assert torch.equal(lse[1], sinks.view(4, 1).expand(4, 37))

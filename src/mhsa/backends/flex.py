@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.memo import PatternCache
+from ..kernels.scored import add_sinks
 from ..masks import Pattern
 from .common import combined_mask
 from .registry import AttentionSpec, Backend
@@ -145,10 +146,12 @@ def flex_forward(
     scale: float,
     compiled: bool = True,
     score=None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(out (B, H, L, D_v), lse (B, H, L) float32) with FlexAttention; score is an
-    mhsa.scores function or None; compiled=False runs it eagerly (slow; for checking
-    on CPU)."""
+    mhsa.scores function or None; sinks (H,) join each row's denominator after
+    FlexAttention, through its differentiable lse; compiled=False runs it eagerly
+    (slow; for checking on CPU)."""
     batch, heads, q_len, _ = q.shape
     block_mask = block_mask_for(mask, causal, (batch, heads, q_len, k.shape[2]), q.device)
     flex = _compiled_flex() if compiled else _flex_module().flex_attention
@@ -163,7 +166,8 @@ def flex_forward(
             enable_gqa=k.shape[1] != heads,
             return_lse=True,
         )
-    return out, lse.float()
+    lse = lse.float()
+    return (out, lse) if sinks is None else add_sinks(out, lse, sinks)
 
 
 class FlexBackend(Backend):
@@ -181,8 +185,6 @@ class FlexBackend(Backend):
             return "used on CUDA only (on CPU FlexAttention has no backward)"
         if spec.has_bias:
             return "no additive bias (triton and flash take one)"
-        if spec.has_sinks:
-            return "no sinks yet (flash and reference take them)"
         if spec.dropout_p:
             return "no dropout (triton and flash take it with any pattern)"
         return None
@@ -193,5 +195,6 @@ class FlexBackend(Backend):
 
     def forward(self, q, k, v, *, mask, bias, causal, scale, dropout_p, return_lse,
                 score=None, sinks=None):  # fmt: skip
-        out, lse = flex_forward(q, k, v, mask=mask, causal=causal, scale=scale, score=score)
+        out, lse = flex_forward(q, k, v, mask=mask, causal=causal, scale=scale, score=score,
+                                sinks=sinks)  # fmt: skip
         return out, (lse if return_lse else None)
