@@ -9,6 +9,7 @@ import torch
 
 import mhsa
 from helpers import golden_attention, max_error
+from mhsa.kernels import plain as plain_kernel
 from mhsa.masks import SlidingWindow, bigbird
 from mhsa.positional import alibi_slopes
 from mhsa.scores import ALiBi, Compose, RelativeBias, ScoreMod, Softcap, t5_bucket
@@ -264,3 +265,37 @@ def test_bad_score_functions_and_sinks_fail_at_the_first_call():
         call(score=ALiBi(alibi_slopes(4)))
     with pytest.raises(ValueError, match="ALiBi slopes must be a 1-D float tensor"):
         ALiBi(torch.ones(2, 2))
+
+
+@pytest.mark.parametrize("learned", [False, True], ids=["frozen", "learned"])
+@pytest.mark.parametrize(("q_len", "kv_len"), [(1300, 1300), (300, 1400)])
+def test_long_causal_alibi_runs_left_of_the_diagonal_as_key_and_row_terms(
+    q_len, kv_len, learned, monkeypatch
+):
+    """A causal ALiBi call long enough for runs left of the diagonal: the fused kernel
+    reads one row of values per run (frozen slopes); learned slopes and an lse gradient
+    take the plain backward, which cuts the fused plan's long runs into pieces."""
+    monkeypatch.setattr(plain_kernel, "PLAIN_KEYS", 512)  # pieces across keys too
+    torch.manual_seed(0)
+    q = torch.randn(1, HEADS, q_len, 16, requires_grad=True)
+    k, v = (torch.randn(1, HEADS, kv_len, 16, requires_grad=True) for _ in range(2))
+    slopes = alibi_slopes(HEADS).requires_grad_(learned)
+    grad_out = torch.randn(1, HEADS, q_len, 16)
+    grad_lse = torch.randn(1, HEADS, q_len) if learned else torch.zeros(1, HEADS, q_len)
+    out, lse = mhsa.attention(q, k, v, causal=True, score=ALiBi(slopes), backend="flash",
+                              return_lse=True)  # fmt: skip
+    inputs = [q, k, v] + ([slopes] if learned else [])
+    got = torch.autograd.grad((out * grad_out).sum() + (lse * grad_lse).sum(), inputs)
+    ref = [t.detach().double().requires_grad_() for t in inputs]
+
+    ref_slopes = ref[3] if learned else slopes.double()
+
+    def alibi(s, i, j):
+        return s - ref_slopes.view(1, -1, 1, 1) * (i - j).abs()
+
+    ref_out, ref_lse = golden_attention(*ref[:3], None, causal=True, modify=alibi)
+    want = torch.autograd.grad((ref_out * grad_out).sum() + (ref_lse * grad_lse).sum(), ref)
+    assert max_error(out, ref_out) < 2e-5
+    assert max_error(lse, ref_lse) < 2e-5
+    for g, w in zip(got, want, strict=True):
+        assert max_error(g, w) < 1e-4 * max(1.0, w.abs().max().item())

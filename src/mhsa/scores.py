@@ -42,14 +42,38 @@ class ScoreFunction:
     def bias(self, batch: Tensor, head: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         raise NotImplementedError(f"{type(self).__name__} is not additive")
 
+    # an additive function whose bias, on tiles whose keys all precede their queries,
+    # is a row term plus a key term (split_left): engines then pass the fused kernel
+    # one (H, keys) row of values for the whole tile
+    separable: bool = False
+
+    def apply_(self, score: Tensor, batch: Tensor, head: Tensor, q_pos: Tensor,
+               k_pos: Tensor) -> Tensor:  # fmt: skip
+        """self(score, ...), overwriting score where the function can (engines call it
+        on scratch tiles, without autograd)."""
+        if self.additive:
+            return score.add_(self.bias(batch, head, q_pos, k_pos).to(score.dtype))
+        return self(score, batch, head, q_pos, k_pos)
+
+    def split_left(self, head: Tensor, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor]:
+        """For a separable function and keys k_pos (keys,) all before the queries q_pos
+        (rows,): the bias as (row term (1, H, rows, 1), key term (1, H, 1, keys)), each no
+        larger in magnitude than the bias itself (so adding them loses no precision)."""
+        raise NotImplementedError(f"{type(self).__name__} is not separable")
+
     def tensors(self) -> tuple[Tensor, ...]:
         """The tensors the function reads that gradients may flow to."""
         return ()
 
-    def input_grad(self, out: Tensor, grad_out: Tensor) -> Tensor | None:
-        """The gradient of the score given the function's output `out` and its
-        gradient, where the function knows it without autograd; else None."""
-        return grad_out if self.additive else None
+    # input_grad knows the score's gradient without autograd
+    grad_from_output: bool = False
+
+    def input_grad(self, out: Tensor, grad_out: Tensor) -> Tensor:
+        """The gradient of the score given the function's output `out` and its gradient
+        (where grad_from_output); it may overwrite both arguments."""
+        if not self.additive:
+            raise NotImplementedError(f"{type(self).__name__} needs autograd for its gradient")
+        return grad_out
 
     def check(self, num_heads: int, device: torch.device, dtype: torch.dtype) -> None:
         """Raise ValueError if the function cannot serve a call with num_heads heads whose
@@ -66,7 +90,7 @@ class ALiBi(ScoreFunction):
     slopes (H,): one per query head (mhsa.positional.alibi_slopes(H) gives the
     paper's); a tensor that requires grad is learned."""
 
-    additive = True
+    additive = grad_from_output = True
 
     def __init__(self, slopes: Tensor) -> None:
         if not isinstance(slopes, Tensor) or slopes.dim() != 1 or not slopes.is_floating_point():
@@ -77,6 +101,17 @@ class ALiBi(ScoreFunction):
     def bias(self, batch, head, q_pos, k_pos):
         distance = (q_pos.to(self.slopes.dtype) - k_pos.to(self.slopes.dtype)).abs()
         return -self.slopes[head] * distance
+
+    separable = True
+
+    def split_left(self, head, q_pos, k_pos):
+        # -slope * (i - j) = slope * (j - c) - slope * (i - c), c the first query: both
+        # terms are between the bias and 0
+        first = q_pos[:1]
+        slopes = self.slopes[head].view(1, -1, 1, 1)
+        rows = -slopes * (q_pos - first).to(slopes.dtype).view(1, 1, -1, 1)
+        keys = slopes * (k_pos - first).to(slopes.dtype).view(1, 1, 1, -1)
+        return rows, keys
 
     def tensors(self):
         return (self.slopes,)
@@ -126,7 +161,7 @@ class RelativeBias(ScoreFunction):
 
     table (num_buckets, H), usually an nn.Embedding's weight (learned)."""
 
-    additive = True
+    additive = grad_from_output = True
 
     def __init__(self, table: Tensor, num_buckets: int = 32, max_distance: int = 128,
                  bidirectional: bool = True) -> None:  # fmt: skip
@@ -165,9 +200,14 @@ class Softcap(ScoreFunction):
     def __call__(self, score, batch, head, q_pos, k_pos):
         return torch.tanh(score / self.cap) * self.cap
 
+    def apply_(self, score, batch, head, q_pos, k_pos):
+        return score.div_(self.cap).tanh_().mul_(self.cap)
+
+    grad_from_output = True
+
     def input_grad(self, out, grad_out):
         # d/ds cap * tanh(s / cap) = 1 - tanh(s / cap)**2 = 1 - (out / cap)**2
-        return grad_out * (1 - (out / self.cap).square())
+        return grad_out.addcmul_(grad_out, out.square_(), value=-1 / self.cap**2)
 
     def __repr__(self) -> str:
         return f"Softcap({self.cap:g})"
@@ -214,24 +254,38 @@ class Compose(ScoreFunction):
             flat.extend(f.functions if isinstance(f, Compose) else [f])
         self.functions = tuple(flat)
         self.additive = all(f.additive for f in flat)
+        self.separable = all(f.separable for f in flat)
+        # additive functions pass the gradient through unchanged, so only the last
+        # function's derivative (from the final output) counts
+        last = flat[-1] if flat else None
+        self.grad_from_output = all(f.additive for f in flat[:-1]) and (
+            last is None or last.grad_from_output
+        )
 
     def __call__(self, score, batch, head, q_pos, k_pos):
         for f in self.functions:
             score = f(score, batch, head, q_pos, k_pos)
         return score
 
+    def apply_(self, score, batch, head, q_pos, k_pos):
+        for f in self.functions:
+            score = f.apply_(score, batch, head, q_pos, k_pos)
+        return score
+
     def bias(self, batch, head, q_pos, k_pos):
         return sum(f.bias(batch, head, q_pos, k_pos) for f in self.functions)
+
+    def split_left(self, head, q_pos, k_pos):
+        parts = [f.split_left(head, q_pos, k_pos) for f in self.functions]
+        return sum(p[0] for p in parts), sum(p[1] for p in parts)
 
     def tensors(self):
         return _unique(t for f in self.functions for t in f.tensors())
 
     def input_grad(self, out, grad_out):
-        # additive functions pass the gradient through unchanged, so only the last
-        # function's derivative (from the final output) counts
-        if all(f.additive for f in self.functions[:-1]):
-            return self.functions[-1].input_grad(out, grad_out)
-        return None
+        if not self.grad_from_output:
+            raise NotImplementedError("this composition needs autograd for its gradient")
+        return self.functions[-1].input_grad(out, grad_out) if self.functions else grad_out
 
     def check(self, num_heads, device, dtype):
         for f in self.functions:
@@ -247,10 +301,17 @@ class SelectedHeads(ScoreFunction):
 
     def __init__(self, score: ScoreFunction, index: Tensor, num_heads: int) -> None:
         self.score, self.index, self.num_heads = score, index, num_heads
-        self.additive = score.additive
+        self.additive, self.separable = score.additive, score.separable
+        self.grad_from_output = score.grad_from_output
 
     def __call__(self, score, batch, head, q_pos, k_pos):
         return self.score(score, batch, self.index[head], q_pos, k_pos)
+
+    def apply_(self, score, batch, head, q_pos, k_pos):
+        return self.score.apply_(score, batch, self.index[head], q_pos, k_pos)
+
+    def split_left(self, head, q_pos, k_pos):
+        return self.score.split_left(self.index[head], q_pos, k_pos)
 
     def bias(self, batch, head, q_pos, k_pos):
         return self.score.bias(batch, self.index[head], q_pos, k_pos)

@@ -23,14 +23,22 @@ PLAIN_MAX_RUN = 1024
 # the fused kernel reads a score function's values as a float tile: runs are capped so
 # that a tile stays small (8 heads x 256 x 2048 floats: 16 MiB)
 FUSED_SCORED_MAX_RUN = 2048
+# a causal call with a separable score function (ALiBi) reads one row of values per
+# run left of the diagonal and a float tile only on the diagonal: its rows go in
+# blocks of 1024, large enough for the kernel's 256-row splits (it uses 64-row ones
+# below 768 rows, which read the keys four times as often)
+SEPARABLE_BLOCK = 1024
 
 
 def plan_for(mask, causal: bool, q_len: int, kv_len: int, device, fused: bool,
-             scored: bool = False):  # fmt: skip
-    """The block plan the flash backend uses for a call; scored: each tile computes a
-    score function's values."""
+             score=None):  # fmt: skip
+    """The block plan the flash backend uses for a call with an mhsa.scores function or
+    None."""
     source = mask_source(mask, causal, q_len, kv_len, device)
-    if fused and scored:
+    if fused and score is not None and score.separable and causal and mask is None:
+        return build_plan(source, q_len, kv_len, block_q=SEPARABLE_BLOCK,
+                          block_k=SEPARABLE_BLOCK, merge_rows=False)  # fmt: skip
+    if fused and score is not None:
         return build_plan(source, q_len, kv_len, block_q=FUSED_BLOCK, block_k=FUSED_BLOCK,
                           max_run_keys=FUSED_SCORED_MAX_RUN, merge_rows=False)  # fmt: skip
     if fused:
@@ -77,8 +85,7 @@ class FlashBackend(Backend):
                 return out, (lse if return_lse else None)
         # the fused kernel adds a float mask per tile: additive score functions only
         fused = fused_available(q, v, dropout_p) and (score is None or score.additive)
-        plan = plan_for(mask, causal, q.shape[2], k.shape[2], q.device, fused,
-                        scored=score is not None)  # fmt: skip
+        plan = plan_for(mask, causal, q.shape[2], k.shape[2], q.device, fused, score)
         dropout = (dropout_p, draw_seed()) if dropout_p > 0 else None
         out, lse = flash_attention(q, k, v, plan, bias=bias, scale=scale, dropout=dropout,
                                    fused=fused, score=score, sinks=sinks)  # fmt: skip

@@ -42,7 +42,7 @@ def grouped_scores(q: Tensor, k: Tensor, scale: float, dtype: torch.dtype) -> Te
     batch, num_heads, q_len, head_dim = q.shape
     num_kv_heads, kv_len = k.shape[1], k.shape[2]
     grouped_q = q.to(dtype).reshape(batch, num_kv_heads, -1, head_dim)  # (B, H_kv, G*L, D)
-    scores = grouped_q @ k.to(dtype).transpose(-1, -2) * scale  # (B, H_kv, G*L, S)
+    scores = (grouped_q @ k.to(dtype).transpose(-1, -2)).mul_(scale)  # (B, H_kv, G*L, S)
     return scores.view(batch, num_heads, q_len, kv_len)
 
 

@@ -9,7 +9,8 @@ O(L + S) per head. Empty tiles are never visited; full runs apply no mask.
 Each run is computed by one of two segment kernels:
 - fused: PyTorch's own CPU flash-attention kernel on the run (fast, float
   additive tile masks), for CPU calls without dropout and with D == D_v;
-- plain: matmuls and a softmax in plain torch, on any device, with dropout.
+- plain: matmuls and a softmax in plain torch (kernels.plain), on any device, with
+  dropout and any score function.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ import torch
 from torch import Tensor
 
 from .band import band_forward, interior_rows
-from .dense import apply_dropout, grouped_scores, masked_softmax, probs_times_v, stats_dtype
-from .dropout import keep_mask
-from .plan import BlockPlan, Run
-from .scored import add_sinks, score_grads, score_tile, sink_grad
+from .dense import stats_dtype
+from .plain import plain_backward, run_forward
+from .plan import BlockPlan
+from .runs import add_keys, key_row_bias, run_keys, tile_bias
+from .scored import add_sinks, sink_grad
 
 _FUSED_FORWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FUSED_BACKWARD = getattr(
@@ -43,51 +45,6 @@ def _unit_last_stride(*tensors: Tensor) -> list[Tensor]:
     """The fused kernel misreads a tensor whose last dimension is strided (a (B, H, D, L)
     tensor transposed, say): such tensors are copied."""
     return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
-
-
-def _run_keys(k: Tensor, v: Tensor, run: Run, plan: BlockPlan):
-    """(key indices, gather index or None when contiguous, k_run, v_run) of one run:
-    the keys and values are views for contiguous runs, gathered copies otherwise."""
-    index = run.key_index(plan.block_k, k.device)
-    if index is None:
-        cols = torch.arange(run.k0, run.k1, device=k.device)
-        return cols, None, k[:, :, run.k0 : run.k1], v[:, :, run.k0 : run.k1]
-    return index, index, k.index_select(2, index), v.index_select(2, index)
-
-
-def _add_keys(acc: Tensor, run: Run, index: Tensor | None, value: Tensor) -> None:
-    """acc[:, :, run's keys] += value."""
-    if index is None:
-        acc[:, :, run.k0 : run.k1] += value
-    else:
-        acc.index_add_(2, index, value.to(acc.dtype))
-
-
-def _tile_rows(t: Tensor, q0: int, q1: int, cols: Tensor) -> Tensor:
-    """Rows q0:q1 and key columns cols of a (..., L or 1, S or 1) tensor."""
-    rows = t if t.shape[-2] == 1 else t[..., q0:q1, :]
-    return rows if rows.shape[-1] == 1 else rows.index_select(-1, cols)
-
-
-def _tile_bias(
-    plan: BlockPlan, bias: Tensor | None, q0: int, q1: int, run: Run, cols: Tensor,
-    dtype: torch.dtype, score=None, shape: tuple = (), triangle: str | None = None,
-) -> Tensor | None:  # fmt: skip
-    """Additive tile (1 or B, 1 or H, rows, keys): the bias (and an additive score
-    function's values, given the call's (B, H)), -inf where the mask forbids, unless
-    the run is a triangle that the kernel computes in its causal mode."""
-    attn = None if bias is None else _tile_rows(bias, q0, q1, cols).to(dtype)
-    if score is not None:
-        values = score_tile(score, None, *shape, q0 + plan.kv_len - plan.q_len, q1 - q0, cols)
-        attn = values.to(dtype) if attn is None else attn + values.to(dtype)
-    if not run.full and triangle is None:
-        allowed = plan.source.tile(q0, q1, cols)
-        base = torch.zeros((), dtype=dtype, device=cols.device) if attn is None else attn
-        minus_inf = torch.tensor(-torch.inf, dtype=dtype, device=cols.device)
-        attn = torch.where(allowed, base, minus_inf)
-    if attn is not None and attn.dim() < 4:
-        attn = attn.view((1,) * (4 - attn.dim()) + tuple(attn.shape))
-    return attn
 
 
 def _merge(partials: list[tuple[Tensor, Tensor]], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -138,18 +95,6 @@ def _fused_run_backward(go_blk, q_blk, k_run, v_run, out_blk, lse_blk, attn, sca
     )  # fmt: skip
 
 
-def _plain_run(q_blk, k_run, v_run, attn, scale, dropout, q0, cols, score, shift):
-    scores = grouped_scores(q_blk, k_run, scale, stats_dtype(q_blk.dtype))
-    if score is not None:
-        scores = score_tile(score, scores, *scores.shape[:2], q0 + shift, scores.shape[2], cols)
-    if attn is not None:
-        scores = scores + attn
-    probs, lse_r = masked_softmax(scores)
-    if dropout is not None:
-        probs = apply_dropout(probs, dropout[0], dropout[1], q0, cols)
-    return probs_times_v(probs, v_run), lse_r
-
-
 def flash_forward(
     q: Tensor,
     k: Tensor,
@@ -195,18 +140,27 @@ def _forward_runs(q, k, v, bias, plan, scale, dropout, fused, score):
         q_blk = q[:, :, q0:q1]
         partials = []
         for run in rows.runs:
-            cols, index, k_run, v_run = _run_keys(k, v, run, plan)
+            cols, index, k_run, v_run = run_keys(k, v, run, plan)
             if fused:
                 triangle = run.triangle
-                attn = _tile_bias(plan, bias, q0, q1, run, cols, q.dtype, score,
-                                  (batch, num_heads), triangle)  # fmt: skip
+                split = key_row_bias(plan, bias, q0, q1, run, cols, q.dtype, score,
+                                      num_heads, triangle)  # fmt: skip
+                attn = (
+                    split[0]
+                    if split
+                    else tile_bias(
+                        plan, bias, q0, q1, run, cols, q.dtype, score, (batch, num_heads), triangle
+                    )
+                )
                 # attn may hold -inf: the mask's, or a bias's
                 masked = bias is not None or (not run.full and triangle is None)
                 out_r, lse_r = _fused_run(q_blk, k_run, v_run, attn, scale, triangle, masked)
+                if split:
+                    lse_r = lse_r + split[1]
             else:
-                attn = _tile_bias(plan, bias, q0, q1, run, cols, dtype)
-                out_r, lse_r = _plain_run(q_blk, k_run, v_run, attn, scale, dropout, q0, cols,
-                                          score, shift)  # fmt: skip
+                attn = tile_bias(plan, bias, q0, q1, run, cols, dtype)
+                out_r, lse_r = run_forward(q_blk, k_run, v_run, attn, scale, dropout, q0, cols,
+                                           score, shift, dtype)  # fmt: skip
             partials.append((out_r, lse_r))
         if not partials:  # no allowed key in these rows
             out[:, :, q0:q1] = 0
@@ -235,29 +189,6 @@ def _band_interior(plan: BlockPlan, bias, dropout, fused: bool) -> tuple[int, in
     return band
 
 
-def _fold(t: Tensor, num_kv_heads: int) -> Tensor:
-    """(B, H, rows, X) -> (B, H_kv, G * rows, X): query heads grouped by their kv head."""
-    return t.reshape(t.shape[0], num_kv_heads, -1, t.shape[-1])
-
-
-def _reduce_to(grad: Tensor, shape: torch.Size) -> Tensor:
-    """Sum a (B, H, rows, keys) gradient over the dims where the target has size 1."""
-    dims = [i for i, size in enumerate(shape) if size == 1 and grad.shape[i] != 1]
-    return grad.sum(dim=dims, keepdim=True) if dims else grad
-
-
-def _add_bias_grad(dbias: Tensor, q0: int, q1: int, cols: Tensor, grad_scores: Tensor) -> None:
-    """dbias[..., q0:q1, cols] += grad_scores, summed over dims where dbias has size 1."""
-    grad = _reduce_to(grad_scores, dbias.shape[:2] + (q1 - q0, len(cols)))
-    grad = grad.sum(dim=-2, keepdim=True) if dbias.shape[-2] == 1 else grad
-    grad = grad.sum(dim=-1, keepdim=True) if dbias.shape[-1] == 1 else grad
-    rows = dbias if dbias.shape[-2] == 1 else dbias[..., q0:q1, :]
-    if dbias.shape[-1] == 1:
-        rows += grad
-    else:
-        rows.index_add_(-1, cols, grad)
-
-
 def flash_backward(
     grad_out: Tensor,
     grad_lse: Tensor | None,
@@ -280,11 +211,9 @@ def flash_backward(
     recomputing each run's tile; dbias when bias_grad, dsinks when sinks are given."""
     dtype = stats_dtype(q.dtype)
     batch, num_heads = q.shape[:2]
-    shift = plan.kv_len - plan.q_len
     param_grads: list[Tensor | None] = [None] * len(score_params)
     if fused:  # (the fused backward reads any grad_out strides correctly)
         q, k, v, out = _unit_last_stride(q, k, v, out)
-    num_kv_heads = k.shape[1]
     dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=dtype, device=q.device)
     dv = torch.zeros(v.shape, dtype=dtype, device=q.device)
@@ -300,47 +229,30 @@ def flash_backward(
         q0, q1 = rows.q0, rows.q1
         q_blk, go_blk = q[:, :, q0:q1], grad_out[:, :, q0:q1]
         for run in rows.runs:
-            cols, index, k_run, v_run = _run_keys(k, v, run, plan)
-            if fused:
-                triangle = run.triangle
-                attn = _tile_bias(plan, bias4, q0, q1, run, cols, q.dtype, score,
-                                  (batch, num_heads), triangle)  # fmt: skip
-                dq_r, dk_r, dv_r = _fused_run_backward(
-                    go_blk, q_blk, k_run, v_run, out[:, :, q0:q1],
-                    lse_inv[:, :, q0:q1].contiguous(), attn, scale, triangle,
-                )  # fmt: skip
-                dq[:, :, q0:q1] += dq_r
-                _add_keys(dk, run, index, dk_r)
-                _add_keys(dv, run, index, dv_r)
+            if not fused:
+                grads = (dq, dk, dv, dbias, param_grads)
+                plain_backward(grad_out, q, k, v, bias4, lse_inv, delta, plan, run, q0, q1,
+                                scale, dropout, score, score_params, grads)  # fmt: skip
                 continue
-            attn = _tile_bias(plan, bias4, q0, q1, run, cols, dtype)
-            raw = grouped_scores(q_blk, k_run, scale, dtype)
-            scores = raw
-            if score is not None:
-                scores = score_tile(score, raw, batch, num_heads, q0 + shift, q1 - q0, cols)
-            modified = scores
-            if attn is not None:
-                scores = scores + attn
-            probs = torch.exp(scores - lse_inv[:, :, q0:q1].unsqueeze(-1))
-            go_f = _fold(go_blk.to(dtype), num_kv_heads)
-            grad_probs = (go_f @ v_run.to(dtype).transpose(-1, -2)).view(probs.shape)
-            kept = probs
-            if dropout is not None:
-                p, seed = dropout
-                keep = keep_mask(seed, *probs.shape[:2], q0, q1, cols, p)
-                kept = probs * keep / (1.0 - p)
-                grad_probs = grad_probs * keep / (1.0 - p)
-            _add_keys(dv, run, index, _fold(kept, num_kv_heads).transpose(-1, -2) @ go_f)
-            grad_scores = probs * (grad_probs - delta[:, :, q0:q1].unsqueeze(-1))
-            if dbias is not None:  # the bias is added after the score function
-                _add_bias_grad(dbias, q0, q1, cols, grad_scores)
-            if score is not None:
-                grad_scores = score_grads(score, raw, modified, q0 + shift, cols, grad_scores,
-                                          score_params, param_grads)  # fmt: skip
-            grad_scores_f = _fold(grad_scores, num_kv_heads)
-            dq[:, :, q0:q1] += (grad_scores_f @ k_run.to(dtype)).view(dq[:, :, q0:q1].shape) * scale
-            grad_k = grad_scores_f.transpose(-1, -2) @ _fold(q_blk.to(dtype), num_kv_heads)
-            _add_keys(dk, run, index, grad_k * scale)
+            cols, index, k_run, v_run = run_keys(k, v, run, plan)
+            triangle = run.triangle
+            split = key_row_bias(plan, bias4, q0, q1, run, cols, q.dtype, score, num_heads,
+                                  triangle)  # fmt: skip
+            attn = (
+                split[0]
+                if split
+                else tile_bias(
+                    plan, bias4, q0, q1, run, cols, q.dtype, score, (batch, num_heads), triangle
+                )
+            )
+            lse_blk = lse_inv[:, :, q0:q1]
+            lse_blk = (lse_blk - split[1] if split else lse_blk).contiguous()
+            dq_r, dk_r, dv_r = _fused_run_backward(
+                go_blk, q_blk, k_run, v_run, out[:, :, q0:q1], lse_blk, attn, scale, triangle
+            )  # fmt: skip
+            dq[:, :, q0:q1] += dq_r
+            add_keys(dk, run, index, dk_r)
+            add_keys(dv, run, index, dv_r)
     grad_bias = None if dbias is None else dbias.view(bias.shape).to(bias.dtype)
     grad_sinks = None if sinks is None else sink_grad(sinks, lse, delta)
     return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), grad_bias, grad_sinks,

@@ -18,30 +18,27 @@ from .dense import masked_softmax
 
 def score_tile(
     score: ScoreFunction, scores: Tensor | None, batch: int, heads: int, q_start: int,
-    rows: int, cols: Tensor,
+    rows: int, cols: Tensor, in_place: bool = False,
 ) -> Tensor:  # fmt: skip
     """score applied to a (B, H, rows, keys) tile whose first row sits at global position
-    q_start and whose keys are cols; scores None gives an additive function's bias
-    (1 or B, H, rows, keys)."""
+    q_start and whose keys are cols (overwriting the tile where it can when in_place);
+    scores None gives an additive function's bias (1 or B, H, rows, keys)."""
     q_pos = torch.arange(q_start, q_start + rows, device=cols.device)
     index = tile_indices(batch, heads, q_pos, cols)
     if scores is None:
         bias = score.bias(*index)
         return bias.expand(bias.shape[0], heads, rows, len(cols))
-    return score(scores, *index).expand(scores.shape)
+    apply = score.apply_ if in_place else score
+    return apply(scores, *index).expand(scores.shape)
 
 
 def score_grads(
-    score: ScoreFunction, raw: Tensor, out: Tensor, q_start: int, cols: Tensor,
-    grad_scores: Tensor, params: tuple[Tensor, ...], grads: list[Tensor | None],
+    score: ScoreFunction, raw: Tensor, q_start: int, cols: Tensor, grad_scores: Tensor,
+    params: tuple[Tensor, ...], grads: list[Tensor | None],
 ) -> Tensor:  # fmt: skip
     """Gradient of the raw tile scores (B, H, rows, keys) given that of the function's
-    output `out`, grad_scores; the gradients of params are added to grads (same order).
-    Without params, a function that knows its derivative from its output skips autograd."""
-    if not params:
-        known = score.input_grad(out, grad_scores)
-        if known is not None:
-            return known
+    output, grad_scores, by autograd on the tile; the gradients of params are added to
+    grads (same order)."""
     with torch.enable_grad():
         leaf = raw.detach().requires_grad_()
         out = score_tile(score, leaf, *raw.shape[:2], q_start, raw.shape[2], cols)
