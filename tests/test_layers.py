@@ -9,6 +9,8 @@ from torch import nn
 from helpers import max_error
 from mhsa.nn import (
     FeedForward,
+    GatedFeedForward,
+    RMSNorm,
     Transformer,
     TransformerDecoder,
     TransformerDecoderLayer,
@@ -138,6 +140,32 @@ def test_feed_forward_and_bad_activation():
     assert torch.allclose(ff(x), expected)
     with pytest.raises(ValueError, match="activation must be one of"):
         FeedForward(8, 16, activation="swish")
+
+
+def test_gated_feed_forward():
+    ff = GatedFeedForward(8, 16, activation="silu")
+    x = torch.randn(3, 8)
+    expected = ff.down(torch.nn.functional.silu(ff.gate(x)) * ff.up(x))
+    assert ff.gate.bias is None and torch.allclose(ff(x), expected)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        GatedFeedForward(8, 16, activation="swish")
+
+
+def test_rms_norm_matches_torch_and_gemma_offset():
+    x = torch.randn(2, 5, 8)
+    norm = randomize(RMSNorm(8, eps=1e-5))
+    expected = torch.nn.functional.rms_norm(x, (8,), norm.weight, eps=1e-5)
+    assert max_error(norm(x), expected) < 1e-6
+    plain = torch.nn.functional.rms_norm(x, (8,), eps=1e-6)
+    gemma = RMSNorm(8, unit_offset=True)  # scales by 1 + weight, weight starting at 0
+    assert torch.equal(gemma.weight, torch.zeros(8)) and max_error(gemma(x), plain) < 1e-6
+    with torch.no_grad():
+        gemma.weight.fill_(0.5)
+    half = gemma.half()  # computed in float32, returned in the input's dtype
+    assert half(x.half()).dtype == torch.float16
+    assert max_error(half(x.half()), 1.5 * plain) < 1e-2
+    with pytest.raises(ValueError, match="last axis is 6"):
+        norm(torch.randn(2, 6))
 
 
 def test_training_mode_applies_dropout():

@@ -1,20 +1,24 @@
 """Attention modules and transformer layers built on mhsa.attention.
 
 attention.py     MultiHeadAttention (self/cross, GQA, positions, caches)
-feedforward.py   the feed-forward sublayer and the residual + norm wrapper
+feedforward.py   the feed-forward sublayers (plain, gated) and the residual + norm wrapper
+norm.py          RMSNorm
 layers.py        encoder and decoder layers
 stacks.py        encoder and decoder stacks, the encoder-decoder Transformer
 convert.py       copying torch.nn Transformer modules into ours
 """
 
 from .attention import MultiHeadAttention, from_torch_masks
-from .feedforward import FeedForward
+from .feedforward import FeedForward, GatedFeedForward
 from .layers import TransformerDecoderLayer, TransformerEncoderLayer
+from .norm import RMSNorm
 from .stacks import Transformer, TransformerDecoder, TransformerEncoder
 
 __all__ = [
     "FeedForward",
+    "GatedFeedForward",
     "MultiHeadAttention",
+    "RMSNorm",
     "Transformer",
     "TransformerDecoder",
     "TransformerDecoderLayer",

@@ -9,6 +9,7 @@ from ..cache import KVCache, MemoryCache
 from ..functional import attention, attention_and_weights, attention_weights
 from ..masks import KeyPadding, Pattern
 from ..positional import AttentionPosition
+from ..scores import ScoreFunction
 from ..validate import int_at_least
 
 
@@ -40,11 +41,17 @@ class MultiHeadAttention(nn.Module):
 
     Args:
         embed_dim: model width E of the query input and of the output.
-        num_heads: query heads H; head_dim = embed_dim // num_heads.
+        num_heads: query heads H.
         num_kv_heads: key/value heads H_kv (grouped-query when < H); default H.
+        head_dim: width D of each head; default E // H. The projections map E to H * D
+            and back, so H * D need not equal E (Gemma 2).
         kdim, vdim: widths of the key and value inputs (cross-attention); default E.
         bias: whether the projections have biases.
         dropout: dropout on attention probabilities while training.
+        scale: multiplies q k^T; default 1 / sqrt(D) (Gemma 2 uses its own scalar).
+        score: an mhsa.scores function applied to the scaled scores inside the engine,
+            after the `position`'s own (e.g. Softcap(50.0)); it should hold no tensors
+            (those would not follow module.to()); positions bring theirs.
         backend: attention backend name, "auto" by default.
     """
 
@@ -54,10 +61,13 @@ class MultiHeadAttention(nn.Module):
         num_heads: int,
         *,
         num_kv_heads: int | None = None,
+        head_dim: int | None = None,
         kdim: int | None = None,
         vdim: int | None = None,
         bias: bool = True,
         dropout: float = 0.0,
+        scale: float | None = None,
+        score: ScoreFunction | None = None,
         backend: str = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -67,9 +77,13 @@ class MultiHeadAttention(nn.Module):
         for name, width in (("embed_dim", embed_dim), ("kdim", kdim), ("vdim", vdim)):
             if width is not None:
                 int_at_least(name, width, 1)
-        if num_heads <= 0 or embed_dim % num_heads:
+        if head_dim is not None:
+            int_at_least("head_dim", head_dim, 1)
+            int_at_least("num_heads", num_heads, 1)
+        elif num_heads <= 0 or embed_dim % num_heads:
             raise ValueError(
-                f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})"
+                f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads}), "
+                "or pass head_dim"
             )
         if num_kv_heads <= 0 or num_heads % num_kv_heads:
             raise ValueError(
@@ -77,18 +91,26 @@ class MultiHeadAttention(nn.Module):
             )
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, int | float)
+                                  or not scale > 0):  # fmt: skip
+            raise ValueError(f"scale must be a number > 0 or None, got {scale!r}")
+        if score is not None and not isinstance(score, ScoreFunction):
+            raise TypeError(f"score must be an mhsa.scores function (e.g. Softcap(50.0)) or "
+                            f"None, got {type(score).__name__}")  # fmt: skip
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
-        self.head_dim = embed_dim // num_heads
+        self.head_dim = embed_dim // num_heads if head_dim is None else head_dim
         self.dropout = dropout
+        self.scale = scale
+        self.score = score
         self.backend = backend
-        kv_width = num_kv_heads * self.head_dim
+        q_width, kv_width = num_heads * self.head_dim, num_kv_heads * self.head_dim
         factory = {"device": device, "dtype": dtype}
-        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.q_proj = nn.Linear(embed_dim, q_width, bias=bias, **factory)
         self.k_proj = nn.Linear(kdim or embed_dim, kv_width, bias=bias, **factory)
         self.v_proj = nn.Linear(vdim or embed_dim, kv_width, bias=bias, **factory)
-        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.out_proj = nn.Linear(q_width, embed_dim, bias=bias, **factory)
 
     def _split(self, x: Tensor, heads: int) -> Tensor:
         batch, length, _ = x.shape
@@ -124,19 +146,26 @@ class MultiHeadAttention(nn.Module):
         q, k, v, mask, bias = self._inputs(
             query, key, value, mask, key_padding_mask, bias, position, cache
         )
-        score = None if position is None else position.score()
+        score, scale = self._score(position), self.scale
         dropout = self.dropout if self.training else 0.0
         if need_weights:
-            out, weights = attention_and_weights(
-                q, k, v, mask, bias=bias, causal=causal, dropout_p=dropout, score=score
-            )
+            out, weights = attention_and_weights(q, k, v, mask, bias=bias, causal=causal,
+                                                 scale=scale, dropout_p=dropout,
+                                                 score=score)  # fmt: skip
         else:
-            out = attention(q, k, v, mask, bias=bias, causal=causal, dropout_p=dropout,
-                            backend=self.backend, score=score)  # fmt: skip
+            out = attention(q, k, v, mask, bias=bias, causal=causal, scale=scale,
+                            dropout_p=dropout, backend=self.backend, score=score)  # fmt: skip
         out = self.out_proj(out.transpose(1, 2).reshape(query.shape[0], query.shape[1], -1))
         if not need_weights:
             return out
         return out, (weights.mean(dim=1) if average_weights else weights)
+
+    def _score(self, position: AttentionPosition | None) -> ScoreFunction | None:
+        """The position's score function, then the module's own, or None."""
+        first = None if position is None else position.score()
+        if first is None or self.score is None:
+            return first if self.score is None else self.score
+        return first.then(self.score)
 
     @staticmethod
     def _check_input(name: str, t: Tensor, proj: nn.Linear) -> None:
@@ -206,9 +235,8 @@ class MultiHeadAttention(nn.Module):
         q, k, _, mask, bias = self._inputs(
             query, key, None, mask, key_padding_mask, bias, position, None
         )
-        score = None if position is None else position.score()
-        return attention_weights(q, k, mask, bias=bias, causal=causal, heads=heads, rows=rows,
-                                 score=score)  # fmt: skip
+        return attention_weights(q, k, mask, bias=bias, causal=causal, scale=self.scale,
+                                 heads=heads, rows=rows, score=self._score(position))  # fmt: skip
 
     @staticmethod
     def _merge_masks(

@@ -1,4 +1,7 @@
-"""The feed-forward sublayer and the residual wrapper every transformer layer uses.
+"""The feed-forward sublayers and the residual wrapper every transformer layer uses.
+
+FeedForward: linear2(activation(linear1(x))). GatedFeedForward (GLU variants: GeGLU in
+Gemma, SwiGLU in Llama): down(activation(gate(x)) * up(x)).
 
 Post-norm (the original paper, the default): x = norm(x + sublayer(x)).
 Pre-norm (norm_first=True): x = x + sublayer(norm(x)).
@@ -6,6 +9,7 @@ Pre-norm (norm_first=True): x = x + sublayer(norm(x)).
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -13,6 +17,7 @@ ACTIVATIONS = {
     "relu": F.relu,
     "gelu": F.gelu,
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # GPT-2's "gelu_new"
+    "silu": F.silu,
 }
 
 
@@ -41,6 +46,36 @@ class FeedForward(nn.Module):
         return self.linear2(self.dropout(ACTIVATIONS[self.activation](self.linear1(x))))
 
 
+class GatedFeedForward(nn.Module):
+    """Gated feed-forward (Shazeer's GLU variants): down(activation(gate(x)) * up(x)).
+
+    activation "gelu_tanh" is GeGLU as in Gemma; "silu" is SwiGLU as in Llama.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        dim_feedforward: int,
+        *,
+        activation: str = "gelu_tanh",
+        bias: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+        self.activation = activation
+        factory = {"bias": bias, "device": device, "dtype": dtype}
+        self.gate = nn.Linear(d_model, dim_feedforward, **factory)
+        self.up = nn.Linear(d_model, dim_feedforward, **factory)
+        self.down = nn.Linear(dim_feedforward, d_model, **factory)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x (..., d_model) -> (..., d_model)."""
+        return self.down(ACTIVATIONS[self.activation](self.gate(x)) * self.up(x))
+
+
 class Residual(nn.Module):
     """One sublayer wrapped in dropout, a residual connection and a layer norm."""
 
@@ -56,4 +91,4 @@ class Residual(nn.Module):
         return self.norm(x + self.dropout(sublayer(x)))
 
 
-__all__ = ["ACTIVATIONS", "FeedForward", "Residual"]
+__all__ = ["ACTIVATIONS", "FeedForward", "GatedFeedForward", "Residual"]
