@@ -36,6 +36,7 @@ class Case(NamedTuple):
     kv_heads: int = 2
     chunk: int = 3  # positions per layout chunk
     dispatch: bool = False  # through mhsa.attention inside context_parallel
+    frozen: bool = False  # the score's tensors need no gradient (fused backward)
 
 
 CASES = {
@@ -43,6 +44,7 @@ CASES = {
     "alibi full contiguous, gqa": Case("contiguous", False, "alibi", heads=4),
     "relative bias causal contiguous": Case("contiguous", True, "relative", chunk=4),
     "relative bias full zigzag, mqa": Case("zigzag", False, "relative", kv_heads=1, chunk=4),
+    "frozen alibi causal contiguous": Case("contiguous", True, "alibi", frozen=True),
     "softcap causal zigzag": Case("zigzag", True, "softcap"),
     "sinks causal contiguous, key padding": Case("contiguous", True, None, True, padding=True),
     "sinks full zigzag": Case("zigzag", False, None, True, heads=4),
@@ -91,8 +93,8 @@ def _score_tensors(name: str | None, heads: int, length: int, gen) -> dict[str, 
     return {}
 
 
-def _leaves(tensors: dict, dtype: torch.dtype = torch.float32) -> dict:
-    return {name: t.to(dtype).requires_grad_() for name, t in tensors.items()}
+def _leaves(tensors: dict, dtype: torch.dtype, grad: bool) -> dict:
+    return {name: t.to(dtype, copy=True).requires_grad_(grad) for name, t in tensors.items()}
 
 
 def _check_case(rank: int, world: int, case: Case) -> dict[str, float]:
@@ -118,14 +120,15 @@ def _check_case(rank: int, world: int, case: Case) -> dict[str, float]:
 
     # the golden answer: one process on the whole sequence, in float64
     whole = [t.double().requires_grad_() for t in (q, k, v)]
-    whole_tensors = _leaves(tensors, torch.float64)
+    whole_tensors = _leaves(tensors, torch.float64, grad=not case.frozen)
     expected = mhsa.attention(*whole, full_mask, causal=case.causal,
                               score=_make_score(case.score, whole_tensors, case.causal),
                               sinks=whole_tensors.get("sinks"))  # fmt: skip
     (expected * grad.double()).sum().backward()
 
     cut = {"rank": rank, "world_size": world, "layout": case.layout}
-    local, local_tensors = [shard(t, **cut).requires_grad_() for t in (q, k, v)], _leaves(tensors)
+    local = [shard(t, **cut).requires_grad_() for t in (q, k, v)]
+    local_tensors = _leaves(tensors, torch.float32, grad=not case.frozen)
     call = {"causal": case.causal, "mask": mask, "sinks": local_tensors.get("sinks"),
             "score": _make_score(case.score, local_tensors, case.causal)}  # fmt: skip
     if case.dispatch:
@@ -139,7 +142,7 @@ def _check_case(rank: int, world: int, case: Case) -> dict[str, float]:
     errors = {"out": (unshard(out.detach(), world, case.layout) - expected).abs().max()}
     for name, mine, full in zip(("dq", "dk", "dv"), local, whole, strict=True):
         errors[name] = (unshard(mine.grad, world, case.layout) - full.grad).abs().max()
-    for name, t in local_tensors.items():
+    for name, t in local_tensors.items() if not case.frozen else ():
         dist.all_reduce(t.grad)  # each rank holds its queries' share
         full = whole_tensors[name].grad
         # sums over every (query, key) pair (ALiBi's of |i - j| up to L): relative error

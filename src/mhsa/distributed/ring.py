@@ -16,6 +16,13 @@ one rank at a time through the left neighbours, then jump once to the farthest r
 neighbour and come back one at a time: len(schedule) - 1 transfers instead of P - 1,
 no compute on the others.
 
+Score functions (mhsa.scores) are evaluated per tile by the engine, each block seeing
+its rows and keys at their global positions (scores.Shifted), so ALiBi, a relative
+bias or a ScoreMod equal one process's under either layout. Sinks join the merged
+lse once, after the last step. Gradients of the replicated tensors (sinks, slopes, a
+bias table, a ScoreMod's closure) are each rank's share, its queries' rows: summed
+over the ranks (with the model's other gradients) they are one process's.
+
 Memory per rank, beyond the inputs: the output, a second K/V shard in flight, one
 dK/dV accumulator (it is received before each step's compute and added to in place),
 dq and the engine's temporaries of one block: about 1/P of one process's.
