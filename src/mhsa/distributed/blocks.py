@@ -17,6 +17,7 @@ from torch import Tensor
 from ..backends.flash import FUSED_BLOCK, plan_for
 from ..kernels.plan import BlockPlan, reduce_blocks
 from ..masks import EMPTY, FULL, Pattern
+from ..scores import ScoreFunction, Shifted
 from .layout import rank_chunks, rank_pieces
 from .transfer import Ring
 
@@ -122,6 +123,7 @@ class Setup:
     scale: float
     fused: bool
     block: int
+    score: ScoreFunction | None = None  # in global positions
     _kinds_cache: dict = field(default_factory=dict)
 
     def global_kinds(self, block_q: int, block_k: int) -> Tensor:
@@ -134,9 +136,10 @@ class Setup:
 
     def blocks(
         self, src: int, keys: Tensor | None, device: torch.device
-    ) -> list[tuple[slice, slice, BlockPlan]]:
-        """(local query rows, local key rows, plan) of every block of this rank's
-        queries against src's shard that is not EMPTY."""
+    ) -> list[tuple[slice, slice, BlockPlan, ScoreFunction | None]]:
+        """(local query rows, local key rows, plan, score function) of every block of
+        this rank's queries against src's shard that is not EMPTY; the score function
+        sees the block's rows and keys at their global positions."""
         ring, piece = self.ring, self.piece
         out = []
         q_pieces = rank_pieces(ring.rank, ring.world, self.layout, self.split)
@@ -153,6 +156,8 @@ class Setup:
                     pattern = None if kind == FULL else self.pattern
                     mask = BlockMask(pattern, pq * piece, pk * piece, self.total, key_piece,
                                       self.block, self.global_kinds)  # fmt: skip
-                plan = plan_for(mask, False, piece, piece, device, self.fused)
-                out.append((rows, cols, plan))
+                scored = self.score is not None
+                plan = plan_for(mask, False, piece, piece, device, self.fused, scored)
+                score = Shifted(self.score, pq * piece, pk * piece) if scored else None
+                out.append((rows, cols, plan, score))
         return out

@@ -7,11 +7,14 @@ import torch
 from torch import Tensor
 
 from .. import validate
+from ..kernels.dense import stats_dtype
 from ..masks import Pattern
+from ..scores import as_score
 from .layout import LAYOUTS
 
 
-def local_problem(q, k, v, mask, key_padding_mask, causal, scale, dropout_p, layout, world):
+def local_problem(q, k, v, mask, key_padding_mask, causal, scale, dropout_p, layout, world,
+                  score=None, sinks=None):  # fmt: skip
     """(error class name, message) for this rank's arguments, or None."""
     try:
         if layout not in LAYOUTS:
@@ -27,6 +30,10 @@ def local_problem(q, k, v, mask, key_padding_mask, causal, scale, dropout_p, lay
         validate.check_qkv(q, k, v)
         validate.check_causal(causal)
         validate.check_scale(scale)
+        validate.check_sinks(sinks, q.shape[1], q.device)
+        score = as_score(score)
+        if score is not None:
+            score.check(q.shape[1], q.device, stats_dtype(q.dtype))
         length = q.shape[2]
         if k.shape[2] != length:
             raise ValueError(
@@ -85,7 +92,8 @@ def check_across_ranks(infos: list[dict]) -> None:
                 f"{name} shapes differ across ranks: {shapes} by rank; every rank needs the "
                 "same batch, heads and head_dim, (B, H, L / P, D)"
             )
-    for name in ("dtype", "layout", "causal", "mask", "scale", "key_padding_mask"):
+    for name in ("dtype", "layout", "causal", "mask", "scale", "key_padding_mask", "score",
+                 "sinks"):  # fmt: skip
         values = [info[name] for info in infos]
         if len(set(values)) > 1:
             shown = [info["mask_repr"] for info in infos] if name == "mask" else values
@@ -93,3 +101,11 @@ def check_across_ranks(infos: list[dict]) -> None:
                 f"ring_attention needs the same {name} on every rank (compared by content), "
                 f"got {shown} by rank"
             )
+
+
+def describe_score(score) -> str:
+    """What is compared across ranks of a score argument (its kind, not its values)."""
+    try:
+        return repr(as_score(score))
+    except TypeError:
+        return repr(score)

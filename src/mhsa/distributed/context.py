@@ -51,8 +51,6 @@ class RingBackend(Backend):
             return "only inside mhsa.distributed.context_parallel(...)"
         if spec.has_bias:
             return "an additive bias is not supported across processes"
-        if spec.has_score or spec.has_sinks:
-            return "score functions and sinks are not supported across processes yet"
         if spec.dropout_p:
             return "dropout is not supported across processes"
         if spec.return_lse:
@@ -88,7 +86,7 @@ class RingBackend(Backend):
             )
         group, layout = _active.get()
         out = ring_attention(q, k, v, group=group, causal=causal, mask=mask, scale=scale,
-                             layout=layout)  # fmt: skip
+                             layout=layout, score=score, sinks=sinks)  # fmt: skip
         return out, None
 
 

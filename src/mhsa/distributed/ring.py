@@ -16,6 +16,13 @@ one rank at a time through the left neighbours, then jump once to the farthest r
 neighbour and come back one at a time: len(schedule) - 1 transfers instead of P - 1,
 no compute on the others.
 
+Score functions (mhsa.scores) are evaluated per tile by the engine, each block seeing
+its rows and keys at their global positions (scores.Shifted), so ALiBi, a relative
+bias or a ScoreMod equal one process's under either layout. Sinks join the merged
+lse once, after the last step. Gradients of the replicated tensors (sinks, slopes, a
+bias table, a ScoreMod's closure) are each rank's share, its queries' rows: summed
+over the ranks (with the model's other gradients) they are one process's.
+
 Memory per rank, beyond the inputs: the output, a second K/V shard in flight, one
 dK/dV accumulator (it is received before each step's compute and added to in place),
 dq and the engine's temporaries of one block: about 1/P of one process's.
@@ -31,9 +38,11 @@ from torch import Tensor
 
 from ..kernels.dense import stats_dtype
 from ..kernels.flash import flash_backward, flash_forward, fused_available
+from ..kernels.scored import add_sinks, sink_grad
 from ..masks import FULL, Causal, Pattern
+from ..scores import ScoreFunction, as_score
 from .blocks import Setup, split_pieces, tile_block, visit_order
-from .checks import check_across_ranks, local_problem
+from .checks import check_across_ranks, describe_score, local_problem
 from .layout import rank_chunks
 from .transfer import Ring, Travelling
 
@@ -52,8 +61,9 @@ def _merge_into(out: Tensor, lse: Tensor, rows: slice, part: Tensor, part_lse: T
     lse[:, :, rows] = new
 
 
-def _ring_forward(q, k, v, keys, setup: Setup) -> tuple[Tensor, Tensor]:
-    """out (B, H, n, D_v) in q's dtype and lse (B, H, n) in the statistics dtype."""
+def _ring_forward(q, k, v, keys, sinks, setup: Setup) -> tuple[Tensor, Tensor]:
+    """out (B, H, n, D_v) in q's dtype and lse (B, H, n) in the statistics dtype; the
+    sinks (H,) join the merged lse once, after the last step."""
     ring, schedule = setup.ring, setup.schedule
     dtype = stats_dtype(q.dtype)
     batch, num_heads, length, _ = q.shape
@@ -67,19 +77,23 @@ def _ring_forward(q, k, v, keys, setup: Setup) -> tuple[Tensor, Tensor]:
         k_cur, v_cur = shards.current[:2]
         key_cur = shards.current[2] if keys is not None else None
         src = (ring.rank + offset) % ring.world
-        for rows, cols, plan in setup.blocks(src, key_cur, q.device):
+        for rows, cols, plan, score in setup.blocks(src, key_cur, q.device):
             part, part_lse = flash_forward(
                 q[:, :, rows], k_cur[:, :, cols], v_cur[:, :, cols], None, plan, setup.scale,
-                None, setup.fused,
+                None, setup.fused, score,
             )  # fmt: skip
             _merge_into(out, lse, rows, part, part_lse)
         if not last:
             shards.receive()
+    if sinks is not None:
+        out, lse = add_sinks(out, lse, sinks)
     return out.to(q.dtype), lse
 
 
-def _ring_backward(grad_out, q, k, v, keys, out, lse, setup: Setup):
-    """dq, dk, dv of this rank's shards: blocks recomputed from the final lse.
+def _ring_backward(grad_out, q, k, v, keys, out, lse, setup: Setup, params=()):
+    """dq, dk, dv of this rank's shards and the gradients of the score function's
+    params from this rank's queries: blocks recomputed from the final out and lse
+    (sinks included, so each block's gradient is already the sinks' softmax's).
 
     The dK/dV accumulator of each shard travels with it: a rank receives it from the
     shard's previous holder before computing (one accumulator per rank, not two:
@@ -92,6 +106,8 @@ def _ring_backward(grad_out, q, k, v, keys, out, lse, setup: Setup):
     shards = Travelling(ring, [k, v] if keys is None else [k, v, keys], owned=False, tag=0)
     zeros = [torch.zeros(t.shape, dtype=dtype, device=q.device) for t in (k, v)]
     grads = Travelling(ring, zeros, owned=True, tag=8)  # (dk, dv) of the shard held
+    param_grads: list[Tensor | None] = [None] * len(params)
+    fused = setup.fused and not params  # the fused kernel gives no score gradients
     for step, offset in enumerate(schedule):
         last = step + 1 == len(schedule)
         if not last:
@@ -102,12 +118,13 @@ def _ring_backward(grad_out, q, k, v, keys, out, lse, setup: Setup):
         key_cur = shards.current[2] if keys is not None else None
         dk, dv = grads.current
         src = (ring.rank + offset) % ring.world
-        for rows, cols, plan in setup.blocks(src, key_cur, q.device):
-            dq_b, dk_b, dv_b, *_ = flash_backward(
+        for rows, cols, plan, score in setup.blocks(src, key_cur, q.device):
+            dq_b, dk_b, dv_b, _, _, found = flash_backward(
                 grad_out[:, :, rows], None, q[:, :, rows], k_cur[:, :, cols], v_cur[:, :, cols],
                 None, out[:, :, rows], lse[:, :, rows].contiguous(), plan, setup.scale, None,
-                setup.fused, False,
+                fused, False, score, None, params,
             )  # fmt: skip
+            _accumulate(param_grads, found)
             dq[:, :, rows] += dq_b
             dk[:, :, cols] += dk_b
             dv[:, :, cols] += dv_b
@@ -123,24 +140,48 @@ def _ring_backward(grad_out, q, k, v, keys, out, lse, setup: Setup):
     if grads.incoming is not None:
         grads.receive()
     dk, dv = grads.current
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), param_grads
+
+
+def _accumulate(total: list[Tensor | None], found: list[Tensor | None]) -> None:
+    """total[i] += found[i], where found[i] is not None."""
+    for i, grad in enumerate(found):
+        if grad is not None:
+            total[i] = grad if total[i] is None else total[i] + grad
 
 
 class _RingAttention(torch.autograd.Function):
-    """(q, k, v, key padding) shards -> out shard; saves only q, k, v, keys, out, lse."""
+    """(q, k, v, key padding, sinks, *score tensors) shards -> out shard; saves only the
+    inputs, out and lse. The gradients of sinks and score tensors are this rank's
+    queries' share: summed over the ranks they give one process's."""
 
     @staticmethod
-    def forward(ctx, q, k, v, keys, setup):
-        out, lse = _ring_forward(q, k, v, keys, setup)
-        ctx.save_for_backward(q, k, v, keys, out, lse)
+    def forward(ctx, q, k, v, keys, sinks, setup, *score_params):
+        out, lse = _ring_forward(q, k, v, keys, sinks, setup)
+        ctx.save_for_backward(q, k, v, keys, sinks, out, lse, *score_params)
         ctx.setup = setup
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, keys, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(grad_out, q, k, v, keys, out, lse, ctx.setup)
-        return dq, dk, dv, None, None
+        q, k, v, keys, sinks, out, lse, *saved_params = ctx.saved_tensors
+        wanted = ctx.needs_input_grad[6:]
+        params = tuple(p for p, want in zip(saved_params, wanted, strict=True) if want)
+        dq, dk, dv, found = _ring_backward(grad_out, q, k, v, keys, out, lse, ctx.setup, params)
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[4]:
+            delta = (grad_out.to(lse.dtype) * out.to(lse.dtype)).sum(dim=-1)
+            dsinks = sink_grad(sinks, lse, delta)
+        found = iter(found)
+        param_grads = [_zero_if_none(next(found), p) if want else None
+                       for p, want in zip(saved_params, wanted, strict=True)]  # fmt: skip
+        return (dq, dk, dv, None, dsinks, None, *param_grads)
+
+
+def _zero_if_none(grad: Tensor | None, param: Tensor) -> Tensor:
+    """A rank whose blocks never read a tensor still returns its (zero) gradient, so
+    that every rank's gradient has the same shape for an all-reduce."""
+    return torch.zeros_like(param) if grad is None else grad.to(param.dtype)
 
 
 def ring_attention(
@@ -155,6 +196,8 @@ def ring_attention(
     scale: float | None = None,
     layout: str = "contiguous",
     dropout_p: float = 0.0,
+    score: ScoreFunction | list | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Exact attention over a sequence sharded across the ranks of `group`.
 
@@ -172,10 +215,21 @@ def ring_attention(
         scale: multiplies q k^T; defaults to 1 / sqrt(D).
         layout: "contiguous" or "zigzag", as the shards were cut by `shard`.
         dropout_p: must be 0; dropout is not supported.
+        score: an mhsa.scores function (ALiBi, RelativeBias, Softcap, ScoreMod) or a
+            list of them, the same on every rank; it sees global positions (a query's
+            and a key's place in the whole sequence, whatever the layout).
+        sinks: (H,) per-head logits of a key without a value, the same on every rank;
+            each joins its row's softmax denominator once.
 
     Returns:
         (B, H, n, D_v) this rank's output rows, in q's dtype; gradients flow to q, k
         and v. A query with no allowed key gets 0 output and zero gradients.
+
+    Gradients of replicated tensors (sinks, a score function's slopes, bias table or
+    closure tensors) are this rank's share: those of its own query rows against every
+    key. Like the gradient of any weight applied to this rank's shard, they sum over
+    the ranks to one process's gradient: all-reduce them with the model's other
+    gradients (as DistributedDataParallel or mhsa.train's context parallel do).
 
     Each call all-gathers the shard shapes once, so a bad argument on any rank (uneven
     shards, mismatched B/H/D, odd shard length for zigzag, unknown layout, dropout)
@@ -191,7 +245,7 @@ def ring_attention(
         )
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     problem = local_problem(
-        q, k, v, mask, key_padding_mask, causal, scale, dropout_p, layout, world
+        q, k, v, mask, key_padding_mask, causal, scale, dropout_p, layout, world, score, sinks
     )
 
     def shape(t):
@@ -203,10 +257,12 @@ def ring_attention(
         "mask": mask.fingerprint() if isinstance(mask, Pattern) else repr(mask),
         "mask_repr": repr(mask), "scale": repr(scale),
         "key_padding_mask": "given" if key_padding_mask is not None else None,
+        "score": describe_score(score), "sinks": "given" if sinks is not None else None,
     }  # fmt: skip
     infos: list[dict] = [{} for _ in range(world)]
     dist.all_gather_object(infos, info, group=group)
     check_across_ranks(infos)
+    score = as_score(score)
 
     chunk = q.shape[2] // len(rank_chunks(0, 1, layout))
     split = split_pieces(chunk, layout)
@@ -229,8 +285,12 @@ def ring_attention(
         piece_kinds=piece_kinds,
         schedule=visit_order(world, layout, piece_kinds, split),
         scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale),
-        fused=fused_available(q, v, 0.0),
+        # the fused kernel adds a float tile: additive score functions only
+        fused=fused_available(q, v, 0.0) and (score is None or score.additive),
         block=tile_block(piece, getattr(pattern, "block_size", None)),
+        score=score,
     )
     keys = None if key_padding_mask is None else key_padding_mask.to(torch.uint8).contiguous()
-    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), keys, setup)
+    params = () if score is None else score.tensors()
+    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), keys, sinks,
+                                setup, *params)  # fmt: skip
