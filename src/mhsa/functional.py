@@ -19,9 +19,9 @@ from .kernels.dense import (
     stats_dtype,
 )
 from .kernels.dropout import draw_seed
-from .kernels.scored import softmax_with_sinks
+from .kernels.scored import SelectedHeads, softmax_with_sinks
 from .masks import Pattern
-from .scores import ScoreFunction, SelectedHeads, apply_score, as_score
+from .scores import ScoreFunction, apply_score, as_score
 
 
 def _check_common(

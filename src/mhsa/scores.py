@@ -295,62 +295,6 @@ class Compose(ScoreFunction):
         return " then ".join(repr(f) for f in self.functions)
 
 
-class SelectedHeads(ScoreFunction):
-    """`score` seen from a call on a selection of query heads: local head h is global
-    head index[h] of num_heads."""
-
-    def __init__(self, score: ScoreFunction, index: Tensor, num_heads: int) -> None:
-        self.score, self.index, self.num_heads = score, index, num_heads
-        self.additive, self.separable = score.additive, score.separable
-        self.grad_from_output = score.grad_from_output
-
-    def __call__(self, score, batch, head, q_pos, k_pos):
-        return self.score(score, batch, self.index[head], q_pos, k_pos)
-
-    def apply_(self, score, batch, head, q_pos, k_pos):
-        return self.score.apply_(score, batch, self.index[head], q_pos, k_pos)
-
-    def split_left(self, head, q_pos, k_pos):
-        return self.score.split_left(self.index[head], q_pos, k_pos)
-
-    def bias(self, batch, head, q_pos, k_pos):
-        return self.score.bias(batch, self.index[head], q_pos, k_pos)
-
-    def tensors(self):
-        return self.score.tensors()
-
-    def input_grad(self, out, grad_out):
-        return self.score.input_grad(out, grad_out)
-
-    def check(self, num_heads, device, dtype):
-        self.score.check(self.num_heads, device, dtype)
-
-
-class Shifted(ScoreFunction):
-    """`score` seen from one block of a longer sequence: the block's query and key
-    positions i, j are the sequence's i + q_offset, j + k_offset (a shard's block in
-    ring attention)."""
-
-    def __init__(self, score: ScoreFunction, q_offset: int, k_offset: int) -> None:
-        self.score, self.q_offset, self.k_offset = score, q_offset, k_offset
-        self.additive = score.additive
-
-    def __call__(self, score, batch, head, q_pos, k_pos):
-        return self.score(score, batch, head, q_pos + self.q_offset, k_pos + self.k_offset)
-
-    def bias(self, batch, head, q_pos, k_pos):
-        return self.score.bias(batch, head, q_pos + self.q_offset, k_pos + self.k_offset)
-
-    def tensors(self):
-        return self.score.tensors()
-
-    def input_grad(self, out, grad_out):
-        return self.score.input_grad(out, grad_out)
-
-    def check(self, num_heads, device, dtype):
-        self.score.check(num_heads, device, dtype)
-
-
 def as_score(score) -> ScoreFunction | None:
     """None, a ScoreFunction, or a sequence of them composed in order."""
     if score is None or isinstance(score, ScoreFunction):

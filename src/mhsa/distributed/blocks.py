@@ -16,8 +16,9 @@ from torch import Tensor
 
 from ..backends.flash import FUSED_BLOCK, plan_for
 from ..kernels.plan import BlockPlan, reduce_blocks
+from ..kernels.scored import Shifted
 from ..masks import EMPTY, FULL, Pattern
-from ..scores import ScoreFunction, Shifted
+from ..scores import ScoreFunction
 from .layout import rank_chunks, rank_pieces
 from .transfer import Ring
 
@@ -157,7 +158,7 @@ class Setup:
                     mask = BlockMask(pattern, pq * piece, pk * piece, self.total, key_piece,
                                       self.block, self.global_kinds)  # fmt: skip
                 scored = self.score is not None
-                plan = plan_for(mask, False, piece, piece, device, self.fused, scored)
+                plan = plan_for(mask, False, piece, piece, device, self.fused, self.score)
                 score = Shifted(self.score, pq * piece, pk * piece) if scored else None
                 out.append((rows, cols, plan, score))
         return out

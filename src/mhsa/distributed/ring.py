@@ -17,7 +17,7 @@ neighbour and come back one at a time: len(schedule) - 1 transfers instead of P 
 no compute on the others.
 
 Score functions (mhsa.scores) are evaluated per tile by the engine, each block seeing
-its rows and keys at their global positions (scores.Shifted), so ALiBi, a relative
+its rows and keys at their global positions (kernels.scored.Shifted), so ALiBi, a relative
 bias or a ScoreMod equal one process's under either layout. Sinks join the merged
 lse once, after the last step. Gradients of the replicated tensors (sinks, slopes, a
 bias table, a ScoreMod's closure) are each rank's share, its queries' rows: summed
