@@ -1,5 +1,6 @@
 """`mhsa bench scores`: score functions inside the flash engine against the same call
-without one (causal, B=1, H=8, D=64, float32, forward + backward), in one run.
+without one (causal, B=1, H=8, D=64, float32, forward + backward), and forward only
+against compiled FlexAttention with the same score_mod, in one run.
 
 Time: best of `repeat`, interleaved. Memory: peak extra resident memory of one
 forward + backward in a fresh process (mhsa.benchmarks.memory), against the same call
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .memory import measure_in_subprocess, score_named
+from .sparse import compiled_flex
 from .timing import best_times
 
 HEADS, HEAD_DIM = 8, 64
@@ -28,7 +30,44 @@ def _step(q, k, v, score):
     return run
 
 
-def run(length: int = 4096, repeat: int = 3, memory: bool = True) -> dict:
+def _flex_score_mods(heads: int) -> dict:
+    """FlexAttention score_mods written as a FlexAttention user would, equal to ours."""
+    from mhsa.positional import alibi_slopes
+
+    slopes, cap = alibi_slopes(heads), score_named("softcap", heads).cap
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx).abs()
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+
+    return {"alibi": alibi, "softcap": softcap}
+
+
+def flex_forward(length: int, repeat: int) -> dict:
+    """Forward-only seconds of the flash engine and compiled FlexAttention (causal
+    BlockMask) for each score function, and the largest difference of their outputs."""
+    from mhsa.functional import attention
+
+    q, k, v = (torch.randn(1, HEADS, length, HEAD_DIM) for _ in range(3))
+    result: dict = {"seconds": {}, "max_difference": {}, "setup_seconds": {}}
+    for name, score_mod in _flex_score_mods(HEADS).items():
+        flex, setup = compiled_flex(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, length,
+                                    score_mod)  # fmt: skip
+        if flex is None:
+            return {"unavailable": setup}
+        score = score_named(name, HEADS)
+        fns = {f"flash {name}": lambda s=score: attention(q, k, v, causal=True, score=s,
+                                                          backend="flash"),
+               f"flex {name}": lambda f=flex: f(q, k, v)}  # fmt: skip
+        result["seconds"].update(best_times(fns, repeat))
+        difference = (fns[f"flash {name}"]() - fns[f"flex {name}"]()).abs().max().item()
+        result["max_difference"][name], result["setup_seconds"][name] = difference, setup
+    return result
+
+
+def run(length: int = 4096, repeat: int = 3, memory: bool = True, flex: bool = True) -> dict:
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, HEADS, length, HEAD_DIM, requires_grad=True) for _ in range(3))
     fns = {str(name): _step(q, k, v, score_named(name, HEADS)) for name in SCORES}
@@ -41,6 +80,8 @@ def run(length: int = 4096, repeat: int = 3, memory: bool = True) -> dict:
             for name in (None, "alibi")
         }  # fmt: skip
     result["dense_bias_bytes"] = HEADS * length * length * 4
+    if flex:
+        result["flex_forward"] = flex_forward(length, repeat)
     return result
 
 
@@ -57,4 +98,16 @@ def report(result: dict) -> str:
         dense = result["dense_bias_bytes"] / 2**20
         lines.append(f"peak extra memory: none {none:.0f} MiB, alibi {alibi:.0f} MiB "
                      f"({alibi / none:.2f}x); a dense ALiBi bias is {dense:.0f} MiB")  # fmt: skip
+    flex = result.get("flex_forward")
+    if flex and "unavailable" in flex:
+        lines.append(f"compiled FlexAttention unavailable: {flex['unavailable']}")
+    elif flex:
+        lines.append("forward only, against compiled FlexAttention (causal BlockMask, the "
+                     "same score_mod; compile time excluded):")  # fmt: skip
+        for name, difference in flex["max_difference"].items():
+            ours, theirs = flex["seconds"][f"flash {name}"], flex["seconds"][f"flex {name}"]
+            lines.append(
+                f"{name:>10} flash {ours:7.3f} s  flex {theirs:7.3f} s  flash is "
+                f"{theirs / ours:.2f}x faster (outputs within {difference:.1e})"
+            )
     return "\n".join(lines)

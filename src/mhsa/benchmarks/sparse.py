@@ -24,9 +24,10 @@ def _inputs(length: int, heads: int, grad: bool = False):
     return [torch.randn(1, heads, length, 64, requires_grad=grad) for _ in range(3)]
 
 
-def _flex(mask_mod, length: int):
-    """Compiled flex_attention with mask_mod as a BlockMask: (fn, seconds to build the
-    mask and compile), or (None, reason) where FlexAttention is unavailable."""
+def compiled_flex(mask_mod, length: int, score_mod=None):
+    """Compiled flex_attention with mask_mod as a BlockMask (and score_mod): (fn, seconds
+    to build the mask and compile), or (None, reason) where FlexAttention is
+    unavailable."""
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     except ImportError as error:
@@ -36,11 +37,11 @@ def _flex(mask_mod, length: int):
         block_mask = create_block_mask(mask_mod, None, None, length, length, device="cpu")
         compiled = torch.compile(flex_attention)
         q, k, v = _inputs(length, 8)
-        compiled(q, k, v, block_mask=block_mask)
+        compiled(q, k, v, block_mask=block_mask, score_mod=score_mod)
     except Exception as error:  # no compiler toolchain, unsupported platform, ...
         return None, f"{type(error).__name__}: {str(error).splitlines()[0]}"
     seconds = time.perf_counter() - start
-    return (lambda q, k, v: compiled(q, k, v, block_mask=block_mask)), seconds
+    return (lambda q, k, v: compiled(q, k, v, block_mask=block_mask, score_mod=score_mod)), seconds
 
 
 def _flex_backward_reason(flex, length: int) -> str | None:
@@ -61,7 +62,7 @@ def window_cases(length: int, repeat: int) -> dict:
     def window_mod(b, h, q_idx, kv_idx):  # the same window, as FlexAttention's mask_mod
         return (kv_idx - q_idx >= -256) & (kv_idx - q_idx <= 256)
 
-    flex, flex_setup = _flex(window_mod, length)
+    flex, flex_setup = compiled_flex(window_mod, length)
     fns = {
         "flash": lambda: attention(q, k, v, pattern, backend="flash"),
         "sdpa dense mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense),
