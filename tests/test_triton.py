@@ -254,14 +254,17 @@ from mhsa.kernels.triton import attention
 from mhsa.kernels.triton.function import block_sizes
 
 POINTERS = {"Mask": "*u8", "Tiles": "*u8", "row_ptr": "*i32", "col_ptr": "*i32",
-            "blk_idx": "*i32", "blk_kind": "*i32", "blk_tile": "*i32"}
-STATS = {"Lse", "Delta", "DQ", "DK", "DV", "DBias", "P"}
+            "blk_idx": "*i32", "blk_kind": "*i32", "blk_tile": "*i32", "Buckets": "*i32"}
+STATS = {"Lse", "Delta", "DQ", "DK", "DV", "DBias", "P", "DSlope", "DTable"}
 for dtype, torch_dtype, dim, mask_mode in (("bf16", torch.bfloat16, 128, 1),
                                           ("fp32", torch.float32, 64, 2)):
     block_m, block_n, warps, stages = block_sizes(dim, dim, torch_dtype)
+    # every score path: ALiBi before the softcap, RelativeBias after it, sinks, gradients
     constants = dict(HAS_BIAS=True, BIAS_GRAD=True, MASK_MODE=mask_mode, CAUSAL=True,
                      DROPOUT=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=dim, BLOCK_DV=dim,
-                     PREC="ieee" if dtype == "fp32" else None, UPCAST=False, ACC=tl.float32)
+                     PREC="ieee" if dtype == "fp32" else None, UPCAST=False, ACC=tl.float32,
+                     ALIBI=1, RELATIVE=2, SOFTCAP=True, HAS_SINKS=True, SLOPE_GRAD=True,
+                     TABLE_GRAD=True, BLOCK_NB=32)
     for kernel in ("_attn_fwd", "_attn_bwd_dq", "_attn_bwd_dkv", "_attn_probs"):
         fn = getattr(attention, kernel)
         consts = {k: v for k, v in constants.items() if k in fn.arg_names}
@@ -276,7 +279,7 @@ for dtype, torch_dtype, dim, mask_mode in (("bf16", torch.bfloat16, 128, 1),
             elif name[0].isupper():
                 signature[name] = "*" + dtype
             else:
-                signature[name] = "fp32" if name in ("scale", "keep_scale") else "i32"
+                signature[name] = "fp32" if name in ("scale", "keep_scale", "cap") else "i32"
         source = ASTSource(fn=fn, signature=signature, constexprs=consts)
         triton.compile(source, target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": warps, "num_stages": stages})

@@ -21,7 +21,7 @@ from .kernels.dense import (
 from .kernels.dropout import draw_seed
 from .kernels.scored import SelectedHeads, softmax_with_sinks
 from .masks import Pattern
-from .scores import ScoreFunction, apply_score, as_score
+from .scores import ScoreFunction, apply_score, as_score, kinds
 
 
 def _check_common(
@@ -123,6 +123,7 @@ def attention(
         dropout_p=float(dropout_p),
         return_lse=return_lse,
         has_score=score is not None,
+        score_kinds=kinds(score),
         has_sinks=sinks is not None,
     )
     chosen = select(spec, backend)
@@ -187,14 +188,12 @@ def attention_weights(
     score_sel = None if score is None else SelectedHeads(score, head_idx, num_heads)
     sinks_sel = None if sinks is None else sinks.index_select(0, head_idx)
     if backend == "triton":  # visited tiles only, normalised by the kernel's own lse
-        if score is not None or sinks is not None:
-            raise ValueError("attention_weights backend 'triton' takes no score functions "
-                             "or sinks yet; use 'flash' or 'reference'")  # fmt: skip
-        from .kernels.triton import triton_attention_weights  # imports triton
+        from .kernels.triton import score_of_heads, triton_attention_weights  # imports triton
 
         probs = triton_attention_weights(
-            q_sel, k_sel, mask_sel, bias=bias_sel, causal=causal, scale=resolved_scale
-        )
+            q_sel, k_sel, mask_sel, bias=bias_sel, causal=causal, scale=resolved_scale,
+            score=score_of_heads(score, head_idx), sinks=sinks_sel,
+        )  # fmt: skip
         return probs.index_select(2, row_idx).to(q.dtype)
     dtype = stats_dtype(q.dtype)
     scores = grouped_scores(q_sel.index_select(2, row_idx), k_sel, resolved_scale, dtype)

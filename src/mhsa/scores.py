@@ -295,6 +295,15 @@ class Compose(ScoreFunction):
         return " then ".join(repr(f) for f in self.functions)
 
 
+def kinds(score: ScoreFunction | None) -> tuple[str, ...]:
+    """The class names of score's functions in order (a Compose's, flattened): what an
+    AttentionSpec carries for backends that evaluate only some kinds."""
+    if score is None:
+        return ()
+    functions = score.functions if isinstance(score, Compose) else (score,)
+    return tuple(type(f).__name__ for f in functions)
+
+
 def as_score(score) -> ScoreFunction | None:
     """None, a ScoreFunction, or a sequence of them composed in order."""
     if score is None or isinstance(score, ScoreFunction):

@@ -36,6 +36,7 @@ class AttentionSpec:
     dropout_p: float
     return_lse: bool
     has_score: bool = False  # an mhsa.scores function
+    score_kinds: tuple[str, ...] = ()  # its functions' class names in order (scores.kinds)
     has_sinks: bool = False
 
     @classmethod

@@ -1,6 +1,8 @@
 """The triton backend: our own Triton kernels (mhsa.kernels.triton) over the flash
 engine's block plan: empty tiles skipped, full tiles unmasked, patterns, bool masks,
-differentiable bias, counter-based dropout with any mask, GQA, D and D_v up to 256.
+differentiable bias, counter-based dropout with any mask, GQA, D and D_v up to 256,
+score functions ALiBi, RelativeBias and Softcap (composed, each at most once) and
+sinks, evaluated inside the kernels, their tensors differentiable.
 
 It runs on CUDA, or on CPU in Triton's interpreter when TRITON_INTERPRET=1 is set
 before triton is imported (slow: for tests; `auto` never picks it there). triton
@@ -20,6 +22,7 @@ from .registry import AttentionSpec, Backend
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
+KERNEL_SCORES = ("ALiBi", "RelativeBias", "Softcap")  # mhsa.kernels.triton.scores
 
 
 @functools.cache
@@ -32,6 +35,22 @@ def _triton_installed() -> bool:
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def score_reason(kinds: tuple[str, ...]) -> str | None:
+    """Why the kernels cannot evaluate a score function made of kinds (class names in
+    order, mhsa.scores.kinds), or None: they take ALiBi, RelativeBias and Softcap, each
+    at most once, in any order."""
+    if not kinds:
+        return "the call's score function is not named in its spec (score_kinds)"
+    for kind in kinds:
+        if kind not in KERNEL_SCORES:
+            return (f"its kernels evaluate ALiBi, RelativeBias and Softcap, not {kind} "
+                    "(flash and reference take any score function)")  # fmt: skip
+        if kinds.count(kind) > 1:
+            return (f"a composition may hold each of {', '.join(KERNEL_SCORES)} once, got "
+                    f"{kind} twice")  # fmt: skip
+    return None
 
 
 class TritonBackend(Backend):
@@ -49,8 +68,10 @@ class TritonBackend(Backend):
             return "CPU tensors need TRITON_INTERPRET=1 (the slow interpreter); use flash on CPU"
         if spec.device.type not in ("cuda", "cpu"):
             return f"it runs on CUDA devices, got {spec.device.type}"
-        if spec.has_score or spec.has_sinks:
-            return "no score functions or sinks yet (flash and reference take them)"
+        if spec.has_score:
+            reason = score_reason(spec.score_kinds)
+            if reason is not None:
+                return reason
         if spec.dtype not in DTYPES:
             return f"it takes float32, float16 or bfloat16, got {spec.dtype}"
         if max(spec.head_dim, spec.value_dim) > MAX_HEAD_DIM:
@@ -74,6 +95,7 @@ class TritonBackend(Backend):
 
         seed = draw_seed() if dropout_p > 0 else None
         out, lse = triton_attention(
-            q, k, v, mask, bias=bias, causal=causal, scale=scale, dropout_p=dropout_p, seed=seed
-        )
+            q, k, v, mask, bias=bias, causal=causal, scale=scale, dropout_p=dropout_p,
+            seed=seed, score=score, sinks=sinks,
+        )  # fmt: skip
         return out, (lse if return_lse else None)

@@ -9,11 +9,13 @@ from .function import (
     triton_attention_weights,
     triton_keep_mask,
 )
+from .scores import score_of_heads
 
 __all__ = [
     "TritonAttention",
     "build_tiles",
     "interpreting",
+    "score_of_heads",
     "triton_attention",
     "triton_attention_weights",
     "triton_keep_mask",

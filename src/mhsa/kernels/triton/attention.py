@@ -8,7 +8,9 @@ each key block (dK/dV) the query blocks that visit it, each with its kind:
                  call's mask: MASK_MODE 1 reads a bool tensor broadcast to
                  (B, H, L, S) through its strides, MASK_MODE 2 reads the tile's own
                  (BLOCK_M, BLOCK_N) slice of a compact buffer of partial tiles.
-EMPTY tiles are not in the lists, so they are never visited.
+EMPTY tiles are not in the lists, so they are never visited. A score function
+(ALIBI, RELATIVE, SOFTCAP) is applied to each tile's scaled scores before the bias and
+the mask, and sinks start each row's softmax (see scores.py).
 
 Conventions: scores, softmax statistics and gradients accumulate in ACC, float32
 (float64 for float64 inputs, under the interpreter, for gradcheck); a row with no allowed key
@@ -21,6 +23,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from .scores import _head_score, _score_fn, _score_grad
 
 
 @triton.jit
@@ -81,17 +85,22 @@ def _load_lse(Lse, bh, rows, q_len):
 @triton.jit
 def _scores(
     q, k, rows, cols, kind, tile, bias, sbl, sbs, mask, sml, sms, tiles,
-    scale, q_len, kv_len, shift,
+    scale, q_len, kv_len, shift, slope, table, stn, Buckets, span, cap,
     HAS_BIAS: tl.constexpr, MASK_MODE: tl.constexpr, CAUSAL: tl.constexpr,
+    ALIBI: tl.constexpr, RELATIVE: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
     ACC: tl.constexpr,
 ):
-    """(BLOCK_M, BLOCK_N) ACC scores q k^T * scale + bias, -inf where not allowed.
+    """(BLOCK_M, BLOCK_N) ACC scores score_fn(q k^T * scale) + bias, -inf where not
+    allowed, and the softcap's tanh for the backward (see scores._score_fn).
 
     bias and mask point at this (batch, head)'s (L, S) slice (row/column strides sbl,
-    sbs and sml, sms); tiles at this batch's compact partial-tile buffer.
+    sbs and sml, sms); tiles at this batch's compact partial-tile buffer; slope, table
+    (with bucket stride stn), Buckets, span and cap are the score function's.
     """
     s = _dot(q, tl.trans(k), PREC, UPCAST, ACC) * scale
+    s, t = _score_fn(s, rows, cols, shift, slope, table, stn, Buckets, span, cap,
+                     ALIBI, RELATIVE, SOFTCAP, ACC)
     inside = (rows[:, None] < q_len) & (cols[None, :] < kv_len)
     rows64, cols64 = rows.to(tl.int64), cols.to(tl.int64)
     if HAS_BIAS:
@@ -110,7 +119,7 @@ def _scores(
             local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             offs = tile.to(tl.int64) * (BLOCK_M * BLOCK_N) + local
             s = tl.where(tl.load(tiles + offs) != 0, s, float("-inf"))
-    return s
+    return s, t
 
 
 @triton.jit
@@ -119,15 +128,18 @@ def _attn_fwd(
     sqb, sqh, sql, sqd, skb, skh, sks, skd, svb, svh, svs, svd, sob, soh, sol, sod,
     sbb, sbh, sbl, sbs, smb, smh, sml, sms, stb,
     num_heads, group, q_len, kv_len, head_dim, value_dim, scale, shift,
-    seed, threshold, keep_scale,
+    seed, threshold, keep_scale, Slopes, Table, Buckets, Sinks, stn, sth, span, cap,
     HAS_BIAS: tl.constexpr, MASK_MODE: tl.constexpr, CAUSAL: tl.constexpr,
-    DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-    ACC: tl.constexpr,
+    DROPOUT: tl.constexpr, ALIBI: tl.constexpr, RELATIVE: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PREC: tl.constexpr,
+    UPCAST: tl.constexpr, ACC: tl.constexpr,
 ):
-    """Grid (query blocks, B * H): out (B, H, L, D_v) and lse (B, H, L) of one block."""
+    """Grid (query blocks, B * H): out (B, H, L, D_v) and lse (B, H, L) of one block.
+    With HAS_SINKS each row starts at max = its head's sink and sum = exp(0) = 1."""
     qi, bh = tl.program_id(0), tl.program_id(1)
     b64, h64, hk64 = _program_heads(bh, num_heads, group)
+    slope, table, sink = _head_score(Slopes, Table, Sinks, h64, sth, ALIBI, HAS_SINKS, ACC)
     rows = qi * BLOCK_M + tl.arange(0, BLOCK_M)
     dims, vdims = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
     q = _load_2d(Q + b64 * sqb + h64 * sqh, rows, q_len, sql, dims, head_dim, sqd)
@@ -136,15 +148,19 @@ def _attn_fwd(
     tiles = Tiles + b64 * stb
     m_i = tl.full([BLOCK_M], float("-inf"), ACC)
     l_i = tl.zeros([BLOCK_M], ACC)
+    if HAS_SINKS:
+        m_i = tl.full([BLOCK_M], 0.0, ACC) + sink
+        l_i = tl.full([BLOCK_M], 1.0, ACC)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], ACC)
     for e in range(tl.load(row_ptr + qi), tl.load(row_ptr + qi + 1)):
         kj, kind, tile = tl.load(blk_idx + e), tl.load(blk_kind + e), tl.load(blk_tile + e)
         cols = kj * BLOCK_N + tl.arange(0, BLOCK_N)
         k = _load_2d(k_base, cols, kv_len, sks, dims, head_dim, skd)
         v = _load_2d(v_base, cols, kv_len, svs, vdims, value_dim, svd)
-        s = _scores(q, k, rows, cols, kind, tile, bias, sbl, sbs, mask, sml, sms, tiles,
-                    scale, q_len, kv_len, shift,
-                    HAS_BIAS, MASK_MODE, CAUSAL, BLOCK_M, BLOCK_N, PREC, UPCAST, ACC)
+        s, t = _scores(q, k, rows, cols, kind, tile, bias, sbl, sbs, mask, sml, sms, tiles,
+                    scale, q_len, kv_len, shift, slope, table, stn, Buckets, span, cap,
+                    HAS_BIAS, MASK_MODE, CAUSAL, ALIBI, RELATIVE, SOFTCAP,
+                    BLOCK_M, BLOCK_N, PREC, UPCAST, ACC)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet
         p = tl.exp(s - m_safe[:, None])
@@ -171,16 +187,23 @@ def _attn_bwd_dq(
     sqb, sqh, sql, sqd, skb, skh, sks, skd, svb, svh, svs, svd, sdb, sdh, sdl, sdd,
     sbb, sbh, sbl, sbs, smb, smh, sml, sms, stb,
     num_heads, group, q_len, kv_len, head_dim, value_dim, scale, shift,
-    seed, threshold, keep_scale,
+    seed, threshold, keep_scale, Slopes, Table, Buckets, Sinks, stn, sth, span, cap,
+    DSlope, DTable,
     HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, MASK_MODE: tl.constexpr,
-    CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, ALIBI: tl.constexpr, RELATIVE: tl.constexpr,
+    SOFTCAP: tl.constexpr, SLOPE_GRAD: tl.constexpr, TABLE_GRAD: tl.constexpr,
+    BLOCK_NB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
     ACC: tl.constexpr,
 ):
     """Grid (query blocks, B * H): dQ (B, H, L, D) in ACC of one block; with BIAS_GRAD
-    also the block's dS tiles into dBias (B, H, L, S) ACC (each entry written once)."""
+    also the block's dS tiles into dBias (B, H, L, S) ACC (each entry written once);
+    with SLOPE_GRAD / TABLE_GRAD the block's slope gradient and per-bucket table
+    gradient sums into DSlope (B * H, query blocks) and DTable (B * H, query blocks,
+    BLOCK_NB), ACC, reduced by the caller."""
     qi, bh = tl.program_id(0), tl.program_id(1)
     b64, h64, hk64 = _program_heads(bh, num_heads, group)
+    slope, table, _ = _head_score(Slopes, Table, Sinks, h64, sth, ALIBI, False, ACC)
     bh64 = bh.to(tl.int64)
     rows = qi * BLOCK_M + tl.arange(0, BLOCK_M)
     dims, vdims = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
@@ -193,14 +216,17 @@ def _attn_bwd_dq(
     bias, mask = Bias + b64 * sbb + h64 * sbh, Mask + b64 * smb + h64 * smh
     tiles = Tiles + b64 * stb
     dq = tl.zeros([BLOCK_M, BLOCK_D], ACC)
+    d_slope = tl.zeros([], ACC)
+    d_table = tl.zeros([BLOCK_NB], ACC)
     for e in range(tl.load(row_ptr + qi), tl.load(row_ptr + qi + 1)):
         kj, kind, tile = tl.load(blk_idx + e), tl.load(blk_kind + e), tl.load(blk_tile + e)
         cols = kj * BLOCK_N + tl.arange(0, BLOCK_N)
         k = _load_2d(k_base, cols, kv_len, sks, dims, head_dim, skd)
         v = _load_2d(v_base, cols, kv_len, svs, vdims, value_dim, svd)
-        s = _scores(q, k, rows, cols, kind, tile, bias, sbl, sbs, mask, sml, sms, tiles,
-                    scale, q_len, kv_len, shift,
-                    HAS_BIAS, MASK_MODE, CAUSAL, BLOCK_M, BLOCK_N, PREC, UPCAST, ACC)
+        s, t = _scores(q, k, rows, cols, kind, tile, bias, sbl, sbs, mask, sml, sms, tiles,
+                    scale, q_len, kv_len, shift, slope, table, stn, Buckets, span, cap,
+                    HAS_BIAS, MASK_MODE, CAUSAL, ALIBI, RELATIVE, SOFTCAP,
+                    BLOCK_M, BLOCK_N, PREC, UPCAST, ACC)
         p = tl.exp(s - lse[:, None])
         dp = _dot(do, tl.trans(v), PREC, UPCAST, ACC)
         if DROPOUT:
@@ -209,9 +235,17 @@ def _attn_bwd_dq(
         if BIAS_GRAD:
             offs = (bh64 * q_len + rows.to(tl.int64))[:, None] * kv_len + cols[None, :]
             tl.store(DBias + offs, ds, mask=row_ok[:, None] & (cols[None, :] < kv_len))
+        ds, d_slope, d_table = _score_grad(ds, t, rows, cols, shift, Buckets, span, d_slope,
+                                           d_table, ALIBI, RELATIVE, SOFTCAP, SLOPE_GRAD,
+                                           TABLE_GRAD, BLOCK_NB, ACC)
         dq += _dot(ds.to(k.dtype), k, PREC, UPCAST, ACC)
     offs = (bh64 * q_len + rows.to(tl.int64))[:, None] * head_dim + dims[None, :]
     tl.store(DQ + offs, dq * scale, mask=row_ok[:, None] & (dims[None, :] < head_dim))
+    partial = bh64 * tl.num_programs(0) + qi
+    if SLOPE_GRAD:
+        tl.store(DSlope + partial, d_slope)
+    if TABLE_GRAD:
+        tl.store(DTable + partial * BLOCK_NB + tl.arange(0, BLOCK_NB), d_table)
 
 
 @triton.jit
@@ -221,9 +255,10 @@ def _attn_bwd_dkv(
     sqb, sqh, sql, sqd, skb, skh, sks, skd, svb, svh, svs, svd, sdb, sdh, sdl, sdd,
     sbb, sbh, sbl, sbs, smb, smh, sml, sms, stb,
     num_heads, num_kv_heads, group, q_len, kv_len, head_dim, value_dim, scale, shift,
-    seed, threshold, keep_scale,
+    seed, threshold, keep_scale, Slopes, Table, Buckets, Sinks, stn, sth, span, cap,
     HAS_BIAS: tl.constexpr, MASK_MODE: tl.constexpr, CAUSAL: tl.constexpr,
-    DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DROPOUT: tl.constexpr, ALIBI: tl.constexpr, RELATIVE: tl.constexpr,
+    SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
     ACC: tl.constexpr,
 ):
@@ -246,6 +281,7 @@ def _attn_bwd_dkv(
         h = hk * group + g
         bh = b * num_heads + h
         h64 = h.to(tl.int64)
+        slope, table, _ = _head_score(Slopes, Table, Sinks, h64, sth, ALIBI, False, ACC)
         q_base, do_base = Q + b64 * sqb + h64 * sqh, DO + b64 * sdb + h64 * sdh
         bias, mask = Bias + b64 * sbb + h64 * sbh, Mask + b64 * smb + h64 * smh
         for e in range(start, end):
@@ -255,9 +291,10 @@ def _attn_bwd_dkv(
             do = _load_2d(do_base, rows, q_len, sdl, vdims, value_dim, sdd)
             lse = _load_lse(Lse, bh, rows, q_len)
             delta = tl.load(Delta + bh.to(tl.int64) * q_len + rows, mask=rows < q_len, other=0.0)
-            s = _scores(q, k, rows, cols, kind, tile, bias, sbl, sbs, mask, sml, sms, tiles,
-                        scale, q_len, kv_len, shift,
-                        HAS_BIAS, MASK_MODE, CAUSAL, BLOCK_M, BLOCK_N, PREC, UPCAST, ACC)
+            s, t = _scores(q, k, rows, cols, kind, tile, bias, sbl, sbs, mask, sml, sms, tiles,
+                        scale, q_len, kv_len, shift, slope, table, stn, Buckets, span, cap,
+                        HAS_BIAS, MASK_MODE, CAUSAL, ALIBI, RELATIVE, SOFTCAP,
+                        BLOCK_M, BLOCK_N, PREC, UPCAST, ACC)
             p = tl.exp(s - lse[:, None])
             dp = _dot(do, tl.trans(v), PREC, UPCAST, ACC)
             if DROPOUT:
@@ -268,6 +305,8 @@ def _attn_bwd_dkv(
             else:
                 dv += _dot(tl.trans(p.to(do.dtype)), do, PREC, UPCAST, ACC)
             ds = p * (dp - delta[:, None])
+            if SOFTCAP:  # dS of the scaled scores
+                ds = ds * (1.0 - t * t)
             dk += _dot(tl.trans(ds.to(q.dtype)), q, PREC, UPCAST, ACC)
     key = bhk.to(tl.int64) * kv_len + cols.to(tl.int64)
     tl.store(DK + key[:, None] * head_dim + dims[None, :], dk * scale,
@@ -282,7 +321,9 @@ def _attn_probs(
     sqb, sqh, sql, sqd, skb, skh, sks, skd,
     sbb, sbh, sbl, sbs, smb, smh, sml, sms, stb,
     num_heads, group, q_len, kv_len, head_dim, scale, shift,
+    Slopes, Table, Buckets, Sinks, stn, sth, span, cap,
     HAS_BIAS: tl.constexpr, MASK_MODE: tl.constexpr, CAUSAL: tl.constexpr,
+    ALIBI: tl.constexpr, RELATIVE: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
 ):
@@ -290,6 +331,7 @@ def _attn_probs(
     P (B, H, L, S) ACC (zero-filled by the caller: empty tiles stay 0)."""
     qi, bh = tl.program_id(0), tl.program_id(1)
     b64, h64, hk64 = _program_heads(bh, num_heads, group)
+    slope, table, _ = _head_score(Slopes, Table, Sinks, h64, sth, ALIBI, False, ACC)
     rows = qi * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     q = _load_2d(Q + b64 * sqb + h64 * sqh, rows, q_len, sql, dims, head_dim, sqd)
@@ -301,9 +343,10 @@ def _attn_probs(
         kj, kind, tile = tl.load(blk_idx + e), tl.load(blk_kind + e), tl.load(blk_tile + e)
         cols = kj * BLOCK_N + tl.arange(0, BLOCK_N)
         k = _load_2d(k_base, cols, kv_len, sks, dims, head_dim, skd)
-        s = _scores(q, k, rows, cols, kind, tile, bias, sbl, sbs, mask, sml, sms, tiles,
-                    scale, q_len, kv_len, shift,
-                    HAS_BIAS, MASK_MODE, CAUSAL, BLOCK_M, BLOCK_N, PREC, UPCAST, ACC)
+        s, t = _scores(q, k, rows, cols, kind, tile, bias, sbl, sbs, mask, sml, sms, tiles,
+                    scale, q_len, kv_len, shift, slope, table, stn, Buckets, span, cap,
+                    HAS_BIAS, MASK_MODE, CAUSAL, ALIBI, RELATIVE, SOFTCAP,
+                    BLOCK_M, BLOCK_N, PREC, UPCAST, ACC)
         offs = (bh.to(tl.int64) * q_len + rows.to(tl.int64))[:, None] * kv_len + cols[None, :]
         tl.store(P + offs, tl.exp(s - lse[:, None]),
                  mask=(rows[:, None] < q_len) & (cols[None, :] < kv_len))

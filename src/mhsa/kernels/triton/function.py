@@ -5,32 +5,30 @@ Every launch walks the tile lists of .tiles (the flash engine's block plan).
 Backward is atomic-free: one program per query block writes dQ (and its dS tiles
 into a dBias buffer of the full (B, H, L, S) shape, reduced over broadcast dims with
 torch), one program per (key block, kv head) accumulates dK and dV over the query
-heads of its group.
+heads of its group. Score functions' tensors get their gradients from per-program
+partial sums of the dQ programs (see .scores); sinks from lse and delta in torch.
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from ...scores import ScoreFunction
 from ..dense import stats_dtype
 from ..dropout import draw_seed
+from ..scored import sink_grad
 from .attention import _attn_bwd_dkv, _attn_bwd_dq, _attn_fwd, _attn_probs, _keep_mask
+from .checks import check_inputs, check_score, interpreting
+from .scores import KernelScore, block_buckets, kernel_score
 from .tiles import TileLists, broadcast4d, build_tiles
 
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-MAX_HEAD_DIM = 256
-
-
-def interpreting() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
+NO_SCORE = KernelScore()
+NO_TENSORS = (None, None, None)  # (slopes, table, sinks)
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) by (16-bit inputs, head dim up to): chosen
 # from ptxas register reports for sm_90 / sm_80 (no spills in forward and dQ), not timed
@@ -85,7 +83,9 @@ def _block_dim(dim: int) -> int:
     return max(16, triton.next_power_of_2(dim))
 
 
-def _forward(q, k, v, bias, tiles: TileLists, scale, dropout) -> tuple[Tensor, Tensor]:
+def _forward(q, k, v, bias, tiles: TileLists, scale, dropout, score: KernelScore = NO_SCORE,
+             tensors: tuple = NO_TENSORS) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """(out, lse); score and tensors (slopes, table, sinks) as in TritonAttention."""
     batch, num_heads, q_len, head_dim = q.shape
     num_kv_heads, kv_len, value_dim = k.shape[1], k.shape[2], v.shape[3]
     out = q.new_empty(batch, num_heads, q_len, value_dim)
@@ -95,8 +95,9 @@ def _forward(q, k, v, bias, tiles: TileLists, scale, dropout) -> tuple[Tensor, T
         q, k, v, out, lse, *masks[:3], tiles.row_ptr, tiles.row_blk, tiles.row_kind,
         tiles.row_tile, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *masks[3:],
         num_heads, num_heads // num_kv_heads, q_len, kv_len, head_dim, value_dim,
-        scale, tiles.shift, *_dropout_args(dropout),
+        scale, tiles.shift, *_dropout_args(dropout), *score.args(*tensors, like=q),
         HAS_BIAS=bias is not None, MASK_MODE=tiles.mask_mode, CAUSAL=tiles.causal,
+        **score.constants(), HAS_SINKS=tensors[2] is not None,
         DROPOUT=dropout is not None, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         BLOCK_D=_block_dim(head_dim), BLOCK_DV=_block_dim(value_dim), **_dot_options(q.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
@@ -105,8 +106,10 @@ def _forward(q, k, v, bias, tiles: TileLists, scale, dropout) -> tuple[Tensor, T
 
 
 def _backward(grad_out, grad_lse, q, k, v, bias, out, lse, tiles: TileLists, scale, dropout,
-              bias_grad: bool):  # fmt: skip
-    """(dq, dk, dv, dbias or None), each in its input's dtype."""
+              bias_grad: bool, score: KernelScore = NO_SCORE, tensors: tuple = NO_TENSORS,
+              wanted: tuple = (False, False, False)):  # fmt: skip
+    """(dq, dk, dv, dbias, dsinks, dslopes, dtable), each in its input's dtype; dbias
+    when bias_grad, the others where wanted (sinks, slopes, table) says so, else None."""
     batch, num_heads, q_len, head_dim = q.shape
     num_kv_heads, kv_len, value_dim = k.shape[1], k.shape[2], v.shape[3]
     shape = (batch, num_heads, q_len, kv_len)
@@ -120,19 +123,28 @@ def _backward(grad_out, grad_lse, q, k, v, bias, out, lse, tiles: TileLists, sca
     dk = torch.empty(k.shape, dtype=acc, device=q.device)
     dv = torch.empty(v.shape, dtype=acc, device=q.device)
     dbias = torch.zeros(shape, dtype=acc, device=q.device) if bias_grad else q
+    slope_grad, table_grad = wanted[1] and score.alibi > 0, wanted[2] and score.relative > 0
+    block_nb = block_buckets(score.num_buckets)
+    partial = (batch * num_heads, tiles.num_q_blocks)
+    d_slope = torch.empty(partial, dtype=acc, device=q.device) if slope_grad else q
+    d_table = torch.empty(*partial, block_nb, dtype=acc, device=q.device) if table_grad else q
     masks = _mask_args(tiles, bias, q, shape)
     common = dict(
+        **score.constants(),
         HAS_BIAS=bias is not None, MASK_MODE=tiles.mask_mode, CAUSAL=tiles.causal,
         DROPOUT=dropout is not None, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         BLOCK_D=_block_dim(head_dim), BLOCK_DV=_block_dim(value_dim), **_dot_options(q.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     strides = [*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *masks[3:]]
-    sizes = [q_len, kv_len, head_dim, value_dim, scale, tiles.shift, *_dropout_args(dropout)]
+    sizes = [q_len, kv_len, head_dim, value_dim, scale, tiles.shift, *_dropout_args(dropout),
+             *score.args(*tensors, like=q)]  # fmt: skip
     _attn_bwd_dq[(tiles.num_q_blocks, batch * num_heads)](
         q, k, v, grad_out, lse, delta, dq, dbias, *masks[:3],
         tiles.row_ptr, tiles.row_blk, tiles.row_kind, tiles.row_tile,
-        *strides, num_heads, num_heads // num_kv_heads, *sizes, BIAS_GRAD=bias_grad, **common,
+        *strides, num_heads, num_heads // num_kv_heads, *sizes, d_slope, d_table,
+        BIAS_GRAD=bias_grad, SLOPE_GRAD=slope_grad, TABLE_GRAD=table_grad, BLOCK_NB=block_nb,
+        **common,
     )  # fmt: skip
     _attn_bwd_dkv[(tiles.num_k_blocks, batch * num_kv_heads)](
         q, k, v, grad_out, lse, delta, dk, dv, *masks[:3],
@@ -145,83 +157,50 @@ def _backward(grad_out, grad_lse, q, k, v, bias, out, lse, tiles: TileLists, sca
         dims = [i for i in range(4) if bias4.shape[i] == 1 and shape[i] != 1]
         grad_bias = (dbias.sum(dim=dims, keepdim=True) if dims else dbias).view(bias.shape)
         grad_bias = grad_bias.to(bias.dtype)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), grad_bias
+    slopes, table, sinks = tensors
+    grads = [
+        sink_grad(sinks, lse, delta) if wanted[0] else None,
+        d_slope.view(batch, num_heads, -1).sum(dim=(0, 2)).to(slopes.dtype) if slope_grad else None,
+        (d_table.view(batch, num_heads, -1, block_nb).sum(dim=(0, 2))[:, : score.num_buckets]
+         .t().to(table.dtype) if table_grad else None),
+    ]  # fmt: skip
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), grad_bias, *grads
 
 
 class TritonAttention(torch.autograd.Function):
-    """(q, k, v, bias) -> (out, lse); saves only q, k, v, bias, out and lse."""
+    """(q, k, v, bias, sinks, slopes, table) -> (out, lse); saves only those inputs, out
+    and lse. slopes and table are the ALiBi and RelativeBias tensors of the score
+    function that KernelScore describes (None where absent)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, tiles, scale, dropout):
-        out, lse = _forward(q, k, v, bias, tiles, scale, dropout)
+    def forward(ctx, q, k, v, bias, sinks, slopes, table, tiles, scale, dropout, score):
+        tensors = (slopes, table, sinks)
+        out, lse = _forward(q, k, v, bias, tiles, scale, dropout, score, tensors)
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None
-        ctx.save_for_backward(q, k, v, bias, out, lse)
-        ctx.tiles, ctx.scale, ctx.dropout = tiles, scale, dropout
+        ctx.save_for_backward(q, k, v, bias, sinks, slopes, table, out, lse)
+        ctx.tiles, ctx.scale, ctx.dropout, ctx.score = tiles, scale, dropout, score
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        q, k, v, bias, out, lse = ctx.saved_tensors
+        q, k, v, bias, sinks, slopes, table, out, lse = ctx.saved_tensors
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         bias_grad = bias is not None and ctx.needs_input_grad[3]
-        dq, dk, dv, dbias = _backward(
+        needs = ctx.needs_input_grad[4:7]
+        wanted = tuple(
+            t is not None and need for t, need in zip((sinks, slopes, table), needs, strict=True)
+        )
+        grads = _backward(
             grad_out, grad_lse, q, k, v, bias, out, lse, ctx.tiles, ctx.scale, ctx.dropout,
-            bias_grad,
+            bias_grad, ctx.score, (slopes, table, sinks), wanted,
         )  # fmt: skip
-        return dq, dk, dv, dbias, None, None, None
+        return (*grads, None, None, None, None)
 
 
-def check_inputs(q: Tensor, k: Tensor, v: Tensor | None, mask, bias: Tensor | None) -> None:
-    """Raise ValueError/TypeError for what the kernels cannot take, saying what to do."""
-    v = k if v is None else v
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor) or t.dim() != 4:
-            got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
-            raise ValueError(f"{name} must be a 4-D tensor (batch, heads, length, dim), got {got}")
-    dtypes = DTYPES + ((torch.float64,) if interpreting() else ())
-    if q.dtype not in dtypes or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(
-            f"the triton kernels take float32, float16 or bfloat16 q, k, v of one dtype "
-            f"(float64 only under the interpreter), got {q.dtype}, {k.dtype}, {v.dtype}; "
-            "cast them, or use backend='flash' for float64"
-        )
-    if q.device.type != "cuda" and not interpreting():
-        raise ValueError(
-            f"q is on {q.device}: the triton kernels need a CUDA device (or TRITON_INTERPRET=1 "
-            "set before importing triton, slow, for tests); move q, k, v with .cuda()"
-        )
-    batch, num_heads, _, head_dim = q.shape
-    if k.shape[0] != batch or v.shape[0] != batch or k.shape[3] != head_dim:
-        raise ValueError(f"k {tuple(k.shape)} must be (batch, H_kv, S, D) for q {tuple(q.shape)}")
-    if v.shape[1:3] != k.shape[1:3] or num_heads % k.shape[1] != 0:
-        raise ValueError(
-            f"v {tuple(v.shape)} must share k's heads and length, and q's {num_heads} heads "
-            f"must be a multiple of k's {k.shape[1]}"
-        )
-    if max(head_dim, v.shape[3]) > MAX_HEAD_DIM:
-        raise ValueError(
-            f"head dims up to {MAX_HEAD_DIM} are supported, got D={head_dim}, D_v={v.shape[3]}; "
-            "use backend='flash' for larger heads"
-        )
-    shape = (batch, num_heads, q.shape[2], k.shape[2])
-    for name, t in (("mask", mask), ("bias", bias)):
-        if isinstance(t, Tensor) and (
-            t.dim() > 4
-            or any(a not in (1, b) for a, b in zip(t.shape[::-1], shape[::-1], strict=False))
-        ):
-            raise ValueError(
-                f"{name} of shape {tuple(t.shape)} does not broadcast to (B, H, L, S) = "
-                f"{shape}; give it size-1 dimensions where it is shared"
-            )
-    if isinstance(mask, Tensor) and mask.dtype != torch.bool:
-        raise TypeError(f"mask must be bool (True = may attend), got {mask.dtype}; use bias=")
-    if bias is not None and not bias.is_floating_point():
-        raise TypeError(f"bias must be a float tensor, got {bias.dtype}")
-
-
-def _prepare(q, k, v, mask, bias, causal, scale, blocks):
+def _prepare(q, k, v, mask, bias, causal, scale, blocks, score=None, sinks=None):
     check_inputs(q, k, v, mask, bias)
+    check_score(score, sinks, q)
     value_dim = q.shape[3] if v is None else v.shape[3]
     launch = block_sizes(q.shape[3], value_dim, q.dtype)
     if blocks is not None:
@@ -250,6 +229,8 @@ def triton_attention(
     dropout_p: float = 0.0,
     seed: int | None = None,
     blocks: tuple[int, ...] | None = None,
+    score: ScoreFunction | None = None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Exact attention in Triton: (out (B, H, L, D_v) in q's dtype, lse (B, H, L) float32,
     float64 for float64 inputs, which only the interpreter takes).
@@ -261,17 +242,26 @@ def triton_attention(
     1/sqrt(D). Dropout keeps exactly the entries of mhsa.kernels.dropout.keep_mask
     with the given seed (default: drawn from torch's generator). blocks overrides
     (BLOCK_M, BLOCK_N), each a power of two >= 16, and optionally (num_warps,
-    num_stages) after them. A row with no allowed key gets
-    output 0, lse -inf and zero gradients.
+    num_stages) after them. score: ALiBi, RelativeBias, Softcap or a composition holding
+    each at most once (mhsa.scores), applied to the scaled scores before the bias and
+    the mask, query row i at position i + S - L; its slopes and table are
+    differentiable. sinks (H,): differentiable logits of a key without a value in each
+    row's denominator. A row with no allowed key gets output 0, lse -inf (its sink with
+    sinks) and zero gradients.
     """
     if q.shape[2] == 0 or k.shape[2] == 0:
         out = q.new_zeros(*q.shape[:3], v.shape[3])
-        return out, q.new_full(q.shape[:3], -math.inf, dtype=stats_dtype(q.dtype))
-    tiles, scale = _prepare(q, k, v, mask, bias, causal, scale, blocks)
+        lse = q.new_full(q.shape[:3], -math.inf, dtype=stats_dtype(q.dtype))
+        if sinks is not None:  # every row's only "key" is its sink
+            lse = sinks.to(lse.dtype).view(1, -1, 1).expand(lse.shape)
+        return out, lse
+    kernel, slopes, table = kernel_score(score)
+    tiles, scale = _prepare(q, k, v, mask, bias, causal, scale, blocks, score, sinks)
     dropout = None
     if dropout_p > 0:
         dropout = (float(dropout_p), draw_seed() if seed is None else int(seed))
-    return TritonAttention.apply(q, k, v, bias, tiles, scale, dropout)
+    return TritonAttention.apply(q, k, v, bias, sinks, slopes, table, tiles, scale, dropout,
+                                 kernel)  # fmt: skip
 
 
 @torch.no_grad()
@@ -285,16 +275,20 @@ def triton_attention_weights(
     scale: float | None = None,
     lse: Tensor | None = None,
     blocks: tuple[int, ...] | None = None,
+    score: ScoreFunction | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
-    """Softmax probabilities (B, H, L, S) of q k^T * scale + bias, float32 (the statistics
-    dtype), masked as in triton_attention and normalised by lse (B, H, L) (default: the
-    one the forward kernel computes). Only visited tiles are computed; rows with no
-    allowed key and empty tiles are 0. No dropout is applied."""
+    """Softmax probabilities (B, H, L, S) of score(q k^T * scale) + bias, float32 (the
+    statistics dtype), masked as in triton_attention and normalised by lse (B, H, L)
+    (default: the one the forward kernel computes, sinks in its denominator). Only
+    visited tiles are computed; rows with no allowed key and empty tiles are 0. No
+    dropout is applied."""
     if q.shape[2] == 0 or k.shape[2] == 0:
         return q.new_zeros(*q.shape[:3], k.shape[2], dtype=stats_dtype(q.dtype))
-    tiles, scale = _prepare(q, k, None, mask, bias, causal, scale, blocks)
+    kernel, slopes, table = kernel_score(score)
+    tiles, scale = _prepare(q, k, None, mask, bias, causal, scale, blocks, score, sinks)
     if lse is None:
-        lse = _forward(q, k, k, bias, tiles, scale, None)[1]
+        lse = _forward(q, k, k, bias, tiles, scale, None, kernel, (slopes, table, sinks))[1]
     batch, num_heads, q_len, head_dim = q.shape
     shape = (batch, num_heads, q_len, k.shape[2])
     if lse.shape != shape[:3]:
@@ -306,6 +300,7 @@ def triton_attention_weights(
         q, k, lse, probs, *masks[:3], tiles.row_ptr, tiles.row_blk, tiles.row_kind,
         tiles.row_tile, *q.stride(), *k.stride(), *masks[3:],
         num_heads, num_heads // k.shape[1], q_len, k.shape[2], head_dim, scale, tiles.shift,
+        *kernel.args(slopes, table, None, like=q), **kernel.constants(),
         HAS_BIAS=bias is not None, MASK_MODE=tiles.mask_mode, CAUSAL=tiles.causal,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=_block_dim(head_dim),
         **_dot_options(q.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
