@@ -1,0 +1,118 @@
+"""Weight-only quantised linear layers on PyTorch's own CPU kernels: 4-bit weights in
+groups of 32 (torch's packed int4 format, run by `_weight_int4pack_mm_for_cpu`) and
+8-bit weights with one scale per output channel (`_weight_int8pack_mm`). Activations
+stay float32 (or bfloat16); only the weights are compressed, so a decoding step
+streams 4 or 8 bits per weight from memory instead of 32.
+
+    Int4Linear.from_blocks(q, scale, zero)   a GGUF Q4_0 / Q4_1 weight as it is
+    Int4Linear.from_float(weight)            min/max 4-bit groups of 32 (like Q4_1)
+    Int8Linear.from_float(weight)            symmetric int8 per output channel
+    quantize_linears(model, "int8" | "int4") replaces the nn.Linear layers in place
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+GROUP = 32
+
+
+def _matmul_2d(x: Tensor, fn) -> Tensor:
+    """fn on x viewed as (rows, K), reshaped back to x's leading dims."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = fn(flat)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+class Int4Linear(nn.Module):
+    """y = x @ W^T + b with W (N, K) stored as 4-bit q in groups of 32 along K:
+    W = scale * (q - 8) + zero, one (scale, zero) per group."""
+
+    def __init__(self, packed: Tensor, scales_and_zeros: Tensor, in_features: int,
+                 bias: Tensor | None = None) -> None:  # fmt: skip
+        super().__init__()
+        self.in_features, self.out_features = in_features, scales_and_zeros.shape[1]
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_and_zeros", scales_and_zeros)  # (K/32, N, 2)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def from_blocks(cls, q: Tensor, scale: Tensor, zero: Tensor, bias: Tensor | None = None):
+        """q (N, K) integers 0..15, scale and zero (N, K/32)."""
+        rows, cols = q.shape
+        if cols % GROUP or q.min() < 0 or q.max() > 15:
+            raise ValueError(
+                f"Int4Linear needs (N, K) values in 0..15 with K a multiple of "
+                f"{GROUP}, got {tuple(q.shape)} in {int(q.min())}..{int(q.max())}"
+            )
+        if rows % 16:
+            raise ValueError(f"torch's int4 format needs out_features divisible by 16, got {rows}")
+        if scale.shape != (rows, cols // GROUP) or zero.shape != scale.shape:
+            raise ValueError(f"scale and zero must be (N, K/{GROUP}) = {(rows, cols // GROUP)}, "
+                             f"got {tuple(scale.shape)} and {tuple(zero.shape)}")  # fmt: skip
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
+        return cls(packed, scales_and_zeros.float(), cols, bias)
+
+    @classmethod
+    def from_float(cls, weight: Tensor, bias: Tensor | None = None) -> Int4Linear:
+        """Each group of 32 mapped onto 16 levels between its min and max."""
+        rows, cols = weight.shape
+        if cols % GROUP:
+            raise ValueError(f"int4 needs in_features divisible by {GROUP}, got {cols}")
+        groups = weight.detach().float().view(rows, -1, GROUP)
+        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+        scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+        q = ((groups - low.unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, 15)
+        return cls.from_blocks(q.view(rows, cols).int(), scale, low + 8 * scale, bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+
+        def mm(flat: Tensor) -> Tensor:
+            scales = self.scales_and_zeros.to(flat.dtype)
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, scales)
+
+        out = _matmul_2d(x.contiguous(), mm)
+        return (out if self.bias is None else out + self.bias).to(dtype)
+
+
+class Int8Linear(nn.Module):
+    """y = x @ W^T + b with W (N, K) = scale[n] * q[n, k], q int8."""
+
+    def __init__(self, q: Tensor, scale: Tensor, bias: Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.register_buffer("q", q)
+        self.register_buffer("scale", scale)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def from_float(cls, weight: Tensor, bias: Tensor | None = None) -> Int8Linear:
+        w = weight.detach().float()
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        q = (w / scale.unsqueeze(1)).round().clamp(-127, 127).to(torch.int8)
+        return cls(q, scale, bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        def mm(flat: Tensor) -> Tensor:
+            return torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scale.to(flat.dtype))
+
+        out = _matmul_2d(x.contiguous(), mm)
+        return out if self.bias is None else out + self.bias
+
+
+def quantize_linears(model: nn.Module, mode: str, skip: tuple[str, ...] = ()) -> nn.Module:
+    """Replace every nn.Linear of model (but those whose name is in skip) by an
+    Int8Linear or Int4Linear made from its weight, in place; returns model."""
+    if mode not in ("int8", "int4"):
+        raise ValueError(f"mode must be 'int8' or 'int4', got {mode!r}")
+    make = Int8Linear.from_float if mode == "int8" else Int4Linear.from_float
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            full = f"{name}.{child_name}" if name else child_name
+            if isinstance(child, nn.Linear) and full not in skip:
+                bias = None if child.bias is None else child.bias.detach()
+                setattr(module, child_name, make(child.weight, bias))
+    return model
