@@ -6,9 +6,9 @@ import argparse
 import sys
 
 from ..version import __version__
-from . import bench, classify, embed, generate, info, train, transcribe, translate, viz
+from . import bench, chat, classify, embed, generate, info, train, transcribe, translate, viz
 
-COMMANDS = (info, train, generate, translate, transcribe, embed, classify, viz, bench)
+COMMANDS = (info, chat, train, generate, translate, transcribe, embed, classify, viz, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:

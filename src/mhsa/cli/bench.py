@@ -36,6 +36,15 @@ def bench(args: argparse.Namespace) -> int:
         length = 1024 if args.quick else args.length
         result = scores.run(length=length, repeat=min(args.repeat, 3), memory=not args.no_memory)
         text = scores.report(result)
+    elif args.suite == "chat":
+        from ..benchmarks import chat
+
+        result = chat.run(
+            prompt=128 if args.quick else 512,
+            new=16 if args.quick else 128,
+            repeat=1 if args.quick else min(args.repeat, 2),
+        )
+        text = chat.report(result)
     elif args.suite == "ring":
         from ..benchmarks import ring
 
@@ -55,7 +64,7 @@ def add_parser(commands) -> None:
     bench_parser = commands.add_parser("bench", help="benchmarks: ratios against peers")
     bench_parser.add_argument(
         "suite",
-        choices=["attention", "sparse", "generate", "ring", "transcribe", "scores"],
+        choices=["attention", "sparse", "generate", "ring", "transcribe", "scores", "chat"],
         help="which benchmark",
     )
     bench_parser.add_argument("--file", help="transcribe: a WAV file (default: espeak-ng speech)")

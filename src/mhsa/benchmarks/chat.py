@@ -1,0 +1,197 @@
+"""`mhsa bench chat`: the packaged SmolLM2-135M-Instruct, batch 1: a `prompt`-token
+prompt then `new` greedy tokens, prefill and decode tokens/s, for our float32 model
+(the GGUF dequantised), our model keeping the file's Q4_1 / Q8_0 weights, and
+transformers (float32, the same GGUF dequantised by its own loader; test extra),
+against the weight-streaming bound measured in the same run: one matrix-vector pass
+over the float32 model's weights. Then batch 8 (prompts of different lengths): total
+new tokens/s. Each mode runs in a fresh process, which also gives its peak memory.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import torch
+
+MODES = ("mhsa float32", "mhsa file (Q4_1/Q8_0)", "transformers float32")
+
+
+def _prompt_ids(tokenizer, length: int) -> list[int]:
+    from mhsa.data.text import stdlib_corpus
+
+    text = stdlib_corpus(limit_bytes=40_000)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    while len(ids) < length:
+        ids = ids + ids
+    return ids[:length]
+
+
+def _ours(quantize: str):
+    from mhsa.chat import load_chat_model
+
+    chat = load_chat_model(quantize=quantize)
+    model, tokenizer = chat.model, chat.tokenizer
+
+    def prefill(ids: torch.Tensor, new: int):
+        caches = model.make_caches(ids.shape[0], ids.shape[1] + new)
+        return caches, model(ids, caches=caches)[:, -1]
+
+    def step(token: torch.Tensor, caches):
+        return model(token.view(-1, 1), caches=caches)[:, -1]
+
+    def batch(prompts: list[torch.Tensor], new: int):
+        return model.generate(prompts, new, temperature=0.0, eos_token=[])
+
+    return tokenizer, prefill, step, batch
+
+
+def _transformers():
+    from transformers import AutoModelForCausalLM
+
+    from mhsa.chat import load_chat_model, smollm2_path
+
+    path = smollm2_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, torch_dtype=torch.float32
+    ).eval()
+    tokenizer = load_chat_model().tokenizer  # the same ids for both
+
+    def prefill(ids: torch.Tensor, new: int):
+        out = model(ids, use_cache=True)
+        return out.past_key_values, out.logits[:, -1]
+
+    def step(token: torch.Tensor, caches):
+        out = model(token.view(-1, 1), past_key_values=caches, use_cache=True)
+        return out.logits[:, -1]
+
+    def batch(prompts: list[torch.Tensor], new: int):
+        width = max(p.numel() for p in prompts)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        attention = torch.zeros(len(prompts), width, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids[b, width - p.numel() :], attention[b, width - p.numel() :] = p, 1
+        return model.generate(
+            ids,
+            attention_mask=attention,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+        )
+
+    return tokenizer, prefill, step, batch
+
+
+def _streaming_bound(repeat: int) -> float:
+    """Seconds of one matrix-vector pass over the float32 model's weights (every linear
+    and the output head): what reading all weights once per token costs here."""
+    from mhsa.chat import load_chat_model
+
+    model = load_chat_model(quantize="none").model
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    weights.append(model.embed.weight)  # the tied head
+    vectors = [torch.randn(1, w.shape[1]) for w in weights]
+    best = float("inf")
+    with torch.no_grad():
+        for _ in range(repeat + 1):
+            start = time.perf_counter()
+            for w, vector in zip(weights, vectors, strict=True):
+                torch.nn.functional.linear(vector, w)
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure(mode: str, prompt: int, new: int, repeat: int) -> dict:
+    """One mode's figures (run in a fresh process by run())."""
+    from mhsa.benchmarks.memory import peak_bytes, rss_bytes
+
+    baseline = rss_bytes()
+    if mode == "transformers float32":
+        tokenizer, prefill, step, batch = _transformers()
+    else:
+        tokenizer, prefill, step, batch = _ours("none" if mode == "mhsa float32" else "file")
+    ids = torch.tensor([_prompt_ids(tokenizer, prompt)])
+    result: dict = {"mode": mode}
+    best_prefill = best_decode = float("inf")
+    tokens = None
+    with torch.no_grad():
+        for _ in range(repeat):
+            start = time.perf_counter()
+            caches, logits = prefill(ids, new)
+            middle = time.perf_counter()
+            generated = []
+            for _ in range(new):
+                token = logits.argmax(dim=-1)
+                generated.append(int(token))
+                logits = step(token, caches)
+            end = time.perf_counter()
+            best_prefill, best_decode = (
+                min(best_prefill, middle - start),
+                min(best_decode, end - middle),
+            )
+            tokens = generated
+        prompts = [ids[0, : prompt - 40 * i] for i in range(8)]
+        start = time.perf_counter()
+        batch(prompts, new)
+        batch_seconds = time.perf_counter() - start
+    result.update(
+        prefill_tokens_per_s=prompt / best_prefill,
+        decode_tokens_per_s=new / best_decode,
+        batch8_tokens_per_s=8 * new / batch_seconds,
+        tokens=tokens,
+        peak_extra_bytes=peak_bytes() - baseline,
+    )
+    return result
+
+
+def run(prompt: int = 512, new: int = 128, repeat: int = 2) -> dict:
+    results = {"prompt": prompt, "new": new, "threads": torch.get_num_threads(), "modes": {}}
+    for mode in MODES:
+        code = (
+            "import json, sys; from mhsa.benchmarks.chat import measure; "
+            f"print(json.dumps(measure({mode!r}, {prompt}, {new}, {repeat})))"
+        )
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        if done.returncode:
+            last = (done.stderr.strip().splitlines() or ["failed"])[-1]
+            results["modes"][mode] = {"error": last}
+            continue
+        results["modes"][mode] = json.loads(done.stdout.strip().splitlines()[-1])
+    results["streaming_bound_tokens_per_s"] = 1 / _streaming_bound(repeat)
+    return results
+
+
+def report(result: dict) -> str:
+    modes, bound = result["modes"], result["streaming_bound_tokens_per_s"]
+    hf = modes.get("transformers float32", {})
+    lines = [
+        f"SmolLM2-135M-Instruct, batch 1: {result['prompt']}-token prompt, {result['new']} "
+        f"greedy tokens, {result['threads']} threads; weight-streaming bound (float32) "
+        f"{bound:.1f} tokens/s",
+        f"{'mode':<24} {'prefill/s':>9} {'decode/s':>9} {'vs bound':>8} {'vs hf':>6} "
+        f"{'batch8/s':>9} {'peak MiB':>8}",
+    ]
+    for mode, r in modes.items():
+        if "error" in r:
+            lines.append(f"{mode:<24} unavailable: {r['error']}")
+            continue
+        versus = (
+            f"{r['decode_tokens_per_s'] / hf['decode_tokens_per_s']:5.2f}x"
+            if "decode_tokens_per_s" in hf
+            else "     -"
+        )
+        lines.append(
+            f"{mode:<24} {r['prefill_tokens_per_s']:9.1f} {r['decode_tokens_per_s']:9.1f} "
+            f"{r['decode_tokens_per_s'] / bound:7.2f}x {versus} "
+            f"{r['batch8_tokens_per_s']:9.1f} {r['peak_extra_bytes'] / 2**20:8.0f}"
+        )
+    ours, theirs = modes.get("mhsa float32", {}), hf
+    if "tokens" in ours and "tokens" in theirs:
+        same = ours["tokens"] == theirs["tokens"]
+        lines.append(
+            f"greedy tokens, mhsa float32 vs transformers: {'identical' if same else 'differ'}"
+        )
+    return "\n".join(lines)

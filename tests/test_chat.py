@@ -1,0 +1,107 @@
+"""The chat model end to end: the packaged SmolLM2-135M-Instruct (GGUF, Q4_1) on our
+attention against transformers loading the same file (test extra), its weights kept
+quantised against the dequantised float model, every backend alike, and `mhsa chat`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mhsa
+from mhsa.chat import load_chat_model, smollm2_path
+from mhsa.cli import main
+from optional import needs
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three primary colors.",
+    "How many legs does a spider have?",
+    "Translate 'good morning' into Spanish.",
+]
+NEW = 16
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    try:
+        return smollm2_path()
+    except FileNotFoundError as error:
+        pytest.fail(f"{error} (the test setup installs it)")
+
+
+@pytest.fixture(scope="module")
+def exact(smollm2):
+    return load_chat_model(smollm2, quantize="none")
+
+
+@pytest.fixture(scope="module")
+def prompts(exact):
+    return [exact.prompt_ids([{"role": "user", "content": p}]) for p in PROMPTS]
+
+
+def _greedy(model, ids: list[int], new: int = NEW) -> list[int]:
+    out = model.generate([torch.tensor(ids)], new, temperature=0.0, eos_token=[])[0]
+    return out[len(ids) :].tolist()
+
+
+def test_answers_the_capital_of_france(exact):
+    answer = "".join(exact.reply([{"role": "user", "content": PROMPTS[0]}], max_new_tokens=20))
+    assert answer == "The capital of France is Paris."
+
+
+def test_greedy_tokens_and_logits_equal_transformers_on_the_same_gguf(smollm2, exact, prompts):
+    needs("transformers")
+    pytest.importorskip("accelerate")
+    from transformers import AutoModelForCausalLM
+
+    theirs = AutoModelForCausalLM.from_pretrained(smollm2.parent, gguf_file=smollm2.name,
+                                                  torch_dtype=torch.float32).eval()  # fmt: skip
+    for ids in prompts:
+        with torch.no_grad():
+            want = theirs(torch.tensor([ids])).logits
+            got = exact.model(torch.tensor([ids]))
+        assert (got - want).abs().max() < 1e-4 * want.abs().max()
+        hf = theirs.generate(torch.tensor([ids]), max_new_tokens=NEW, min_new_tokens=NEW,
+                             do_sample=False)[0, len(ids) :].tolist()  # fmt: skip
+        assert _greedy(exact.model, ids) == hf
+
+
+def test_the_files_quantisation_stays_close_to_the_dequantised_model(smollm2, exact, prompts):
+    kept = load_chat_model(smollm2)  # Q4_1 linears as int4, the Q8_0 head as int8
+    assert type(kept.model.layers[0].ff.gate).__name__ == "Int4Linear"
+    with torch.no_grad():
+        want = exact.model(torch.tensor([prompts[0]]))
+        got = kept.model(torch.tensor([prompts[0]]))
+    # int4 keeps the file's exact values; the difference is the int8 head's rounding
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+    same = sum(_greedy(kept.model, ids) == _greedy(exact.model, ids) for ids in prompts)
+    assert same >= 4
+
+
+def test_every_backend_gives_the_same_tokens(exact, prompts):
+    want = _greedy(exact.model, prompts[0])
+    for backend in ("flash", "reference", "sdpa"):
+        with mhsa.use_backend(backend):
+            try:
+                got = _greedy(exact.model, prompts[0])
+            except ValueError as error:  # a backend that cannot serve a call says so
+                assert backend in str(error)
+                continue
+        assert got == want, backend
+
+
+def test_mhsa_chat_prompt_answers_and_reports_speed(capsys, smollm2):
+    assert main(["chat", "--prompt", PROMPTS[0], "--max-new-tokens", "20"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == "The capital of France is Paris."
+    assert "tokens/s" in err
+
+
+def test_bad_chat_arguments_are_one_line_errors(capsys, tmp_path):
+    assert main(["chat", "--model", str(tmp_path / "missing.gguf"), "--prompt", "hi"]) == 2
+    assert "no model at" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="quantize must be one of"):
+        load_chat_model(quantize="int3")
+    assert main(["chat", "--prompt", " "]) == 2
+    assert "--prompt must not be empty" in capsys.readouterr().err
