@@ -83,9 +83,10 @@ def _answer(model, history: list[dict], prompt: str, options: dict) -> None:
         )
 
 
-def add_parser(commands) -> None:
-    from ..chat import QUANTIZE
+QUANTIZE = ("file", "none", "bfloat16", "int8", "int4")  # mhsa.chat.QUANTIZE
 
+
+def add_parser(commands) -> None:
     cmd = commands.add_parser("chat", help="chat with an instruction-tuned model (SmolLM2)")
     cmd.add_argument(
         "--model",
