@@ -155,8 +155,8 @@ def rope_frequencies(
         raise ValueError(f"rope scaling {kind!r} needs {missing}; add them to the scaling dict")
     factor = scaling.get("factor")
     if kind == "dynamic":
-        seq_len = max(seq_len or 0, max_position_embeddings)
-        growth = factor * seq_len / max_position_embeddings - (factor - 1)
+        seq_len = torch.tensor(max(seq_len or 0, max_position_embeddings))  # float32 math,
+        growth = factor * seq_len / max_position_embeddings - (factor - 1)  # as transformers'
         base = base * growth ** (dim / (dim - 2))
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     inv_freq = 1.0 / (base**exponents)
