@@ -170,8 +170,9 @@ def test_rotary_with_scaling_and_partial_rotary_equals_transformers(scaling, par
     transformers = needs("transformers")
     rope = {"rope_type": "default", **(scaling or {}), "rope_theta": 1000.0,
             "partial_rotary_factor": partial}  # fmt: skip
-    config = transformers.StableLmConfig(hidden_size=64, num_attention_heads=2,
-                                         max_position_embeddings=20, rope_parameters=rope)  # fmt: skip
+    config = transformers.StableLmConfig(
+        hidden_size=64, num_attention_heads=2, max_position_embeddings=20, rope_parameters=rope
+    )
     theirs = stablelm.StableLmRotaryEmbedding(config)
     rotary_dim = int(32 * partial)
     ours = RotaryEmbedding(32, 1000.0, rotary_dim=rotary_dim, scaling=scaling,
