@@ -218,9 +218,10 @@ def test_rotary_rejects_wrong_head_dim_and_positions_shape_with_details():
     ):
         rope(torch.zeros(1, 2, 5, 6))
     with pytest.raises(
-        ValueError, match=r"^positions must be \(5,\), one per token of x, got \(1, 5\)$"
+        ValueError,
+        match=r"^positions must be \(5,\) or \(1, 5\), one per token of x, got \(2, 5\)$",
     ):
-        rope(torch.zeros(1, 2, 5, 8), positions=torch.arange(5).unsqueeze(0))
+        rope(torch.zeros(1, 2, 5, 8), positions=torch.arange(10).view(2, 5))
 
 
 def test_relative_bias_minimum_bucket_counts():

@@ -108,58 +108,233 @@ class AttentionPosition(nn.Module):
         return None
 
 
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+def rope_type(scaling: dict | None) -> str:
+    """The scaling's "rope_type" (older configs: "type"); "default" for None."""
+    return (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+
+
+def rope_frequencies(
+    dim: int,
+    base: float = 10000.0,
+    scaling: dict | None = None,
+    *,
+    max_position_embeddings: int | None = None,
+    seq_len: int | None = None,
+) -> tuple[Tensor, float]:
+    """Rotary inverse frequencies (dim/2,) float32 for `dim` rotated channels, and the
+    factor cos and sin are multiplied by, computed as transformers' modeling_rope_utils.
+
+    scaling: None (plain RoPE) or a dict with "rope_type" (older configs: "type") and
+    that type's keys, as in a Hugging Face config's rope_parameters / rope_scaling:
+        linear   factor: every frequency divided by factor (positions interpolated)
+        dynamic  factor: NTK-aware, the base grows once seq_len (the largest position + 1)
+                 passes max_position_embeddings; below it, plain RoPE
+        llama3   factor, low_freq_factor, high_freq_factor, original_max_position_embeddings:
+                 long wavelengths divided by factor, short ones kept, a smooth ramp between
+        yarn     factor, original_max_position_embeddings, optional beta_fast (32),
+                 beta_slow (1), truncate (True), attention_factor (else 0.1 ln(factor) + 1,
+                 or the mscale / mscale_all_dim ratio): the ramp of YaRN, with cos and sin
+                 scaled by the attention factor
+    """
+    _check_positive("dim", dim)
+    scaling = dict(scaling or {})
+    kind = rope_type(scaling)
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"rope scaling type {kind!r} is not supported; use one of {ROPE_TYPES}")
+    context = "original_max_position_embeddings"
+    needs = {"linear": ("factor",), "dynamic": ("factor",), "yarn": (context,),
+             "llama3": ("factor", "low_freq_factor", "high_freq_factor", context)}  # fmt: skip
+    needs = needs.get(kind, ())
+    missing = [key for key in needs if scaling.get(key) is None]
+    if kind == "dynamic" and max_position_embeddings is None:
+        missing.append("max_position_embeddings")
+    if missing:
+        raise ValueError(f"rope scaling {kind!r} needs {missing}; add them to the scaling dict")
+    factor = scaling.get("factor")
+    if kind == "dynamic":
+        seq_len = torch.tensor(max(seq_len or 0, max_position_embeddings))  # float32 math,
+        growth = factor * seq_len / max_position_embeddings - (factor - 1)  # as transformers'
+        base = base * growth ** (dim / (dim - 2))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (base**exponents)
+    if kind == "linear":
+        return inv_freq / factor, 1.0
+    if kind == "llama3":
+        return _llama3(inv_freq, scaling), 1.0
+    if kind == "yarn":
+        return _yarn(dim, base, exponents, scaling, max_position_embeddings)
+    return inv_freq, 1.0
+
+
+def _llama3(inv_freq: Tensor, scaling: dict) -> Tensor:
+    """Llama 3.1: wavelengths above context/low_freq_factor divided by factor, below
+    context/high_freq_factor kept, and a linear blend in 1/wavelength between."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    context = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < context / high) * ~(wavelen > context / low)
+    return torch.where(medium, blended, scaled)
+
+
+def _yarn(
+    dim: int, base: float, exponents: Tensor, scaling: dict, max_position_embeddings: int | None
+) -> tuple[Tensor, float]:
+    """YaRN: interpolate low frequencies by factor, keep high ones, ramp between the
+    dimensions that turn beta_fast and beta_slow times over the original context."""
+    context = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor")
+    if factor is None:
+        if max_position_embeddings is None:
+            raise ValueError("rope scaling 'yarn' without a factor needs max_position_embeddings")
+        factor = max_position_embeddings / context
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = mscale(factor)
+        if m and m_all:
+            attention_factor = mscale(factor, m) / mscale(factor, m_all)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = correction_dim(scaling.get("beta_fast") or 32)
+    high = correction_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high  # no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base**exponents
+    extrapolation = 1 - ramp  # the share of each frequency kept unscaled
+    interpolated, kept = 1.0 / (factor * pos_freqs), 1.0 / pos_freqs
+    inv_freq = interpolated * (1 - extrapolation) + kept * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate the first R channels of x (B, H, L, D) by cos, sin of shape (L, R/2) or
+    (B, L, R/2): pairs (c, c + R/2) (the "rotate half" layout); channels R.. pass through.
+    Computed in float32, returned in x's dtype."""
+    if cos.dim() == 3:  # per-sequence positions: broadcast over heads
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    rotary_dim = 2 * cos.shape[-1]
+    x1, x2 = x[..., :rotary_dim].float().chunk(2, dim=-1)
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    if rotary_dim == x.shape[-1]:
+        return rotated
+    return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
+
+
 class RotaryEmbedding(AttentionPosition):
     """Rotary position embedding (RoFormer): rotates q and k so q.k depends on j - i.
 
-    Channel pairs are (c, c + D/2) (the "rotate half" layout); frequency of pair c is
-    base^(-2c/D).
+    Channel pairs are (c, c + R/2) (the "rotate half" layout of Llama in transformers);
+    frequency of pair c is base^(-2c/R) before any scaling. R = rotary_dim (default
+    head_dim) rotates the first R channels of each head only (partial rotary, as
+    partial_rotary_factor R / head_dim in transformers); the others pass through.
+    scaling and max_position_embeddings: see rope_frequencies (linear, dynamic, llama3,
+    yarn). With dynamic scaling the frequencies depend on the largest position of each
+    call, so cached keys keep the frequencies of the call that made them (as in
+    transformers).
     """
 
-    def __init__(self, head_dim: int, base: float = 10000.0) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        base: float = 10000.0,
+        *,
+        rotary_dim: int | None = None,
+        scaling: dict | None = None,
+        max_position_embeddings: int | None = None,
+    ) -> None:
         super().__init__()
         _check_positive("head_dim", head_dim)
-        if head_dim % 2:
-            raise ValueError(f"head_dim must be even for rotary embeddings, got {head_dim}")
-        inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        _check_positive("rotary_dim", rotary_dim)
+        if head_dim % 2 or rotary_dim % 2 or rotary_dim > head_dim:
+            raise ValueError(
+                "head_dim must be even for rotary embeddings, and rotary_dim even and <= "
+                f"head_dim; got head_dim {head_dim}, rotary_dim {rotary_dim}"
+            )
+        self.head_dim, self.rotary_dim, self.base = head_dim, rotary_dim, base
+        self.scaling, self.max_position_embeddings = scaling, max_position_embeddings
+        inv_freq, self.attention_factor = rope_frequencies(
+            rotary_dim, base, scaling, max_position_embeddings=max_position_embeddings
+        )
+        self.dynamic = rope_type(scaling) == "dynamic"
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
+    def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """positions (L,) or (B, L) -> cos, sin float32 (..., L, rotary_dim / 2), times
+        the attention factor (YaRN)."""
+        inv_freq = self.inv_freq
+        if self.dynamic and positions.numel():
+            seq_len = int(positions.max()) + 1
+            if seq_len > self.max_position_embeddings:
+                inv_freq, _ = rope_frequencies(
+                    self.rotary_dim, self.base, self.scaling, seq_len=seq_len,
+                    max_position_embeddings=self.max_position_embeddings,
+                )  # fmt: skip
+        angles = positions.float().unsqueeze(-1) * inv_freq.to(positions.device)
+        return angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
+
     def forward(self, x: Tensor, offset: int = 0, positions: Tensor | None = None) -> Tensor:
-        """x (B, H, L, D) at positions offset..offset+L-1, or at `positions` (L,) when
-        given (e.g. a shard of a longer sequence) -> rotated x, same shape."""
-        if x.shape[-1] != 2 * self.inv_freq.numel():
+        """x (B, H, L, D) at positions offset..offset+L-1, or at `positions` (L,) or
+        (B, L) when given (a shard of a longer sequence, left-padded sequences)
+        -> rotated x, same shape."""
+        if x.shape[-1] != self.head_dim:
             raise ValueError(
                 f"x has head_dim {x.shape[-1]} but this RotaryEmbedding was built for "
-                f"{2 * self.inv_freq.numel()}"
+                f"{self.head_dim}"
             )
         if positions is None:
             positions = torch.arange(offset, offset + x.shape[-2], device=x.device)
-        elif positions.shape != (x.shape[-2],):
-            raise ValueError(
-                f"positions must be ({x.shape[-2]},), one per token of x, got "
-                f"{tuple(positions.shape)}"
-            )
-        angles = positions.float().unsqueeze(1) * self.inv_freq.to(x.device)  # (L, D/2)
-        cos, sin = angles.cos(), angles.sin()
-        x1, x2 = x.float().chunk(2, dim=-1)
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return rotated.to(x.dtype)
+        else:
+            _check_rotary_positions(positions, x)
+        return apply_rotary(x, *self.cos_sin(positions.to(x.device)))
 
     def rotate(self, q: Tensor, k: Tensor, offset: int = 0) -> tuple[Tensor, Tensor]:
         return self(q, offset), self(k, offset)
 
     def at(self, positions: Tensor) -> AttentionPosition:
-        """The same rotation for tokens at fixed global `positions` (L,): the local
-        shard of a sequence split across processes (q and k share the positions)."""
+        """The same rotation for tokens at fixed `positions` (L,) or (B, L), whatever
+        offset attention passes: the local shard of a sequence split across processes,
+        or a left-padded batch (q and k share the positions). cos and sin are computed
+        once here, and reused by every layer."""
         return _RotaryAt(self, positions)
+
+
+def _check_rotary_positions(positions: Tensor, x: Tensor) -> None:
+    if positions.shape not in ((x.shape[-2],), (x.shape[0], x.shape[-2])):
+        raise ValueError(
+            f"positions must be ({x.shape[-2]},) or ({x.shape[0]}, {x.shape[-2]}), one per "
+            f"token of x, got {tuple(positions.shape)}"
+        )
 
 
 class _RotaryAt(AttentionPosition):
     def __init__(self, rotary: RotaryEmbedding, positions: Tensor) -> None:
         super().__init__()
         self.rotary, self.positions = rotary, positions
+        self.cos, self.sin = rotary.cos_sin(positions)
 
     def rotate(self, q: Tensor, k: Tensor, offset: int = 0) -> tuple[Tensor, Tensor]:
-        return self.rotary(q, positions=self.positions), self.rotary(k, positions=self.positions)
+        for x in (q, k):
+            if x.shape[-1] != self.rotary.head_dim:
+                raise ValueError(f"x has head_dim {x.shape[-1]} but this RotaryEmbedding was "
+                                 f"built for {self.rotary.head_dim}")  # fmt: skip
+            _check_rotary_positions(self.positions, x)
+        return apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
 
 
 def alibi_slopes(num_heads: int) -> Tensor:

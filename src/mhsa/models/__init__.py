@@ -3,6 +3,7 @@
 from .ast import AST, ASTConfig
 from .bert import Bert, BertConfig
 from .gpt import GPT, GPTConfig
+from .llama import Llama, LlamaConfig
 from .points import PointCloudConfig, PointCloudTransformer
 from .seq2seq import Seq2Seq, Seq2SeqConfig
 from .vit import ViT, ViTConfig
@@ -15,6 +16,8 @@ __all__ = [
     "BertConfig",
     "GPT",
     "GPTConfig",
+    "Llama",
+    "LlamaConfig",
     "PointCloudConfig",
     "PointCloudTransformer",
     "Seq2Seq",

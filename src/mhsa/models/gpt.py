@@ -12,6 +12,7 @@ token attends only the last `window` positions (itself included).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -29,10 +30,12 @@ from ..positional import (
     SinusoidalPositionalEncoding,
 )
 from ..validate import int_at_least
+from .decoding import check_sampling, check_token_ids, generate, sample
 from .init import normal_init
 
 POSITIONS = ("learned", "sinusoidal", "rotary", "alibi", "t5")
 SCORE_POSITIONS = ("alibi", "t5")  # score functions: not yet across processes
+__all__ = ["GPT", "GPTConfig", "check_sampling", "check_token_ids", "sample"]
 
 
 @dataclass
@@ -173,7 +176,6 @@ class GPT(nn.Module):
                     for _ in self.blocks]  # fmt: skip
         return [KVCache(batch, kv_heads, max_len, head_dim, **options) for _ in self.blocks]
 
-    @torch.no_grad()
     def generate(
         self,
         idx: Tensor | list[Tensor],
@@ -182,64 +184,18 @@ class GPT(nn.Module):
         temperature: float = 1.0,
         top_k: int | None = None,
         top_p: float | None = None,
-        eos_token: int | None = None,
+        eos_token: int | Sequence[int] | None = None,
         use_cache: bool = True,
         generator: torch.Generator | None = None,
     ) -> Tensor | list[Tensor]:
         """Continue prompts: a (B, T) tensor, or a list of 1-D prompts of any lengths
-        (decoded together, left-padded). temperature 0 is greedy. After eos_token a
-        sequence stops growing. Returns prompts + new tokens in the same form."""
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
-            raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        check_sampling(temperature, top_k, top_p)
-        as_list = isinstance(idx, (list, tuple))
-        prompts = list(idx) if as_list else list(idx.unbind(0))
-        if not prompts or min(p.numel() for p in prompts) == 0:
-            raise ValueError("generate needs at least one non-empty prompt")
-        for prompt in prompts:
-            check_token_ids(prompt, self.config.vocab_size, name="prompt")
-        lengths = torch.tensor([p.numel() for p in prompts])
-        width = int(lengths.max())
-        device = self.tok_emb.weight.device
-        tokens = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
-        for b, p in enumerate(prompts):
-            tokens[b, width - p.numel() :] = p.to(device)
-        start = (width - lengths).to(device)
-        if self.pos_emb is not None and width + max_new_tokens > self.config.max_len:
-            raise ValueError(
-                f"prompt ({width}) + max_new_tokens ({max_new_tokens}) exceeds max_len "
-                f"{self.config.max_len} of this model's {self.config.position} positions"
-            )
-        caches = self.make_caches(len(prompts), width + max_new_tokens) if use_cache else None
-        if caches is not None:
-            for cache in caches:
-                cache.set_padding(start)
-            logits = self(tokens, caches=caches)[:, -1]
-        else:
-            logits = self(tokens, start=start)[:, -1]
-        new = []
-        done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
-        for _ in range(max_new_tokens):
-            nxt = sample(logits, temperature=temperature, top_k=top_k, top_p=top_p,
-                         generator=generator)  # fmt: skip
-            if eos_token is not None:
-                nxt = torch.where(done, torch.full_like(nxt, eos_token), nxt)
-                done |= nxt == eos_token
-            new.append(nxt)
-            if eos_token is not None and bool(done.all()):
-                break
-            tokens = torch.cat([tokens, nxt.view(-1, 1)], dim=1)
-            if caches is not None:
-                logits = self(nxt.view(-1, 1), caches=caches)[:, -1]
-            else:
-                logits = self(tokens, start=start)[:, -1]
-        generated = torch.stack(new, dim=1) if new else tokens[:, :0]
-        if not as_list:  # equal-length prompts: one tensor, eos repeated after the end
-            return torch.cat([idx.to(device), generated], dim=1)
-        return [torch.cat([p.to(device), _until_eos(g, eos_token)])
-                for p, g in zip(prompts, generated, strict=True)]  # fmt: skip
+        (decoded together, left-padded). temperature 0 is greedy. After eos_token (or
+        any of several stop tokens) a sequence stops growing. Returns prompts + new
+        tokens in the same form (see mhsa.models.decoding.generate)."""
+        max_len = self.config.max_len if self.pos_emb is not None else None
+        return generate(self, idx, max_new_tokens, vocab_size=self.config.vocab_size,
+                        max_len=max_len, temperature=temperature, top_k=top_k, top_p=top_p,
+                        eos_token=eos_token, use_cache=use_cache, generator=generator)  # fmt: skip
 
     @classmethod
     def from_hf_gpt2(cls, state_dict: dict[str, Tensor], config: GPTConfig) -> GPT:
@@ -285,58 +241,3 @@ class GPT(nn.Module):
         (positions: see forward)."""
         logits = self(idx, positions=positions)
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-def _until_eos(tokens: Tensor, eos_token: int | None) -> Tensor:
-    if eos_token is None:
-        return tokens
-    hits = (tokens == eos_token).nonzero()
-    return tokens if hits.numel() == 0 else tokens[: int(hits[0]) + 1]
-
-
-def sample(
-    logits: Tensor,
-    *,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-) -> Tensor:
-    """Next tokens (B,) from logits (B, V): greedy at temperature 0, else sampled
-    from the softmax at that temperature, restricted to the top_k tokens and/or the
-    smallest set whose probability reaches top_p."""
-    check_sampling(temperature, top_k, top_p)
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, -torch.inf)
-    if top_p is not None:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p  # keep the first
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), -torch.inf)
-    probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
-def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    """Raise ValueError for sampling settings that select nothing or mean nothing."""
-    if not temperature >= 0:  # also catches nan
-        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be an int >= 1, or None for no limit; got {top_k!r}")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], or None for no limit; got {top_p!r}")
-
-
-def check_token_ids(ids: Tensor, vocab_size: int, name: str = "idx") -> None:
-    """Raise for token ids that are not integers in [0, vocab_size)."""
-    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-        raise TypeError(f"{name} must hold integer token ids, got {ids.dtype}")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
-        raise ValueError(
-            f"{name} holds token id {bad}, outside this model's vocabulary 0..{vocab_size - 1}"
-        )

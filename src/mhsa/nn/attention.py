@@ -11,6 +11,7 @@ from ..masks import KeyPadding, Pattern
 from ..positional import AttentionPosition
 from ..scores import ScoreFunction
 from ..validate import int_at_least
+from .norm import RMSNorm
 
 
 def from_torch_masks(
@@ -47,6 +48,11 @@ class MultiHeadAttention(nn.Module):
             and back, so H * D need not equal E (Gemma 2).
         kdim, vdim: widths of the key and value inputs (cross-attention); default E.
         bias: whether the projections have biases.
+        out_bias: whether the output projection has one; default `bias` (Qwen2: q, k
+            and v do, the output does not).
+        qk_norm_eps: when set, an RMSNorm of this eps over each head's q and k, before
+            positions are applied (Qwen3, OLMo 2 style "QK-norm"); q_norm and k_norm
+            hold their (head_dim,) weights.
         dropout: dropout on attention probabilities while training.
         scale: multiplies q k^T; default 1 / sqrt(D) (Gemma 2 uses its own scalar).
         score: an mhsa.scores function applied to the scaled scores inside the engine,
@@ -65,6 +71,8 @@ class MultiHeadAttention(nn.Module):
         kdim: int | None = None,
         vdim: int | None = None,
         bias: bool = True,
+        out_bias: bool | None = None,
+        qk_norm_eps: float | None = None,
         dropout: float = 0.0,
         scale: float | None = None,
         score: ScoreFunction | None = None,
@@ -110,7 +118,12 @@ class MultiHeadAttention(nn.Module):
         self.q_proj = nn.Linear(embed_dim, q_width, bias=bias, **factory)
         self.k_proj = nn.Linear(kdim or embed_dim, kv_width, bias=bias, **factory)
         self.v_proj = nn.Linear(vdim or embed_dim, kv_width, bias=bias, **factory)
-        self.out_proj = nn.Linear(q_width, embed_dim, bias=bias, **factory)
+        out_bias = bias if out_bias is None else out_bias
+        self.out_proj = nn.Linear(q_width, embed_dim, bias=out_bias, **factory)
+        self.q_norm = self.k_norm = None
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(self.head_dim, eps=qk_norm_eps, **factory)
+            self.k_norm = RMSNorm(self.head_dim, eps=qk_norm_eps, **factory)
 
     def _split(self, x: Tensor, heads: int) -> Tensor:
         batch, length, _ = x.shape
@@ -180,6 +193,12 @@ class MultiHeadAttention(nn.Module):
                 f"convert one of them (e.g. {name}.to({proj.weight.dtype}) or module.to(...))"
             )
 
+    def _keys_values(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        """Projected, split (B, H_kv, S, hd) keys (QK-normed when set) and values."""
+        k = self._split(self.k_proj(key), self.num_kv_heads)
+        k = k if self.k_norm is None else self.k_norm(k)
+        return k, self._split(self.v_proj(value), self.num_kv_heads)
+
     def _inputs(self, query, key, value, mask, key_padding_mask, bias, position, cache):
         """Project and split heads, apply positions, update the cache, merge masks:
         (q (B, H, L, hd), k, v (B, H_kv, S, hd), mask, bias) for the attention call."""
@@ -190,14 +209,14 @@ class MultiHeadAttention(nn.Module):
                               ("value", value, self.v_proj)):  # fmt: skip
             self._check_input(name, t, proj)
         q = self._split(self.q_proj(query), self.num_heads)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
         if isinstance(cache, MemoryCache):  # cross-attention: project the memory once
             if cache.k is None:
-                cache.k = self._split(self.k_proj(key), self.num_kv_heads)
-                cache.v = self._split(self.v_proj(value), self.num_kv_heads)
+                cache.k, cache.v = self._keys_values(key, value)
             k, v, cache = cache.k, cache.v, None
         else:
-            k = self._split(self.k_proj(key), self.num_kv_heads)
-            v = self._split(self.v_proj(value), self.num_kv_heads)
+            k, v = self._keys_values(key, value)
         offset = cache.length if cache is not None else 0
         if position is not None:
             q, k = position.rotate(q, k, offset)

@@ -1,0 +1,157 @@
+"""Text generation for decoder-only language models (GPT, Llama), shared by them.
+
+    generate(model, prompts, n)   left-pad prompts, prefill, decode n tokens
+    sample(logits)                greedy, or temperature / top-k / top-p sampling
+
+The model is called as model(tokens (B, T), caches=...) to continue what its caches
+hold, or model(tokens, start=...) to recompute left-padded sequences from scratch, and
+builds its caches with model.make_caches(batch, max_len); both return logits (B, T, V).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    idx: Tensor | list[Tensor],
+    max_new_tokens: int,
+    *,
+    vocab_size: int,
+    max_len: int | None = None,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_token: int | Sequence[int] | None = None,
+    use_cache: bool = True,
+    generator: torch.Generator | None = None,
+) -> Tensor | list[Tensor]:
+    """Continue prompts: a (B, T) tensor, or a list of 1-D prompts of any lengths
+    (decoded together, left-padded). temperature 0 is greedy. eos_token: one stop token
+    or several; after one a sequence stops growing, and decoding ends when all have
+    stopped. max_len: the longest sequence the model can position (None: no limit).
+    Returns prompts + new tokens in the same form: a tensor (B, T + new) with the
+    first stop token repeated after a sequence's end, or a list cut after each one's."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+        raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    check_sampling(temperature, top_k, top_p)
+    stops = _stop_tokens(eos_token, vocab_size)
+    as_list = isinstance(idx, (list, tuple))
+    prompts = list(idx) if as_list else list(idx.unbind(0))
+    if not prompts or min(p.numel() for p in prompts) == 0:
+        raise ValueError("generate needs at least one non-empty prompt")
+    for prompt in prompts:
+        check_token_ids(prompt, vocab_size, name="prompt")
+    lengths = torch.tensor([p.numel() for p in prompts])
+    width = int(lengths.max())
+    device = next(model.parameters()).device
+    tokens = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+    for b, p in enumerate(prompts):
+        tokens[b, width - p.numel() :] = p.to(device)
+    start = (width - lengths).to(device)
+    if max_len is not None and width + max_new_tokens > max_len:
+        raise ValueError(f"prompt ({width}) + max_new_tokens ({max_new_tokens}) exceeds "
+                         f"max_len {max_len} of this model's positions")  # fmt: skip
+    caches = model.make_caches(len(prompts), width + max_new_tokens) if use_cache else None
+    if caches is not None:
+        for cache in caches:
+            cache.set_padding(start)
+        logits = model(tokens, caches=caches)[:, -1]
+    else:
+        logits = model(tokens, start=start)[:, -1]
+    new = []
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    for _ in range(max_new_tokens):
+        nxt = sample(logits, temperature=temperature, top_k=top_k, top_p=top_p,
+                     generator=generator)  # fmt: skip
+        if stops is not None:
+            nxt = torch.where(done, torch.full_like(nxt, int(stops[0])), nxt)
+            done |= torch.isin(nxt, stops.to(device))
+        new.append(nxt)
+        if stops is not None and bool(done.all()):
+            break
+        tokens = torch.cat([tokens, nxt.view(-1, 1)], dim=1)
+        if caches is not None:
+            logits = model(nxt.view(-1, 1), caches=caches)[:, -1]
+        else:
+            logits = model(tokens, start=start)[:, -1]
+    generated = torch.stack(new, dim=1) if new else tokens[:, :0]
+    if not as_list:  # equal-length prompts: one tensor, the stop token repeated after the end
+        return torch.cat([idx.to(device), generated], dim=1)
+    return [torch.cat([p.to(device), _until_stop(g, stops)])
+            for p, g in zip(prompts, generated, strict=True)]  # fmt: skip
+
+
+def _stop_tokens(eos_token: int | Sequence[int] | None, vocab_size: int) -> Tensor | None:
+    """The stop tokens as a 1-D tensor (the first fills finished rows), or None."""
+    if eos_token is None:
+        return None
+    ids = [eos_token] if isinstance(eos_token, int) else list(eos_token)
+    if not ids or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+        raise TypeError(f"eos_token must be a token id, a non-empty list of them, or None; "
+                        f"got {eos_token!r}")  # fmt: skip
+    stops = torch.tensor(ids, dtype=torch.long)
+    check_token_ids(stops, vocab_size, name="eos_token")
+    return stops
+
+
+def _until_stop(tokens: Tensor, stops: Tensor | None) -> Tensor:
+    if stops is None:
+        return tokens
+    hits = torch.isin(tokens, stops.to(tokens.device)).nonzero()
+    return tokens if hits.numel() == 0 else tokens[: int(hits[0]) + 1]
+
+
+def sample(
+    logits: Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Next tokens (B,) from logits (B, V): greedy at temperature 0, else sampled
+    from the softmax at that temperature, restricted to the top_k tokens and/or the
+    smallest set whose probability reaches top_p."""
+    check_sampling(temperature, top_k, top_p)
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, -torch.inf)
+    if top_p is not None:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p  # keep the first
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), -torch.inf)
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """Raise ValueError for sampling settings that select nothing or mean nothing."""
+    if not temperature >= 0:  # also catches nan
+        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be an int >= 1, or None for no limit; got {top_k!r}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], or None for no limit; got {top_p!r}")
+
+
+def check_token_ids(ids: Tensor, vocab_size: int, name: str = "idx") -> None:
+    """Raise for token ids that are not integers in [0, vocab_size)."""
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise TypeError(f"{name} must hold integer token ids, got {ids.dtype}")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+        raise ValueError(
+            f"{name} holds token id {bad}, outside this model's vocabulary 0..{vocab_size - 1}"
+        )

@@ -1,0 +1,364 @@
+"""Llama: the decoder-only family behind most open chat models (Llama 2/3, Mistral,
+Qwen2, Qwen3), loadable from Hugging Face checkpoints.
+
+    tokens (B, T) -> token embedding
+                  -> n_layer pre-norm blocks:
+                         x = x + attn(rms_norm(x))   rotary q and k, grouped-query heads,
+                                                     optional QK-norm and sliding window
+                         x = x + ffn(rms_norm(x))    SwiGLU: down(silu(gate(x)) * up(x))
+                  -> final RMSNorm -> logits (B, T, vocab) (tied or separate output head)
+
+The variants differ in small switches: Qwen2 adds biases to q, k and v; Qwen3 normalises
+each head's q and k (RMSNorm) before the rotation; Mistral lets a token see only the last
+`sliding_window` tokens (itself included). Rotary scaling (linear, dynamic NTK, llama3,
+yarn) and partial rotary come from mhsa.positional. Load with `Llama.from_pretrained(dir)`
+(config.json + safetensors) or `Llama.from_hf(state_dict, LlamaConfig.from_hf_config(d))`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from ..cache import KVCache, SlidingWindowCache
+from ..masks import SlidingWindow
+from ..nn import GatedFeedForward, MultiHeadAttention, RMSNorm
+from ..positional import RotaryEmbedding, rope_frequencies, rope_type
+from ..validate import int_at_least
+from .decoding import check_token_ids, generate
+from .init import normal_init
+
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu",
+                  "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}  # fmt: skip
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 256
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_head: int | None = None  # None: n_head (no grouped-query attention)
+    d_model: int = 256
+    head_dim: int | None = None  # None: d_model // n_head
+    d_ff: int = 688
+    max_len: int = 2048  # max_position_embeddings: what dynamic / yarn scaling refer to
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rotary_dim: int | None = None  # None: head_dim; less rotates only the first channels
+    rope_scaling: dict | None = None  # see mhsa.positional.rope_frequencies
+    attention_bias: bool = False  # q, k, v projections (Qwen2: True)
+    attention_out_bias: bool = False  # output projection
+    qk_norm: bool = False  # RMSNorm over each head's q and k (Qwen3)
+    sliding_window: int | None = None  # a token sees the last W tokens, itself included
+    window_layers: tuple[int, ...] | None = None  # layers with the window; None: all
+    activation: str = "silu"  # silu: SwiGLU; gelu_tanh: GeGLU
+    mlp_bias: bool = False
+    tie_embeddings: bool = False
+    bos_token: int | None = None
+    eos_token: tuple[int, ...] = field(default_factory=tuple)  # stop tokens for generate
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "n_layer", "n_head", "d_model", "d_ff", "max_len"):
+            int_at_least(name, getattr(self, name), 1)
+        kv = self.n_head if self.n_kv_head is None else self.n_kv_head
+        if isinstance(kv, bool) or not isinstance(kv, int) or kv < 1 or self.n_head % kv:
+            raise ValueError(f"n_kv_head must divide n_head ({self.n_head}) or be None, "
+                             f"got {self.n_kv_head!r}")  # fmt: skip
+        if self.head_dim is None and self.d_model % self.n_head:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_head "
+                             f"({self.n_head}), or set head_dim")  # fmt: skip
+        if self.sliding_window is not None:
+            int_at_least("sliding_window", self.sliding_window, 1)
+        bad = [i for i in self.window_layers or () if not 0 <= i < self.n_layer]
+        if bad:
+            raise ValueError(f"window_layers must be layer indices in 0..{self.n_layer - 1}, "
+                             f"got {bad}")  # fmt: skip
+        if self.activation not in set(HF_ACTIVATIONS.values()):
+            raise ValueError(f"activation must be one of {sorted(set(HF_ACTIVATIONS.values()))}, "
+                             f"got {self.activation!r}")  # fmt: skip
+        self.eos_token = tuple(self.eos_token)
+        self.window_layers = None if self.window_layers is None else tuple(self.window_layers)
+        rope_frequencies(
+            self.rotary_width,
+            self.rope_theta,
+            self.rope_scaling,
+            max_position_embeddings=self.max_len,
+        )  # fmt: skip  (checks the scaling)
+
+    @property
+    def head_width(self) -> int:
+        return self.head_dim or self.d_model // self.n_head
+
+    @property
+    def rotary_width(self) -> int:
+        return self.rotary_dim or self.head_width
+
+    def windowed(self, layer: int) -> bool:
+        """Whether layer `layer` attends through the sliding window."""
+        if self.sliding_window is None:
+            return False
+        return self.window_layers is None or layer in self.window_layers
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_hf_config(cls, d: dict) -> LlamaConfig:
+        """From a Hugging Face config.json dict of model_type llama, mistral, qwen2 or
+        qwen3 (transformers 4 or 5 layouts: rope_theta at the top or in rope_parameters,
+        rope_scaling or rope_parameters for the scaling)."""
+        kind = d.get("model_type")
+        if kind not in MODEL_TYPES:
+            raise ValueError(f"model_type {kind!r} is not supported by Llama; supported: "
+                             f"{', '.join(MODEL_TYPES)}")  # fmt: skip
+        needed = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads")  # fmt: skip
+        missing = [k for k in needed if k not in d]
+        if missing:
+            raise ValueError(f"the config dict lacks {missing}; pass the model's config.json")
+        n_layer, n_head = d["num_hidden_layers"], d["num_attention_heads"]
+        head_dim = d.get("head_dim") or d["hidden_size"] // n_head
+        rope = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
+        theta = rope.pop("rope_theta", None) or d.get("rope_theta") or 10000.0
+        partial = rope.pop("partial_rotary_factor", None) or d.get("partial_rotary_factor") or 1.0
+        max_len = d.get("max_position_embeddings", 2048)
+        if rope_type(rope) in ("llama3", "yarn"):
+            rope.setdefault("original_max_position_embeddings", max_len)
+        window, window_layers = d.get("sliding_window"), None
+        if kind in ("qwen2", "qwen3"):  # the window only where layer_types says so
+            window = window if d.get("use_sliding_window") else None
+            first = d.get("max_window_layers", n_layer)
+            types = d.get("layer_types") or ["sliding_attention" if i >= first else "full"
+                                             for i in range(n_layer)]  # fmt: skip
+            window_layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+        if kind == "llama":
+            window = None
+        act = d.get("hidden_act", "silu")
+        if act not in HF_ACTIVATIONS:
+            raise ValueError(f"hidden_act {act!r} is not supported; use one of "
+                             f"{sorted(HF_ACTIVATIONS)}")  # fmt: skip
+        bias = d.get("attention_bias", False) if kind in ("llama", "qwen3") else kind == "qwen2"
+        eos = d.get("eos_token_id")
+        return cls(
+            vocab_size=d["vocab_size"], n_layer=n_layer, n_head=n_head,
+            n_kv_head=d.get("num_key_value_heads") or n_head, d_model=d["hidden_size"],
+            head_dim=head_dim, d_ff=d["intermediate_size"], max_len=max_len,
+            norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+            rotary_dim=int(head_dim * partial), rope_scaling=rope if rope_type(rope) != "default"
+            else None, attention_bias=bias, attention_out_bias=bias and kind != "qwen2",
+            qk_norm=kind == "qwen3", sliding_window=window, window_layers=window_layers,
+            activation=HF_ACTIVATIONS[act], mlp_bias=bool(d.get("mlp_bias", False)),
+            tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+            bos_token=d.get("bos_token_id"),
+            eos_token=() if eos is None else (eos,) if isinstance(eos, int) else tuple(eos),
+        )  # fmt: skip
+
+
+class LlamaBlock(nn.Module):
+    """Pre-norm decoder layer: x + attn(norm(x)), then x + ffn(norm(x)). (B, T, d) -> same."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.d_model, eps=config.norm_eps)
+        self.attn = MultiHeadAttention(
+            config.d_model, config.n_head, num_kv_heads=config.n_kv_head,
+            head_dim=config.head_width, bias=config.attention_bias,
+            out_bias=config.attention_out_bias,
+            qk_norm_eps=config.norm_eps if config.qk_norm else None,
+        )  # fmt: skip
+        self.ff_norm = RMSNorm(config.d_model, eps=config.norm_eps)
+        self.ff = GatedFeedForward(config.d_model, config.d_ff, activation=config.activation,
+                                   bias=config.mlp_bias)  # fmt: skip
+
+    def forward(self, x: Tensor, *, mask, padding, position, cache) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), mask=mask, key_padding_mask=padding,
+                          causal=True, position=position, cache=cache)  # fmt: skip
+        return x + self.ff(self.ff_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.layers = nn.ModuleList(LlamaBlock(config) for _ in range(config.n_layer))
+        self.norm = RMSNorm(config.d_model, eps=config.norm_eps)
+        self.lm_head = None
+        if not config.tie_embeddings:
+            self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.rotary = self._make_rotary()
+        self.apply(normal_init)
+
+    def _make_rotary(self) -> RotaryEmbedding:
+        c = self.config
+        return RotaryEmbedding(
+            c.head_width, c.rope_theta, rotary_dim=c.rotary_width, scaling=c.rope_scaling,
+            max_position_embeddings=c.max_len,
+        )  # fmt: skip
+
+    def forward(
+        self, idx: Tensor, *, caches: list[KVCache] | None = None, start: Tensor | None = None
+    ) -> Tensor:
+        """idx (B, T) token ids -> logits (B, T, vocab).
+
+        caches: one per layer (see make_caches); the tokens continue what they hold.
+        start: (B,) index of each sequence's first real token when left-padded
+        (without caches; with caches the caches hold it). Positions count real tokens
+        only, so a left-padded sequence gets the same logits as alone.
+        """
+        check_token_ids(idx, self.config.vocab_size)
+        batch, length = idx.shape
+        if caches is not None:
+            if len(caches) != len(self.layers):
+                raise ValueError(
+                    f"caches must hold one cache per layer ({len(self.layers)}), got "
+                    f"{len(caches)}; use model.make_caches(batch, max_len)"
+                )
+            positions, padding = caches[0].next_positions(length), None  # caches pad themselves
+        else:
+            index = torch.arange(length, device=idx.device).view(1, -1)
+            begin = torch.zeros(batch, 1, dtype=torch.long, device=idx.device)
+            begin = begin if start is None else start.view(-1, 1).to(idx.device)
+            positions = (index - begin).clamp(min=0).expand(batch, length)
+            padding = None if start is None else index >= begin
+        rotary = self.rotary.at(positions)  # (B, T) positions: cos and sin made once
+        window = self.config.sliding_window
+        x = self.embed(idx)
+        for i, layer in enumerate(self.layers):
+            mask = SlidingWindow(window - 1, 0) if self.config.windowed(i) else None
+            x = layer(x, mask=mask, padding=padding, position=rotary,
+                      cache=None if caches is None else caches[i])  # fmt: skip
+        x = self.norm(x)
+        return x @ self.embed.weight.T if self.lm_head is None else self.lm_head(x)
+
+    def make_caches(self, batch: int, max_len: int) -> list[KVCache]:
+        """Empty caches for every layer; windowed layers keep only their window."""
+        c = self.config
+        options = {"dtype": self.embed.weight.dtype, "device": self.embed.weight.device}
+        kv_heads = c.n_kv_head or c.n_head
+        return [
+            SlidingWindowCache(batch, kv_heads, c.sliding_window, c.head_width, **options)
+            if c.windowed(i) and c.sliding_window < max_len
+            else KVCache(batch, kv_heads, max_len, c.head_width, **options)
+            for i in range(c.n_layer)
+        ]
+
+    def generate(
+        self,
+        idx: Tensor | list[Tensor],
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_token: int | Sequence[int] | None = None,
+        use_cache: bool = True,
+        generator: torch.Generator | None = None,
+    ) -> Tensor | list[Tensor]:
+        """Continue prompts: a (B, T) tensor, or a list of 1-D prompts of any lengths
+        (decoded together, left-padded). temperature 0 is greedy. eos_token: the stop
+        token(s); None uses the config's eos_token, [] never stops early. Returns
+        prompts + new tokens in the same form (see mhsa.models.decoding.generate)."""
+        stops = self.config.eos_token if eos_token is None else eos_token
+        if not isinstance(stops, int) and len(stops) == 0:
+            stops = None
+        return generate(self, idx, max_new_tokens, vocab_size=self.config.vocab_size,
+                        temperature=temperature, top_k=top_k, top_p=top_p, eos_token=stops,
+                        use_cache=use_cache, generator=generator)  # fmt: skip
+
+    @classmethod
+    def from_hf(
+        cls, state_dict: dict[str, Tensor], config: LlamaConfig, *, dtype: torch.dtype | None = None
+    ) -> Llama:
+        """Build a Llama from weights named as in transformers' LlamaForCausalLM,
+        MistralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM (model.embed_tokens,
+        model.layers.N.self_attn.q_proj, ..., lm_head). Every name and shape is checked
+        before any weight is used; the tensors are taken as they are (no copy), cast to
+        `dtype` if given (float32, bfloat16, float16). A tied model's lm_head.weight,
+        when present, must be the embedding."""
+        with torch.device("meta"):
+            model = cls(config)
+        wanted = {hf_name(name): (name, p.shape) for name, p in model.state_dict().items()}
+        given = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
+        if config.tie_embeddings and "lm_head.weight" in given:
+            head = given.pop("lm_head.weight")
+            if not torch.equal(head.cpu(), given.get("model.embed_tokens.weight", head).cpu()):
+                raise ValueError("lm_head.weight differs from model.embed_tokens.weight, so the "
+                                 "checkpoint is not tied: set tie_embeddings=False")  # fmt: skip
+        _check_names(sorted(set(wanted) - set(given)), sorted(set(given) - set(wanted)))
+        for key, (_, shape) in wanted.items():
+            if tuple(given[key].shape) != tuple(shape):
+                raise ValueError(f"weight {key} is {tuple(given[key].shape)} in the checkpoint "
+                                 f"but {tuple(shape)} for this config; check hidden_size, heads, "
+                                 "head_dim, intermediate_size and vocab_size")  # fmt: skip
+            if not given[key].is_floating_point():
+                raise TypeError(f"weight {key} is {given[key].dtype}; dequantize it first "
+                                "(Llama loads float32, bfloat16 or float16 weights)")  # fmt: skip
+        dtype = dtype or given["model.embed_tokens.weight"].dtype
+        ours = {name: given[key].to(dtype) for key, (name, _) in wanted.items()}
+        model.load_state_dict(ours, assign=True)
+        device = ours["embed.weight"].device
+        with torch.device(device):
+            model.rotary = model._make_rotary()  # its frequencies were made on meta
+        return model.eval()
+
+    @classmethod
+    def from_pretrained(
+        cls, directory: str | Path, *, dtype: torch.dtype | None = None, device: str = "cpu"
+    ) -> Llama:
+        """Load a Hugging Face model directory: config.json and its *.safetensors files."""
+        directory = Path(directory)
+        if not (directory / "config.json").is_file():
+            raise ValueError(f"{directory} has no config.json; pass a Hugging Face model "
+                             "directory (config.json + *.safetensors)")  # fmt: skip
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{directory} has no *.safetensors weights; convert .bin "
+                             "checkpoints with transformers' save_pretrained first")  # fmt: skip
+        try:
+            from safetensors.torch import load_file
+        except ImportError as error:
+            raise ImportError("Llama.from_pretrained needs safetensors: pip install safetensors"
+                              ) from error  # fmt: skip
+        config = LlamaConfig.from_hf_config(json.loads((directory / "config.json").read_text()))
+        state_dict = {}
+        for file in files:
+            state_dict.update(load_file(file, device=str(device)))
+        return cls.from_hf(state_dict, config, dtype=dtype)
+
+
+HF_RENAMES = (  # pieces of our names -> transformers' (below "model.")
+    ("embed.", "embed_tokens."), (".attn_norm.", ".input_layernorm."),
+    (".ff_norm.", ".post_attention_layernorm."), (".attn.out_proj.", ".self_attn.o_proj."),
+    (".attn.", ".self_attn."), (".ff.gate.", ".mlp.gate_proj."), (".ff.up.", ".mlp.up_proj."),
+    (".ff.down.", ".mlp.down_proj."),
+)  # fmt: skip
+
+
+def hf_name(name: str) -> str:
+    """Our parameter name -> transformers' (e.g. layers.0.attn.out_proj.weight ->
+    model.layers.0.self_attn.o_proj.weight)."""
+    if name.startswith("lm_head."):
+        return name
+    for ours, theirs in HF_RENAMES:
+        name = name.replace(ours, theirs)
+    return "model." + name
+
+
+def _check_names(missing: list[str], unexpected: list[str]) -> None:
+    def some(names: list[str]) -> str:
+        return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+    fix = "check that the config (layers, attention_bias, qk_norm, tie_embeddings) matches it"
+    if missing:
+        raise ValueError(f"the checkpoint lacks {len(missing)} weights this config needs: "
+                         f"{some(missing)}; {fix}")  # fmt: skip
+    if unexpected:
+        raise ValueError(f"the checkpoint has {len(unexpected)} weights this config does not "
+                         f"use: {some(unexpected)}; {fix}")  # fmt: skip
