@@ -208,6 +208,40 @@ def test_untied_head_and_qwen3_layout(tmp_path):
         assert torch.equal(qwen.state_dict[name], torch.from_numpy(expected)), name
 
 
+def assert_same_config(ours: dict, theirs: dict) -> None:
+    """Every key both configs have agrees (float32 metadata: to float32 precision). Ours has
+    a few more (head_dim for qwen2, rope_theta: transformers 5 moved it to rope_parameters)."""
+    for key, value in ours.items():
+        if key == "architectures" or key not in theirs:
+            continue  # transformers' GGUF loading leaves architectures None
+        if isinstance(value, float):
+            assert value == pytest.approx(theirs[key], rel=1e-6), key
+        else:
+            assert value == theirs[key], key
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_written_file_equals_transformers(tmp_path, arch):
+    """Untied head, GQA, q/k/v biases (qwen2): the names, the un-permutation (llama only)
+    and the config agree with transformers' own GGUF loading of the same file."""
+    transformers = needs("transformers")
+    weights = hf_weights(arch, tied=False)
+    if arch == "qwen2":
+        rng = np.random.default_rng(3)
+        for proj, heads in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS)):
+            bias = rng.standard_normal(heads * HEAD_DIM).astype(np.float32)
+            weights[f"model.layers.0.self_attn.{proj}_proj.bias"] = bias
+    path = write_gguf(tmp_path / f"{arch}.gguf", arch=arch, weights=weights)
+    ours = read_gguf(path)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name)
+    expected = theirs.state_dict()
+    assert set(expected) == set(ours.state_dict)
+    for name, tensor in ours.state_dict.items():
+        assert torch.equal(tensor, expected[name]), name
+    assert ours.config["attention_bias"] == (arch == "qwen2")
+    assert_same_config(ours.config, theirs.config.to_dict())
+
+
 # ---------------------------------------------------------------- errors
 
 
@@ -339,14 +373,7 @@ def test_state_dict_equals_transformers(ours, theirs):
 
 def test_config_equals_transformers(ours, theirs):
     transformers = needs("transformers")
-    expected = theirs.config.to_dict()
-    for key, value in ours.config.items():
-        if key in ("architectures", "rope_theta", "rope_scaling"):
-            continue  # transformers 5 writes rope_parameters; GGUF loading leaves architectures
-        if isinstance(value, float):
-            assert value == pytest.approx(expected[key], rel=1e-6), key
-        else:
-            assert value == expected[key], key
+    assert_same_config(ours.config, theirs.config.to_dict())
     rebuilt = transformers.LlamaConfig(**ours.config)
     assert rebuilt.rope_parameters == theirs.config.rope_parameters
 

@@ -205,9 +205,8 @@ def hf_config(metadata: dict[str, Any], tensor_names: set[str], source: str = "G
         "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
         "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id"),
     }
-    if arch == "qwen2" or arch == "qwen3":
-        window = metadata.get(f"{arch}.attention.sliding_window")
-        config.update(use_sliding_window=False, sliding_window=window, max_window_layers=0)
+    if arch in ("qwen2", "qwen3"):
+        config["use_sliding_window"] = False  # llama.cpp runs every layer with full attention
     return config
 
 
