@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -282,6 +283,13 @@ def _row_order(name: str, rows: int, config: dict[str, Any], arch: str) -> Tenso
     return None
 
 
+def _version(package: str) -> str:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def _dequantize(tensor, source: str) -> np.ndarray:
     gguf = _gguf()
     try:
@@ -289,7 +297,7 @@ def _dequantize(tensor, source: str) -> np.ndarray:
     except NotImplementedError:
         raise ValueError(
             f"{source}: tensor {tensor.name!r} is stored as {tensor.tensor_type.name}, which the "
-            f"gguf package (version {getattr(gguf, '__version__', '?')}) cannot dequantise; "
+            f"gguf package (version {_version('gguf')}) cannot dequantise; "
             "upgrade gguf or use a file quantised as F16, Q8_0, Q4_K_M or similar"
         ) from None
 
