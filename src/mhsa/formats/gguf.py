@@ -1,0 +1,368 @@
+"""Read a GGUF file (llama.cpp's format) into a transformers-style config and state dict.
+
+GGUF keeps the model's hyperparameters as metadata under llama.cpp's key names
+(`llama.embedding_length`, ...) and its tensors under llama.cpp's names (`blk.0.attn_q.weight`),
+many of them quantised in blocks (Q4_0, Q8_0, K-quants...). `read_gguf` turns both into what
+a transformers checkpoint of the same model holds:
+
+    model = read_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")
+    model.config        {"model_type": "llama", "hidden_size": 576, ...}  (a config.json)
+    model.state_dict    {"model.layers.0.self_attn.q_proj.weight": tensor, ...}
+    model.raw(name)     the stored blocks of one tensor, for weight-only quantised matmuls
+
+Parsing and dequantisation are the `gguf` package's own (GGUFReader, gguf.quants); this file
+only renames, reshapes and checks. One fact it must undo: llama.cpp's converter reorders the
+rows of every llama q and k projection, head by head, from rotary "halves" (HF: the first half
+of a head's dimensions pairs with the second) to "interleaved" pairs (GGUF: dimensions 2i and
+2i + 1 pair). `_unpermute_rows` gives the inverse row order.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .gguf_tokenizer import GGUFTokenizer
+
+GGUF_MAGIC = b"GGUF"
+INSTALL_HINT = "pip install gguf (or pip install 'mhsa[chat]')"
+
+# general.architecture -> (transformers model_type, whether llama.cpp permuted q/k rows)
+ARCHITECTURES = {"llama": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False)}
+
+# llama.cpp tensor name (without .weight/.bias) -> transformers name
+TOP_LEVEL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+LAYER_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+# llama.cpp stores Llama 3's scaled rotary frequencies as a tensor; not a model weight
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError as error:
+        raise ImportError(f"reading GGUF files needs the gguf package: {INSTALL_HINT}") from error
+    return gguf
+
+
+@dataclass(frozen=True)
+class RawTensor:
+    """One tensor as stored: `ggml_type` (a gguf.GGMLQuantizationType: F32, Q4_0, Q8_0...),
+    `data` (numpy; for block-quantised types uint8 of shape (rows, bytes per row), otherwise the
+    values in `shape`) and `shape`, the logical (rows, columns) in torch order. Rows of q and k
+    projections are already in transformers' order."""
+
+    ggml_type: Any
+    data: np.ndarray
+    shape: tuple[int, ...]
+
+
+@dataclass
+class GGUFModel:
+    """What `read_gguf` returns: the transformers `config` dict, the `state_dict` under
+    transformers' names, the file's `metadata` (key -> value, arrays as lists) and the
+    `architecture` as the file names it. `rope_freqs` holds llama.cpp's per-frequency rotary
+    divisors when the file has them (Llama 3.1 and later), else None."""
+
+    path: Path
+    architecture: str
+    config: dict[str, Any]
+    state_dict: dict[str, Tensor]
+    metadata: dict[str, Any]
+    rope_freqs: Tensor | None = None
+    _tensors: dict[str, Any] = field(default_factory=dict, repr=False)  # HF name -> ReaderTensor
+
+    def raw(self, name: str) -> RawTensor:
+        """The stored (possibly quantised) data of the tensor transformers calls `name`,
+        q/k rows un-permuted like the state dict's. The array is a read-only view of the
+        memory-mapped file except for q/k projections, which are reordered copies."""
+        if name not in self._tensors:
+            raise KeyError(f"{name!r} is not a tensor of {self.path.name}; known: state_dict keys")
+        tensor = self._tensors[name]
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        data = tensor.data
+        rows = _row_order(name, shape[0], self.config, self.architecture)
+        if rows is not None:
+            data = np.ascontiguousarray(data[rows.numpy()])
+        return RawTensor(tensor.tensor_type, data, shape)
+
+    def tokenizer(self) -> GGUFTokenizer:
+        """The tokenizer the metadata describes (see formats.gguf_tokenizer.GGUFTokenizer)."""
+        return GGUFTokenizer(self.metadata, source=str(self.path))
+
+
+def _open(path: str | Path):
+    """A gguf.GGUFReader for `path`, with one-line errors for the usual ways a file is bad."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file; pass the path of a .gguf model file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise ValueError(
+            f"{path}: not a GGUF file (it starts with {magic!r}, a GGUF file with {GGUF_MAGIC!r}); "
+            "pass a .gguf model, e.g. one converted with llama.cpp's convert_hf_to_gguf.py"
+        )
+    gguf = _gguf()
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, IndexError, KeyError, UnicodeDecodeError, OverflowError) as error:
+        raise ValueError(
+            f"{path}: truncated or damaged GGUF file ({error}); download or convert it again"
+        ) from None
+    size = path.stat().st_size
+    for tensor in reader.tensors:
+        if tensor.data_offset + int(tensor.n_bytes) > size:
+            raise ValueError(
+                f"{path}: truncated GGUF file (tensor {tensor.name!r} ends at byte "
+                f"{tensor.data_offset + int(tensor.n_bytes)}, the file has {size}); "
+                "download or convert it again"
+            )
+    return reader
+
+
+def gguf_metadata(path: str | Path) -> dict[str, Any]:
+    """Every metadata key of a GGUF file -> its value (arrays as lists), tensors not read."""
+    return _metadata(_open(path))
+
+
+def read_gguf_tokenizer(path: str | Path) -> GGUFTokenizer:
+    """The tokenizer of a GGUF file (encode, decode, stream, render_chat), tensors not read."""
+    return GGUFTokenizer(gguf_metadata(path), source=str(path))
+
+
+def _metadata(reader) -> dict[str, Any]:
+    return {key: value.contents() for key, value in reader.fields.items()}
+
+
+def hf_config(metadata: dict[str, Any], tensor_names: set[str], source: str = "GGUF") -> dict:
+    """The transformers config.json dict for a file with this metadata and these tensors."""
+    arch = metadata.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(
+            f"{source}: architecture {arch!r} is not supported (supported: "
+            f"{', '.join(ARCHITECTURES)}); use a GGUF of a Llama-family model"
+        )
+    model_type = ARCHITECTURES[arch][0]
+
+    def get(key: str, default: Any = None) -> Any:
+        value = metadata.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ValueError(f"{source}: metadata key {arch}.{key} is missing: a damaged GGUF file")
+        return value
+
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    head_dim = metadata.get(f"{arch}.attention.key_length")
+    if head_dim is None and arch == "llama":
+        head_dim = metadata.get(f"{arch}.rope.dimension_count")
+    vocab = metadata.get(f"{arch}.vocab_size", len(metadata.get("tokenizer.ggml.tokens", ())))
+    config = {
+        "architectures": [
+            {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[
+                arch
+            ]
+        ],  # fmt: skip
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": int(head_dim) if head_dim is not None else hidden // heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": int(get("context_length")),
+        "rms_norm_eps": _decimal(get("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _decimal(get("rope.freq_base", 10000.0)),
+        "rope_scaling": _rope_scaling(metadata, arch),
+        "vocab_size": int(vocab),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "mlp_bias": False,
+        "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id"),
+    }
+    if arch in ("qwen2", "qwen3"):
+        config["use_sliding_window"] = False  # llama.cpp runs every layer with full attention
+    return config
+
+
+def _decimal(value: float) -> float:
+    """A float32 metadata value as the shortest decimal that reads back to it (1e-05, not
+    9.999999747378752e-06), as the config.json it was converted from spells it."""
+    return float(str(np.float32(value)))
+
+
+def _rope_scaling(metadata: dict[str, Any], arch: str) -> dict[str, Any] | None:
+    kind = metadata.get(f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    factor = metadata.get(f"{arch}.rope.scaling.factor")
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": factor and _decimal(factor)}
+    original = metadata.get(f"{arch}.rope.scaling.original_context_length")
+    if original is not None:
+        scaling["original_max_position_embeddings"] = int(original)
+    return scaling
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The transformers name of a llama.cpp tensor name, or None for one we do not know."""
+    stem, _, suffix = gguf_name.rpartition(".")
+    if stem in TOP_LEVEL_NAMES and suffix in ("weight", "bias"):
+        return f"{TOP_LEVEL_NAMES[stem]}.{suffix}"
+    match = LAYER_NAME.match(gguf_name)
+    if match and match[2] in LAYER_NAMES:
+        return f"model.layers.{match[1]}.{LAYER_NAMES[match[2]]}.{match[3]}"
+    return None
+
+
+def _expected_shape(name: str, config: dict[str, Any]) -> tuple[int, ...]:
+    """The torch shape transformers gives the parameter `name` under `config`."""
+    hidden, inner = config["hidden_size"], config["intermediate_size"]
+    q_rows = config["num_attention_heads"] * config["head_dim"]
+    kv_rows = config["num_key_value_heads"] * config["head_dim"]
+    shapes = {
+        "embed_tokens": (config["vocab_size"], hidden),
+        "lm_head": (config["vocab_size"], hidden),
+        "norm": (hidden,),
+        "input_layernorm": (hidden,),
+        "post_attention_layernorm": (hidden,),
+        "q_proj": (q_rows, hidden),
+        "k_proj": (kv_rows, hidden),
+        "v_proj": (kv_rows, hidden),
+        "o_proj": (hidden, q_rows),
+        "q_norm": (config["head_dim"],),
+        "k_norm": (config["head_dim"],),
+        "gate_proj": (inner, hidden),
+        "up_proj": (inner, hidden),
+        "down_proj": (hidden, inner),
+    }
+    module, suffix = name.rsplit(".", 2)[-2:]
+    shape = shapes[module]
+    return shape[:1] if suffix == "bias" else shape
+
+
+def _unpermute_rows(rows: int, num_heads: int) -> Tensor:
+    """Index that takes llama.cpp's q/k row order to transformers': within each head, GGUF
+    row 2i + j holds HF row j * head_dim / 2 + i (j in {0, 1})."""
+    half = rows // num_heads // 2
+    return torch.arange(rows).view(num_heads, half, 2).transpose(1, 2).reshape(rows)
+
+
+def _row_order(name: str, rows: int, config: dict[str, Any], arch: str) -> Tensor | None:
+    if not ARCHITECTURES[arch][1]:
+        return None
+    if ".self_attn.q_proj." in name:
+        return _unpermute_rows(rows, config["num_attention_heads"])
+    if ".self_attn.k_proj." in name:
+        return _unpermute_rows(rows, config["num_key_value_heads"])
+    return None
+
+
+def _version(package: str) -> str:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _dequantize(tensor, source: str) -> np.ndarray:
+    gguf = _gguf()
+    try:
+        return gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError:
+        raise ValueError(
+            f"{source}: tensor {tensor.name!r} is stored as {tensor.tensor_type.name}, which the "
+            f"gguf package (version {_version('gguf')}) cannot dequantise; "
+            "upgrade gguf or use a file quantised as F16, Q8_0, Q4_K_M or similar"
+        ) from None
+
+
+def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFModel:
+    """Read a GGUF model file into a transformers-style config and state dict.
+
+    Every tensor is dequantised by the gguf package to float32, then cast to `dtype` (a
+    floating dtype: float32, bfloat16 or float16). Names and shapes are checked against the
+    config before anything is dequantised. Raises ValueError for a file that is not GGUF,
+    is truncated, or holds an architecture, tensor or quantisation type we do not support.
+    """
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(
+            f"dtype={dtype!r} is not a floating dtype; pass torch.float32 or torch.bfloat16"
+        )
+    path = Path(path)
+    reader = _open(path)
+    metadata = _metadata(reader)
+    names = {tensor.name for tensor in reader.tensors}
+    config = hf_config(metadata, names, source=str(path))
+    arch = metadata["general.architecture"]
+
+    by_name: dict[str, Any] = {}
+    rope_freqs = None
+    for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS:
+            rope_freqs = torch.from_numpy(np.array(_dequantize(tensor, str(path)))).float()
+            continue
+        name = hf_name(tensor.name)
+        if name is None:
+            raise ValueError(
+                f"{path}: tensor {tensor.name!r} has no transformers counterpart in a {arch} "
+                "model; this file holds a variant we do not support"
+            )
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        expected = _expected_shape(name, config)
+        if shape != expected:
+            raise ValueError(
+                f"{path}: tensor {tensor.name!r} has shape {shape}, but the metadata implies "
+                f"{expected} for {name}: a damaged or inconsistent GGUF file"
+            )
+        by_name[name] = tensor
+    missing = [name for name in _required_names(config) if name not in by_name]
+    if missing:
+        raise ValueError(f"{path}: tensors missing for {missing[:3]} ({len(missing)} in all)")
+
+    state_dict: dict[str, Tensor] = {}
+    for name, tensor in by_name.items():
+        values = torch.from_numpy(np.array(_dequantize(tensor, str(path)), dtype=np.float32))
+        values = values.reshape(_expected_shape(name, config))
+        rows = _row_order(name, values.shape[0], config, arch)
+        if rows is not None:
+            values = values[rows]
+        state_dict[name] = values.to(dtype).contiguous()
+    return GGUFModel(path, arch, config, state_dict, metadata, rope_freqs, by_name)
+
+
+def _required_names(config: dict[str, Any]) -> list[str]:
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not config["tie_word_embeddings"]:
+        names.append("lm_head.weight")
+    for layer in range(config["num_hidden_layers"]):
+        for module in ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj",
+                       "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                       "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):  # fmt: skip
+            names.append(f"model.layers.{layer}.{module}.weight")
+    return names
