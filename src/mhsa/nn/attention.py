@@ -187,10 +187,12 @@ class MultiHeadAttention(nn.Module):
         if not isinstance(t, Tensor) or t.dim() != 3 or t.shape[-1] != width:
             got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
             raise ValueError(f"{name} must be (batch, length, {width}), got {got}")
-        if t.dtype != proj.weight.dtype:
+        # a quantised projection (mhsa.nn.quantized) names the dtype it computes in
+        dtype = proj.weight.dtype if isinstance(proj, nn.Linear) else proj.input_dtype
+        if t.dtype != dtype:
             raise TypeError(
-                f"{name} is {t.dtype} but the module's weights are {proj.weight.dtype}; "
-                f"convert one of them (e.g. {name}.to({proj.weight.dtype}) or module.to(...))"
+                f"{name} is {t.dtype} but the module's weights are {dtype}; "
+                f"convert one of them (e.g. {name}.to({dtype}) or module.to(...))"
             )
 
     def _keys_values(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:

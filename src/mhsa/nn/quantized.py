@@ -67,6 +67,10 @@ class Int4Linear(nn.Module):
         q = ((groups - low.unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, 15)
         return cls.from_blocks(q.view(rows, cols).int(), scale, low + 8 * scale, bias)
 
+    @property
+    def input_dtype(self) -> torch.dtype:
+        return self.scales_and_zeros.dtype
+
     def forward(self, x: Tensor) -> Tensor:
         dtype = x.dtype
 
@@ -94,6 +98,10 @@ class Int8Linear(nn.Module):
         scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
         q = (w / scale.unsqueeze(1)).round().clamp(-127, 127).to(torch.int8)
         return cls(q, scale, bias)
+
+    @property
+    def input_dtype(self) -> torch.dtype:
+        return self.scale.dtype
 
     def forward(self, x: Tensor) -> Tensor:
         def mm(flat: Tensor) -> Tensor:
