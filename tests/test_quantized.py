@@ -11,7 +11,7 @@ from torch import nn
 
 from helpers import max_error
 from mhsa.formats.ggml_blocks import dequantize_blocks, unpack_q4, unpack_q8_0
-from mhsa.nn.quantized import Int4Linear, Int8Linear, quantize_linears
+from mhsa.nn.quantized import KERNEL_ROWS, Int4Linear, Int8Linear, quantize_linears
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
@@ -39,23 +39,33 @@ def test_unpacking_refuses_other_formats_and_ragged_rows():
         unpack_q4(np.zeros((2, 21), np.uint8), "Q4_1")
 
 
-def test_int4_from_blocks_equals_the_dequantised_matmul():
+@pytest.mark.parametrize("rows", [3, 40], ids=["kernel", "float"])
+def test_int4_from_blocks_equals_the_dequantised_matmul(rows):
+    """Few rows run torch's int4 kernel (bfloat16 activations: within bfloat16's
+    rounding of x); many rows the float32 matmul of the dequantised weight (exact)."""
     generator = torch.Generator().manual_seed(0)
     q = torch.randint(0, 16, (48, 96), generator=generator)
     scale = torch.rand(48, 3, generator=generator) * 0.1 + 0.01
     zero = torch.randn(48, 3, generator=generator) * 0.1
     bias = torch.randn(48, generator=generator)
     layer = Int4Linear.from_blocks(q, scale, zero, bias)
-    x = torch.randn(2, 5, 96, generator=generator)
-    want = x @ dequantize_blocks(q, scale, zero).T + bias
-    assert layer(x).shape == (2, 5, 48)
-    assert max_error(layer(x), want) < 1e-5 * want.abs().max()
+    x = torch.randn(2, rows, 96, generator=generator)
+    weight = dequantize_blocks(q, scale, zero)
+    assert torch.equal(layer.weight_float(), weight)
+    want = x @ weight.T + bias
+    got = layer(x)
+    assert got.shape == (2, rows, 48) and got.dtype == torch.float32
+    if rows > KERNEL_ROWS:
+        assert max_error(got, want) < 1e-5 * want.abs().max()
+    else:  # bfloat16 activations: relative error 2**-8 per term
+        bound = 2**-8 * (x.abs() @ weight.abs().T) + 1e-3
+        assert (got - want).abs().le(bound).all()
 
 
 def test_int4_and_int8_from_float_stay_within_half_a_step():
     torch.manual_seed(0)
     linear = nn.Linear(64, 48)
-    x = torch.randn(7, 64)
+    x = torch.randn(KERNEL_ROWS + 1, 64)  # the float path: only the weights' rounding
     want = linear(x)
     for make, steps in ((Int4Linear.from_float, 15), (Int8Linear.from_float, 254)):
         layer = make(linear.weight, linear.bias.detach())
@@ -63,6 +73,11 @@ def test_int4_and_int8_from_float_stay_within_half_a_step():
         step = (linear.weight.max() - linear.weight.min()) / steps
         bound = 0.5 * step * x.abs().sum(dim=-1, keepdim=True)
         assert (layer(x) - want).abs().le(bound + 1e-5).all()
+        # the kernel (a few rows, bfloat16 activations) agrees with the float path
+        few = x[:3]
+        assert (layer(few) - layer(x)[:3]).abs().max() < 2**-7 * (
+            few.abs() @ linear.weight.abs().T
+        ).max()
 
 
 def test_quantize_linears_replaces_all_but_the_skipped():
