@@ -129,7 +129,8 @@ def load_chat_model(
     quantize: str | None = None,
 ) -> ChatModel:
     """The packaged SmolLM2 (source None), a GGUF file or a transformers directory;
-    quantize: one of QUANTIZE, default "file" for GGUF and "none" otherwise."""
+    quantize: one of QUANTIZE, default "file" for a float32 GGUF and "none" otherwise
+    (dtype is then the dequantised weights' dtype)."""
     if quantize is not None and quantize not in QUANTIZE:
         raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
     path = smollm2_path() if source is None else Path(source)
@@ -141,7 +142,13 @@ def load_chat_model(
             )
         chat = _from_directory(path, dtype)
     elif path.is_file():
-        return _from_gguf(path, dtype, quantize or "file")
+        if quantize == "file" and dtype != torch.float32:
+            raise ValueError(
+                "the file's quantised weights compute in float32: pass "
+                "quantize='none' (or leave it out) for another dtype"
+            )
+        default = "file" if dtype == torch.float32 else "none"
+        return _from_gguf(path, dtype, quantize or default)
     else:
         raise FileNotFoundError(
             f"no model at {path}: pass a .gguf file or a transformers model directory"

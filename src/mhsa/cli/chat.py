@@ -101,11 +101,21 @@ def add_parser(commands) -> None:
         help="answer this and exit (repeat for more turns of one conversation)",
     )
     cmd.add_argument("--system", default=None, help="a system message to start with")
-    cmd.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    cmd.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature; 0.0 (the default) is greedy",
+    )
     cmd.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest (0: all)")
     cmd.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold")
-    cmd.add_argument("--seed", type=int, default=0)
-    cmd.add_argument("--max-new-tokens", type=positive_int, default=256)
+    cmd.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    cmd.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        default=256,
+        help="at most this many tokens per answer (default 256)",
+    )
     cmd.add_argument(
         "--dtype", choices=list(DTYPES), default="float32", help="dtype of the dequantised weights"
     )
