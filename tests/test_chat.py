@@ -113,3 +113,34 @@ def test_bad_chat_arguments_are_one_line_errors(capsys, tmp_path):
         load_chat_model(quantize="int3")
     assert main(["chat", "--prompt", " "]) == 2
     assert "--prompt must not be empty" in capsys.readouterr().err
+
+
+def test_a_transformers_directory_chats_like_its_model(tmp_path, exact):
+    """--model DIR: a (random, tiny) transformers Llama saved with SmolLM2's tokenizer
+    (tokenizer.json) and chat template (tokenizer_config.json) answers with the tokens
+    transformers' own greedy decoding gives."""
+    needs("transformers")
+    import json
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    vocab = len(exact.tokenizer)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         eos_token_id=exact.stop_ids, tie_word_embeddings=True)  # fmt: skip
+    theirs = LlamaForCausalLM(config).eval()
+    theirs.save_pretrained(tmp_path)
+    exact.tokenizer._backend.save(str(tmp_path / "tokenizer.json"))
+    eos = exact.tokenizer.tokens[exact.stop_ids[0]]
+    settings = {"chat_template": exact.tokenizer.chat_template, "eos_token": eos}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(settings))
+    chat = load_chat_model(tmp_path)
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    ids = chat.prompt_ids(messages)
+    assert ids == exact.prompt_ids(messages)
+    want = _hf_greedy(theirs, ids, 8)
+    stop = next((i for i, t in enumerate(want) if t in exact.stop_ids), len(want))
+    answer = "".join(chat.reply(messages, max_new_tokens=8))
+    assert answer == exact.tokenizer.decode(want[:stop], skip_special_tokens=True)
+    assert chat.stop_ids == exact.stop_ids

@@ -93,7 +93,7 @@ class ChatModel:
         budget = min(max_new_tokens, room)
         caches = self.model.make_caches(1, len(ids) + budget)
         start = time.perf_counter()
-        logits = self.model(torch.tensor([ids]), caches=caches)[:, -1]
+        logits = self.model(torch.tensor([ids]), caches=caches, last=True)[:, -1]
         prefilled = time.perf_counter()
         decoder = self.tokenizer.stream()
         self.last_stats = {"prompt_tokens": len(ids), "new_tokens": 0}
@@ -116,7 +116,7 @@ class ChatModel:
             if piece:
                 yield piece
             if count < budget:
-                logits = self.model(token.view(1, 1), caches=caches)[:, -1]
+                logits = self.model(token.view(1, 1), caches=caches, last=True)[:, -1]
         tail = decoder.flush()
         if tail:
             yield tail

@@ -37,10 +37,10 @@ def _ours(quantize: str):
 
     def prefill(ids: torch.Tensor, new: int):
         caches = model.make_caches(ids.shape[0], ids.shape[1] + new)
-        return caches, model(ids, caches=caches)[:, -1]
+        return caches, model(ids, caches=caches, last=True)[:, -1]
 
     def step(token: torch.Tensor, caches):
-        return model(token.view(-1, 1), caches=caches)[:, -1]
+        return model(token.view(-1, 1), caches=caches, last=True)[:, -1]
 
     def batch(prompts: list[torch.Tensor], new: int):
         return model.generate(prompts, new, temperature=0.0, eos_token=[])
@@ -60,11 +60,11 @@ def _transformers():
     tokenizer = load_chat_model().tokenizer  # the same ids for both
 
     def prefill(ids: torch.Tensor, new: int):
-        out = model(ids, use_cache=True)
+        out = model(ids, use_cache=True, logits_to_keep=1)  # as its generate does
         return out.past_key_values, out.logits[:, -1]
 
     def step(token: torch.Tensor, caches):
-        out = model(token.view(-1, 1), past_key_values=caches, use_cache=True)
+        out = model(token.view(-1, 1), past_key_values=caches, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1]
 
     def batch(prompts: list[torch.Tensor], new: int):

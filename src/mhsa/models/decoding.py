@@ -3,8 +3,9 @@
     generate(model, prompts, n)   left-pad prompts, prefill, decode n tokens
     sample(logits)                greedy, or temperature / top-k / top-p sampling
 
-The model is called as model(tokens (B, T), caches=...) to continue what its caches
-hold, or model(tokens, start=...) to recompute left-padded sequences from scratch, and
+The model is called as model(tokens (B, T), caches=..., last=True) to continue what
+its caches hold, or model(tokens, start=..., last=True) to recompute left-padded
+sequences from scratch (last: logits of the last position only), and
 builds its caches with model.make_caches(batch, max_len); both return logits (B, T, V).
 """
 
@@ -63,9 +64,9 @@ def generate(
     if caches is not None:
         for cache in caches:
             cache.set_padding(start)
-        logits = model(tokens, caches=caches)[:, -1]
+        logits = model(tokens, caches=caches, last=True)[:, -1]
     else:
-        logits = model(tokens, start=start)[:, -1]
+        logits = model(tokens, start=start, last=True)[:, -1]
     new = []
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     for _ in range(max_new_tokens):
@@ -79,9 +80,9 @@ def generate(
             break
         tokens = torch.cat([tokens, nxt.view(-1, 1)], dim=1)
         if caches is not None:
-            logits = model(nxt.view(-1, 1), caches=caches)[:, -1]
+            logits = model(nxt.view(-1, 1), caches=caches, last=True)[:, -1]
         else:
-            logits = model(tokens, start=start)[:, -1]
+            logits = model(tokens, start=start, last=True)[:, -1]
     generated = torch.stack(new, dim=1) if new else tokens[:, :0]
     if not as_list:  # equal-length prompts: one tensor, the stop token repeated after the end
         return torch.cat([idx.to(device), generated], dim=1)

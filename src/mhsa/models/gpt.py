@@ -120,8 +120,10 @@ class GPT(nn.Module):
         caches: list[KVCache] | None = None,
         start: Tensor | None = None,
         positions: Tensor | None = None,
+        last: bool = False,
     ) -> Tensor:
-        """idx (B, T) token ids -> logits (B, T, vocab).
+        """idx (B, T) token ids -> logits (B, T, vocab), or (B, 1, vocab) of the last
+        position when last.
 
         caches: one per layer (see make_caches); the tokens continue what they hold.
         start: (B,) index of each sequence's first real token when left-padded
@@ -162,7 +164,7 @@ class GPT(nn.Module):
                 x, mask=mask, key_padding_mask=padding, causal=window is None,
                 position=attn_position, cache=None if caches is None else caches[i],
             )  # fmt: skip
-        return self.ln_f(x) @ self.tok_emb.weight.T  # tied output head
+        return self.ln_f(x[:, -1:] if last else x) @ self.tok_emb.weight.T  # tied head
 
     def make_caches(self, batch: int, max_len: int) -> list[KVCache]:
         """Empty caches for every layer: ring buffers of `window` with a window."""

@@ -203,9 +203,12 @@ class Llama(nn.Module):
         )  # fmt: skip
 
     def forward(
-        self, idx: Tensor, *, caches: list[KVCache] | None = None, start: Tensor | None = None
-    ) -> Tensor:
-        """idx (B, T) token ids -> logits (B, T, vocab).
+        self, idx: Tensor, *, caches: list[KVCache] | None = None, start: Tensor | None = None,
+        last: bool = False,
+    ) -> Tensor:  # fmt: skip
+        """idx (B, T) token ids -> logits (B, T, vocab), or (B, 1, vocab) of the last
+        position when last (what decoding needs: the output head is a fifth of a
+        prefill's work here).
 
         caches: one per layer (see make_caches); the tokens continue what they hold.
         start: (B,) index of each sequence's first real token when left-padded
@@ -234,7 +237,7 @@ class Llama(nn.Module):
             mask = SlidingWindow(window - 1, 0) if self.config.windowed(i) else None
             x = layer(x, mask=mask, padding=padding, position=rotary,
                       cache=None if caches is None else caches[i])  # fmt: skip
-        x = self.norm(x)
+        x = self.norm(x[:, -1:] if last else x)
         return x @ self.embed.weight.T if self.lm_head is None else self.lm_head(x)
 
     def make_caches(self, batch: int, max_len: int) -> list[KVCache]:
