@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,8 +75,6 @@ class ChatModel:
         """Yield the answer to messages as text pieces, token by token (KV cache); stops
         at a stop token or after max_new_tokens. last_stats then holds token counts and
         seconds of the prefill and the decoding."""
-        import time
-
         check_sampling(temperature, top_k, top_p)
         if (
             isinstance(max_new_tokens, bool)
