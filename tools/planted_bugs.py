@@ -31,8 +31,9 @@ BUGS = {
         "positional.py", "(x1 * cos - x2 * sin, x2 * cos + x1 * sin)",
         "(x1 * cos + x2 * sin, x2 * cos - x1 * sin)", "tests/test_positional.py"),
     "rotary frequencies wrong": (
-        "positional.py", "dtype=torch.float32) / head_dim)",
-        "dtype=torch.float32) / (head_dim // 2))", "tests/test_positional.py"),
+        "positional.py", "exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim",
+        "exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / (dim // 2)",
+        "tests/test_positional.py"),
     "softmax without max subtraction": (
         "kernels/dense.py", "row_max = torch.where(torch.isfinite(row_max), row_max, "
         "torch.zeros_like(row_max))", "row_max = torch.zeros_like(row_max)",
@@ -51,7 +52,7 @@ BUGS = {
         "models/seq2seq.py", "x = table(ids) * math.sqrt(self.config.d_model)",
         "x = table(ids)", "tests/test_seq2seq.py"),
     "sampling multiplies by the temperature": (
-        "models/gpt.py", "logits = logits.float() / temperature",
+        "models/decoding.py", "logits = logits.float() / temperature",
         "logits = logits.float() * temperature", "tests/test_gpt.py"),
     # found by the mutation run (tools/mutation.py), not in the original list
     "learning rate schedule never applied": (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -127,6 +128,11 @@ def attention(
         has_sinks=sinks is not None,
     )
     chosen = select(spec, backend)
+    if causal and q_len == 1 and not chosen.sharded:
+        # one query aligned bottom-right sees every key (a decoding step): nothing to
+        # mask, and backends take their unmasked fast paths
+        causal, spec = False, dataclasses.replace(spec, causal=False)
+        chosen = select(spec, backend)
     resolved_scale = _check_common(q, k, mask, bias, causal, scale, chosen.sharded, score, sinks)
     call = dict(mask=mask, bias=bias, causal=causal, scale=resolved_scale,
                 dropout_p=float(dropout_p), return_lse=return_lse, score=score,
