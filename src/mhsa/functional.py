@@ -127,12 +127,15 @@ def attention(
         score_kinds=kinds(score),
         has_sinks=sinks is not None,
     )
-    chosen = select(spec, backend)
-    if causal and q_len == 1 and not chosen.sharded:
-        # one query aligned bottom-right sees every key (a decoding step): nothing to
-        # mask, and backends take their unmasked fast paths
-        causal, spec = False, dataclasses.replace(spec, causal=False)
-        chosen = select(spec, backend)
+    # one query aligned bottom-right sees every key (a decoding step): nothing to mask,
+    # and backends take their unmasked fast paths; but a sharded (ring) backend's
+    # causality is global, across the shards
+    unmasked = causal is True and q_len == 1
+    chosen = select(dataclasses.replace(spec, causal=False) if unmasked else spec, backend)
+    if unmasked and chosen.sharded:
+        chosen, unmasked = select(spec, backend), False
+    if unmasked:
+        causal = False
     resolved_scale = _check_common(q, k, mask, bias, causal, scale, chosen.sharded, score, sinks)
     call = dict(mask=mask, bias=bias, causal=causal, scale=resolved_scale,
                 dropout_p=float(dropout_p), return_lse=return_lse, score=score,

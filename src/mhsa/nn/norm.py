@@ -45,6 +45,9 @@ class RMSNorm(nn.Module):
                 f"x's last axis is {x.shape[-1]} but this RMSNorm was built for "
                 f"{self.weight.shape[0]}"
             )
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:  # one fused op
+            scale = self.weight + self.offset if self.offset else self.weight
+            return nn.functional.rms_norm(x, (x.shape[-1],), scale, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.square().mean(dim=-1, keepdim=True) + self.eps)
         return (h * (self.offset + self.weight.float())).to(x.dtype)
