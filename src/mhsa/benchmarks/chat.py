@@ -51,13 +51,14 @@ def _ours(quantize: str):
 def _transformers():
     from transformers import AutoModelForCausalLM
 
-    from mhsa.chat import load_chat_model, smollm2_path
+    from mhsa.chat import smollm2_path
+    from mhsa.formats import read_gguf_tokenizer
 
     path = smollm2_path()
     model = AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, torch_dtype=torch.float32
     ).eval()
-    tokenizer = load_chat_model().tokenizer  # the same ids for both
+    tokenizer = read_gguf_tokenizer(path)  # the same ids for both
 
     def prefill(ids: torch.Tensor, new: int):
         out = model(ids, use_cache=True, logits_to_keep=1)  # as its generate does
