@@ -144,3 +144,21 @@ def test_a_transformers_directory_chats_like_its_model(tmp_path, exact):
     answer = "".join(chat.reply(messages, max_new_tokens=8))
     assert answer == exact.tokenizer.decode(want[:stop], skip_special_tokens=True)
     assert chat.stop_ids == exact.stop_ids
+
+
+def test_bench_chat_report_states_modes_ratios_and_the_bound():
+    from mhsa.benchmarks.chat import report
+
+    def mode(prefill, decode, tokens):
+        return {"prefill_tokens_per_s": prefill, "decode_tokens_per_s": decode,
+                "batch8_tokens_per_s": 40.0, "peak_extra_bytes": 2**30,
+                "tokens": tokens}  # fmt: skip
+
+    result = {"prompt": 512, "new": 128, "threads": 2, "streaming_bound_tokens_per_s": 20.0,
+              "modes": {"mhsa float32": mode(400.0, 18.0, [1, 2]),
+                        "mhsa file (Q4_1/Q8_0)": {"error": "boom"},
+                        "transformers float32": mode(300.0, 15.0, [1, 2])}}  # fmt: skip
+    text = report(result)
+    assert "bound (float32) 20.0 tokens/s" in text
+    assert "0.90x  1.20x" in text  # 18 / 20 of the bound, 18 / 15 of transformers
+    assert "unavailable: boom" in text and "identical" in text
