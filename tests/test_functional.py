@@ -417,3 +417,17 @@ def test_empty_inputs_keep_the_dtypes(dtype, lse_dtype):
         assert out.dtype == dtype and lse.dtype == lse_dtype
     out, lse = mhsa.attention(*make_qkv(1, 2, 1, 3, 5, 8, dtype=dtype), return_lse=True)
     assert out.dtype == dtype and lse.dtype == lse_dtype
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference", "flash", "sdpa"])
+def test_one_causal_query_attends_every_key(backend):
+    """A decoding step: one query aligned bottom-right sees all S keys, so causal
+    changes nothing (the call is dispatched unmasked) and the lse is the full one."""
+    q, k, v = make_qkv(2, 4, 2, 1, 9, 8)
+    want, want_lse = mhsa.attention(q, k, v, backend="reference", return_lse=True)
+    kwargs = {} if backend == "sdpa" else {"return_lse": True}
+    got = mhsa.attention(q, k, v, causal=True, backend=backend, **kwargs)
+    out = got[0] if kwargs else got
+    assert max_error(out, want) < 1e-6
+    if kwargs:
+        assert max_error(got[1], want_lse) < 1e-6
