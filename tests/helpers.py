@@ -133,6 +133,28 @@ def assert_matches_reference(out, lse, inputs, ref_out, ref_lse, ref_grads) -> N
             assert max_error(got.grad, want) < 1e-4
 
 
+def assert_matches_golden(out, lse, grads, ref_out, ref_lse, ref_grads, names) -> None:
+    """float32 out and lse within 2e-5 of the float64 golden (lse -inf exactly where
+    the golden's is), and each named gradient finite and within 1e-4 of its largest
+    value (at least 1)."""
+    assert max_error(out, ref_out) < 2e-5
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    finite = torch.isfinite(ref_lse)
+    assert max_error(lse[finite], ref_lse[finite]) < 2e-5
+    for name, got, want in zip(names, grads, ref_grads, strict=True):
+        assert torch.isfinite(got).all(), name
+        assert max_error(got, want) < 1e-4 * max(1.0, want.abs().max().item()), name
+
+
+def expect_error(call) -> str | None:
+    """The message of the ValueError or TypeError call() raises, or None."""
+    try:
+        call()
+    except (ValueError, TypeError) as error:
+        return str(error)
+    return None
+
+
 def assert_2x_3x_rule(q, k, v, out, grad_out, ref_out, ref_grads) -> None:
     """Low-precision rule: out (causal) and q/k/v's .grad are within 2x (forward) and
     3x (gradients) of the error that attention entirely in their dtype makes against

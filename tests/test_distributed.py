@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import mhsa
+from helpers import expect_error
 from mhsa.distributed import blocks, ring_attention, run_local, shard, transfer, unshard
 from mhsa.distributed import ring as ring_module
 from mhsa.masks import BlockSparse, Causal, KeyPadding, SlidingWindow
@@ -78,14 +79,6 @@ def _check_case(rank: int, world: int, spec: tuple) -> dict[str, float]:
     }
 
 
-def _expect_error(call) -> str | None:
-    try:
-        call()
-    except (ValueError, TypeError) as error:
-        return str(error)
-    return None
-
-
 def _error_checks(rank: int, world: int) -> dict[str, str | None]:
     """Bad calls: each must raise on every rank, not hang."""
 
@@ -93,19 +86,19 @@ def _error_checks(rank: int, world: int) -> dict[str, str | None]:
         return [torch.randn(1, heads, length, 4) for _ in range(3)]
 
     return {
-        "uneven": _expect_error(lambda: ring_attention(*qkv(6 if rank == 0 else 4))),
-        "bad layout": _expect_error(lambda: ring_attention(*qkv(4), layout="zig-zag")),
-        "bad layout on one rank": _expect_error(
+        "uneven": expect_error(lambda: ring_attention(*qkv(6 if rank == 0 else 4))),
+        "bad layout": expect_error(lambda: ring_attention(*qkv(4), layout="zig-zag")),
+        "bad layout on one rank": expect_error(
             lambda: ring_attention(*qkv(4), layout="zigzag" if rank else "ring")
         ),
-        "odd zigzag": _expect_error(lambda: ring_attention(*qkv(5), layout="zigzag")),
-        "heads differ": _expect_error(lambda: ring_attention(*qkv(4, 2 if rank else 4))),
-        "dropout": _expect_error(lambda: ring_attention(*qkv(4), dropout_p=0.1)),
-        "masks differ": _expect_error(
+        "odd zigzag": expect_error(lambda: ring_attention(*qkv(5), layout="zigzag")),
+        "heads differ": expect_error(lambda: ring_attention(*qkv(4, 2 if rank else 4))),
+        "dropout": expect_error(lambda: ring_attention(*qkv(4), dropout_p=0.1)),
+        "masks differ": expect_error(
             lambda: ring_attention(*qkv(4), mask=SlidingWindow(2 + rank, 0))
         ),
         # the same repr, different content: compared by content, no deadlock
-        "block layouts differ": _expect_error(
+        "block layouts differ": expect_error(
             lambda: ring_attention(
                 *qkv(4), mask=BlockSparse(torch.eye(2 * world, dtype=torch.bool) | (rank > 0), 2)
             )  # fmt: skip

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import mhsa
+from helpers import expect_error
 from mhsa.distributed import context_parallel, ring_attention, run_local, shard, unshard
 from mhsa.masks import KeyPadding, SlidingWindow
 from mhsa.positional import alibi_slopes
@@ -150,27 +151,19 @@ def _check_case(rank: int, world: int, case: Case) -> dict[str, float]:
     return {name: error.item() for name, error in errors.items()}
 
 
-def _expect_error(call) -> str | None:
-    try:
-        call()
-    except (ValueError, TypeError) as error:
-        return str(error)
-    return None
-
-
 def _error_checks(rank: int, world: int) -> dict[str, str | None]:
     """Bad score or sinks arguments: each must raise on every rank, not hang."""
     q, k, v = (torch.randn(1, 2, 4, 4) for _ in range(3))
     return {
-        "slopes of 3 heads": _expect_error(
+        "slopes of 3 heads": expect_error(
             lambda: ring_attention(q, k, v, score=ALiBi(torch.ones(3)))
         ),
-        "sinks of 3 heads": _expect_error(lambda: ring_attention(q, k, v, sinks=torch.zeros(3))),
-        "not a score function": _expect_error(lambda: ring_attention(q, k, v, score="alibi")),
-        "score on rank 1 only": _expect_error(
+        "sinks of 3 heads": expect_error(lambda: ring_attention(q, k, v, sinks=torch.zeros(3))),
+        "not a score function": expect_error(lambda: ring_attention(q, k, v, score="alibi")),
+        "score on rank 1 only": expect_error(
             lambda: ring_attention(q, k, v, score=ALiBi(torch.ones(2)) if rank else None)
         ),
-        "sinks on rank 0 only": _expect_error(
+        "sinks on rank 0 only": expect_error(
             lambda: ring_attention(q, k, v, sinks=None if rank else torch.zeros(2))
         ),
     }

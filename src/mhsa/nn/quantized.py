@@ -15,6 +15,8 @@ take the ordinary matmul, which is faster there than the kernel.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
@@ -123,16 +125,27 @@ class Int8Linear(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
+def replace_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module | None]):
+    """Replace every nn.Linear of model by make(its name, it) where that is not None,
+    in place; returns model."""
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                replacement = make(f"{name}.{child_name}" if name else child_name, child)
+                if replacement is not None:
+                    setattr(module, child_name, replacement)
+    return model
+
+
 def quantize_linears(model: nn.Module, mode: str, skip: tuple[str, ...] = ()) -> nn.Module:
     """Replace every nn.Linear of model (but those whose name is in skip) by an
     Int8Linear or Int4Linear made from its weight, in place; returns model."""
     if mode not in ("int8", "int4"):
         raise ValueError(f"mode must be 'int8' or 'int4', got {mode!r}")
     make = Int8Linear.from_float if mode == "int8" else Int4Linear.from_float
-    for name, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            full = f"{name}.{child_name}" if name else child_name
-            if isinstance(child, nn.Linear) and full not in skip:
-                bias = None if child.bias is None else child.bias.detach()
-                setattr(module, child_name, make(child.weight, bias))
-    return model
+
+    def quantized(name: str, linear: nn.Linear) -> nn.Module | None:
+        bias = None if linear.bias is None else linear.bias.detach()
+        return None if name in skip else make(linear.weight, bias)
+
+    return replace_linears(model, quantized)
