@@ -76,15 +76,23 @@ def test_greedy_tokens_and_logits_equal_transformers_on_the_same_gguf(smollm2, e
 
 
 def test_the_files_quantisation_stays_close_to_the_dequantised_model(smollm2, exact, prompts):
+    """Along the float model's greedy answers, the model keeping the file's Q4_1 / Q8_0
+    weights predicts within 5% of the float model's logits: its prefill (the float
+    matmul of the dequantised blocks) and every decoding step (torch's int4 / int8
+    kernels). Where greedy answers part is reported in the README, not asserted: it
+    turns on the kernels' rounding, which differs between CPUs."""
     kept = load_chat_model(smollm2)  # Q4_1 linears as int4, the Q8_0 head as int8
     assert type(kept.model.layers[0].ff.gate).__name__ == "Int4Linear"
-    with torch.no_grad():
-        want = exact.model(torch.tensor([prompts[0]]))
-        got = kept.model(torch.tensor([prompts[0]]))
-    # int4 keeps the file's exact values; the difference is the int8 head's rounding
-    assert (got - want).abs().max() < 0.05 * want.abs().max()
-    same = sum(_greedy(kept.model, ids) == _greedy(exact.model, ids) for ids in prompts)
-    assert same >= 4
+    assert type(kept.model.lm_head).__name__ == "Int8Linear"
+    for ids in prompts:
+        tokens = torch.tensor([ids + _greedy(exact.model, ids)])
+        with torch.no_grad():
+            want = exact.model(tokens)[0, len(ids) - 1 : -1]
+            caches = kept.model.make_caches(1, tokens.shape[1])
+            got = [kept.model(tokens[:, : len(ids)], caches=caches, last=True)[0]]
+            for i in range(len(ids), tokens.shape[1] - 1):
+                got.append(kept.model(tokens[:, i : i + 1], caches=caches, last=True)[0])
+        assert (torch.cat(got) - want).abs().max() < 0.05 * want.abs().max()
 
 
 def test_every_backend_gives_the_same_tokens(exact, prompts):
@@ -100,7 +108,9 @@ def test_every_backend_gives_the_same_tokens(exact, prompts):
 
 
 def test_mhsa_chat_prompt_answers_and_reports_speed(capsys, smollm2):
-    assert main(["chat", "--prompt", PROMPTS[0], "--max-new-tokens", "20"]) == 0
+    # the exact float path: the quantised kernels' rounding differs between CPUs
+    args = ["chat", "--prompt", PROMPTS[0], "--max-new-tokens", "20", "--quantize", "none"]
+    assert main(args) == 0
     out, err = capsys.readouterr()
     assert out.strip() == "The capital of France is Paris."
     assert "tokens/s" in err

@@ -57,8 +57,8 @@ def test_int4_from_blocks_equals_the_dequantised_matmul(rows):
     assert got.shape == (2, rows, 48) and got.dtype == torch.float32
     if rows > KERNEL_ROWS:
         assert max_error(got, want) < 1e-5 * want.abs().max()
-    else:  # bfloat16 activations: relative error 2**-8 per term
-        bound = 2**-8 * (x.abs() @ weight.abs().T) + 1e-3
+    else:  # bfloat16 activations (and scales): a few 2**-8 relative per term
+        bound = 2**-6 * (x.abs() @ weight.abs().T) + 1e-3
         assert (got - want).abs().le(bound).all()
 
 
@@ -75,7 +75,7 @@ def test_int4_and_int8_from_float_stay_within_half_a_step():
         assert (layer(x) - want).abs().le(bound + 1e-5).all()
         # the kernel (a few rows, bfloat16 activations) agrees with the float path
         few = x[:3]
-        assert (layer(few) - layer(x)[:3]).abs().max() < 2**-7 * (
+        assert (layer(few) - layer(x)[:3]).abs().max() < 2**-6 * (
             few.abs() @ linear.weight.abs().T
         ).max()
 
