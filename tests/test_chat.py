@@ -82,7 +82,8 @@ def test_the_files_quantisation_stays_close_to_the_dequantised_model(smollm2, ex
     kernels). Where greedy answers part is reported in the README, not asserted: it
     turns on the kernels' rounding, which differs between CPUs."""
     kept = load_chat_model(smollm2)  # Q4_1 linears as int4, the Q8_0 head as int8
-    assert type(kept.model.layers[0].ff.gate).__name__ == "Int4Linear"
+    layer = kept.model.layers[0]  # q, k, v and gate, up fused (fuse_projections)
+    assert type(layer.attn.qkv_proj).__name__ == type(layer.ff.gate_up).__name__ == "Int4Linear"
     assert type(kept.model.lm_head).__name__ == "Int8Linear"
     for ids in prompts:
         tokens = torch.tensor([ids + _greedy(exact.model, ids)])

@@ -28,8 +28,8 @@ BUGS = {
         "functional.py", "if scale is None else float(scale)", "if scale is None else 1.0 / "
         "math.sqrt(q.shape[-1])", "tests/test_functional.py"),
     "rotary rotation sign flipped": (
-        "positional.py", "(x1 * cos - x2 * sin, x2 * cos + x1 * sin)",
-        "(x1 * cos + x2 * sin, x2 * cos - x1 * sin)", "tests/test_positional.py"),
+        "positional.py", "torch.cat((-sin, sin), dim=-1)",
+        "torch.cat((sin, -sin), dim=-1)", "tests/test_positional.py"),
     "rotary frequencies wrong": (
         "positional.py", "exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim",
         "exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / (dim // 2)",

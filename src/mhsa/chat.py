@@ -28,6 +28,7 @@ from torch import nn
 from .formats.ggml_blocks import unpack_q4
 from .models.decoding import check_sampling, sample
 from .models.llama import Llama, LlamaConfig, hf_name
+from .nn.layout import TransposedEmbedding, transpose_linears
 from .nn.quantized import Int4Linear, Int8Linear, quantize_linears, replace_linears
 
 if TYPE_CHECKING:
@@ -169,7 +170,9 @@ def _from_gguf(path: Path, dtype: torch.dtype, quantize: str) -> ChatModel:
     chat = ChatModel(model, tokenizer, _stop_ids(tokenizer, gguf.config), path.name)
     if quantize == "file":
         _keep_file_quantisation(model, gguf)
+        model.fuse_projections()
     else:
+        gguf.state_dict.clear()  # the model holds the weights; let replaced ones go
         _quantize(model, quantize)
     return chat
 
@@ -204,11 +207,17 @@ def _quantised(raw, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Modul
 def _quantize(model: Llama, mode: str) -> None:
     if mode == "bfloat16":
         model.to(torch.bfloat16)
+    elif mode == "none" and model.embed.weight.dtype == torch.float32:
+        # one-row float32 matmuls read (in, out) weights faster (see mhsa.nn.layout)
+        transpose_linears(model)
+        if model.lm_head is None:
+            model.embed = TransposedEmbedding.from_embedding(model.embed)
     elif mode in ("int8", "int4"):
         quantize_linears(model, mode)
         if model.lm_head is None:
             make = Int8Linear.from_float if mode == "int8" else Int4Linear.from_float
             model.lm_head = make(model.embed.weight)
+    model.fuse_projections()
 
 
 def _from_directory(path: Path, dtype: torch.dtype) -> ChatModel:

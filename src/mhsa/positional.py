@@ -225,11 +225,23 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate the first R channels of x (B, H, L, D) by cos, sin of shape (L, R/2) or
     (B, L, R/2): pairs (c, c + R/2) (the "rotate half" layout); channels R.. pass through.
     Computed in float32, returned in x's dtype."""
-    if cos.dim() == 3:  # per-sequence positions: broadcast over heads
+    return _rotate(x, *_full_width(cos, sin))
+
+
+def _full_width(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """cos, sin (..., L, R/2) -> (cos, cos) and (-sin, sin) (..., L, R), with a head axis
+    when per sequence ((B, L, R/2) -> (B, 1, L, R)), as _rotate takes them."""
+    if cos.dim() == 3:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    rotary_dim = 2 * cos.shape[-1]
-    x1, x2 = x[..., :rotary_dim].float().chunk(2, dim=-1)
-    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x * cos + swap_halves(x) * sin over the first R = cos.shape[-1] channels: for pair
+    (a, b) that is (a cos - b sin, b cos + a sin), bit for bit (the negation is exact)."""
+    rotary_dim = cos.shape[-1]
+    part = x.float() if rotary_dim == x.shape[-1] else x[..., :rotary_dim].float()
+    rotated = (part * cos + part.roll(rotary_dim // 2, dims=-1) * sin).to(x.dtype)
     if rotary_dim == x.shape[-1]:
         return rotated
     return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
@@ -326,7 +338,7 @@ class _RotaryAt(AttentionPosition):
     def __init__(self, rotary: RotaryEmbedding, positions: Tensor) -> None:
         super().__init__()
         self.rotary, self.positions = rotary, positions
-        self.cos, self.sin = rotary.cos_sin(positions)
+        self.cos, self.sin = _full_width(*rotary.cos_sin(positions))  # once for every layer
 
     def rotate(self, q: Tensor, k: Tensor, offset: int = 0) -> tuple[Tensor, Tensor]:
         for x in (q, k):
@@ -334,7 +346,7 @@ class _RotaryAt(AttentionPosition):
                 raise ValueError(f"x has head_dim {x.shape[-1]} but this RotaryEmbedding was "
                                  f"built for {self.rotary.head_dim}")  # fmt: skip
             _check_rotary_positions(self.positions, x)
-        return apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
+        return _rotate(q, self.cos, self.sin), _rotate(k, self.cos, self.sin)
 
 
 def alibi_slopes(num_heads: int) -> Tensor:

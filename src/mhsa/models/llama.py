@@ -240,6 +240,14 @@ class Llama(nn.Module):
         x = self.norm(x[:, -1:] if last else x)
         return x @ self.embed.weight.T if self.lm_head is None else self.lm_head(x)
 
+    def fuse_projections(self) -> Llama:
+        """For inference: each layer's q, k, v and its gate, up projections in one
+        matmul each (see MultiHeadAttention.fuse_projections); returns self."""
+        for layer in self.layers:
+            layer.attn.fuse_projections()
+            layer.ff.fuse_projections()
+        return self
+
     def make_caches(self, batch: int, max_len: int) -> list[KVCache]:
         """Empty caches for every layer; windowed layers keep only their window."""
         c = self.config

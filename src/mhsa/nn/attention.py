@@ -11,6 +11,7 @@ from ..masks import KeyPadding, Pattern
 from ..positional import AttentionPosition
 from ..scores import ScoreFunction
 from ..validate import int_at_least
+from .layout import fuse_linears
 from .norm import RMSNorm
 
 
@@ -120,10 +121,28 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = nn.Linear(vdim or embed_dim, kv_width, bias=bias, **factory)
         out_bias = bias if out_bias is None else out_bias
         self.out_proj = nn.Linear(q_width, embed_dim, bias=out_bias, **factory)
+        self.qkv_proj = None  # see fuse_projections
         self.q_norm = self.k_norm = None
         if qk_norm_eps is not None:
             self.q_norm = RMSNorm(self.head_dim, eps=qk_norm_eps, **factory)
             self.k_norm = RMSNorm(self.head_dim, eps=qk_norm_eps, **factory)
+
+    def fuse_projections(self) -> bool:
+        """For inference: q, k and v of self-attention in one matmul (their weights
+        side by side). The module then holds qkv_proj instead of q_proj, k_proj and
+        v_proj, and serves self-attention only. Projections of different kinds (a GGUF
+        file may keep v at higher precision) stay apart; returns whether they fused."""
+        if self.qkv_proj is not None:
+            return True
+        projections = [self.q_proj, self.k_proj, self.v_proj]
+        if len({p.in_features for p in projections}) > 1:
+            raise ValueError("fuse_projections is for self-attention; this module's key or "
+                             "value width (kdim, vdim) differs from embed_dim")  # fmt: skip
+        if len({type(p) for p in projections}) > 1:
+            return False
+        self.qkv_proj = fuse_linears(projections)
+        self.q_proj = self.k_proj = self.v_proj = None
+        return True
 
     def _split(self, x: Tensor, heads: int) -> Tensor:
         batch, length, _ = x.shape
@@ -201,24 +220,45 @@ class MultiHeadAttention(nn.Module):
         k = k if self.k_norm is None else self.k_norm(k)
         return k, self._split(self.v_proj(value), self.num_kv_heads)
 
+    def _fused_inputs(self, query, key, value, cache) -> tuple[Tensor, Tensor, Tensor]:
+        """Projected, split q (B, H, L, hd), k (QK-normed when set) and v from qkv_proj."""
+        if (
+            (key is not None and key is not query)
+            or value is not None
+            or isinstance(cache, MemoryCache)
+        ):
+            raise ValueError(
+                "this module's projections are fused (fuse_projections), so it serves "
+                "self-attention only: pass no key, value or MemoryCache"
+            )
+        self._check_input("query", query, self.qkv_proj)
+        q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(query).split([q_width, kv_width, kv_width], dim=-1)
+        k = self._split(k, self.num_kv_heads)
+        k = k if self.k_norm is None else self.k_norm(k)
+        return self._split(q, self.num_heads), k, self._split(v, self.num_kv_heads)
+
     def _inputs(self, query, key, value, mask, key_padding_mask, bias, position, cache):
         """Project and split heads, apply positions, update the cache, merge masks:
         (q (B, H, L, hd), k, v (B, H_kv, S, hd), mask, bias) for the attention call."""
-        if key is None:
-            key = query
-        value = key if value is None else value
-        for name, t, proj in (("query", query, self.q_proj), ("key", key, self.k_proj),
-                              ("value", value, self.v_proj)):  # fmt: skip
-            self._check_input(name, t, proj)
-        q = self._split(self.q_proj(query), self.num_heads)
+        if self.qkv_proj is not None:
+            q, k, v = self._fused_inputs(query, key, value, cache)
+        else:
+            if key is None:
+                key = query
+            value = key if value is None else value
+            for name, t, proj in (("query", query, self.q_proj), ("key", key, self.k_proj),
+                                  ("value", value, self.v_proj)):  # fmt: skip
+                self._check_input(name, t, proj)
+            q = self._split(self.q_proj(query), self.num_heads)
+            if isinstance(cache, MemoryCache):  # cross-attention: project the memory once
+                if cache.k is None:
+                    cache.k, cache.v = self._keys_values(key, value)
+                k, v, cache = cache.k, cache.v, None
+            else:
+                k, v = self._keys_values(key, value)
         if self.q_norm is not None:
             q = self.q_norm(q)
-        if isinstance(cache, MemoryCache):  # cross-attention: project the memory once
-            if cache.k is None:
-                cache.k, cache.v = self._keys_values(key, value)
-            k, v, cache = cache.k, cache.v, None
-        else:
-            k, v = self._keys_values(key, value)
         offset = cache.length if cache is not None else 0
         if position is not None:
             q, k = position.rotate(q, k, offset)

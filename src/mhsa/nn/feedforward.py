@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .layout import fuse_linears
+
 ACTIVATIONS = {
     "relu": F.relu,
     "gelu": F.gelu,
@@ -70,10 +72,24 @@ class GatedFeedForward(nn.Module):
         self.gate = nn.Linear(d_model, dim_feedforward, **factory)
         self.up = nn.Linear(d_model, dim_feedforward, **factory)
         self.down = nn.Linear(dim_feedforward, d_model, **factory)
+        self.gate_up = None  # see fuse_projections
+
+    def fuse_projections(self) -> bool:
+        """For inference: gate and up in one matmul (their weights side by side); the
+        module then holds gate_up instead of gate and up. Layers of different kinds stay
+        apart; returns whether they fused."""
+        if self.gate_up is None and type(self.gate) is type(self.up):
+            self.gate_up = fuse_linears([self.gate, self.up])
+            self.gate = self.up = None
+        return self.gate_up is not None
 
     def forward(self, x: Tensor) -> Tensor:
         """x (..., d_model) -> (..., d_model)."""
-        return self.down(ACTIVATIONS[self.activation](self.gate(x)) * self.up(x))
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate(x), self.up(x)
+        return self.down(ACTIVATIONS[self.activation](gate) * up)
 
 
 class Residual(nn.Module):
