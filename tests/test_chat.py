@@ -166,10 +166,11 @@ def test_bench_chat_report_states_modes_ratios_and_the_bound():
                 "tokens": tokens}  # fmt: skip
 
     result = {"prompt": 512, "new": 128, "threads": 2, "streaming_bound_tokens_per_s": 20.0,
+              "streaming_pass_seconds": {"F.linear (out, in)": 0.07, "mm (in, out)": 0.05},
               "modes": {"mhsa float32": mode(400.0, 18.0, [1, 2]),
                         "mhsa file (Q4_1/Q8_0)": {"error": "boom"},
                         "transformers float32": mode(300.0, 15.0, [1, 2])}}  # fmt: skip
     text = report(result)
-    assert "bound (float32) 20.0 tokens/s" in text
+    assert "bound (float32) 20.0 tokens/s" in text and "mm (in, out) 50.0 ms" in text
     assert "0.90x  1.20x" in text  # 18 / 20 of the bound, 18 / 15 of transformers
     assert "unavailable: boom" in text and "identical" in text
