@@ -6,6 +6,8 @@ norm.py          RMSNorm
 layers.py        encoder and decoder layers
 stacks.py        encoder and decoder stacks, the encoder-decoder Transformer
 convert.py       copying torch.nn Transformer modules into ours
+quantized.py     weight-only int4/int8 linears on torch's CPU kernels
+layout.py        the decoding layout: transposed float weights, fused projections
 """
 
 from .attention import MultiHeadAttention, from_torch_masks
