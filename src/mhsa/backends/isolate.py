@@ -46,6 +46,8 @@ def isolate_masked_nonfinite(
     and values ignored. out (B, H, L, D_v) and lse are that call's results."""
     if call["mask"] is None and call["bias"] is None and (not call["causal"] or q.shape[2] == 1):
         return out, lse  # every key is allowed (causal: the one query sees them all)
+    if torch.compiler.is_compiling():
+        return out, lse  # its test is a data-dependent branch, which would break the graph
     score = call.get("score")
     inputs = (q, k, v, call["bias"], call.get("sinks"), *(score.tensors() if score else ()))
     needs_grad = torch.is_grad_enabled() and any(

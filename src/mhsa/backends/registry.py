@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -95,6 +96,9 @@ class Backend:
 
 _BACKENDS: dict[str, Backend] = {}
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("mhsa_backend", default=None)
+# counts use_backend entries and exits: torch.compile reads it, so a graph traced under
+# one forced backend is guarded on it and traced again under another
+_forced_generation = 0
 
 
 def register(backend: Backend) -> Backend:
@@ -121,13 +125,16 @@ def use_backend(name: str) -> Iterator[None]:
     >>> with mhsa.use_backend("reference"):
     ...     out = mhsa.attention(q, k, v)
     """
+    global _forced_generation
     if name != "auto":
         get(name)
     token = _forced.set(name)
+    _forced_generation += 1
     try:
         yield
     finally:
         _forced.reset(token)
+        _forced_generation += 1
 
 
 def reason_unusable(backend: Backend, spec: AttentionSpec) -> str | None:
@@ -136,6 +143,39 @@ def reason_unusable(backend: Backend, spec: AttentionSpec) -> str | None:
 
 def select(spec: AttentionSpec, requested: str) -> Backend:
     """The backend that serves `spec`: the forced one, the requested one, or the best."""
+    if torch.compiler.is_compiling():
+        sizes = {name: _traced_size(getattr(spec, name)) for name in ("batch", "q_len", "kv_len")}
+        fields = tuple(sizes.get(f.name, getattr(spec, f.name)) for f in dataclasses.fields(spec))
+        return get(_select_when_traced(fields, requested, _forced_generation))
+    return _select(spec, requested)
+
+
+# While torch.compile traces, one graph may serve every size (dynamic shapes), so the
+# choice cannot depend on them: sizes other than 1 are taken as this. Each backend
+# that serves a call is exact; only speed depends on the choice.
+TRACED_SIZE = 1024
+
+
+def _traced_size(size: int) -> int:
+    return 1 if size == 1 else TRACED_SIZE
+
+
+@torch.compiler.assume_constant_result
+def _select_when_traced(fields: tuple, requested: str, generation: int) -> str:
+    """select() while torch.compile traces, run once: its answer is a constant of the
+    graph, which is guarded on `generation` (use_backend changes it). `auto` then takes
+    sdpa wherever it serves the call: torch's own operator compiles natively, while
+    the flash engine is traced through, and breaks the graph where its block plan
+    depends on a mask's values."""
+    spec = AttentionSpec(*fields)
+    sdpa = _BACKENDS.get("sdpa")
+    automatic = requested == "auto" and _forced.get() in (None, "auto")
+    if automatic and sdpa is not None and reason_unusable(sdpa, spec) is None:
+        return "sdpa"
+    return _select(spec, requested).name
+
+
+def _select(spec: AttentionSpec, requested: str) -> Backend:
     forced = _forced.get()
     if forced is not None and forced != "auto":
         requested = forced

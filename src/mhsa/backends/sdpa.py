@@ -19,6 +19,13 @@ from .common import combined_mask
 from .registry import AttentionSpec, Backend
 
 
+def _maybe_any(dead: Tensor) -> bool:
+    """Whether some row may have no allowed key: dead.any(), or True while torch.compile
+    traces (the dead-row handling is then always in the graph, a branch on a value
+    would break it)."""
+    return torch.compiler.is_compiling() or bool(dead.any())
+
+
 def _merged_attn_mask(
     mask: Tensor | None, bias: Tensor | None, dtype: torch.dtype
 ) -> tuple[Tensor | None, Tensor | None]:
@@ -27,14 +34,14 @@ def _merged_attn_mask(
         if mask is None:
             return None, None
         dead = ~mask.any(dim=-1, keepdim=True)
-        if not dead.any():
+        if not _maybe_any(dead):
             return mask, None
         return mask | dead, dead
     attn = bias.to(dtype)
     if mask is not None:
         attn = torch.where(mask, attn, torch.tensor(-torch.inf, dtype=dtype, device=attn.device))
     dead = torch.isneginf(attn).all(dim=-1, keepdim=True)
-    if not dead.any():
+    if not _maybe_any(dead):
         return attn, None
     return torch.where(dead, torch.zeros((), dtype=dtype, device=attn.device), attn), dead
 

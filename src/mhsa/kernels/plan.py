@@ -217,17 +217,17 @@ def build_plan(
     """
     num_q = _num_blocks(q_len, block_q)
     num_k = _num_blocks(kv_len, block_k)
-    if source is None:
-        kinds = torch.full((num_q, num_k), FULL, dtype=torch.int8)
-    else:
-        kinds = source.block_kinds(q_len, kv_len, block_q, block_k)
-    cap_blocks = max(1, max_run_keys // block_k) if max_run_keys else num_k
-    rows: list[RowRange] = []
     if merge_rows and _triangle(source, 0, q_len, 0, kv_len) == "lower":
         # the whole matrix is one lower-triangular tile: one call in causal mode
         whole = [RowRange(0, q_len, [Run(0, kv_len, False, "lower")])]
         return BlockPlan(q_len, kv_len, block_q, block_k, whole, source)
-    for qi, row in enumerate(kinds.tolist()):
+    if source is None:  # plain lists: torch.compile traces them without reading a tensor
+        kinds = [[FULL] * num_k for _ in range(num_q)]
+    else:
+        kinds = source.block_kinds(q_len, kv_len, block_q, block_k).tolist()
+    cap_blocks = max(1, max_run_keys // block_k) if max_run_keys else num_k
+    rows: list[RowRange] = []
+    for qi, row in enumerate(kinds):
         q0, q1 = qi * block_q, min(q_len, (qi + 1) * block_q)
         if gather:
             runs = _gathered_runs(source, q0, q1, row, block_k, kv_len)

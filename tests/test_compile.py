@@ -1,0 +1,121 @@
+"""torch.compile over our models: whole graphs (no graph breaks), compiled outputs and
+gradients equal to eager, one graph for many sequence lengths under dynamic shapes,
+and a forced backend that is part of the graph's guards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+
+import mhsa
+from helpers import max_error
+from mhsa.models.bert import Bert, BertConfig
+from mhsa.models.gpt import GPT, GPTConfig
+from mhsa.models.llama import Llama, LlamaConfig
+from mhsa.models.vit import ViT, ViTConfig
+
+
+def _gpt():
+    model = GPT(GPTConfig(vocab_size=64, max_len=1024, d_model=32, n_head=4, n_layer=2))
+    return model, (torch.randint(0, 64, (2, 24)),)
+
+
+def _llama():
+    config = LlamaConfig(vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=48)
+    return Llama(config), (torch.randint(0, 64, (2, 24)),)
+
+
+def _vit():
+    return ViT(ViTConfig(dropout=0.0)), (torch.randn(2, 1, 8, 8),)
+
+
+def _bert():
+    config = BertConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
+                        intermediate_size=64, max_position=64, dropout=0.0)  # fmt: skip
+    padding = torch.ones(2, 24, dtype=torch.long)
+    padding[1, 15:] = 0  # the second sentence is 15 tokens, padded
+    return Bert(config), (torch.randint(1, 64, (2, 24)), padding)
+
+
+MODELS = {"gpt": _gpt, "llama": _llama, "vit": _vit, "bert": _bert}
+# flash plans BERT's padding from the mask's values, which breaks the graph
+CASES = [(m, b) for m in MODELS for b in ("auto", "flash", "sdpa") if (m, b) != ("bert", "flash")]
+
+
+def _build(name: str):
+    torch.manual_seed(0)
+    model, inputs = MODELS[name]()
+    return model.eval(), inputs
+
+
+@pytest.mark.parametrize("name,backend", CASES)
+def test_the_whole_forward_is_one_graph(name, backend):
+    model, inputs = _build(name)
+    torch._dynamo.reset()
+    with mhsa.use_backend(backend):
+        explained = torch._dynamo.explain(model)(*inputs)
+    assert explained.graph_break_count == 0, [r.reason for r in explained.break_reasons]
+    assert explained.graph_count == 1
+
+
+def _outputs_and_grads(model, inputs):
+    for p in model.parameters():
+        p.grad = None
+    out = model(*inputs)
+    out = out[0] if isinstance(out, tuple) else out
+    (out.float().square().mean()).backward()
+    return out.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("name,backend", CASES)
+def test_compiled_forward_and_gradients_equal_eager(name, backend):
+    """Through dynamo and AOTAutograd (aot_eager): the graphs a compiler would get."""
+    model, inputs = _build(name)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with mhsa.use_backend(backend):
+        want, want_grads = _outputs_and_grads(model, inputs)
+        got, got_grads = _outputs_and_grads(compiled, inputs)
+    assert max_error(got, want) <= 1e-5
+    assert len(got_grads) == len(want_grads) > 0
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert max_error(g, w) <= 1e-5
+
+
+def test_inductor_training_step_equals_eager():
+    model, inputs = _build("gpt")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    want, want_grads = _outputs_and_grads(model, inputs)
+    got, got_grads = _outputs_and_grads(compiled, inputs)
+    assert max_error(got, want) <= 1e-5
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert max_error(g, w) <= 1e-5
+
+
+@pytest.mark.parametrize("backend", ["auto", "sdpa"])
+def test_one_graph_serves_lengths_128_to_1024(backend):
+    model, _ = _build("gpt")
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter, dynamic=True, fullgraph=True)
+    with mhsa.use_backend(backend), torch.no_grad():
+        for length in (128, 200, 256, 512, 777, 1024):
+            compiled(torch.randint(0, 64, (1, length)))
+    assert counter.frame_count <= 2
+
+
+def test_a_forced_backend_is_guarded():
+    model, inputs = _build("gpt")
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    with torch.no_grad():
+        with mhsa.use_backend("sdpa"):
+            compiled(*inputs)
+            compiled(*inputs)
+        assert counter.frame_count == 1
+        with mhsa.use_backend("reference"):
+            compiled(*inputs)
+    assert counter.frame_count == 2
