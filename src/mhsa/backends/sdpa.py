@@ -22,19 +22,22 @@ from .registry import AttentionSpec, Backend
 def _merged_attn_mask(
     mask: Tensor | None, bias: Tensor | None, dtype: torch.dtype
 ) -> tuple[Tensor | None, Tensor | None]:
-    """(attn_mask for SDPA, dead-row mask (..., L, 1) or None)."""
+    """(attn_mask for SDPA, dead-row mask (..., L, 1) or None). Under torch.export the
+    dead rows are opened and zeroed whether or not there are any (no data-dependent
+    branch in a traced graph; the same values)."""
+    branch = not torch.compiler.is_exporting()
     if bias is None:
         if mask is None:
             return None, None
         dead = ~mask.any(dim=-1, keepdim=True)
-        if not dead.any():
+        if branch and not dead.any():
             return mask, None
         return mask | dead, dead
     attn = bias.to(dtype)
     if mask is not None:
         attn = torch.where(mask, attn, torch.tensor(-torch.inf, dtype=dtype, device=attn.device))
     dead = torch.isneginf(attn).all(dim=-1, keepdim=True)
-    if not dead.any():
+    if branch and not dead.any():
         return attn, None
     return torch.where(dead, torch.zeros((), dtype=dtype, device=attn.device), attn), dead
 
