@@ -6,6 +6,12 @@ import torch
 from torch import Tensor
 
 
+def tracing() -> bool:
+    """Whether torch.compile or torch.export is tracing: a graph cannot branch on a
+    tensor's values, so shortcuts that test them step aside."""
+    return torch.compiler.is_compiling() or torch.compiler.is_exporting()
+
+
 def causal_mask(q_len: int, kv_len: int, device: torch.device | None = None) -> Tensor:
     """(L, S) bool, True = may attend, aligned bottom-right.
 

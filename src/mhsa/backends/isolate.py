@@ -12,6 +12,12 @@ for any backend without touching the fast path's arithmetic:
   the rows that do attend a non-finite key or value (found by one more call with
   zero scores, which spreads each row's weight uniformly over its allowed keys) keep
   the first result, detached: their output is non-finite, as the formula says.
+
+Under torch.compile and torch.export (and so ONNX export) a graph cannot branch on a
+value: the traced graph keeps the fast path only, and assumes finite keys and values
+(they are in our models, where every key is a projection of a finite embedding and
+caches start zeroed). A torch.cond of the check exports too, but doubles the trace time
+and adds an If node to every layer.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import math
 import torch
 from torch import Tensor
 
+from .common import tracing
 from .registry import Backend
 
 
@@ -46,8 +53,8 @@ def isolate_masked_nonfinite(
     and values ignored. out (B, H, L, D_v) and lse are that call's results."""
     if call["mask"] is None and call["bias"] is None and (not call["causal"] or q.shape[2] == 1):
         return out, lse  # every key is allowed (causal: the one query sees them all)
-    if torch.compiler.is_compiling():
-        return out, lse  # its test is a data-dependent branch, which would break the graph
+    if tracing():
+        return out, lse  # a traced graph: the fast path only (module docstring)
     score = call.get("score")
     inputs = (q, k, v, call["bias"], call.get("sinks"), *(score.tensors() if score else ()))
     needs_grad = torch.is_grad_enabled() and any(

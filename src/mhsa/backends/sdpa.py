@@ -15,15 +15,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .common import combined_mask
+from .common import combined_mask, tracing
 from .registry import AttentionSpec, Backend
 
 
 def _maybe_any(dead: Tensor) -> bool:
-    """Whether some row may have no allowed key: dead.any(), or True while torch.compile
-    traces (the dead-row handling is then always in the graph, a branch on a value
-    would break it)."""
-    return torch.compiler.is_compiling() or bool(dead.any())
+    """Whether some row may have no allowed key: dead.any(), or True while a graph is
+    traced (compile, export): the dead rows are then opened and zeroed whether or not
+    there are any, the same values without a branch on them."""
+    return tracing() or bool(dead.any())
 
 
 def _merged_attn_mask(

@@ -6,9 +6,22 @@ import argparse
 import sys
 
 from ..version import __version__
-from . import bench, chat, classify, embed, generate, info, train, transcribe, translate, viz
+from . import (
+    bench,
+    chat,
+    classify,
+    embed,
+    export,
+    generate,
+    info,
+    train,
+    transcribe,
+    translate,
+    viz,
+)
 
-COMMANDS = (info, chat, train, generate, translate, transcribe, embed, classify, viz, bench)
+COMMANDS = (info, chat, train, generate, translate, transcribe, embed, classify, export, viz,
+            bench)  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
