@@ -67,6 +67,7 @@ class TrainConfig:
     seed: int = 0
     keep: int = 1  # how many of its own latest checkpoints a run keeps
     nonfinite: str = "stop"  # on a nan/inf loss or gradient: "stop", or "skip" the step
+    compile: bool = False  # the loss (forward and backward) through torch.compile
 
     def __post_init__(self) -> None:
         for name in ("steps", "eval_every", "checkpoint_every", "keep", "warmup"):
@@ -157,6 +158,8 @@ def train(
         log(f"resumed from {state['path']} at step {step}")
     model.train()
     compute_loss, rank, world = _data_parallel(model, context_parallel)
+    if config.compile:
+        compute_loss = torch.compile(compute_loss)
     start, tokens_done, skipped = time.perf_counter(), 0, 0
     end = config.steps if stop_after is None else min(config.steps, step + stop_after)
     while step < end:

@@ -92,6 +92,9 @@ def common_train_options(
                         help="skip a step whose loss or gradient is nan/inf instead of "
                              "stopping (still stops after 10 in a row)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile the training step with torch.compile (the first "
+                             "step then takes a while)")  # fmt: skip
 
 
 def train_config(args: argparse.Namespace, lr: float):
@@ -100,7 +103,8 @@ def train_config(args: argparse.Namespace, lr: float):
 
     return TrainConfig(steps=args.steps, lr=lr, eval_every=args.eval_every,
                        checkpoint_every=args.eval_every, seed=args.seed, keep=args.keep,
-                       nonfinite="skip" if args.skip_nonfinite else "stop")  # fmt: skip
+                       nonfinite="skip" if args.skip_nonfinite else "stop",
+                       compile=args.compile)  # fmt: skip
 
 
 def size_options(
