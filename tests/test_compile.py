@@ -39,8 +39,7 @@ def _bert():
 
 
 MODELS = {"gpt": _gpt, "llama": _llama, "vit": _vit, "bert": _bert}
-# flash plans BERT's padding from the mask's values, which breaks the graph
-CASES = [(m, b) for m in MODELS for b in ("auto", "flash", "sdpa") if (m, b) != ("bert", "flash")]
+CASES = [(m, b) for m in MODELS for b in ("auto", "flash", "sdpa")]
 
 
 def _build(name: str):
@@ -94,7 +93,7 @@ def test_inductor_training_step_equals_eager():
         assert max_error(g, w) <= 1e-5
 
 
-@pytest.mark.parametrize("backend", ["auto", "sdpa"])
+@pytest.mark.parametrize("backend", ["auto", "flash", "sdpa"])
 def test_one_graph_serves_lengths_128_to_1024(backend):
     model, _ = _build("gpt")
     torch._dynamo.reset()
@@ -119,3 +118,42 @@ def test_a_forced_backend_is_guarded():
         with mhsa.use_backend("reference"):
             compiled(*inputs)
     assert counter.frame_count == 2
+
+
+def _op_inputs(dtype=torch.float64, padded=True):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 9, 8, dtype=dtype, requires_grad=True) for _ in range(3))
+    bias = torch.randn(4, 9, 9, dtype=dtype, requires_grad=True)
+    mask = None
+    if padded:
+        mask = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+        mask[1, ..., 6:] = False
+    return q, k, v, mask, bias
+
+
+@pytest.mark.parametrize("pattern,causal", [("", True), ("SlidingWindow(2, 1)", False)])
+def test_the_flash_op_passes_opcheck_and_gradcheck(pattern, causal):
+    from mhsa.backends.flash_op import flash_attention_op
+
+    q, k, v, mask, bias = _op_inputs()
+    seed = torch.tensor(0)
+    args = (q, k, v, mask, bias, pattern, causal, 0.3, 0.0, seed)
+    torch.library.opcheck(flash_attention_op, args)
+
+    def out_and_lse(q, k, v, bias):
+        out, lse = flash_attention_op(q, k, v, mask, bias, pattern, causal, 0.3, 0.0, seed)
+        return out, lse
+
+    assert torch.autograd.gradcheck(out_and_lse, (q, k, v, bias))
+
+
+def test_the_flash_op_equals_the_reference_with_patterns_padding_and_bias():
+    from mhsa.backends.flash_op import traced_flash_attention
+    from mhsa.masks import KeyPadding, SlidingWindow
+
+    q, k, v, _, bias = _op_inputs(padded=False)
+    for mask, causal in ((SlidingWindow(3, 0), False), (KeyPadding([9, 5]), True), (None, True)):
+        got, _ = traced_flash_attention(q, k, v, mask, bias, causal, 0.3, 0.0)
+        want = mhsa.attention(q, k, v, mask, bias=bias, causal=causal, scale=0.3,
+                              backend="reference")  # fmt: skip
+        assert max_error(got, want) <= 1e-12

@@ -12,6 +12,8 @@ from ..kernels.flash import flash_attention, fused_available
 from ..kernels.plan import build_plan, mask_source
 from ..masks import Band, Pattern, SlidingWindow
 from ..masks.residues import residue_classes
+from .common import tracing
+from .flash_op import traced_flash_attention
 from .registry import AttentionSpec, Backend
 
 # Tile sizes: the fused kernel tiles internally, so its runs can be long; plain torch
@@ -83,6 +85,9 @@ class FlashBackend(Backend):
             if classes is not None:
                 out, lse = self._by_residue(q, k, v, classes, band.dilation, scale)
                 return out, (lse if return_lse else None)
+        if tracing() and score is None and sinks is None:  # one custom op in the graph
+            out, lse = traced_flash_attention(q, k, v, mask, bias, causal, scale, dropout_p)
+            return out, (lse if return_lse else None)
         # the fused kernel adds a float mask per tile: additive score functions only
         fused = fused_available(q, v, dropout_p) and (score is None or score.additive)
         plan = plan_for(mask, causal, q.shape[2], k.shape[2], q.device, fused, score)

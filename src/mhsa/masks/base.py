@@ -48,6 +48,9 @@ class Pattern:
 
     batch_size: int | None = None  # set by per-sequence patterns
     block_size: int | None = None  # set by block-structured patterns: a tiling hint
+    # built from plain values only, so that repr(pattern) rebuilds it (the flash op of
+    # a traced graph takes it so); False for patterns that hold tensors
+    plain_values: bool = True
 
     def allowed(self, rows: Tensor, cols: Tensor, q_len: int, kv_len: int) -> Tensor:
         """Element mask for query indices rows (R, 1) and key indices cols (1, C):
@@ -198,6 +201,7 @@ class Union(Pattern):
         self.batch_size = sizes.pop() if sizes else None
         blocks = [p.block_size for p in parts if p.block_size]
         self.block_size = math.gcd(*blocks) if blocks else None
+        self.plain_values = all(p.plain_values for p in parts)
 
     def allowed(self, rows, cols, q_len, kv_len):
         masks = [p.allowed(rows, cols, q_len, kv_len) for p in self.parts]

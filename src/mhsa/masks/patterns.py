@@ -136,6 +136,8 @@ class BlockSparse(Pattern):
     query row 0 and key 0.
     """
 
+    plain_values = False  # holds tensors
+
     def __init__(self, layout: Tensor, block_size: int) -> None:
         if not isinstance(layout, Tensor) or layout.dtype != torch.bool or layout.dim() != 2:
             raise TypeError("layout must be a 2-D bool tensor (query blocks, key blocks)")
@@ -199,6 +201,8 @@ class GlobalTokens(Pattern):
     """Longformer's global attention: the tokens at these positions attend every key,
     and every query attends them."""
 
+    plain_values = False  # holds tensors
+
     def __init__(self, indices: Sequence[int] | Tensor, *, beyond_keys: str = "error") -> None:
         """beyond_keys="ignore" lets indices past the last key mean nothing (for presets
         whose global tokens are "the first n", however many a sequence has)."""
@@ -251,6 +255,8 @@ class KeyPadding(Pattern):
     """Per sequence, only the first lengths[b] keys are real (or a (B, S) bool tensor,
     True = real key)."""
 
+    plain_values = False  # holds tensors
+
     def __init__(self, lengths: Sequence[int] | Tensor) -> None:
         t = torch.as_tensor(lengths)
         if t.dtype == torch.bool:
@@ -295,6 +301,8 @@ class Document(Pattern):
     ids: (S,) or (B, S) document id of every key position; queries take the ids of
     their positions (bottom-right).
     """
+
+    plain_values = False  # holds tensors
 
     def __init__(self, ids: Sequence[int] | Tensor) -> None:
         t = torch.as_tensor(ids)
