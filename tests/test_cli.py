@@ -105,6 +105,9 @@ def test_generate_bench_quick():
     result = generate.run(quick=True)
     rates = result["cache"]["tokens_per_s"]
     assert rates["mhsa, cache"] > 0 and rates["same greedy tokens as transformers"] is True
+    assert rates["same greedy tokens as CTranslate2"] is True and rates["CTranslate2"] > 0
+    text = generate.report(result)
+    assert "CTranslate2, batch 8:" in text and "target >= 2.0x transformers" in text
     window = result["window"]["results"]
     assert window["sliding-window cache"]["cache_bytes"] < window["full cache"]["cache_bytes"]
 
