@@ -11,7 +11,7 @@ from torch import nn
 from helpers import max_error
 from mhsa.models.llama import Llama, LlamaConfig
 from mhsa.nn import GatedFeedForward, MultiHeadAttention
-from mhsa.nn.layout import TransposedEmbedding, TransposedLinear, fuse_linears, transpose_linears
+from mhsa.nn.layout import TransposedEmbedding, TransposedLinear, fuse_linears
 from mhsa.nn.quantized import Int4Linear, Int8Linear
 
 
@@ -110,8 +110,22 @@ def test_a_llama_in_the_decoding_layout_decodes_the_same_tokens():
     prompt = torch.randint(0, 96, (1, 7))
     want_logits = model(prompt)
     want = model.generate(prompt, 12, temperature=0.0, eos_token=[])
-    transpose_linears(model)
-    model.embed = TransposedEmbedding.from_embedding(model.embed)
-    model.fuse_projections()
+    model.decoding_layout()
+    assert type(model.embed).__name__ == "TransposedEmbedding"
     assert max_error(model(prompt), want_logits) <= 1e-5
     assert torch.equal(model.generate(prompt, 12, temperature=0.0, eos_token=[]), want)
+
+
+def test_a_gpt_in_the_decoding_layout_decodes_the_same_tokens():
+    from mhsa.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=96, n_layer=2, n_head=4, d_model=32, max_len=64)).eval()
+    prompts = [torch.randint(0, 96, (7,)), torch.randint(0, 96, (4,))]  # left-padded
+    want = model.generate(prompts, 12, temperature=0.0)
+    want_logits = model(prompts[0].view(1, -1))
+    model.decoding_layout()
+    assert model.blocks[0].self_attn.qkv_proj is not None
+    assert max_error(model(prompts[0].view(1, -1)), want_logits) <= 1e-5
+    got = model.generate(prompts, 12, temperature=0.0)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))

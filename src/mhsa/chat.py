@@ -28,7 +28,6 @@ from torch import nn
 from .formats.ggml_blocks import unpack_q4
 from .models.decoding import check_sampling, sample
 from .models.llama import Llama, LlamaConfig, hf_name
-from .nn.layout import TransposedEmbedding, transpose_linears
 from .nn.quantized import Int4Linear, Int8Linear, quantize_linears, replace_linears
 
 if TYPE_CHECKING:
@@ -207,11 +206,8 @@ def _quantised(raw, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Modul
 def _quantize(model: Llama, mode: str) -> None:
     if mode == "bfloat16":
         model.to(torch.bfloat16)
-    elif mode == "none" and model.embed.weight.dtype == torch.float32:
-        # one-row float32 matmuls read (in, out) weights faster (see mhsa.nn.layout)
-        transpose_linears(model)
-        if model.lm_head is None:
-            model.embed = TransposedEmbedding.from_embedding(model.embed)
+    elif mode == "none":  # one-row float32 matmuls read (in, out) weights faster
+        model.decoding_layout()
     elif mode in ("int8", "int4"):
         quantize_linears(model, mode)
         if model.lm_head is None:

@@ -78,10 +78,10 @@ def generate(
         new.append(nxt)
         if stops is not None and bool(done.all()):
             break
-        tokens = torch.cat([tokens, nxt.view(-1, 1)], dim=1)
         if caches is not None:
             logits = model(nxt.view(-1, 1), caches=caches, last=True)[:, -1]
         else:
+            tokens = torch.cat([tokens, nxt.view(-1, 1)], dim=1)
             logits = model(tokens, start=start, last=True)[:, -1]
     generated = torch.stack(new, dim=1) if new else tokens[:, :0]
     if not as_list:  # equal-length prompts: one tensor, the stop token repeated after the end

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from ..cache import KVCache, SlidingWindowCache
 from ..masks import SlidingWindow
 from ..nn import TransformerEncoderLayer
+from ..nn.layout import decoding_layout
 from ..positional import (
     ALiBi,
     LearnedPositionalEmbedding,
@@ -165,6 +166,15 @@ class GPT(nn.Module):
                 position=attn_position, cache=None if caches is None else caches[i],
             )  # fmt: skip
         return self.ln_f(x[:, -1:] if last else x) @ self.tok_emb.weight.T  # tied head
+
+    def decoding_layout(self) -> GPT:
+        """For one-sequence decoding on CPU: q, k, v fused and float32 weights stored
+        transposed, the tied embedding too (mhsa.nn.layout; one-row matmuls read them
+        faster, several rows slightly slower); returns self. Inference only."""
+        for block in self.blocks:
+            block.self_attn.fuse_projections()
+        decoding_layout(self, "tok_emb")
+        return self
 
     def make_caches(self, batch: int, max_len: int) -> list[KVCache]:
         """Empty caches for every layer: ring buffers of `window` with a window."""

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from ..cache import KVCache, SlidingWindowCache
 from ..masks import SlidingWindow
 from ..nn import GatedFeedForward, MultiHeadAttention, RMSNorm
+from ..nn.layout import decoding_layout
 from ..positional import RotaryEmbedding, rope_frequencies, rope_type
 from ..validate import int_at_least
 from .decoding import check_token_ids, generate
@@ -246,6 +247,13 @@ class Llama(nn.Module):
         for layer in self.layers:
             layer.attn.fuse_projections()
             layer.ff.fuse_projections()
+        return self
+
+    def decoding_layout(self) -> Llama:
+        """For one-sequence decoding on CPU (mhsa chat): projections fused and float32
+        weights stored transposed, the tied embedding too (mhsa.nn.layout); returns
+        self. Inference only."""
+        decoding_layout(self.fuse_projections(), "embed")
         return self
 
     def make_caches(self, batch: int, max_len: int) -> list[KVCache]:

@@ -8,7 +8,7 @@ EPYC: 43 ms against 30 ms per pass). A few rows at once (batch decoding) favour 
 usual layout slightly, and a prefill does not care, so this is a choice for batch-1
 decoding (`mhsa chat`), made after loading:
 
-    transpose_linears(model)          every nn.Linear -> TransposedLinear, in place
+    transpose_linears(model)          every float32 nn.Linear -> TransposedLinear, in place
     TransposedEmbedding.from_embedding(e)   a tied embedding whose output head
                                             (x @ e.weight.T) then reads the fast layout
     fuse_linears([q, k, v])           one layer for several that share their input
@@ -86,10 +86,28 @@ class TransposedEmbedding(nn.Module):
         return F.embedding(idx, self.weight)
 
 
+def decoding_layout(model: nn.Module, embedding: str) -> nn.Module:
+    """Every float nn.Linear of model transposed and its tied embedding (the attribute
+    named `embedding`, whose weight is the output head) too, in place; returns model.
+    Fuse projections first (fuse_linears concatenates either layout)."""
+    transpose_linears(model)
+    table = getattr(model, embedding)
+    if isinstance(table, nn.Embedding) and table.weight.dtype == torch.float32:
+        setattr(model, embedding, TransposedEmbedding.from_embedding(table))
+    return model
+
+
 def transpose_linears(model: nn.Module) -> nn.Module:
-    """Replace every float nn.Linear of model by a TransposedLinear, in place; returns
-    model. For inference: the weights stop requiring gradients."""
-    return replace_linears(model, lambda _, linear: TransposedLinear.from_linear(linear))
+    """Replace every float32 nn.Linear of model by a TransposedLinear, in place; returns
+    model. For inference: the weights stop requiring gradients. (bfloat16 one-row
+    matmuls read the usual layout faster: 16 ms against 338 ms for SmolLM2's weights.)"""
+
+    def transposed(_: str, linear: nn.Linear) -> nn.Module | None:
+        if linear.weight.dtype != torch.float32:
+            return None
+        return TransposedLinear.from_linear(linear)
+
+    return replace_linears(model, transposed)
 
 
 def fuse_linears(layers: Sequence[nn.Module]) -> nn.Module:
@@ -131,4 +149,10 @@ def fuse_linears(layers: Sequence[nn.Module]) -> nn.Module:
     raise TypeError(f"fuse_linears cannot fuse {kind.__name__} layers")
 
 
-__all__ = ["TransposedEmbedding", "TransposedLinear", "fuse_linears", "transpose_linears"]
+__all__ = [
+    "TransposedEmbedding",
+    "TransposedLinear",
+    "decoding_layout",
+    "fuse_linears",
+    "transpose_linears",
+]
