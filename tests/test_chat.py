@@ -154,6 +154,7 @@ def test_a_transformers_directory_chats_like_its_model(tmp_path, exact):
     stop = next((i for i, t in enumerate(want) if t in exact.stop_ids), len(want))
     answer = "".join(chat.reply(messages, max_new_tokens=8))
     assert answer == exact.tokenizer.decode(want[:stop], skip_special_tokens=True)
+    assert "".join(chat.reply(messages, max_new_tokens=8, compile=True)) == answer
     assert chat.stop_ids == exact.stop_ids
 
 

@@ -174,6 +174,12 @@ def test_generate_options(tmp_path, capsys):
     assert "warning" not in capsys.readouterr().err
     assert main(["generate", str(out), "--max-new-tokens", "20"]) == 0  # rotary, max_len 16
     assert "warning: the model was trained on 16 tokens" in capsys.readouterr().err
+    greedy = [*base, "--temperature", "0"]
+    assert main(greedy) == 0
+    eager = capsys.readouterr().out
+    assert main([*greedy, "--compile"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == eager and "compiled the decoding step in" in captured.err
     assert main([*base, "--prompt", ""]) == 2
     assert "mhsa generate: --prompt must not be empty" in capsys.readouterr().err
     assert main([*base, "--top-p", "0"]) == 2

@@ -188,6 +188,50 @@ class SlidingWindowCache(KVCache):
         self.first = 0
 
 
+class StaticKVCache(KVCache):
+    """The decoding steps after a KVCache's prefill, with every shape fixed and no
+    Python number changing between steps, so that one compiled step serves them all
+    (generate(..., compile=True)). It shares the prefilled cache's storage: each update
+    takes one token per sequence, written at the slot held in the tensor `filled`, and
+    returns all max_len slots, those not yet written masked as padding (key_padding).
+    `length` is the number of slots returned (max_len), constant; the written count is
+    `filled`, and positions come from next_positions.
+    """
+
+    def __init__(self, prefilled: KVCache) -> None:  # (no super().__init__: shares storage)
+        if type(prefilled) is not KVCache:
+            raise TypeError(f"StaticKVCache continues a KVCache, got {type(prefilled).__name__}"
+                            " (a sliding window keeps no fixed slots)")  # fmt: skip
+        self.k, self.v, self.start = prefilled.k, prefilled.v, prefilled.start
+        self.length = prefilled.max_len
+        self.filled = torch.tensor(prefilled.length, device=self.k.device)
+
+    def next_positions(self, count: int) -> Tensor:
+        if count != 1:
+            raise ValueError(f"a StaticKVCache takes one token per step, got {count}; "
+                             "prefill with a KVCache")  # fmt: skip
+        return (self.filled - self.start).clamp(min=0).view(-1, 1)
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write k (B, H_kv, 1, D), v at slot `filled`; return every slot."""
+        self._check(k, v)
+        if k.shape[2] != 1:
+            raise ValueError(f"a StaticKVCache takes one token per step, got {k.shape[2]}")
+        slot = self.filled.view(1)
+        self.k.index_copy_(2, slot, k)
+        self.v.index_copy_(2, slot, v)
+        self.filled.add_(1)
+        return self.k, self.v
+
+    def key_padding(self) -> Tensor:
+        """(B, max_len): True for written keys after each sequence's padding."""
+        index = torch.arange(self.max_len, device=self.k.device).view(1, -1)
+        return (index < self.filled) & (index >= self.start.view(-1, 1))
+
+    def reorder(self, index: Tensor) -> None:
+        raise NotImplementedError("reorder the prefilled KVCache instead")
+
+
 class MemoryCache:
     """Cross-attention keys and values of a fixed memory (an encoder output): the
     first call projects them, every later decoding step reuses them."""

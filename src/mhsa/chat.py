@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .formats.ggml_blocks import unpack_q4
-from .models.decoding import check_sampling, sample
+from .models.decoding import check_sampling, compiled_decode_step, sample
 from .models.llama import Llama, LlamaConfig, hf_name
 from .nn.quantized import Int4Linear, Int8Linear, quantize_linears, replace_linears
 
@@ -75,10 +75,12 @@ class ChatModel:
         top_k: int | None = None,
         top_p: float | None = None,
         generator: torch.Generator | None = None,
+        compile: bool = False,
     ) -> Iterator[str]:
         """Yield the answer to messages as text pieces, token by token (KV cache); stops
         at a stop token or after max_new_tokens. last_stats then holds token counts and
-        seconds of the prefill and the decoding."""
+        seconds of the prefill and the decoding. compile: decode through one compiled
+        step (mhsa.models.decoding.compiled_decode_step)."""
         check_sampling(temperature, top_k, top_p)
         if (
             isinstance(max_new_tokens, bool)
@@ -97,6 +99,7 @@ class ChatModel:
         caches = self.model.make_caches(1, len(ids) + budget)
         start = time.perf_counter()
         logits = self.model(torch.tensor([ids]), caches=caches, last=True)[:, -1]
+        step = compiled_decode_step(self.model, caches) if compile else None
         prefilled = time.perf_counter()
         decoder = self.tokenizer.stream()
         self.last_stats = {"prompt_tokens": len(ids), "new_tokens": 0}
@@ -118,7 +121,9 @@ class ChatModel:
             )
             if piece:
                 yield piece
-            if count < budget:
+            if count < budget and step is not None:
+                logits = step(token.view(1, 1))[:, -1]
+            elif count < budget:
                 logits = self.model(token.view(1, 1), caches=caches, last=True)[:, -1]
         tail = decoder.flush()
         if tail:

@@ -9,62 +9,12 @@ from __future__ import annotations
 
 from ..kernels.dropout import draw_seed
 from ..kernels.flash import flash_attention, fused_available
-from ..kernels.plan import build_plan, mask_source
-from ..masks import Band, Pattern, SlidingWindow
+from ..masks import SlidingWindow
 from ..masks.residues import residue_classes
 from .common import tracing
 from .flash_op import traced_flash_attention
+from .flash_plan import band_of, plan_for
 from .registry import AttentionSpec, Backend
-
-# Tile sizes: the fused kernel tiles internally, so its runs can be long; plain torch
-# materialises (rows x run) scores, so its runs are capped.
-FUSED_BLOCK = 256
-PLAIN_BLOCK_Q = 128
-PLAIN_BLOCK_K = 128
-PLAIN_MAX_RUN = 1024
-# the fused kernel reads a score function's values as a float tile: runs are capped so
-# that a tile stays small (8 heads x 256 x 2048 floats: 16 MiB)
-FUSED_SCORED_MAX_RUN = 2048
-# a causal call with a separable score function (ALiBi) reads one row of values per
-# run left of the diagonal and a float tile only on the diagonal: its rows go in
-# blocks of 1024, large enough for the kernel's 256-row splits (it uses 64-row ones
-# below 768 rows, which read the keys four times as often)
-SEPARABLE_BLOCK = 1024
-
-
-def plan_for(mask, causal: bool, q_len: int, kv_len: int, device, fused: bool,
-             score=None):  # fmt: skip
-    """The block plan the flash backend uses for a call with an mhsa.scores function or
-    None."""
-    source = mask_source(mask, causal, q_len, kv_len, device)
-    if fused and score is not None and score.separable and causal and mask is None:
-        return build_plan(source, q_len, kv_len, block_q=SEPARABLE_BLOCK,
-                          block_k=SEPARABLE_BLOCK, merge_rows=False)  # fmt: skip
-    if fused and score is not None:
-        return build_plan(source, q_len, kv_len, block_q=FUSED_BLOCK, block_k=FUSED_BLOCK,
-                          max_run_keys=FUSED_SCORED_MAX_RUN, merge_rows=False)  # fmt: skip
-    if fused:
-        block = getattr(mask, "block_size", None) or FUSED_BLOCK
-        plan = build_plan(source, q_len, kv_len, block_q=block, block_k=block, gather=True)
-        band = _band_of(mask)
-        if band is not None and band.dilation == 1:
-            # causal caps the window's right side at the query's own position
-            plan.band = (band.left, 0 if causal else band.right)
-        return plan
-    return build_plan(
-        source,
-        q_len,
-        kv_len,
-        block_q=PLAIN_BLOCK_Q,
-        block_k=PLAIN_BLOCK_K,
-        max_run_keys=PLAIN_MAX_RUN,
-        merge_rows=False,
-    )
-
-
-def _band_of(mask) -> Band | None:
-    """The band a mask says it is exactly (Pattern.band), or None."""
-    return mask.band() if isinstance(mask, Pattern) else None
 
 
 class FlashBackend(Backend):
@@ -75,7 +25,7 @@ class FlashBackend(Backend):
 
     def forward(self, q, k, v, *, mask, bias, causal, scale, dropout_p, return_lse,
                 score=None, sinks=None):  # fmt: skip
-        band = _band_of(mask)
+        band = band_of(mask)
         plain = bias is None and score is None and sinks is None
         if band is not None and band.dilation == 1:
             # the plain window, whatever pattern said it: its plan has the band and triangles

@@ -21,6 +21,7 @@ from .. import masks
 from ..kernels.dense import stats_dtype
 from ..kernels.flash import flash_backward, flash_forward, fused_available
 from ..masks import Pattern
+from .flash_plan import plan_for
 
 _PATTERN_CLASSES = {name: getattr(masks, name) for name in masks.__all__
                     if isinstance(getattr(masks, name), type)}  # fmt: skip
@@ -38,8 +39,6 @@ def _pattern(text: str) -> Pattern | None:
 
 def _engine_inputs(q, v, mask, pattern, causal, dropout_p, seed):
     """(plan, dropout, fused) of a call, as the flash backend makes them eagerly."""
-    from .flash import plan_for  # (the backend imports this module)
-
     fused = fused_available(q, v, dropout_p)
     plan = plan_for(mask if mask is not None else _pattern(pattern), causal, q.shape[2],
                     v.shape[2], q.device, fused)  # fmt: skip

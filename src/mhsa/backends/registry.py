@@ -145,7 +145,11 @@ def select(spec: AttentionSpec, requested: str) -> Backend:
     """The backend that serves `spec`: the forced one, the requested one, or the best."""
     if torch.compiler.is_compiling():
         sizes = {name: _traced_size(getattr(spec, name)) for name in ("batch", "q_len", "kv_len")}
-        fields = tuple(sizes.get(f.name, getattr(spec, f.name)) for f in dataclasses.fields(spec))
+        # heads and widths are the model's: specialised (int() of a symbolic one guards it)
+        widths = {name: int(getattr(spec, name))
+                  for name in ("num_heads", "num_kv_heads", "head_dim", "value_dim")}  # fmt: skip
+        fixed = sizes | widths
+        fields = tuple(fixed.get(f.name, getattr(spec, f.name)) for f in dataclasses.fields(spec))
         return get(_select_when_traced(fields, requested, _forced_generation))
     return _select(spec, requested)
 

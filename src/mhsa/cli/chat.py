@@ -36,6 +36,7 @@ def _chat(args: argparse.Namespace) -> int:
         "top_k": args.top_k or None,
         "top_p": args.top_p,
         "generator": generator,
+        "compile": args.compile,
     }
     if args.prompt is not None:  # one-shot: each prompt is the next turn
         for prompt in args.prompt:
@@ -73,6 +74,7 @@ def _answer(model, history: list[dict], prompt: str, options: dict) -> None:
         print(" [stopped]", end="")
     print()
     history.append({"role": "assistant", "content": "".join(pieces)})
+    _report_compile(model.model)
     stats = model.last_stats
     if stats.get("new_tokens"):
         rate = stats["new_tokens"] / max(stats["decode_seconds"], 1e-9)
@@ -81,6 +83,17 @@ def _answer(model, history: list[dict], prompt: str, options: dict) -> None:
             f"{stats['new_tokens']} new tokens, {rate:.1f} tokens/s]",
             file=sys.stderr,
         )
+
+
+def _report_compile(model) -> None:
+    """Say once what compiling the decoding step took (--compile)."""
+    from ..models.decoding import compile_seconds
+
+    seconds = compile_seconds(model)
+    if seconds is not None and not getattr(model, "_compile_reported", False):
+        model._compile_reported = True
+        print(f"[compiled the decoding step in {seconds:.1f} s (torch.compile; inductor "
+              "keeps the compiled code on disk for the next run)]", file=sys.stderr)  # fmt: skip
 
 
 QUANTIZE = ("file", "none", "bfloat16", "int8", "int4")  # mhsa.chat.QUANTIZE
@@ -101,6 +114,9 @@ def add_parser(commands) -> None:
         help="answer this and exit (repeat for more turns of one conversation)",
     )
     cmd.add_argument("--system", default=None, help="a system message to start with")
+    cmd.add_argument("--compile", action="store_true",
+                     help="decode through one torch.compile'd step (the first answer "
+                          "waits for compiling)")  # fmt: skip
     cmd.add_argument(
         "--temperature",
         type=float,

@@ -47,8 +47,14 @@ def _generate(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     out = model.generate([prompt], args.max_new_tokens, temperature=args.temperature,
                          top_k=args.top_k or None, top_p=args.top_p,
-                         generator=generator)[0]  # fmt: skip
+                         generator=generator, compile=args.compile)[0]  # fmt: skip
     seconds = time.perf_counter() - start
+    if args.compile:
+        from ..models.decoding import compile_seconds
+
+        print(f"[compiled the decoding step in {compile_seconds(model) or 0:.1f} s "
+              "(torch.compile; inductor keeps the compiled code on disk), included below]",
+              file=sys.stderr)  # fmt: skip
     print(tokenizer.decode(out))
     new = out.numel() - prompt.numel()
     print(f"[{new} tokens in {seconds:.2f} s: {new / seconds:.1f} tokens/s]", file=sys.stderr)
@@ -78,6 +84,11 @@ def add_parser(commands) -> None:
                      help="sample among the likeliest tokens whose probability reaches p, "
                           "in (0, 1] (default: no limit)")  # fmt: skip
     gen.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    gen.add_argument(
+        "--compile",
+        action="store_true",
+        help="decode through one torch.compile'd step (compiling takes a while)",
+    )
     gen.add_argument(
         "--threads",
         type=positive_int,

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..backends.flash import FUSED_BLOCK, plan_for
+from ..backends.flash_plan import FUSED_BLOCK, plan_for
 from ..kernels.plan import BlockPlan, reduce_blocks
 from ..kernels.scored import Shifted
 from ..masks import EMPTY, FULL, Pattern

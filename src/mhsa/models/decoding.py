@@ -11,10 +11,18 @@ builds its caches with model.make_caches(batch, max_len); both return logits (B,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+import weakref
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
+
+from ..cache import StaticKVCache
+
+# per model: its compiled decoding step, and how long the first call took (compiling)
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_COMPILE_SECONDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @torch.no_grad()
@@ -31,11 +39,14 @@ def generate(
     eos_token: int | Sequence[int] | None = None,
     use_cache: bool = True,
     generator: torch.Generator | None = None,
+    compile: bool = False,
 ) -> Tensor | list[Tensor]:
     """Continue prompts: a (B, T) tensor, or a list of 1-D prompts of any lengths
     (decoded together, left-padded). temperature 0 is greedy. eos_token: one stop token
     or several; after one a sequence stops growing, and decoding ends when all have
     stopped. max_len: the longest sequence the model can position (None: no limit).
+    compile: decode through one torch.compile'd step over StaticKVCaches (the prompt
+    is prefilled eagerly); compile_seconds(model) then tells what compiling took.
     Returns prompts + new tokens in the same form: a tensor (B, T + new) with the
     first stop token repeated after a sequence's end, or a list cut after each one's."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
@@ -43,6 +54,8 @@ def generate(
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     check_sampling(temperature, top_k, top_p)
+    if compile and not use_cache:
+        raise ValueError("compile=True compiles the cached decoding step: keep use_cache=True")
     stops = _stop_tokens(eos_token, vocab_size)
     as_list = isinstance(idx, (list, tuple))
     prompts = list(idx) if as_list else list(idx.unbind(0))
@@ -67,6 +80,7 @@ def generate(
         logits = model(tokens, caches=caches, last=True)[:, -1]
     else:
         logits = model(tokens, start=start, last=True)[:, -1]
+    step = compiled_decode_step(model, caches) if compile else None
     new = []
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     for _ in range(max_new_tokens):
@@ -78,7 +92,9 @@ def generate(
         new.append(nxt)
         if stops is not None and bool(done.all()):
             break
-        if caches is not None:
+        if step is not None:
+            logits = step(nxt.view(-1, 1))[:, -1]
+        elif caches is not None:
             logits = model(nxt.view(-1, 1), caches=caches, last=True)[:, -1]
         else:
             tokens = torch.cat([tokens, nxt.view(-1, 1)], dim=1)
@@ -88,6 +104,42 @@ def generate(
         return torch.cat([idx.to(device), generated], dim=1)
     return [torch.cat([p.to(device), _until_stop(g, stops)])
             for p, g in zip(prompts, generated, strict=True)]  # fmt: skip
+
+
+def compiled_decode_step(model: nn.Module, caches: list) -> Callable[[Tensor], Tensor]:
+    """token (B, 1) -> logits (B, 1, V): model's decoding step compiled once per model
+    (fullgraph; inductor's caches keep the compiled code on disk between runs), over
+    StaticKVCaches that continue `caches`."""
+    static = [StaticKVCache(cache) for cache in caches]
+    for cache in static:  # one graph for every cache length; heads and widths fixed
+        torch._dynamo.mark_dynamic(cache.k, 2)
+        torch._dynamo.mark_dynamic(cache.v, 2)
+    compiled = _COMPILED.get(model)
+    if compiled is None:
+        compiled = _COMPILED[model] = torch.compile(_decode_step, fullgraph=True, dynamic=False)
+        first = True
+    else:
+        first = False
+
+    def step(token: Tensor) -> Tensor:
+        nonlocal first
+        started = time.perf_counter()
+        logits = compiled(model, token, static)
+        if first:
+            _COMPILE_SECONDS[model], first = time.perf_counter() - started, False
+        return logits
+
+    return step
+
+
+def _decode_step(model: nn.Module, token: Tensor, caches: list) -> Tensor:
+    return model(token, caches=caches, last=True)
+
+
+def compile_seconds(model: nn.Module) -> float | None:
+    """Seconds the first compiled decoding step of model took (compiling included), or
+    None before generate(..., compile=True)."""
+    return _COMPILE_SECONDS.get(model)
 
 
 def _stop_tokens(eos_token: int | Sequence[int] | None, vocab_size: int) -> Tensor | None:

@@ -148,6 +148,8 @@ class GPT(nn.Module):
         elif caches is not None:
             positions = caches[0].next_positions(length)
             padding = None  # the caches report their own padding
+            if isinstance(attn_position, RotaryEmbedding):  # real-token positions
+                attn_position = attn_position.at(positions)
         else:
             index = torch.arange(length, device=idx.device).view(1, -1)
             begin = torch.zeros(batch, 1, dtype=torch.long, device=idx.device)
@@ -199,15 +201,18 @@ class GPT(nn.Module):
         eos_token: int | Sequence[int] | None = None,
         use_cache: bool = True,
         generator: torch.Generator | None = None,
+        compile: bool = False,
     ) -> Tensor | list[Tensor]:
         """Continue prompts: a (B, T) tensor, or a list of 1-D prompts of any lengths
         (decoded together, left-padded). temperature 0 is greedy. After eos_token (or
         any of several stop tokens) a sequence stops growing. Returns prompts + new
-        tokens in the same form (see mhsa.models.decoding.generate)."""
+        tokens in the same form (see mhsa.models.decoding.generate; compile: one compiled
+        decoding step)."""
         max_len = self.config.max_len if self.pos_emb is not None else None
         return generate(self, idx, max_new_tokens, vocab_size=self.config.vocab_size,
                         max_len=max_len, temperature=temperature, top_k=top_k, top_p=top_p,
-                        eos_token=eos_token, use_cache=use_cache, generator=generator)  # fmt: skip
+                        eos_token=eos_token, use_cache=use_cache, generator=generator,
+                        compile=compile)  # fmt: skip
 
     @classmethod
     def from_hf_gpt2(cls, state_dict: dict[str, Tensor], config: GPTConfig) -> GPT:

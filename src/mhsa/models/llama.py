@@ -279,17 +279,19 @@ class Llama(nn.Module):
         eos_token: int | Sequence[int] | None = None,
         use_cache: bool = True,
         generator: torch.Generator | None = None,
+        compile: bool = False,
     ) -> Tensor | list[Tensor]:
         """Continue prompts: a (B, T) tensor, or a list of 1-D prompts of any lengths
         (decoded together, left-padded). temperature 0 is greedy. eos_token: the stop
         token(s); None uses the config's eos_token, [] never stops early. Returns
-        prompts + new tokens in the same form (see mhsa.models.decoding.generate)."""
+        prompts + new tokens in the same form (see mhsa.models.decoding.generate;
+        compile: one compiled decoding step)."""
         stops = self.config.eos_token if eos_token is None else eos_token
         if not isinstance(stops, int) and len(stops) == 0:
             stops = None
         return generate(self, idx, max_new_tokens, vocab_size=self.config.vocab_size,
                         temperature=temperature, top_k=top_k, top_p=top_p, eos_token=stops,
-                        use_cache=use_cache, generator=generator)  # fmt: skip
+                        use_cache=use_cache, generator=generator, compile=compile)  # fmt: skip
 
     @classmethod
     def from_hf(

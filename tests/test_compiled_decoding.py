@@ -1,0 +1,59 @@
+"""generate(..., compile=True): the prompt prefilled eagerly, then one compiled decoding
+step over StaticKVCaches (fixed shapes); the tokens equal eager decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mhsa.cache import KVCache, SlidingWindowCache, StaticKVCache
+from mhsa.models import GPT, GPTConfig
+from mhsa.models.decoding import compile_seconds
+from mhsa.models.llama import Llama, LlamaConfig
+
+
+def _models():
+    torch.manual_seed(0)
+    yield GPT(GPTConfig(vocab_size=96, n_layer=2, n_head=4, d_model=32, max_len=64)).eval()
+    yield GPT(GPTConfig(vocab_size=96, n_layer=2, n_head=4, d_model=32, max_len=64,
+                        position="rotary")).eval()  # fmt: skip
+    config = LlamaConfig(vocab_size=96, n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=48)
+    yield Llama(config).eval()
+
+
+@pytest.mark.parametrize("model", list(_models()), ids=["gpt", "gpt-rotary", "llama"])
+def test_compiled_decoding_gives_the_eager_tokens(model):
+    options = {"temperature": 0.0, "eos_token": []} if isinstance(model, Llama) else {
+        "temperature": 0.0}  # fmt: skip
+    prompts = [torch.randint(0, 96, (7,)), torch.randint(0, 96, (4,))]  # left-padded
+    want = model.generate(prompts, 12, **options)
+    got = model.generate(prompts, 12, compile=True, **options)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert compile_seconds(model) > 0
+    other = [torch.randint(0, 96, (9,))]  # another length: the same compiled step
+    assert torch.equal(model.generate(other, 5, compile=True, **options)[0],
+                       model.generate(other, 5, **options)[0])  # fmt: skip
+
+
+def test_a_static_cache_continues_a_prefilled_cache_in_place():
+    cache = KVCache(2, 3, 8, 4)
+    cache.set_padding(torch.tensor([0, 2]))
+    cache.update(torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4))
+    static = StaticKVCache(cache)
+    assert static.next_positions(1).tolist() == [[5], [3]]
+    k, v = torch.randn(2, 3, 1, 4), torch.randn(2, 3, 1, 4)
+    all_k, _ = static.update(k, v)
+    assert all_k.shape == (2, 3, 8, 4) and torch.equal(cache.k[:, :, 5:6], k)
+    assert static.key_padding().tolist() == [[True] * 6 + [False] * 2,
+                                             [False] * 2 + [True] * 4 + [False] * 2]  # fmt: skip
+
+
+def test_static_cache_and_compile_refuse_what_they_cannot_do():
+    with pytest.raises(TypeError, match="sliding window"):
+        StaticKVCache(SlidingWindowCache(1, 2, 4, 8))
+    static = StaticKVCache(KVCache(1, 2, 8, 4))
+    with pytest.raises(ValueError, match="one token per step"):
+        static.update(torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4))
+    model = next(_models())
+    with pytest.raises(ValueError, match="use_cache=True"):
+        model.generate(torch.randint(0, 96, (1, 4)), 2, compile=True, use_cache=False)
