@@ -16,7 +16,8 @@ import time
 
 import torch
 
-MODES = ("mhsa float32", "mhsa file (Q4_1/Q8_0)", "transformers float32")
+MODES = ("mhsa float32", "mhsa float32, compiled", "mhsa file (Q4_1/Q8_0)",
+         "mhsa file, compiled", "transformers float32")  # fmt: skip
 
 
 def _prompt_ids(tokenizer, length: int) -> list[int]:
@@ -29,21 +30,26 @@ def _prompt_ids(tokenizer, length: int) -> list[int]:
     return ids[:length]
 
 
-def _ours(quantize: str):
+def _ours(quantize: str, compiled: bool):
     from mhsa.chat import load_chat_model
+    from mhsa.models.decoding import compiled_decode_step
 
     chat = load_chat_model(quantize=quantize)
     model, tokenizer = chat.model, chat.tokenizer
 
     def prefill(ids: torch.Tensor, new: int):
         caches = model.make_caches(ids.shape[0], ids.shape[1] + new)
-        return caches, model(ids, caches=caches, last=True)[:, -1]
+        logits = model(ids, caches=caches, last=True)[:, -1]
+        # the compiled step (compiled on the first repeat, which the best-of drops)
+        return (compiled_decode_step(model, caches) if compiled else caches), logits
 
     def step(token: torch.Tensor, caches):
+        if compiled:
+            return caches(token.view(-1, 1))[:, -1]
         return model(token.view(-1, 1), caches=caches, last=True)[:, -1]
 
     def batch(prompts: list[torch.Tensor], new: int):
-        return model.generate(prompts, new, temperature=0.0, eos_token=[])
+        return model.generate(prompts, new, temperature=0.0, eos_token=[], compile=compiled)
 
     return tokenizer, prefill, step, batch
 
@@ -123,7 +129,8 @@ def measure(mode: str, prompt: int, new: int, repeat: int) -> dict:
     if mode == "transformers float32":
         tokenizer, prefill, step, batch = _transformers()
     else:
-        tokenizer, prefill, step, batch = _ours("none" if mode == "mhsa float32" else "file")
+        quantize = "none" if mode.startswith("mhsa float32") else "file"
+        tokenizer, prefill, step, batch = _ours(quantize, mode.endswith("compiled"))
     ids = torch.tensor([_prompt_ids(tokenizer, prompt)])
     result: dict = {"mode": mode}
     best_prefill = best_decode = float("inf")
@@ -145,6 +152,7 @@ def measure(mode: str, prompt: int, new: int, repeat: int) -> dict:
             )
             tokens = generated
         prompts = [ids[0, : prompt - 40 * i] for i in range(8)]
+        batch(prompts, 2)  # warm-up (a compiled step compiles for this batch here)
         start = time.perf_counter()
         batch(prompts, new)
         batch_seconds = time.perf_counter() - start
