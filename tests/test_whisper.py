@@ -411,6 +411,16 @@ def test_greedy_tokens_and_step_logits_match_ctranslate2(model, reference, mel):
         assert max_error(ours[allowed], theirs[allowed]) < 1e-3
 
 
+def test_the_decoding_layout_decodes_the_same_tokens(model, mel):
+    """Whisper.decoding_layout (transcribe's default): the decoder's weights and the
+    output head transposed, q, k, v fused; the same tokens, logits within 1e-4."""
+    (ids,), logits = model.generate(mel, return_logits=True)
+    moved = copy.deepcopy(model).decoding_layout()
+    assert type(moved.token_embedding).__name__ == "TransposedEmbedding"
+    (again,), moved_logits = moved.generate(mel, return_logits=True)
+    assert again == ids and max_error(moved_logits, logits) < 1e-4
+
+
 def test_memory_cache_and_full_recompute_agree(model, mel):
     (ids,), cached = model.generate(mel, return_logits=True)
     (again,), recomputed = model.generate(mel, reuse_memory=False, return_logits=True)

@@ -44,7 +44,7 @@ def load_whisper(
 
 @functools.lru_cache(maxsize=1)
 def _default_model() -> Whisper:
-    return load_whisper()
+    return load_whisper().decoding_layout()
 
 
 def load_audio(audio: str | Path | Tensor, sample_rate: int | None = None) -> Tensor:

@@ -88,7 +88,7 @@ def time_engine(engine: str, path: str | Path, threads: int, repeat: int) -> dic
     torch.set_num_threads(threads)
     path = Path(path)
     if engine == "mhsa":
-        fn = functools.partial(transcribe, path, load_whisper(), batch_size=BATCH)
+        fn = functools.partial(transcribe, path, load_whisper().decoding_layout(), batch_size=BATCH)
     else:
         fn = functools.partial(_ctranslate2_transcriber(threads), path)
     text = fn()

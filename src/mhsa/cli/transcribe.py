@@ -12,7 +12,7 @@ def transcribe(args: argparse.Namespace) -> int:
     from ..transcribe import transcribe as transcribe_audio
 
     try:
-        model = load_whisper()
+        model = load_whisper().decoding_layout()
     except RuntimeError as error:
         raise SystemExit(str(error)) from error
     failed = 0

@@ -32,6 +32,7 @@ from ..nn import (
     TransformerEncoder,
     TransformerEncoderLayer,
 )
+from ..nn.layout import TransposedEmbedding, transpose_linears
 from ..positional import LearnedPositionalEmbedding
 from ..search import greedy_search
 from ..validate import int_at_least
@@ -130,6 +131,18 @@ class Whisper(nn.Module):
     def forward(self, mel: Tensor, tokens: Tensor) -> Tensor:
         """mel (B, n_mels, frames), tokens (B, T) -> logits (B, T, n_vocab), teacher-forced."""
         return self.logits(tokens, self.encode(mel))
+
+    def decoding_layout(self) -> Whisper:
+        """For decoding on CPU: the decoder's self-attention q, k, v fused, its float32
+        weights and the token embedding (the output head) stored transposed
+        (mhsa.nn.layout; one-row matmuls read them faster); the encoder keeps its
+        layout. Returns self. Inference only."""
+        for layer in self.decoder.layers:
+            layer.self_attn.fuse_projections()
+        transpose_linears(self.decoder)
+        if self.token_embedding.weight.dtype == torch.float32:
+            self.token_embedding = TransposedEmbedding.from_embedding(self.token_embedding)
+        return self
 
     def make_cache(self, batch: int, max_len: int, *, cache_memory: bool = True) -> DecoderCache:
         """An empty decoder cache for `batch` sequences of up to `max_len` tokens;
