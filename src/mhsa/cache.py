@@ -195,7 +195,9 @@ class StaticKVCache(KVCache):
     takes one token per sequence, written at the slot held in the tensor `filled`, and
     returns all max_len slots, those not yet written masked as padding (key_padding).
     `length` is the number of slots returned (max_len), constant; the written count is
-    `filled`, and positions come from next_positions.
+    `filled`, and positions come from next_positions. Writing past max_len is the
+    caller's to avoid (a compiled step cannot test a tensor's value): generate sizes
+    the prefilled cache for every new token.
     """
 
     def __init__(self, prefilled: KVCache) -> None:  # (no super().__init__: shares storage)
@@ -229,7 +231,8 @@ class StaticKVCache(KVCache):
         return (index < self.filled) & (index >= self.start.view(-1, 1))
 
     def reorder(self, index: Tensor) -> None:
-        raise NotImplementedError("reorder the prefilled KVCache instead")
+        raise ValueError("a StaticKVCache does not reorder; reorder the prefilled KVCache "
+                         "and wrap it again")  # fmt: skip
 
 
 class MemoryCache:

@@ -118,5 +118,7 @@ def traced_flash_attention(q, k, v, mask, bias, causal: bool, scale: float,
             pattern, mask = repr(mask), None
         else:
             mask = mask.dense(q.shape[2], k.shape[2], q.device)
-    seed = torch.randint(0, 2**31 - 1, (), dtype=torch.int64, device="cpu")
+    seed = torch.zeros((), dtype=torch.int64)  # draws only with dropout, as eager does
+    if dropout_p > 0:
+        seed = torch.randint(0, 2**31 - 1, (), dtype=torch.int64)
     return flash_attention_op(q, k, v, mask, bias, pattern, causal, scale, dropout_p, seed)

@@ -168,9 +168,8 @@ def _traced_size(size: int) -> int:
 def _select_when_traced(fields: tuple, requested: str, generation: int) -> str:
     """select() while torch.compile traces, run once: its answer is a constant of the
     graph, which is guarded on `generation` (use_backend changes it). `auto` then takes
-    sdpa wherever it serves the call: torch's own operator compiles natively, while
-    the flash engine is traced through, and breaks the graph where its block plan
-    depends on a mask's values."""
+    sdpa wherever it serves the call: torch's own operator, which inductor knows;
+    flash enters the graph as its custom op (backends.flash_op) otherwise."""
     spec = AttentionSpec(*fields)
     sdpa = _BACKENDS.get("sdpa")
     automatic = requested == "auto" and _forced.get() in (None, "auto")
