@@ -411,14 +411,22 @@ def test_greedy_tokens_and_step_logits_match_ctranslate2(model, reference, mel):
         assert max_error(ours[allowed], theirs[allowed]) < 1e-3
 
 
-def test_the_decoding_layout_decodes_the_same_tokens(model, mel):
+@pytest.fixture(scope="module")
+def moved(model) -> Whisper:
+    """The model in the decoding layout, once per module (its compiled step too)."""
+    return copy.deepcopy(model).decoding_layout()
+
+
+def test_the_decoding_layout_decodes_the_same_tokens(model, moved, mel):
     """Whisper.decoding_layout (transcribe's default): the decoder's weights and the
-    output head transposed, q, k, v fused; the same tokens, logits within 1e-4."""
+    output head transposed, q, k, v fused; the same tokens, logits within 1e-4; and so
+    with the steps after the prompt compiled (generate(compile=True))."""
     (ids,), logits = model.generate(mel, return_logits=True)
-    moved = copy.deepcopy(model).decoding_layout()
     assert type(moved.token_embedding).__name__ == "TransposedEmbedding"
     (again,), moved_logits = moved.generate(mel, return_logits=True)
     assert again == ids and max_error(moved_logits, logits) < 1e-4
+    (compiled,), compiled_logits = moved.generate(mel, return_logits=True, compile=True)
+    assert compiled == ids and max_error(compiled_logits, logits) < 1e-4
 
 
 def test_memory_cache_and_full_recompute_agree(model, mel):
@@ -480,7 +488,7 @@ def test_transcribe_bench_quick(reference):
     from mhsa.benchmarks import transcribe as bench
 
     result = bench.run(alsa_wav("Front_Center"), repeat=1, quick=True)
-    assert [row["name"] for row in result["rows"]] == ["mhsa", "ctranslate2"]
+    assert [row["name"] for row in result["rows"]] == ["mhsa", "mhsa compiled", "ctranslate2"]
     assert result["same_text"] and result["ratio"] > 0
     assert "RTF" in bench.report(result)
 

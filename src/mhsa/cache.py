@@ -9,6 +9,8 @@ prefill of many tokens and a decode step of one go through the same code.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import Tensor
 
@@ -278,6 +280,13 @@ class DecoderCache:
     def length(self) -> int:
         """Decoder tokens cached so far."""
         return self.self_attn[0].length
+
+    def to_static(self, self_attn: list[StaticKVCache]) -> DecoderCache:
+        """This cache's decoding steps over `self_attn` (StaticKVCaches continuing its
+        own), the cross-attention memory shared."""
+        static = copy.copy(self)
+        static.self_attn = self_attn
+        return static
 
     def reorder(self, index: Tensor) -> None:
         """Keep sequence index[b] as sequence b, in every layer."""

@@ -78,12 +78,14 @@ def transcribe(
     *,
     sample_rate: int | None = None,
     batch_size: int = 4,
+    compile: bool = False,
 ) -> str:
     """The English transcript of a WAV file or a waveform (see load_audio).
 
     Long audio is cut into consecutive 30 s windows (a word on a boundary may be
     split), each decoded greedily, `batch_size` windows at a time; the texts are
-    joined with spaces. model defaults to the packaged tiny.en, loaded once.
+    joined with spaces. model defaults to the packaged tiny.en, loaded once. compile:
+    decode through one compiled decoder step (Whisper.generate).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -97,5 +99,5 @@ def transcribe(
     for start in range(0, len(windows), batch_size):
         batch = windows[start : start + batch_size]
         mel = torch.stack([log_mel_spectrogram(window) for window in batch])
-        texts += [model.decode(ids).strip() for ids in model.generate(mel)]
+        texts += [model.decode(ids).strip() for ids in model.generate(mel, compile=compile)]
     return " ".join(text for text in texts if text)

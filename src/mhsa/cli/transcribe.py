@@ -18,7 +18,7 @@ def transcribe(args: argparse.Namespace) -> int:
     failed = 0
     for path in args.files:  # a bad file is reported and the others still transcribed
         try:
-            text = transcribe_audio(path, model)
+            text = transcribe_audio(path, model, compile=args.compile)
         except (FileNotFoundError, ValueError) as error:
             print(f"mhsa transcribe: {error}", file=sys.stderr)
             failed += 1
@@ -32,4 +32,7 @@ def transcribe(args: argparse.Namespace) -> int:
 def add_parser(commands) -> None:
     transcribe_parser = commands.add_parser("transcribe", help="speech to text (Whisper tiny.en)")
     transcribe_parser.add_argument("files", nargs="+", help="WAV files (any rate, mono or stereo)")
+    transcribe_parser.add_argument("--compile", action="store_true",
+                                   help="decode through one torch.compile'd decoder step "
+                                        "(the first file waits for compiling)")  # fmt: skip
     transcribe_parser.set_defaults(run=transcribe)

@@ -110,26 +110,37 @@ def compiled_decode_step(model: nn.Module, caches: list) -> Callable[[Tensor], T
     """token (B, 1) -> logits (B, 1, V): model's decoding step compiled once per model
     (fullgraph; inductor's caches keep the compiled code on disk between runs), over
     StaticKVCaches that continue `caches`."""
+    static = static_caches(caches)
+    return compiled_once(model, _decode_step, lambda token: (model, token, static))
+
+
+def static_caches(caches: list) -> list[StaticKVCache]:
+    """StaticKVCaches continuing KVCaches, their slot axis dynamic (one compiled graph
+    for every cache length; heads and widths stay fixed)."""
     static = [StaticKVCache(cache) for cache in caches]
-    for cache in static:  # one graph for every cache length; heads and widths fixed
+    for cache in static:
         torch._dynamo.mark_dynamic(cache.k, 2)
         torch._dynamo.mark_dynamic(cache.v, 2)
-    compiled = _COMPILED.get(model)
-    if compiled is None:
-        compiled = _COMPILED[model] = torch.compile(_decode_step, fullgraph=True, dynamic=False)
-        first = True
-    else:
-        first = False
+    return static
 
-    def step(token: Tensor) -> Tensor:
+
+def compiled_once(model: nn.Module, function: Callable, arguments: Callable) -> Callable:
+    """x -> function(*arguments(x)), through torch.compile(function) made once per model
+    (fullgraph); the first call's seconds (compiling included) go to compile_seconds."""
+    compiled = _COMPILED.get(model)
+    first = compiled is None
+    if first:
+        compiled = _COMPILED[model] = torch.compile(function, fullgraph=True, dynamic=False)
+
+    def call(x: Tensor) -> Tensor:
         nonlocal first
         started = time.perf_counter()
-        logits = compiled(model, token, static)
+        result = compiled(*arguments(x))
         if first:
             _COMPILE_SECONDS[model], first = time.perf_counter() - started, False
-        return logits
+        return result
 
-    return step
+    return call
 
 
 def _decode_step(model: nn.Module, token: Tensor, caches: list) -> Tensor:

@@ -36,6 +36,7 @@ from ..nn.layout import TransposedEmbedding, transpose_linears
 from ..positional import LearnedPositionalEmbedding
 from ..search import greedy_search
 from ..validate import int_at_least
+from .decoding import compiled_once, static_caches
 
 
 @dataclass
@@ -123,8 +124,8 @@ class Whisper(nn.Module):
         """tokens (B, T), memory (B, S, d) -> logits (B, T, n_vocab).
 
         With a cache, tokens continue the ones it holds (causal, aligned bottom-right)."""
-        offset = 0 if cache is None else cache.length
-        x = self.text_positions(self.token_embedding(tokens), offset=offset)
+        positions = None if cache is None else cache.self_attn[0].next_positions(tokens.shape[1])
+        x = self.text_positions(self.token_embedding(tokens), positions=positions)
         x = self.decoder(x, memory, causal=True, cache=cache)
         return x @ self.token_embedding.weight.T
 
@@ -170,6 +171,7 @@ class Whisper(nn.Module):
         max_new_tokens: int | None = None,
         reuse_memory: bool = True,
         return_logits: bool = False,
+        compile: bool = False,
     ) -> list[list[int]] | tuple[list[list[int]], Tensor]:
         """Greedy transcription of mel (B, n_mels, frames) after the config's prompt.
 
@@ -178,6 +180,8 @@ class Whisper(nn.Module):
         again at every step instead of once (same result, slower; for tests).
         Returns each sequence's generated ids (prompt and <|endoftext|> excluded), and
         with return_logits also the raw logits of every step (B, steps, n_vocab).
+        compile: the steps after the prompt through one compiled decoder step
+        (mhsa.models.decoding.compiled_once) over StaticKVCaches.
         """
         config = self.config
         prompt_len = len(config.prompt)
@@ -192,9 +196,19 @@ class Whisper(nn.Module):
         cache = self.make_cache(batch, prompt_len + max_new, cache_memory=reuse_memory)
         step_logits: list[Tensor] = []
 
+        compiled = None
+
         def step(tokens: Tensor) -> Tensor:
+            nonlocal compiled
             first = cache.length == 0  # the call that takes the prompt
-            logits = self.logits(tokens, memory, cache)[:, -1]  # (B, n_vocab)
+            if compiled is not None:
+                logits = compiled(tokens)[:, -1]
+            else:
+                logits = self.logits(tokens, memory, cache)[:, -1]  # (B, n_vocab)
+                if compile:  # the prompt is in: the later steps run compiled
+                    steps = cache.to_static(static_caches(cache.self_attn))
+                    compiled = compiled_once(self, _logits_step,
+                                             lambda t: (self, t, memory, steps))  # fmt: skip
             if return_logits:
                 step_logits.append(logits)
             return self.suppress(logits, first=first)
@@ -352,3 +366,7 @@ def _state_dict_from_ctranslate2(t: dict[str, Tensor], config: WhisperConfig) ->
         feed_forward(ours, theirs)
     norm("decoder.norm", "decoder/layer_norm")
     return state
+
+
+def _logits_step(model: Whisper, tokens: Tensor, memory: Tensor, cache: DecoderCache) -> Tensor:
+    return model.logits(tokens, memory, cache)
