@@ -20,7 +20,8 @@ from torch import Tensor, nn
 
 from ..cache import StaticKVCache
 
-# per model: its compiled decoding step, and how long the first call took (compiling)
+# per model: its compiled functions (by the function compiled), and how long the first
+# call took (compiling)
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _COMPILE_SECONDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -127,10 +128,11 @@ def static_caches(caches: list) -> list[StaticKVCache]:
 def compiled_once(model: nn.Module, function: Callable, arguments: Callable) -> Callable:
     """x -> function(*arguments(x)), through torch.compile(function) made once per model
     (fullgraph); the first call's seconds (compiling included) go to compile_seconds."""
-    compiled = _COMPILED.get(model)
-    first = compiled is None
+    made = _COMPILED.setdefault(model, {})
+    first = function not in made
     if first:
-        compiled = _COMPILED[model] = torch.compile(function, fullgraph=True, dynamic=False)
+        made[function] = torch.compile(function, fullgraph=True, dynamic=False)
+    compiled = made[function]
 
     def call(x: Tensor) -> Tensor:
         nonlocal first
