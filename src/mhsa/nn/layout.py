@@ -4,9 +4,9 @@ Decoding one sequence multiplies a single row by every weight matrix, which stre
 the weights from memory. For one row, torch's CPU x @ W^T with W (out, in) takes a
 matrix-vector path that reads the weights at about 2/3 of the rate of x @ W_t with
 W_t (in, out) contiguous (SmolLM2's 540 MB of float32 weights, 2 threads on an AMD
-EPYC: 43 ms against 30 ms per pass). A few rows at once (batch decoding) favour the
-usual layout slightly, and a prefill does not care, so this is a choice for batch-1
-decoding (`mhsa chat`), made after loading:
+EPYC: 36.4 ms against 27.8 ms per pass in `mhsa bench chat`). With several rows
+(batch decoding, a prefill) the two layouts measured within about 15% of each other,
+either way round, so this is a choice for decoding, made after loading:
 
     transpose_linears(model)          every float32 nn.Linear -> TransposedLinear, in place
     TransposedEmbedding.from_embedding(e)   a tied embedding whose output head
