@@ -209,16 +209,16 @@ def _quantised(raw, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Modul
 
 
 def _quantize(model: Llama, mode: str) -> None:
+    """Apply mode (QUANTIZE but "file") to model's weights, then fuse its projections;
+    float32 ones go in the decoding layout (one-row matmuls read it faster)."""
     if mode == "bfloat16":
         model.to(torch.bfloat16)
-    elif mode == "none":  # one-row float32 matmuls read (in, out) weights faster
-        model.decoding_layout()
     elif mode in ("int8", "int4"):
         quantize_linears(model, mode)
         if model.lm_head is None:
             make = Int8Linear.from_float if mode == "int8" else Int4Linear.from_float
             model.lm_head = make(model.embed.weight)
-    model.fuse_projections()
+    model.decoding_layout()  # fuses; transposes only float32 weights
 
 
 def _from_directory(path: Path, dtype: torch.dtype) -> ChatModel:

@@ -7,19 +7,14 @@ import sys
 
 import torch
 
-from .common import positive_int
+from .common import positive_int, torch_threads
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def chat(args: argparse.Namespace) -> int:
-    threads = torch.get_num_threads()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
+    with torch_threads(args.threads):
         return _chat(args)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _chat(args: argparse.Namespace) -> int:

@@ -3,8 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+from collections.abc import Iterator
 
 TRAIN_COMMANDS = {"seq2seq": "translate"}  # model kinds trained by another command's name
+
+
+@contextlib.contextmanager
+def torch_threads(count: int | None) -> Iterator[None]:
+    """torch's thread count set to count (None or 0: unchanged) inside the block and
+    restored after (main may run in-process, as the tests run it)."""
+    import torch
+
+    before = torch.get_num_threads()
+    if count:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def load_model(path: str, kinds: dict[str, tuple]) -> tuple:

@@ -7,17 +7,13 @@ import sys
 
 import torch
 
-from .common import load_model, non_negative_int, positive_int
+from .common import load_model, non_negative_int, positive_int, torch_threads
 
 
 def generate(args: argparse.Namespace) -> int:
     """Sample with --threads torch threads (restored after: main may run in-process)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
+    with torch_threads(args.threads):
         return _generate(args)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -253,7 +253,8 @@ class Llama(nn.Module):
         """For one-sequence decoding on CPU (mhsa chat): projections fused and float32
         weights stored transposed, the tied embedding too (mhsa.nn.layout); returns
         self. Inference only."""
-        decoding_layout(self.fuse_projections(), "embed")
+        tied = "embed" if self.lm_head is None else None
+        decoding_layout(self.fuse_projections(), tied)
         return self
 
     def make_caches(self, batch: int, max_len: int) -> list[KVCache]:

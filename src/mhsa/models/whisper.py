@@ -32,7 +32,7 @@ from ..nn import (
     TransformerEncoder,
     TransformerEncoderLayer,
 )
-from ..nn.layout import TransposedEmbedding, transpose_linears
+from ..nn.layout import decoding_layout
 from ..positional import LearnedPositionalEmbedding
 from ..search import greedy_search
 from ..validate import int_at_least
@@ -140,10 +140,7 @@ class Whisper(nn.Module):
         layout. Returns self. Inference only."""
         for layer in self.decoder.layers:
             layer.self_attn.fuse_projections()
-        transpose_linears(self.decoder)
-        if self.token_embedding.weight.dtype == torch.float32:
-            self.token_embedding = TransposedEmbedding.from_embedding(self.token_embedding)
-        return self
+        return decoding_layout(self, "token_embedding", part=self.decoder)
 
     def make_cache(self, batch: int, max_len: int, *, cache_memory: bool = True) -> DecoderCache:
         """An empty decoder cache for `batch` sequences of up to `max_len` tokens;

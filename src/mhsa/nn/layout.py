@@ -86,11 +86,16 @@ class TransposedEmbedding(nn.Module):
         return F.embedding(idx, self.weight)
 
 
-def decoding_layout(model: nn.Module, embedding: str) -> nn.Module:
-    """Every float nn.Linear of model transposed and its tied embedding (the attribute
-    named `embedding`, whose weight is the output head) too, in place; returns model.
-    Fuse projections first (fuse_linears concatenates either layout)."""
-    transpose_linears(model)
+def decoding_layout(
+    model: nn.Module, embedding: str | None, part: nn.Module | None = None
+) -> nn.Module:
+    """Every float32 nn.Linear of `part` (default: all of model) transposed, and model's
+    tied embedding (the attribute named `embedding`, whose weight is the output head;
+    None when the head is a layer of its own) too, in place; returns model.
+    fuse_linears takes either layout."""
+    transpose_linears(model if part is None else part)
+    if embedding is None:
+        return model
     table = getattr(model, embedding)
     if isinstance(table, nn.Embedding) and table.weight.dtype == torch.float32:
         setattr(model, embedding, TransposedEmbedding.from_embedding(table))
