@@ -185,3 +185,17 @@ def cpu_backends() -> list[str]:
         for n in local_names()
         if n != "triton" and get(n).available() is None and get(n).supports(spec) is None
     ]
+
+
+def assert_same_greedy(got: list[int], want: list[int], logits_at) -> None:
+    """Greedy tokens of two float paths that differ only in rounding (layouts, a
+    compiled graph) agree, but for a near-tie: where they first part, the reference's
+    two best logits there (logits_at(i): its logits choosing want[i]) must be within
+    1e-4, or the paths really differ. (Which way a tie falls depends on the CPU's
+    summation order, so no test may assert it.)"""
+    first = next((i for i, (g, w) in enumerate(zip(got, want, strict=False)) if g != w), None)
+    if first is None:
+        assert len(got) == len(want), (got, want)
+        return
+    best, second = logits_at(first).topk(2).values.tolist()
+    assert best - second < 1e-4, f"greedy tokens part at {first} without a tie: {got} {want}"

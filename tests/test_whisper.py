@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import max_error
+from helpers import assert_same_greedy, max_error
 from mhsa.data import speech
 from mhsa.data.whisper_audio import N_FRAMES, log_mel_spectrogram, mel_filters
 from mhsa.formats import ctranslate2_header, read_ctranslate2
@@ -423,10 +423,11 @@ def test_the_decoding_layout_decodes_the_same_tokens(model, moved, mel):
     with the steps after the prompt compiled (generate(compile=True))."""
     (ids,), logits = model.generate(mel, return_logits=True)
     assert type(moved.token_embedding).__name__ == "TransposedEmbedding"
-    (again,), moved_logits = moved.generate(mel, return_logits=True)
-    assert again == ids and max_error(moved_logits, logits) < 1e-4
-    (compiled,), compiled_logits = moved.generate(mel, return_logits=True, compile=True)
-    assert compiled == ids and max_error(compiled_logits, logits) < 1e-4
+    for compile in (False, True):
+        (again,), again_logits = moved.generate(mel, return_logits=True, compile=compile)
+        assert_same_greedy(again, ids, lambda i: model.suppress(logits[0, i], first=i == 0))
+        if again == ids:  # (else they parted at a tie, and the later steps differ)
+            assert max_error(again_logits, logits) < 1e-4
 
 
 def test_memory_cache_and_full_recompute_agree(model, mel):
