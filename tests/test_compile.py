@@ -14,6 +14,7 @@ from mhsa.models.bert import Bert, BertConfig
 from mhsa.models.gpt import GPT, GPTConfig
 from mhsa.models.llama import Llama, LlamaConfig
 from mhsa.models.vit import ViT, ViTConfig
+from mhsa.scores import ALiBi, RelativeBias, Softcap
 
 
 def _gpt():
@@ -38,8 +39,20 @@ def _bert():
     return Bert(config), (torch.randint(1, 64, (2, 24)), padding)
 
 
+def _scored_gpt(position: str):
+    def build():
+        config = GPTConfig(vocab_size=64, max_len=1024, d_model=32, n_head=4, n_layer=2,
+                           position=position)  # fmt: skip
+        return GPT(config), (torch.randint(0, 64, (2, 24)),)
+
+    return build
+
+
 MODELS = {"gpt": _gpt, "llama": _llama, "vit": _vit, "bert": _bert}
 CASES = [(m, b) for m in MODELS for b in ("auto", "flash", "sdpa")]
+# score functions inside the flash op (ALiBi, T5's relative bias: a learned table)
+MODELS |= {"gpt-alibi": _scored_gpt("alibi"), "gpt-t5": _scored_gpt("t5")}
+CASES += [(m, b) for m in ("gpt-alibi", "gpt-t5") for b in ("auto", "flash")]
 
 
 def _build(name: str):
@@ -139,11 +152,12 @@ def test_the_flash_op_passes_opcheck_and_gradcheck(pattern, causal, dropout):
 
     q, k, v, mask, bias = _op_inputs()
     seed = torch.tensor(1234)
-    args = (q, k, v, mask, bias, pattern, causal, 0.3, dropout, seed)
+    args = (q, k, v, mask, bias, pattern, causal, 0.3, dropout, seed, "", [], None)
     torch.library.opcheck(flash_attention_op, args)
 
     def out_and_lse(q, k, v, bias):
-        return flash_attention_op(q, k, v, mask, bias, pattern, causal, 0.3, dropout, seed)
+        return flash_attention_op(q, k, v, mask, bias, pattern, causal, 0.3, dropout, seed,
+                                  "", [], None)  # fmt: skip
 
     assert torch.autograd.gradcheck(out_and_lse, (q, k, v, bias))
 
@@ -158,3 +172,40 @@ def test_the_flash_op_equals_the_reference_with_patterns_padding_and_bias():
         want = mhsa.attention(q, k, v, mask, bias=bias, causal=causal, scale=0.3,
                               backend="reference")  # fmt: skip
         assert max_error(got, want) <= 1e-12
+
+
+SCORES = {
+    "alibi": lambda h: [ALiBi(torch.rand(h, dtype=torch.float64, requires_grad=True))],
+    "t5 then softcap": lambda h: [
+        RelativeBias(torch.randn(8, h, dtype=torch.float64, requires_grad=True), 8, 16, False),
+        Softcap(2.0),
+    ],
+}
+
+
+@pytest.mark.parametrize("name", SCORES)
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_flash_op_takes_score_functions_and_sinks(name, causal):
+    """Score functions reach the op as text + tensors; gradients reach those tensors
+    and the sinks, and outputs equal the reference."""
+    from mhsa.backends.flash_op import flash_attention_op, traced_flash_attention
+    from mhsa.backends.score_spec import score_spec
+    from mhsa.scores import Compose
+
+    q, k, v, _, bias = _op_inputs(padded=False)
+    score = Compose(*SCORES[name](4))
+    sinks = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    text, tensors = score_spec(score)
+    seed = torch.tensor(0)
+    args = (q, k, v, None, bias, "", causal, 0.3, 0.0, seed, text, tensors, sinks)
+    torch.library.opcheck(flash_attention_op, args)
+
+    def out_and_lse(q, k, v, bias, table, sinks):
+        return flash_attention_op(q, k, v, None, bias, "", causal, 0.3, 0.0, seed, text,
+                                  [table], sinks)  # fmt: skip
+
+    assert torch.autograd.gradcheck(out_and_lse, (q, k, v, bias, tensors[0], sinks))
+    got, _ = traced_flash_attention(q, k, v, None, bias, causal, 0.3, 0.0, score, sinks)
+    want = mhsa.attention(q, k, v, bias=bias, causal=causal, scale=0.3, score=score,
+                          sinks=sinks, backend="reference")  # fmt: skip
+    assert max_error(got, want) <= 1e-12

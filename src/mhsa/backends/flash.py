@@ -12,7 +12,7 @@ from ..kernels.flash import flash_attention, fused_available
 from ..masks import SlidingWindow
 from ..masks.residues import residue_classes
 from .common import tracing
-from .flash_op import traced_flash_attention
+from .flash_op import traceable, traced_flash_attention
 from .flash_plan import band_of, plan_for
 from .registry import AttentionSpec, Backend
 
@@ -35,8 +35,9 @@ class FlashBackend(Backend):
             if classes is not None:
                 out, lse = self._by_residue(q, k, v, classes, band.dilation, scale)
                 return out, (lse if return_lse else None)
-        if tracing() and score is None and sinks is None:  # one custom op in the graph
-            out, lse = traced_flash_attention(q, k, v, mask, bias, causal, scale, dropout_p)
+        if tracing() and traceable(score):  # one custom op in the graph
+            out, lse = traced_flash_attention(q, k, v, mask, bias, causal, scale, dropout_p,
+                                              score, sinks)  # fmt: skip
             return out, (lse if return_lse else None)
         # the fused kernel adds a float mask per tile: additive score functions only
         fused = fused_available(q, v, dropout_p) and (score is None or score.additive)

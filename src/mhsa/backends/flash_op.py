@@ -8,11 +8,15 @@ graph.
 Constants reach the op by value: a mask pattern as its repr, rebuilt from the
 mhsa.masks classes inside the op (equal patterns give equal strings, so the same
 pattern never recompiles); a bool mask tensor as a tensor. A pattern that holds
-tensors (KeyPadding, BlockSparse, ...) is made a dense bool mask first. Calls with a
-score function or sinks are traced through the engine instead (FlashBackend.forward).
+tensors (KeyPadding, BlockSparse, ...) is made a dense bool mask first. A score
+function reaches it the same way: its text (backends.score_spec) and the tensors it
+reads, which receive gradients; sinks as a tensor. A ScoreMod has no text: such calls
+are traced through the engine instead (FlashBackend.forward).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import Tensor
@@ -21,7 +25,9 @@ from .. import masks
 from ..kernels.dense import stats_dtype
 from ..kernels.flash import flash_backward, flash_forward, fused_available
 from ..masks import Pattern
+from ..scores import ScoreFunction
 from .flash_plan import plan_for
+from .score_spec import rebuild_score, score_spec
 
 _PATTERN_CLASSES = {name: getattr(masks, name) for name in masks.__all__
                     if isinstance(getattr(masks, name), type)}  # fmt: skip
@@ -37,28 +43,46 @@ def _pattern(text: str) -> Pattern | None:
     return _REBUILT[text]
 
 
-def _engine_inputs(q, v, mask, pattern, causal, dropout_p, seed):
+def _engine_inputs(q, v, mask, pattern, causal, dropout_p, seed, score):
     """(plan, dropout, fused) of a call, as the flash backend makes them eagerly."""
-    fused = fused_available(q, v, dropout_p)
+    # the fused kernel adds a float mask per tile: additive score functions only
+    fused = fused_available(q, v, dropout_p) and (score is None or score.additive)
     plan = plan_for(mask if mask is not None else _pattern(pattern), causal, q.shape[2],
-                    v.shape[2], q.device, fused)  # fmt: skip
+                    v.shape[2], q.device, fused, score)  # fmt: skip
     dropout = (dropout_p, int(seed)) if dropout_p > 0 else None
     return plan, dropout, fused
+
+
+@contextlib.contextmanager
+def _autograd_on():
+    """A custom op runs with autograd dispatch switched off; the backward differentiates
+    a score function's tiles to reach its tensors (kernels.scored.score_grads), so it
+    switches autograd back on for that."""
+    include = torch._C._dispatch_tls_local_include_set()
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    exclude = exclude.remove(torch._C.DispatchKey.AutogradFunctionality)
+    with torch._C._ForceDispatchKeyGuard(include, exclude), torch.enable_grad():
+        yield
 
 
 @torch.library.custom_op("mhsa::flash_attention", mutates_args=())
 def flash_attention_op(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, pattern: str,
-    causal: bool, scale: float, dropout_p: float, seed: Tensor,
+    causal: bool, scale: float, dropout_p: float, seed: Tensor, score: str,
+    score_tensors: list[Tensor], sinks: Tensor | None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """(out (B, H, L, D_v), lse (B, H, L)) of the flash engine; seed: an int64 scalar."""
-    plan, dropout, fused = _engine_inputs(q, v, mask, pattern, causal, dropout_p, seed)
-    out, lse = flash_forward(q, k, v, bias, plan, scale, dropout, fused)
+    """(out (B, H, L, D_v), lse (B, H, L)) of the flash engine; seed: an int64 scalar;
+    score: a score_spec text, reading score_tensors; sinks (H,) or None."""
+    score_fn = rebuild_score(score, score_tensors)
+    plan, dropout, fused = _engine_inputs(q, v, mask, pattern, causal, dropout_p, seed,
+                                          score_fn)  # fmt: skip
+    out, lse = flash_forward(q, k, v, bias, plan, scale, dropout, fused, score_fn, sinks)
     return out.contiguous(), lse.contiguous()
 
 
 @flash_attention_op.register_fake
-def _(q, k, v, mask, bias, pattern, causal, scale, dropout_p, seed):
+def _(q, k, v, mask, bias, pattern, causal, scale, dropout_p, seed, score, score_tensors,
+      sinks):  # fmt: skip
     batch, heads, q_len, _ = q.shape
     out = q.new_empty(batch, heads, q_len, v.shape[-1])
     return out, q.new_empty(batch, heads, q_len, dtype=stats_dtype(q.dtype))
@@ -68,50 +92,77 @@ def _(q, k, v, mask, bias, pattern, causal, scale, dropout_p, seed):
 def flash_attention_backward_op(
     grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
     mask: Tensor | None, bias: Tensor | None, out: Tensor, lse: Tensor, pattern: str,
-    causal: bool, scale: float, dropout_p: float, seed: Tensor, bias_grad: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    """(dq, dk, dv, dbias); dbias is empty unless bias_grad."""
-    plan, dropout, fused = _engine_inputs(q, v, mask, pattern, causal, dropout_p, seed)
-    # the fused kernel takes no lse gradient and returns no bias gradient
-    fused = fused and grad_lse is None and not bias_grad
-    dq, dk, dv, dbias, _, _ = flash_backward(grad_out, grad_lse, q, k, v, bias, out, lse, plan,
-                                             scale, dropout, fused, bias_grad)  # fmt: skip
+    causal: bool, scale: float, dropout_p: float, seed: Tensor, score: str,
+    score_tensors: list[Tensor], sinks: Tensor | None, bias_grad: bool, score_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, list[Tensor]]:  # fmt: skip
+    """(dq, dk, dv, dbias, dsinks, d score_tensors); dbias is empty unless bias_grad,
+    dsinks unless sinks are given, d score_tensors unless score_grad."""
+    leaves = [t.detach().requires_grad_() for t in score_tensors] if score_grad else []
+    score_fn = rebuild_score(score, leaves if score_grad else score_tensors)
+    plan, dropout, fused = _engine_inputs(q, v, mask, pattern, causal, dropout_p, seed,
+                                          score_fn)  # fmt: skip
+    # the fused kernel takes no lse gradient and returns no bias or score gradient
+    fused = fused and grad_lse is None and not bias_grad and not score_grad
+    with _autograd_on() if score_grad else contextlib.nullcontext():
+        dq, dk, dv, dbias, dsinks, found = flash_backward(
+            grad_out, grad_lse, q, k, v, bias, out, lse, plan, scale, dropout, fused,
+            bias_grad, score_fn, sinks, tuple(leaves),
+        )  # fmt: skip
     dbias = q.new_empty(0) if dbias is None else dbias.contiguous()
-    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dbias
+    dsinks = q.new_empty(0) if dsinks is None else dsinks.contiguous()
+    dscore = [torch.zeros_like(t) if g is None else g.detach()
+              for t, g in zip(leaves, found, strict=True)]  # fmt: skip
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dbias, dsinks, dscore
 
 
 @flash_attention_backward_op.register_fake
 def _(grad_out, grad_lse, q, k, v, mask, bias, out, lse, pattern, causal, scale, dropout_p,
-      seed, bias_grad):  # fmt: skip
+      seed, score, score_tensors, sinks, bias_grad, score_grad):  # fmt: skip
     # contiguous, as the real op's (empty_like would copy q's strides, and a graph
     # traced on those would misread the real gradients)
     dbias = bias.new_empty(bias.shape) if bias_grad else q.new_empty(0)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
+    dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty(0)
+    dscore = [t.new_empty(t.shape) for t in score_tensors] if score_grad else []
+    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return dq, dk, dv, dbias, dsinks, dscore
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, mask, bias, pattern, causal, scale, dropout_p, seed = inputs
-    ctx.save_for_backward(q, k, v, mask, bias, output[0], output[1], seed)
+    q, k, v, mask, bias, pattern, causal, scale, dropout_p, seed, score, tensors, sinks = inputs
+    ctx.save_for_backward(q, k, v, mask, bias, output[0], output[1], seed, sinks, *tensors)
     ctx.constants = (pattern, causal, scale, dropout_p)
+    ctx.score = score
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, mask, bias, out, lse, seed = ctx.saved_tensors
+    q, k, v, mask, bias, out, lse, seed, sinks, *tensors = ctx.saved_tensors
     bias_grad = bias is not None and ctx.needs_input_grad[4]
+    wanted = ctx.needs_input_grad[11]  # a list input gets one flag per tensor
+    score_grad = any(wanted) if isinstance(wanted, list | tuple) else bool(wanted)
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    dq, dk, dv, dbias = flash_attention_backward_op(
-        grad_out, grad_lse, q, k, v, mask, bias, out, lse, *ctx.constants, seed, bias_grad
-    )
-    return dq, dk, dv, None, dbias if bias_grad else None, None, None, None, None, None
+    dq, dk, dv, dbias, dsinks, dscore = flash_attention_backward_op(
+        grad_out, grad_lse, q, k, v, mask, bias, out, lse, *ctx.constants, seed, ctx.score,
+        tensors, sinks, bias_grad, score_grad,
+    )  # fmt: skip
+    return (dq, dk, dv, None, dbias if bias_grad else None, None, None, None, None, None, None,
+            dscore if score_grad else [None] * len(tensors),
+            dsinks if sinks is not None else None)  # fmt: skip
 
 
 flash_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def traced_flash_attention(q, k, v, mask, bias, causal: bool, scale: float,
-                           dropout_p: float) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """The op's call for a traced graph: patterns by repr, those holding tensors dense."""
+def traceable(score: ScoreFunction | None) -> bool:
+    """Whether the op takes this score function (it has a score_spec text)."""
+    return score_spec(score) is not None
+
+
+def traced_flash_attention(q, k, v, mask, bias, causal: bool, scale: float, dropout_p: float,
+                           score: ScoreFunction | None = None,
+                           sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """The op's call for a traced graph: patterns by repr, those holding tensors dense,
+    score functions by text (traceable ones only)."""
     pattern = ""
     if isinstance(mask, Pattern):
         if mask.plain_values:
@@ -121,4 +172,6 @@ def traced_flash_attention(q, k, v, mask, bias, causal: bool, scale: float,
     seed = torch.zeros((), dtype=torch.int64)  # draws only with dropout, as eager does
     if dropout_p > 0:
         seed = torch.randint(0, 2**31 - 1, (), dtype=torch.int64)
-    return flash_attention_op(q, k, v, mask, bias, pattern, causal, scale, dropout_p, seed)
+    text, tensors = score_spec(score)
+    return flash_attention_op(q, k, v, mask, bias, pattern, causal, scale, dropout_p, seed,
+                              text, tensors, sinks)  # fmt: skip
