@@ -189,7 +189,7 @@ def test_the_flash_op_takes_score_functions_and_sinks(name, causal):
     """Score functions reach the op as text + tensors; gradients reach those tensors
     and the sinks, and outputs equal the reference."""
     from mhsa.backends.flash_op import flash_attention_op, traced_flash_attention
-    from mhsa.backends.score_spec import score_spec
+    from mhsa.backends.op_values import score_spec
     from mhsa.scores import Compose
 
     q, k, v, _, bias = _op_inputs(padded=False)

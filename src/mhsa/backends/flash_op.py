@@ -9,7 +9,7 @@ Constants reach the op by value: a mask pattern as its repr, rebuilt from the
 mhsa.masks classes inside the op (equal patterns give equal strings, so the same
 pattern never recompiles); a bool mask tensor as a tensor. A pattern that holds
 tensors (KeyPadding, BlockSparse, ...) is made a dense bool mask first. A score
-function reaches it the same way: its text (backends.score_spec) and the tensors it
+function reaches it the same way: its text (backends.op_values) and the tensors it
 reads, which receive gradients; sinks as a tensor. A ScoreMod has no text: such calls
 are traced through the engine instead (FlashBackend.forward).
 """
@@ -21,33 +21,25 @@ import contextlib
 import torch
 from torch import Tensor
 
-from .. import masks
 from ..kernels.dense import stats_dtype
 from ..kernels.flash import flash_backward, flash_forward, fused_available
-from ..masks import Pattern
 from ..scores import ScoreFunction
 from .flash_plan import plan_for
-from .score_spec import rebuild_score, score_spec
-
-_PATTERN_CLASSES = {name: getattr(masks, name) for name in masks.__all__
-                    if isinstance(getattr(masks, name), type)}  # fmt: skip
-_REBUILT: dict[str, Pattern] = {}
-
-
-def _pattern(text: str) -> Pattern | None:
-    """The pattern whose repr is text ("" for none), built once per text."""
-    if not text:
-        return None
-    if text not in _REBUILT:
-        _REBUILT[text] = eval(text, {"__builtins__": {}}, _PATTERN_CLASSES)  # noqa: S307
-    return _REBUILT[text]
+from .op_values import (
+    rebuild_pattern,
+    rebuild_score,
+    register_attention_autograd,
+    score_spec,
+    traced_mask,
+    traced_seed,
+)
 
 
 def _engine_inputs(q, v, mask, pattern, causal, dropout_p, seed, score):
     """(plan, dropout, fused) of a call, as the flash backend makes them eagerly."""
     # the fused kernel adds a float mask per tile: additive score functions only
     fused = fused_available(q, v, dropout_p) and (score is None or score.additive)
-    plan = plan_for(mask if mask is not None else _pattern(pattern), causal, q.shape[2],
+    plan = plan_for(mask if mask is not None else rebuild_pattern(pattern), causal, q.shape[2],
                     v.shape[2], q.device, fused, score)  # fmt: skip
     dropout = (dropout_p, int(seed)) if dropout_p > 0 else None
     return plan, dropout, fused
@@ -127,30 +119,7 @@ def _(grad_out, grad_lse, q, k, v, mask, bias, out, lse, pattern, causal, scale,
     return dq, dk, dv, dbias, dsinks, dscore
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, mask, bias, pattern, causal, scale, dropout_p, seed, score, tensors, sinks = inputs
-    ctx.save_for_backward(q, k, v, mask, bias, output[0], output[1], seed, sinks, *tensors)
-    ctx.constants = (pattern, causal, scale, dropout_p)
-    ctx.score = score
-
-
-def _backward(ctx, grad_out, grad_lse):
-    q, k, v, mask, bias, out, lse, seed, sinks, *tensors = ctx.saved_tensors
-    bias_grad = bias is not None and ctx.needs_input_grad[4]
-    wanted = ctx.needs_input_grad[11]  # a list input gets one flag per tensor
-    score_grad = any(wanted) if isinstance(wanted, list | tuple) else bool(wanted)
-    if grad_out is None:
-        grad_out = torch.zeros_like(out)
-    dq, dk, dv, dbias, dsinks, dscore = flash_attention_backward_op(
-        grad_out, grad_lse, q, k, v, mask, bias, out, lse, *ctx.constants, seed, ctx.score,
-        tensors, sinks, bias_grad, score_grad,
-    )  # fmt: skip
-    return (dq, dk, dv, None, dbias if bias_grad else None, None, None, None, None, None, None,
-            dscore if score_grad else [None] * len(tensors),
-            dsinks if sinks is not None else None)  # fmt: skip
-
-
-flash_attention_op.register_autograd(_backward, setup_context=_setup_context)
+register_attention_autograd(flash_attention_op, flash_attention_backward_op)
 
 
 def traceable(score: ScoreFunction | None) -> bool:
@@ -163,15 +132,8 @@ def traced_flash_attention(q, k, v, mask, bias, causal: bool, scale: float, drop
                            sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
     """The op's call for a traced graph: patterns by repr, those holding tensors dense,
     score functions by text (traceable ones only)."""
-    pattern = ""
-    if isinstance(mask, Pattern):
-        if mask.plain_values:
-            pattern, mask = repr(mask), None
-        else:
-            mask = mask.dense(q.shape[2], k.shape[2], q.device)
-    seed = torch.zeros((), dtype=torch.int64)  # draws only with dropout, as eager does
-    if dropout_p > 0:
-        seed = torch.randint(0, 2**31 - 1, (), dtype=torch.int64)
+    pattern, mask = traced_mask(mask, q.shape[2], k.shape[2], q.device)
+    seed = traced_seed(dropout_p)
     text, tensors = score_spec(score)
     return flash_attention_op(q, k, v, mask, bias, pattern, causal, scale, dropout_p, seed,
                               text, tensors, sinks)  # fmt: skip

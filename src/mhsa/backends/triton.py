@@ -18,6 +18,7 @@ import os
 import torch
 
 from ..kernels.dropout import draw_seed
+from .common import tracing
 from .registry import AttentionSpec, Backend
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -91,6 +92,12 @@ class TritonBackend(Backend):
 
     def forward(self, q, k, v, *, mask, bias, causal, scale, dropout_p, return_lse,
                 score=None, sinks=None):  # fmt: skip
+        if tracing():  # one custom op in the graph
+            from .triton_op import traced_triton_attention  # imports triton
+
+            out, lse = traced_triton_attention(q, k, v, mask, bias, causal, scale, dropout_p,
+                                               score, sinks)  # fmt: skip
+            return out, (lse if return_lse else None)
         from ..kernels.triton import triton_attention  # imports triton
 
         seed = draw_seed() if dropout_p > 0 else None

@@ -1,0 +1,122 @@
+"""Masks and score functions as values, for the custom ops (flash_op, triton_op): texts
+the ops rebuild them from. Equal patterns or functions give equal texts, so a traced
+graph never recompiles for the same one.
+
+A pattern built from plain values is its repr (Pattern.plain_values). A score function
+is a text naming each function and its constants, plus the tensors it reads: ALiBi,
+RelativeBias and Softcap (composed in any order) have one; a ScoreMod holds arbitrary
+Python and has none (the flash backend then traces the engine inline).
+"""
+
+from __future__ import annotations
+
+import ast
+
+import torch
+from torch import Tensor
+
+from .. import masks
+from ..masks import Pattern
+from ..scores import ALiBi, Compose, RelativeBias, ScoreFunction, Softcap
+
+_PATTERN_CLASSES = {name: getattr(masks, name) for name in masks.__all__
+                    if isinstance(getattr(masks, name), type)}  # fmt: skip
+_REBUILT: dict[str, Pattern] = {}
+
+
+def rebuild_pattern(text: str) -> Pattern | None:
+    """The pattern whose repr is text ("" for none), built once per text."""
+    if not text:
+        return None
+    if text not in _REBUILT:
+        _REBUILT[text] = eval(text, {"__builtins__": {}}, _PATTERN_CLASSES)  # noqa: S307
+    return _REBUILT[text]
+
+
+def traced_mask(mask, q_len: int, kv_len: int, device) -> tuple[str, Tensor | None]:
+    """(pattern text, bool mask tensor) for an op: a pattern of plain values by repr,
+    one that holds tensors made dense."""
+    if not isinstance(mask, Pattern):
+        return "", mask
+    if mask.plain_values:
+        return repr(mask), None
+    return "", mask.dense(q_len, kv_len, device)
+
+
+def score_spec(score: ScoreFunction | None) -> tuple[str, list[Tensor]] | None:
+    """(text, tensors in order) of score; ("", []) for None; None when it has no text."""
+    if score is None:
+        return "", []
+    functions = score.functions if isinstance(score, Compose) else (score,)
+    parts: list[str] = []
+    tensors: list[Tensor] = []
+    for f in functions:
+        if type(f) is ALiBi:
+            parts.append("ALiBi()")
+            tensors.append(f.slopes)
+        elif type(f) is RelativeBias:
+            parts.append(f"RelativeBias({f.num_buckets}, {f.max_distance}, {f.bidirectional})")
+            tensors.append(f.table)
+        elif type(f) is Softcap:
+            parts.append(f"Softcap({f.cap!r})")
+        else:
+            return None
+    return ";".join(parts), tensors
+
+
+def rebuild_score(text: str, tensors: list[Tensor]) -> ScoreFunction | None:
+    """The score function score_spec described, reading `tensors` in order."""
+    if not text:
+        return None
+    pending = iter(tensors)
+    functions: list[ScoreFunction] = []
+    for part in text.split(";"):
+        name, _, args = part.partition("(")
+        values = ast.literal_eval(f"({args[:-1]},)") if args[:-1] else ()
+        if name == "ALiBi":
+            functions.append(ALiBi(next(pending)))
+        elif name == "RelativeBias":
+            functions.append(RelativeBias(next(pending), *values))
+        elif name == "Softcap":
+            functions.append(Softcap(*values))
+        else:
+            raise ValueError(f"unknown score function {name!r} in {text!r}")
+    return functions[0] if len(functions) == 1 else Compose(*functions)
+
+
+def traced_seed(dropout_p: float) -> Tensor:
+    """The dropout seed as an int64 scalar tensor, drawn only with dropout (as eager)."""
+    if dropout_p > 0:
+        return torch.randint(0, 2**31 - 1, (), dtype=torch.int64)
+    return torch.zeros((), dtype=torch.int64)
+
+
+def register_attention_autograd(op, backward_op) -> None:
+    """Make backward_op op's gradient, for an attention op with the arguments
+    (q, k, v, mask, bias, pattern, causal, scale, dropout_p, seed, score, score_tensors,
+    sinks) -> (out, lse) and a backward op taking (grad_out, grad_lse, q, k, v, mask,
+    bias, out, lse, pattern, causal, scale, dropout_p, seed, score, score_tensors, sinks,
+    bias_grad, score_grad) -> (dq, dk, dv, dbias, dsinks, d score_tensors)."""
+
+    def setup_context(ctx, inputs, output) -> None:
+        q, k, v, mask, bias, pattern, causal, scale, dropout_p, seed, score, tensors, sinks = inputs
+        ctx.save_for_backward(q, k, v, mask, bias, output[0], output[1], seed, sinks, *tensors)
+        ctx.constants = (pattern, causal, scale, dropout_p)
+        ctx.score = score
+
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, mask, bias, out, lse, seed, sinks, *tensors = ctx.saved_tensors
+        bias_grad = bias is not None and ctx.needs_input_grad[4]
+        wanted = ctx.needs_input_grad[11]  # a list input gets one flag per tensor
+        score_grad = any(wanted) if isinstance(wanted, list | tuple) else bool(wanted)
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        dq, dk, dv, dbias, dsinks, dscore = backward_op(
+            grad_out, grad_lse, q, k, v, mask, bias, out, lse, *ctx.constants, seed,
+            ctx.score, tensors, sinks, bias_grad, score_grad,
+        )  # fmt: skip
+        return (dq, dk, dv, None, dbias if bias_grad else None, None, None, None, None, None,
+                None, dscore if score_grad else [None] * len(tensors),
+                dsinks if sinks is not None else None)  # fmt: skip
+
+    op.register_autograd(backward, setup_context=setup_context)

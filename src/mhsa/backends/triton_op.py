@@ -1,0 +1,127 @@
+"""Our Triton kernels as torch.library custom ops, for traced graphs: one
+`mhsa::triton_attention` node per attention call and one
+`mhsa::triton_attention_backward`, with the same arguments as the flash ops
+(backends.flash_op): patterns by repr, score functions by text and tensors
+(backends.op_values). The tile lists are built inside the op when it runs, so masks
+and lengths neither break nor specialise the graph. Importing this module imports
+triton.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ..kernels.dense import stats_dtype
+from ..kernels.triton.function import _backward, _forward, _prepare
+from ..kernels.triton.scores import kernel_score
+from ..scores import ScoreFunction
+from .op_values import (
+    rebuild_pattern,
+    rebuild_score,
+    register_attention_autograd,
+    score_spec,
+    traced_mask,
+    traced_seed,
+)
+
+
+def _launch_inputs(q, k, v, mask, bias, pattern, causal, scale, dropout_p, seed, score,
+                   score_tensors):  # fmt: skip
+    """(tiles, scale, dropout, kernel score, slopes, table) of a call, as triton_attention
+    makes them eagerly."""
+    score_fn = rebuild_score(score, score_tensors)
+    kernel, slopes, table = kernel_score(score_fn)
+    mask = mask if mask is not None else rebuild_pattern(pattern)
+    tiles, scale = _prepare(q, k, v, mask, bias, causal, scale, None, score_fn)
+    dropout = (dropout_p, int(seed)) if dropout_p > 0 else None
+    return tiles, scale, dropout, kernel, slopes, table
+
+
+def _no_keys(q: Tensor, v: Tensor, sinks: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(out, lse) of a call with no query rows or no keys."""
+    out = q.new_zeros(*q.shape[:3], v.shape[3])
+    lse = q.new_full(q.shape[:3], -math.inf, dtype=stats_dtype(q.dtype))
+    if sinks is not None:  # every row's only "key" is its sink
+        lse = sinks.to(lse.dtype).view(1, -1, 1).expand(lse.shape).contiguous()
+    return out, lse
+
+
+@torch.library.custom_op("mhsa::triton_attention", mutates_args=())
+def triton_attention_op(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, pattern: str,
+    causal: bool, scale: float, dropout_p: float, seed: Tensor, score: str,
+    score_tensors: list[Tensor], sinks: Tensor | None,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """(out (B, H, L, D_v), lse (B, H, L)) of the Triton kernels; arguments as
+    mhsa::flash_attention's."""
+    if q.shape[2] == 0 or k.shape[2] == 0:
+        return _no_keys(q, v, sinks)
+    tiles, scale, dropout, kernel, slopes, table = _launch_inputs(
+        q, k, v, mask, bias, pattern, causal, scale, dropout_p, seed, score, score_tensors
+    )
+    return _forward(q, k, v, bias, tiles, scale, dropout, kernel, (slopes, table, sinks))
+
+
+@triton_attention_op.register_fake
+def _(q, k, v, mask, bias, pattern, causal, scale, dropout_p, seed, score, score_tensors,
+      sinks):  # fmt: skip
+    batch, heads, q_len, _ = q.shape
+    out = q.new_empty(batch, heads, q_len, v.shape[-1])
+    return out, q.new_empty(batch, heads, q_len, dtype=stats_dtype(q.dtype))
+
+
+@torch.library.custom_op("mhsa::triton_attention_backward", mutates_args=())
+def triton_attention_backward_op(
+    grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
+    mask: Tensor | None, bias: Tensor | None, out: Tensor, lse: Tensor, pattern: str,
+    causal: bool, scale: float, dropout_p: float, seed: Tensor, score: str,
+    score_tensors: list[Tensor], sinks: Tensor | None, bias_grad: bool, score_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, list[Tensor]]:  # fmt: skip
+    """(dq, dk, dv, dbias, dsinks, d score_tensors), as mhsa::flash_attention_backward."""
+    dscore = [torch.zeros_like(t) for t in score_tensors] if score_grad else []
+    if q.shape[2] == 0 or k.shape[2] == 0:
+        dbias = torch.zeros_like(bias) if bias_grad else q.new_empty(0)
+        dsinks = q.new_empty(0) if sinks is None else torch.zeros_like(sinks)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dbias, dsinks, dscore
+    tiles, scale, dropout, kernel, slopes, table = _launch_inputs(
+        q, k, v, mask, bias, pattern, causal, scale, dropout_p, seed, score, score_tensors
+    )
+    wanted = (sinks is not None, score_grad and slopes is not None,
+              score_grad and table is not None)  # fmt: skip
+    dq, dk, dv, dbias, dsinks, dslopes, dtable = _backward(
+        grad_out, grad_lse, q, k, v, bias, out, lse, tiles, scale, dropout, bias_grad, kernel,
+        (slopes, table, sinks), wanted,
+    )  # fmt: skip
+    for i, t in enumerate(score_tensors if score_grad else ()):  # (in score_spec's order)
+        found = dslopes if t is slopes else dtable if t is table else None
+        if found is not None:
+            dscore[i] = found
+    dbias = q.new_empty(0) if dbias is None else dbias.contiguous()
+    dsinks = q.new_empty(0) if dsinks is None else dsinks.contiguous()
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dbias, dsinks, dscore
+
+
+@triton_attention_backward_op.register_fake
+def _(grad_out, grad_lse, q, k, v, mask, bias, out, lse, pattern, causal, scale, dropout_p,
+      seed, score, score_tensors, sinks, bias_grad, score_grad):  # fmt: skip
+    dbias = bias.new_empty(bias.shape) if bias_grad else q.new_empty(0)
+    dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty(0)
+    dscore = [t.new_empty(t.shape) for t in score_tensors] if score_grad else []
+    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return dq, dk, dv, dbias, dsinks, dscore
+
+
+register_attention_autograd(triton_attention_op, triton_attention_backward_op)
+
+
+def traced_triton_attention(q, k, v, mask, bias, causal: bool, scale: float, dropout_p: float,
+                            score: ScoreFunction | None = None,
+                            sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """The op's call for a traced graph (the arguments of TritonBackend.forward)."""
+    pattern, mask = traced_mask(mask, q.shape[2], k.shape[2], q.device)
+    text, tensors = score_spec(score)
+    return triton_attention_op(q, k, v, mask, bias, pattern, causal, scale, dropout_p,
+                               traced_seed(dropout_p), text, tensors, sinks)  # fmt: skip
