@@ -1,4 +1,4 @@
-"""Key/value caches for incremental decoding.
+"""Contiguous key/value caches for incremental decoding: one buffer per batch.
 
 Sequences of different lengths decode together left-padded: sequence b's real tokens
 start at index `start[b]`; keys before it are padding that no query may attend.
