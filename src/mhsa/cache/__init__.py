@@ -1,7 +1,7 @@
 """Key/value caches for incremental decoding.
 
-    contiguous.py      KVCache, SlidingWindowCache (optional attention sinks),
-                       StaticKVCache, MemoryCache, DecoderCache: one buffer per batch
+contiguous.py      KVCache, SlidingWindowCache (optional attention sinks),
+                   StaticKVCache, MemoryCache, DecoderCache: one buffer per batch
 """
 
 from .contiguous import DecoderCache, KVCache, MemoryCache, SlidingWindowCache, StaticKVCache
