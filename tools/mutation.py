@@ -53,6 +53,9 @@ MODULES = {
         "tests/test_decoder_cache.py", "tests/test_gpt.py", "tests/test_nn_attention.py",
         "tests/test_nonfinite.py::test_unwritten_and_padded_cache_slots_are_ignored",
     ],
+    "cache/paged.py": ["tests/test_paged_cache.py"],
+    "cache/blocks.py": ["tests/test_paged_cache.py"],
+    "kernels/paged.py": ["tests/test_paged_attention.py", "tests/test_paged_cache.py"],
     "functional.py": [
         "tests/test_functional.py", "tests/test_backends.py", "tests/test_nonfinite.py",
         "tests/test_validate.py", "tests/test_nn_attention.py",
