@@ -153,7 +153,9 @@ def _tiled_rows(q, q_pos, k_pool, v_pool, table, lens, ends, first_key, batch_id
         scores = (grouped[:active] @ keys.transpose(-1, -2)).mul_(scale)
         scores = scores.view(active, num_heads, rows, -1)
         scores = _scored(score, scores, batch_ids[:active], q_pos[:active], k_pos)
-        scores = scores.masked_fill_(~_allowed(q_pos[:active], k_pos, window), -torch.inf)
+        if window is not None or k0 + keys.shape[2] > ends[active - 1] - rows + 1:
+            scores = scores.masked_fill_(~_allowed(q_pos[:active], k_pos, window), -torch.inf)
+        # (else every row of every active sequence sees every key of the tile)
         new_max = torch.maximum(row_max[:active], scores.amax(dim=-1, keepdim=True))
         safe_max = torch.where(torch.isfinite(new_max), new_max, 0.0)
         probs = scores.sub_(safe_max).exp_()
