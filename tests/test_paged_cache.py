@@ -206,10 +206,16 @@ def test_pool_exhaustion_is_predicted_and_changes_nothing():
         cache.batch([second], 10)
     with pytest.raises(PoolExhausted, match="needs 2 blocks"):
         cache.batch([first, second], 3)  # all or nothing
-    assert cache.length(first) == 10 and cache.length(second) == 0
-    assert cache.free_blocks == 1 and isinstance(PoolExhausted("x"), ValueError)
+    assert cache.length(first) == 10 and cache.length(second) == 0 and cache.free_blocks == 1
+    forked = cache.fork(first)  # both write their shared last block: one copy, not two
+    assert cache.blocks_needed(first, 1) == cache.blocks_needed(forked, 1) == 1
+    with torch.no_grad():
+        model(torch.ones(2, 1, dtype=torch.long), caches=cache.batch([first, forked], 1))
+    assert cache.free_blocks == 0 and cache.length(first) == cache.length(forked) == 11
+    cache.free(forked)
+    assert cache.free_blocks == 1
     cache.free(first)
-    assert cache.used_blocks == 0
+    assert cache.used_blocks == 0 and isinstance(PoolExhausted("x"), ValueError)
 
 
 def test_misuse_raises_clear_errors():

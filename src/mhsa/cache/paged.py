@@ -16,6 +16,7 @@ and attends over their pages (mhsa.kernels.paged), causal per sequence.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -157,7 +158,9 @@ class PagedKVCache:
 
     def blocks_needed(self, seq_id: int, new_tokens: int) -> int:
         """Blocks that writing new_tokens more tokens to the sequence would take from the
-        pool: new ones, and a copy of a shared last block that is partly filled."""
+        pool: new ones, and a copy of a shared last block that is partly filled (when
+        every sequence sharing it writes in one step, the last keeps it: the sum over a
+        step's sequences may be one more per such block than batch takes)."""
         seq = self._sequence(seq_id)
         if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 0:
             raise ValueError(f"new_tokens must be an int >= 0, got {new_tokens!r}")
@@ -165,6 +168,15 @@ class PagedKVCache:
         needed = math.ceil((seq.length + new_tokens) / size) - len(seq.blocks)
         copy = new_tokens > 0 and seq.length % size and self.allocator.refs[seq.blocks[-1]] > 1
         return needed + int(bool(copy))
+
+    def _needed(self, seq_ids: list[int], new_tokens: int) -> int:
+        """Blocks a step takes: blocks_needed of each sequence, except that of a shared
+        block every holder writes, the last writer keeps the original."""
+        needed = sum(self.blocks_needed(seq_id, new_tokens) for seq_id in seq_ids)
+        size, refs = self.block_size, self.allocator.refs
+        last = Counter(self.sequences[seq_id].blocks[-1] for seq_id in seq_ids
+                       if self.sequences[seq_id].length % size)  # fmt: skip
+        return needed - sum(1 for block, count in last.items() if count == refs[block] > 1)
 
     def batch(self, seq_ids: Sequence[int], new_tokens: int) -> list[PagedLayer]:
         """The `caches` of one forward pass in which each of the sequences seq_ids adds
@@ -177,7 +189,7 @@ class PagedKVCache:
             raise ValueError(f"seq_ids must be a non-empty list of distinct sequence ids, "
                              f"got {seq_ids}")  # fmt: skip
         _check_positive(new_tokens=new_tokens)
-        needed = sum(self.blocks_needed(seq_id, new_tokens) for seq_id in seq_ids)
+        needed = self._needed(seq_ids, new_tokens)
         if needed > self.free_blocks:
             raise PoolExhausted(f"this step needs {needed} blocks but {self.free_blocks} of "
                                 f"{self.num_blocks} are free: check blocks_needed before "
