@@ -11,6 +11,7 @@ from helpers import max_error
 from mhsa.cache import PagedKVCache, PagedLayer, PoolExhausted
 from mhsa.models.gpt import GPT, GPTConfig
 from mhsa.models.llama import Llama, LlamaConfig
+from mhsa.positional import AttentionPosition
 
 VOCAB = 50
 
@@ -257,6 +258,16 @@ def test_misuse_raises_clear_errors():
             attn(x, causal=True, cache=layers[1])
     with pytest.raises(ValueError, match="inference"):
         attn(x[:, :1], causal=True, cache=cache.batch([seq], 1)[0])
+    wrong = PagedKVCache(2, 1, 8, num_blocks=4, dtype=torch.float64)  # the model has 2 kv heads
+    with torch.no_grad(), pytest.raises(ValueError, match=r"k must be \(N, H_kv, T, D\)"):
+        model(torch.ones(1, 2, dtype=torch.long), caches=wrong.batch([wrong.add_sequence([1])], 2))
+
+    class Shifted(AttentionPosition):  # rotates from one offset: not per sequence
+        def rotate(self, q, k, offset=0):
+            return q, k
+
+    with torch.no_grad(), pytest.raises(TypeError, match="not Shifted"):
+        attn(x[:, :1], causal=True, position=Shifted(), cache=cache.batch([seq], 1)[0])
 
 
 def test_a_module_with_rotary_positions_rotates_each_sequence_at_its_own():

@@ -105,12 +105,12 @@ class PagedLayer:
         self._check(q, k, v)
         if backend not in ("auto", "tiled", "reference"):
             raise ValueError(f"backend must be 'auto', 'tiled' or 'reference', got {backend!r}")
+        if score is not None:
+            score.check(q.shape[1], q.device, stats_dtype(q.dtype))
         flat = (k.shape[0] * k.shape[2], k.shape[1])  # (N * T, H_kv)
         for pool, new in ((step.k, k), (step.v, v)):
             rows = pool[self.layer].view(-1, *pool.shape[3:])  # (num_blocks * block_size, ...)
             rows.index_copy_(0, step.slots, new.transpose(1, 2).reshape(*flat, -1))
-        if score is not None:
-            score.check(q.shape[1], q.device, stats_dtype(q.dtype))
         kernel = paged_reference if backend == "reference" else paged_tiled
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         out = kernel(q, step.k[self.layer], step.v[self.layer], step.table, step.lengths,
@@ -134,10 +134,12 @@ class PagedLayer:
         step = self.step
         want = (len(step.seq_ids), step.k.shape[3], step.positions.shape[1], step.k.shape[4])
         if tuple(k.shape) != want or tuple(v.shape) != (*want[:3], step.v.shape[4]) \
-                or q.shape[0] != want[0] or q.shape[2] != want[2]:  # fmt: skip
-            raise ValueError(f"this step's k must be (N, H_kv, T, D) = {want} and v (..., "
-                             f"{step.v.shape[4]}), q (N, H, T, D); got q {tuple(q.shape)}, "
-                             f"k {tuple(k.shape)}, v {tuple(v.shape)}")  # fmt: skip
+                or q.dim() != 4 or q.shape[0] != want[0] or q.shape[2] != want[2] \
+                or q.shape[3] != want[3] or q.shape[1] % want[1]:  # fmt: skip
+            raise ValueError(f"this step's k must be (N, H_kv, T, D) = {want}, v (..., "
+                             f"{step.v.shape[4]}) and q (N, H, T, D), H a multiple of H_kv; "
+                             f"got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                             f"v {tuple(v.shape)}")  # fmt: skip
         dtype = step.k.dtype
         if k.dtype != dtype or v.dtype != dtype or q.dtype != dtype:
             raise TypeError(f"the cache holds {dtype}, got q {q.dtype}, k {k.dtype}, v "
