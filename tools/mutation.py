@@ -49,10 +49,13 @@ MODULES = {
         "tests/test_triton.py::test_dropout_mask_equals_cpu_keep_mask",
     ],
     "search.py": ["tests/test_seq2seq.py"],  # (GPT samples without mhsa.search)
-    "cache.py": [
+    "cache/contiguous.py": [
         "tests/test_decoder_cache.py", "tests/test_gpt.py", "tests/test_nn_attention.py",
         "tests/test_nonfinite.py::test_unwritten_and_padded_cache_slots_are_ignored",
     ],
+    "cache/paged.py": ["tests/test_paged_cache.py"],
+    "cache/blocks.py": ["tests/test_paged_cache.py"],
+    "kernels/paged.py": ["tests/test_paged_attention.py", "tests/test_paged_cache.py"],
     "functional.py": [
         "tests/test_functional.py", "tests/test_backends.py", "tests/test_nonfinite.py",
         "tests/test_validate.py", "tests/test_nn_attention.py",

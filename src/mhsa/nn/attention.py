@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..cache import KVCache, MemoryCache
+from ..cache import KVCache, MemoryCache, PagedLayer
 from ..functional import attention, attention_and_weights, attention_weights
 from ..masks import KeyPadding, Pattern
 from ..positional import AttentionPosition
@@ -161,7 +161,7 @@ class MultiHeadAttention(nn.Module):
         need_weights: bool = False,
         average_weights: bool = True,
         position: AttentionPosition | None = None,
-        cache: KVCache | MemoryCache | None = None,
+        cache: KVCache | MemoryCache | PagedLayer | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from query (B, L, E) to key (B, S, kdim) / value (B, S, vdim).
 
@@ -171,7 +171,9 @@ class MultiHeadAttention(nn.Module):
         to the scores, broadcastable to (B, H, L, S). causal is aligned
         bottom-right. With a cache, the new keys/values are appended and attention
         runs over everything cached; with a MemoryCache (cross-attention), key and
-        value are projected on the first call only and reused after. Returns
+        value are projected on the first call only and reused after; with a
+        PagedLayer (PagedKVCache.batch), each sequence's keys/values go to its blocks
+        and attention runs over its pages at its own positions. Returns
         (B, L, E), and with need_weights also the probabilities (B, L, S) averaged
         over heads, or (B, H, L, S).
         """
@@ -180,7 +182,14 @@ class MultiHeadAttention(nn.Module):
         )
         score, scale = self._score(position), self.scale
         dropout = self.dropout if self.training else 0.0
-        if need_weights:
+        if isinstance(cache, PagedLayer):  # writes k, v to its blocks; attends over pages
+            if need_weights or dropout or key_padding_mask is not None or bias is not None:
+                raise ValueError("a PagedLayer cache takes no need_weights, dropout, "
+                                 "key_padding_mask or bias (each sequence is its own)")  # fmt: skip
+            paged = "reference" if self.backend == "reference" else "auto"
+            out = cache.attend(q, k, v, mask=mask, causal=causal, scale=scale, score=score,
+                               backend=paged)  # fmt: skip
+        elif need_weights:
             out, weights = attention_and_weights(q, k, v, mask, bias=bias, causal=causal,
                                                  scale=scale, dropout_p=dropout,
                                                  score=score)  # fmt: skip
@@ -259,6 +268,10 @@ class MultiHeadAttention(nn.Module):
                 k, v = self._keys_values(key, value)
         if self.q_norm is not None:
             q = self.q_norm(q)
+        if isinstance(cache, PagedLayer):  # each sequence at its own positions
+            if (key is not None and key is not query) or (value is not None and value is not query):
+                raise ValueError("a PagedLayer caches self-attention: pass no key or value")
+            return (*cache.rotate(position, q, k), v, mask, bias)
         offset = cache.length if cache is not None else 0
         if position is not None:
             q, k = position.rotate(q, k, offset)

@@ -1,4 +1,4 @@
-"""Key/value caches for incremental decoding.
+"""Contiguous key/value caches for incremental decoding: one buffer per batch.
 
 Sequences of different lengths decode together left-padded: sequence b's real tokens
 start at index `start[b]`; keys before it are padding that no query may attend.
@@ -138,6 +138,16 @@ class SlidingWindowCache(KVCache):
 
     update returns the kept keys followed by the new ones, oldest first, so a
     SlidingWindow mask aligned bottom-right applies to them as to the full sequence.
+
+    sink_tokens=n also keeps positions 0..n-1 for good (StreamingLLM's attention
+    sinks), in n more slots (n + window in all). update then returns the kept sinks
+    first, then the kept window and the new keys as above: the window keys keep their
+    distances to the queries (bottom-right), the sinks sit at indices 0..n-1 whatever
+    their distance. Attend with causal=True and the mask
+    `GlobalTokens(range(n), beyond_keys="ignore") | SlidingWindow(window - 1, 0)`:
+    every query sees the sinks and its window, as `(key < n) | SlidingWindow(window -
+    1, 0)` over the whole sequence. (A score function of distances, ALiBi, would see
+    the sinks nearer than they are.) Sinks take no left padding.
     """
 
     def __init__(
@@ -150,33 +160,56 @@ class SlidingWindowCache(KVCache):
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        sink_tokens: int = 0,
     ) -> None:
         _check_positive(window=window)  # (the base class would call it max_len)
-        super().__init__(
-            batch, num_kv_heads, window, head_dim, value_dim, dtype=dtype, device=device
-        )
-        self.first = 0  # index of the first key the last update returned
+        if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 0:
+            raise ValueError(f"sink_tokens must be an int >= 0, got {sink_tokens!r}")
+        super().__init__(batch, num_kv_heads, sink_tokens + window, head_dim, value_dim,
+                         dtype=dtype, device=device)  # fmt: skip
+        self.sink_tokens = sink_tokens
+        self.first = 0  # position of the first window key the last update returned
 
     @property
     def window(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[2] - self.sink_tokens
 
     def _last_start(self) -> int | None:
         return None  # starts are absolute positions; the ring buffer wraps past them
 
+    def set_padding(self, start: Tensor) -> None:
+        if self.sink_tokens and isinstance(start, Tensor) and start.numel() and start.any():
+            raise ValueError("a SlidingWindowCache with sink_tokens keeps the first positions, "
+                             "which left padding would fill: decode sequences with sinks "
+                             "unpadded (equal lengths, or one cache each)")  # fmt: skip
+        super().set_padding(start)
+
+    def _slots(self, positions: Tensor) -> Tensor:
+        """The slot of each position: its own below sink_tokens, the ring's above."""
+        sinks, window = self.sink_tokens, self.window
+        return torch.where(positions < sinks, positions, sinks + (positions - sinks) % window)
+
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         self._check(k, v)
-        new = k.shape[2]
-        kept = min(self.length, self.window)
-        order = torch.arange(self.length - kept, self.length, device=k.device) % self.window
+        sinks, window, length, new = self.sink_tokens, self.window, self.length, k.shape[2]
+        device = self.k.device
+
+        def span(begin: int, end: int) -> Tensor:
+            return torch.arange(begin, max(begin, end), device=device)
+
+        first = max(sinks, length - window)  # the first window position kept
+        order = self._slots(torch.cat([span(0, min(sinks, length)), span(first, length)]))
         k_all = torch.cat([self.k.index_select(2, order), k], dim=2)
         v_all = torch.cat([self.v.index_select(2, order), v], dim=2)
-        stored = min(new, self.window)  # only the newest `window` tokens stay
-        slots = torch.arange(self.length + new - stored, self.length + new, device=k.device)
-        self.k.index_copy_(2, slots % self.window, k[:, :, new - stored :])
-        self.v.index_copy_(2, slots % self.window, v[:, :, new - stored :])
-        self.first = self.length - kept
-        self.length += new
+        # new positions to store: the sinks among them, and the newest `window` others
+        end = length + new
+        stored = torch.cat([span(length, min(sinks, end)),
+                            span(max(sinks, end - window, length), end)])  # fmt: skip
+        slots = self._slots(stored)
+        self.k.index_copy_(2, slots, k.index_select(2, stored - length))
+        self.v.index_copy_(2, slots, v.index_select(2, stored - length))
+        self.first = first
+        self.length = end
         return k_all, v_all
 
     def key_padding(self) -> Tensor | None:

@@ -1,0 +1,170 @@
+"""Attention over a paged key/value cache: keys and values live in a pool of
+fixed-size blocks, and a block table lists each sequence's blocks in order.
+
+    q            (N, H, T, D): T new queries per sequence
+    k_pool       (num_blocks, block_size, H_kv, D), v_pool (..., H_kv, D_v)
+    block_table  (N, max_blocks) int64: sequence n's key j is row j % block_size of
+                 block block_table[n, j // block_size]
+    lengths      N ints: sequence n holds keys 0..lengths[n]-1, and its queries sit at
+                 positions lengths[n] - T .. lengths[n] - 1 (causal, bottom-right per
+                 sequence); a query at p sees keys <= p, and >= p - window with a window
+
+`paged_reference` gathers every sequence's pages and computes dense attention (the
+golden answer, differentiable). `paged_tiled` gathers one tile of pages at a time and
+merges the tiles with an online softmax: it never holds a sequence's whole cache, and
+a tile is computed only for the sequences long enough to reach it (longest first).
+Score functions get per-sequence positions: q_pos (N, 1, T, 1), k_pos (1, 1, 1, keys).
+Statistics are float32 (float64 for float64 inputs).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ..scores import ScoreFunction
+from .dense import grouped_scores, masked_softmax, probs_times_v, stats_dtype
+
+QUERY_CHUNK = 512  # query rows per pass of the tiled loop (bounds a score tile)
+
+
+def gather_pages(pool: Tensor, table: Tensor) -> Tensor:
+    """pool (num_blocks, block_size, H_kv, X), table (N, P) -> (N, H_kv, P * block_size, X),
+    a view after one index_select."""
+    rows = pool.index_select(0, table.reshape(-1))
+    return rows.view(table.shape[0], -1, pool.shape[2], pool.shape[3]).transpose(1, 2)
+
+
+def query_positions(lengths: Tensor, q_len: int) -> Tensor:
+    """(N, 1, T, 1) position of each query: lengths[n] - T + row."""
+    rows = torch.arange(q_len, device=lengths.device)
+    return (lengths.view(-1, 1) - q_len + rows).view(-1, 1, q_len, 1)
+
+
+def _allowed(q_pos: Tensor, k_pos: Tensor, window: int | None) -> Tensor:
+    """Causal (and windowed) visibility of keys k_pos (1, 1, 1, K) from q_pos."""
+    allowed = k_pos <= q_pos
+    return allowed if window is None else allowed & (k_pos >= q_pos - window)
+
+
+def _scored(score: ScoreFunction | None, scores: Tensor, batch: Tensor, q_pos: Tensor,
+            k_pos: Tensor) -> Tensor:  # fmt: skip
+    if score is None:
+        return scores
+    head = torch.arange(scores.shape[1], device=scores.device).view(1, -1, 1, 1)
+    out = score(scores, batch.view(-1, 1, 1, 1), head, q_pos, k_pos)
+    return out.expand(scores.shape).contiguous()  # (a tile the engine then overwrites)
+
+
+def paged_reference(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    block_table: Tensor,
+    lengths: Sequence[int],
+    *,
+    scale: float,
+    score: ScoreFunction | None = None,
+    window: int | None = None,
+) -> Tensor:
+    """(N, H, T, D_v): every sequence's pages gathered, then dense attention."""
+    batch, _, q_len, _ = q.shape
+    keys, values = gather_pages(k_pool, block_table), gather_pages(v_pool, block_table)
+    dtype = stats_dtype(q.dtype)
+    lens = torch.as_tensor(list(lengths), device=q.device)
+    q_pos = query_positions(lens, q_len)
+    k_pos = torch.arange(keys.shape[2], device=q.device).view(1, 1, 1, -1)
+    scores = grouped_scores(q, keys, scale, dtype)
+    scores = _scored(score, scores, torch.arange(batch, device=q.device), q_pos, k_pos)
+    scores = scores.masked_fill(~_allowed(q_pos, k_pos, window), -torch.inf)
+    probs, _ = masked_softmax(scores)
+    real = (k_pos < lens.view(-1, 1, 1, 1)).transpose(2, 3)  # (N, 1, S, 1)
+    values = values.masked_fill(~real, 0)  # unwritten slots may hold anything
+    return probs_times_v(probs, values).to(q.dtype)
+
+
+def paged_tiled(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    block_table: Tensor,
+    lengths: Sequence[int],
+    *,
+    scale: float,
+    score: ScoreFunction | None = None,
+    window: int | None = None,
+    tile_size: int = 256,
+) -> Tensor:
+    """(N, H, T, D_v) by an online softmax over tiles of about tile_size keys (whole
+    pages), gathered one at a time. Inference only (it updates its state in place)."""
+    lengths = list(lengths)
+    order = sorted(range(len(lengths)), key=lambda n: -lengths[n])  # longest first
+    if order != sorted(order):
+        index = torch.tensor(order, device=q.device)
+        q, table = q.index_select(0, index), block_table.index_select(0, index)
+        out = _tiled(q, k_pool, v_pool, table, [lengths[n] for n in order], index, scale,
+                     score, window, tile_size)  # fmt: skip
+        return out.index_select(0, torch.argsort(index))
+    index = torch.arange(len(lengths), device=q.device)
+    return _tiled(q, k_pool, v_pool, block_table, lengths, index, scale, score, window, tile_size)
+
+
+def _tiled(q, k_pool, v_pool, table, lengths, batch_ids, scale, score, window, tile_size):
+    """paged_tiled on sequences sorted longest first (batch_ids: their indices in the
+    caller's batch, for score functions), query rows QUERY_CHUNK at a time."""
+    q_len = q.shape[2]
+    lens = torch.tensor(lengths, device=q.device)
+    q_pos = query_positions(lens, q_len)
+    chunks = []
+    for r0 in range(0, q_len, QUERY_CHUNK):
+        r1 = min(q_len, r0 + QUERY_CHUNK)
+        ends = [length - q_len + r1 for length in lengths]  # keys the chunk's rows can see
+        starts = [max(0, end - (r1 - r0) - window) for end in ends] if window is not None else [0]
+        chunks.append(_tiled_rows(q[:, :, r0:r1], q_pos[:, :, r0:r1], k_pool, v_pool, table,
+                                  lens, ends, min(starts), batch_ids, scale, score, window,
+                                  tile_size))  # fmt: skip
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=2)
+
+
+def _tiled_rows(q, q_pos, k_pool, v_pool, table, lens, ends, first_key, batch_ids, scale,
+                score, window, tile_size) -> Tensor:  # fmt: skip
+    """Online softmax over key tiles for query rows q (N, H, R, D) at q_pos (N, 1, R, 1);
+    sequence n's rows see keys below ends[n] (ends descending) from first_key on."""
+    batch, num_heads, rows, head_dim = q.shape
+    block_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
+    dtype = stats_dtype(q.dtype)
+    pages = max(1, tile_size // block_size)
+    span = pages * block_size
+    grouped = q.to(dtype).reshape(batch, num_kv_heads, -1, head_dim)  # (N, H_kv, G*R, D)
+    row_max = q.new_full((batch, num_heads, rows, 1), -torch.inf, dtype=dtype)
+    total = q.new_zeros((batch, num_heads, rows, 1), dtype=dtype)
+    acc = q.new_zeros((batch, num_heads, rows, v_pool.shape[3]), dtype=dtype)
+    negated = [-end for end in ends]  # ascending, for bisect
+    for k0 in range(first_key // span * span, max(ends, default=0), span):
+        active = bisect.bisect_left(negated, -k0)  # sequences with ends[n] > k0
+        p0 = k0 // block_size
+        blocks = table[:active, p0 : p0 + pages]
+        keys = gather_pages(k_pool, blocks).to(dtype)  # (a, H_kv, K, D)
+        values = gather_pages(v_pool, blocks).to(dtype)
+        k_pos = torch.arange(k0, k0 + keys.shape[2], device=q.device).view(1, 1, 1, -1)
+        scores = (grouped[:active] @ keys.transpose(-1, -2)).mul_(scale)
+        scores = scores.view(active, num_heads, rows, -1)
+        scores = _scored(score, scores, batch_ids[:active], q_pos[:active], k_pos)
+        if window is not None or k0 + keys.shape[2] > ends[active - 1] - rows + 1:
+            scores = scores.masked_fill_(~_allowed(q_pos[:active], k_pos, window), -torch.inf)
+        # (else every row of every active sequence sees every key of the tile)
+        new_max = torch.maximum(row_max[:active], scores.amax(dim=-1, keepdim=True))
+        safe_max = torch.where(torch.isfinite(new_max), new_max, 0.0)
+        probs = scores.sub_(safe_max).exp_()
+        rescale = (row_max[:active] - safe_max).exp_()
+        total[:active] = total[:active] * rescale + probs.sum(dim=-1, keepdim=True)
+        if k0 + keys.shape[2] > ends[active - 1]:  # slots past some sequence's end
+            real = (k_pos < lens[:active].view(-1, 1, 1, 1)).transpose(2, 3)
+            values = values.masked_fill(~real, 0)  # unwritten slots may hold anything
+        update = probs.view(active, num_kv_heads, -1, keys.shape[2]) @ values
+        acc[:active] = acc[:active] * rescale + update.view(active, num_heads, rows, -1)
+        row_max[:active] = new_max
+    return (acc / torch.where(total > 0, total, 1.0)).to(q.dtype)
