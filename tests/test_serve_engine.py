@@ -1,0 +1,186 @@
+"""The continuous-batching engine (mhsa.serve.engine) on tiny float64 models: every
+request's greedy output equals running it alone, whatever joins or leaves; long prompts
+are prefilled in chunks while others decode; admission waits for room in the pool;
+prefix sharing, cancellation, stop tokens, the thread, and bad requests."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from mhsa.models.gpt import GPT, GPTConfig
+from mhsa.models.llama import Llama, LlamaConfig
+from mhsa.serve import Engine
+
+VOCAB = 64
+
+
+def _llama():
+    config = LlamaConfig(vocab_size=VOCAB, n_layer=2, n_head=4, n_kv_head=2, d_model=32,
+                         d_ff=48, max_len=512)  # fmt: skip
+    return Llama(config)
+
+
+def _gpt():
+    return GPT(GPTConfig(vocab_size=VOCAB, max_len=512, d_model=32, n_head=4, n_layer=2))
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny steps: a second thread only waits
+    yield
+    torch.set_num_threads(threads)
+
+
+def _model(build):
+    torch.manual_seed(0)
+    return build().double().eval()
+
+
+def _prompts(lengths, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in lengths]
+
+
+def _alone(model, prompt, max_tokens):
+    ids = torch.tensor([prompt])
+    no_stop = [] if isinstance(model, Llama) else None  # (Llama's None is its config's)
+    out = model.generate(ids, max_tokens, temperature=0, eos_token=no_stop)
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("build", [_llama, _gpt], ids=["llama", "gpt"])
+def test_outputs_equal_each_request_alone(build):
+    model = _model(build)
+    engine = Engine(model, context_length=512, num_blocks=64, block_size=16, max_batch=3,
+                    prefill_chunk=16)  # fmt: skip
+    prompts = _prompts([5, 40, 17, 100, 3, 33, 64])
+    counts = [10, 5, 20, 8, 12, 1, 16]
+    outputs = engine.run(prompts, counts)
+    for prompt, count, output in zip(prompts, counts, outputs, strict=True):
+        assert output == _alone(model, prompt, count)
+    assert engine.cache.used_blocks == 0 and engine.idle
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode():
+    engine = Engine(_model(_llama), context_length=512, num_blocks=64, prefill_chunk=16)
+    short, long = _prompts([4, 100])
+    running = engine.submit(short, 30)
+    engine.step()  # short's prompt and first token
+    waiting = engine.submit(long, 5)
+    decoded_meanwhile = 0
+    while waiting.first_token_at is None:
+        before = len(running.output)
+        engine.step()
+        decoded_meanwhile += len(running.output) - before
+    assert decoded_meanwhile == 7  # one token per step for its 7 chunks of 16
+    while engine.step():
+        pass
+    assert engine.cache.used_blocks == 0
+
+
+def test_admission_waits_for_room_in_the_pool():
+    """Room for one request at a time: the second starts after the first ends."""
+    model = _model(_llama)
+    engine = Engine(model, context_length=64, num_blocks=3, block_size=16)
+    prompts = _prompts([20, 30, 10])
+    requests = [engine.submit(p, 18) for p in prompts]
+    peak = 0
+    while engine.step():
+        peak = max(peak, engine.cache.used_blocks)
+        assert sum(r.seq is not None and not r.done for r in requests) <= 1
+    assert peak <= 3
+    for request in requests:
+        assert request.finish_reason == "length"
+        assert request.output == _alone(model, request.prompt, 18)
+    first, second = requests[:2]
+    assert second.first_token_at > first.token_times[-1]
+
+
+def test_a_shared_system_prompt_is_computed_once():
+    model = _model(_llama)
+    engine = Engine(model, context_length=512, num_blocks=64, block_size=16)
+    system = _prompts([40])[0]
+    first = engine.submit(system + [1, 2, 3], 4)
+    engine.step()  # first's prefill: its two full system blocks enter the prefix cache
+    second = engine.submit(system + [4, 5], 4)
+    while engine.step():
+        pass
+    assert (first.cached_tokens, second.cached_tokens) == (0, 32)
+    assert second.output == _alone(model, second.prompt, 4)
+
+
+def test_cancel_frees_the_blocks_and_says_so():
+    engine = Engine(_model(_llama), context_length=512, num_blocks=64)
+    seen = []
+    request = engine.submit(_prompts([50])[0], 100, on_token=lambda r, t: seen.append(t))
+    for _ in range(3):
+        engine.step()
+    assert engine.cache.used_blocks > 0
+    engine.cancel(request)
+    engine.step()
+    assert request.finish_reason == "cancelled" and seen[-1] is None
+    assert len(seen) == 4  # three tokens, then the end
+    assert engine.cache.used_blocks == 0
+
+
+def test_a_stop_token_ends_the_request_without_being_output():
+    model = _model(_llama)
+    prompt = _prompts([12])[0]
+    free_run = _alone(model, prompt, 6)
+    engine = Engine(model, context_length=512, num_blocks=64, stop_ids=[free_run[3]])
+    request = engine.submit(prompt, 6)
+    while engine.step():
+        pass
+    assert request.finish_reason == "stop"
+    assert request.output == free_run[: free_run.index(free_run[3])]
+
+
+def test_the_thread_serves_requests_submitted_from_other_threads():
+    model = _model(_gpt)
+    engine = Engine(model, context_length=512, num_blocks=64, max_batch=4)
+    engine.start()
+    try:
+        finished = threading.Event()
+        prompts = _prompts([7, 30, 12, 50, 9])
+        requests = []
+        for prompt in prompts:
+            requests.append(engine.submit(prompt, 6, on_token=lambda r, t: t is None
+                                          and all(q.done for q in requests)
+                                          and len(requests) == 5 and finished.set()))  # fmt: skip
+        assert finished.wait(60)
+    finally:
+        engine.stop()
+    for request in requests:
+        assert request.output == _alone(model, request.prompt, 6)
+    assert engine.cache.used_blocks == 0
+
+
+def test_sampling_with_a_seed_repeats():
+    engine = Engine(_model(_llama), context_length=512, num_blocks=64)
+    prompt = _prompts([10])[0]
+    runs = [engine.submit(prompt, 8, temperature=0.8, top_p=0.9, seed=3) for _ in range(2)]
+    while engine.step():
+        pass
+    assert runs[0].output == runs[1].output and len(runs[0].output) == 8
+
+
+@pytest.mark.parametrize("prompt,max_tokens,options,message", [
+    ([], 4, {}, "prompt is empty"),
+    ([1, 2], 0, {}, "max_tokens must be"),
+    ([1, 2], 4, {"temperature": -1.0}, "temperature must be >= 0"),
+    ([1] * 60, 10, {}, "exceeds the context length 64"),
+])  # fmt: skip
+def test_bad_requests_raise_clear_errors(prompt, max_tokens, options, message):
+    engine = Engine(_model(_llama), context_length=64, num_blocks=64)
+    with pytest.raises(ValueError, match=message):
+        engine.submit(prompt, max_tokens, **options)
+
+
+def test_a_request_larger_than_the_pool_is_refused():
+    engine = Engine(_model(_llama), context_length=64, num_blocks=2, block_size=16)
+    with pytest.raises(ValueError, match="needs 3 cache blocks, the pool has 2"):
+        engine.submit([1] * 40, 8)
