@@ -14,14 +14,15 @@ from . import (
     export,
     generate,
     info,
+    serve,
     train,
     transcribe,
     translate,
     viz,
 )
 
-COMMANDS = (info, chat, train, generate, translate, transcribe, embed, classify, export, viz,
-            bench)  # fmt: skip
+COMMANDS = (info, chat, serve, train, generate, translate, transcribe, embed, classify, export,
+            viz, bench)  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:

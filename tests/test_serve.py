@@ -1,0 +1,199 @@
+"""`mhsa serve` end to end: a real server on 127.0.0.1 serving the packaged SmolLM2,
+talked to by the official openai client (its greedy answers equal `mhsa chat`'s) and
+by plain HTTP (bad requests get OpenAI-shaped 4xx errors and the server stays up; a
+client that disconnects mid-stream has its cache blocks freed)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+
+import pytest
+import torch
+
+from mhsa.cli import main
+from mhsa.serve.models import ServedModel
+from optional import needs
+
+QUESTION = "What is the capital of France?"
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def chat_model():
+    from mhsa.chat import load_chat_model
+
+    try:
+        return load_chat_model()  # the packaged SmolLM2, as `mhsa serve` loads it
+    except FileNotFoundError as error:
+        pytest.fail(f"{error} (the test setup installs it)")
+
+
+@pytest.fixture(scope="module")
+def server(chat_model):
+    needs("starlette"), needs("uvicorn")
+    from mhsa.serve.server import Server
+
+    served = ServedModel.from_chat(chat_model, num_blocks=128, block_size=16)
+    threads = torch.get_num_threads()
+    with Server(served, port=0) as running:
+        yield running
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    openai = needs("openai")
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                         timeout=120)  # fmt: skip
+
+
+def _mhsa_chat(chat_model, monkeypatch, capsys, prompt: str, new: int) -> str:
+    """What `mhsa chat --prompt prompt --temperature 0` prints (on the model already
+    loaded: load_chat_model() is the same call either way)."""
+    import mhsa.chat
+
+    monkeypatch.setattr(mhsa.chat, "load_chat_model", lambda *args, **kwargs: chat_model)
+    args = ["chat", "--prompt", prompt, "--max-new-tokens", str(new), "--temperature", "0"]
+    assert main(args) == 0
+    return capsys.readouterr().out.removesuffix("\n")
+
+
+def test_chat_completions_equal_mhsa_chat(client, server, chat_model, monkeypatch, capsys):
+    want = _mhsa_chat(chat_model, monkeypatch, capsys, QUESTION, NEW)
+    assert "Paris" in want
+    messages = [{"role": "user", "content": QUESTION}]
+    prompt_tokens = len(chat_model.prompt_ids(messages))
+    name = server.served.name
+    answer = client.chat.completions.create(model=name, messages=messages, max_tokens=NEW,
+                                            temperature=0)  # fmt: skip
+    assert answer.object == "chat.completion" and answer.model == name
+    assert answer.id.startswith("chatcmpl-") and answer.created > 0
+    assert answer.choices[0].message.role == "assistant"
+    assert answer.choices[0].message.content == want
+    new = chat_model.last_stats["new_tokens"]
+    assert answer.choices[0].finish_reason == ("length" if new == NEW else "stop")
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (prompt_tokens, new)
+    assert answer.usage.total_tokens == prompt_tokens + new
+
+    chunks = list(client.chat.completions.create(
+        model=name, messages=messages, max_tokens=NEW, temperature=0, stream=True,
+        stream_options={"include_usage": True}))  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == answer.choices[
+        0
+    ].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == new
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+
+
+def test_completions_and_models(client, server, chat_model):
+    name = server.served.name
+    assert [m.id for m in client.models.list()] == [name]
+    assert client.models.retrieve(name).id == name
+    text = "The capital of France is"
+    ids = server.served.encode(text)
+    out = chat_model.model.generate(torch.tensor([ids]), 8, temperature=0, eos_token=[])
+    want = chat_model.tokenizer.decode(out[0, len(ids) :].tolist())
+    answer = client.completions.create(model=name, prompt=text, max_tokens=8, temperature=0)
+    assert answer.object == "text_completion" and answer.choices[0].text == want
+    assert answer.choices[0].finish_reason == "length"
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (len(ids), 8)
+    pieces = client.completions.create(model=name, prompt=text, max_tokens=8, temperature=0,
+                                       stream=True)  # fmt: skip
+    assert "".join(c.choices[0].text for c in pieces) == want
+    both = client.completions.create(model=name, prompt=[text, ids], max_tokens=8,
+                                     temperature=0)  # fmt: skip
+    assert [c.text for c in both.choices] == [want, want] and both.usage.completion_tokens == 16
+
+
+def _post(server, path: str, body) -> tuple[int, dict]:
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    data = body if isinstance(body, str) else json.dumps(body)
+    connection.request("POST", path, data, {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    status, answer = response.status, json.loads(response.read())
+    connection.close()
+    return status, answer
+
+
+def _get(server, path: str) -> int:
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    connection.request("GET", path)
+    status = connection.getresponse().status
+    connection.close()
+    return status
+
+
+HI = [{"role": "user", "content": "hi"}]
+BAD_REQUESTS = {  # name: (path, body, status, param, code)
+    "invalid JSON": ("chat", '{"messages": [', 400, None, "invalid_json"),
+    "not an object": ("chat", "[1, 2]", 400, None, "invalid_json"),
+    "unknown model": ("chat", {"model": "gpt-9", "messages": HI}, 404, "model",
+                      "model_not_found"),
+    "missing messages": ("chat", {"max_tokens": 5}, 400, "messages",
+                         "missing_required_parameter"),
+    "empty messages": ("chat", {"messages": []}, 400, "messages", "invalid_value"),
+    "a message without content": ("chat", {"messages": [{"role": "user"}]}, 400,
+                                  "messages[0].content", "missing_required_parameter"),
+    "max_tokens 0": ("chat", {"messages": HI, "max_tokens": 0}, 400, "max_tokens",
+                     "integer_below_min_value"),
+    "max_tokens -3": ("completions", {"prompt": "a", "max_tokens": -3}, 400, "max_tokens",
+                      "integer_below_min_value"),
+    "max_tokens above the context": ("chat", {"messages": HI, "max_tokens": 5000}, 400,
+                                     "messages", "context_length_exceeded"),
+    "a prompt longer than the context": ("completions", {"prompt": "word " * 3000}, 400,
+                                         "prompt", "context_length_exceeded"),
+    "temperature < 0": ("chat", {"messages": HI, "temperature": -0.5}, 400, "temperature",
+                        "decimal_below_min_value"),
+    "max_tokens a string": ("completions", {"prompt": "a", "max_tokens": "5"}, 400,
+                            "max_tokens", "invalid_type"),
+    "a token id outside the vocabulary": ("completions", {"prompt": [1, 10**9]}, 400,
+                                          "prompt", "invalid_value"),
+    "n > 1": ("completions", {"prompt": "a", "n": 2}, 400, "n", "unsupported_parameter"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_requests_get_openai_errors_and_the_server_stays_up(server, case):
+    path, body, status, param, code = BAD_REQUESTS[case]
+    got, answer = _post(server, f"/v1/{'chat/completions' if path == 'chat' else path}", body)
+    assert got == status, answer
+    assert set(answer) == {"error"} and set(answer["error"]) == {"message", "type", "param", "code"}
+    assert answer["error"]["type"] == "invalid_request_error"
+    assert (answer["error"]["param"], answer["error"]["code"]) == (param, code)
+    assert answer["error"]["message"]
+    assert _get(server, "/health") == 200
+    assert server.served.engine.cache.used_blocks == 0
+
+
+def test_unknown_urls_and_methods_are_openai_errors(server):
+    assert _get(server, "/v1/nothing") == 404
+    assert _get(server, "/v1/completions") == 405
+    status, answer = _post(server, "/v1/models", {})
+    assert status == 405 and "error" in answer
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
+    engine = server.served.engine
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    body = {"messages": [{"role": "user", "content": "Tell me a long story."}],
+            "max_tokens": 400, "temperature": 0, "stream": True}  # fmt: skip
+    connection.request("POST", "/v1/chat/completions", json.dumps(body),
+                       {"Content-Type": "application/json"})  # fmt: skip
+    response = connection.getresponse()
+    assert response.status == 200
+    events = 0
+    while events < 3:  # the role chunk and two of text
+        line = response.fp.readline()
+        events += line.startswith(b"data: ")
+    assert engine.cache.used_blocks > 0
+    connection.sock.shutdown(2)
+    connection.close()
+    deadline = time.monotonic() + 30
+    while (engine.cache.used_blocks or not engine.idle) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.cache.used_blocks == 0 and engine.idle
+    assert _get(server, "/health") == 200
