@@ -1,0 +1,79 @@
+"""The `mhsa serve` command: it serves a `mhsa train gpt` checkpoint (bytes, no chat
+template) on the port it prints, answers completions with stop strings, refuses chat
+for such a model with a pointer to /v1/completions, and stops on Ctrl-C."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from mhsa.cli import main
+from optional import needs
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def _post(port: int, path: str, body: dict) -> tuple[int, dict]:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    status, answer = response.status, json.loads(response.read())
+    connection.close()
+    return status, answer
+
+
+def test_mhsa_serve_a_gpt_checkpoint(tmp_path, capsys):
+    needs("starlette"), needs("uvicorn")
+    data = tmp_path / "data.txt"
+    data.write_text("for i in range(10):\n    print(i)\n" * 100)
+    out = tmp_path / "run"
+    train = ["train", "gpt", "--data", str(data), "--out", str(out), "--steps", "4",
+             "--eval-every", "2", "--layers", "1", "--d-model", "32",
+             "--seq-len", "32"]  # fmt: skip
+    assert main(train) == 0
+    capsys.readouterr()
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+    }
+    command = [sys.executable, "-m", "mhsa.cli", "serve", "--model", str(out), "--port", "0",
+               "--num-blocks", "8", "--threads", "1"]  # fmt: skip
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env)  # fmt: skip
+    try:
+        line = server.stdout.readline()
+        found = re.search(r"serving (\S+) at http://127\.0\.0\.1:(\d+)/v1", line)
+        assert found, line + server.stderr.read()
+        name, port = found[1], int(found[2])
+        assert name == "run" and "context 32 tokens" in line  # the model's max_len
+        body = {"model": "run", "prompt": "for i", "max_tokens": 20, "temperature": 0}
+        status, whole = _post(port, "/v1/completions", body)
+        assert status == 200 and whole["usage"]["completion_tokens"] == 20
+        text = whole["choices"][0]["text"]
+        stop = text[5:7]  # the text stops before the first place this occurs
+        status, cut = _post(port, "/v1/completions", {**body, "stop": [stop]})
+        assert status == 200 and cut["choices"][0]["text"] == text[: text.index(stop)]
+        assert cut["choices"][0]["finish_reason"] == "stop"
+        status, refused = _post(port, "/v1/chat/completions",
+                                {"messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+        assert status == 400 and "/v1/completions" in refused["error"]["message"]
+        status, long = _post(port, "/v1/completions", {"prompt": "x" * 40})
+        assert status == 400 and refused["error"]["code"] != long["error"]["code"]
+        assert long["error"]["code"] == "context_length_exceeded"
+    finally:
+        server.send_signal(signal.SIGINT)
+        code = server.wait(timeout=60)
+    assert code == 0, server.stderr.read()
+
+
+def test_mhsa_serve_bad_arguments_are_one_line_errors(tmp_path, capsys):
+    assert main(["serve", "--model", str(tmp_path / "missing")]) == 2
+    assert "no such file or directory" in capsys.readouterr().err
+    assert main(["serve", "--model", str(tmp_path), "--num-blocks", "1"]) == 2
+    assert "is not a checkpoint" in capsys.readouterr().err
