@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import time
 
 import pytest
@@ -176,24 +177,29 @@ def test_unknown_urls_and_methods_are_openai_errors(server):
     assert status == 405 and "error" in answer
 
 
-def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
+def _wait_for(condition, seconds: float = 30) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+def test_a_client_that_disconnects_mid_answer_frees_its_blocks(server, stream):
     engine = server.served.engine
     connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     body = {"messages": [{"role": "user", "content": "Tell me a long story."}],
-            "max_tokens": 400, "temperature": 0, "stream": True}  # fmt: skip
+            "max_tokens": 400, "temperature": 0, "stream": stream}  # fmt: skip
     connection.request("POST", "/v1/chat/completions", json.dumps(body),
                        {"Content-Type": "application/json"})  # fmt: skip
-    response = connection.getresponse()
-    assert response.status == 200
-    events = 0
-    while events < 3:  # the role chunk and two of text
-        line = response.fp.readline()
-        events += line.startswith(b"data: ")
-    assert engine.cache.used_blocks > 0
-    connection.sock.shutdown(2)
+    if stream:
+        response = connection.getresponse()
+        assert response.status == 200
+        events = 0
+        while events < 3:  # the role chunk and two of text
+            events += response.fp.readline().startswith(b"data: ")
+    assert _wait_for(lambda: engine.cache.used_blocks > 0 and not engine.idle)
+    connection.sock.shutdown(socket.SHUT_RDWR)
     connection.close()
-    deadline = time.monotonic() + 30
-    while (engine.cache.used_blocks or not engine.idle) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert engine.cache.used_blocks == 0 and engine.idle
+    assert _wait_for(lambda: engine.cache.used_blocks == 0 and engine.idle)
     assert _get(server, "/health") == 200

@@ -17,6 +17,7 @@ from mhsa.cli import main
 from optional import needs
 
 SRC = Path(__file__).resolve().parents[1] / "src"
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
 
 
 def _post(port: int, path: str, body: dict) -> tuple[int, dict]:
@@ -38,14 +39,10 @@ def test_mhsa_serve_a_gpt_checkpoint(tmp_path, capsys):
              "--seq-len", "32"]  # fmt: skip
     assert main(train) == 0
     capsys.readouterr()
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
-    }
     command = [sys.executable, "-m", "mhsa.cli", "serve", "--model", str(out), "--port", "0",
                "--num-blocks", "8", "--threads", "1"]  # fmt: skip
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=env)  # fmt: skip
+                              text=True, env=ENV)  # fmt: skip
     try:
         line = server.stdout.readline()
         found = re.search(r"serving (\S+) at http://127\.0\.0\.1:(\d+)/v1", line)
@@ -77,3 +74,16 @@ def test_mhsa_serve_bad_arguments_are_one_line_errors(tmp_path, capsys):
     assert "no such file or directory" in capsys.readouterr().err
     assert main(["serve", "--model", str(tmp_path), "--num-blocks", "1"]) == 2
     assert "is not a checkpoint" in capsys.readouterr().err
+
+
+def test_mhsa_imports_without_the_serve_extra_and_serve_says_how_to_get_it():
+    code = (
+        "import sys; sys.modules['starlette'] = sys.modules['uvicorn'] = None\n"
+        "import mhsa, mhsa.serve, mhsa.serve.models\n"
+        "from mhsa.cli import main\n"
+        "print(main(['serve', '--port', '0']))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, env=ENV, check=True)  # fmt: skip
+    assert result.stdout.strip() == "2"
+    assert "pip install 'mhsa[serve]'" in result.stderr
