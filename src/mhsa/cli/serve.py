@@ -8,6 +8,9 @@ import argparse
 import sys
 from pathlib import Path
 
+import torch
+
+from .chat import DTYPES, QUANTIZE
 from .common import non_negative_int, positive_int, torch_threads
 
 
@@ -22,7 +25,8 @@ def _serve(args: argparse.Namespace) -> int:
     except ImportError as error:
         print(f"mhsa serve: {error}", file=sys.stderr)
         return 2
-    served = load_served(args.model, name=args.name, num_blocks=args.num_blocks,
+    weights = {"dtype": DTYPES[args.dtype], "quantize": args.quantize}
+    served = load_served(args.model, weights, name=args.name, num_blocks=args.num_blocks,
                          block_size=args.block_size, max_batch=args.max_batch,
                          context_length=args.context_length)  # fmt: skip
     server = Server(served, host=args.host, port=args.port, log_level=args.log_level)
@@ -35,14 +39,15 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_served(model: str | None, *, name: str | None = None, **engine_options):
+def load_served(model: str | None, weights: dict, *, name: str | None = None, **engine_options):
     """The ServedModel of --model: None or "chat" (the packaged SmolLM2), a .gguf file, a
-    transformers directory (it has tokenizer.json), or a `mhsa train gpt` checkpoint."""
+    transformers directory (it has tokenizer.json), or a `mhsa train gpt` checkpoint;
+    weights: load_chat_model's dtype and quantize."""
     from ..chat import load_chat_model
     from ..serve.models import ServedModel
 
     if model in (None, "chat"):
-        return ServedModel.from_chat(load_chat_model(), name=name, **engine_options)
+        return ServedModel.from_chat(load_chat_model(**weights), name=name, **engine_options)
     path = Path(model)
     if not path.exists():
         raise FileNotFoundError(
@@ -50,7 +55,11 @@ def load_served(model: str | None, *, name: str | None = None, **engine_options)
             ".gguf file, a transformers directory or a GPT checkpoint"
         )
     if path.is_file() or (path / "tokenizer.json").is_file():
-        return ServedModel.from_chat(load_chat_model(path), name=name, **engine_options)
+        return ServedModel.from_chat(load_chat_model(path, **weights), name=name,
+                                     **engine_options)  # fmt: skip
+    if weights["quantize"] is not None or weights["dtype"] != torch.float32:
+        raise ValueError("--quantize and --dtype are for chat models; a GPT checkpoint is "
+                         "served as it was trained")  # fmt: skip
     from ..models import GPT, GPTConfig
     from .common import load_model
 
@@ -99,6 +108,13 @@ def add_parser(commands) -> None:
         help="prompt + new tokens per request at most (default: the model's, "
         "at most what the pool holds)",
     )
+    cmd.add_argument("--dtype", choices=list(DTYPES), default="float32",
+                     help="a chat model's dtype of the dequantised weights")  # fmt: skip
+    cmd.add_argument("--quantize", choices=QUANTIZE, default=None,
+                     help="a chat model's weights: 'file' keeps a GGUF's own quantisation "
+                          "(default for GGUF), 'none' dequantises (the exact path: a "
+                          "request's answer then does not depend on what it is batched "
+                          "with), or bfloat16 / int8 / int4")  # fmt: skip
     cmd.add_argument("--threads", type=positive_int, default=None, help="torch threads")
     cmd.add_argument(
         "--log-level",
