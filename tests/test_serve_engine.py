@@ -184,3 +184,17 @@ def test_a_request_larger_than_the_pool_is_refused():
     engine = Engine(_model(_llama), context_length=64, num_blocks=2, block_size=16)
     with pytest.raises(ValueError, match="needs 3 cache blocks, the pool has 2"):
         engine.submit([1] * 40, 8)
+
+
+def test_stats_report_the_peak_against_contiguous_caches():
+    engine = Engine(_model(_llama), context_length=512, num_blocks=64, block_size=16)
+    engine.run(_prompts([10, 70]), [6, 30])  # 16 and 100 tokens at their longest
+    stats = engine.stats()
+    # (2 layers x 16 slots x 2 kv heads x 8 dims, keys and values, float64)
+    assert stats["block_bytes"] == 2 * 2 * 16 * 2 * 8 * 8
+    assert (stats["used_blocks"], stats["peak_running"], stats["longest_request"]) == (0, 2, 100)
+    # the long one's 99 cached tokens (its last token is never fed) after the short one
+    # ended: 7 blocks
+    assert stats["peak_used_blocks"] == 7
+    assert stats["peak_bytes"] == 7 * stats["block_bytes"]
+    assert stats["contiguous_bytes"] == 100 * stats["block_bytes"] // 16 * 2

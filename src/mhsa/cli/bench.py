@@ -45,6 +45,14 @@ def bench(args: argparse.Namespace) -> int:
             repeat=1 if args.quick else min(args.repeat, 2),
         )
         text = chat.report(result)
+    elif args.suite == "serve":
+        from ..benchmarks import serve
+
+        try:
+            result = serve.run(model=args.model, quick=args.quick, threads=args.threads)
+        except RuntimeError as error:  # the server did not start
+            raise SystemExit(str(error)) from error
+        text = serve.report(result)
     elif args.suite == "ring":
         from ..benchmarks import ring
 
@@ -64,12 +72,27 @@ def add_parser(commands) -> None:
     bench_parser = commands.add_parser("bench", help="benchmarks: ratios against peers")
     bench_parser.add_argument(
         "suite",
-        choices=["attention", "sparse", "generate", "ring", "transcribe", "scores", "chat"],
+        choices=[
+            "attention",
+            "sparse",
+            "generate",
+            "ring",
+            "transcribe",
+            "scores",
+            "chat",
+            "serve",
+        ],
         help="which benchmark",
     )
     bench_parser.add_argument("--file", help="transcribe: a WAV file (default: espeak-ng speech)")
     bench_parser.add_argument(
         "--nproc", type=positive_int, default=2, help="ring: processes (default 2)"
+    )
+    bench_parser.add_argument(
+        "--model", help="serve: the model `mhsa serve` loads (default the packaged SmolLM2)"
+    )
+    bench_parser.add_argument(
+        "--threads", type=positive_int, help="serve: torch threads of the server"
     )
     bench_parser.add_argument("--json", action="store_true", help="print JSON")
     bench_parser.add_argument(

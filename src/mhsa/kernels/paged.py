@@ -14,7 +14,9 @@ golden answer, differentiable). `paged_tiled` gathers one tile of pages at a tim
 merges the tiles with an online softmax: it never holds a sequence's whole cache, and
 a tile is computed only for the sequences long enough to reach it (longest first).
 Score functions get per-sequence positions: q_pos (N, 1, T, 1), k_pos (1, 1, 1, keys).
-Statistics are float32 (float64 for float64 inputs).
+Without one, on CPU, each tile runs on PyTorch's fused flash kernel (the query heads of
+a group as rows of their kv head) and the tiles merge by their logsumexp; with one, the
+tiles are computed in plain torch. Statistics are float32 (float64 for float64 inputs).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from ..scores import ScoreFunction
 from .dense import grouped_scores, masked_softmax, probs_times_v, stats_dtype
 
 QUERY_CHUNK = 512  # query rows per pass of the tiled loop (bounds a score tile)
+_FUSED = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def gather_pages(pool: Tensor, table: Tensor) -> Tensor:
@@ -133,6 +136,10 @@ def _tiled_rows(q, q_pos, k_pool, v_pool, table, lens, ends, first_key, batch_id
                 score, window, tile_size) -> Tensor:  # fmt: skip
     """Online softmax over key tiles for query rows q (N, H, R, D) at q_pos (N, 1, R, 1);
     sequence n's rows see keys below ends[n] (ends descending) from first_key on."""
+    if score is None and _FUSED is not None and q.device.type == "cpu" \
+            and q.shape[-1] == v_pool.shape[-1]:  # fmt: skip
+        return _fused_rows(q, q_pos, k_pool, v_pool, table, lens, ends, first_key, scale,
+                           window, tile_size)  # fmt: skip
     batch, num_heads, rows, head_dim = q.shape
     block_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
     dtype = stats_dtype(q.dtype)
@@ -168,3 +175,46 @@ def _tiled_rows(q, q_pos, k_pool, v_pool, table, lens, ends, first_key, batch_id
         acc[:active] = acc[:active] * rescale + update.view(active, num_heads, rows, -1)
         row_max[:active] = new_max
     return (acc / torch.where(total > 0, total, 1.0)).to(q.dtype)
+
+
+def _fused_rows(q, q_pos, k_pool, v_pool, table, lens, ends, first_key, scale, window,
+                tile_size) -> Tensor:  # fmt: skip
+    """_tiled_rows without a score function, each tile on the fused CPU kernel: query
+    rows (g, r) of kv head h are query head h * G + g's row r."""
+    batch, num_heads, rows, head_dim = q.shape
+    block_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
+    group = num_heads // num_kv_heads
+    pages = max(1, tile_size // block_size)
+    span = pages * block_size
+    grouped = q.reshape(batch, num_kv_heads, group * rows, head_dim)
+    row_pos = q_pos.view(batch, 1, 1, rows).expand(batch, 1, group, rows)
+    row_pos = row_pos.reshape(batch, 1, group * rows, 1)
+    out = lse = None
+    negated = [-end for end in ends]  # ascending, for bisect
+    for k0 in range(first_key // span * span, max(ends, default=0), span):
+        active = bisect.bisect_left(negated, -k0)  # sequences with ends[n] > k0
+        blocks = table[:active, k0 // block_size : k0 // block_size + pages]
+        keys, values = gather_pages(k_pool, blocks), gather_pages(v_pool, blocks)
+        k_pos = torch.arange(k0, k0 + keys.shape[2], device=q.device).view(1, 1, 1, -1)
+        mask = None
+        if window is not None or k0 + keys.shape[2] > ends[active - 1] - rows + 1:
+            allowed = _allowed(row_pos[:active], k_pos, window)  # (a, 1, G*R, K)
+            mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
+            mask.masked_fill_(~allowed, -torch.inf)
+        if k0 + keys.shape[2] > ends[active - 1]:  # slots past some sequence's end
+            real = (k_pos < lens[:active].view(-1, 1, 1, 1)).transpose(2, 3)
+            values = values.masked_fill(~real, 0)  # unwritten slots may hold anything
+        out_t, lse_t = _FUSED(grouped[:active], keys, values, 0.0, False, attn_mask=mask,
+                              scale=scale)  # fmt: skip
+        if mask is not None:  # the kernel reports lse 0 for rows with no allowed key
+            lse_t = lse_t.masked_fill(~allowed.any(dim=-1).view(active, 1, -1), -torch.inf)
+        if out is None:
+            out, lse = out_t.to(lse_t.dtype), lse_t
+            continue
+        merged = torch.logaddexp(lse[:active], lse_t)
+        safe = torch.where(torch.isneginf(merged), 0.0, merged)
+        old, new = (lse[:active] - safe).exp_(), (lse_t - safe).exp_()
+        out[:active] = out[:active] * old.unsqueeze(-1) + out_t * new.unsqueeze(-1)
+        lse[:active] = merged
+    out = out.view(batch, num_kv_heads, group, rows, -1).view(batch, num_heads, rows, -1)
+    return out.to(q.dtype)

@@ -99,6 +99,7 @@ class Engine:
         self._next_id = 0
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._peak = {"used_blocks": 0, "running": 0, "longest_request": 0}
 
     # -- requests (any thread) --
 
@@ -162,7 +163,34 @@ class Engine:
                 self._decode(decoding)
             if prefilling is not None:
                 self._prefill(prefilling)
+        self._note_peaks(decoding + [prefilling] * (prefilling is not None))
         return True
+
+    def _note_peaks(self, requests: list[Request]) -> None:
+        peak = self._peak
+        peak["used_blocks"] = max(peak["used_blocks"], self.cache.used_blocks)
+        peak["running"] = max(peak["running"], len(requests))
+        longest = max(len(r.prompt) + len(r.output) for r in requests)
+        peak["longest_request"] = max(peak["longest_request"], longest)
+
+    def stats(self) -> dict:
+        """The cache's size and use: blocks now and at the peak, their bytes, and the
+        bytes contiguous caches sized for the longest request so far would take for
+        the most requests that ran at once."""
+        cache, peak = self.cache, dict(self._peak)
+        block_bytes = cache.k.element_size() * (cache.k[0, 0].numel() + cache.v[0, 0].numel())
+        block_bytes *= cache.num_layers
+        token_bytes = block_bytes // cache.block_size
+        with self._lock:
+            waiting, running = len(self._waiting), len(self._running)
+        return {"num_blocks": cache.num_blocks, "block_size": cache.block_size,
+                "block_bytes": block_bytes, "used_blocks": cache.used_blocks,
+                "waiting": waiting, "running": running,
+                "peak_used_blocks": peak["used_blocks"], "peak_running": peak["running"],
+                "peak_bytes": peak["used_blocks"] * block_bytes,
+                "longest_request": peak["longest_request"],
+                "contiguous_bytes": peak["longest_request"] * token_bytes
+                * peak["running"]}  # fmt: skip
 
     def _end_cancelled(self) -> None:
         for request in [r for r in self._running if r.cancelled]:

@@ -1,0 +1,199 @@
+"""`mhsa bench serve`: one `mhsa serve` process (the packaged SmolLM2 unless --model),
+two loads of the same requests through its OpenAI-compatible HTTP API:
+
+- concurrent: `clients` streaming clients, each sending its share of the requests
+  one after another (continuous batching serves them together);
+- one at a time: a single client sends the same requests in turn.
+
+Each request is a greedy `/v1/completions` stream of a prompt cut from the Python
+standard library's source (mixed lengths) with a mixed max_tokens. Reported: total
+output tokens/s of each load and their ratio, time to first token and inter-token
+latency (p50, p95, seen by the clients), and the server's peak cache memory
+(`/health`) against a contiguous cache sized for the longest request per running
+sequence (what a batch of `max_batch` such requests would reserve).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+LOAD = {"requests": 64, "clients": 16, "prompt": (16, 192), "new": (32, 128)}
+QUICK = {"requests": 8, "clients": 4, "prompt": (8, 32), "new": (4, 16)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _prompts(count: int, words: tuple[int, int], seed: int = 0) -> list[str]:
+    """count prompts of words[0]..words[1] words cut from the standard library."""
+    from ..data.text import stdlib_corpus
+
+    corpus = stdlib_corpus(limit_bytes=400_000).split()
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(count):
+        length = rng.randint(*words)
+        start = rng.randrange(len(corpus) - length)
+        prompts.append(" ".join(corpus[start : start + length]))
+    return prompts
+
+
+def _stream(client: httpx.Client, model: str, prompt: str, max_tokens: int) -> dict:
+    """One streamed greedy completion: its token count, time to first token and the
+    gaps between tokens (seconds)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    start = time.perf_counter()
+    arrivals, tokens = [], None
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if chunk.get("choices"):
+                arrivals.append(time.perf_counter())
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    return {"tokens": tokens, "ttft": arrivals[0] - start if arrivals else None, "gaps": gaps}
+
+
+def _load(url: str, model: str, requests: list[tuple[str, int]], clients: int) -> dict:
+    """Run requests from `clients` threads (each its share, in turn); totals and latencies."""
+    results: list[dict] = []
+    lock = threading.Lock()
+
+    def client_loop(share: list[tuple[str, int]]) -> None:
+        with httpx.Client(base_url=url, timeout=600) as client:
+            for prompt, new in share:
+                result = _stream(client, model, prompt, new)
+                with lock:
+                    results.append(result)
+
+    threads = [threading.Thread(target=client_loop, args=(requests[i::clients],))
+               for i in range(clients)]  # fmt: skip
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - start
+    tokens = sum(r["tokens"] for r in results)
+    ttft = [r["ttft"] for r in results if r["ttft"] is not None]
+    gaps = [g for r in results for g in r["gaps"]]
+    return {"requests": len(results), "seconds": seconds, "tokens": tokens,
+            "tokens_per_second": tokens / seconds, "ttft": _percentiles(ttft),
+            "itl": _percentiles(gaps)}  # fmt: skip
+
+
+def _percentiles(values: list[float]) -> dict:
+    if len(values) < 2:
+        return {"p50": values[0] if values else None, "p95": values[0] if values else None}
+    cuts = statistics.quantiles(values, n=20)
+    return {"p50": statistics.median(values), "p95": cuts[18]}
+
+
+def _start_server(model: str | None, port: int, options: list[str]) -> subprocess.Popen:
+    command = [sys.executable, "-m", "mhsa", "serve", "--host", "127.0.0.1", "--port", str(port),
+               *(["--model", model] if model else []), *options]  # fmt: skip
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
+                            text=True)  # fmt: skip
+
+
+def _wait_ready(url: str, server: subprocess.Popen, timeout: float = 300) -> dict:
+    deadline = time.perf_counter() + timeout
+    while time.perf_counter() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"mhsa serve exited: {server.stderr.read()[-2000:]}")
+        try:
+            return httpx.get(f"{url}/health", timeout=2).json()
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    raise RuntimeError(f"mhsa serve did not answer /health within {timeout:.0f} s")
+
+
+def run(model: str | None = None, quick: bool = False, threads: int | None = None) -> dict:
+    """Both loads against one server; see the module docstring."""
+    load = QUICK if quick else LOAD
+    rng = random.Random(1)
+    prompts = _prompts(load["requests"], load["prompt"])
+    requests = [(p, rng.randint(*load["new"])) for p in prompts]
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    options = ["--max-batch", str(load["clients"])]
+    if threads:
+        options += ["--threads", str(threads)]
+    server = _start_server(model, port, options)
+    try:
+        health = _wait_ready(url, server)
+        name = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        _load(url, name, requests[:2], 1)  # warm-up
+        concurrent = _load(url, name, requests, load["clients"])
+        peak = httpx.get(f"{url}/health").json()["cache"]
+        serial = _load(url, name, requests, 1)
+    finally:
+        server.terminate()
+        server.wait(30)
+    return {
+        "model": name, "load": load, "cache": health["cache"], "peak": peak,
+        "concurrent": concurrent, "one_at_a_time": serial,
+        "speedup": concurrent["tokens_per_second"] / serial["tokens_per_second"],
+        "cpu": _cpu_name(),
+    }  # fmt: skip
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f} ms"
+
+
+def report(result: dict) -> str:
+    load, cache, peak = result["load"], result["cache"], result["peak"]
+    lines = [
+        f"mhsa serve: {result['model']}, {load['requests']} greedy streamed completions "
+        f"(prompts {load['prompt'][0]}..{load['prompt'][1]} words, {load['new'][0]}.."
+        f"{load['new'][1]} new tokens), {result['cpu']}",
+        f"{'load':<28}{'tokens/s':>10}{'TTFT p50':>10}{'p95':>9}{'ITL p50':>10}{'p95':>9}",
+    ]
+    for label, key in ((f"{load['clients']} concurrent clients", "concurrent"),
+                       ("one request at a time", "one_at_a_time")):  # fmt: skip
+        r = result[key]
+        lines.append(f"{label:<28}{r['tokens_per_second']:>10.1f}{_ms(r['ttft']['p50']):>10}"
+                     f"{_ms(r['ttft']['p95']):>9}{_ms(r['itl']['p50']):>10}"
+                     f"{_ms(r['itl']['p95']):>9}")  # fmt: skip
+    lines.append(f"throughput, concurrent vs one at a time: {result['speedup']:.2f}x")
+    mib = 2**20
+    contiguous = peak["contiguous_bytes"]
+    lines.append(
+        f"peak cache memory: {peak['peak_bytes'] / mib:.1f} MiB ({peak['peak_used_blocks']} of "
+        f"{cache['num_blocks']} blocks of {cache['block_size']} tokens) vs "
+        f"{contiguous / mib:.1f} MiB for contiguous caches of the longest request "
+        f"({peak['longest_request']} tokens) x {peak['peak_running']} running: "
+        f"{peak['peak_bytes'] / contiguous:.2f}x"
+    )
+    return "\n".join(lines)
