@@ -206,4 +206,8 @@ def test_a_client_that_disconnects_mid_answer_frees_its_blocks(server, stream):
     connection.sock.shutdown(socket.SHUT_RDWR)
     connection.close()
     assert _wait_for(lambda: engine.cache.used_blocks == 0 and engine.idle)
-    assert _get(server, "/health") == 200
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    connection.request("GET", "/health")
+    health = json.loads(connection.getresponse().read())
+    connection.close()
+    assert health["status"] == "ok" and (health["running"], health["used_blocks"]) == (0, 0)

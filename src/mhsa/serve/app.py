@@ -44,7 +44,10 @@ def build_app(served: ServedModel) -> Starlette:
             served.engine.stop()
 
     async def health(request: Request) -> Response:
-        return JSONResponse({"status": "ok", "model": served.name})
+        stats = served.engine.stats()
+        keys = ("running", "waiting", "used_blocks", "num_blocks")
+        return JSONResponse({"status": "ok", "model": served.name,
+                             **{key: stats[key] for key in keys}})  # fmt: skip
 
     async def models(request: Request) -> Response:
         return JSONResponse(
