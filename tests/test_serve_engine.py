@@ -173,6 +173,7 @@ def test_sampling_with_a_seed_repeats():
     ([1, 2], 0, {}, "max_tokens must be"),
     ([1, 2], 4, {"temperature": -1.0}, "temperature must be >= 0"),
     ([1] * 60, 10, {}, "exceeds the context length 64"),
+    ([1, VOCAB], 4, {}, "outside the vocabulary 0..63"),
 ])  # fmt: skip
 def test_bad_requests_raise_clear_errors(prompt, max_tokens, options, message):
     engine = Engine(_model(_llama), context_length=64, num_blocks=64)
@@ -198,3 +199,29 @@ def test_stats_report_the_peak_against_contiguous_caches():
     assert stats["peak_used_blocks"] == 7
     assert stats["peak_bytes"] == 7 * stats["block_bytes"]
     assert stats["contiguous_bytes"] == 100 * stats["block_bytes"] // 16 * 2
+
+
+def test_a_failed_step_ends_only_its_own_requests():
+    """Two prompts admitted together are prefilled one per step: a failure in the
+    first one's prefill ends it, and the second is still served."""
+    model = _model(_llama)
+    engine = Engine(model, context_length=512, num_blocks=64)
+    prefill = engine._prefill
+
+    def fail_once(request):
+        engine._prefill = prefill
+        raise RuntimeError("a planted failure")
+
+    engine._prefill = fail_once
+    first, second = (engine.submit(p, 4) for p in _prompts([20, 30]))
+    engine.start()
+    try:
+        for _ in range(6000):
+            if first.done and second.done:
+                break
+            threading.Event().wait(0.01)
+    finally:
+        engine.stop()
+    assert first.finish_reason == "error"
+    assert second.finish_reason == "length" and second.output == _alone(model, second.prompt, 4)
+    assert engine.cache.used_blocks == 0

@@ -47,7 +47,7 @@ def build_app(served: ServedModel) -> Starlette:
         stats = served.engine.stats()
         keys = ("running", "waiting", "used_blocks", "num_blocks")
         return JSONResponse({"status": "ok", "model": served.name,
-                             **{key: stats[key] for key in keys}})  # fmt: skip
+                             **{key: stats[key] for key in keys}, "cache": stats})  # fmt: skip
 
     async def models(request: Request) -> Response:
         return JSONResponse(

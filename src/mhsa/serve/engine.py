@@ -100,6 +100,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._peak = {"used_blocks": 0, "running": 0, "longest_request": 0}
+        self._in_step: list[Request] = []  # the requests of the step running now
 
     # -- requests (any thread) --
 
@@ -111,6 +112,9 @@ class Engine:
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("the prompt is empty: give at least one token")
+        vocab = self.model.config.vocab_size
+        if not all(0 <= t < vocab for t in prompt):
+            raise ValueError(f"the prompt holds token ids outside the vocabulary 0..{vocab - 1}")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
         check_sampling(temperature, None, top_p)
@@ -156,6 +160,7 @@ class Engine:
             self._admit()
             decoding = [r for r in self._running if r.next_token is not None]
             prefilling = next((r for r in self._running if r.prefilled < len(r.prompt)), None)
+            self._in_step = decoding + [prefilling] * (prefilling is not None)
         if not decoding and prefilling is None:
             return False
         with torch.inference_mode():
@@ -163,7 +168,7 @@ class Engine:
                 self._decode(decoding)
             if prefilling is not None:
                 self._prefill(prefilling)
-        self._note_peaks(decoding + [prefilling] * (prefilling is not None))
+        self._note_peaks(self._in_step)
         return True
 
     def _note_peaks(self, requests: list[Request]) -> None:
@@ -299,7 +304,7 @@ class Engine:
             except Exception:  # a failed step ends its requests, not the server
                 log.exception("engine step failed")
                 with self._lock:
-                    for request in list(self._running):
+                    for request in self._in_step:
                         self._finish(request, "error")
 
     def run(self, prompts: Sequence[Sequence[int]],
