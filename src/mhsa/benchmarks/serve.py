@@ -15,6 +15,7 @@ sequence (what a batch of `max_batch` such requests would reserve).
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import random
@@ -25,8 +26,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-
-import httpx
 
 LOAD = {"requests": 64, "clients": 16, "prompt": (16, 192), "new": (32, 128)}
 QUICK = {"requests": 8, "clients": 4, "prompt": (8, 32), "new": (4, 16)}
@@ -52,16 +51,31 @@ def _prompts(count: int, words: tuple[int, int], seed: int = 0) -> list[str]:
     return prompts
 
 
-def _stream(client: httpx.Client, model: str, prompt: str, max_tokens: int) -> dict:
+def _get(port: int, path: str) -> dict:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        connection.request("GET", path)
+        return json.loads(connection.getresponse().read())
+    finally:
+        connection.close()
+
+
+def _stream(port: int, model: str, prompt: str, max_tokens: int) -> dict:
     """One streamed greedy completion: its token count, time to first token and the
     gaps between tokens (seconds)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     start = time.perf_counter()
     arrivals, tokens = [], None
-    with client.stream("POST", "/v1/completions", json=body) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
+    try:
+        connection.request("POST", "/v1/completions", json.dumps(body),
+                           {"Content-Type": "application/json"})  # fmt: skip
+        response = connection.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"the server answered {response.status}: {response.read()!r}")
+        for raw in response:
+            line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
@@ -69,21 +83,22 @@ def _stream(client: httpx.Client, model: str, prompt: str, max_tokens: int) -> d
                 tokens = chunk["usage"]["completion_tokens"]
             if chunk.get("choices"):
                 arrivals.append(time.perf_counter())
+    finally:
+        connection.close()
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
     return {"tokens": tokens, "ttft": arrivals[0] - start if arrivals else None, "gaps": gaps}
 
 
-def _load(url: str, model: str, requests: list[tuple[str, int]], clients: int) -> dict:
+def _load(port: int, model: str, requests: list[tuple[str, int]], clients: int) -> dict:
     """Run requests from `clients` threads (each its share, in turn); totals and latencies."""
     results: list[dict] = []
     lock = threading.Lock()
 
     def client_loop(share: list[tuple[str, int]]) -> None:
-        with httpx.Client(base_url=url, timeout=600) as client:
-            for prompt, new in share:
-                result = _stream(client, model, prompt, new)
-                with lock:
-                    results.append(result)
+        for prompt, new in share:
+            result = _stream(port, model, prompt, new)
+            with lock:
+                results.append(result)
 
     threads = [threading.Thread(target=client_loop, args=(requests[i::clients],))
                for i in range(clients)]  # fmt: skip
@@ -109,21 +124,21 @@ def _percentiles(values: list[float]) -> dict:
 
 
 def _start_server(model: str | None, port: int, options: list[str]) -> subprocess.Popen:
-    command = [sys.executable, "-m", "mhsa", "serve", "--host", "127.0.0.1", "--port", str(port),
+    command = [sys.executable, "-m", "mhsa.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
                *(["--model", model] if model else []), *options]  # fmt: skip
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
                             text=True)  # fmt: skip
 
 
-def _wait_ready(url: str, server: subprocess.Popen, timeout: float = 300) -> dict:
+def _wait_ready(port: int, server: subprocess.Popen, timeout: float = 300) -> dict:
     deadline = time.perf_counter() + timeout
     while time.perf_counter() < deadline:
         if server.poll() is not None:
             raise RuntimeError(f"mhsa serve exited: {server.stderr.read()[-2000:]}")
         try:
-            return httpx.get(f"{url}/health", timeout=2).json()
-        except httpx.HTTPError:
+            return _get(port, "/health")
+        except OSError:
             time.sleep(0.5)
     raise RuntimeError(f"mhsa serve did not answer /health within {timeout:.0f} s")
 
@@ -135,18 +150,17 @@ def run(model: str | None = None, quick: bool = False, threads: int | None = Non
     prompts = _prompts(load["requests"], load["prompt"])
     requests = [(p, rng.randint(*load["new"])) for p in prompts]
     port = _free_port()
-    url = f"http://127.0.0.1:{port}"
     options = ["--max-batch", str(load["clients"])]
     if threads:
         options += ["--threads", str(threads)]
     server = _start_server(model, port, options)
     try:
-        health = _wait_ready(url, server)
-        name = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
-        _load(url, name, requests[:2], 1)  # warm-up
-        concurrent = _load(url, name, requests, load["clients"])
-        peak = httpx.get(f"{url}/health").json()["cache"]
-        serial = _load(url, name, requests, 1)
+        health = _wait_ready(port, server)
+        name = _get(port, "/v1/models")["data"][0]["id"]
+        _load(port, name, requests[:2], 1)  # warm-up
+        concurrent = _load(port, name, requests, load["clients"])
+        peak = _get(port, "/health")["cache"]
+        serial = _load(port, name, requests, 1)
     finally:
         server.terminate()
         server.wait(30)
