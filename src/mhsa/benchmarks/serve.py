@@ -124,8 +124,8 @@ def _percentiles(values: list[float]) -> dict:
 
 
 def _start_server(model: str | None, port: int, options: list[str]) -> subprocess.Popen:
-    command = [sys.executable, "-m", "mhsa.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-               *(["--model", model] if model else []), *options]  # fmt: skip
+    command = [sys.executable, "-m", "mhsa.cli", "serve", "--host", "127.0.0.1",
+               "--port", str(port), *(["--model", model] if model else []), *options]  # fmt: skip
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
                             text=True)  # fmt: skip
@@ -143,7 +143,12 @@ def _wait_ready(port: int, server: subprocess.Popen, timeout: float = 300) -> di
     raise RuntimeError(f"mhsa serve did not answer /health within {timeout:.0f} s")
 
 
-def run(model: str | None = None, quick: bool = False, threads: int | None = None) -> dict:
+def run(
+    model: str | None = None,
+    quick: bool = False,
+    threads: int | None = None,
+    quantize: str | None = None,
+) -> dict:
     """Both loads against one server; see the module docstring."""
     load = QUICK if quick else LOAD
     rng = random.Random(1)
@@ -153,6 +158,8 @@ def run(model: str | None = None, quick: bool = False, threads: int | None = Non
     options = ["--max-batch", str(load["clients"])]
     if threads:
         options += ["--threads", str(threads)]
+    if quantize:
+        options += ["--quantize", quantize]
     server = _start_server(model, port, options)
     try:
         health = _wait_ready(port, server)
@@ -165,7 +172,8 @@ def run(model: str | None = None, quick: bool = False, threads: int | None = Non
         server.terminate()
         server.wait(30)
     return {
-        "model": name, "load": load, "cache": health["cache"], "peak": peak,
+        "model": name, "quantize": quantize or "default", "load": load,
+        "cache": health["cache"], "peak": peak,
         "concurrent": concurrent, "one_at_a_time": serial,
         "speedup": concurrent["tokens_per_second"] / serial["tokens_per_second"],
         "cpu": _cpu_name(),
@@ -189,7 +197,8 @@ def _ms(value: float | None) -> str:
 def report(result: dict) -> str:
     load, cache, peak = result["load"], result["cache"], result["peak"]
     lines = [
-        f"mhsa serve: {result['model']}, {load['requests']} greedy streamed completions "
+        f"mhsa serve: {result['model']} (quantize {result.get('quantize', 'default')}), "
+        f"{load['requests']} greedy streamed completions "
         f"(prompts {load['prompt'][0]}..{load['prompt'][1]} words, {load['new'][0]}.."
         f"{load['new'][1]} new tokens), {result['cpu']}",
         f"{'load':<28}{'tokens/s':>10}{'TTFT p50':>10}{'p95':>9}{'ITL p50':>10}{'p95':>9}",

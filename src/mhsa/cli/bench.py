@@ -49,7 +49,9 @@ def bench(args: argparse.Namespace) -> int:
         from ..benchmarks import serve
 
         try:
-            result = serve.run(model=args.model, quick=args.quick, threads=args.threads)
+            result = serve.run(
+                model=args.model, quick=args.quick, threads=args.threads, quantize=args.quantize
+            )
         except RuntimeError as error:  # the server did not start
             raise SystemExit(str(error)) from error
         text = serve.report(result)
@@ -93,6 +95,9 @@ def add_parser(commands) -> None:
     )
     bench_parser.add_argument(
         "--threads", type=positive_int, help="serve: torch threads of the server"
+    )
+    bench_parser.add_argument(
+        "--quantize", help="serve: the server's --quantize (default: the file's own weights)"
     )
     bench_parser.add_argument("--json", action="store_true", help="print JSON")
     bench_parser.add_argument(
