@@ -1,5 +1,5 @@
 """`mhsa bench serve`: one `mhsa serve` process (the packaged SmolLM2 unless --model),
-two loads of the same requests through its OpenAI-compatible HTTP API:
+the same requests run two ways through its OpenAI-compatible HTTP API:
 
 - concurrent: `clients` streaming clients, each sending its share of the requests
   one after another (continuous batching serves them together);
@@ -27,8 +27,13 @@ import threading
 import time
 from pathlib import Path
 
-LOAD = {"requests": 64, "clients": 16, "prompt": (16, 192), "new": (32, 128)}
-QUICK = {"requests": 8, "clients": 4, "prompt": (8, 32), "new": (4, 16)}
+# "chat": short questions, longer answers; "long-prompts": prompts about twice the
+# answers, where prefilling (the same work in both loads) takes a larger share
+LOADS = {
+    "chat": {"requests": 64, "clients": 16, "prompt": (8, 96), "new": (64, 192)},
+    "long-prompts": {"requests": 64, "clients": 16, "prompt": (16, 192), "new": (32, 128)},
+    "quick": {"requests": 8, "clients": 4, "prompt": (8, 32), "new": (4, 16)},
+}
 
 
 def _free_port() -> int:
@@ -148,9 +153,13 @@ def run(
     quick: bool = False,
     threads: int | None = None,
     quantize: str | None = None,
+    load: str = "chat",
 ) -> dict:
-    """Both loads against one server; see the module docstring."""
-    load = QUICK if quick else LOAD
+    """Both runs of a load (one of LOADS) against one server; see the module docstring."""
+    name = "quick" if quick else load
+    if name not in LOADS:
+        raise ValueError(f"load must be one of {', '.join(LOADS)}, got {load!r}")
+    load = dict(LOADS[name], name=name)
     rng = random.Random(1)
     prompts = _prompts(load["requests"], load["prompt"])
     requests = [(p, rng.randint(*load["new"])) for p in prompts]
@@ -198,7 +207,7 @@ def report(result: dict) -> str:
     load, cache, peak = result["load"], result["cache"], result["peak"]
     lines = [
         f"mhsa serve: {result['model']} (quantize {result.get('quantize', 'default')}), "
-        f"{load['requests']} greedy streamed completions "
+        f"load {load.get('name', '?')}: {load['requests']} greedy streamed completions "
         f"(prompts {load['prompt'][0]}..{load['prompt'][1]} words, {load['new'][0]}.."
         f"{load['new'][1]} new tokens), {result['cpu']}",
         f"{'load':<28}{'tokens/s':>10}{'TTFT p50':>10}{'p95':>9}{'ITL p50':>10}{'p95':>9}",

@@ -97,6 +97,12 @@ def add_parser(commands) -> None:
         "--threads", type=positive_int, help="serve: torch threads of the server"
     )
     bench_parser.add_argument(
+        "--load",
+        default="chat",
+        choices=["chat", "long-prompts"],
+        help="serve: chat (short prompts, longer answers; default) or long-prompts",
+    )
+    bench_parser.add_argument(
         "--quantize", help="serve: the server's --quantize (default: the file's own weights)"
     )
     bench_parser.add_argument("--json", action="store_true", help="print JSON")
