@@ -21,14 +21,13 @@ import contextlib
 import torch
 from torch import Tensor
 
-from ..kernels.dense import stats_dtype
 from ..kernels.flash import flash_backward, flash_forward, fused_available
 from ..scores import ScoreFunction
 from .flash_plan import plan_for
 from .op_values import (
     rebuild_pattern,
     rebuild_score,
-    register_attention_autograd,
+    register_attention_op,
     score_spec,
     traced_mask,
     traced_seed,
@@ -72,14 +71,6 @@ def flash_attention_op(
     return out.contiguous(), lse.contiguous()
 
 
-@flash_attention_op.register_fake
-def _(q, k, v, mask, bias, pattern, causal, scale, dropout_p, seed, score, score_tensors,
-      sinks):  # fmt: skip
-    batch, heads, q_len, _ = q.shape
-    out = q.new_empty(batch, heads, q_len, v.shape[-1])
-    return out, q.new_empty(batch, heads, q_len, dtype=stats_dtype(q.dtype))
-
-
 @torch.library.custom_op("mhsa::flash_attention_backward", mutates_args=())
 def flash_attention_backward_op(
     grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
@@ -107,19 +98,7 @@ def flash_attention_backward_op(
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), dbias, dsinks, dscore
 
 
-@flash_attention_backward_op.register_fake
-def _(grad_out, grad_lse, q, k, v, mask, bias, out, lse, pattern, causal, scale, dropout_p,
-      seed, score, score_tensors, sinks, bias_grad, score_grad):  # fmt: skip
-    # contiguous, as the real op's (empty_like would copy q's strides, and a graph
-    # traced on those would misread the real gradients)
-    dbias = bias.new_empty(bias.shape) if bias_grad else q.new_empty(0)
-    dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty(0)
-    dscore = [t.new_empty(t.shape) for t in score_tensors] if score_grad else []
-    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-    return dq, dk, dv, dbias, dsinks, dscore
-
-
-register_attention_autograd(flash_attention_op, flash_attention_backward_op)
+register_attention_op(flash_attention_op, flash_attention_backward_op)
 
 
 def traceable(score: ScoreFunction | None) -> bool:

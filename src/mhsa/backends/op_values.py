@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from .. import masks
+from ..kernels.dense import stats_dtype
 from ..masks import Pattern
 from ..scores import ALiBi, Compose, RelativeBias, ScoreFunction, Softcap
 
@@ -91,8 +92,9 @@ def traced_seed(dropout_p: float) -> Tensor:
     return torch.zeros((), dtype=torch.int64)
 
 
-def register_attention_autograd(op, backward_op) -> None:
-    """Make backward_op op's gradient, for an attention op with the arguments
+def register_attention_op(op, backward_op) -> None:
+    """The fake (shape-only) implementations of an attention op and its backward op,
+    and backward_op as op's gradient. The op takes
     (q, k, v, mask, bias, pattern, causal, scale, dropout_p, seed, score, score_tensors,
     sinks) -> (out, lse) and a backward op taking (grad_out, grad_lse, q, k, v, mask,
     bias, out, lse, pattern, causal, scale, dropout_p, seed, score, score_tensors, sinks,
@@ -120,3 +122,24 @@ def register_attention_autograd(op, backward_op) -> None:
                 dsinks if sinks is not None else None)  # fmt: skip
 
     op.register_autograd(backward, setup_context=setup_context)
+    op.register_fake(_fake_forward)
+    backward_op.register_fake(_fake_backward)
+
+
+def _fake_forward(q, k, v, mask, bias, pattern, causal, scale, dropout_p, seed, score,
+                  score_tensors, sinks):  # fmt: skip
+    batch, heads, q_len, _ = q.shape
+    out = q.new_empty(batch, heads, q_len, v.shape[-1])
+    return out, q.new_empty(batch, heads, q_len, dtype=stats_dtype(q.dtype))
+
+
+def _fake_backward(grad_out, grad_lse, q, k, v, mask, bias, out, lse, pattern, causal,
+                   scale, dropout_p, seed, score, score_tensors, sinks, bias_grad,
+                   score_grad):  # fmt: skip
+    # contiguous, as the real ops' (empty_like would copy q's strides, and a graph
+    # traced on those would misread the real gradients)
+    dbias = bias.new_empty(bias.shape) if bias_grad else q.new_empty(0)
+    dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty(0)
+    dscore = [t.new_empty(t.shape) for t in score_tensors] if score_grad else []
+    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return dq, dk, dv, dbias, dsinks, dscore

@@ -21,7 +21,7 @@ from ..scores import ScoreFunction
 from .op_values import (
     rebuild_pattern,
     rebuild_score,
-    register_attention_autograd,
+    register_attention_op,
     score_spec,
     traced_mask,
     traced_seed,
@@ -65,14 +65,6 @@ def triton_attention_op(
     return _forward(q, k, v, bias, tiles, scale, dropout, kernel, (slopes, table, sinks))
 
 
-@triton_attention_op.register_fake
-def _(q, k, v, mask, bias, pattern, causal, scale, dropout_p, seed, score, score_tensors,
-      sinks):  # fmt: skip
-    batch, heads, q_len, _ = q.shape
-    out = q.new_empty(batch, heads, q_len, v.shape[-1])
-    return out, q.new_empty(batch, heads, q_len, dtype=stats_dtype(q.dtype))
-
-
 @torch.library.custom_op("mhsa::triton_attention_backward", mutates_args=())
 def triton_attention_backward_op(
     grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
@@ -104,17 +96,7 @@ def triton_attention_backward_op(
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), dbias, dsinks, dscore
 
 
-@triton_attention_backward_op.register_fake
-def _(grad_out, grad_lse, q, k, v, mask, bias, out, lse, pattern, causal, scale, dropout_p,
-      seed, score, score_tensors, sinks, bias_grad, score_grad):  # fmt: skip
-    dbias = bias.new_empty(bias.shape) if bias_grad else q.new_empty(0)
-    dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty(0)
-    dscore = [t.new_empty(t.shape) for t in score_tensors] if score_grad else []
-    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-    return dq, dk, dv, dbias, dsinks, dscore
-
-
-register_attention_autograd(triton_attention_op, triton_attention_backward_op)
+register_attention_op(triton_attention_op, triton_attention_backward_op)
 
 
 def traced_triton_attention(q, k, v, mask, bias, causal: bool, scale: float, dropout_p: float,
