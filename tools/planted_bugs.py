@@ -54,6 +54,13 @@ BUGS = {
     "sampling multiplies by the temperature": (
         "models/decoding.py", "logits = logits.float() / temperature",
         "logits = logits.float() * temperature", "tests/test_gpt.py"),
+    "paged attention lets a query see its own key late": (
+        "kernels/paged.py", "allowed = k_pos <= q_pos", "allowed = k_pos < q_pos",
+        "tests/test_paged_attention.py"),
+    "a stop token is output before the request ends": (
+        "serve/engine.py", "            if token in self.stop_ids:\n",
+        "            if token in self.stop_ids and request.output.append(token):\n",
+        "tests/test_serve_engine.py"),
     # found by the mutation run (tools/mutation.py), not in the original list
     "learning rate schedule never applied": (
         "train.py", '            group["lr"] = lr_at(step, config)\n',
