@@ -87,3 +87,25 @@ def test_mhsa_imports_without_the_serve_extra_and_serve_says_how_to_get_it():
                             timeout=120, env=ENV, check=True)  # fmt: skip
     assert result.stdout.strip() == "2"
     assert "pip install 'mhsa[serve]'" in result.stderr
+
+
+def test_ctrl_c_in_wait_returns_only_once_the_server_and_engine_have_stopped():
+    """Ctrl-C while Server.wait blocks (what `mhsa serve` does): wait returns only after
+    uvicorn's shutdown and the engine's thread have ended (on Python 3.11 an interrupted
+    Thread.join marks the thread stopped while it still runs; an exit then could abort)."""
+    needs("starlette"), needs("uvicorn")
+    import _thread
+    import threading
+
+    from mhsa.models.gpt import GPT, GPTConfig
+    from mhsa.serve.models import ServedModel
+    from mhsa.serve.server import Server
+
+    gpt = GPT(GPTConfig(vocab_size=256, max_len=32, d_model=16, n_head=2, n_layer=1)).eval()
+    server = Server(ServedModel.from_gpt(gpt, "tiny", num_blocks=4), port=0).start()
+    body = {"model": "tiny", "prompt": "ab", "max_tokens": 3, "temperature": 0}
+    assert _post(server.port, "/v1/completions", body)[0] == 200
+    threading.Timer(0.2, _thread.interrupt_main).start()
+    server.wait()
+    alive = [t.name for t in threading.enumerate() if t.name in ("mhsa-serve", "mhsa-engine")]
+    assert alive == []

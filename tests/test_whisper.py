@@ -419,15 +419,16 @@ def moved(model) -> Whisper:
 
 def test_the_decoding_layout_decodes_the_same_tokens(model, moved, mel):
     """Whisper.decoding_layout (transcribe's default): the decoder's weights and the
-    output head transposed, q, k, v fused; the same tokens, logits within 1e-4; and so
-    with the steps after the prompt compiled (generate(compile=True))."""
+    output head transposed, q, k, v fused; the same tokens, logits within 1e-5 of their
+    scale (float32 sums in another order; logits reach ~30); and so with the steps after
+    the prompt compiled (generate(compile=True))."""
     (ids,), logits = model.generate(mel, return_logits=True)
     assert type(moved.token_embedding).__name__ == "TransposedEmbedding"
     for compile in (False, True):
         (again,), again_logits = moved.generate(mel, return_logits=True, compile=compile)
         assert_same_greedy(again, ids, lambda i: model.suppress(logits[0, i], first=i == 0))
         if again == ids:  # (else they parted at a tie, and the later steps differ)
-            assert max_error(again_logits, logits) < 1e-4
+            assert max_error(again_logits, logits) < 1e-5 * logits.abs().max().item()
 
 
 def test_memory_cache_and_full_recompute_agree(model, mel):

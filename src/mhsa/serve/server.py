@@ -32,6 +32,10 @@ class Server:
         self.served, self.host = served, host
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
+        # Set when uvicorn's run returns. Waiting is on this, not Thread.join: on Python
+        # 3.11 a join that Ctrl-C interrupts marks the still-running thread as stopped, so
+        # a later join returns at once and the interpreter would exit mid-shutdown.
+        self._ended = threading.Event()
 
     @property
     def port(self) -> int:
@@ -46,11 +50,12 @@ class Server:
     def start(self, timeout: float = 60.0) -> Server:
         if self._thread is not None:
             raise RuntimeError("the server is already running")
-        self._thread = threading.Thread(target=self._server.run, name="mhsa-serve", daemon=True)
+        self._ended.clear()
+        self._thread = threading.Thread(target=self._run, name="mhsa-serve", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout
         while not self._server.started:
-            if not self._thread.is_alive():
+            if self._ended.is_set():
                 self._thread = None
                 raise OSError(f"the server could not start on {self.host}:"
                               f"{self._server.config.port} (see the log above: a port in "
@@ -61,20 +66,29 @@ class Server:
             time.sleep(0.02)
         return self
 
+    def _run(self) -> None:
+        try:
+            self._server.run()
+        finally:
+            self._ended.set()
+
     def wait(self) -> None:
         """Block until the server ends (Ctrl-C: stop it)."""
         if self._thread is None:
             return
         try:
-            while self._thread.is_alive():
-                self._thread.join(0.5)
+            while not self._ended.wait(0.5):
+                pass
         except KeyboardInterrupt:
-            self.stop()
+            pass
+        self.stop()
 
     def stop(self) -> None:
+        """End the server: open requests finish (5 s at most), then the engine stops."""
         if self._thread is None:
             return
         self._server.should_exit = True
+        self._ended.wait()
         self._thread.join()
         self._thread = None
 
