@@ -15,7 +15,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import validate
+from .kernels.causal import causal_allows, causal_mask, causal_shift
 from .kernels.dense import masked_softmax, stats_dtype
+from .kernels.merge import merge_partials
 
 
 def lsh_buckets(x: Tensor, num_buckets: int, seed: int) -> Tensor:
@@ -69,7 +71,8 @@ def _one_round(q, k, v, q_buckets, k_buckets, chunk_size, causal, scale):
     wrapped = (torch.arange(num_chunks, device=q.device) == 0).view(-1, 1) & first_half
     allowed = (k_pos >= 0).unsqueeze(-2) & ~wrapped.view(1, 1, num_chunks, 1, -1)
     if causal:
-        allowed = allowed & (k_pos.unsqueeze(-2) <= q_pos.unsqueeze(-1) + (kv_len - q_len))
+        q_at = q_pos.unsqueeze(-1) + causal_shift(q_len, kv_len)
+        allowed = allowed & causal_allows(q_at, k_pos.unsqueeze(-2))
     scores = (qs @ ks.transpose(-1, -2)) * scale  # (B, H, nq, c, 2c)
     probs, lse = masked_softmax(scores.masked_fill(~allowed, -torch.inf))
     out = (probs @ vs).reshape(batch, heads, -1, v.shape[-1])[:, :, :q_len]
@@ -113,16 +116,13 @@ def cluster_attention(
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    outs, lses = [], []
+    rounds = []
     for round_ in range(num_hashes):
         q_buckets = lsh_buckets(q.detach(), num_buckets, seed + round_)
         k_buckets = lsh_buckets(k.detach(), num_buckets, seed + round_)
-        out, lse = _one_round(q, k, v, q_buckets, k_buckets, chunk_size, causal, scale)
-        outs.append(out)
-        lses.append(lse)
-    # rounds combine like a softmax over their logsumexps (safe for rows met nowhere)
-    weights, lse = masked_softmax(torch.stack(lses, dim=-1))  # (B, H, L, rounds), (B, H, L)
-    out = sum(weights[..., r, None] * outs[r] for r in range(num_hashes)).to(q.dtype)
+        rounds.append(_one_round(q, k, v, q_buckets, k_buckets, chunk_size, causal, scale))
+    out, lse = merge_partials(rounds)  # a key met in n rounds counts n times
+    out = out.to(q.dtype)
     return (out, lse) if return_lse else out
 
 
@@ -148,6 +148,5 @@ def implied_counts(
         delta = (q_rank // chunk_size).unsqueeze(-1) - (k_rank // chunk_size).unsqueeze(-2)
         counts += ((delta == 0) | (delta == 1)).long()
     if causal:
-        allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - q_len)
-        counts = counts * allowed
+        counts = counts * causal_mask(q_len, kv_len, q.device)
     return counts

@@ -13,6 +13,7 @@ from . import validate
 from .backends import AttentionSpec, select
 from .backends.isolate import isolate_masked_nonfinite
 from .backends.reference import attention_probs
+from .kernels.causal import causal_allows, causal_shift
 from .kernels.dense import (
     apply_dropout,
     grouped_scores,
@@ -207,11 +208,13 @@ def attention_weights(
     dtype = stats_dtype(q.dtype)
     scores = grouped_scores(q_sel.index_select(2, row_idx), k_sel, resolved_scale, dtype)
     if score is not None:
-        scores = apply_score(score, scores, row_idx + (kv_len - q_len), keys, head_idx)
+        q_pos = row_idx + causal_shift(q_len, kv_len)
+        scores = apply_score(score, scores, q_pos, keys, head_idx)
     if bias_sel is not None:
         scores = scores + _select(bias_sel, 2, row_idx).to(dtype)
     if causal:
-        visible = keys.view(1, -1) <= row_idx.view(-1, 1) + (kv_len - q_len)
+        q_pos = row_idx.view(-1, 1) + causal_shift(q_len, kv_len)
+        visible = causal_allows(q_pos, keys.view(1, -1))
         allowed = visible if allowed is None else allowed & visible
     if allowed is not None:
         scores = scores.masked_fill(~allowed, -torch.inf)

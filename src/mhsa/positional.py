@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from . import scores
+from .kernels.causal import causal_shift
 
 
 def _check_positive(name: str, value: int) -> None:
@@ -369,7 +370,7 @@ def alibi_slopes(num_heads: int) -> Tensor:
 
 def relative_offsets(q_len: int, kv_len: int, device: torch.device | None = None) -> Tensor:
     """(L, S) int64: key position minus query position, queries aligned bottom-right."""
-    q_pos = torch.arange(kv_len - q_len, kv_len, device=device).unsqueeze(1)
+    q_pos = torch.arange(causal_shift(q_len, kv_len), kv_len, device=device).unsqueeze(1)
     k_pos = torch.arange(kv_len, device=device).unsqueeze(0)
     return k_pos - q_pos
 

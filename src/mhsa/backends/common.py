@@ -5,22 +5,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..kernels.causal import causal_mask
+
 
 def tracing() -> bool:
     """Whether torch.compile or torch.export is tracing: a graph cannot branch on a
     tensor's values, so shortcuts that test them step aside."""
     return torch.compiler.is_compiling() or torch.compiler.is_exporting()
-
-
-def causal_mask(q_len: int, kv_len: int, device: torch.device | None = None) -> Tensor:
-    """(L, S) bool, True = may attend, aligned bottom-right.
-
-    Query i sees keys j <= i + S - L, so the last query sees every key (what decoding
-    with a KV cache needs). With L > S the first L - S queries see no key.
-    """
-    rows = torch.arange(q_len, device=device).unsqueeze(1)
-    cols = torch.arange(kv_len, device=device).unsqueeze(0)
-    return cols <= rows + (kv_len - q_len)
 
 
 def combined_mask(mask, causal: bool, q_len: int, kv_len: int, device: torch.device):

@@ -17,6 +17,7 @@ import functools
 import torch
 from torch import Tensor
 
+from ..kernels.causal import causal_allows, causal_shift
 from ..kernels.memo import PatternCache
 from ..kernels.scored import add_sinks
 from ..masks import Pattern
@@ -76,11 +77,11 @@ _CACHE = PatternCache(size=64)
 
 def _build_block_mask(mask, causal: bool, shape: tuple, device):
     batch, heads, q_len, kv_len = shape
-    shift = kv_len - q_len
+    shift = causal_shift(q_len, kv_len)
     if mask is None:  # causal only: a closed form, no dense L x S mask to build or keep
 
         def causal_mod(b, h, q_idx, kv_idx):
-            return kv_idx <= q_idx + shift
+            return causal_allows(q_idx + shift, kv_idx)
 
         return _flex_module().create_block_mask(
             causal_mod, None, None, q_len, kv_len, device=device, BLOCK_SIZE=BLOCK
@@ -108,14 +109,14 @@ def _pattern_block_mask(pattern: Pattern, causal: bool, shape: tuple, device):
     """A pattern's BlockMask from its elementwise rule: the mask_mod asks
     `pattern.allowed` about one (query, key) pair at a time."""
     batch, heads, q_len, kv_len = shape
-    shift = kv_len - q_len
+    shift = causal_shift(q_len, kv_len)
     index = torch.zeros(1, 1, dtype=torch.long, device=device)
     per_batch = pattern.allowed(index, index, q_len, kv_len).shape[0] > 1
 
     def mask_mod(b, h, q_idx, kv_idx):
         allowed = pattern.allowed(q_idx.view(1, 1), kv_idx.view(1, 1), q_len, kv_len)
         allowed = allowed.reshape(allowed.shape[0])[b if per_batch else 0]
-        return allowed & (kv_idx <= q_idx + shift) if causal else allowed
+        return allowed & causal_allows(q_idx + shift, kv_idx) if causal else allowed
 
     return _flex_module().create_block_mask(
         mask_mod, batch if per_batch else None, None, q_len, kv_len, device=device,
@@ -128,7 +129,7 @@ def _score_mod(score, q_len: int, kv_len: int):
     0..L-1, our functions see global positions (row + S - L)."""
     if score is None:
         return None
-    shift = kv_len - q_len
+    shift = causal_shift(q_len, kv_len)
 
     def score_mod(value, b, h, q_idx, kv_idx):
         return score(value, b, h, q_idx + shift, kv_idx)

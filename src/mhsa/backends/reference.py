@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..kernels.causal import causal_shift
 from ..kernels.dense import (
     apply_dropout,
     grouped_scores,
@@ -44,7 +45,7 @@ def attention_probs(
     scores = grouped_scores(q, k, scale, dtype)
     if score is not None:
         q_len, kv_len = q.shape[2], k.shape[2]
-        q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
+        q_pos = torch.arange(causal_shift(q_len, kv_len), kv_len, device=q.device)
         scores = apply_score(score, scores, q_pos, torch.arange(kv_len, device=q.device))
     if bias is not None:
         scores = scores + bias.to(dtype)

@@ -38,6 +38,7 @@ from torch import Tensor
 
 from ..kernels.dense import stats_dtype
 from ..kernels.flash import flash_backward, flash_forward, fused_available
+from ..kernels.merge import merge_partials
 from ..kernels.scored import add_sinks, sink_grad
 from ..masks import FULL, Causal, Pattern
 from ..scores import ScoreFunction, as_score
@@ -50,15 +51,10 @@ __all__ = ["ring_attention"]
 
 
 def _merge_into(out: Tensor, lse: Tensor, rows: slice, part: Tensor, part_lse: Tensor) -> None:
-    """Fold a partial (out, lse) of query rows into the running ones by logsumexp, in
-    place (no temporaries the size of out)."""
-    old = lse[:, :, rows]
-    new = torch.logaddexp(old, part_lse.to(lse.dtype))
-    safe = torch.where(torch.isneginf(new), torch.zeros_like(new), new)  # rows with no key
-    keep, add = torch.exp(old - safe).unsqueeze(-1), torch.exp(part_lse - safe).unsqueeze(-1)
-    out_rows = out[:, :, rows]
-    out_rows.mul_(keep).addcmul_(part.to(out.dtype), add)
-    lse[:, :, rows] = new
+    """Fold a partial (out, lse) of query rows into the running ones, in place."""
+    merged, merged_lse = merge_partials([(out[:, :, rows], lse[:, :, rows]), (part, part_lse)])
+    out[:, :, rows] = merged
+    lse[:, :, rows] = merged_lse
 
 
 def _ring_forward(q, k, v, keys, sinks, setup: Setup) -> tuple[Tensor, Tensor]:

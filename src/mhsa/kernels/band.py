@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .causal import causal_shift
+
 # 32 rows: less wasted work at the band's edges than 64 or more, while the kernel
 # still runs at full speed (`mhsa bench sparse`, SlidingWindow(256, 256), L=16384).
 BAND_ROWS = 32
@@ -34,7 +36,7 @@ def interior_rows(q_len: int, kv_len: int, left: int, right: int, align: int):
     BAND_ROWS."""
     if _FUSED_FORWARD is None or align % BAND_ROWS:
         return None
-    shift = kv_len - q_len
+    shift = causal_shift(q_len, kv_len)
     first = -(-max(0, left - shift) // align) * align  # row first's window starts at key >= 0
     end = max(0, q_len - right) // align * align  # row end - 1's window ends at key <= S - 1
     return (first, end) if end > first else None

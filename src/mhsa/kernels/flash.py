@@ -19,7 +19,9 @@ import torch
 from torch import Tensor
 
 from .band import band_forward, interior_rows
+from .causal import causal_shift
 from .dense import stats_dtype
+from .merge import merge_partials
 from .plain import plain_backward, run_forward
 from .plan import BlockPlan
 from .runs import add_keys, key_row_bias, run_keys, tile_bias
@@ -45,20 +47,6 @@ def _unit_last_stride(*tensors: Tensor) -> list[Tensor]:
     """The fused kernel misreads a tensor whose last dimension is strided (a (B, H, D, L)
     tensor transposed, say): such tensors are copied."""
     return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
-
-
-def _merge(partials: list[tuple[Tensor, Tensor]], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Combine normalised partial outputs (out_r, lse_r) of one row range by logsumexp."""
-    if len(partials) == 1:
-        return partials[0]
-    lse_all = torch.stack([lse_r for _, lse_r in partials])  # (runs, B, H, rows)
-    lse = torch.logsumexp(lse_all, dim=0)
-    safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-    weights = torch.exp(lse_all - safe).unsqueeze(-1)  # 0 for rows with no allowed key
-    out = weights[0] * partials[0][0].to(dtype)
-    for weight, (out_r, _) in zip(weights[1:], partials[1:], strict=True):
-        out = out + weight * out_r
-    return out, lse
 
 
 def _flipped(attn: Tensor | None) -> Tensor | None:
@@ -119,7 +107,7 @@ def flash_forward(
 def _forward_runs(q, k, v, bias, plan, scale, dropout, fused, score):
     batch, num_heads, q_len, _ = q.shape
     dtype = stats_dtype(q.dtype)
-    shift = plan.kv_len - plan.q_len
+    shift = causal_shift(plan.q_len, plan.kv_len)
     if fused:
         q, k, v = _unit_last_stride(q, k, v)
     band = _band_interior(plan, bias, dropout, fused) if score is None else None
@@ -167,7 +155,7 @@ def _forward_runs(q, k, v, bias, plan, scale, dropout, fused, score):
             continue
         if len(plan.rows) == 1 and q0 == 0 and q1 == q_len and len(partials) == 1:
             return out_r.to(q.dtype), lse_r.to(dtype)  # one run covers everything
-        out_rows, lse_rows = _merge(partials, dtype)
+        out_rows, lse_rows = merge_partials(partials)
         out[:, :, q0:q1] = out_rows
         lse[:, :, q0:q1] = lse_rows
     return out, lse

@@ -28,7 +28,9 @@ import torch
 from torch import Tensor
 
 from ..scores import ScoreFunction
+from .causal import causal_allows, causal_shift
 from .dense import grouped_scores, masked_softmax, probs_times_v, stats_dtype
+from .merge import merge_partials
 
 QUERY_CHUNK = 512  # query rows per pass of the tiled loop (bounds a score tile)
 _FUSED = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -44,12 +46,12 @@ def gather_pages(pool: Tensor, table: Tensor) -> Tensor:
 def query_positions(lengths: Tensor, q_len: int) -> Tensor:
     """(N, 1, T, 1) position of each query: lengths[n] - T + row."""
     rows = torch.arange(q_len, device=lengths.device)
-    return (lengths.view(-1, 1) - q_len + rows).view(-1, 1, q_len, 1)
+    return (rows + causal_shift(q_len, lengths.view(-1, 1))).view(-1, 1, q_len, 1)
 
 
 def _allowed(q_pos: Tensor, k_pos: Tensor, window: int | None) -> Tensor:
     """Causal (and windowed) visibility of keys k_pos (1, 1, 1, K) from q_pos."""
-    allowed = k_pos <= q_pos
+    allowed = causal_allows(q_pos, k_pos)
     return allowed if window is None else allowed & (k_pos >= q_pos - window)
 
 
@@ -146,9 +148,8 @@ def _tiled_rows(q, q_pos, k_pool, v_pool, table, lens, ends, first_key, batch_id
     pages = max(1, tile_size // block_size)
     span = pages * block_size
     grouped = q.to(dtype).reshape(batch, num_kv_heads, -1, head_dim)  # (N, H_kv, G*R, D)
-    row_max = q.new_full((batch, num_heads, rows, 1), -torch.inf, dtype=dtype)
-    total = q.new_zeros((batch, num_heads, rows, 1), dtype=dtype)
-    acc = q.new_zeros((batch, num_heads, rows, v_pool.shape[3]), dtype=dtype)
+    out = q.new_zeros((batch, num_heads, rows, v_pool.shape[3]), dtype=dtype)
+    lse = q.new_full((batch, num_heads, rows), -torch.inf, dtype=dtype)
     negated = [-end for end in ends]  # ascending, for bisect
     for k0 in range(first_key // span * span, max(ends, default=0), span):
         active = bisect.bisect_left(negated, -k0)  # sequences with ends[n] > k0
@@ -163,18 +164,15 @@ def _tiled_rows(q, q_pos, k_pool, v_pool, table, lens, ends, first_key, batch_id
         if window is not None or k0 + keys.shape[2] > ends[active - 1] - rows + 1:
             scores = scores.masked_fill_(~_allowed(q_pos[:active], k_pos, window), -torch.inf)
         # (else every row of every active sequence sees every key of the tile)
-        new_max = torch.maximum(row_max[:active], scores.amax(dim=-1, keepdim=True))
-        safe_max = torch.where(torch.isfinite(new_max), new_max, 0.0)
-        probs = scores.sub_(safe_max).exp_()
-        rescale = (row_max[:active] - safe_max).exp_()
-        total[:active] = total[:active] * rescale + probs.sum(dim=-1, keepdim=True)
+        probs, lse_t = masked_softmax(scores)
         if k0 + keys.shape[2] > ends[active - 1]:  # slots past some sequence's end
             real = (k_pos < lens[:active].view(-1, 1, 1, 1)).transpose(2, 3)
             values = values.masked_fill(~real, 0)  # unwritten slots may hold anything
-        update = probs.view(active, num_kv_heads, -1, keys.shape[2]) @ values
-        acc[:active] = acc[:active] * rescale + update.view(active, num_heads, rows, -1)
-        row_max[:active] = new_max
-    return (acc / torch.where(total > 0, total, 1.0)).to(q.dtype)
+        out_t = probs.view(active, num_kv_heads, -1, keys.shape[2]) @ values
+        out[:active], lse[:active] = merge_partials(
+            [(out[:active], lse[:active]), (out_t.view(active, num_heads, rows, -1), lse_t)]
+        )
+    return out.to(q.dtype)
 
 
 def _fused_rows(q, q_pos, k_pool, v_pool, table, lens, ends, first_key, scale, window,
@@ -211,10 +209,6 @@ def _fused_rows(q, q_pos, k_pool, v_pool, table, lens, ends, first_key, scale, w
         if out is None:
             out, lse = out_t.to(lse_t.dtype), lse_t
             continue
-        merged = torch.logaddexp(lse[:active], lse_t)
-        safe = torch.where(torch.isneginf(merged), 0.0, merged)
-        old, new = (lse[:active] - safe).exp_(), (lse_t - safe).exp_()
-        out[:active] = out[:active] * old.unsqueeze(-1) + out_t * new.unsqueeze(-1)
-        lse[:active] = merged
+        out[:active], lse[:active] = merge_partials([(out[:active], lse[:active]), (out_t, lse_t)])
     out = out.view(batch, num_kv_heads, group, rows, -1).view(batch, num_heads, rows, -1)
     return out.to(q.dtype)

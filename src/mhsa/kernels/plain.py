@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from .causal import causal_shift
 from .dense import grouped_scores, probs_times_v
 from .dropout import keep_mask
 from .runs import add_bias_grad, run_keys, tile_bias
@@ -119,7 +120,7 @@ def plain_backward(grad_out, q, k, v, bias4, lse_inv, delta, plan, run, q0, q1, 
     """Add one run's gradients to grads = (dq, dk, dv, dbias or None, param grads),
     piece by piece."""
     dq, dk, dv, dbias, param_grads = grads
-    dtype, shift = dq.dtype, plan.kv_len - plan.q_len
+    dtype, shift = dq.dtype, causal_shift(plan.q_len, plan.kv_len)
     cols_all, index, k_run, v_run = run_keys(k, v, run, plan)
     for r0 in range(q0, q1, PLAIN_ROWS):
         r1 = min(q1, r0 + PLAIN_ROWS)

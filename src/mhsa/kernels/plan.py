@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .causal import causal_allows, causal_shift
+
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
 
@@ -69,7 +71,7 @@ class CausalMask:
     """Causal attention aligned bottom-right: query i sees keys j <= i + S - L."""
 
     def __init__(self, q_len: int, kv_len: int, device: torch.device) -> None:
-        self.shift = kv_len - q_len
+        self.shift = causal_shift(q_len, kv_len)
         self.device = device
 
     def block_kinds(self, q_len: int, kv_len: int, block_q: int, block_k: int) -> Tensor:
@@ -79,8 +81,8 @@ class CausalMask:
         k_last = (k_first + block_k - 1).clamp(max=kv_len - 1)
         # a tile is full if its first row sees its last key, empty if its last row
         # sees none of its keys
-        full = k_last.view(1, -1) <= q_first.view(-1, 1) + self.shift
-        empty = k_first.view(1, -1) > q_last.view(-1, 1) + self.shift
+        full = causal_allows(q_first.view(-1, 1) + self.shift, k_last.view(1, -1))
+        empty = ~causal_allows(q_last.view(-1, 1) + self.shift, k_first.view(1, -1))
         kinds = torch.full(full.shape, PARTIAL, dtype=torch.int8)
         kinds[full] = FULL
         kinds[empty] = EMPTY
@@ -92,7 +94,7 @@ class CausalMask:
 
     def tile(self, q0: int, q1: int, cols: Tensor) -> Tensor:
         rows = torch.arange(q0, q1, device=cols.device).view(-1, 1)
-        return cols.view(1, -1) <= rows + self.shift
+        return causal_allows(rows + self.shift, cols.view(1, -1))
 
 
 class AllOf:

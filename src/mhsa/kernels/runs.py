@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .causal import causal_allows, causal_shift
 from .dense import stats_dtype
 from .plan import BlockPlan, Run
 from .scored import score_tile
@@ -64,9 +65,9 @@ def key_row_bias(plan: BlockPlan, bias, q0: int, q1: int, run: Run, cols: Tensor
     a separable score function alone and all its keys precede its rows; else None. The
     fused kernel then reads one row of values for the whole tile, and the row term goes
     into the run's lse."""
-    shift = plan.kv_len - plan.q_len
+    shift = causal_shift(plan.q_len, plan.kv_len)
     if score is None or not score.separable or bias is not None or not run.full \
-            or triangle is not None or run.k1 - 1 > q0 + shift:  # fmt: skip
+            or triangle is not None or not causal_allows(q0 + shift, run.k1 - 1):  # fmt: skip
         return None
     q_pos = torch.arange(q0 + shift, q1 + shift, device=cols.device)
     rows, keys = score.split_left(torch.arange(heads, device=cols.device), q_pos, cols)

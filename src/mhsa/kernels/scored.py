@@ -6,7 +6,8 @@ A score function (mhsa.scores) is evaluated on one tile at a time from index vec
 its backward differentiates that tile with autograd, which also yields the gradients
 of the tensors it reads (a learned bias table, slopes, a ScoreMod's closure). A sink is
 a per-head logit of a key without a value: it joins each row's softmax denominator, so
-out scales by exp(lse - lse') with lse' = logaddexp(lse, sink).
+out scales by exp(lse - lse') with lse' = logaddexp(lse, sink), the merge of a part
+with no value (kernels.merge).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import Tensor
 
 from ..scores import ScoreFunction, tile_indices
 from .dense import masked_softmax
+from .merge import merge_partials
 
 
 class SelectedHeads(ScoreFunction):
@@ -125,10 +127,9 @@ def softmax_with_sinks(scores: Tensor, sinks: Tensor | None) -> tuple[Tensor, Te
 def add_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
     """(out, lse) of the keys -> (out, lse) with each head's sink in the denominator.
     A row with no allowed key keeps output 0 and gets lse = its sink."""
-    sink = sinks.to(lse.dtype).view(1, -1, 1)
-    total = torch.logaddexp(lse, sink.expand_as(lse))
-    rescale = torch.exp(lse - total)  # 0 where lse is -inf
-    return (out * rescale.unsqueeze(-1)).to(out.dtype), total
+    sink = sinks.to(lse.dtype).view(1, -1, 1)  # a part with no value: out 0
+    merged, total = merge_partials([(out, lse), (out.new_zeros(()), sink)])
+    return merged.to(out.dtype), total
 
 
 def sink_grad(sinks: Tensor, lse: Tensor, delta: Tensor) -> Tensor:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ..kernels.causal import causal_allows, causal_shift
 from ..kernels.plan import CausalMask, reduce_blocks
 from .base import (
     EMPTY,
@@ -30,7 +31,8 @@ def _kinds_from(full: Tensor, empty: Tensor) -> Tensor:
 
 def _query_positions(q_len: int, kv_len: int, block_q: int) -> tuple[Tensor, Tensor]:
     first, last = block_ranges(q_len, block_q)
-    return first + (kv_len - q_len), last + (kv_len - q_len)
+    shift = causal_shift(q_len, kv_len)
+    return first + shift, last + shift
 
 
 class Full(Pattern):
@@ -51,13 +53,13 @@ class Causal(Pattern):
     """Query at position p attends keys j <= p (bottom-right aligned)."""
 
     def allowed(self, rows, cols, q_len, kv_len):
-        return cols <= rows + (kv_len - q_len)
+        return causal_allows(rows + causal_shift(q_len, kv_len), cols)
 
     def kinds(self, q_len, kv_len, block_q, block_k):
         return CausalMask(q_len, kv_len, "cpu").block_kinds(q_len, kv_len, block_q, block_k)
 
     def lower_triangular(self, q0, q1, k0, k1, q_len, kv_len):
-        return k0 == q0 + kv_len - q_len
+        return k0 == q0 + causal_shift(q_len, kv_len)
 
     def __repr__(self) -> str:
         return "Causal()"
@@ -74,7 +76,7 @@ class SlidingWindow(Pattern):
         self.right = int_at_least("right", right, 0)
 
     def allowed(self, rows, cols, q_len, kv_len):
-        offset = cols - (rows + (kv_len - q_len))  # key minus query position
+        offset = cols - (rows + causal_shift(q_len, kv_len))  # key minus query position
         return (offset >= -self.left) & (offset <= self.right)
 
     def kinds(self, q_len, kv_len, block_q, block_k):
@@ -88,12 +90,12 @@ class SlidingWindow(Pattern):
 
     def lower_triangular(self, q0, q1, k0, k1, q_len, kv_len):
         # the right edge runs along the tile's diagonal; the left edge never cuts in
-        first = q0 + kv_len - q_len  # position of the tile's first query
+        first = q0 + causal_shift(q_len, kv_len)  # position of the tile's first query
         return k0 == first + self.right and q1 - q0 - 1 <= self.left + self.right
 
     def upper_triangular(self, q0, q1, k0, k1, q_len, kv_len):
         # the left edge runs along the diagonal of a square tile; the right never cuts
-        first = q0 + kv_len - q_len
+        first = q0 + causal_shift(q_len, kv_len)
         return k1 - k0 == q1 - q0 and k0 == first - self.left and k1 - 1 <= first + self.right
 
     def band(self) -> Band:
@@ -113,7 +115,7 @@ class Dilated(Pattern):
         self._span = SlidingWindow(span, span)
 
     def allowed(self, rows, cols, q_len, kv_len):
-        offset = cols - (rows + (kv_len - q_len))
+        offset = cols - (rows + causal_shift(q_len, kv_len))
         return self._span.allowed(rows, cols, q_len, kv_len) & (offset % self.dilation == 0)
 
     def kinds(self, q_len, kv_len, block_q, block_k):
@@ -227,10 +229,10 @@ class GlobalTokens(Pattern):
         return torch.isin(positions, self.indices.to(positions.device))
 
     def allowed(self, rows, cols, q_len, kv_len):
-        return self._is_global(rows + (kv_len - q_len)) | self._is_global(cols)
+        return self._is_global(rows + causal_shift(q_len, kv_len)) | self._is_global(cols)
 
     def kinds(self, q_len, kv_len, block_q, block_k):
-        shift = kv_len - q_len
+        shift = causal_shift(q_len, kv_len)
         q_blocks = num_blocks(q_len, block_q)
         k_blocks = num_blocks(kv_len, block_k)
         rows = self.indices - shift
@@ -320,7 +322,8 @@ class Document(Pattern):
 
     def allowed(self, rows, cols, q_len, kv_len):
         ids = self.ids.to(rows.device)
-        q_ids = ids[:, (rows + (kv_len - q_len)).flatten()].view(ids.shape[0], 1, -1, 1)
+        q_pos = rows + causal_shift(q_len, kv_len)
+        q_ids = ids[:, q_pos.flatten()].view(ids.shape[0], 1, -1, 1)
         k_ids = ids[:, cols.flatten()].view(ids.shape[0], 1, 1, -1)
         same = q_ids == k_ids
         return same if self.batch_size is not None else same[0, 0]
@@ -328,7 +331,7 @@ class Document(Pattern):
     def kinds(self, q_len, kv_len, block_q, block_k):
         if not (self.ids[:, 1:] >= self.ids[:, :-1]).all():
             return super().kinds(q_len, kv_len, block_q, block_k)  # unsorted: reduce
-        q_ids = self.ids[:, kv_len - q_len :]
+        q_ids = self.ids[:, causal_shift(q_len, kv_len) :]
 
         def ranges(ids: Tensor, block: int) -> tuple[Tensor, Tensor]:
             first, last = block_ranges(ids.shape[1], block)
@@ -354,7 +357,7 @@ class PrefixLM(Pattern):
         self.n = int_at_least("n", n, 0)
 
     def allowed(self, rows, cols, q_len, kv_len):
-        return (cols <= rows + (kv_len - q_len)) | (cols < self.n)
+        return causal_allows(rows + causal_shift(q_len, kv_len), cols) | (cols < self.n)
 
     def kinds(self, q_len, kv_len, block_q, block_k):
         causal = Causal().kinds(q_len, kv_len, block_q, block_k)

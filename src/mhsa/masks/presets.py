@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ..kernels.causal import causal_shift
 from .base import Pattern, int_at_least, num_blocks
 from .patterns import GlobalTokens, RandomBlocks, SlidingWindow, _kinds_from
 
@@ -20,7 +21,7 @@ class BlockBand(Pattern):
         self.radius = int_at_least("radius", radius, 0)
 
     def allowed(self, rows, cols, q_len, kv_len):
-        q_block = (rows + (kv_len - q_len)) // self.block_size
+        q_block = (rows + causal_shift(q_len, kv_len)) // self.block_size
         return (cols // self.block_size - q_block).abs() <= self.radius
 
     def kinds(self, q_len, kv_len, block_q, block_k):

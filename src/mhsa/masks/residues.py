@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..kernels.causal import causal_shift
 from .patterns import SlidingWindow
 
 
@@ -34,7 +35,7 @@ def residue_classes(
     """The classes of Dilated(window, dilation) (with causal, bottom-right), or None
     where some class is empty or its window does not contain its own diagonal."""
     classes = []
-    shift = kv_len - q_len
+    shift = causal_shift(q_len, kv_len)
     for k_start in range(min(dilation, kv_len)):
         q_start = (k_start - shift) % dilation  # first query whose position is = k_start
         sub_q = len(range(q_start, q_len, dilation))

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..causal import causal_shift
 from ..memo import PatternCache
 from ..plan import FULL, PARTIAL, build_plan, mask_source
 
@@ -154,7 +155,7 @@ def _build_tiles(mask, causal: bool, shape: tuple, device, blocks: tuple) -> Til
         return t.to(device=device, dtype=torch.int32)
 
     return TileLists(
-        block_m, block_n, blocks[2], blocks[3], causal, kv_len - q_len,
+        block_m, block_n, blocks[2], blocks[3], causal, causal_shift(q_len, kv_len),
         _pointers(qi, num_q, device), on_device(kj), on_device(kind), on_device(tile),
         _pointers(kj[order], num_k, device), on_device(qi[order]), on_device(kind[order]),
         on_device(tile[order]), mask_mode, dense, tiles,
