@@ -16,7 +16,8 @@ from helpers import (
 )
 from mhsa import masks
 from mhsa.kernels.flash import flash_attention
-from mhsa.kernels.plan import EMPTY, FULL, PARTIAL, CausalMask, DenseMask, build_plan, mask_source
+from mhsa.kernels.plan import build_plan
+from mhsa.masks import EMPTY, FULL, PARTIAL, BoolMask, Causal, with_causal
 
 KERNELS = ["fused", "gather", "plain"]
 
@@ -24,7 +25,7 @@ KERNELS = ["fused", "gather", "plain"]
 def run_flash(q, k, v, mask=None, *, causal=False, bias=None, kernel="fused", block=32,
               dropout=None, scale=None):  # fmt: skip
     """The engine on small tiles, so that many tiles, runs and merges are exercised."""
-    source = mask_source(mask, causal, q.shape[2], k.shape[2], q.device)
+    source = with_causal(mask, causal)
     plan = build_plan(
         source, q.shape[2], k.shape[2], block_q=block, block_k=block // 2,
         max_run_keys=3 * block // 2 if kernel == "plain" else None,
@@ -180,7 +181,7 @@ def test_saved_tensors_are_linear_in_length():
 
 
 def test_causal_block_kinds_are_bottom_right():
-    kinds = CausalMask(4, 8, "cpu").block_kinds(4, 8, 2, 2)
+    kinds = Causal().kinds(4, 8, 2, 2)
     # queries sit at positions 4..7: rows 0-1 see keys <= 4, 5; rows 2-3 keys <= 6, 7
     assert kinds.tolist() == [[FULL, FULL, PARTIAL, EMPTY], [FULL, FULL, FULL, PARTIAL]]
 
@@ -189,31 +190,31 @@ def test_dense_mask_block_kinds_and_broadcast_padding():
     mask = torch.zeros(1, 1, 6, 6, dtype=torch.bool)
     mask[..., :3, :3] = True
     mask[..., 4, 5] = True
-    kinds = DenseMask(mask).block_kinds(6, 6, 3, 3)
+    kinds = BoolMask(mask).kinds(6, 6, 3, 3)
     assert kinds.tolist() == [[FULL, EMPTY], [EMPTY, PARTIAL]]
     padding = torch.ones(2, 1, 1, 10, dtype=torch.bool)
     padding[0, ..., 7:] = False
     padding[1, ..., 5:] = False
-    kinds = DenseMask(padding).block_kinds(9, 10, 3, 4)
+    kinds = BoolMask(padding).kinds(9, 10, 3, 4)
     assert kinds.shape == (3, 3)
     assert kinds[0].tolist() == [FULL, PARTIAL, EMPTY]
 
 
 def test_plan_visits_only_allowed_blocks_and_merges_full_rows():
-    source = mask_source(None, True, 1024, 1024, "cpu")
+    source = with_causal(None, True)
     blocks = build_plan(source, 1024, 1024, block_q=64, block_k=64, merge_rows=False)
     assert len(blocks.rows) == 16 and sum(len(r.runs) for r in blocks.rows) == 31
     assert abs(blocks.visited_fraction - (0.5 + 0.5 / 1024)) < 1e-9
     whole = build_plan(source, 1024, 1024, block_q=64, block_k=64)
     assert len(whole.rows) == 1 and whole.rows[0].runs[0].triangle == "lower"  # one causal call
-    shifted = build_plan(mask_source(None, True, 1000, 1024, "cpu"), 1000, 1024,
+    shifted = build_plan(with_causal(None, True), 1000, 1024,
                          block_q=64, block_k=64)  # fmt: skip
     assert len(shifted.rows) == 16  # bottom-right with L != S: not top-left triangular
     dense = build_plan(None, 1000, 700, block_q=64, block_k=64)
     assert len(dense.rows) == 1 and len(dense.rows[0].runs) == 1  # one fused call
     mask = torch.zeros(256, 256, dtype=torch.bool)
     mask[:128, :128] = mask[128:, 128:] = True  # block diagonal
-    plan = build_plan(mask_source(mask, False, 256, 256, "cpu"), 256, 256,
+    plan = build_plan(with_causal(mask, False), 256, 256,
                       block_q=64, block_k=64)  # fmt: skip
     assert plan.visited_fraction == 0.5
 
@@ -241,7 +242,7 @@ def test_attention_weights_selected_heads_and_rows():
 def test_square_causal_uses_triangular_runs(kernel):
     """L == S with equal blocks: diagonal tiles run in the kernel's causal mode."""
     q, k, v = make_qkv(2, 8, 2, 203, 203, 32, requires_grad=True)
-    source = mask_source(None, True, 203, 203, "cpu")
+    source = with_causal(None, True)
     plan = build_plan(source, 203, 203, block_q=32, block_k=32, merge_rows=False)
     assert sum(run.triangle == "lower" for row in plan.rows for run in row.runs) == 7
     out, lse = flash_attention(q, k, v, plan, scale=32**-0.5, fused=kernel != "plain")

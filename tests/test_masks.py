@@ -80,13 +80,13 @@ def test_attention_with_pattern_equals_reference_with_dense_mask(backend, q_len,
 
 def test_flash_plans_only_the_allowed_blocks():
     pattern = masks.SlidingWindow(256, 256)
-    source = pattern.source(16384, 16384)
+    source = pattern
     from mhsa.kernels.plan import build_plan
 
     plan = build_plan(source, 16384, 16384, block_q=256, block_k=256, gather=True)
     assert plan.visited_fraction < 3 * 256 / 16384 + 1e-9
     bird = masks.bigbird(64)
-    plan = build_plan(bird.source(8192, 8192), 8192, 8192, block_q=64, block_k=64, gather=True)
+    plan = build_plan(bird, 8192, 8192, block_q=64, block_k=64, gather=True)
     allowed = bird.dense(8192, 8192).float().mean().item()
     assert plan.visited_fraction == pytest.approx(allowed, rel=1e-6)  # block aligned: exact
 
@@ -178,7 +178,7 @@ def test_triangular_window_tiles_run_unmasked_in_causal_mode(pattern):
     from mhsa.kernels.plan import build_plan
 
     q, k, v = make_qkv(2, 4, 2, 203, 203, 16, requires_grad=True)
-    plan = build_plan(pattern.source(203, 203), 203, 203, block_q=32, block_k=32, gather=True)
+    plan = build_plan(pattern, 203, 203, block_q=32, block_k=32, gather=True)
     triangles = {run.triangle for row in plan.rows for run in row.runs}
     assert "lower" in triangles and ("upper" in triangles) == (pattern.right > 0)
     out, _ = flash_attention(q, k, v, plan, scale=0.25, fused=True)

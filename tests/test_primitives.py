@@ -1,5 +1,5 @@
 """The causal alignment and the logsumexp merge: each has one definition
-(mhsa.kernels.causal, mhsa.kernels.merge), checked here against float64 and the
+(mhsa.masks.causal, mhsa.kernels.merge), checked here against float64 and the
 formula, and the source tree is checked to hold no second copy of either."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from helpers import golden_attention, make_qkv
-from mhsa.kernels.causal import causal_allows, causal_mask, causal_shift
 from mhsa.kernels.merge import merge_partials
+from mhsa.masks.causal import causal_allows, causal_mask, causal_shift
 
 SOURCE = Path(__file__).resolve().parents[1] / "src" / "mhsa"
 
@@ -119,25 +119,42 @@ def _sources() -> dict[str, str]:
 
 
 def test_the_causal_alignment_is_written_once():
-    """No module but kernels/causal.py computes S - L, a triangle or the causal
+    """No module but masks/causal.py computes S - L, a triangle or the causal
     comparison itself (the triton kernels receive the shift as an argument and
     compare in-kernel, where Python cannot be called)."""
-    shift = re.compile(r"\bkv_len - q_len\b|\bq_len - kv_len\b|\btril\b|\btriu\b")
-    offenders = [name for name, code in _sources().items()
-                 if name != "kernels/causal.py" and shift.search(code)]  # fmt: skip
+    shift = re.compile(
+        r"\b(\w+\.)?kv_len - (\w+\.)?q_len\b|\b(\w+\.)?q_len - (\w+\.)?kv_len\b"
+        r"|\btril\b|\btriu\b"
+    )
+    offenders = [
+        name
+        for name, code in _sources().items()
+        if name != "masks/causal.py" and shift.search(code)
+    ]
     assert offenders == []
 
 
 def test_the_merge_is_written_once_and_every_engine_calls_it():
     merging = re.compile(r"\blogaddexp\b|\blogsumexp\b")
     sources = _sources()
-    offenders = [name for name, code in sources.items()
-                 if name != "kernels/merge.py" and merging.search(code)]  # fmt: skip
+    offenders = [
+        name
+        for name, code in sources.items()
+        if name != "kernels/merge.py" and merging.search(code)
+    ]
     assert offenders == []
-    callers = ["kernels/flash.py", "kernels/paged.py", "kernels/scored.py",
-               "distributed/ring.py", "cluster.py"]  # fmt: skip
+    callers = [
+        "kernels/flash.py",
+        "kernels/paged.py",
+        "kernels/scored.py",
+        "distributed/ring.py",
+        "cluster.py",
+    ]
     for name in callers:
         tree = ast.parse((SOURCE / name).read_text())
-        called = {node.func.id for node in ast.walk(tree)
-                  if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}  # fmt: skip
+        called = {
+            node.func.id
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+        }
         assert "merge_partials" in called, name

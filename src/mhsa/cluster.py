@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import validate
-from .kernels.causal import causal_allows, causal_mask, causal_shift
 from .kernels.dense import masked_softmax, stats_dtype
 from .kernels.merge import merge_partials
+from .masks.causal import causal_allows, causal_mask, causal_shift
 
 
 def lsh_buckets(x: Tensor, num_buckets: int, seed: int) -> Tensor:

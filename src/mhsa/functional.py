@@ -13,7 +13,6 @@ from . import validate
 from .backends import AttentionSpec, select
 from .backends.isolate import isolate_masked_nonfinite
 from .backends.reference import attention_probs
-from .kernels.causal import causal_allows, causal_shift
 from .kernels.dense import (
     apply_dropout,
     grouped_scores,
@@ -23,6 +22,7 @@ from .kernels.dense import (
 from .kernels.dropout import draw_seed
 from .kernels.scored import SelectedHeads, softmax_with_sinks
 from .masks import Pattern
+from .masks.causal import causal_allows, causal_shift
 from .scores import ScoreFunction, apply_score, as_score, kinds
 
 

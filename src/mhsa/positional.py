@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from . import scores
-from .kernels.causal import causal_shift
+from .masks.causal import causal_shift
 
 
 def _check_positive(name: str, value: int) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..kernels.causal import causal_mask
+from ..masks.causal import causal_mask
 
 
 def tracing() -> bool:

@@ -3,8 +3,8 @@ how (tile sizes per segment kernel, the band of a sliding window)."""
 
 from __future__ import annotations
 
-from ..kernels.plan import build_plan, mask_source
-from ..masks import Band, Pattern
+from ..kernels.plan import build_plan
+from ..masks import Band, Pattern, with_causal
 
 # Tile sizes: the fused kernel tiles internally, so its runs can be long; plain torch
 # materialises (rows x run) scores, so its runs are capped.
@@ -26,23 +26,23 @@ def plan_for(mask, causal: bool, q_len: int, kv_len: int, device, fused: bool,
              score=None):  # fmt: skip
     """The block plan the flash backend uses for a call with an mhsa.scores function or
     None."""
-    source = mask_source(mask, causal, q_len, kv_len, device)
+    pattern = with_causal(mask, causal)
     if fused and score is not None and score.separable and causal and mask is None:
-        return build_plan(source, q_len, kv_len, block_q=SEPARABLE_BLOCK,
+        return build_plan(pattern, q_len, kv_len, block_q=SEPARABLE_BLOCK,
                           block_k=SEPARABLE_BLOCK, merge_rows=False)  # fmt: skip
     if fused and score is not None:
-        return build_plan(source, q_len, kv_len, block_q=FUSED_BLOCK, block_k=FUSED_BLOCK,
+        return build_plan(pattern, q_len, kv_len, block_q=FUSED_BLOCK, block_k=FUSED_BLOCK,
                           max_run_keys=FUSED_SCORED_MAX_RUN, merge_rows=False)  # fmt: skip
     if fused:
         block = getattr(mask, "block_size", None) or FUSED_BLOCK
-        plan = build_plan(source, q_len, kv_len, block_q=block, block_k=block, gather=True)
+        plan = build_plan(pattern, q_len, kv_len, block_q=block, block_k=block, gather=True)
         band = band_of(mask)
         if band is not None and band.dilation == 1:
             # causal caps the window's right side at the query's own position
             plan.band = (band.left, 0 if causal else band.right)
         return plan
     return build_plan(
-        source,
+        pattern,
         q_len,
         kv_len,
         block_q=PLAIN_BLOCK_Q,

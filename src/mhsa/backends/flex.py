@@ -17,10 +17,10 @@ import functools
 import torch
 from torch import Tensor
 
-from ..kernels.causal import causal_allows, causal_shift
 from ..kernels.memo import PatternCache
 from ..kernels.scored import add_sinks
 from ..masks import Pattern
+from ..masks.causal import causal_allows, causal_shift
 from .common import combined_mask
 from .registry import AttentionSpec, Backend
 

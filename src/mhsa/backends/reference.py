@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..kernels.causal import causal_shift
 from ..kernels.dense import (
     apply_dropout,
     grouped_scores,
@@ -20,6 +19,7 @@ from ..kernels.dense import (
 )
 from ..kernels.dropout import draw_seed
 from ..kernels.scored import softmax_with_sinks
+from ..masks.causal import causal_shift
 from ..scores import ScoreFunction, apply_score
 from .common import combined_mask
 from .registry import AttentionSpec, Backend

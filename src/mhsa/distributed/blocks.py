@@ -15,9 +15,10 @@ import torch
 from torch import Tensor
 
 from ..backends.flash_plan import FUSED_BLOCK, plan_for
-from ..kernels.plan import BlockPlan, reduce_blocks
+from ..kernels.plan import BlockPlan
 from ..kernels.scored import Shifted
 from ..masks import EMPTY, FULL, Pattern
+from ..masks.blocks import reduce_blocks
 from ..scores import ScoreFunction
 from .layout import rank_chunks, rank_pieces
 from .transfer import Ring

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .causal import causal_shift
+from ..masks.causal import causal_shift
 
 # 32 rows: less wasted work at the band's edges than 64 or more, while the kernel
 # still runs at full speed (`mhsa bench sparse`, SlidingWindow(256, 256), L=16384).

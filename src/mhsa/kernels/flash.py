@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..masks.causal import causal_shift
 from .band import band_forward, interior_rows
-from .causal import causal_shift
 from .dense import stats_dtype
 from .merge import merge_partials
 from .plain import plain_backward, run_forward

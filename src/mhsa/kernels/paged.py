@@ -27,8 +27,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ..masks.causal import causal_allows, causal_shift
 from ..scores import ScoreFunction
-from .causal import causal_allows, causal_shift
 from .dense import grouped_scores, masked_softmax, probs_times_v, stats_dtype
 from .merge import merge_partials
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from .causal import causal_shift
+from ..masks.causal import causal_shift
 from .dense import grouped_scores, probs_times_v
 from .dropout import keep_mask
 from .runs import add_bias_grad, run_keys, tile_bias

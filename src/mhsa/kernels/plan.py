@@ -1,14 +1,16 @@
 """Block plans: which (query block, key block) tiles the tiled engine visits, and how.
 
-A mask source describes what may be attended, at two resolutions:
-    block_kinds(q_len, kv_len, block_q, block_k) -> (num_q_blocks, num_k_blocks) int8
+A plan is built from what may attend: an mhsa.masks pattern (the call's mask and
+causality as one, masks.with_causal), or None when everything may. This module reads
+the pattern through its methods only (masks sit above the kernels):
+    kinds(L, S, block_q, block_k) -> (num_q_blocks, num_k_blocks) int8
         EMPTY (never visited), PARTIAL (element mask applied), FULL (no mask applied),
         conservative over batch and heads (FULL only if full for every batch and head).
-    tile(q0, q1, cols) -> bool (True = may attend) for query rows q0..q1-1 and the key
-        indices cols (int64, 1-D), broadcastable to (B, H, q1-q0, len(cols))
-and optionally
-    lower_triangular(q0, q1, k0, k1) -> bool: the tile's mask is exactly c <= r
-    upper_triangular(q0, q1, k0, k1) -> bool: the tile is square and its mask is c >= r
+    tile(q0, q1, cols, L, S) -> bool (True = may attend) for query rows q0..q1-1 and
+        the key indices cols (int64, 1-D), broadcastable to (B, H, q1-q0, len(cols))
+    lower_triangular(q0, q1, k0, k1, L, S) -> bool: the tile's mask is exactly c <= r
+    upper_triangular(q0, q1, k0, k1, L, S) -> bool: the tile is square and its mask is
+        exactly c >= r
 (r, c: row and key index within the tile), which kernels compute in causal mode.
 
 A BlockPlan turns the block kinds into work: for each range of query rows, a list of
@@ -23,111 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from .causal import causal_allows, causal_shift
-
-EMPTY, PARTIAL, FULL = 0, 1, 2
-
-
-def _num_blocks(length: int, block: int) -> int:
-    return -(-length // block)
-
-
-def reduce_blocks(mask: Tensor, q_len: int, kv_len: int, block_q: int, block_k: int) -> Tensor:
-    """Block kinds of a bool (..., L or 1, S or 1) mask, conservative over leading dims."""
-    mask = mask.reshape(-1, *mask.shape[-2:])  # (N, L or 1, S or 1)
-    rows, cols = mask.shape[1:]
-    # a size-1 dimension is reduced as one block of size 1, then broadcast
-    bq, bk = (block_q if rows > 1 else 1), (block_k if cols > 1 else 1)
-    pad = (0, _num_blocks(cols, bk) * bk - cols, 0, _num_blocks(rows, bq) * bq - rows)
-    # pad with values that change neither "any allowed" nor "all allowed"
-    padded_any, padded_all = F.pad(mask, pad, value=False), F.pad(mask, pad, value=True)
-    shape = (mask.shape[0], padded_any.shape[1] // bq, bq, padded_any.shape[2] // bk, bk)
-    any_allowed = padded_any.view(shape).any(dim=4).any(dim=2).any(dim=0).cpu()
-    all_allowed = padded_all.view(shape).all(dim=4).all(dim=2).all(dim=0).cpu()
-    kinds = torch.full(any_allowed.shape, PARTIAL, dtype=torch.int8)
-    kinds[~any_allowed] = EMPTY
-    kinds[all_allowed] = FULL
-    return kinds.expand(_num_blocks(q_len, block_q), _num_blocks(kv_len, block_k))
-
-
-class DenseMask:
-    """A bool tensor (..., L, S), True = may attend."""
-
-    def __init__(self, mask: Tensor) -> None:
-        self.mask = mask
-
-    def block_kinds(self, q_len: int, kv_len: int, block_q: int, block_k: int) -> Tensor:
-        return reduce_blocks(self.mask, q_len, kv_len, block_q, block_k)
-
-    def tile(self, q0: int, q1: int, cols: Tensor) -> Tensor:
-        rows = self.mask if self.mask.shape[-2] == 1 else self.mask[..., q0:q1, :]
-        return rows if rows.shape[-1] == 1 else rows.index_select(-1, cols)
-
-
-class CausalMask:
-    """Causal attention aligned bottom-right: query i sees keys j <= i + S - L."""
-
-    def __init__(self, q_len: int, kv_len: int, device: torch.device) -> None:
-        self.shift = causal_shift(q_len, kv_len)
-        self.device = device
-
-    def block_kinds(self, q_len: int, kv_len: int, block_q: int, block_k: int) -> Tensor:
-        q_first = torch.arange(0, q_len, block_q).clamp(max=q_len - 1)
-        q_last = (q_first + block_q - 1).clamp(max=q_len - 1)
-        k_first = torch.arange(0, kv_len, block_k)
-        k_last = (k_first + block_k - 1).clamp(max=kv_len - 1)
-        # a tile is full if its first row sees its last key, empty if its last row
-        # sees none of its keys
-        full = causal_allows(q_first.view(-1, 1) + self.shift, k_last.view(1, -1))
-        empty = ~causal_allows(q_last.view(-1, 1) + self.shift, k_first.view(1, -1))
-        kinds = torch.full(full.shape, PARTIAL, dtype=torch.int8)
-        kinds[full] = FULL
-        kinds[empty] = EMPTY
-        return kinds
-
-    def lower_triangular(self, q0: int, q1: int, k0: int, k1: int) -> bool:
-        """Whether the tile's mask is exactly local key c <= local row r."""
-        return k0 == q0 + self.shift
-
-    def tile(self, q0: int, q1: int, cols: Tensor) -> Tensor:
-        rows = torch.arange(q0, q1, device=cols.device).view(-1, 1)
-        return causal_allows(rows + self.shift, cols.view(1, -1))
-
-
-class AllOf:
-    """The intersection of mask sources (a key is allowed if every source allows it)."""
-
-    def __init__(self, *sources) -> None:
-        self.sources = sources
-
-    def block_kinds(self, q_len: int, kv_len: int, block_q: int, block_k: int) -> Tensor:
-        kinds = [s.block_kinds(q_len, kv_len, block_q, block_k) for s in self.sources]
-        return torch.stack(kinds).amin(dim=0)  # EMPTY < PARTIAL < FULL
-
-    def tile(self, q0: int, q1: int, cols: Tensor) -> Tensor:
-        tiles = [s.tile(q0, q1, cols) for s in self.sources]
-        result = tiles[0]
-        for t in tiles[1:]:
-            result = result & t
-        return result
-
-
-def mask_source(mask, causal: bool, q_len: int, kv_len: int, device):
-    """The mask source for a call's mask (a bool tensor, or a pattern that binds itself
-    with .source) and causal flag; None when everything is allowed."""
-    sources = []
-    if isinstance(mask, Tensor):
-        sources.append(DenseMask(mask))
-    elif mask is not None:
-        sources.append(mask.source(q_len, kv_len, device))
-    if causal:
-        sources.append(CausalMask(q_len, kv_len, device))
-    if not sources:
-        return None
-    return sources[0] if len(sources) == 1 else AllOf(*sources)
+from ..masks.blocks import EMPTY, FULL, PARTIAL, num_blocks
 
 
 @dataclass(frozen=True)
@@ -177,11 +77,15 @@ class BlockPlan:
     block_q: int
     block_k: int
     rows: list[RowRange]
-    source: object | None  # the mask source that gives element masks of partial runs
+    pattern: object | None  # what may attend (an mhsa.masks.Pattern), None for all
     # (left, right) when the whole mask is a sliding window (query at position p
     # attends keys p - left .. p + right): the fused engine then runs the band's
     # interior in one strided call (kernels/band.py) and the plan's rows only at its edges
     band: tuple[int, int] | None = None
+
+    def tile(self, q0: int, q1: int, cols: Tensor) -> Tensor:
+        """The element mask of a partial run's rows q0..q1-1 and keys cols."""
+        return self.pattern.tile(q0, q1, cols, self.q_len, self.kv_len)
 
     @property
     def visited_fraction(self) -> float:
@@ -199,7 +103,7 @@ class BlockPlan:
 
 
 def build_plan(
-    source,
+    pattern,
     q_len: int,
     kv_len: int,
     *,
@@ -209,7 +113,7 @@ def build_plan(
     merge_rows: bool = True,
     gather: bool = False,
 ) -> BlockPlan:
-    """Turn a mask source (or None for full attention) into a BlockPlan.
+    """Turn a pattern (or None for full attention) into a BlockPlan.
 
     max_run_keys caps a run's length (bounds the scores a plain tile materialises);
     merge_rows joins adjacent query blocks whose runs are identical and all full, and
@@ -217,25 +121,27 @@ def build_plan(
     row's blocks into one run. The last two suit kernels that tile internally and pay
     per call.
     """
-    num_q = _num_blocks(q_len, block_q)
-    num_k = _num_blocks(kv_len, block_k)
-    if merge_rows and _triangle(source, 0, q_len, 0, kv_len) == "lower":
+    if pattern is not None:
+        pattern.check_lengths(q_len, kv_len)
+    num_q = num_blocks(q_len, block_q)
+    num_k = num_blocks(kv_len, block_k)
+    if merge_rows and _triangle(pattern, q_len, kv_len, 0, q_len, 0, kv_len) == "lower":
         # the whole matrix is one lower-triangular tile: one call in causal mode
         whole = [RowRange(0, q_len, [Run(0, kv_len, False, "lower")])]
-        return BlockPlan(q_len, kv_len, block_q, block_k, whole, source)
-    if source is None:  # plain lists: torch.compile traces them without reading a tensor
+        return BlockPlan(q_len, kv_len, block_q, block_k, whole, pattern)
+    if pattern is None:  # plain lists: torch.compile traces them without reading a tensor
         kinds = [[FULL] * num_k for _ in range(num_q)]
     else:
-        kinds = source.block_kinds(q_len, kv_len, block_q, block_k).tolist()
+        kinds = pattern.kinds(q_len, kv_len, block_q, block_k).tolist()
     cap_blocks = max(1, max_run_keys // block_k) if max_run_keys else num_k
     rows: list[RowRange] = []
     for qi, row in enumerate(kinds):
         q0, q1 = qi * block_q, min(q_len, (qi + 1) * block_q)
         if gather:
-            runs = _gathered_runs(source, q0, q1, row, block_k, kv_len)
+            runs = _gathered_runs(pattern, q_len, q0, q1, row, block_k, kv_len)
         else:
             runs = [
-                _with_triangle(source, q0, q1, run)
+                _with_triangle(pattern, q_len, kv_len, q0, q1, run)
                 for run in _runs(row, block_k, kv_len, cap_blocks)
             ]
         previous = rows[-1] if rows else None
@@ -248,7 +154,7 @@ def build_plan(
             previous.q1 = q1
         else:
             rows.append(RowRange(q0, q1, runs))
-    return BlockPlan(q_len, kv_len, block_q, block_k, rows, source)
+    return BlockPlan(q_len, kv_len, block_q, block_k, rows, pattern)
 
 
 def _runs(row: list[int], block_k: int, kv_len: int, cap_blocks: int) -> list[Run]:
@@ -264,25 +170,27 @@ def _runs(row: list[int], block_k: int, kv_len: int, cap_blocks: int) -> list[Ru
     return runs
 
 
-def _triangle(source, q0: int, q1: int, k0: int, k1: int) -> str | None:
-    """ "lower" or "upper" if the source says the tile's mask is that triangle."""
-    lower = getattr(source, "lower_triangular", None)
-    if lower is not None and lower(q0, q1, k0, k1):
+def _triangle(pattern, q_len: int, kv_len: int, q0: int, q1: int, k0: int, k1: int):
+    """ "lower" or "upper" if the pattern says the tile's mask is that triangle."""
+    if pattern is None:
+        return None
+    if pattern.lower_triangular(q0, q1, k0, k1, q_len, kv_len):
         return "lower"
-    upper = getattr(source, "upper_triangular", None)
-    if upper is not None and upper(q0, q1, k0, k1):
+    if pattern.upper_triangular(q0, q1, k0, k1, q_len, kv_len):
         return "upper"
     return None
 
 
-def _with_triangle(source, q0: int, q1: int, run: Run) -> Run:
+def _with_triangle(pattern, q_len: int, kv_len: int, q0: int, q1: int, run: Run) -> Run:
     if run.full or run.blocks is not None:
         return run
-    triangle = _triangle(source, q0, q1, run.k0, run.k1)
+    triangle = _triangle(pattern, q_len, kv_len, q0, q1, run.k0, run.k1)
     return Run(run.k0, run.k1, False, triangle) if triangle else run
 
 
-def _gathered_runs(source, q0: int, q1: int, row: list[int], block_k: int, kv_len: int):
+def _gathered_runs(
+    pattern, q_len: int, q0: int, q1: int, row: list[int], block_k: int, kv_len: int
+):
     """Few runs for the row: its triangular PARTIAL blocks one each (unmasked in causal
     mode), then all its FULL blocks as one run and all other PARTIAL blocks as one
     masked run, gathered when they are not adjacent."""
@@ -292,7 +200,7 @@ def _gathered_runs(source, q0: int, q1: int, row: list[int], block_k: int, kv_le
             full.append(kj)
         elif kind == PARTIAL:
             k0, k1 = kj * block_k, min(kv_len, (kj + 1) * block_k)
-            triangle = _triangle(source, q0, q1, k0, k1)
+            triangle = _triangle(pattern, q_len, kv_len, q0, q1, k0, k1)
             if triangle:
                 runs.append(Run(k0, k1, False, triangle))
             else:

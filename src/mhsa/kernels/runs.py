@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .causal import causal_allows, causal_shift
+from ..masks.causal import causal_allows, causal_shift
 from .dense import stats_dtype
 from .plan import BlockPlan, Run
 from .scored import score_tile
@@ -47,10 +47,11 @@ def tile_bias(
     the run is a triangle that the kernel computes in its causal mode."""
     attn = None if bias is None else _tile_rows(bias, q0, q1, cols).to(dtype)
     if score is not None:
-        values = score_tile(score, None, *shape, q0 + plan.kv_len - plan.q_len, q1 - q0, cols)
+        q_pos = q0 + causal_shift(plan.q_len, plan.kv_len)
+        values = score_tile(score, None, *shape, q_pos, q1 - q0, cols)
         attn = values.to(dtype) if attn is None else attn + values.to(dtype)
     if not run.full and triangle is None:
-        allowed = plan.source.tile(q0, q1, cols)
+        allowed = plan.tile(q0, q1, cols)
         base = torch.zeros((), dtype=dtype, device=cols.device) if attn is None else attn
         minus_inf = torch.tensor(-torch.inf, dtype=dtype, device=cols.device)
         attn = torch.where(allowed, base, minus_inf)

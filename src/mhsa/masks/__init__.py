@@ -8,6 +8,7 @@ never visits an empty block.
 from .base import EMPTY, FULL, PARTIAL, Band, Intersection, Pattern, Union
 from .patterns import (
     BlockSparse,
+    BoolMask,
     Causal,
     Dilated,
     Document,
@@ -17,6 +18,7 @@ from .patterns import (
     PrefixLM,
     RandomBlocks,
     SlidingWindow,
+    with_causal,
 )
 from .presets import BlockBand, bigbird, longformer
 
@@ -27,6 +29,7 @@ __all__ = [
     "Band",
     "BlockBand",
     "BlockSparse",
+    "BoolMask",
     "Causal",
     "Dilated",
     "Document",
@@ -41,4 +44,5 @@ __all__ = [
     "Union",
     "bigbird",
     "longformer",
+    "with_causal",
 ]

@@ -11,6 +11,7 @@ the dense mask, `kinds(L, S, block_q, block_k)`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from dataclasses import dataclass
@@ -18,13 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..kernels.plan import EMPTY, FULL, PARTIAL, reduce_blocks
+from .blocks import EMPTY, FULL, PARTIAL, reduce_blocks
 
 __all__ = ["EMPTY", "FULL", "PARTIAL", "Band", "Pattern", "int_at_least"]
-
-
-def num_blocks(length: int, block: int) -> int:
-    return -(-length // block)
 
 
 def block_ranges(length: int, block: int) -> tuple[Tensor, Tensor]:
@@ -101,10 +98,12 @@ class Pattern:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         return self.kinds(q_len, kv_len, block, block_k).to(torch.int8)
 
-    def source(self, q_len: int, kv_len: int, device: torch.device | str | None = None):
-        """This pattern bound to (L, S): the mask source the tiled engine plans with."""
-        self.check_lengths(q_len, kv_len)
-        return _BoundPattern(self, q_len, kv_len, device)
+    def tile(self, q0: int, q1: int, cols: Tensor, q_len: int, kv_len: int) -> Tensor:
+        """The element mask of query rows q0..q1-1 and the key indices cols (int64,
+        1-D): bool broadcastable to (B, 1, q1 - q0, len(cols)). What the tiled engines
+        read for a partial tile of their block plan."""
+        rows = torch.arange(q0, q1, device=cols.device).view(-1, 1)
+        return self.allowed(rows, cols.view(1, -1), q_len, kv_len)
 
     def check_lengths(self, q_len: int, kv_len: int) -> None:
         """Raise ValueError if the pattern cannot describe an (L, S) attention."""
@@ -203,16 +202,22 @@ class Union(Pattern):
         self.block_size = math.gcd(*blocks) if blocks else None
         self.plain_values = all(p.plain_values for p in parts)
 
+    # how parts' element masks join, and which block kind wins (EMPTY < PARTIAL < FULL)
+    _join = staticmethod(torch.logical_or)
+    _strongest = True
+
     def allowed(self, rows, cols, q_len, kv_len):
         masks = [p.allowed(rows, cols, q_len, kv_len) for p in self.parts]
-        out = masks[0]
-        for m in masks[1:]:
-            out = out | m
-        return out
+        return functools.reduce(self._join, masks)
+
+    def tile(self, q0, q1, cols, q_len, kv_len):
+        tiles = [p.tile(q0, q1, cols, q_len, kv_len) for p in self.parts]
+        return functools.reduce(self._join, tiles)
 
     def kinds(self, q_len, kv_len, block_q, block_k):
         kinds = [p.kinds(q_len, kv_len, block_q, block_k) for p in self.parts]
-        return torch.stack([k.expand_as(kinds[0]) for k in kinds]).amax(0)  # EMPTY<PARTIAL<FULL
+        stacked = torch.stack([k.expand_as(kinds[0]) for k in kinds])
+        return stacked.amax(0) if self._strongest else stacked.amin(0)
 
     def check_lengths(self, q_len, kv_len):
         for p in self.parts:
@@ -225,36 +230,8 @@ class Union(Pattern):
 class Intersection(Union):
     """Allowed where every part allows."""
 
-    def allowed(self, rows, cols, q_len, kv_len):
-        masks = [p.allowed(rows, cols, q_len, kv_len) for p in self.parts]
-        out = masks[0]
-        for m in masks[1:]:
-            out = out & m
-        return out
-
-    def kinds(self, q_len, kv_len, block_q, block_k):
-        kinds = [p.kinds(q_len, kv_len, block_q, block_k) for p in self.parts]
-        return torch.stack([k.expand_as(kinds[0]) for k in kinds]).amin(0)
+    _join = staticmethod(torch.logical_and)
+    _strongest = False
 
     def __repr__(self) -> str:
         return " & ".join(f"({p!r})" for p in self.parts)
-
-
-class _BoundPattern:
-    """A pattern at fixed (L, S): the mask-source protocol of mhsa.kernels.plan."""
-
-    def __init__(self, pattern: Pattern, q_len: int, kv_len: int, device) -> None:
-        self.pattern, self.q_len, self.kv_len, self.device = pattern, q_len, kv_len, device
-
-    def block_kinds(self, q_len: int, kv_len: int, block_q: int, block_k: int) -> Tensor:
-        return self.pattern.kinds(q_len, kv_len, block_q, block_k)
-
-    def tile(self, q0: int, q1: int, cols: Tensor) -> Tensor:
-        rows = torch.arange(q0, q1, device=cols.device).view(-1, 1)
-        return self.pattern.allowed(rows, cols.view(1, -1), self.q_len, self.kv_len)
-
-    def lower_triangular(self, q0: int, q1: int, k0: int, k1: int) -> bool:
-        return self.pattern.lower_triangular(q0, q1, k0, k1, self.q_len, self.kv_len)
-
-    def upper_triangular(self, q0: int, q1: int, k0: int, k1: int) -> bool:
-        return self.pattern.upper_triangular(q0, q1, k0, k1, self.q_len, self.kv_len)

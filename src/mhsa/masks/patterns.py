@@ -8,18 +8,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..kernels.causal import causal_allows, causal_shift
-from ..kernels.plan import CausalMask, reduce_blocks
-from .base import (
-    EMPTY,
-    FULL,
-    PARTIAL,
-    Band,
-    Pattern,
-    block_ranges,
-    int_at_least,
-    num_blocks,
-)
+from .base import Band, Pattern, block_ranges, int_at_least
+from .blocks import EMPTY, FULL, PARTIAL, num_blocks, reduce_blocks
+from .causal import causal_allows, causal_shift
 
 
 def _kinds_from(full: Tensor, empty: Tensor) -> Tensor:
@@ -56,13 +47,62 @@ class Causal(Pattern):
         return causal_allows(rows + causal_shift(q_len, kv_len), cols)
 
     def kinds(self, q_len, kv_len, block_q, block_k):
-        return CausalMask(q_len, kv_len, "cpu").block_kinds(q_len, kv_len, block_q, block_k)
+        # a tile is full if its first row sees its last key, empty if its last row sees
+        # none of its keys
+        p_first, p_last = _query_positions(q_len, kv_len, block_q)
+        k_first, k_last = block_ranges(kv_len, block_k)
+        full = causal_allows(p_first.view(-1, 1), k_last.view(1, -1))
+        empty = ~causal_allows(p_last.view(-1, 1), k_first.view(1, -1))
+        return _kinds_from(full, empty)
 
     def lower_triangular(self, q0, q1, k0, k1, q_len, kv_len):
         return k0 == q0 + causal_shift(q_len, kv_len)
 
     def __repr__(self) -> str:
         return "Causal()"
+
+
+class BoolMask(Pattern):
+    """A bool tensor as a pattern: True = may attend, broadcastable to (B, H, L, S) at
+    the lengths it was made for. How the engines plan with a tensor mask."""
+
+    plain_values = False
+
+    def __init__(self, mask: Tensor) -> None:
+        if not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.dim() < 2:
+            raise TypeError(f"BoolMask needs a bool tensor (..., L, S), got {_describe(mask)}")
+        self.mask = mask
+
+    def allowed(self, rows, cols, q_len, kv_len):
+        rows = rows if self.mask.shape[-2] > 1 else torch.zeros_like(rows)
+        cols = cols if self.mask.shape[-1] > 1 else torch.zeros_like(cols)
+        return self.mask[..., rows, cols]
+
+    def tile(self, q0, q1, cols, q_len, kv_len):
+        rows = self.mask if self.mask.shape[-2] == 1 else self.mask[..., q0:q1, :]
+        return rows if rows.shape[-1] == 1 else rows.index_select(-1, cols)
+
+    def kinds(self, q_len, kv_len, block_q, block_k):
+        return reduce_blocks(self.mask, q_len, kv_len, block_q, block_k)
+
+    def __repr__(self) -> str:
+        return f"BoolMask(<{tuple(self.mask.shape)}>)"
+
+
+def with_causal(mask: Tensor | Pattern | None, causal: bool) -> Pattern | None:
+    """What may attend in a call: its mask (a bool tensor or a pattern) and, with causal,
+    Causal() as one pattern, from which the engines build their block plans; None
+    when everything may attend."""
+    pattern = BoolMask(mask) if isinstance(mask, Tensor) else mask
+    if not causal:
+        return pattern
+    return Causal() if pattern is None else pattern & Causal()
+
+
+def _describe(value) -> str:
+    if isinstance(value, Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return type(value).__name__
 
 
 class SlidingWindow(Pattern):

@@ -7,8 +7,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..kernels.causal import causal_shift
-from .base import Pattern, int_at_least, num_blocks
+from .base import Pattern, int_at_least
+from .blocks import num_blocks
+from .causal import causal_shift
 from .patterns import GlobalTokens, RandomBlocks, SlidingWindow, _kinds_from
 
 

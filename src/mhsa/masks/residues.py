@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..kernels.causal import causal_shift
+from .causal import causal_shift
 from .patterns import SlidingWindow
 
 

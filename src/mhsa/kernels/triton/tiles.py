@@ -17,9 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..causal import causal_shift
+from ...masks import with_causal
+from ...masks.blocks import FULL, PARTIAL
+from ...masks.causal import causal_shift
 from ..memo import PatternCache
-from ..plan import FULL, PARTIAL, build_plan, mask_source
+from ..plan import build_plan
 
 MASK_NONE, MASK_TENSOR, MASK_TILES = 0, 1, 2
 
@@ -91,14 +93,14 @@ def _pattern_tiles(pattern, qi: Tensor, kj: Tensor, q_len: int, kv_len: int,
                    block_m: int, block_n: int, device) -> Tensor:  # fmt: skip
     """(1 or B, tiles, BLOCK_M, BLOCK_N) uint8: the pattern's element mask on each tile
     (query block qi, key block kj) in order (sorted by qi), one evaluation per query block."""
-    source = pattern.source(q_len, kv_len, device)
     pieces = []
     blocks, counts = qi.unique_consecutive(return_counts=True)
     for block, keys in zip(blocks.tolist(), kj.split(counts.tolist()), strict=True):
         keys = keys.to(device)
         cols = (keys.view(-1, 1) * block_n + torch.arange(block_n, device=device)).flatten()
         q0, q1 = block * block_m, min(q_len, (block + 1) * block_m)
-        tile = source.tile(q0, q1, cols.clamp(max=kv_len - 1))  # (B?, 1?, rows, n * BLOCK_N)
+        keys_at = cols.clamp(max=kv_len - 1)
+        tile = pattern.tile(q0, q1, keys_at, q_len, kv_len)  # (B?, 1?, rows, n * BLOCK_N)
         # patterns do not depend on the head; rows may broadcast (key padding)
         tile = tile.reshape(-1, *tile.shape[-2:]).expand(-1, q1 - q0, cols.numel())
         tile = F.pad(tile.to(torch.uint8), (0, 0, 0, block_m - (q1 - q0)))
@@ -134,8 +136,8 @@ _CACHE = PatternCache(size=64)
 def _build_tiles(mask, causal: bool, shape: tuple, device, blocks: tuple) -> TileLists:
     batch, num_heads, q_len, kv_len = shape
     block_m, block_n = blocks[:2]
-    source = mask_source(mask, causal, q_len, kv_len, device)
-    plan = build_plan(source, q_len, kv_len, block_q=block_m, block_k=block_n, merge_rows=False)
+    pattern = with_causal(mask, causal)
+    plan = build_plan(pattern, q_len, kv_len, block_q=block_m, block_k=block_n, merge_rows=False)
     qi, kj, kind = _plan_entries(plan, block_m, block_n)
     partial = kind == PARTIAL
     tile = torch.full_like(qi, -1)
