@@ -31,6 +31,7 @@ from ..scores import ScoreFunction
 from .dense import grouped_scores, masked_softmax, probs_times_v, stats_dtype
 
 QUERY_CHUNK = 512  # query rows per pass of the tiled loop (bounds a score tile)
+TILE_SIZE = 256  # keys per tile of paged_tiled (whole pages), as the flash backend calls it
 _FUSED = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
@@ -99,10 +100,12 @@ def paged_tiled(
     scale: float,
     score: ScoreFunction | None = None,
     window: int | None = None,
-    tile_size: int = 256,
+    tile_size: int = TILE_SIZE,
 ) -> Tensor:
     """(N, H, T, D_v) by an online softmax over tiles of about tile_size keys (whole
     pages), gathered one at a time. Inference only (it updates its state in place)."""
+    if isinstance(tile_size, bool) or not isinstance(tile_size, int) or tile_size < 1:
+        raise ValueError(f"tile_size must be an int >= 1, got {tile_size!r}")
     lengths = list(lengths)
     order = sorted(range(len(lengths)), key=lambda n: -lengths[n])  # longest first
     if order != sorted(order):
