@@ -46,6 +46,11 @@ def _check_common(
         score.check(q.shape[1], q.device, stats_dtype(q.dtype))
     validate.check_causal(causal)
     validate.check_scale(scale)
+    return _resolved_scale(q, scale)
+
+
+def _resolved_scale(q: Tensor, scale: float | None) -> float:
+    """The scale of q k^T: `scale`, or 1 / sqrt(D) by default."""
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
 
 
@@ -199,7 +204,7 @@ def _paged_attention(q, k_pool, v_pool, mask, block_table, seq_lens, *, bias, ca
     if batch == 0 or q_len == 0:
         return q.new_zeros(batch, num_heads, q_len, v_pool.shape[3])
     table = block_table.long().clamp(0, k_pool.shape[0] - 1)  # unused entries: any value
-    resolved_scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    resolved_scale = _resolved_scale(q, scale)
     return chosen.forward_paged(q, k_pool, v_pool, block_table=table, seq_lens=seq_lens,
                                 scale=resolved_scale, score=score, window=window)  # fmt: skip
 
