@@ -9,8 +9,8 @@ serves inference only.
 
 from __future__ import annotations
 
-from ..kernels.dropout import draw_seed
 from ..kernels import paged
+from ..kernels.dropout import draw_seed
 from ..kernels.flash import flash_attention, fused_available
 from ..masks import SlidingWindow
 from ..masks.residues import residue_classes

@@ -4,8 +4,9 @@ A backend answers `available()` (can it run on this machine at all) and
 `supports(spec)` (can it serve this particular call exactly); both return None for
 yes or a human-readable reason for no. A call over paged keys (spec.paged: a pool of
 blocks and a block table, mhsa.attention(..., block_table=...)) goes to the backend's
-`forward_paged`; a backend that has none says so in `supports`. `auto` takes, among the backends that say
-yes, the one with the highest `preference(spec)` (measured speed and memory).
+`forward_paged`; a backend that has none says so in `supports`. `auto` takes, among
+the backends that say yes, the one with the highest `preference(spec)` (measured speed
+and memory).
 """
 
 from __future__ import annotations

@@ -50,9 +50,10 @@ def _rotated(position: AttentionPosition, q: Tensor, k: Tensor,
     if positions is None:
         return position.rotate(q, k, 0)
     if not isinstance(position, RotaryEmbedding):
-        raise TypeError(f"with a cache, positions come from the cache per sequence: it takes "
-                        f"rotary positions (rotated at them) and score functions (ALiBi, T5), "
-                        f"not {type(position).__name__}, which rotates from one offset")  # fmt: skip
+        raise TypeError(f"with a cache, positions come from the cache per sequence: it "
+                        f"takes rotary positions (rotated at them) and score functions (ALiBi, "
+                        f"T5), not {type(position).__name__}, which rotates from one "
+                        "offset")  # fmt: skip
     return position.at(positions).rotate(q, k, 0)
 
 
