@@ -214,10 +214,12 @@ def check_paged(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table, seq_lens
     if block_table.device != q.device:
         raise ValueError(f"block_table is on {block_table.device} but q is on {q.device}")
     seq_lens = _seq_lens(seq_lens, batch, block_table.shape[1] * block_size)
-    used = torch.arange(block_table.shape[1], device=q.device).view(1, -1) * block_size
-    used = used < torch.tensor(seq_lens, device=q.device).view(-1, 1)
-    ids = block_table[used]
-    low, high = (int(ids.min()), int(ids.max())) if ids.numel() else (0, 0)
+    ids = block_table
+    low, high = [int(x) for x in torch.aminmax(ids)] if ids.numel() else (0, 0)
+    if low < 0 or high >= num_blocks:  # only the entries that hold keys must be blocks
+        used = torch.arange(block_table.shape[1], device=q.device).view(1, -1) * block_size
+        ids = block_table[used < torch.tensor(seq_lens, device=q.device).view(-1, 1)]
+        low, high = [int(x) for x in torch.aminmax(ids)] if ids.numel() else (0, 0)
     if low < 0 or high >= num_blocks:
         raise ValueError(f"block_table's blocks holding keys must be in 0..{num_blocks - 1} "
                          f"(the pools' num_blocks), got {low}..{high}")  # fmt: skip
