@@ -235,10 +235,9 @@ def _seq_lens(seq_lens, batch: int, capacity: int) -> list[int]:
                             f"{tuple(seq_lens.shape)}")  # fmt: skip
         seq_lens = seq_lens.tolist()
     seq_lens = list(seq_lens)
-    if len(seq_lens) != batch or not all(isinstance(n, int) and not isinstance(n, bool)
-                                         for n in seq_lens):  # fmt: skip
+    if len(seq_lens) != batch or set(map(type, seq_lens)) - {int}:  # (bool is no int here)
         raise ValueError(f"seq_lens must hold {batch} ints (one per sequence), got {seq_lens}")
-    if any(not 0 <= n <= capacity for n in seq_lens):
+    if seq_lens and (min(seq_lens) < 0 or max(seq_lens) > capacity):
         raise ValueError(f"seq_lens must be in 0..{capacity} (block_table's max_blocks * "
                          f"block_size), got {seq_lens}")  # fmt: skip
     return seq_lens
