@@ -9,10 +9,13 @@ fixed-size blocks, and a block table lists each sequence's blocks in order.
                  positions lengths[n] - T .. lengths[n] - 1 (causal, bottom-right per
                  sequence); a query at p sees keys <= p, and >= p - window with a window
 
-`paged_reference` gathers every sequence's pages and computes dense attention (the
-golden answer, differentiable). `paged_tiled` gathers one tile of pages at a time and
-merges the tiles with an online softmax: it never holds a sequence's whole cache, and
-a tile is computed only for the sequences long enough to reach it (longest first).
+mhsa.attention(q, k_pool, v_pool, block_table=..., seq_lens=...) validates a call and
+dispatches it to a backend's forward_paged, which calls one of these two.
+`paged_reference` (the reference backend) gathers every sequence's pages and computes
+dense attention (the golden answer, differentiable). `paged_tiled` (flash) gathers one
+tile of pages at a time and merges the tiles with an online softmax: it never holds a
+sequence's whole cache, and a tile is computed only for the sequences long enough to
+reach it (longest first).
 Score functions get per-sequence positions: q_pos (N, 1, T, 1), k_pos (1, 1, 1, keys).
 Without one, on CPU, each tile runs on PyTorch's fused flash kernel (the query heads of
 a group as rows of their kv head) and the tiles merge by their logsumexp; with one, the
