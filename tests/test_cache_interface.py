@@ -151,3 +151,21 @@ def test_rotary_positions_come_from_the_cache_per_sequence():
 
     with torch.no_grad(), pytest.raises(TypeError, match="not Shifted"):
         module(new, causal=True, position=Shifted(), cache=cache)
+
+
+def test_a_memory_cache_equals_projecting_the_memory_at_every_step():
+    """Cross-attention through a MemoryCache, with and without a rotary position, gives
+    what projecting the memory again at each step gives (its keys rotated once)."""
+    torch.manual_seed(0)
+    module = MultiHeadAttention(16, 4, dtype=torch.float64).eval()
+    memory = torch.randn(2, 5, 16, dtype=torch.float64)
+    steps = torch.randn(2, 3, 16, dtype=torch.float64)
+    for position in (None, RotaryEmbedding(4)):
+        cache = MemoryCache()
+        with torch.no_grad():
+            for t in range(3):
+                step = steps[:, t : t + 1]
+                got = module(step, memory, position=position, cache=cache)
+                want = module(step, memory, position=position)
+                assert max_error(got, want) < 1e-12
+        assert cache.k.shape == (2, 4, 5, 4)

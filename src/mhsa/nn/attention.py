@@ -288,7 +288,8 @@ class MultiHeadAttention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
         if position is not None:
-            q, k = _rotated(position, q, k, cache)
+            q, rotated = _rotated(position, q, k, cache)
+            k = rotated if held is None else k  # (kept memory keys were rotated when kept)
         if cache is not None:
             k, v = cache.update(k, v)
             cached_padding = cache.key_padding()  # which cached keys are left padding
