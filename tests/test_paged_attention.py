@@ -1,5 +1,6 @@
-"""mhsa.paged_attention: the reference and tiled backends over a paged cache equal dense
-causal attention (bottom-right per sequence) over each sequence's gathered keys."""
+"""mhsa.attention over paged keys (block_table=, seq_lens=): the reference backend and
+flash's tiled paged engine equal dense causal attention (bottom-right per sequence) over
+each sequence's gathered keys; the registry says which backends serve paged keys."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import torch
 
 import mhsa
 from helpers import golden_attention, max_error
+from mhsa.backends import AttentionSpec, get, names
 from mhsa.kernels import paged as paged_kernels
+from mhsa.masks import SlidingWindow
 from mhsa.positional import alibi_slopes
 from mhsa.scores import ALiBi, RelativeBias, Softcap
 
@@ -63,22 +66,31 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("backend", ["reference", "tiled"])
+def paged(q, k_pool, v_pool, table, lengths, window=None, **options):
+    """mhsa.attention over the pages, causal, within SlidingWindow(window, 0) if given."""
+    mask = None if window is None else SlidingWindow(window, 0)
+    options = {"causal": True, **options}
+    return mhsa.attention(q, k_pool, v_pool, mask, block_table=table, seq_lens=lengths,
+                          **options)  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["reference", "flash"])
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
 @pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
-def test_equals_dense_causal_attention(backend, case, num_kv_heads):
+def test_equals_dense_causal_attention(backend, case, num_kv_heads, monkeypatch):
     block_size, lengths, q_len = CASES[case]
     q, k_pool, v_pool, table, keys, values = _paged(lengths, block_size, q_len=q_len,
                                                     num_kv_heads=num_kv_heads)  # fmt: skip
     for tile_size in (256, 16):  # one tile and many (whole pages: 16 keys, or 15 of 5)
-        out = mhsa.paged_attention(q, k_pool, v_pool, table, torch.tensor(lengths),
-                                   backend=backend, tile_size=tile_size)  # fmt: skip
+        monkeypatch.setattr(paged_kernels, "TILE_SIZE", tile_size)
+        out = paged(q, k_pool, v_pool, table, torch.tensor(lengths), backend=backend)
         assert out.shape == (len(lengths), 4, q_len, 5) and out.dtype == torch.float64
         assert max_error(out, _golden(q, keys, values, lengths)) < 1e-12
 
 
-@pytest.mark.parametrize("backend", ["reference", "tiled"])
-def test_window_scale_and_score_functions_at_each_sequences_positions(backend):
+@pytest.mark.parametrize("backend", ["reference", "flash"])
+def test_window_scale_and_score_functions_at_each_sequences_positions(backend, monkeypatch):
+    monkeypatch.setattr(paged_kernels, "TILE_SIZE", 10)
     lengths, q_len = [9, 40, 23], 4
     q, k_pool, v_pool, table, keys, values = _paged(lengths, 5, q_len=q_len)
     slopes = alibi_slopes(4).double()
@@ -99,35 +111,35 @@ def test_window_scale_and_score_functions_at_each_sequences_positions(backend):
 
     for score, modify in ((alibi, alibi_softcap), (t5, t5_bias)):
         for window in (None, 0, 6):
-            out = mhsa.paged_attention(q, k_pool, v_pool, table, lengths, scale=0.3, score=score,
-                                       window=window, backend=backend, tile_size=10)  # fmt: skip
+            out = paged(q, k_pool, v_pool, table, lengths, window, scale=0.3, score=score,
+                        backend=backend)  # fmt: skip
             want = _golden(q, keys, values, lengths, window, modify, scale=0.3)
             assert max_error(out, want) < 1e-12
 
 
 def test_long_prefills_go_through_in_query_chunks(monkeypatch):
     monkeypatch.setattr(paged_kernels, "QUERY_CHUNK", 7)
+    monkeypatch.setattr(paged_kernels, "TILE_SIZE", 10)
     lengths = [50, 31]
     q, k_pool, v_pool, table, keys, values = _paged(lengths, 5, q_len=30)
     for window in (None, 8):
-        out = mhsa.paged_attention(q, k_pool, v_pool, table, lengths, window=window,
-                                   backend="tiled", tile_size=10)  # fmt: skip
+        out = paged(q, k_pool, v_pool, table, lengths, window, backend="flash")
         assert max_error(out, _golden(q, keys, values, lengths, window)) < 1e-12
 
 
 def test_queries_without_keys_get_zero_and_float32_is_close():
     lengths = [2, 12]  # sequence 0 has fewer keys than queries: its first rows see none
     q, k_pool, v_pool, table, keys, values = _paged(lengths, 4, q_len=3)
-    for backend in ("reference", "tiled"):
-        out = mhsa.paged_attention(q, k_pool, v_pool, table, lengths, backend=backend)
+    for backend in ("reference", "flash"):
+        out = paged(q, k_pool, v_pool, table, lengths, backend=backend)
         assert torch.equal(out[0, :, 0], torch.zeros_like(out[0, :, 0]))
         assert max_error(out[1:], _golden(q[1:], keys[1:], values[1:], lengths[1:])) < 1e-12
     lengths = [30, 3, 17]
     q, k_pool, v_pool, table, keys, values = _paged(lengths, 16, q_len=2)
     want = _golden(q, keys, values, lengths)
     pools = [t.float().nan_to_num() for t in (q, k_pool, v_pool)]
-    for backend in ("reference", "tiled"):
-        out = mhsa.paged_attention(*pools, table, lengths, backend=backend)
+    for backend in ("reference", "flash"):
+        out = paged(*pools, table, lengths, backend=backend)
         assert out.dtype == torch.float32 and max_error(out, want) < 1e-5
 
 
@@ -138,18 +150,20 @@ def test_reference_backend_is_differentiable():
     inputs = [t.clone().requires_grad_() for t in (q, k_pool, v_pool)]
 
     def call(q, k, v):
-        return mhsa.paged_attention(q, k, v, table, lengths, backend="reference")
+        return paged(q, k, v, table, lengths, backend="reference")
 
     assert torch.autograd.gradcheck(call, inputs)
-    assert torch.equal(mhsa.paged_attention(*inputs, table, lengths), call(*inputs))  # auto
+    assert torch.equal(paged(*inputs, table, lengths), call(*inputs))  # auto
     with pytest.raises(ValueError, match="inference"):
-        mhsa.paged_attention(*inputs, table, lengths, backend="tiled")
+        paged(*inputs, table, lengths, backend="flash")
+    with torch.no_grad():  # without gradients auto takes flash's tiled engine
+        assert max_error(paged(*inputs, table, lengths), call(*inputs)) < 1e-12
 
 
-def test_bad_inputs_raise_clear_errors():
+def test_bad_inputs_raise_clear_errors(monkeypatch):
     q, k_pool, v_pool, table, _, _ = _paged([5, 9], 4)
     lengths = [5, 9]
-    call = mhsa.paged_attention
+    call = paged
     cases = [
         ((q[0], k_pool, v_pool, table, lengths), ValueError, "q must be a 4-D float"),
         ((q, k_pool.float(), v_pool, table, lengths), TypeError, "share one dtype"),
@@ -158,17 +172,47 @@ def test_bad_inputs_raise_clear_errors():
         ((q[:, :3], k_pool, v_pool, table, lengths), ValueError, "multiple of"),
         ((q, k_pool, v_pool, table[:1], lengths), ValueError, "block_table must be a"),
         ((q, k_pool, v_pool, table.float(), lengths), TypeError, "integer block ids"),
-        ((q, k_pool, v_pool, table, [5]), ValueError, "lengths must hold 2"),
-        ((q, k_pool, v_pool, table, [5, 17]), ValueError, r"lengths must be in 0\.\.16"),
-        ((q, k_pool, v_pool, table, torch.tensor([5.0, 9.0])), TypeError, "lengths must be"),
+        ((q, k_pool, v_pool, table, [5]), ValueError, "seq_lens must hold 2"),
+        ((q, k_pool, v_pool, table, [5, 17]), ValueError, r"seq_lens must be in 0\.\.16"),
+        ((q, k_pool, v_pool, table, torch.tensor([5.0, 9.0])), TypeError, "seq_lens must be"),
         ((q, k_pool, v_pool, table + 100, lengths), ValueError, "block_table's blocks"),
     ]
     for args, error, message in cases:
         with pytest.raises(error, match=message):
             call(*args)
-    for kwargs, message in (({"backend": "flash"}, "backend must be one of"),
-                            ({"window": -1}, "window must be"),
-                            ({"tile_size": 0}, "tile_size must be"),
-                            ({"scale": -1.0}, "scale must be")):  # fmt: skip
+    for kwargs, message in (({"backend": "sdpa"}, "backend 'sdpa' cannot serve.*paged"),
+                            ({"backend": "tiled"}, "backend must be 'auto' or one of"),
+                            ({"window": -1}, "left must be"),
+                            ({"scale": -1.0}, "scale must be"),
+                            ({"bias": torch.zeros(1)}, "takes no bias"),
+                            ({"return_lse": True}, "got return_lse")):  # fmt: skip
         with pytest.raises(ValueError, match=message):
             call(q, k_pool, v_pool, table, lengths, **kwargs)
+    # one query sees every key causal or not; two must be causal
+    assert torch.equal(call(q, k_pool, v_pool, table, lengths, causal=False),
+                       call(q, k_pool, v_pool, table, lengths))  # fmt: skip
+    with pytest.raises(ValueError, match="attends causally"):
+        call(torch.cat([q, q], dim=2), k_pool, v_pool, table, lengths, causal=False)
+    with pytest.raises(ValueError, match="attends causally"):  # a pattern other than a window
+        mhsa.attention(q, k_pool, v_pool, SlidingWindow(2, 2), block_table=table, seq_lens=lengths)
+    with pytest.raises(ValueError, match="block_table needs seq_lens"):
+        mhsa.attention(q, k_pool, v_pool, causal=True, block_table=table)
+    with pytest.raises(ValueError, match="seq_lens goes with block_table"):
+        mhsa.attention(q, k_pool, v_pool, causal=True, seq_lens=lengths)
+    monkeypatch.setattr(paged_kernels, "TILE_SIZE", 0)
+    with pytest.raises(ValueError, match="tile_size must be"):
+        call(q, k_pool, v_pool, table, lengths, backend="flash")
+
+
+def test_each_backend_says_whether_it_serves_paged_keys():
+    spec = AttentionSpec.example(paged=True, causal=True)
+    grads = AttentionSpec.example(paged=True, causal=True, needs_grad=True)
+    assert get("reference").supports(spec) is None and get("reference").supports(grads) is None
+    assert get("flash").supports(spec) is None
+    assert "inference" in get("flash").supports(grads)
+    for name in names():
+        backend = get(name)
+        if name not in ("reference", "flash"):  # why not, each in its own words
+            assert backend.available() or backend.supports(spec)
+    assert "paged" in get("sdpa").supports(spec)
+    assert get("sdpa").supports(AttentionSpec.example()) is None  # (unpaged: unchanged)

@@ -3,7 +3,7 @@
 from . import distributed, masks, nn, positional, scores  # distributed registers ring
 from .backends import names as backends
 from .backends import use_backend
-from .cache import DecoderCache, KVCache, MemoryCache, PagedKVCache, paged_attention
+from .cache import DecoderCache, KVCache, MemoryCache, PagedKVCache
 from .cluster import cluster_attention
 from .functional import attention, attention_weights
 from .version import __version__
@@ -17,7 +17,6 @@ __all__ = [
     "attention",
     "attention_weights",
     "cluster_attention",
-    "paged_attention",
     "backends",
     "distributed",
     "masks",

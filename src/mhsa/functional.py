@@ -47,6 +47,11 @@ def _check_common(
         score.check(q.shape[1], q.device, stats_dtype(q.dtype))
     validate.check_causal(causal)
     validate.check_scale(scale)
+    return _resolved_scale(q, scale)
+
+
+def _resolved_scale(q: Tensor, scale: float | None) -> float:
+    """The scale of q k^T: `scale`, or 1 / sqrt(D) by default."""
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
 
 
@@ -64,6 +69,8 @@ def attention(
     return_lse: bool = False,
     score: ScoreFunction | list | None = None,
     sinks: Tensor | None = None,
+    block_table: Tensor | None = None,
+    seq_lens: Tensor | Sequence[int] | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Scaled dot-product attention: softmax(score(q k^T * scale) + bias) v.
 
@@ -86,12 +93,29 @@ def attention(
             mask; positions are global, query i at i + S - L like causal.
         sinks: (H,) float logits, one per query head, of a key without a value: it
             takes probability mass (exp(sink) joins each row's denominator).
+        block_table: paged keys (a PagedKVCache's pages). k and v are then pools
+            (num_blocks, block_size, H_kv, D) and (..., D_v) of N sequences' keys, q
+            is (N, H, T, D): the T new queries of each, and block_table (N, max_blocks)
+            holds integer block ids: sequence n's key j is row j % block_size of block
+            block_table[n, j // block_size] (entries past its keys: any value).
+            Attention is causal per sequence (causal=True), aligned bottom-right:
+            query t of sequence n sits at position seq_lens[n] - T + t and sees the
+            keys up to it (a query with no key gets 0), within SlidingWindow(left, 0)
+            if that is the mask; score functions see each sequence's own positions.
+            No bias, dropout, sinks or return_lse. Backends say in `mhsa info` whether
+            they serve paged keys (flash: inference only; reference: differentiable).
+        seq_lens: with block_table, (N,) ints: the keys of each sequence, the new
+            ones included, at most max_blocks * block_size.
 
     Returns:
         out (B, H, L, D_v) in q's dtype; with return_lse, (out, lse) where lse is
         (B, H, L) float32 (float64 for float64 inputs). A query row with no allowed
         key gets output 0, lse -inf (the sink's logit, with sinks) and zero gradients.
     """
+    if block_table is not None or seq_lens is not None:
+        return _paged_attention(q, k, v, mask, block_table, seq_lens, bias=bias, causal=causal,
+                                scale=scale, dropout_p=dropout_p, backend=backend,
+                                return_lse=return_lse, score=score, sinks=sinks)  # fmt: skip
     validate.check_qkv(q, k, v)
     validate.check_dropout(dropout_p)
     if not isinstance(backend, str):
@@ -144,6 +168,46 @@ def attention(
     out, lse = chosen.forward(q, k, v, **call)
     out, lse = isolate_masked_nonfinite(chosen, q, k, v, out, lse, call)
     return (out, lse) if return_lse else out
+
+
+def _paged_attention(q, k_pool, v_pool, mask, block_table, seq_lens, *, bias, causal, scale,
+                     dropout_p, backend, return_lse, score, sinks) -> Tensor:  # fmt: skip
+    """attention() over paged keys: validate, then the chosen backend's forward_paged."""
+    if block_table is None:
+        raise ValueError("seq_lens goes with block_table (paged keys); pass both or neither")
+    seq_lens = validate.check_paged(q, k_pool, v_pool, block_table, seq_lens)
+    unserved = {"bias": bias is not None, "dropout_p": bool(dropout_p), "return_lse": return_lse,
+                "sinks": sinks is not None}  # fmt: skip
+    if any(unserved.values()):
+        names = ", ".join(name for name, given in unserved.items() if given)
+        raise ValueError(f"attention over paged keys (block_table=) takes no bias, dropout_p, "
+                         f"return_lse or sinks; got {names}")  # fmt: skip
+    validate.check_causal(causal)
+    window = validate.paged_window(mask, causal, q.shape[2])
+    validate.check_scale(scale)
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str, got {type(backend).__name__}")
+    score = as_score(score)
+    if score is not None:
+        score.check(q.shape[1], q.device, stats_dtype(q.dtype))
+    needs_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (q, k_pool, v_pool, *(score.tensors() if score else ()))
+    )
+    batch, num_heads, q_len, head_dim = q.shape
+    spec = AttentionSpec(
+        batch=batch, num_heads=num_heads, num_kv_heads=k_pool.shape[2], q_len=q_len,
+        kv_len=max(seq_lens, default=0), head_dim=head_dim, value_dim=v_pool.shape[3],
+        dtype=q.dtype, device=q.device, has_mask=window is not None, has_bias=False,
+        causal=True, dropout_p=0.0, return_lse=False, has_score=score is not None,
+        score_kinds=kinds(score), paged=True, needs_grad=needs_grad,
+    )  # fmt: skip
+    chosen = select(spec, backend)
+    if batch == 0 or q_len == 0:
+        return q.new_zeros(batch, num_heads, q_len, v_pool.shape[3])
+    table = block_table.long().clamp(0, k_pool.shape[0] - 1)  # unused entries: any value
+    resolved_scale = _resolved_scale(q, scale)
+    return chosen.forward_paged(q, k_pool, v_pool, block_table=table, seq_lens=seq_lens,
+                                scale=resolved_scale, score=score, window=window)  # fmt: skip
 
 
 def attention_weights(

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from .masks.base import Pattern
 from .masks.base import int_at_least as int_at_least  # one int check for the layers above
+from .masks.patterns import SlidingWindow
 
 LAYOUT = "(batch, num_heads, seq_len, head_dim)"
 
@@ -160,3 +161,83 @@ def check_dropout(dropout_p: float) -> None:
 def check_causal(causal: bool) -> None:
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False, got {type(causal).__name__}")
+
+
+def paged_window(mask, causal: bool, q_len: int) -> int | None:
+    """The window of attention over paged keys (block_table=), which is causal per
+    sequence: `left` of a SlidingWindow(left, 0) mask, or None for plain causal (a
+    single query sees every key either way, so causal may be False for it)."""
+    if isinstance(mask, SlidingWindow) and mask.right == 0:
+        return mask.left
+    if mask is None and (causal or q_len == 1):
+        return None
+    raise ValueError(f"attention over paged keys (block_table=) attends causally "
+                     f"(causal=True), optionally within SlidingWindow(left, 0); got mask "
+                     f"{mask!r}, causal={causal}")  # fmt: skip
+
+
+def check_paged(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table, seq_lens) -> list[int]:
+    """Check q (N, H, T, D), the pools (num_blocks, block_size, H_kv, D) / (..., D_v),
+    block_table (N, max_blocks) and seq_lens (N,); return seq_lens as a list of ints."""
+    for name, t in (("q", q), ("k_pool", k_pool), ("v_pool", v_pool)):
+        if not isinstance(t, Tensor) or t.dim() != 4 or not t.is_floating_point():
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a 4-D float tensor, got {got}; layout with "
+                             "block_table: q (N, H, T, D), pools (num_blocks, block_size, "
+                             "H_kv, D)")  # fmt: skip
+    if k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
+        raise TypeError(f"q, k_pool and v_pool must share one dtype, got {q.dtype}, "
+                        f"{k_pool.dtype}, {v_pool.dtype}; cast them with .to(q.dtype)")  # fmt: skip
+    if k_pool.device != q.device or v_pool.device != q.device:
+        raise ValueError(f"q, k_pool and v_pool must be on one device, got {q.device}, "
+                         f"{k_pool.device}, {v_pool.device}")  # fmt: skip
+    batch, num_heads, _, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, key_dim = k_pool.shape
+    if tuple(v_pool.shape[:3]) != (num_blocks, block_size, num_kv_heads):
+        raise ValueError(f"v_pool must be (num_blocks, block_size, H_kv, D_v) = ({num_blocks}, "
+                         f"{block_size}, {num_kv_heads}, *) like k_pool, got "
+                         f"{tuple(v_pool.shape)}")  # fmt: skip
+    if key_dim != head_dim or min(num_blocks, block_size, num_kv_heads, head_dim) == 0:
+        raise ValueError(f"k_pool {tuple(k_pool.shape)} must hold keys of q's head_dim "
+                         f"{head_dim}, with no empty dimension")  # fmt: skip
+    if num_heads % num_kv_heads:
+        raise ValueError(f"q's num_heads ({num_heads}) must be a multiple of the pools' "
+                         f"num_kv_heads ({num_kv_heads}) for grouped-query attention")  # fmt: skip
+    if not isinstance(block_table, Tensor) or block_table.dim() != 2 \
+            or block_table.shape[0] != batch:  # fmt: skip
+        got = tuple(block_table.shape) if isinstance(block_table, Tensor) else block_table
+        raise ValueError(f"block_table must be a (N, max_blocks) = ({batch}, *) tensor of "
+                         f"block ids, got {got}")  # fmt: skip
+    if block_table.is_floating_point() or block_table.is_complex() \
+            or block_table.dtype == torch.bool:  # fmt: skip
+        raise TypeError(f"block_table must hold integer block ids, got {block_table.dtype}")
+    if block_table.device != q.device:
+        raise ValueError(f"block_table is on {block_table.device} but q is on {q.device}")
+    seq_lens = _seq_lens(seq_lens, batch, block_table.shape[1] * block_size)
+    ids = block_table
+    low, high = [int(x) for x in torch.aminmax(ids)] if ids.numel() else (0, 0)
+    if low < 0 or high >= num_blocks:  # only the entries that hold keys must be blocks
+        used = torch.arange(block_table.shape[1], device=q.device).view(1, -1) * block_size
+        ids = block_table[used < torch.tensor(seq_lens, device=q.device).view(-1, 1)]
+        low, high = [int(x) for x in torch.aminmax(ids)] if ids.numel() else (0, 0)
+    if low < 0 or high >= num_blocks:
+        raise ValueError(f"block_table's blocks holding keys must be in 0..{num_blocks - 1} "
+                         f"(the pools' num_blocks), got {low}..{high}")  # fmt: skip
+    return seq_lens
+
+
+def _seq_lens(seq_lens, batch: int, capacity: int) -> list[int]:
+    if seq_lens is None:
+        raise ValueError("block_table needs seq_lens: the keys of each sequence (N,)")
+    if isinstance(seq_lens, Tensor):
+        if seq_lens.dim() != 1 or seq_lens.is_floating_point() or seq_lens.dtype == torch.bool:
+            raise TypeError(f"seq_lens must be a 1-D integer tensor (N,), got {seq_lens.dtype} "
+                            f"{tuple(seq_lens.shape)}")  # fmt: skip
+        seq_lens = seq_lens.tolist()
+    seq_lens = list(seq_lens)
+    if len(seq_lens) != batch or set(map(type, seq_lens)) - {int}:  # (bool is no int here)
+        raise ValueError(f"seq_lens must hold {batch} ints (one per sequence), got {seq_lens}")
+    if seq_lens and (min(seq_lens) < 0 or max(seq_lens) > capacity):
+        raise ValueError(f"seq_lens must be in 0..{capacity} (block_table's max_blocks * "
+                         f"block_size), got {seq_lens}")  # fmt: skip
+    return seq_lens

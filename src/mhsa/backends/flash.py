@@ -2,11 +2,14 @@
 
 The call's mask and causal flag become a block plan (empty tiles skipped, full tiles
 unmasked); the engine in mhsa.kernels.flash computes it with PyTorch's fused CPU
-kernel per run, or plain torch (any device, dropout).
+kernel per run, or plain torch (any device, dropout). Paged keys go to the tiled paged
+engine (mhsa.kernels.paged: one tile of pages at a time, an online softmax), which
+serves inference only.
 """
 
 from __future__ import annotations
 
+from ..kernels import paged
 from ..kernels.dropout import draw_seed
 from ..kernels.flash import flash_attention, fused_available
 from ..masks import SlidingWindow
@@ -20,8 +23,19 @@ from .registry import AttentionSpec, Backend
 class FlashBackend(Backend):
     name = "flash"
 
+    def supports(self, spec: AttentionSpec) -> str | None:
+        if spec.paged and spec.needs_grad:
+            return ("paged keys with gradients: its tiled paged engine is for inference; "
+                    "reference is differentiable, or run under torch.no_grad()")  # fmt: skip
+        return None
+
     def preference(self, spec: AttentionSpec) -> float:
         return 2.0 if spec.device.type == "cpu" else 0.5
+
+    def forward_paged(self, q, k_pool, v_pool, *, block_table, seq_lens, scale, score=None,
+                      window=None):  # fmt: skip
+        return paged.paged_tiled(q, k_pool, v_pool, block_table, seq_lens, scale=scale,
+                                 score=score, window=window, tile_size=paged.TILE_SIZE)  # fmt: skip
 
     def forward(self, q, k, v, *, mask, bias, causal, scale, dropout_p, return_lse,
                 score=None, sinks=None):  # fmt: skip

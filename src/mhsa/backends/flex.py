@@ -22,7 +22,7 @@ from ..kernels.scored import add_sinks
 from ..masks import Pattern
 from ..masks.causal import causal_allows, causal_shift
 from .common import combined_mask
-from .registry import AttentionSpec, Backend
+from .registry import PAGED_REASON, AttentionSpec, Backend
 
 BLOCK = 128  # FlexAttention's tile
 
@@ -184,6 +184,8 @@ class FlexBackend(Backend):
     def supports(self, spec: AttentionSpec) -> str | None:
         if spec.device.type != "cuda":
             return "used on CUDA only (on CPU FlexAttention has no backward)"
+        if spec.paged:
+            return PAGED_REASON
         if spec.has_bias:
             return "no additive bias (triton and flash take one)"
         if spec.dropout_p:

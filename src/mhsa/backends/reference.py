@@ -3,7 +3,8 @@
     out = dropout(softmax(q k^T * scale + bias, masked)) v
 
 Scores, softmax and the product with v are computed in float32 (float64 for float64
-inputs) whatever the input dtype; the output is cast back to the input dtype.
+inputs) whatever the input dtype; the output is cast back to the input dtype. Paged
+keys: each sequence's pages gathered, then the same dense math (mhsa.kernels.paged).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ..kernels.dense import (
     stats_dtype,
 )
 from ..kernels.dropout import draw_seed
+from ..kernels.paged import paged_reference
 from ..kernels.scored import softmax_with_sinks
 from ..masks.causal import causal_shift
 from ..scores import ScoreFunction, apply_score
@@ -66,6 +68,12 @@ class ReferenceBackend(Backend):
             probs = apply_dropout(probs, dropout_p, draw_seed())
         out = probs_times_v(probs, v).to(q.dtype)
         return out, (lse if return_lse else None)
+
+    def forward_paged(self, q, k_pool, v_pool, *, block_table, seq_lens, scale, score=None,
+                      window=None):  # fmt: skip
+        """Every sequence's pages gathered, then dense attention (differentiable)."""
+        return paged_reference(q, k_pool, v_pool, block_table, seq_lens, scale=scale,
+                               score=score, window=window)  # fmt: skip
 
     def supports(self, spec: AttentionSpec) -> str | None:
         return None

@@ -2,8 +2,11 @@
 
 A backend answers `available()` (can it run on this machine at all) and
 `supports(spec)` (can it serve this particular call exactly); both return None for
-yes or a human-readable reason for no. `auto` takes, among the backends that say
-yes, the one with the highest `preference(spec)` (measured speed and memory).
+yes or a human-readable reason for no. A call over paged keys (spec.paged: a pool of
+blocks and a block table, mhsa.attention(..., block_table=...)) goes to the backend's
+`forward_paged`; a backend that has none says so in `supports`. `auto` takes, among
+the backends that say yes, the one with the highest `preference(spec)` (measured speed
+and memory).
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ class AttentionSpec:
     has_score: bool = False  # an mhsa.scores function
     score_kinds: tuple[str, ...] = ()  # its functions' class names in order (scores.kinds)
     has_sinks: bool = False
+    paged: bool = False  # keys and values in a pool of blocks, read through a block table
+    needs_grad: bool = False  # (set for paged calls) gradients flow to q, the pools or score
 
     @classmethod
     def example(cls, **changes) -> AttentionSpec:
@@ -50,6 +55,10 @@ class AttentionSpec:
         )  # fmt: skip
         fields.update(changes)
         return cls(**fields)
+
+
+# what a backend without forward_paged answers in supports for a paged call
+PAGED_REASON = "no paged keys (block_table=); flash and reference read pages"
 
 
 class Backend:
@@ -92,6 +101,24 @@ class Backend:
     ) -> tuple[Tensor, Tensor | None]:
         """Return (out (B, H, L, D_v), lse (B, H, L) float32 or None)."""
         raise NotImplementedError
+
+    def forward_paged(
+        self,
+        q: Tensor,
+        k_pool: Tensor,
+        v_pool: Tensor,
+        *,
+        block_table: Tensor,
+        seq_lens: list[int],
+        scale: float,
+        score=None,
+        window: int | None = None,
+    ) -> Tensor:
+        """Attention over paged keys, causal per sequence (see mhsa.kernels.paged for the
+        layout): q (N, H, T, D), pools (num_blocks, block_size, H_kv, D) and (..., D_v),
+        block_table (N, max_blocks) int64 (entries past a sequence's keys: any valid
+        block), seq_lens N ints. Returns (N, H, T, D_v) in q's dtype."""
+        raise NotImplementedError(f"backend {self.name!r} does not serve paged keys")
 
 
 _BACKENDS: dict[str, Backend] = {}

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .common import combined_mask, tracing
-from .registry import AttentionSpec, Backend
+from .registry import PAGED_REASON, AttentionSpec, Backend
 
 
 def _maybe_any(dead: Tensor) -> bool:
@@ -53,6 +53,8 @@ class SdpaBackend(Backend):
     name = "sdpa"
 
     def supports(self, spec: AttentionSpec) -> str | None:
+        if spec.paged:
+            return PAGED_REASON
         if spec.has_score or spec.has_sinks:
             return "no score functions or sinks (flash and reference apply them per tile)"
         if spec.return_lse:

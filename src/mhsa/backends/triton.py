@@ -19,7 +19,7 @@ import torch
 
 from ..kernels.dropout import draw_seed
 from .common import tracing
-from .registry import AttentionSpec, Backend
+from .registry import PAGED_REASON, AttentionSpec, Backend
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
@@ -69,6 +69,8 @@ class TritonBackend(Backend):
             return "CPU tensors need TRITON_INTERPRET=1 (the slow interpreter); use flash on CPU"
         if spec.device.type not in ("cuda", "cpu"):
             return f"it runs on CUDA devices, got {spec.device.type}"
+        if spec.paged:
+            return PAGED_REASON
         if spec.has_score:
             reason = score_reason(spec.score_kinds)
             if reason is not None:

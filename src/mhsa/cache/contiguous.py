@@ -14,6 +14,8 @@ import copy
 import torch
 from torch import Tensor
 
+from .base import Cache, MultiLayerCache
+
 
 def _check_positive(**values: int) -> None:
     for name, value in values.items():
@@ -21,7 +23,7 @@ def _check_positive(**values: int) -> None:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
-class KVCache:
+class KVCache(Cache):
     """Preallocated keys (B, H_kv, max_len, D) and values (B, H_kv, max_len, D_v) for
     one attention layer, appended in place. Appending past max_len raises."""
 
@@ -270,13 +272,30 @@ class StaticKVCache(KVCache):
                          "and wrap it again")  # fmt: skip
 
 
-class MemoryCache:
+class MemoryCache(Cache):
     """Cross-attention keys and values of a fixed memory (an encoder output): the
-    first call projects them, every later decoding step reuses them."""
+    first call projects them (update keeps them), every later decoding step reuses
+    them (memory)."""
+
+    cross_attention = True
 
     def __init__(self) -> None:
         self.k: Tensor | None = None
         self.v: Tensor | None = None
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Keep the memory's keys (B, H_kv, S, D) and values on the first call; return
+        the kept ones."""
+        if self.k is None:
+            self.k, self.v = k, v
+        return self.k, self.v
+
+    def memory(self) -> tuple[Tensor, Tensor] | None:
+        return None if self.k is None else (self.k, self.v)
+
+    def next_positions(self, count: int) -> None:
+        """None: the memory's keys do not continue the queries' sequence."""
+        return None
 
     def reorder(self, index: Tensor) -> None:
         """Keep sequence index[b] as sequence b."""
@@ -284,9 +303,10 @@ class MemoryCache:
             self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
 
 
-class DecoderCache:
+class DecoderCache(MultiLayerCache):
     """What an encoder-decoder's decoder keeps between steps, one entry per layer:
-    a KVCache for causal self-attention and a MemoryCache for cross-attention."""
+    a KVCache for causal self-attention and a MemoryCache for cross-attention.
+    layer(i) and update(k, v, i) are layer i's self-attention cache."""
 
     def __init__(
         self,
@@ -313,6 +333,13 @@ class DecoderCache:
     def length(self) -> int:
         """Decoder tokens cached so far."""
         return self.self_attn[0].length
+
+    def layer(self, index: int) -> KVCache:
+        return self.self_attn[index]
+
+    def next_positions(self, count: int) -> Tensor:
+        """(B, count) positions of the next decoder tokens (see KVCache.next_positions)."""
+        return self.self_attn[0].next_positions(count)
 
     def to_static(self, self_attn: list[StaticKVCache]) -> DecoderCache:
         """This cache's decoding steps over `self_attn` (StaticKVCaches continuing its

@@ -10,7 +10,8 @@ prefix cache; a shared block is copied before it is written (copy on write).
 One forward pass over some sequences: `layers = cache.batch(seq_ids, new_tokens)`, then
 `model(idx, caches=layers)` with idx (len(seq_ids), new_tokens). Each PagedLayer, as
 MultiHeadAttention's `cache`, writes the new keys and values into the sequences' slots
-and attends over their pages (mhsa.kernels.paged), causal per sequence.
+and hands out their pages: the module attends over them with
+mhsa.attention(..., block_table=, seq_lens=), causal per sequence.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from .base import MultiLayerCache
 from .blocks import BlockAllocator, PoolExhausted, chain_hashes
 from .contiguous import _check_positive
 from .paged_layer import PagedLayer, PagedStep
@@ -37,13 +39,14 @@ class _Sequence:
     remembered: int = 0  # leading blocks handed to the prefix cache
 
 
-class PagedKVCache:
+class PagedKVCache(MultiLayerCache):
     """A pool of num_blocks blocks of block_size tokens per layer: keys
     (num_layers, num_blocks, block_size, H_kv, D) and values (..., H_kv, D_v), zeroed.
 
     add_sequence registers a prompt and reuses cached blocks of an identical prefix;
-    batch(seq_ids, new_tokens) gives the `caches` of one forward pass; free ends a
-    sequence; fork copies one (copy on write). See the module docstring.
+    batch(seq_ids, new_tokens) gives the `caches` of one forward pass (layer(i) and
+    update(k, v, i) then answer for layer i of that pass); free ends a sequence; fork
+    copies one (copy on write). See the module docstring.
     """
 
     def __init__(
@@ -211,6 +214,15 @@ class PagedKVCache:
             completed += [(seq_id, i) for i in range(seq.remembered, full)]
         self._step = self._make_step(seq_ids, new_tokens, slots, completed)
         return [PagedLayer(self._step, layer) for layer in range(self.num_layers)]
+
+    def layer(self, index: int) -> PagedLayer:
+        """Layer `index`'s part of the forward pass the last batch() prepared."""
+        if self._step is None:
+            raise ValueError("no forward pass is prepared: call batch(seq_ids, new_tokens)")
+        if isinstance(index, bool) or not isinstance(index, int) \
+                or not 0 <= index < self.num_layers:  # fmt: skip
+            raise ValueError(f"layer must be in 0..{self.num_layers - 1}, got {index!r}")
+        return PagedLayer(self._step, index)
 
     def _copy(self, block: int) -> int:
         """A new block holding what `block` holds, in every layer, in place of it."""

@@ -1,20 +1,16 @@
 """PagedLayer: one layer's part of a PagedKVCache in one forward pass, the `cache` that
-MultiHeadAttention writes the new keys and values through and attends over pages with."""
+MultiHeadAttention writes the new keys and values through. It stores and hands out
+pages; attention reads them as an ordinary mhsa.attention call (block_table=)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from ..kernels.dense import stats_dtype
-from ..kernels.paged import paged_reference, paged_tiled
-from ..masks import SlidingWindow
-from ..positional import AttentionPosition, RotaryEmbedding
-from ..scores import ScoreFunction
+from .base import Cache
 
 
 @dataclass
@@ -34,14 +30,26 @@ class PagedStep:
     valid: bool = True
 
 
-class PagedLayer:
+class PagedLayer(Cache):
     """One layer's part of a PagedKVCache for one forward pass (PagedKVCache.batch gives
-    one per layer): the `cache` of that layer's MultiHeadAttention, which then writes
-    the new keys and values into the sequences' blocks and attends over their pages
-    (attend). next_positions gives each sequence's own positions (Llama, GPT)."""
+    one per layer): the `cache` of that layer's MultiHeadAttention. update writes the
+    new keys and values into the sequences' blocks and returns the layer's pools;
+    block_table and seq_lens say where each sequence's keys are, for
+    mhsa.attention(q, k_pool, v_pool, block_table=..., seq_lens=...), causal per
+    sequence. next_positions gives each sequence's own positions (Llama, GPT)."""
 
     def __init__(self, step: PagedStep, layer: int) -> None:
         self.step, self.layer = step, layer
+
+    @property
+    def block_table(self) -> Tensor:
+        """(N, max_blocks) the sequences' block ids (0 past a sequence's blocks)."""
+        return self.step.table
+
+    @property
+    def seq_lens(self) -> list[int]:
+        """Each sequence's keys once this step's tokens are written."""
+        return self.step.lengths
 
     @property
     def length(self) -> int:
@@ -56,43 +64,9 @@ class PagedLayer:
                              f"sequence (batch(..., new_tokens)), got {count}")  # fmt: skip
         return self.step.positions
 
-    def key_padding(self) -> None:
-        """No padding: every sequence's keys are its own."""
-        return None
-
-    def rotate(self, position: AttentionPosition | None, q: Tensor,
-               k: Tensor) -> tuple[Tensor, Tensor]:  # fmt: skip
-        """q (N, H, T, D), k (N, H_kv, T, D) rotated at each sequence's positions."""
-        if position is None:
-            return q, k
-        if isinstance(position, RotaryEmbedding):
-            position = position.at(self.step.positions)
-        base = AttentionPosition
-        fixed = isinstance(getattr(position, "positions", None), Tensor)  # rotary.at(...)
-        if (not fixed and type(position).rotate is not base.rotate) or \
-                type(position).attention_bias is not base.attention_bias:  # fmt: skip
-            raise TypeError(f"a PagedLayer takes rotary positions and score functions "
-                            f"(ALiBi, T5), not {type(position).__name__}, which rotates from "
-                            "one offset or adds a dense bias")  # fmt: skip
-        return position.rotate(q, k, 0)
-
-    def attend(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        mask: SlidingWindow | None = None,
-        causal: bool = True,
-        scale: float | None = None,
-        score: ScoreFunction | None = None,
-        backend: str = "auto",
-    ) -> Tensor:
-        """Write k (N, H_kv, T, D), v (N, H_kv, T, D_v) into the sequences' slots, then
-        attend from q (N, H, T, D) over each sequence's pages: query t sees its
-        sequence's keys up to position length_before + t (causal bottom-right),
-        within SlidingWindow(left, 0) if that is the mask. Returns (N, H, T, D_v).
-        backend: "auto" (tiled), "tiled" or "reference" (see mhsa.paged_attention)."""
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write k (N, H_kv, T, D), v (N, H_kv, T, D_v) into the sequences' slots; return
+        this layer's pools (num_blocks, block_size, H_kv, D) and (..., D_v)."""
         step = self.step
         if not step.valid:
             raise ValueError("these PagedLayers are stale: the cache was batched again, or "
@@ -101,49 +75,31 @@ class PagedLayer:
         if self.layer in step.written:
             raise ValueError(f"layer {self.layer}'s PagedLayer already served a forward "
                              "pass; call cache.batch(...) for the next one")  # fmt: skip
-        window = self._window(mask, causal, step.positions.shape[1])
-        self._check(q, k, v)
-        if backend not in ("auto", "tiled", "reference"):
-            raise ValueError(f"backend must be 'auto', 'tiled' or 'reference', got {backend!r}")
-        if score is not None:
-            score.check(q.shape[1], q.device, stats_dtype(q.dtype))
+        self._check(k, v)
         flat = (k.shape[0] * k.shape[2], k.shape[1])  # (N * T, H_kv)
         for pool, new in ((step.k, k), (step.v, v)):
             rows = pool[self.layer].view(-1, *pool.shape[3:])  # (num_blocks * block_size, ...)
             rows.index_copy_(0, step.slots, new.transpose(1, 2).reshape(*flat, -1))
-        kernel = paged_reference if backend == "reference" else paged_tiled
-        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-        out = kernel(q, step.k[self.layer], step.v[self.layer], step.table, step.lengths,
-                     scale=scale, score=score, window=window)  # fmt: skip
         step.written.add(self.layer)
         if len(step.written) == step.k.shape[0]:
             step.written_by_all()
-        return out
+        return step.k[self.layer], step.v[self.layer]
 
-    @staticmethod
-    def _window(mask, causal: bool, new_tokens: int) -> int | None:
-        """The window of a SlidingWindow(left, 0) mask, None for plain causal."""
-        if isinstance(mask, SlidingWindow) and mask.right == 0:
-            return mask.left
-        if mask is None and (causal or new_tokens == 1):
-            return None
-        raise ValueError(f"a PagedLayer attends causally (causal=True), optionally within "
-                         f"SlidingWindow(left, 0); got mask {mask!r}, causal={causal}")  # fmt: skip
+    def reorder(self, index: Tensor) -> None:
+        raise ValueError("a PagedLayer does not reorder; fork the PagedKVCache's sequences "
+                         "instead")  # fmt: skip
 
-    def _check(self, q: Tensor, k: Tensor, v: Tensor) -> None:
+    def _check(self, k: Tensor, v: Tensor) -> None:
         step = self.step
         want = (len(step.seq_ids), step.k.shape[3], step.positions.shape[1], step.k.shape[4])
-        if tuple(k.shape) != want or tuple(v.shape) != (*want[:3], step.v.shape[4]) \
-                or q.dim() != 4 or q.shape[0] != want[0] or q.shape[2] != want[2] \
-                or q.shape[3] != want[3] or q.shape[1] % want[1]:  # fmt: skip
-            raise ValueError(f"this step's k must be (N, H_kv, T, D) = {want}, v (..., "
-                             f"{step.v.shape[4]}) and q (N, H, T, D), H a multiple of H_kv; "
-                             f"got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+        if tuple(k.shape) != want or tuple(v.shape) != (*want[:3], step.v.shape[4]):
+            raise ValueError(f"this step's k must be (N, H_kv, T, D) = {want} and v (..., "
+                             f"{step.v.shape[4]}); got k {tuple(k.shape)}, "
                              f"v {tuple(v.shape)}")  # fmt: skip
         dtype = step.k.dtype
-        if k.dtype != dtype or v.dtype != dtype or q.dtype != dtype:
-            raise TypeError(f"the cache holds {dtype}, got q {q.dtype}, k {k.dtype}, v "
-                            f"{v.dtype}: make the PagedKVCache in the model's dtype")  # fmt: skip
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        if k.dtype != dtype or v.dtype != dtype:
+            raise TypeError(f"the cache holds {dtype}, got k {k.dtype}, v {v.dtype}: make "
+                            "the PagedKVCache in the model's dtype")  # fmt: skip
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
             raise ValueError("a PagedKVCache serves inference: run the model under "
                              "torch.no_grad() or torch.inference_mode()")  # fmt: skip

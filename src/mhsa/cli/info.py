@@ -18,6 +18,8 @@ _PROBES = {
     "dropout": {"dropout_p": 0.1},
     "pattern+dropout": {"has_mask": True, "dropout_p": 0.1},
     "return_lse": {"return_lse": True},
+    "paged": {"paged": True, "causal": True},  # keys in a PagedKVCache's blocks
+    "paged+grad": {"paged": True, "causal": True, "needs_grad": True},
 }
 
 

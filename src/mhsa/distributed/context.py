@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..backends.registry import AttentionSpec, Backend, register, use_backend
+from ..backends.registry import PAGED_REASON, AttentionSpec, Backend, register, use_backend
 from ..masks import Pattern
 from .ring import ring_attention
 
@@ -49,6 +49,8 @@ class RingBackend(Backend):
     def supports(self, spec: AttentionSpec) -> str | None:
         if _active.get() is None:
             return "only inside mhsa.distributed.context_parallel(...)"
+        if spec.paged:
+            return PAGED_REASON
         if spec.has_bias:
             return "an additive bias is not supported across processes"
         if spec.dropout_p:

@@ -9,10 +9,13 @@ fixed-size blocks, and a block table lists each sequence's blocks in order.
                  positions lengths[n] - T .. lengths[n] - 1 (causal, bottom-right per
                  sequence); a query at p sees keys <= p, and >= p - window with a window
 
-`paged_reference` gathers every sequence's pages and computes dense attention (the
-golden answer, differentiable). `paged_tiled` gathers one tile of pages at a time and
-merges the tiles with an online softmax: it never holds a sequence's whole cache, and
-a tile is computed only for the sequences long enough to reach it (longest first).
+mhsa.attention(q, k_pool, v_pool, block_table=..., seq_lens=...) validates a call and
+dispatches it to a backend's forward_paged, which calls one of these two.
+`paged_reference` (the reference backend) gathers every sequence's pages and computes
+dense attention (the golden answer, differentiable). `paged_tiled` (flash) gathers one
+tile of pages at a time and merges the tiles with an online softmax: it never holds a
+sequence's whole cache, and a tile is computed only for the sequences long enough to
+reach it (longest first).
 Score functions get per-sequence positions: q_pos (N, 1, T, 1), k_pos (1, 1, 1, keys).
 Without one, on CPU, each tile runs on PyTorch's fused flash kernel (the query heads of
 a group as rows of their kv head) and the tiles merge by their logsumexp; with one, the
@@ -33,6 +36,7 @@ from .dense import grouped_scores, masked_softmax, probs_times_v, stats_dtype
 from .merge import merge_partials
 
 QUERY_CHUNK = 512  # query rows per pass of the tiled loop (bounds a score tile)
+TILE_SIZE = 256  # keys per tile of paged_tiled (whole pages), as the flash backend calls it
 _FUSED = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
@@ -101,10 +105,12 @@ def paged_tiled(
     scale: float,
     score: ScoreFunction | None = None,
     window: int | None = None,
-    tile_size: int = 256,
+    tile_size: int = TILE_SIZE,
 ) -> Tensor:
     """(N, H, T, D_v) by an online softmax over tiles of about tile_size keys (whole
     pages), gathered one at a time. Inference only (it updates its state in place)."""
+    if isinstance(tile_size, bool) or not isinstance(tile_size, int) or tile_size < 1:
+        raise ValueError(f"tile_size must be an int >= 1, got {tile_size!r}")
     lengths = list(lengths)
     order = sorted(range(len(lengths)), key=lambda n: -lengths[n])  # longest first
     if order != sorted(order):

@@ -81,9 +81,9 @@ class Seq2Seq(nn.Module):
         )
         self.apply(normal_init)
 
-    def _embed(self, table: nn.Embedding, ids: Tensor, offset: int = 0) -> Tensor:
+    def _embed(self, table: nn.Embedding, ids: Tensor, positions: Tensor | None = None) -> Tensor:
         x = table(ids) * math.sqrt(self.config.d_model)
-        return self.dropout(self.positions(x, offset))
+        return self.dropout(self.positions(x, positions=positions))
 
     def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
         """src (B, S) ids -> (memory (B, S, d), key padding (B, S), True = real token)."""
@@ -95,8 +95,8 @@ class Seq2Seq(nn.Module):
         self, tgt: Tensor, memory: Tensor, padding: Tensor, cache: DecoderCache | None = None
     ) -> Tensor:
         """tgt (B, T) ids (only the new ones with a cache) -> logits (B, T, tgt_vocab)."""
-        offset = 0 if cache is None else cache.length
-        x = self._embed(self.tgt_embed, tgt, offset)
+        positions = None if cache is None else cache.next_positions(tgt.shape[1])
+        x = self._embed(self.tgt_embed, tgt, positions)
         h = self.decoder(x, memory, causal=True, memory_key_padding_mask=padding, cache=cache)
         return h @ self.tgt_embed.weight.T
 

@@ -124,7 +124,7 @@ class Whisper(nn.Module):
         """tokens (B, T), memory (B, S, d) -> logits (B, T, n_vocab).
 
         With a cache, tokens continue the ones it holds (causal, aligned bottom-right)."""
-        positions = None if cache is None else cache.self_attn[0].next_positions(tokens.shape[1])
+        positions = None if cache is None else cache.next_positions(tokens.shape[1])
         x = self.text_positions(self.token_embedding(tokens), positions=positions)
         x = self.decoder(x, memory, causal=True, cache=cache)
         return x @ self.token_embedding.weight.T

@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..cache import KVCache, MemoryCache, PagedLayer
+from ..cache import Cache
 from ..functional import attention, attention_and_weights, attention_weights
 from ..masks import KeyPadding, Pattern
-from ..positional import AttentionPosition
+from ..positional import AttentionPosition, RotaryEmbedding
 from ..scores import ScoreFunction
-from ..validate import int_at_least
+from ..validate import int_at_least, paged_window
 from .layout import fuse_linears
 from .norm import RMSNorm
 
@@ -36,6 +36,25 @@ def from_torch_masks(
             extra = key_padding_mask[:, None, None, :]
             bias = extra if bias is None else bias + extra
     return mask, padding, bias
+
+
+def _rotated(position: AttentionPosition, q: Tensor, k: Tensor,
+             cache: Cache | None) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """q (B, H, L, D), k (B, H_kv, L, D) rotated by `position` at the new tokens'
+    positions: 0..L-1 without a cache (or with a cross-attention memory), the cache's
+    next_positions with one (each sequence's own: left padding, pages)."""
+    fixed = isinstance(getattr(position, "positions", None), Tensor)  # rotary.at(positions)
+    if fixed or type(position).rotate is AttentionPosition.rotate:  # (scores only: ALiBi, T5)
+        return position.rotate(q, k, 0)
+    positions = None if cache is None else cache.next_positions(q.shape[2])
+    if positions is None:
+        return position.rotate(q, k, 0)
+    if not isinstance(position, RotaryEmbedding):
+        raise TypeError(f"with a cache, positions come from the cache per sequence: it "
+                        f"takes rotary positions (rotated at them) and score functions (ALiBi, "
+                        f"T5), not {type(position).__name__}, which rotates from one "
+                        "offset")  # fmt: skip
+    return position.at(positions).rotate(q, k, 0)
 
 
 class MultiHeadAttention(nn.Module):
@@ -161,7 +180,7 @@ class MultiHeadAttention(nn.Module):
         need_weights: bool = False,
         average_weights: bool = True,
         position: AttentionPosition | None = None,
-        cache: KVCache | MemoryCache | PagedLayer | None = None,
+        cache: Cache | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from query (B, L, E) to key (B, S, kdim) / value (B, S, vdim).
 
@@ -169,33 +188,36 @@ class MultiHeadAttention(nn.Module):
         pattern or a bool tensor broadcastable to (B, H, L, S), True = may attend;
         key_padding_mask is (B, S) bool, True = a real token; bias is a float added
         to the scores, broadcastable to (B, H, L, S). causal is aligned
-        bottom-right. With a cache, the new keys/values are appended and attention
-        runs over everything cached; with a MemoryCache (cross-attention), key and
-        value are projected on the first call only and reused after; with a
-        PagedLayer (PagedKVCache.batch), each sequence's keys/values go to its blocks
-        and attention runs over its pages at its own positions. Returns
-        (B, L, E), and with need_weights also the probabilities (B, L, S) averaged
-        over heads, or (B, H, L, S).
+        bottom-right. With a cache (mhsa.cache: any Cache), the new keys/values go
+        through cache.update and attention runs over what it returns, the new tokens
+        at the cache's next_positions: everything cached (KVCache), a cross-attention
+        memory projected on the first call only (MemoryCache), or each sequence's
+        pages (PagedLayer, from PagedKVCache.batch). Returns (B, L, E), and with
+        need_weights also the probabilities (B, L, S) averaged over heads, or
+        (B, H, L, S).
         """
+        dropout = self.dropout if self.training else 0.0
+        paged = cache is not None and cache.block_table is not None
+        if paged:  # checked before update writes the new keys into the pages
+            if need_weights or dropout or key_padding_mask is not None or bias is not None:
+                raise ValueError("a paged cache takes no need_weights, dropout, "
+                                 "key_padding_mask or bias (each sequence is its own)")  # fmt: skip
+            if (key is not None and key is not query) or (value is not None and value is not query):
+                raise ValueError("a paged cache caches self-attention: pass no key or value")
+            paged_window(mask, causal, query.shape[1])
         q, k, v, mask, bias = self._inputs(
             query, key, value, mask, key_padding_mask, bias, position, cache
         )
         score, scale = self._score(position), self.scale
-        dropout = self.dropout if self.training else 0.0
-        if isinstance(cache, PagedLayer):  # writes k, v to its blocks; attends over pages
-            if need_weights or dropout or key_padding_mask is not None or bias is not None:
-                raise ValueError("a PagedLayer cache takes no need_weights, dropout, "
-                                 "key_padding_mask or bias (each sequence is its own)")  # fmt: skip
-            paged = "reference" if self.backend == "reference" else "auto"
-            out = cache.attend(q, k, v, mask=mask, causal=causal, scale=scale, score=score,
-                               backend=paged)  # fmt: skip
-        elif need_weights:
+        if need_weights:
             out, weights = attention_and_weights(q, k, v, mask, bias=bias, causal=causal,
                                                  scale=scale, dropout_p=dropout,
                                                  score=score)  # fmt: skip
         else:
+            pages = {"block_table": cache.block_table, "seq_lens": cache.seq_lens} if paged else {}
             out = attention(q, k, v, mask, bias=bias, causal=causal, scale=scale,
-                            dropout_p=dropout, backend=self.backend, score=score)  # fmt: skip
+                            dropout_p=dropout, backend=self.backend, score=score,
+                            **pages)  # fmt: skip
         out = self.out_proj(out.transpose(1, 2).reshape(query.shape[0], query.shape[1], -1))
         if not need_weights:
             return out
@@ -234,7 +256,7 @@ class MultiHeadAttention(nn.Module):
         if (
             (key is not None and key is not query)
             or value is not None
-            or isinstance(cache, MemoryCache)
+            or (cache is not None and cache.cross_attention)
         ):
             raise ValueError(
                 "this module's projections are fused (fuse_projections), so it serves "
@@ -249,7 +271,9 @@ class MultiHeadAttention(nn.Module):
 
     def _inputs(self, query, key, value, mask, key_padding_mask, bias, position, cache):
         """Project and split heads, apply positions, update the cache, merge masks:
-        (q (B, H, L, hd), k, v (B, H_kv, S, hd), mask, bias) for the attention call."""
+        (q (B, H, L, hd), k, v (B, H_kv, S, hd), mask, bias) for the attention call
+        (k, v: the pools of blocks for a paged cache)."""
+        held = None if cache is None else cache.memory()  # cross-attention keys kept
         if self.qkv_proj is not None:
             q, k, v = self._fused_inputs(query, key, value, cache)
         else:
@@ -260,21 +284,12 @@ class MultiHeadAttention(nn.Module):
                                   ("value", value, self.v_proj)):  # fmt: skip
                 self._check_input(name, t, proj)
             q = self._split(self.q_proj(query), self.num_heads)
-            if isinstance(cache, MemoryCache):  # cross-attention: project the memory once
-                if cache.k is None:
-                    cache.k, cache.v = self._keys_values(key, value)
-                k, v, cache = cache.k, cache.v, None
-            else:
-                k, v = self._keys_values(key, value)
+            k, v = held if held is not None else self._keys_values(key, value)
         if self.q_norm is not None:
             q = self.q_norm(q)
-        if isinstance(cache, PagedLayer):  # each sequence at its own positions
-            if (key is not None and key is not query) or (value is not None and value is not query):
-                raise ValueError("a PagedLayer caches self-attention: pass no key or value")
-            return (*cache.rotate(position, q, k), v, mask, bias)
-        offset = cache.length if cache is not None else 0
         if position is not None:
-            q, k = position.rotate(q, k, offset)
+            q, rotated = _rotated(position, q, k, cache)
+            k = rotated if held is None else k  # (kept memory keys were rotated when kept)
         if cache is not None:
             k, v = cache.update(k, v)
             cached_padding = cache.key_padding()  # which cached keys are left padding

@@ -1,0 +1,65 @@
+"""The cache interface: what attention modules and models ask of every cache.
+
+One layer's cache (a `Cache`: KVCache, SlidingWindowCache, StaticKVCache, MemoryCache,
+PagedLayer) is the `cache` of one MultiHeadAttention call. It answers, whatever its kind:
+
+    update(k, v)       store the new keys (B, H_kv, T, D) and values (B, H_kv, T, D_v);
+                       return the keys and values to attend over
+    next_positions(T)  (B, T) positions of the T new tokens, or None (cross-attention):
+                       rotary angles and learned positions of cached decoding come from here
+    key_padding()      (B, S) bool, True = a real key, for what update returned; or None
+    memory()           keys and values kept for good (cross-attention after its first call):
+                       attention reuses them and projects no new ones; else None
+    block_table, seq_lens   None, or paged keys: update returned the pools of blocks, and
+                       attention reads them through these (mhsa.attention's block_table=)
+    cross_attention    whether it holds keys of another sequence (an encoder's memory)
+
+A cache of many layers (a `MultiLayerCache`: DecoderCache, PagedKVCache) hands out one
+`Cache` per layer and answers update(k, v, layer) through it, as transformers' caches do.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+
+class Cache:
+    """One attention layer's keys and values between calls (see the module docstring)."""
+
+    block_table: Tensor | None = None  # paged keys: (B, max_blocks) block ids
+    seq_lens: list[int] | None = None  # paged keys: keys per sequence after update
+    cross_attention: bool = False
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store k (B, H_kv, T, D), v (B, H_kv, T, D_v); return the keys and values to
+        attend over (the pools of blocks, for paged keys)."""
+        raise NotImplementedError
+
+    def next_positions(self, count: int) -> Tensor | None:
+        """(B, count) int64 positions of the next `count` tokens, or None where the cache
+        gives the queries no positions (cross-attention)."""
+        raise NotImplementedError
+
+    def key_padding(self) -> Tensor | None:
+        """(B, S) bool, True = a real key, for the keys the last update returned; None:
+        all are real."""
+        return None
+
+    def memory(self) -> tuple[Tensor, Tensor] | None:
+        """Keys and values to reuse instead of projecting new ones, or None."""
+        return None
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep sequence index[b] as sequence b (beam search: the surviving beams)."""
+        raise ValueError(f"a {type(self).__name__} does not reorder its sequences")
+
+
+class MultiLayerCache:
+    """The caches of several layers: layer(i) is layer i's Cache."""
+
+    def layer(self, index: int) -> Cache:
+        raise NotImplementedError
+
+    def update(self, k: Tensor, v: Tensor, layer: int) -> tuple[Tensor, Tensor]:
+        """Store layer `layer`'s new keys and values; return what it attends over."""
+        return self.layer(layer).update(k, v)
