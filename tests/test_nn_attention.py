@@ -85,7 +85,7 @@ def test_grouped_query_heads_match_repeated_kv_heads():
 
 @pytest.mark.parametrize(
     "position",
-    [None, mhsa.positional.RotaryEmbedding(8), mhsa.positional.ALiBi(4)],
+    [None, mhsa.positional.RotaryEmbedding(8), mhsa.positional.ALiBiPosition(4)],
     ids=["none", "rotary", "alibi"],
 )
 def test_cached_decoding_equals_full_recompute(position):
@@ -151,7 +151,7 @@ def test_head_dim_scale_and_score_options():
     """head_dim with H * D != E, a scale of its own and a score function after the
     position's: the same as mhsa.attention called with them."""
     torch.manual_seed(0)
-    position = mhsa.positional.ALiBi(4)
+    position = mhsa.positional.ALiBiPosition(4)
     mha = MultiHeadAttention(16, 4, num_kv_heads=2, head_dim=6, scale=0.3,
                              score=mhsa.scores.Softcap(2.0), backend="flash")  # fmt: skip
     assert mha.q_proj.weight.shape == (24, 16) and mha.out_proj.weight.shape == (16, 24)

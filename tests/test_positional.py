@@ -10,9 +10,9 @@ import torch
 from helpers import max_error
 from mhsa.nn import MultiHeadAttention
 from mhsa.positional import (
-    ALiBi,
+    ALiBiPosition,
     LearnedPositionalEmbedding,
-    RelativePositionBias,
+    RelativeBiasPosition,
     RotaryEmbedding,
     SinusoidalPositionalEncoding,
     alibi_slopes,
@@ -114,7 +114,7 @@ def test_alibi_slopes_for_any_head_count():
 
 
 def test_alibi_bias_is_bottom_right_linear_distance():
-    alibi = ALiBi(2)
+    alibi = ALiBiPosition(2)
     bias = alibi.dense_bias(2, 5)  # queries at positions 3 and 4
     assert bias.shape == (2, 2, 5)
     slope = alibi.slopes[0].item()
@@ -123,11 +123,11 @@ def test_alibi_bias_is_bottom_right_linear_distance():
 
 
 def test_relative_bias_buckets():
-    rel = RelativePositionBias(3, num_buckets=8, max_distance=20, bidirectional=True)
+    rel = RelativeBiasPosition(3, num_buckets=8, max_distance=20, bidirectional=True)
     offsets = torch.tensor([0, -1, -2, -3, 1, 3, -5, -19, -200, 200])
     # per direction 4 buckets: exact 0, 1; log buckets 2 (2..9), 3 (10..); keys after +4
     assert rel.bucket(offsets).tolist() == [0, 1, 2, 2, 5, 6, 2, 3, 3, 7]
-    causal = RelativePositionBias(3, num_buckets=4, max_distance=8, bidirectional=False)
+    causal = RelativeBiasPosition(3, num_buckets=4, max_distance=8, bidirectional=False)
     assert causal.bucket(torch.tensor([0, -1, -2, -5, -100, 4])).tolist() == [0, 1, 2, 3, 3, 0]
     bias = rel.dense_bias(4, 6)
     assert bias.shape == (3, 4, 6)
@@ -147,7 +147,7 @@ def test_self_attention_is_permutation_equivariant_without_positions():
 
 @pytest.mark.parametrize(
     "position",
-    [RotaryEmbedding(4), ALiBi(4), RelativePositionBias(4)],
+    [RotaryEmbedding(4), ALiBiPosition(4), RelativeBiasPosition(4)],
     ids=["rotary", "alibi", "relative"],
 )
 def test_positions_break_permutation_equivariance(position):
@@ -176,8 +176,8 @@ def test_sizes_must_be_positive_ints_and_say_which(bad):
         (lambda v: LearnedPositionalEmbedding(8, v), "d_model"),
         (lambda v: RotaryEmbedding(v), "head_dim"),
         (alibi_slopes, "num_heads"),
-        (lambda v: RelativePositionBias(v), "num_heads"),
-        (lambda v: RelativePositionBias(2, max_distance=v), "max_distance"),
+        (lambda v: RelativeBiasPosition(v), "num_heads"),
+        (lambda v: RelativeBiasPosition(2, max_distance=v), "max_distance"),
     ]
     for build, name in cases:
         with pytest.raises(ValueError, match=rf"^{name} must be a positive int, got {bad!r}$"):
@@ -225,12 +225,12 @@ def test_rotary_rejects_wrong_head_dim_and_positions_shape_with_details():
 
 
 def test_relative_bias_minimum_bucket_counts():
-    RelativePositionBias(2, num_buckets=4)  # two per direction: the fewest that work
-    RelativePositionBias(2, num_buckets=2, bidirectional=False)
+    RelativeBiasPosition(2, num_buckets=4)  # two per direction: the fewest that work
+    RelativeBiasPosition(2, num_buckets=2, bidirectional=False)
     with pytest.raises(ValueError, match=r"^num_buckets must be >= 4, got 3$"):
-        RelativePositionBias(2, num_buckets=3)
+        RelativeBiasPosition(2, num_buckets=3)
     with pytest.raises(ValueError, match=r"^num_buckets must be >= 2, got 1$"):
-        RelativePositionBias(2, num_buckets=1, bidirectional=False)
+        RelativeBiasPosition(2, num_buckets=1, bidirectional=False)
 
 
 # --- exact values on the paths the tests above do not take ---------------------------
@@ -323,14 +323,15 @@ def test_rotary_and_alibi_follow_the_device_of_their_inputs():
     device, which needs no GPU and refuses to mix with CPU tensors."""
     meta = torch.device("meta")
     assert RotaryEmbedding(8)(torch.zeros(1, 2, 3, 8, device=meta)).device == meta
-    assert ALiBi(2).to(meta).dense_bias(2, 5).device == meta
+    assert ALiBiPosition(2).to(meta).dense_bias(2, 5).device == meta
     assert relative_offsets(2, 5, meta).device == meta
 
 
 def test_fixed_tables_are_not_saved_in_the_state_dict():
     """Sinusoidal tables, rotary frequencies and ALiBi slopes are recomputed, not loaded:
     their state_dicts are empty, so checkpoints stay small and load across max_len."""
-    for module in (SinusoidalPositionalEncoding(8, max_len=16), RotaryEmbedding(8), ALiBi(4)):
+    modules = (SinusoidalPositionalEncoding(8, max_len=16), RotaryEmbedding(8), ALiBiPosition(4))
+    for module in modules:
         assert module.state_dict() == {}
         assert len(list(module.buffers())) == 1
 
@@ -352,7 +353,7 @@ def t5_bucket(offset: int, num_buckets: int, max_distance: int, bidirectional: b
 
 
 def test_relative_bias_defaults_are_t5s():
-    rel = RelativePositionBias(3)
+    rel = RelativeBiasPosition(3)
     assert rel.embedding.weight.shape == (32, 3)  # loads T5's (32, heads) table
     offsets = list(range(-300, 301))
     want = [t5_bucket(o, 32, 128, True) for o in offsets]
@@ -361,7 +362,7 @@ def test_relative_bias_defaults_are_t5s():
 
 def test_relative_bias_one_exact_bucket():
     """With a single exact bucket (distance 0), distance 1 starts the log buckets at 1."""
-    rel = RelativePositionBias(1, num_buckets=3, max_distance=4, bidirectional=False)
+    rel = RelativeBiasPosition(1, num_buckets=3, max_distance=4, bidirectional=False)
     offsets = [0, -1, -2, -3, -4, -100, 5]
     want = [t5_bucket(o, 3, 4, False) for o in offsets]
     assert want == [0, 1, 2, 2, 2, 2, 0]

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import validate
+from .checks import int_at_least
 from .kernels.dense import masked_softmax, stats_dtype
 from .kernels.merge import merge_partials
 from .masks.causal import causal_allows, causal_mask, causal_shift
@@ -107,10 +108,9 @@ def cluster_attention(
     validate.check_qkv(q, k, v)
     validate.check_causal(causal)
     validate.check_scale(scale)
-    for name, value, low in (("num_buckets", num_buckets, 2), ("chunk_size", chunk_size, 1),
-                             ("num_hashes", num_hashes, 1)):  # fmt: skip
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    int_at_least("num_buckets", num_buckets, 2)
+    int_at_least("chunk_size", chunk_size, 1)
+    int_at_least("num_hashes", num_hashes, 1)
     if num_buckets % 2:
         raise ValueError(f"num_buckets must be even (x R and -x R), got {num_buckets}")
     groups = q.shape[1] // k.shape[1]

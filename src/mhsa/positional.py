@@ -3,8 +3,9 @@
 Added to token embeddings (B, L, d_model):
     SinusoidalPositionalEncoding, LearnedPositionalEmbedding
 Used inside attention (pass as `position=` to mhsa.nn.MultiHeadAttention):
-    RotaryEmbedding (rotates q and k), ALiBi and RelativePositionBias (score functions
-    from mhsa.scores, evaluated per tile inside the attention engine)
+    RotaryEmbedding (rotates q and k), ALiBiPosition and RelativeBiasPosition (modules
+    that give the score functions mhsa.scores.ALiBi and RelativeBias, evaluated per tile
+    inside the attention engine)
 
 Positions inside attention follow the causal convention: with L queries and S keys,
 keys sit at positions 0..S-1 and queries at S-L..S-1 (bottom-right).
@@ -375,7 +376,7 @@ def relative_offsets(q_len: int, kv_len: int, device: torch.device | None = None
     return k_pos - q_pos
 
 
-class ALiBi(AttentionPosition):
+class ALiBiPosition(AttentionPosition):
     """Attention with linear biases: score bias -slope_h * |i - j| per head h."""
 
     def __init__(self, num_heads: int) -> None:
@@ -391,7 +392,7 @@ class ALiBi(AttentionPosition):
         return -self.slopes.view(-1, 1, 1) * distance
 
 
-class RelativePositionBias(AttentionPosition):
+class RelativeBiasPosition(AttentionPosition):
     """T5's learned bias per head for bucketed relative positions.
 
     Offsets below num_buckets/2 (per direction when bidirectional) get their own

@@ -37,7 +37,7 @@ from .checkpoint import (
     resolve_checkpoint,
     save_checkpoint,
 )
-from .validate import int_at_least
+from .checks import int_at_least
 
 __all__ = [
     "TrainConfig",

@@ -11,8 +11,8 @@ import math
 import torch
 from torch import Tensor
 
+from .checks import int_at_least as int_at_least  # re-exported for the layers above
 from .masks.base import Pattern
-from .masks.base import int_at_least as int_at_least  # one int check for the layers above
 from .masks.patterns import SlidingWindow
 
 LAYOUT = "(batch, num_heads, seq_len, head_dim)"

@@ -19,9 +19,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..checks import int_at_least
 from .blocks import EMPTY, FULL, PARTIAL, reduce_blocks
 
-__all__ = ["EMPTY", "FULL", "PARTIAL", "Band", "Pattern", "int_at_least"]
+__all__ = ["EMPTY", "FULL", "PARTIAL", "Band", "Pattern"]
 
 
 def block_ranges(length: int, block: int) -> tuple[Tensor, Tensor]:
@@ -156,13 +157,6 @@ class Pattern:
 
     def __and__(self, other: Pattern) -> Pattern:
         return Intersection(self, other)
-
-
-def int_at_least(name: str, value: int, low: int, hint: str = "") -> int:
-    """value, if it is an int (not a bool) >= low; else ValueError naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}{hint}, got {value!r}")
-    return value
 
 
 def _check_sizes(q_len: int, kv_len: int) -> None:

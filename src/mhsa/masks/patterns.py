@@ -8,7 +8,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .base import Band, Pattern, block_ranges, int_at_least
+from ..checks import int_at_least
+from .base import Band, Pattern, block_ranges
 from .blocks import EMPTY, FULL, PARTIAL, num_blocks, reduce_blocks
 from .causal import causal_allows, causal_shift
 

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .base import Pattern, int_at_least
+from ..checks import int_at_least
+from .base import Pattern
 from .blocks import num_blocks
 from .causal import causal_shift
 from .patterns import GlobalTokens, RandomBlocks, SlidingWindow, _kinds_from

@@ -24,9 +24,9 @@ from ..masks import SlidingWindow
 from ..nn import TransformerEncoderLayer
 from ..nn.layout import decoding_layout
 from ..positional import (
-    ALiBi,
+    ALiBiPosition,
     LearnedPositionalEmbedding,
-    RelativePositionBias,
+    RelativeBiasPosition,
     RotaryEmbedding,
     SinusoidalPositionalEncoding,
 )
@@ -93,8 +93,8 @@ class GPT(nn.Module):
         }.get(config.position, lambda: None)()
         self.attn_position = {
             "rotary": lambda: RotaryEmbedding(head_dim),
-            "alibi": lambda: ALiBi(config.n_head),
-            "t5": lambda: RelativePositionBias(config.n_head, bidirectional=False),
+            "alibi": lambda: ALiBiPosition(config.n_head),
+            "t5": lambda: RelativeBiasPosition(config.n_head, bidirectional=False),
         }.get(config.position, lambda: None)()
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(
