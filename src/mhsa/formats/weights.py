@@ -202,6 +202,7 @@ class _Entry:
     rule: Rule
     params: tuple[str, ...]
     raw: str = ""  # the name in the file (with the table's prefix if the file has it)
+    rows: tuple[int, ...] = ()  # each parameter's share of a fused tensor (dim 0)
 
 
 def _some(items: list[str]) -> str:
@@ -252,8 +253,9 @@ def _plan(
         rule, stored, params = found
         entries.setdefault(stored, _Entry(stored, rule, params))
     where = source.name
-    missing = [f"{e.stored!r}{_for(e)}" for e in entries.values()
-               if e.stored not in stored_shapes and not e.rule.optional]  # fmt: skip
+    prefix = names.prefix if names and any(raw != name for name, raw in raw_names.items()) else ""
+    missing = [f"{prefix + e.stored!r}{_for(e)}" for e in entries.values()
+               if e.stored not in stored_shapes and not e.rule.optional]  # as the file spells them
     skip = set(ignore)
     unexpected = [repr(raw_names[name]) for name in stored_shapes if name not in entries
                   and name not in skip and not (names and names.ignores(name))]  # fmt: skip
@@ -271,6 +273,7 @@ def _plan(
             continue  # optional
         entry.raw = raw_names[entry.stored]
         shapes = [tuple(expected[p]) for p in entry.params]
+        entry.rows = tuple(shape[0] if shape else 1 for shape in shapes)
         want, got = _stored_shape(entry.rule, shapes), stored_shapes[entry.stored]
         if tuple(got) != tuple(want):
             raise ValueError(f"{where}: tensor {entry.raw!r} has shape {tuple(got)}, but "
@@ -283,7 +286,7 @@ def _plan(
 def _split(entry: _Entry, tensor: Tensor) -> list[Tensor]:
     if entry.rule.transpose and tensor.dim() == 2:
         tensor = tensor.t()
-    return list(tensor.chunk(len(entry.params))) if len(entry.params) > 1 else [tensor]
+    return list(tensor.split(entry.rows)) if len(entry.params) > 1 else [tensor]
 
 
 def read_tensors(

@@ -231,13 +231,17 @@ class Whisper(nn.Module):
     ) -> Whisper:
         """Load a CTranslate2 Whisper conversion: a folder with model.bin, config.json
         (suppressed tokens), vocabulary.txt (token strings, one per line by id: the ids
-        CTranslate2 uses) and tokenizer.json (read with the `tokenizers` package)."""
+        CTranslate2 uses; or vocabulary.json, a list, as ctranslate2 >= 3 writes it) and
+        tokenizer.json (read with the `tokenizers` package). Every tensor's name and shape
+        is checked against the model first (CT2_NAMES)."""
         directory = Path(directory)
-        for name in ("model.bin", "config.json", "vocabulary.txt", "tokenizer.json"):
-            if not (directory / name).is_file():
+        vocabulary_file = _vocabulary_file(directory)
+        for path in (directory / "model.bin", directory / "config.json", vocabulary_file,
+                     directory / "tokenizer.json"):  # fmt: skip
+            if not path.is_file():
                 raise FileNotFoundError(
-                    f"{directory / name}: missing; pass the folder of a CTranslate2 Whisper "
-                    "conversion (model.bin, config.json, vocabulary.txt, tokenizer.json)"
+                    f"{path}: missing; pass the folder of a CTranslate2 Whisper conversion "
+                    "(model.bin, config.json, vocabulary.txt or .json, tokenizer.json)"
                 )
         try:
             from tokenizers import Tokenizer
@@ -251,11 +255,11 @@ class Whisper(nn.Module):
             raise ValueError(f"{directory}: holds a {spec} CTranslate2 model, not a WhisperSpec")
         tensors = read_ctranslate2(directory, dtype=dtype)
         extra = json.loads((directory / "config.json").read_text())
-        vocabulary = (directory / "vocabulary.txt").read_text(encoding="utf-8").split("\n")
+        vocabulary = _read_vocabulary(vocabulary_file)
         path = directory / "model.bin"
         try:
             vocabulary = vocabulary[: tensors["decoder/embeddings/weight"].shape[0]]
-            config = _config_from_ctranslate2(tensors, vocabulary, extra, directory)
+            config = _config_from_ctranslate2(tensors, vocabulary, extra, vocabulary_file)
         except KeyError as error:
             raise ValueError(
                 f"{path}: 1 tensor missing: {error.args[0]!r} (the model's sizes are read off "
@@ -270,9 +274,21 @@ class Whisper(nn.Module):
         return model.to(device).eval()
 
 
-def _config_from_ctranslate2(tensors, vocabulary, extra, directory: Path) -> WhisperConfig:
+def _vocabulary_file(directory: Path) -> Path:
+    """vocabulary.txt, or vocabulary.json where only that exists (ctranslate2 >= 3)."""
+    text, listed = directory / "vocabulary.txt", directory / "vocabulary.json"
+    return listed if listed.is_file() and not text.is_file() else text
+
+
+def _read_vocabulary(file: Path) -> list[str]:
+    """The token strings by id: one a line (.txt) or a JSON list (.json)."""
+    text = file.read_text(encoding="utf-8")
+    return json.loads(text) if file.suffix == ".json" else text.split("\n")
+
+
+def _config_from_ctranslate2(tensors, vocabulary, extra, vocabulary_file: Path) -> WhisperConfig:
     """The sizes read off the tensors' shapes (a missing one raises KeyError) and the
-    special tokens' ids off vocabulary.txt."""
+    special tokens' ids off the vocabulary."""
     num_heads = tensors["encoder/num_heads"]
     if num_heads.numel() != 1 or num_heads.is_floating_point():
         raise ValueError(f"encoder/num_heads must be one integer, got {num_heads.tolist()}")
@@ -282,7 +298,7 @@ def _config_from_ctranslate2(tensors, vocabulary, extra, directory: Path) -> Whi
         prompt[1:1] = ["<|en|>", "<|transcribe|>"]
     missing = [token for token in ["<|endoftext|>", *prompt] if token not in ids]
     if missing:
-        raise ValueError(f"{directory / 'vocabulary.txt'} lacks the special tokens {missing}")
+        raise ValueError(f"{vocabulary_file} lacks the special tokens {missing}")
     return WhisperConfig(
         n_mels=tensors["encoder/conv1/weight"].shape[1],
         n_audio_ctx=tensors["encoder/position_encodings/encodings"].shape[0],
@@ -294,8 +310,8 @@ def _config_from_ctranslate2(tensors, vocabulary, extra, directory: Path) -> Whi
         n_text_layer=_count_layers(tensors, "decoder"),
         eot_id=ids["<|endoftext|>"],
         prompt=tuple(ids[token] for token in prompt),
-        suppress_ids=tuple(extra.get("suppress_ids", ())),
-        suppress_ids_begin=tuple(extra.get("suppress_ids_begin", ())),
+        suppress_ids=tuple(extra.get("suppress_ids") or ()),  # null in a new conversion
+        suppress_ids_begin=tuple(extra.get("suppress_ids_begin") or ()),
     )
 
 
