@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
 from torch import Tensor, nn
 
 PLACEHOLDERS = {"i": r"\d+", "p": r"weight|bias", "any": r"[^./]+"}  # "any": one name part
@@ -71,8 +73,6 @@ class SafetensorsFiles:
     headers, each file read whole (safetensors' load_file) the first time it is needed."""
 
     def __init__(self, files: Path | str | Sequence[Path | str], device: str = "cpu") -> None:
-        from safetensors import SafetensorError, safe_open
-
         paths = [Path(files)] if isinstance(files, (str, Path)) else [Path(f) for f in files]
         if not paths:
             raise ValueError("files is empty: pass one or more .safetensors files")
@@ -93,9 +93,6 @@ class SafetensorsFiles:
         return dict(self._shapes)
 
     def read(self, name: str) -> Tensor:
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
         path = self._file_of[name]
         if path not in self._loaded:
             try:
@@ -225,6 +222,22 @@ def _stored_shape(rule: Rule, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
     return shape[::-1] if rule.transpose and len(shape) == 2 else shape
 
 
+def _entries(names: NameTable | None, expected: Iterable[str]) -> dict[str, _Entry]:
+    """{stored name: entry} for our parameters `expected` (names None: stored as named)."""
+    entries: dict[str, _Entry] = {}
+    for param in expected:
+        if names is None:
+            entries[param] = _Entry(param, Rule(param, param), (param,))
+        elif names.stores(param):
+            found = names.find(param)
+            if found is None:
+                raise ValueError(f"the name table has no rule for the parameter {param!r}: a "
+                                 "bug in the model's table; please report it")  # fmt: skip
+            rule, stored, params = found
+            entries.setdefault(stored, _Entry(stored, rule, params))
+    return entries
+
+
 def _plan(
     source: TensorSource,
     names: NameTable | None,
@@ -237,28 +250,16 @@ def _plan(
     """The stored tensors to read for `expected` ({our name: shape}), after checking that
     every one is there with the shape `expected` implies and nothing else is."""
     in_file = source.shapes()
-    raw_names = {(name.removeprefix(names.prefix) if names else name): name for name in in_file}
-    stored_shapes = {name: in_file[raw] for name, raw in raw_names.items()}
-    entries: dict[str, _Entry] = {}
-    for param in expected:
-        if names is None:
-            entries[param] = _Entry(param, Rule(param, param), (param,))
-            continue
-        if not names.stores(param):
-            continue
-        found = names.find(param)
-        if found is None:
-            raise ValueError(f"the name table has no rule for the parameter {param!r}: a bug "
-                             "in the model's table; please report it")  # fmt: skip
-        rule, stored, params = found
-        entries.setdefault(stored, _Entry(stored, rule, params))
-    where = source.name
-    prefix = names.prefix if names and any(raw != name for name, raw in raw_names.items()) else ""
-    missing = [f"{prefix + e.stored!r}{_for(e)}" for e in entries.values()
-               if e.stored not in stored_shapes and not e.rule.optional]  # as the file spells them
+    prefix = names.prefix if names else ""
+    raw_names = {name.removeprefix(prefix): name for name in in_file}  # table name -> file's
+    entries = _entries(names, expected)
+    shown_prefix = prefix if any(raw != name for name, raw in raw_names.items()) else ""
+    missing = [f"{shown_prefix + e.stored!r}{_for(e)}" for e in entries.values()
+               if e.stored not in raw_names and not e.rule.optional]  # fmt: skip
     skip = set(ignore)
-    unexpected = [repr(raw_names[name]) for name in stored_shapes if name not in entries
-                  and name not in skip and not (names and names.ignores(name))]  # fmt: skip
+    unexpected = [repr(raw) for name, raw in raw_names.items() if name not in entries
+                  and raw not in skip and not (names and names.ignores(name))]  # fmt: skip
+    where = source.name
     if missing:
         also = f", and {len(unexpected)} unexpected: {_some(unexpected)}" if unexpected else ""
         raise ValueError(f"{where}: {_count(len(missing), 'tensor')} missing: "
@@ -267,19 +268,15 @@ def _plan(
         raise ValueError(f"{where}: {_count(len(unexpected), 'unexpected tensor')}: "
                          f"{_some(unexpected)} (no parameter of the model is stored under that "
                          f"name); {fix}")  # fmt: skip
-    plan = []
-    for entry in entries.values():
-        if entry.stored not in stored_shapes:
-            continue  # optional
+    plan = [entry for entry in entries.values() if entry.stored in raw_names]  # optional: may lack
+    for entry in plan:
         entry.raw = raw_names[entry.stored]
         shapes = [tuple(expected[p]) for p in entry.params]
         entry.rows = tuple(shape[0] if shape else 1 for shape in shapes)
-        want, got = _stored_shape(entry.rule, shapes), stored_shapes[entry.stored]
-        if tuple(got) != tuple(want):
-            raise ValueError(f"{where}: tensor {entry.raw!r} has shape {tuple(got)}, but "
-                             f"{expected_by} implies {tuple(want)}{_for(entry)}; "
-                             f"{fix}")  # fmt: skip
-        plan.append(entry)
+        want, got = _stored_shape(entry.rule, shapes), tuple(in_file[entry.raw])
+        if got != want:
+            raise ValueError(f"{where}: tensor {entry.raw!r} has shape {got}, but {expected_by} "
+                             f"implies {want}{_for(entry)}; {fix}")  # fmt: skip
     return plan
 
 
