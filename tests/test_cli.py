@@ -218,7 +218,8 @@ def test_damaged_or_mismatched_checkpoints_are_clear_errors(tmp_path, capsys):
     config_file.write_text(json.dumps(config))
     assert main(["generate", str(out), "--max-new-tokens", "1"]) == 2
     err = capsys.readouterr().err
-    assert "does not fit its config.json: wrong shape: tok_emb.weight" in err
+    assert "model.safetensors: tensor 'tok_emb.weight' has shape (256, " in err
+    assert "but its config.json implies (2000000000, " in err
     config["config"]["vocab_size"] = 256
     config["config"]["bogus"] = 1
     config_file.write_text(json.dumps(config))

@@ -187,13 +187,15 @@ def _retyped(type_id: int):  # the same bytes under another dtype id of the same
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (_reshaped, "the variable for encoder.layers.0.feed_forward.linear1.weight has shape"),
+        (_reshaped, r"tensor 'encoder/layer_0/ffn/linear_0/weight' has shape \(1536, 383\), but "
+                    r"the model implies \(1536, 384\) \(for encoder.layers.0.feed_forward.linear1"),
         (_retyped(5), "float variables stored in 2 types"),  # float16 -> bfloat16
-        (_retyped(2), "stored as torch.int16 without a scale"),  # float16 -> int16
+        (_retyped(2), "'encoder/layer_0/ffn/linear_0/weight' is stored as torch.int16, not a "
+                      "float type"),  # float16 -> int16
         (lambda n, t: _ct2_raw(n.encode(), [], 2, b"\0\0") if n == "encoder/num_heads" else None,
          "n_head must be an int >= 1, got 0"),
         (lambda n, t: b"" if n == "decoder/layer_norm/gamma" else None,
-         "'decoder/layer_norm/gamma' is missing"),
+         "1 tensor missing: 'decoder/layer_norm/gamma' \\(for decoder.norm.weight\\)"),
     ],
 )  # fmt: skip
 def test_damaged_whisper_conversions_are_one_line_errors(model_dir, tmp_path, change, message):

@@ -26,8 +26,9 @@ import torch
 from torch import nn
 
 from .formats.ggml_blocks import unpack_q4
+from .formats.weights import TensorDict
 from .models.decoding import check_sampling, compiled_decode_step, sample
-from .models.llama import Llama, LlamaConfig, hf_name
+from .models.llama import EMBED, HF_NAMES, Llama, LlamaConfig
 from .nn.quantized import Int4Linear, Int8Linear, quantize_linears, replace_linears
 
 if TYPE_CHECKING:
@@ -169,7 +170,8 @@ def _from_gguf(path: Path, dtype: torch.dtype, quantize: str) -> ChatModel:
     from .formats.gguf import read_gguf
 
     gguf = read_gguf(path, dtype=torch.float32 if quantize == "file" else dtype)
-    model = Llama.from_hf(gguf.state_dict, LlamaConfig.from_hf_config(gguf.config))
+    weights = TensorDict(gguf.state_dict, str(path))
+    model = Llama.from_hf(weights, LlamaConfig.from_hf_config(gguf.config))
     tokenizer = gguf.tokenizer()
     chat = ChatModel(model, tokenizer, _stop_ids(tokenizer, gguf.config), path.name)
     if quantize == "file":
@@ -188,11 +190,11 @@ def _keep_file_quantisation(model: Llama, gguf) -> None:
     replace_linears(
         model,
         lambda name, linear: _quantised(
-            gguf.raw(hf_name(f"{name}.weight")), linear.weight, linear.bias
+            gguf.raw(HF_NAMES.stored_name(f"{name}.weight")), linear.weight, linear.bias
         ),
     )
     if model.lm_head is None:
-        head = _quantised(gguf.raw("model.embed_tokens.weight"), model.embed.weight, None)
+        head = _quantised(gguf.raw(EMBED), model.embed.weight, None)
         model.lm_head = head  # None (the float embedding) for a float file
 
 

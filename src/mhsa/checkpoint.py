@@ -18,9 +18,10 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
+
+from .formats.weights import SafetensorsFiles, read_tensors
 
 _STEP_FOLDER = re.compile(r"^step-(\d+)$")
 _FILES = ("model.safetensors", "config.json", "trainer.pt")
@@ -155,29 +156,10 @@ def load_checkpoint(
 
 def read_weights(file: Path, expected: dict | None = None) -> dict:
     """The tensors of a safetensors file; with expected ({name: shape}) every name and
-    shape is checked from the header first. ValueError naming the file otherwise."""
-    try:
-        with safe_open(str(file), framework="pt") as handle:
-            names = handle.keys()  # noqa: SIM118 - a safe_open handle is not iterable
-            shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in names}
-    except (SafetensorError, OSError) as error:
-        raise ValueError(f"{file}: not a readable safetensors file ({error})") from error
-    if expected is not None:
-        missing = sorted(set(expected) - set(shapes))
-        extra = sorted(set(shapes) - set(expected))
-        wrong = [
-            f"{name} {shapes[name]} (the model has {tuple(expected[name])})"
-            for name in sorted(set(expected) & set(shapes))
-            if shapes[name] != tuple(expected[name])
-        ]
-        for what, names in (("missing", missing), ("unexpected", extra), ("wrong shape", wrong)):
-            if names:
-                shown = ", ".join(map(str, names[:3])) + (" ..." if len(names) > 3 else "")
-                raise ValueError(
-                    f"{file} does not fit its config.json: {what}: {shown}; it was written "
-                    "for another model, or damaged"
-                )
-    try:
-        return load_file(file)
-    except (SafetensorError, OSError) as error:
-        raise ValueError(f"{file}: not a readable safetensors file ({error})") from error
+    shape is checked from the header first (formats.weights.read_tensors). ValueError
+    naming the file otherwise."""
+    source = SafetensorsFiles(file)
+    if expected is None:
+        expected = source.shapes()
+    fix = "it was written for another model (its config.json does not fit), or damaged"
+    return read_tensors(source, None, expected, expected_by="its config.json", fix=fix)

@@ -19,7 +19,6 @@ of a head's dimensions pairs with the second) to "interleaved" pairs (GGUF: dime
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -30,6 +29,7 @@ import torch
 from torch import Tensor
 
 from .gguf_tokenizer import GGUFTokenizer
+from .weights import NameTable, Rule, read_tensors
 
 GGUF_MAGIC = b"GGUF"
 INSTALL_HINT = "pip install gguf (or pip install 'mhsa[chat]')"
@@ -37,26 +37,28 @@ INSTALL_HINT = "pip install gguf (or pip install 'mhsa[chat]')"
 # general.architecture -> (transformers model_type, whether llama.cpp permuted q/k rows)
 ARCHITECTURES = {"llama": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False)}
 
-# llama.cpp tensor name (without .weight/.bias) -> transformers name
-TOP_LEVEL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-LAYER_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+# transformers' names <-> llama.cpp's (what gguf-py's tensor map says for the Llama family)
+GGUF_NAMES = NameTable(
+    ("model.embed_tokens.weight", "token_embd.weight"),
+    ("model.norm.weight", "output_norm.weight"),
+    ("lm_head.weight", "output.weight"),
+    ("model.layers.{i}.input_layernorm.weight", "blk.{i}.attn_norm.weight"),
+    ("model.layers.{i}.post_attention_layernorm.weight", "blk.{i}.ffn_norm.weight"),
+    ("model.layers.{i}.self_attn.q_proj.weight", "blk.{i}.attn_q.weight"),
+    ("model.layers.{i}.self_attn.k_proj.weight", "blk.{i}.attn_k.weight"),
+    ("model.layers.{i}.self_attn.v_proj.weight", "blk.{i}.attn_v.weight"),
+    ("model.layers.{i}.self_attn.o_proj.weight", "blk.{i}.attn_output.weight"),
+    Rule("model.layers.{i}.self_attn.q_proj.bias", "blk.{i}.attn_q.bias", optional=True),
+    Rule("model.layers.{i}.self_attn.k_proj.bias", "blk.{i}.attn_k.bias", optional=True),
+    Rule("model.layers.{i}.self_attn.v_proj.bias", "blk.{i}.attn_v.bias", optional=True),
+    Rule("model.layers.{i}.self_attn.o_proj.bias", "blk.{i}.attn_output.bias", optional=True),
+    Rule("model.layers.{i}.self_attn.q_norm.weight", "blk.{i}.attn_q_norm.weight", optional=True),
+    Rule("model.layers.{i}.self_attn.k_norm.weight", "blk.{i}.attn_k_norm.weight", optional=True),
+    ("model.layers.{i}.mlp.gate_proj.weight", "blk.{i}.ffn_gate.weight"),
+    ("model.layers.{i}.mlp.up_proj.weight", "blk.{i}.ffn_up.weight"),
+    ("model.layers.{i}.mlp.down_proj.weight", "blk.{i}.ffn_down.weight"),
+    ignore=("rope_freqs.weight",),  # read apart: not a weight (see read_gguf)
+)  # fmt: skip
 # llama.cpp stores Llama 3's scaled rotary frequencies as a tensor; not a model weight
 ROPE_FREQS = "rope_freqs.weight"
 
@@ -229,17 +231,6 @@ def _rope_scaling(metadata: dict[str, Any], arch: str) -> dict[str, Any] | None:
     return scaling
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The transformers name of a llama.cpp tensor name, or None for one we do not know."""
-    stem, _, suffix = gguf_name.rpartition(".")
-    if stem in TOP_LEVEL_NAMES and suffix in ("weight", "bias"):
-        return f"{TOP_LEVEL_NAMES[stem]}.{suffix}"
-    match = LAYER_NAME.match(gguf_name)
-    if match and match[2] in LAYER_NAMES:
-        return f"model.layers.{match[1]}.{LAYER_NAMES[match[2]]}.{match[3]}"
-    return None
-
-
 def _expected_shape(name: str, config: dict[str, Any]) -> tuple[int, ...]:
     """The torch shape transformers gives the parameter `name` under `config`."""
     hidden, inner = config["hidden_size"], config["intermediate_size"]
@@ -320,40 +311,40 @@ def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFModel
     names = {tensor.name for tensor in reader.tensors}
     config = hf_config(metadata, names, source=str(path))
     arch = metadata["general.architecture"]
-
-    by_name: dict[str, Any] = {}
+    source = _GGUFTensors(reader, path, config, arch)
     rope_freqs = None
-    for tensor in reader.tensors:
-        if tensor.name == ROPE_FREQS:
-            rope_freqs = torch.from_numpy(np.array(_dequantize(tensor, str(path)))).float()
-            continue
-        name = hf_name(tensor.name)
-        if name is None:
-            raise ValueError(
-                f"{path}: tensor {tensor.name!r} has no transformers counterpart in a {arch} "
-                "model; this file holds a variant we do not support"
-            )
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        expected = _expected_shape(name, config)
-        if shape != expected:
-            raise ValueError(
-                f"{path}: tensor {tensor.name!r} has shape {shape}, but the metadata implies "
-                f"{expected} for {name}: a damaged or inconsistent GGUF file"
-            )
-        by_name[name] = tensor
-    missing = [name for name in _required_names(config) if name not in by_name]
-    if missing:
-        raise ValueError(f"{path}: tensors missing for {missing[:3]} ({len(missing)} in all)")
-
-    state_dict: dict[str, Tensor] = {}
-    for name, tensor in by_name.items():
-        values = torch.from_numpy(np.array(_dequantize(tensor, str(path)), dtype=np.float32))
-        values = values.reshape(_expected_shape(name, config))
-        rows = _row_order(name, values.shape[0], config, arch)
-        if rows is not None:
-            values = values[rows]
-        state_dict[name] = values.to(dtype).contiguous()
+    if ROPE_FREQS in names:
+        rope_freqs = torch.from_numpy(np.array(source.dequantised(ROPE_FREQS))).float()
+    expected = {name: _expected_shape(name, config) for name in _possible_names(config)}
+    fix = f"a damaged or inconsistent GGUF file, or a {arch} variant we do not support"
+    state_dict = read_tensors(source, GGUF_NAMES, expected, dtype=dtype,
+                              expected_by="the metadata", fix=fix)  # fmt: skip
+    by_name = {GGUF_NAMES.param_names(t.name)[0]: t for t in reader.tensors if t.name != ROPE_FREQS}
     return GGUFModel(path, arch, config, state_dict, metadata, rope_freqs, by_name)
+
+
+class _GGUFTensors:
+    """A GGUF file's tensors as a TensorSource (formats.weights): shapes in torch order
+    from the tensor infos; each read dequantised to float32 by the gguf package, q/k rows
+    in transformers' order."""
+
+    def __init__(self, reader, path: Path, config: dict[str, Any], arch: str) -> None:
+        self.name, self.config, self.arch = str(path), config, arch
+        self.tensors = {tensor.name: tensor for tensor in reader.tensors}
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(int(d) for d in reversed(tensor.shape.tolist()))
+                for name, tensor in self.tensors.items()}  # fmt: skip
+
+    def dequantised(self, name: str) -> np.ndarray:
+        return _dequantize(self.tensors[name], self.name)
+
+    def read(self, name: str) -> Tensor:
+        (hf,) = GGUF_NAMES.param_names(name)
+        values = torch.from_numpy(np.array(self.dequantised(name), dtype=np.float32))
+        values = values.reshape(_expected_shape(hf, self.config))
+        rows = _row_order(hf, values.shape[0], self.config, self.arch)
+        return (values if rows is None else values[rows]).contiguous()
 
 
 def _required_names(config: dict[str, Any]) -> list[str]:
@@ -365,4 +356,16 @@ def _required_names(config: dict[str, Any]) -> list[str]:
                        "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):  # fmt: skip
             names.append(f"model.layers.{layer}.{module}.weight")
+    return names
+
+
+def _possible_names(config: dict[str, Any]) -> list[str]:
+    """Every transformers name a file of this config may hold: the required ones, the
+    attention biases and the q/k norms (Qwen2, Qwen3)."""
+    names = _required_names(config)
+    for layer in range(config["num_hidden_layers"]):
+        for module in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            names.append(f"model.layers.{layer}.self_attn.{module}.bias")
+        for module in ("q_norm", "k_norm"):
+            names.append(f"model.layers.{layer}.self_attn.{module}.weight")
     return names

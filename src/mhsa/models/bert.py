@@ -9,6 +9,7 @@ MLM head: dense -> GELU -> layer norm -> tied word embeddings -> vocabulary logi
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -16,6 +17,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..formats.weights import (
+    NameTable,
+    Rule,
+    SafetensorsFiles,
+    TensorSource,
+    as_source,
+    load_weights,
+)
 from ..nn import TransformerEncoderLayer
 from .init import normal_init
 
@@ -118,8 +127,6 @@ class Bert(nn.Module):
     def from_pretrained(cls, directory: str | Path) -> Bert:
         """Load a Hugging Face BERT folder: config.json and model.safetensors (weights
         named as in transformers' BertModel, with or without a 'bert.' prefix)."""
-        from safetensors.torch import load_file
-
         directory = Path(directory)
         for name in ("config.json", "model.safetensors"):
             if not (directory / name).is_file():
@@ -129,41 +136,41 @@ class Bert(nn.Module):
                 )
         config = BertConfig.from_hf(json.loads((directory / "config.json").read_text()))
         config.dropout = 0.0
-        weights = {k.removeprefix("bert."): v for k, v in
-                   load_file(directory / "model.safetensors").items()}  # fmt: skip
         model = cls(config)
-        model.load_hf_weights(weights)
+        model.load_hf_weights(SafetensorsFiles(directory / "model.safetensors"))
         return model.eval()
 
-    @torch.no_grad()
-    def load_hf_weights(self, sd: dict[str, Tensor]) -> None:
-        """Copy weights named as in transformers' BertModel into this model."""
+    def load_hf_weights(self, weights: Mapping[str, Tensor] | TensorSource) -> None:
+        """Load weights named as in transformers' BertModel (a state dict or a
+        TensorSource) into this model, every name and shape checked first (BERT_NAMES;
+        the pooler and the MLM head are optional: a BertModel file has no MLM head)."""
+        fix = "check that config.json (layers, hidden_size, vocab_size) matches it"
+        load_weights(self, as_source(weights), BERT_NAMES, fix=fix)
 
-        def copy(module: nn.Module, prefix: str) -> None:
-            module.weight.copy_(sd[prefix + ".weight"])
-            if getattr(module, "bias", None) is not None:
-                module.bias.copy_(sd[prefix + ".bias"])
 
-        copy(self.word_emb, "embeddings.word_embeddings")
-        copy(self.pos_emb, "embeddings.position_embeddings")
-        copy(self.type_emb, "embeddings.token_type_embeddings")
-        copy(self.emb_norm, "embeddings.LayerNorm")
-        for i, layer in enumerate(self.layers):
-            p = f"encoder.layer.{i}."
-            attn = layer.self_attn
-            for proj, name in (
-                (attn.q_proj, "query"),
-                (attn.k_proj, "key"),
-                (attn.v_proj, "value"),
-            ):
-                copy(proj, p + "attention.self." + name)
-            copy(attn.out_proj, p + "attention.output.dense")
-            copy(layer.attn_block.norm, p + "attention.output.LayerNorm")
-            copy(layer.feed_forward.linear1, p + "intermediate.dense")
-            copy(layer.feed_forward.linear2, p + "output.dense")
-            copy(layer.ff_block.norm, p + "output.LayerNorm")
-        if "pooler.dense.weight" in sd:
-            copy(self.pooler, "pooler.dense")
+BERT_NAMES = NameTable(  # our names <-> transformers' BertModel ("bert." optional)
+    ("word_emb.weight", "embeddings.word_embeddings.weight"),
+    ("pos_emb.weight", "embeddings.position_embeddings.weight"),
+    ("type_emb.weight", "embeddings.token_type_embeddings.weight"),
+    ("emb_norm.{p}", "embeddings.LayerNorm.{p}"),
+    ("layers.{i}.self_attn.q_proj.{p}", "encoder.layer.{i}.attention.self.query.{p}"),
+    ("layers.{i}.self_attn.k_proj.{p}", "encoder.layer.{i}.attention.self.key.{p}"),
+    ("layers.{i}.self_attn.v_proj.{p}", "encoder.layer.{i}.attention.self.value.{p}"),
+    ("layers.{i}.self_attn.out_proj.{p}", "encoder.layer.{i}.attention.output.dense.{p}"),
+    ("layers.{i}.attn_block.norm.{p}", "encoder.layer.{i}.attention.output.LayerNorm.{p}"),
+    ("layers.{i}.feed_forward.linear1.{p}", "encoder.layer.{i}.intermediate.dense.{p}"),
+    ("layers.{i}.feed_forward.linear2.{p}", "encoder.layer.{i}.output.dense.{p}"),
+    ("layers.{i}.ff_block.norm.{p}", "encoder.layer.{i}.output.LayerNorm.{p}"),
+    Rule("pooler.{p}", "pooler.dense.{p}", optional=True),
+    # BertForMaskedLM's head, when the file has it (a BertModel file has not)
+    Rule("mlm_dense.{p}", "cls.predictions.transform.dense.{p}", optional=True),
+    Rule("mlm_norm.{p}", "cls.predictions.transform.LayerNorm.{p}", optional=True),
+    Rule("mlm_bias", "cls.predictions.bias", optional=True),
+    # positions 0..max-1 (a buffer); the head's decoder is the tied embedding and its bias
+    ignore=("embeddings.position_ids", "cls.predictions.decoder.{p}",
+            "cls.seq_relationship.{p}"),
+    prefix="bert.",
+)  # fmt: skip
 
 
 def mean_pool(hidden: Tensor, attention_mask: Tensor, normalize: bool = True) -> Tensor:

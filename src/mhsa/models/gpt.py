@@ -12,7 +12,7 @@ token attends only the last `window` positions (itself included).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..cache import KVCache, SlidingWindowCache
+from ..formats.weights import NameTable, Rule, TensorSource, as_source, load_weights
 from ..masks import SlidingWindow
 from ..nn import TransformerEncoderLayer
 from ..nn.layout import decoding_layout
@@ -36,7 +37,7 @@ from .init import normal_init
 
 POSITIONS = ("learned", "sinusoidal", "rotary", "alibi", "t5")
 SCORE_POSITIONS = ("alibi", "t5")  # score functions: not yet across processes
-__all__ = ["GPT", "GPTConfig", "check_sampling", "check_token_ids", "sample"]
+__all__ = ["GPT", "GPT2_NAMES", "GPTConfig", "check_sampling", "check_token_ids", "sample"]
 
 
 @dataclass
@@ -215,46 +216,35 @@ class GPT(nn.Module):
                         compile=compile)  # fmt: skip
 
     @classmethod
-    def from_hf_gpt2(cls, state_dict: dict[str, Tensor], config: GPTConfig) -> GPT:
-        """Build a GPT from weights named as in transformers' GPT2LMHeadModel.
-
-        GPT-2's Conv1D layers store weights as (in, out): they are transposed here,
-        and its fused c_attn is split into q, k and v projections.
-        """
+    def from_hf_gpt2(
+        cls, state_dict: Mapping[str, Tensor] | TensorSource, config: GPTConfig
+    ) -> GPT:
+        """Build a GPT from weights named as in transformers' GPT2LMHeadModel (a state
+        dict, or a TensorSource such as SafetensorsFiles), every name and shape checked
+        first (GPT2_NAMES: Conv1D weights stored (in, out), c_attn fusing q, k and v)."""
         if config.position != "learned" or config.n_kv_head not in (None, config.n_head):
             raise ValueError("GPT-2 weights need position='learned' and no grouped-query heads")
-        sd = {k.removeprefix("transformer."): v for k, v in state_dict.items()}
-        model = cls(config)
-        with torch.no_grad():
-            model.tok_emb.weight.copy_(sd["wte.weight"])
-            model.pos_emb.embedding.weight.copy_(sd["wpe.weight"])
-            for i, block in enumerate(model.blocks):
-                p = f"h.{i}."
-                attn = block.self_attn
-                for proj, w, b in zip(
-                    (attn.q_proj, attn.k_proj, attn.v_proj),
-                    sd[p + "attn.c_attn.weight"].t().chunk(3, dim=0),
-                    sd[p + "attn.c_attn.bias"].chunk(3), strict=True,
-                ):  # fmt: skip
-                    proj.weight.copy_(w)
-                    proj.bias.copy_(b)
-                pairs = [
-                    (attn.out_proj, "attn.c_proj"),
-                    (block.feed_forward.linear1, "mlp.c_fc"),
-                    (block.feed_forward.linear2, "mlp.c_proj"),
-                ]
-                for linear, name in pairs:
-                    linear.weight.copy_(sd[p + name + ".weight"].t())
-                    linear.bias.copy_(sd[p + name + ".bias"])
-                for norm, name in ((block.attn_block.norm, "ln_1"), (block.ff_block.norm, "ln_2")):
-                    norm.weight.copy_(sd[p + name + ".weight"])
-                    norm.bias.copy_(sd[p + name + ".bias"])
-            model.ln_f.weight.copy_(sd["ln_f.weight"])
-            model.ln_f.bias.copy_(sd["ln_f.bias"])
-        return model
+        fix = "check that the GPTConfig (vocab_size, n_layer, d_model, max_len) matches it"
+        return load_weights(cls(config), as_source(state_dict), GPT2_NAMES, fix=fix)
 
     def loss(self, idx: Tensor, targets: Tensor, positions: Tensor | None = None) -> Tensor:
         """Mean next-token cross-entropy of logits for idx (B, T) against targets (B, T)
         (positions: see forward)."""
         logits = self(idx, positions=positions)
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+GPT2_NAMES = NameTable(  # our names <-> transformers' GPT2LMHeadModel ("transformer." optional)
+    ("tok_emb.weight", "wte.weight"),
+    ("pos_emb.embedding.weight", "wpe.weight"),
+    Rule(("blocks.{i}.self_attn.q_proj.{p}", "blocks.{i}.self_attn.k_proj.{p}",
+          "blocks.{i}.self_attn.v_proj.{p}"), "h.{i}.attn.c_attn.{p}", transpose=True),
+    Rule("blocks.{i}.self_attn.out_proj.{p}", "h.{i}.attn.c_proj.{p}", transpose=True),
+    Rule("blocks.{i}.feed_forward.linear1.{p}", "h.{i}.mlp.c_fc.{p}", transpose=True),
+    Rule("blocks.{i}.feed_forward.linear2.{p}", "h.{i}.mlp.c_proj.{p}", transpose=True),
+    ("blocks.{i}.attn_block.norm.{p}", "h.{i}.ln_1.{p}"),
+    ("blocks.{i}.ff_block.norm.{p}", "h.{i}.ln_2.{p}"),
+    ("ln_f.{p}", "ln_f.{p}"),
+    ignore=("lm_head.weight", "h.{i}.attn.bias", "h.{i}.attn.masked_bias"),  # tied; buffers
+    prefix="transformer.",
+)  # fmt: skip

@@ -18,7 +18,7 @@ yarn) and partial rotary come from mhsa.positional. Load with `Llama.from_pretra
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from ..cache import KVCache, SlidingWindowCache
+from ..formats.weights import NameTable, SafetensorsFiles, TensorSource, as_source, load_weights
 from ..masks import SlidingWindow
 from ..nn import GatedFeedForward, MultiHeadAttention, RMSNorm
 from ..nn.layout import decoding_layout
@@ -296,37 +297,35 @@ class Llama(nn.Module):
 
     @classmethod
     def from_hf(
-        cls, state_dict: dict[str, Tensor], config: LlamaConfig, *, dtype: torch.dtype | None = None
+        cls,
+        state_dict: Mapping[str, Tensor] | TensorSource,
+        config: LlamaConfig,
+        *,
+        dtype: torch.dtype | None = None,
     ) -> Llama:
         """Build a Llama from weights named as in transformers' LlamaForCausalLM,
         MistralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM (model.embed_tokens,
-        model.layers.N.self_attn.q_proj, ..., lm_head). Every name and shape is checked
-        before any weight is used; the tensors are taken as they are (no copy), cast to
-        `dtype` if given (float32, bfloat16, float16). A tied model's lm_head.weight,
-        when present, must be the embedding."""
+        model.layers.N.self_attn.q_proj, ..., lm_head): a state dict or a TensorSource.
+        Every name and shape is checked before any weight is used (HF_NAMES); the
+        tensors are taken as they are (no copy), cast to `dtype` if given (float32,
+        bfloat16, float16), else to the embedding's. A tied model's lm_head.weight, when
+        present, must be the embedding."""
+        source = as_source(state_dict)
         with torch.device("meta"):
             model = cls(config)
-        wanted = {hf_name(name): (name, p.shape) for name, p in model.state_dict().items()}
-        given = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
-        if config.tie_embeddings and "lm_head.weight" in given:
-            head = given.pop("lm_head.weight")
-            if not torch.equal(head.cpu(), given.get("model.embed_tokens.weight", head).cpu()):
-                raise ValueError("lm_head.weight differs from model.embed_tokens.weight, so the "
+        stored, ignore = source.shapes(), []
+        if config.tie_embeddings and "lm_head.weight" in stored:
+            head = source.read("lm_head.weight").cpu()
+            if EMBED in stored and not torch.equal(head, source.read(EMBED).cpu()):
+                raise ValueError(f"{source.name}: lm_head.weight differs from {EMBED}, so the "
                                  "checkpoint is not tied: set tie_embeddings=False")  # fmt: skip
-        _check_names(sorted(set(wanted) - set(given)), sorted(set(given) - set(wanted)))
-        for key, (_, shape) in wanted.items():
-            if tuple(given[key].shape) != tuple(shape):
-                raise ValueError(f"weight {key} is {tuple(given[key].shape)} in the checkpoint "
-                                 f"but {tuple(shape)} for this config; check hidden_size, heads, "
-                                 "head_dim, intermediate_size and vocab_size")  # fmt: skip
-            if not given[key].is_floating_point():
-                raise TypeError(f"weight {key} is {given[key].dtype}; dequantize it first "
-                                "(Llama loads float32, bfloat16 or float16 weights)")  # fmt: skip
-        dtype = dtype or given["model.embed_tokens.weight"].dtype
-        ours = {name: given[key].to(dtype) for key, (name, _) in wanted.items()}
-        model.load_state_dict(ours, assign=True)
-        device = ours["embed.weight"].device
-        with torch.device(device):
+            ignore.append("lm_head.weight")
+        if dtype is None and EMBED in stored:
+            dtype = source.read(EMBED).dtype
+        fix = "check that the config (layers, attention_bias, qk_norm, tie_embeddings) matches it"
+        load_weights(model, source, HF_NAMES, dtype=dtype, assign=True,
+                     expected_by="this config", fix=fix, ignore=ignore)  # fmt: skip
+        with torch.device(model.embed.weight.device):
             model.rotary = model._make_rotary()  # its frequencies were made on meta
         return model.eval()
 
@@ -343,44 +342,25 @@ class Llama(nn.Module):
         if not files:
             raise ValueError(f"{directory} has no *.safetensors weights; convert .bin "
                              "checkpoints with transformers' save_pretrained first")  # fmt: skip
-        try:
-            from safetensors.torch import load_file
-        except ImportError as error:
-            raise ImportError("Llama.from_pretrained needs safetensors: pip install safetensors"
-                              ) from error  # fmt: skip
         config = LlamaConfig.from_hf_config(json.loads((directory / "config.json").read_text()))
-        state_dict = {}
-        for file in files:
-            state_dict.update(load_file(file, device=str(device)))
-        return cls.from_hf(state_dict, config, dtype=dtype)
+        return cls.from_hf(SafetensorsFiles(files, device=str(device)), config, dtype=dtype)
 
 
-HF_RENAMES = (  # pieces of our names -> transformers' (below "model.")
-    ("embed.", "embed_tokens."), (".attn_norm.", ".input_layernorm."),
-    (".ff_norm.", ".post_attention_layernorm."), (".attn.out_proj.", ".self_attn.o_proj."),
-    (".attn.", ".self_attn."), (".ff.gate.", ".mlp.gate_proj."), (".ff.up.", ".mlp.up_proj."),
-    (".ff.down.", ".mlp.down_proj."),
+EMBED = "model.embed_tokens.weight"
+HF_NAMES = NameTable(  # our names <-> transformers' (Llama, Mistral, Qwen2, Qwen3)
+    ("embed.weight", EMBED),
+    ("norm.weight", "model.norm.weight"),
+    ("lm_head.weight", "lm_head.weight"),
+    ("layers.{i}.attn_norm.weight", "model.layers.{i}.input_layernorm.weight"),
+    ("layers.{i}.ff_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
+    ("layers.{i}.attn.q_proj.{p}", "model.layers.{i}.self_attn.q_proj.{p}"),
+    ("layers.{i}.attn.k_proj.{p}", "model.layers.{i}.self_attn.k_proj.{p}"),
+    ("layers.{i}.attn.v_proj.{p}", "model.layers.{i}.self_attn.v_proj.{p}"),
+    ("layers.{i}.attn.out_proj.{p}", "model.layers.{i}.self_attn.o_proj.{p}"),
+    ("layers.{i}.attn.q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight"),
+    ("layers.{i}.attn.k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight"),
+    ("layers.{i}.ff.gate.{p}", "model.layers.{i}.mlp.gate_proj.{p}"),
+    ("layers.{i}.ff.up.{p}", "model.layers.{i}.mlp.up_proj.{p}"),
+    ("layers.{i}.ff.down.{p}", "model.layers.{i}.mlp.down_proj.{p}"),
+    ignore=("model.rotary_emb.inv_freq", "model.layers.{i}.self_attn.rotary_emb.inv_freq"),
 )  # fmt: skip
-
-
-def hf_name(name: str) -> str:
-    """Our parameter name -> transformers' (e.g. layers.0.attn.out_proj.weight ->
-    model.layers.0.self_attn.o_proj.weight)."""
-    if name.startswith("lm_head."):
-        return name
-    for ours, theirs in HF_RENAMES:
-        name = name.replace(ours, theirs)
-    return "model." + name
-
-
-def _check_names(missing: list[str], unexpected: list[str]) -> None:
-    def some(names: list[str]) -> str:
-        return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-
-    fix = "check that the config (layers, attention_bias, qk_norm, tie_embeddings) matches it"
-    if missing:
-        raise ValueError(f"the checkpoint lacks {len(missing)} weights this config needs: "
-                         f"{some(missing)}; {fix}")  # fmt: skip
-    if unexpected:
-        raise ValueError(f"the checkpoint has {len(unexpected)} weights this config does not "
-                         f"use: {some(unexpected)}; {fix}")  # fmt: skip

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from ..cache import DecoderCache
 from ..formats import ctranslate2_header, read_ctranslate2
+from ..formats.weights import NameTable, TensorDict, load_weights
 from ..nn import (
     TransformerDecoder,
     TransformerDecoderLayer,
@@ -230,13 +231,17 @@ class Whisper(nn.Module):
     ) -> Whisper:
         """Load a CTranslate2 Whisper conversion: a folder with model.bin, config.json
         (suppressed tokens), vocabulary.txt (token strings, one per line by id: the ids
-        CTranslate2 uses) and tokenizer.json (read with the `tokenizers` package)."""
+        CTranslate2 uses; or vocabulary.json, a list, as ctranslate2 >= 3 writes it) and
+        tokenizer.json (read with the `tokenizers` package). Every tensor's name and shape
+        is checked against the model first (CT2_NAMES)."""
         directory = Path(directory)
-        for name in ("model.bin", "config.json", "vocabulary.txt", "tokenizer.json"):
-            if not (directory / name).is_file():
+        vocabulary_file = _vocabulary_file(directory)
+        for path in (directory / "model.bin", directory / "config.json", vocabulary_file,
+                     directory / "tokenizer.json"):  # fmt: skip
+            if not path.is_file():
                 raise FileNotFoundError(
-                    f"{directory / name}: missing; pass the folder of a CTranslate2 Whisper "
-                    "conversion (model.bin, config.json, vocabulary.txt, tokenizer.json)"
+                    f"{path}: missing; pass the folder of a CTranslate2 Whisper conversion "
+                    "(model.bin, config.json, vocabulary.txt or .json, tokenizer.json)"
                 )
         try:
             from tokenizers import Tokenizer
@@ -250,29 +255,40 @@ class Whisper(nn.Module):
             raise ValueError(f"{directory}: holds a {spec} CTranslate2 model, not a WhisperSpec")
         tensors = read_ctranslate2(directory, dtype=dtype)
         extra = json.loads((directory / "config.json").read_text())
-        vocabulary = (directory / "vocabulary.txt").read_text(encoding="utf-8").split("\n")
+        vocabulary = _read_vocabulary(vocabulary_file)
         path = directory / "model.bin"
         try:
             vocabulary = vocabulary[: tensors["decoder/embeddings/weight"].shape[0]]
-            config = _config_from_ctranslate2(tensors, vocabulary, extra, directory)
-            state = _state_dict_from_ctranslate2(tensors, config)
+            config = _config_from_ctranslate2(tensors, vocabulary, extra, vocabulary_file)
         except KeyError as error:
             raise ValueError(
-                f"{path}: variable {error.args[0]!r} is missing: not a complete Whisper "
-                "conversion; download or convert it again"
+                f"{path}: 1 tensor missing: {error.args[0]!r} (the model's sizes are read off "
+                "it): not a complete Whisper conversion; download or convert it again"
             ) from None
         except ValueError as error:
             raise ValueError(f"{path}: {error}") from None
         tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
         model = cls(config, tokenizer).to(dtype)
-        _check_weights(state, model.state_dict(), path)
-        model.load_state_dict(state)
+        fix = "a damaged or mismatched conversion; download or convert it again"
+        load_weights(model, TensorDict(tensors, str(path)), CT2_NAMES, fix=fix)
         return model.to(device).eval()
 
 
-def _config_from_ctranslate2(tensors, vocabulary, extra, directory: Path) -> WhisperConfig:
+def _vocabulary_file(directory: Path) -> Path:
+    """vocabulary.txt, or vocabulary.json where only that exists (ctranslate2 >= 3)."""
+    text, listed = directory / "vocabulary.txt", directory / "vocabulary.json"
+    return listed if listed.is_file() and not text.is_file() else text
+
+
+def _read_vocabulary(file: Path) -> list[str]:
+    """The token strings by id: one a line (.txt) or a JSON list (.json)."""
+    text = file.read_text(encoding="utf-8")
+    return json.loads(text) if file.suffix == ".json" else text.split("\n")
+
+
+def _config_from_ctranslate2(tensors, vocabulary, extra, vocabulary_file: Path) -> WhisperConfig:
     """The sizes read off the tensors' shapes (a missing one raises KeyError) and the
-    special tokens' ids off vocabulary.txt."""
+    special tokens' ids off the vocabulary."""
     num_heads = tensors["encoder/num_heads"]
     if num_heads.numel() != 1 or num_heads.is_floating_point():
         raise ValueError(f"encoder/num_heads must be one integer, got {num_heads.tolist()}")
@@ -282,7 +298,7 @@ def _config_from_ctranslate2(tensors, vocabulary, extra, directory: Path) -> Whi
         prompt[1:1] = ["<|en|>", "<|transcribe|>"]
     missing = [token for token in ["<|endoftext|>", *prompt] if token not in ids]
     if missing:
-        raise ValueError(f"{directory / 'vocabulary.txt'} lacks the special tokens {missing}")
+        raise ValueError(f"{vocabulary_file} lacks the special tokens {missing}")
     return WhisperConfig(
         n_mels=tensors["encoder/conv1/weight"].shape[1],
         n_audio_ctx=tensors["encoder/position_encodings/encodings"].shape[0],
@@ -294,27 +310,9 @@ def _config_from_ctranslate2(tensors, vocabulary, extra, directory: Path) -> Whi
         n_text_layer=_count_layers(tensors, "decoder"),
         eot_id=ids["<|endoftext|>"],
         prompt=tuple(ids[token] for token in prompt),
-        suppress_ids=tuple(extra.get("suppress_ids", ())),
-        suppress_ids_begin=tuple(extra.get("suppress_ids_begin", ())),
+        suppress_ids=tuple(extra.get("suppress_ids") or ()),  # null in a new conversion
+        suppress_ids_begin=tuple(extra.get("suppress_ids_begin") or ()),
     )
-
-
-def _check_weights(state: dict[str, Tensor], expected: dict[str, Tensor], path: Path) -> None:
-    """Every weight float and of the shape the model built from the config expects."""
-    for name, want in expected.items():
-        got = state.get(name)
-        if got is None:
-            raise ValueError(f"{path}: no variable for {name}: not a complete Whisper conversion")
-        if not got.is_floating_point():
-            raise ValueError(
-                f"{path}: the variable for {name} is stored as {got.dtype} without a scale, "
-                "expected a float type (a flipped dtype id?): a damaged model"
-            )
-        if got.shape != want.shape:
-            raise ValueError(
-                f"{path}: the variable for {name} has shape {tuple(got.shape)}, the model "
-                f"expects {tuple(want.shape)}: a damaged or mismatched conversion"
-            )
 
 
 def _count_layers(tensors: dict[str, Tensor], stack: str) -> int:
@@ -322,47 +320,42 @@ def _count_layers(tensors: dict[str, Tensor], stack: str) -> int:
     return len({match[1] for name in tensors if (match := pattern.match(name))})
 
 
-def _state_dict_from_ctranslate2(t: dict[str, Tensor], config: WhisperConfig) -> dict:
-    """Our parameter names -> CTranslate2's tensors; fused q|k|v and k|v projections split."""
-    state = {"audio_positions": t["encoder/position_encodings/encodings"]}
+def _norm(ours: str, theirs: str) -> tuple[tuple[str, str], tuple[str, str]]:
+    """A layer norm's rules: CTranslate2 names its weight gamma and its bias beta."""
+    return (f"{ours}.weight", f"{theirs}/gamma"), (f"{ours}.bias", f"{theirs}/beta")
 
-    def linear(ours: str, theirs: str, parts: tuple[str, ...] = ("",)) -> None:
-        for key in ("weight", "bias"):
-            for part, value in zip(parts, t[f"{theirs}/{key}"].chunk(len(parts)), strict=True):
-                state[f"{ours}{part}.{key}"] = value
 
-    def norm(ours: str, theirs: str) -> None:
-        state[f"{ours}.weight"], state[f"{ours}.bias"] = t[f"{theirs}/gamma"], t[f"{theirs}/beta"]
+def _qkv(ours: str, parts: str) -> tuple[str, ...]:
+    return tuple(f"{ours}.{x}_proj.{{p}}" for x in parts)
 
-    def feed_forward(ours: str, theirs: str) -> None:
-        norm(f"{ours}.ff_block.norm", f"{theirs}/ffn/layer_norm")
-        linear(f"{ours}.feed_forward.linear1", f"{theirs}/ffn/linear_0")
-        linear(f"{ours}.feed_forward.linear2", f"{theirs}/ffn/linear_1")
 
-    qkv = ("q_proj", "k_proj", "v_proj")
-    linear("conv1", "encoder/conv1")
-    linear("conv2", "encoder/conv2")
-    for i in range(config.n_audio_layer):
-        ours, theirs = f"encoder.layers.{i}", f"encoder/layer_{i}"
-        norm(f"{ours}.attn_block.norm", f"{theirs}/self_attention/layer_norm")
-        linear(f"{ours}.self_attn.", f"{theirs}/self_attention/linear_0", qkv)
-        linear(f"{ours}.self_attn.out_proj", f"{theirs}/self_attention/linear_1")
-        feed_forward(ours, theirs)
-    norm("encoder.norm", "encoder/layer_norm")
-    state["token_embedding.weight"] = t["decoder/embeddings/weight"]
-    state["text_positions.embedding.weight"] = t["decoder/position_encodings/encodings"]
-    for i in range(config.n_text_layer):
-        ours, theirs = f"decoder.layers.{i}", f"decoder/layer_{i}"
-        norm(f"{ours}.self_block.norm", f"{theirs}/self_attention/layer_norm")
-        linear(f"{ours}.self_attn.", f"{theirs}/self_attention/linear_0", qkv)
-        linear(f"{ours}.self_attn.out_proj", f"{theirs}/self_attention/linear_1")
-        norm(f"{ours}.cross_block.norm", f"{theirs}/attention/layer_norm")
-        linear(f"{ours}.cross_attn.q_proj", f"{theirs}/attention/linear_0")
-        linear(f"{ours}.cross_attn.", f"{theirs}/attention/linear_1", qkv[1:])
-        linear(f"{ours}.cross_attn.out_proj", f"{theirs}/attention/linear_2")
-        feed_forward(ours, theirs)
-    norm("decoder.norm", "decoder/layer_norm")
-    return state
+CT2_NAMES = NameTable(  # our names <-> a CTranslate2 WhisperSpec's; q|k|v and k|v fused
+    ("audio_positions", "encoder/position_encodings/encodings"),
+    ("conv1.{p}", "encoder/conv1/{p}"),
+    ("conv2.{p}", "encoder/conv2/{p}"),
+    *_norm("encoder.layers.{i}.attn_block.norm", "encoder/layer_{i}/self_attention/layer_norm"),
+    (_qkv("encoder.layers.{i}.self_attn", "qkv"), "encoder/layer_{i}/self_attention/linear_0/{p}"),
+    ("encoder.layers.{i}.self_attn.out_proj.{p}", "encoder/layer_{i}/self_attention/linear_1/{p}"),
+    *_norm("encoder.layers.{i}.ff_block.norm", "encoder/layer_{i}/ffn/layer_norm"),
+    ("encoder.layers.{i}.feed_forward.linear1.{p}", "encoder/layer_{i}/ffn/linear_0/{p}"),
+    ("encoder.layers.{i}.feed_forward.linear2.{p}", "encoder/layer_{i}/ffn/linear_1/{p}"),
+    *_norm("encoder.norm", "encoder/layer_norm"),
+    ("token_embedding.weight", "decoder/embeddings/weight"),
+    ("text_positions.embedding.weight", "decoder/position_encodings/encodings"),
+    *_norm("decoder.layers.{i}.self_block.norm", "decoder/layer_{i}/self_attention/layer_norm"),
+    (_qkv("decoder.layers.{i}.self_attn", "qkv"), "decoder/layer_{i}/self_attention/linear_0/{p}"),
+    ("decoder.layers.{i}.self_attn.out_proj.{p}", "decoder/layer_{i}/self_attention/linear_1/{p}"),
+    *_norm("decoder.layers.{i}.cross_block.norm", "decoder/layer_{i}/attention/layer_norm"),
+    ("decoder.layers.{i}.cross_attn.q_proj.{p}", "decoder/layer_{i}/attention/linear_0/{p}"),
+    (_qkv("decoder.layers.{i}.cross_attn", "kv"), "decoder/layer_{i}/attention/linear_1/{p}"),
+    ("decoder.layers.{i}.cross_attn.out_proj.{p}", "decoder/layer_{i}/attention/linear_2/{p}"),
+    *_norm("decoder.layers.{i}.ff_block.norm", "decoder/layer_{i}/ffn/layer_norm"),
+    ("decoder.layers.{i}.feed_forward.linear1.{p}", "decoder/layer_{i}/ffn/linear_0/{p}"),
+    ("decoder.layers.{i}.feed_forward.linear2.{p}", "decoder/layer_{i}/ffn/linear_1/{p}"),
+    *_norm("decoder.norm", "decoder/layer_norm"),
+    # flags and head counts (encoder/num_heads...); the output head is the tied embedding
+    ignore=("encoder/{any}", "decoder/{any}", "decoder/projection/weight"),
+)  # fmt: skip
 
 
 def _logits_step(model: Whisper, tokens: Tensor, memory: Tensor, cache: DecoderCache) -> Tensor:

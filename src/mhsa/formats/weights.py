@@ -1,0 +1,345 @@
+"""The one checked weight loader: a model's parameters from a file's named tensors.
+
+Each model file keeps a `NameTable` per format it loads (as gguf-py keeps its tensor map):
+rules that say which stored tensor holds each of our parameters, and how it is stored
+(transposed, or several of our parameters fused in one tensor). Every loader goes through
+`read_tensors` (names and shapes known up front, e.g. from a config) or `load_weights`
+(the model's own parameters), which check every name and shape against what is stored
+before a tensor is read, and raise one-line ValueErrors naming the file and the tensor:
+
+    {file}: 1 tensor missing: 'h.0.ln_1.weight' (for blocks.0.attn_block.norm.weight); ...
+    {file}: 1 unexpected tensor: 'h.0.ln_one.weight'; ...
+    {file}: tensor 'wte.weight' has shape (50, 48), but the model implies (101, 48) ...
+
+A table rule is a pair of name patterns, ours and the file's, where `{i}` stands for a
+layer index, `{p}` for "weight" or "bias" (and `{any}`, in ignored names, for any one part
+between dots or slashes):
+
+    ("layers.{i}.ff.up.{p}", "model.layers.{i}.mlp.up_proj.{p}")
+
+A source of named tensors is anything with a `name` (the file, for messages), `shapes()`
+({stored name: shape}, cheap: from a header) and `read(name)` (one tensor): a state dict
+(`TensorDict`), safetensors files (`SafetensorsFiles`), and the GGUF reader's own.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
+from torch import Tensor, nn
+
+PLACEHOLDERS = {"i": r"\d+", "p": r"weight|bias", "any": r"[^./]+"}  # "any": one name part
+SHOWN = 3  # names shown in a message, then "and N more"
+
+
+class TensorSource(Protocol):
+    """Named tensors as a file stores them."""
+
+    name: str
+
+    def shapes(self) -> dict[str, tuple[int, ...]]: ...
+
+    def read(self, name: str) -> Tensor: ...
+
+
+class TensorDict:
+    """A state dict in memory as a source; `name` says where it came from."""
+
+    def __init__(self, tensors: Mapping[str, Tensor], name: str = "the state dict") -> None:
+        self.tensors, self.name = tensors, name
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {key: tuple(value.shape) for key, value in self.tensors.items()}
+
+    def read(self, name: str) -> Tensor:
+        return self.tensors[name]
+
+
+def as_source(weights: Mapping[str, Tensor] | TensorSource, name: str = "the state dict"
+              ) -> TensorSource:  # fmt: skip
+    """weights as a TensorSource: a source as it is, a state dict as a TensorDict."""
+    return weights if hasattr(weights, "shapes") else TensorDict(weights, name)
+
+
+class SafetensorsFiles:
+    """One or more .safetensors files (shards of one model) as a source: shapes from the
+    headers, each file read whole (safetensors' load_file) the first time it is needed."""
+
+    def __init__(self, files: Path | str | Sequence[Path | str], device: str = "cpu") -> None:
+        paths = [Path(files)] if isinstance(files, (str, Path)) else [Path(f) for f in files]
+        if not paths:
+            raise ValueError("files is empty: pass one or more .safetensors files")
+        self.name = str(paths[0]) if len(paths) == 1 else f"{paths[0].parent}/*.safetensors"
+        self.device, self._loaded = device, {}
+        self._file_of: dict[str, Path] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        for path in paths:
+            try:
+                with safe_open(str(path), framework="pt") as handle:
+                    for key in handle.keys():  # noqa: SIM118 - a safe_open handle is not iterable
+                        self._shapes[key] = tuple(handle.get_slice(key).get_shape())
+                        self._file_of[key] = path
+            except (SafetensorError, OSError) as error:
+                raise ValueError(f"{path}: not a readable safetensors file ({error})") from error
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return dict(self._shapes)
+
+    def read(self, name: str) -> Tensor:
+        path = self._file_of[name]
+        if path not in self._loaded:
+            try:
+                self._loaded[path] = load_file(path, device=self.device)
+            except (SafetensorError, OSError) as error:
+                raise ValueError(f"{path}: not a readable safetensors file ({error})") from error
+        return self._loaded[path][name]
+
+
+def _pattern(text: str) -> re.Pattern:
+    pieces = re.split(r"\{(\w+)\}", text)  # text, placeholder, text, ...
+    regex = "".join(
+        f"(?P<{piece}>{PLACEHOLDERS[piece]})" if odd else re.escape(piece)
+        for odd, piece in ((i % 2, p) for i, p in enumerate(pieces))
+    )
+    return re.compile(regex)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Which stored tensor (`theirs`) holds our parameter(s) `ours`.
+
+    ours: one name pattern, or several when the file fuses them in one tensor (split in
+    this order along dim 0 after any transpose: GPT-2's c_attn, CTranslate2's q|k|v).
+    transpose: 2-D tensors are stored (in, out) (GPT-2's Conv1D); 1-D ones as they are.
+    optional: the file may lack it; the parameters then keep their values.
+    """
+
+    ours: str | tuple[str, ...]
+    theirs: str
+    transpose: bool = False
+    optional: bool = False
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        return (self.ours,) if isinstance(self.ours, str) else self.ours
+
+
+class NameTable:
+    """A model's names <-> one format's, as rules (the first that matches wins).
+
+    ignore: patterns of stored tensors that are not weights of ours (buffers, flags, a
+    tied copy); not_stored: patterns of our parameters the format does not hold (they
+    keep their values)."""
+
+    def __init__(
+        self,
+        *rules: Rule | tuple[str | tuple[str, ...], str],
+        ignore: Iterable[str] = (),
+        not_stored: Iterable[str] = (),
+        prefix: str = "",
+    ) -> None:
+        """prefix: stored names may carry it (e.g. "transformer."); it is dropped."""
+        self.rules = [rule if isinstance(rule, Rule) else Rule(*rule) for rule in rules]
+        self._ours = [[_pattern(part) for part in rule.parts] for rule in self.rules]
+        self._theirs = [_pattern(rule.theirs) for rule in self.rules]
+        self._ignore = [_pattern(text) for text in ignore]
+        self._not_stored = [_pattern(text) for text in not_stored]
+        self.prefix = prefix
+
+    def find(self, param: str) -> tuple[Rule, str, tuple[str, ...]] | None:
+        """(rule, stored name, every parameter that stored tensor fills) for our
+        parameter `param`, or None for a name no rule matches."""
+        for rule, patterns in zip(self.rules, self._ours, strict=True):
+            for pattern in patterns:
+                match = pattern.fullmatch(param)
+                if match:
+                    groups = match.groupdict()
+                    parts = tuple(part.format(**groups) for part in rule.parts)
+                    return rule, rule.theirs.format(**groups), parts
+        return None
+
+    def stored_name(self, param: str) -> str:
+        """Our parameter name -> the name the file stores it under (its fused tensor's for
+        a split one); KeyError for a name the table does not know."""
+        found = self.find(param)
+        if found is None:
+            raise KeyError(f"no rule of this name table stores {param!r}")
+        return found[1]
+
+    def param_names(self, stored: str) -> tuple[str, ...] | None:
+        """A stored tensor's name -> the names of our parameters it holds (several for a
+        fused tensor), or None for a name the table does not know."""
+        stored = stored.removeprefix(self.prefix)
+        for rule, pattern in zip(self.rules, self._theirs, strict=True):
+            match = pattern.fullmatch(stored)
+            if match:
+                return tuple(part.format(**match.groupdict()) for part in rule.parts)
+        return None
+
+    def ignores(self, stored: str) -> bool:
+        stored = stored.removeprefix(self.prefix)
+        return any(pattern.fullmatch(stored) for pattern in self._ignore)
+
+    def stores(self, param: str) -> bool:
+        return not any(pattern.fullmatch(param) for pattern in self._not_stored)
+
+
+@dataclass
+class _Entry:
+    """One stored tensor to read: its name in the file and the parameters it fills."""
+
+    stored: str
+    rule: Rule
+    params: tuple[str, ...]
+    raw: str = ""  # the name in the file (with the table's prefix if the file has it)
+    rows: tuple[int, ...] = ()  # each parameter's share of a fused tensor (dim 0)
+
+
+def _some(items: list[str]) -> str:
+    shown = ", ".join(items[:SHOWN])
+    return shown + (f" and {len(items) - SHOWN} more" if len(items) > SHOWN else "")
+
+
+def _for(entry: _Entry) -> str:
+    """Which of our parameters a stored tensor holds, when its name does not say it."""
+    return "" if entry.params == (entry.stored,) else f" (for {' + '.join(entry.params)})"
+
+
+def _count(count: int, word: str) -> str:
+    return f"{count} {word}" if count == 1 else f"{count} {word}s"
+
+
+def _stored_shape(rule: Rule, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """The shape the file stores for parameters of these shapes under this rule."""
+    shape = (sum(s[0] for s in shapes), *shapes[0][1:]) if len(shapes) > 1 else shapes[0]
+    return shape[::-1] if rule.transpose and len(shape) == 2 else shape
+
+
+def _entries(names: NameTable | None, expected: Iterable[str]) -> dict[str, _Entry]:
+    """{stored name: entry} for our parameters `expected` (names None: stored as named)."""
+    entries: dict[str, _Entry] = {}
+    for param in expected:
+        if names is None:
+            entries[param] = _Entry(param, Rule(param, param), (param,))
+        elif names.stores(param):
+            found = names.find(param)
+            if found is None:
+                raise ValueError(f"the name table has no rule for the parameter {param!r}: a "
+                                 "bug in the model's table; please report it")  # fmt: skip
+            rule, stored, params = found
+            entries.setdefault(stored, _Entry(stored, rule, params))
+    return entries
+
+
+def _plan(
+    source: TensorSource,
+    names: NameTable | None,
+    expected: Mapping[str, tuple[int, ...]],
+    *,
+    expected_by: str,
+    fix: str,
+    ignore: Iterable[str] = (),
+) -> list[_Entry]:
+    """The stored tensors to read for `expected` ({our name: shape}), after checking that
+    every one is there with the shape `expected` implies and nothing else is."""
+    in_file = source.shapes()
+    prefix = names.prefix if names else ""
+    raw_names = {name.removeprefix(prefix): name for name in in_file}  # table name -> file's
+    entries = _entries(names, expected)
+    shown_prefix = prefix if any(raw != name for name, raw in raw_names.items()) else ""
+    missing = [f"{shown_prefix + e.stored!r}{_for(e)}" for e in entries.values()
+               if e.stored not in raw_names and not e.rule.optional]  # fmt: skip
+    skip = set(ignore)
+    unexpected = [repr(raw) for name, raw in raw_names.items() if name not in entries
+                  and raw not in skip and not (names and names.ignores(name))]  # fmt: skip
+    where = source.name
+    if missing:
+        also = f", and {len(unexpected)} unexpected: {_some(unexpected)}" if unexpected else ""
+        raise ValueError(f"{where}: {_count(len(missing), 'tensor')} missing: "
+                         f"{_some(missing)}{also}; {fix}")  # fmt: skip
+    if unexpected:
+        raise ValueError(f"{where}: {_count(len(unexpected), 'unexpected tensor')}: "
+                         f"{_some(unexpected)} (no parameter of the model is stored under that "
+                         f"name); {fix}")  # fmt: skip
+    plan = [entry for entry in entries.values() if entry.stored in raw_names]  # optional: may lack
+    for entry in plan:
+        entry.raw = raw_names[entry.stored]
+        shapes = [tuple(expected[p]) for p in entry.params]
+        entry.rows = tuple(shape[0] if shape else 1 for shape in shapes)
+        want, got = _stored_shape(entry.rule, shapes), tuple(in_file[entry.raw])
+        if got != want:
+            raise ValueError(f"{where}: tensor {entry.raw!r} has shape {got}, but {expected_by} "
+                             f"implies {want}{_for(entry)}; {fix}")  # fmt: skip
+    return plan
+
+
+def _split(entry: _Entry, tensor: Tensor) -> list[Tensor]:
+    if entry.rule.transpose and tensor.dim() == 2:
+        tensor = tensor.t()
+    return list(tensor.split(entry.rows)) if len(entry.params) > 1 else [tensor]
+
+
+def read_tensors(
+    source: TensorSource,
+    names: NameTable | None,
+    expected: Mapping[str, tuple[int, ...]],
+    *,
+    dtype: torch.dtype | None = None,
+    expected_by: str = "the model",
+    fix: str = "check that the file was written for this model",
+    ignore: Iterable[str] = (),
+) -> dict[str, Tensor]:
+    """{our name: tensor} for every name of `expected` ({our name: shape}) that the file
+    stores (all but the table's optional ones), checked first (see the module docstring);
+    names None: the file uses our names. Tensors are taken as read (no copy), cast to
+    dtype if given. expected_by names what implies the shapes ("the metadata"); fix is
+    what a message ends with; ignore: stored names to pass over besides the table's."""
+    plan = _plan(source, names, expected, expected_by=expected_by, fix=fix, ignore=ignore)
+    out = {}
+    for entry in plan:
+        for param, part in zip(entry.params, _split(entry, source.read(entry.raw)), strict=True):
+            out[param] = part if dtype is None else part.to(dtype)
+    return out
+
+
+def load_weights(
+    model: nn.Module,
+    source: TensorSource,
+    names: NameTable,
+    *,
+    dtype: torch.dtype | None = None,
+    assign: bool = False,
+    expected_by: str = "the model",
+    fix: str = "check that the file was written for this model",
+    ignore: Iterable[str] = (),
+) -> nn.Module:
+    """Load `model`'s parameters and persistent buffers from `source` through `names`,
+    every name and shape checked before a tensor is read; a stored integer tensor where
+    the model has a float one is refused (a quantised weight without its scale).
+    assign: take the tensors as they are (a model built on the meta device), cast to
+    dtype if given; otherwise they are copied into the model's own. Returns model."""
+    state = model.state_dict()
+    expected = {name: tuple(t.shape) for name, t in state.items()}
+    plan = _plan(source, names, expected, expected_by=expected_by, fix=fix, ignore=ignore)
+    loaded: dict[str, Tensor] = {}
+    for entry in plan:
+        tensor = source.read(entry.raw)
+        if state[entry.params[0]].is_floating_point() and not tensor.is_floating_point():
+            raise ValueError(f"{source.name}: tensor {entry.raw!r} is stored as {tensor.dtype}, "
+                             f"not a float type: dequantise it first (no scale beside it?); "
+                             f"{fix}")  # fmt: skip
+        for param, part in zip(entry.params, _split(entry, tensor), strict=True):
+            loaded[param] = part if dtype is None else part.to(dtype)
+    kept = set(state) - set(loaded)  # optional or not stored: keep their values
+    if assign and kept:
+        raise ValueError(f"{source.name}: no tensor for {_some(sorted(kept))}, which a model "
+                         "built on the meta device needs; load it without assign")  # fmt: skip
+    model.load_state_dict(loaded, strict=not kept, assign=assign)
+    return model
