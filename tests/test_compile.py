@@ -270,3 +270,15 @@ def test_a_score_mod_is_named_while_it_lives():
     gc.collect()
     with pytest.raises(ValueError, match="is gone"):
         rebuild_score(text, [weight])
+
+
+def test_a_score_mod_is_checked_while_compiling():
+    """The probe that rejects a function that is not elementwise runs eagerly while a
+    graph is traced, so a bad ScoreMod fails under compile as it does in eager."""
+    bad = ScoreMod(lambda s, b, h, qi, ki: s - s.amax(-1, keepdim=True))
+    q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: mhsa.attention(q, k, v, score=bad),
+                             backend="eager", fullgraph=True)  # fmt: skip
+    with mhsa.use_backend("flash"), pytest.raises(Exception, match="is not elementwise"):
+        compiled(q, k, v)

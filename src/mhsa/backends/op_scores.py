@@ -149,7 +149,9 @@ def rebuild_score(text: str, tensors: list[Tensor]) -> ScoreFunction | None:
     return functions[0] if len(functions) == 1 else Compose(*functions)
 
 
-def differentiable_score(text: str, tensors: list[Tensor]):
+def differentiable_score(
+    text: str, tensors: list[Tensor]
+) -> tuple[ScoreFunction | None, list[Tensor | None]]:
     """(score function, one tensor to differentiate it to or None per tensor) for a
     backward: the function reads fresh leaves in place of `tensors`, or, where it reads
     its tensors itself, those that require grad (each once)."""
