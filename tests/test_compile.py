@@ -4,8 +4,11 @@ and a forced backend that is part of the graph's guards."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
+from torch import nn
 from torch._dynamo.testing import CompileCounter
 
 import mhsa
@@ -14,7 +17,7 @@ from mhsa.models.bert import Bert, BertConfig
 from mhsa.models.gpt import GPT, GPTConfig
 from mhsa.models.llama import Llama, LlamaConfig
 from mhsa.models.vit import ViT, ViTConfig
-from mhsa.scores import ALiBi, RelativeBias, Softcap
+from mhsa.scores import ALiBi, RelativeBias, ScoreMod, Softcap
 
 
 def _gpt():
@@ -48,11 +51,43 @@ def _scored_gpt(position: str):
     return build
 
 
+class _ScoredAttention(nn.Module):
+    """Causal self-attention whose scores a ScoreMod scales per head, with learned sinks.
+    closure=True: the function closes over the temperature tensor itself (the op hands it
+    the op's argument instead); False: over the module (it reads the parameter itself)."""
+
+    def __init__(self, closure: bool) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.temperature = nn.Parameter(torch.rand(4) + 0.5)
+        self.sinks = nn.Parameter(torch.randn(4))
+        temperature = self.temperature
+        if closure:
+            self.score = ScoreMod(lambda s, b, h, qi, ki: s * temperature[h] - 0.1 * (qi - ki))
+        else:
+            self.score = ScoreMod(lambda s, b, h, qi, ki: s * self.temperature[h])
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(*x.shape[:2], 3, 4, 4).permute(2, 0, 3, 1, 4)
+        out = mhsa.attention(q, k, v, causal=True, score=self.score, sinks=self.sinks)
+        return out.transpose(1, 2).flatten(2)
+
+
+def _scored_attention(closure: bool):
+    def build():
+        return _ScoredAttention(closure), (torch.randn(2, 24, 16),)
+
+    return build
+
+
 MODELS = {"gpt": _gpt, "llama": _llama, "vit": _vit, "bert": _bert}
 CASES = [(m, b) for m in MODELS for b in ("auto", "flash", "sdpa")]
 # score functions inside the flash op (ALiBi, T5's relative bias: a learned table)
 MODELS |= {"gpt-alibi": _scored_gpt("alibi"), "gpt-t5": _scored_gpt("t5")}
 CASES += [(m, b) for m in ("gpt-alibi", "gpt-t5") for b in ("auto", "flash")]
+# a ScoreMod and sinks, learned, inside the flash op too
+MODELS |= {"score-mod": _scored_attention(True), "score-mod-module": _scored_attention(False)}
+CASES += [(m, b) for m in ("score-mod", "score-mod-module") for b in ("auto", "flash")]
 
 
 def _build(name: str):
@@ -174,12 +209,18 @@ def test_the_flash_op_equals_the_reference_with_patterns_padding_and_bias():
         assert max_error(got, want) <= 1e-12
 
 
+def _score_mod(heads: int) -> list[ScoreMod]:
+    weight = torch.rand(heads, dtype=torch.float64, requires_grad=True) + 0.5
+    return [ScoreMod(lambda s, b, h, qi, ki: s * weight[h] + 0.01 * (qi - ki))]
+
+
 SCORES = {
     "alibi": lambda h: [ALiBi(torch.rand(h, dtype=torch.float64, requires_grad=True))],
     "t5 then softcap": lambda h: [
         RelativeBias(torch.randn(8, h, dtype=torch.float64, requires_grad=True), 8, 16, False),
         Softcap(2.0),
     ],
+    "score_mod": _score_mod,  # a closure over its tensor: the op's argument replaces it
 }
 
 
@@ -189,13 +230,14 @@ def test_the_flash_op_takes_score_functions_and_sinks(name, causal):
     """Score functions reach the op as text + tensors; gradients reach those tensors
     and the sinks, and outputs equal the reference."""
     from mhsa.backends.flash_op import flash_attention_op, traced_flash_attention
-    from mhsa.backends.op_values import score_spec
+    from mhsa.backends.op_scores import score_spec
     from mhsa.scores import Compose
 
     q, k, v, _, bias = _op_inputs(padded=False)
     score = Compose(*SCORES[name](4))
     sinks = torch.randn(4, dtype=torch.float64, requires_grad=True)
     text, tensors = score_spec(score)
+    assert len(tensors) == 1
     seed = torch.tensor(0)
     args = (q, k, v, None, bias, "", causal, 0.3, 0.0, seed, text, tensors, sinks)
     torch.library.opcheck(flash_attention_op, args)
@@ -209,3 +251,34 @@ def test_the_flash_op_takes_score_functions_and_sinks(name, causal):
     want = mhsa.attention(q, k, v, bias=bias, causal=causal, scale=0.3, score=score,
                           sinks=sinks, backend="reference")  # fmt: skip
     assert max_error(got, want) <= 1e-12
+
+
+def test_a_score_mod_is_named_while_it_lives():
+    """The same ScoreMod gives the same text (no recompile); the op rebuilds it from the
+    text while it lives, reading the op's tensors, and says so once it is gone."""
+    from mhsa.backends.op_scores import rebuild_score, score_mod_text, score_spec
+
+    weight = torch.ones(4)
+    score = ScoreMod(lambda s, b, h, qi, ki: s * weight[h])
+    text = score_mod_text(score)
+    assert score_mod_text(score) == text != score_mod_text(ScoreMod(score.fn))
+    assert score_spec(score) == (text, [weight])
+    rebuilt = rebuild_score(text, [torch.full((4,), 3.0)])
+    scores, head = torch.ones(1, 4, 1, 1), torch.arange(4).view(1, 4, 1, 1)
+    assert torch.equal(rebuilt(scores, 0, head, 0, 0), torch.full((1, 4, 1, 1), 3.0))
+    del score, rebuilt
+    gc.collect()
+    with pytest.raises(ValueError, match="is gone"):
+        rebuild_score(text, [weight])
+
+
+def test_a_score_mod_is_checked_while_compiling():
+    """The probe that rejects a function that is not elementwise runs eagerly while a
+    graph is traced, so a bad ScoreMod fails under compile as it does in eager."""
+    bad = ScoreMod(lambda s, b, h, qi, ki: s - s.amax(-1, keepdim=True))
+    q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: mhsa.attention(q, k, v, score=bad),
+                             backend="eager", fullgraph=True)  # fmt: skip
+    with mhsa.use_backend("flash"), pytest.raises(Exception, match="is not elementwise"):
+        compiled(q, k, v)

@@ -14,7 +14,8 @@ needs("triton")  # the interpreter is switched on in conftest.py
 
 import mhsa
 from helpers import max_error
-from mhsa.backends.op_values import rebuild_pattern, rebuild_score, score_spec
+from mhsa.backends.op_scores import rebuild_score, score_spec
+from mhsa.backends.op_values import rebuild_pattern
 from mhsa.backends.triton_op import triton_attention_op
 from mhsa.models.gpt import GPT, GPTConfig
 from mhsa.scores import ALiBi, Compose, RelativeBias, Softcap

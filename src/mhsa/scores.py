@@ -235,10 +235,7 @@ class ScoreMod(ScoreFunction):
         return _unique(self._tensors)
 
     def check(self, num_heads, device, dtype):
-        key = (num_heads, str(device), dtype)
-        if key not in self._checked:
-            _check_elementwise(self, num_heads, device, dtype)
-            self._checked.add(key)
+        _probe_once(self, int(num_heads), device, dtype)
 
     def __repr__(self) -> str:
         return f"ScoreMod({getattr(self.fn, '__name__', self.fn)!r})"
@@ -332,6 +329,16 @@ def apply_score(score_fn: ScoreFunction, scores: Tensor, q_pos: Tensor, k_pos: T
     index = tile_indices(scores.shape[0], scores.shape[1] if heads is None else heads,
                          q_pos, k_pos)  # fmt: skip
     return score_fn(scores, *index).expand(scores.shape)
+
+
+@torch.compiler.assume_constant_result  # a traced graph probes once, eagerly, unbroken
+def _probe_once(fn: ScoreMod, num_heads: int, device: torch.device, dtype: torch.dtype) -> bool:
+    """_check_elementwise once per (num_heads, device, dtype) of fn."""
+    key = (num_heads, str(device), dtype)
+    if key not in fn._checked:
+        _check_elementwise(fn, num_heads, device, dtype)
+        fn._checked.add(key)
+    return True
 
 
 def _check_elementwise(fn: ScoreFunction, num_heads: int, device: torch.device,

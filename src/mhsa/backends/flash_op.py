@@ -9,9 +9,8 @@ Constants reach the op by value: a mask pattern as its repr, rebuilt from the
 mhsa.masks classes inside the op (equal patterns give equal strings, so the same
 pattern never recompiles); a bool mask tensor as a tensor. A pattern that holds
 tensors (KeyPadding, BlockSparse, ...) is made a dense bool mask first. A score
-function reaches it the same way: its text (backends.op_values) and the tensors it
-reads, which receive gradients; sinks as a tensor. A ScoreMod has no text: such calls
-are traced through the engine instead (FlashBackend.forward).
+function reaches it the same way, ScoreMod included: its text (backends.op_scores)
+and the tensors it reads, which receive gradients; sinks as a tensor.
 """
 
 from __future__ import annotations
@@ -24,14 +23,8 @@ from torch import Tensor
 from ..kernels.flash import flash_backward, flash_forward, fused_available
 from ..scores import ScoreFunction
 from .flash_plan import plan_for
-from .op_values import (
-    rebuild_pattern,
-    rebuild_score,
-    register_attention_op,
-    score_spec,
-    traced_mask,
-    traced_seed,
-)
+from .op_scores import differentiable_score, rebuild_score, score_spec
+from .op_values import rebuild_pattern, register_attention_op, traced_call
 
 
 def _engine_inputs(q, v, mask, pattern, causal, dropout_p, seed, score):
@@ -80,8 +73,11 @@ def flash_attention_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, list[Tensor]]:  # fmt: skip
     """(dq, dk, dv, dbias, dsinks, d score_tensors); dbias is empty unless bias_grad,
     dsinks unless sinks are given, d score_tensors unless score_grad."""
-    leaves = [t.detach().requires_grad_() for t in score_tensors] if score_grad else []
-    score_fn = rebuild_score(score, leaves if score_grad else score_tensors)
+    targets: list[Tensor | None] = []  # what each score tensor's gradient is taken of
+    if score_grad:
+        score_fn, targets = differentiable_score(score, score_tensors)
+    else:
+        score_fn = rebuild_score(score, score_tensors)
     plan, dropout, fused = _engine_inputs(q, v, mask, pattern, causal, dropout_p, seed,
                                           score_fn)  # fmt: skip
     # the fused kernel takes no lse gradient and returns no bias or score gradient
@@ -89,12 +85,14 @@ def flash_attention_backward_op(
     with _autograd_on() if score_grad else contextlib.nullcontext():
         dq, dk, dv, dbias, dsinks, found = flash_backward(
             grad_out, grad_lse, q, k, v, bias, out, lse, plan, scale, dropout, fused,
-            bias_grad, score_fn, sinks, tuple(leaves),
+            bias_grad, score_fn, sinks, tuple(t for t in targets if t is not None),
         )  # fmt: skip
     dbias = q.new_empty(0) if dbias is None else dbias.contiguous()
     dsinks = q.new_empty(0) if dsinks is None else dsinks.contiguous()
+    found = iter(found)
+    grads = [None if target is None else next(found) for target in targets]
     dscore = [torch.zeros_like(t) if g is None else g.detach()
-              for t, g in zip(leaves, found, strict=True)]  # fmt: skip
+              for t, g in zip(score_tensors, grads, strict=True)] if score_grad else []  # fmt: skip
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), dbias, dsinks, dscore
 
 
@@ -109,10 +107,6 @@ def traceable(score: ScoreFunction | None) -> bool:
 def traced_flash_attention(q, k, v, mask, bias, causal: bool, scale: float, dropout_p: float,
                            score: ScoreFunction | None = None,
                            sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """The op's call for a traced graph: patterns by repr, those holding tensors dense,
-    score functions by text (traceable ones only)."""
-    pattern, mask = traced_mask(mask, q.shape[2], k.shape[2], q.device)
-    seed = traced_seed(dropout_p)
-    text, tensors = score_spec(score)
-    return flash_attention_op(q, k, v, mask, bias, pattern, causal, scale, dropout_p, seed,
-                              text, tensors, sinks)  # fmt: skip
+    """The op's call for a traced graph (op_values.traced_call)."""
+    return traced_call(flash_attention_op, q, k, v, mask, bias, causal, scale, dropout_p,
+                       score, sinks)  # fmt: skip

@@ -1,16 +1,12 @@
-"""Masks and score functions as values, for the custom ops (flash_op, triton_op): texts
-the ops rebuild them from. Equal patterns or functions give equal texts, so a traced
-graph never recompiles for the same one.
+"""What the custom ops (flash_op, triton_op) share: masks as values, the dropout seed,
+the traced call, and the fake implementations and autograd registration.
 
-A pattern built from plain values is its repr (Pattern.plain_values). A score function
-is a text naming each function and its constants, plus the tensors it reads: ALiBi,
-RelativeBias and Softcap (composed in any order) have one; a ScoreMod holds arbitrary
-Python and has none (the flash backend then traces the engine inline).
+A pattern built from plain values reaches an op as its repr (Pattern.plain_values),
+rebuilt inside it; equal patterns give equal texts, so a traced graph never recompiles
+for the same one. Score functions reach it as texts and tensors (backends.op_scores).
 """
 
 from __future__ import annotations
-
-import ast
 
 import torch
 from torch import Tensor
@@ -18,7 +14,8 @@ from torch import Tensor
 from .. import masks
 from ..kernels.dense import stats_dtype
 from ..masks import Pattern
-from ..scores import ALiBi, Compose, RelativeBias, ScoreFunction, Softcap
+from ..scores import ScoreFunction
+from .op_scores import score_spec
 
 _PATTERN_CLASSES = {name: getattr(masks, name) for name in masks.__all__
                     if isinstance(getattr(masks, name), type)}  # fmt: skip
@@ -44,52 +41,22 @@ def traced_mask(mask, q_len: int, kv_len: int, device) -> tuple[str, Tensor | No
     return "", mask.dense(q_len, kv_len, device)
 
 
-def score_spec(score: ScoreFunction | None) -> tuple[str, list[Tensor]] | None:
-    """(text, tensors in order) of score; ("", []) for None; None when it has no text."""
-    if score is None:
-        return "", []
-    functions = score.functions if isinstance(score, Compose) else (score,)
-    parts: list[str] = []
-    tensors: list[Tensor] = []
-    for f in functions:
-        if type(f) is ALiBi:
-            parts.append("ALiBi()")
-            tensors.append(f.slopes)
-        elif type(f) is RelativeBias:
-            parts.append(f"RelativeBias({f.num_buckets}, {f.max_distance}, {f.bidirectional})")
-            tensors.append(f.table)
-        elif type(f) is Softcap:
-            parts.append(f"Softcap({f.cap!r})")
-        else:
-            return None
-    return ";".join(parts), tensors
-
-
-def rebuild_score(text: str, tensors: list[Tensor]) -> ScoreFunction | None:
-    """The score function score_spec described, reading `tensors` in order."""
-    if not text:
-        return None
-    pending = iter(tensors)
-    functions: list[ScoreFunction] = []
-    for part in text.split(";"):
-        name, _, args = part.partition("(")
-        values = ast.literal_eval(f"({args[:-1]},)") if args[:-1] else ()
-        if name == "ALiBi":
-            functions.append(ALiBi(next(pending)))
-        elif name == "RelativeBias":
-            functions.append(RelativeBias(next(pending), *values))
-        elif name == "Softcap":
-            functions.append(Softcap(*values))
-        else:
-            raise ValueError(f"unknown score function {name!r} in {text!r}")
-    return functions[0] if len(functions) == 1 else Compose(*functions)
-
-
 def traced_seed(dropout_p: float) -> Tensor:
     """The dropout seed as an int64 scalar tensor, drawn only with dropout (as eager)."""
     if dropout_p > 0:
         return torch.randint(0, 2**31 - 1, (), dtype=torch.int64)
     return torch.zeros((), dtype=torch.int64)
+
+
+def traced_call(op, q, k, v, mask, bias, causal: bool, scale: float, dropout_p: float,
+                score: ScoreFunction | None = None,
+                sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """op's call for a traced graph, from a backend's forward arguments: patterns by
+    repr, those holding tensors dense, score functions by text and tensors."""
+    pattern, mask = traced_mask(mask, q.shape[2], k.shape[2], q.device)
+    text, tensors = score_spec(score)
+    return op(q, k, v, mask, bias, pattern, causal, scale, dropout_p, traced_seed(dropout_p),
+              text, tensors, sinks)  # fmt: skip
 
 
 def register_attention_op(op, backward_op) -> None:

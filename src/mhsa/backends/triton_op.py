@@ -2,7 +2,7 @@
 `mhsa::triton_attention` node per attention call and one
 `mhsa::triton_attention_backward`, with the same arguments as the flash ops
 (backends.flash_op): patterns by repr, score functions by text and tensors
-(backends.op_values). The tile lists are built inside the op when it runs, so masks
+(backends.op_scores). The tile lists are built inside the op when it runs, so masks
 and lengths neither break nor specialise the graph. Importing this module imports
 triton.
 """
@@ -18,14 +18,8 @@ from ..kernels.dense import stats_dtype
 from ..kernels.triton.function import _backward, _forward, _prepare
 from ..kernels.triton.scores import kernel_score
 from ..scores import ScoreFunction
-from .op_values import (
-    rebuild_pattern,
-    rebuild_score,
-    register_attention_op,
-    score_spec,
-    traced_mask,
-    traced_seed,
-)
+from .op_scores import rebuild_score
+from .op_values import rebuild_pattern, register_attention_op, traced_call
 
 
 def _launch_inputs(q, k, v, mask, bias, pattern, causal, scale, dropout_p, seed, score,
@@ -102,8 +96,6 @@ register_attention_op(triton_attention_op, triton_attention_backward_op)
 def traced_triton_attention(q, k, v, mask, bias, causal: bool, scale: float, dropout_p: float,
                             score: ScoreFunction | None = None,
                             sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """The op's call for a traced graph (the arguments of TritonBackend.forward)."""
-    pattern, mask = traced_mask(mask, q.shape[2], k.shape[2], q.device)
-    text, tensors = score_spec(score)
-    return triton_attention_op(q, k, v, mask, bias, pattern, causal, scale, dropout_p,
-                               traced_seed(dropout_p), text, tensors, sinks)  # fmt: skip
+    """The op's call for a traced graph (op_values.traced_call)."""
+    return traced_call(triton_attention_op, q, k, v, mask, bias, causal, scale, dropout_p,
+                       score, sinks)  # fmt: skip
