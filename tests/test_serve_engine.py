@@ -206,13 +206,13 @@ def test_a_failed_step_ends_only_its_own_requests():
     first one's prefill ends it, and the second is still served."""
     model = _model(_llama)
     engine = Engine(model, context_length=512, num_blocks=64)
-    prefill = engine._prefill
+    prefill = engine.runner.prefill
 
-    def fail_once(request):
-        engine._prefill = prefill
+    def fail_once(chunk):
+        engine.runner.prefill = prefill
         raise RuntimeError("a planted failure")
 
-    engine._prefill = fail_once
+    engine.runner.prefill = fail_once
     first, second = (engine.submit(p, 4) for p in _prompts([20, 30]))
     engine.start()
     try:
