@@ -62,6 +62,9 @@ BUGS = {
         "            if choice.stopped is not None and bool(choice.stopped[0]):\n",
         "            if choice.stopped is not None and bool(choice.stopped[0]) and "
         "request.output.append(int(choice.tokens[0])):\n", "tests/test_serve_engine.py"),
+    "the stop rule ends a sequence one token late": (
+        "models/sampling.py", "generated + 1 >= self.max_tokens", "generated >= self.max_tokens",
+        "tests/test_generation_core.py"),
     "the scheduler preempts the oldest request": (
         "serve/scheduler.py", "self.preempt(self.running[-1])", "self.preempt(self.running[0])",
         "tests/test_serve_scheduler.py"),
