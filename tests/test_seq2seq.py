@@ -11,8 +11,9 @@ import torch
 
 from mhsa.cli import main
 from mhsa.data.numbers import NumberTranslationTask, detokenize, pad_batch, tokenize
+from mhsa.models.beam_search import beam_search
+from mhsa.models.decoding import greedy_search
 from mhsa.models.seq2seq import Seq2Seq, Seq2SeqConfig
-from mhsa.search import beam_search, greedy_search
 
 
 def _model(**changes) -> Seq2Seq:
@@ -86,11 +87,29 @@ def test_beam_search_with_and_without_the_memory_cache():
         assert model.translate(src, beam_size=3, max_new_tokens=8, cache_memory=False) == beams
 
 
-class _HistoryModel:
+class _StepDecoder:
+    """A Decoder (mhsa.models.decoder) and its own caches from a function of the newest
+    tokens (rows, T) -> next-token logits (rows, vocab); reorder does nothing."""
+
+    def __init__(self, step) -> None:
+        self.function = step
+
+    def prefill(self, tokens, caches, *, start=None):
+        return self.function(tokens)
+
+    def step(self, tokens, caches):
+        return self.function(tokens)
+
+    def reorder(self, index):
+        pass
+
+
+class _HistoryModel(_StepDecoder):
     """A toy decoder whose next-token logits depend on the whole prefix; its state
-    (the prefixes) is reordered like a KV cache."""
+    (the prefixes) is reordered like a KV cache: it is its own caches."""
 
     def __init__(self, rows: int, vocab: int, salt: int = 0) -> None:
+        super().__init__(self.extend)
         self.prefixes: list[tuple[int, ...]] = [() for _ in range(rows)]
         self.vocab, self.salt = vocab, salt
 
@@ -98,7 +117,7 @@ class _HistoryModel:
         seed = hash((self.salt, *prefix)) % (2**31)
         return torch.randn(self.vocab, generator=torch.Generator().manual_seed(seed)) * 2
 
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+    def extend(self, tokens: torch.Tensor) -> torch.Tensor:
         self.prefixes = [p + tuple(t) for p, t in zip(self.prefixes, tokens.tolist(), strict=True)]
         return torch.stack([self.logits(p) for p in self.prefixes])
 
@@ -125,7 +144,7 @@ def test_wide_beam_search_finds_the_exact_optimum(penalty):
     vocab, eos, max_new, beam = 4, 0, 4, 64  # 3**3 live prefixes at most: exhaustive
     for start in (1, 2):
         model = _HistoryModel(beam, vocab)
-        found = beam_search(model.step, model.reorder, torch.tensor([[start]]), eos, max_new,
+        found = beam_search(model, model, torch.tensor([[start]]), eos, max_new,
                             beam, penalty)[0]  # fmt: skip
         assert found == _exhaustive_best(_HistoryModel(1, vocab), start, eos, max_new, penalty)
 
@@ -162,7 +181,7 @@ def test_narrow_beam_search_on_a_batch_equals_the_written_out_search(beam, max_n
     vocab, eos, starts = 5, 0, (1, 2, 3)
     for salt in range(3):
         model = _HistoryModel(len(starts) * beam, vocab, salt)
-        found = beam_search(model.step, model.reorder, torch.tensor([[s] for s in starts]), eos,
+        found = beam_search(model, model, torch.tensor([[s] for s in starts]), eos,
                             max_new, beam, penalty)  # fmt: skip
         reference = _HistoryModel(1, vocab, salt)
         assert found == [_narrow_beam(reference, s, eos, max_new, beam, penalty) for s in starts]
@@ -177,7 +196,8 @@ def test_beam_search_stops_when_no_live_beam_can_win(penalty, beam, steps):
         calls.append(tokens.shape)
         return torch.tensor([[5.0, 0, 0, 0]]).expand(tokens.shape[0], 4)
 
-    found = beam_search(step, lambda index: None, torch.tensor([[1]]), eos=0,
+    decoder = _StepDecoder(step)
+    found = beam_search(decoder, decoder, torch.tensor([[1]]), eos=0,
                         max_new_tokens=10, beam_size=beam, length_penalty=penalty)  # fmt: skip
     # beam 1: the one hypothesis that ends at step 1 beats the live beam; beam 2:
     # step 1 ends one hypothesis, step 2 two more, and the live beams (two unlikely
@@ -187,19 +207,19 @@ def test_beam_search_stops_when_no_live_beam_can_win(penalty, beam, steps):
 
 def test_search_defaults_and_bad_arguments():
     model = _HistoryModel(4, 5, salt=1)
-    found = beam_search(model.step, model.reorder, torch.tensor([[1]]), 0, 6)
+    found = beam_search(model, model, torch.tensor([[1]]), 0, 6)
     model = _HistoryModel(4, 5, salt=1)
-    assert found == beam_search(model.step, model.reorder, torch.tensor([[1]]), 0, 6,
+    assert found == beam_search(model, model, torch.tensor([[1]]), 0, 6,
                                 beam_size=4, length_penalty=1.0)  # fmt: skip
-    step = _HistoryModel(1, 5).step
-    assert len(greedy_search(step, torch.tensor([[1]]), eos=0, max_new_tokens=1)[0]) <= 1
+    model = _HistoryModel(1, 5)
+    assert len(greedy_search(model, model, torch.tensor([[1]]), eos=0, max_new_tokens=1)[0]) <= 1
     for bad in (torch.tensor([1, 2]), torch.zeros(1, 0, dtype=torch.long)):
         with pytest.raises(ValueError, match=r"start must be \(batch, prefix_len >= 1\)"):
-            greedy_search(step, bad, eos=0, max_new_tokens=2)
+            greedy_search(model, model, bad, eos=0, max_new_tokens=2)
     with pytest.raises(ValueError, match="max_new_tokens must be positive, got 0"):
-        greedy_search(step, torch.tensor([[1]]), eos=0, max_new_tokens=0)
+        greedy_search(model, model, torch.tensor([[1]]), eos=0, max_new_tokens=0)
     with pytest.raises(ValueError, match="beam_size must be positive, got 0"):
-        beam_search(step, lambda index: None, torch.tensor([[1]]), 0, 2, beam_size=0)
+        beam_search(model, model, torch.tensor([[1]]), 0, 2, beam_size=0)
 
 
 def test_greedy_search_returns_once_every_row_ended():
@@ -210,7 +230,8 @@ def test_greedy_search_returns_once_every_row_ended():
         ends = torch.tensor([[5.0, 0, 0], [0, 0, 5.0]]) if len(calls) == 1 else None
         return ends if ends is not None else torch.tensor([[0, 5.0, 0], [5.0, 0, 0]])
 
-    found = greedy_search(step, torch.tensor([[1], [1]]), eos=0, max_new_tokens=5)
+    decoder = _StepDecoder(step)
+    found = greedy_search(decoder, decoder, torch.tensor([[1], [1]]), eos=0, max_new_tokens=5)
     assert found == [[], [2]] and len(calls) == 2
 
 
@@ -218,7 +239,9 @@ def test_greedy_search_stops_each_row_at_eos():
     def step(tokens):  # row 0 ends at once (eos = 0), row 1 always says 2
         return torch.tensor([[5.0, 0, 0], [0, 0, 5.0]])
 
-    assert greedy_search(step, torch.tensor([[1], [1]]), eos=0, max_new_tokens=3) == [[], [2, 2, 2]]
+    decoder = _StepDecoder(step)
+    found = greedy_search(decoder, decoder, torch.tensor([[1], [1]]), eos=0, max_new_tokens=3)
+    assert found == [[], [2, 2, 2]]
 
 
 def test_number_words_round_trip_and_held_out_numbers_stay_out():

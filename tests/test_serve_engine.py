@@ -100,6 +100,26 @@ def test_admission_waits_for_room_in_the_pool():
     assert second.first_token_at > first.token_times[-1]
 
 
+@pytest.mark.parametrize("build", [_llama, _gpt], ids=["llama", "gpt"])
+def test_preempted_requests_resume_with_the_outputs_they_would_have_had(build):
+    """Optimistic admission runs all three at once in a pool too small for them: the
+    newest are preempted when blocks run out, prefilled again from prompt + output
+    later, and every output still equals the request run alone."""
+    model = _model(build)
+    engine = Engine(model, context_length=64, num_blocks=4, block_size=16, max_batch=3,
+                    admission="optimistic")  # fmt: skip
+    prompts = _prompts([20, 30, 10])
+    requests = [engine.submit(p, 18) for p in prompts]
+    peak = 0
+    while engine.step():
+        peak = max(peak, engine.cache.used_blocks)
+    assert peak <= 4 and engine.cache.used_blocks == 0 and engine.idle
+    assert sum(r.preemptions for r in requests) >= 1
+    for request in requests:
+        assert request.finish_reason == "length"
+        assert request.output == _alone(model, request.prompt, 18)
+
+
 def test_a_shared_system_prompt_is_computed_once():
     model = _model(_llama)
     engine = Engine(model, context_length=512, num_blocks=64, block_size=16)
@@ -206,13 +226,13 @@ def test_a_failed_step_ends_only_its_own_requests():
     first one's prefill ends it, and the second is still served."""
     model = _model(_llama)
     engine = Engine(model, context_length=512, num_blocks=64)
-    prefill = engine._prefill
+    prefill = engine.runner.prefill
 
-    def fail_once(request):
-        engine._prefill = prefill
+    def fail_once(chunk):
+        engine.runner.prefill = prefill
         raise RuntimeError("a planted failure")
 
-    engine._prefill = fail_once
+    engine.runner.prefill = fail_once
     first, second = (engine.submit(p, 4) for p in _prompts([20, 30]))
     engine.start()
     try:

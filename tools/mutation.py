@@ -48,7 +48,8 @@ MODULES = {
         # triton's copy of the hash, run by its CPU interpreter: the independent check
         "tests/test_triton.py::test_dropout_mask_equals_cpu_keep_mask",
     ],
-    "search.py": ["tests/test_seq2seq.py"],  # (GPT samples without mhsa.search)
+    "models/beam_search.py": ["tests/test_seq2seq.py"],
+    "serve/scheduler.py": ["tests/test_serve_scheduler.py"],
     "cache/contiguous.py": [
         "tests/test_decoder_cache.py", "tests/test_gpt.py", "tests/test_nn_attention.py",
         "tests/test_nonfinite.py::test_unwritten_and_padded_cache_slots_are_ignored",

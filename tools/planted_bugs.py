@@ -52,16 +52,29 @@ BUGS = {
         "models/seq2seq.py", "x = table(ids) * math.sqrt(self.config.d_model)",
         "x = table(ids)", "tests/test_seq2seq.py"),
     "sampling multiplies by the temperature": (
-        "models/decoding.py", "logits = logits.float() / temperature",
+        "models/sampling.py", "logits = logits.float() / temperature",
         "logits = logits.float() * temperature", "tests/test_gpt.py"),
     "paged attention lets a query see its own key late": (
         "kernels/paged.py", "allowed = causal_allows(q_pos, k_pos)",
         "allowed = causal_allows(q_pos - 1, k_pos)",
         "tests/test_paged_attention.py"),
     "a stop token is output before the request ends": (
-        "serve/engine.py", "            if token in self.stop_ids:\n",
-        "            if token in self.stop_ids and request.output.append(token):\n",
-        "tests/test_serve_engine.py"),
+        "serve/engine.py",
+        "            if choice.stopped is not None and bool(choice.stopped[0]):\n",
+        "            if choice.stopped is not None and bool(choice.stopped[0]) and "
+        "request.output.append(int(choice.tokens[0])):\n", "tests/test_serve_engine.py"),
+    "the stop rule ends a sequence one token late": (
+        "models/sampling.py", "generated + 1 >= self.max_tokens", "generated >= self.max_tokens",
+        "tests/test_generation_core.py"),
+    "the scheduler preempts the oldest request": (
+        "serve/scheduler.py", "self.preempt(self.running[-1])", "self.preempt(self.running[0])",
+        "tests/test_serve_scheduler.py"),
+    "admission forgets what running requests may still take": (
+        "serve/scheduler.py", "self.pool.free_blocks - self._spoken_for() <",
+        "self.pool.free_blocks <", "tests/test_serve_scheduler.py"),
+    "a preempted request resumes from its prompt alone": (
+        "serve/scheduler.py", "return (self.prompt + self.output)[start:stop]",
+        "return self.prompt[start:stop]", "tests/test_serve_scheduler.py"),
     # found by the mutation run (tools/mutation.py), not in the original list
     "learning rate schedule never applied": (
         "train.py", '            group["lr"] = lr_at(step, config)\n',

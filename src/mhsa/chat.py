@@ -27,8 +27,9 @@ from torch import nn
 
 from .formats.ggml_blocks import unpack_q4
 from .formats.weights import TensorDict
-from .models.decoding import check_sampling, compiled_decode_step, sample
+from .models.decoding import compiled_decode_step
 from .models.llama import EMBED, HF_NAMES, Llama, LlamaConfig
+from .models.sampling import Sampling, StopRule, sample_and_stop
 from .nn.quantized import Int4Linear, Int8Linear, quantize_linears, replace_linears
 
 if TYPE_CHECKING:
@@ -82,7 +83,7 @@ class ChatModel:
         at a stop token or after max_new_tokens. last_stats then holds token counts and
         seconds of the prefill and the decoding. compile: decode through one compiled
         step (mhsa.models.decoding.compiled_decode_step)."""
-        check_sampling(temperature, top_k, top_p)
+        sampling = Sampling(temperature, top_k, top_p)
         if (
             isinstance(max_new_tokens, bool)
             or not isinstance(max_new_tokens, int)
@@ -96,36 +97,34 @@ class ChatModel:
                 f"the conversation is {len(ids)} tokens, the model's context "
                 f"{self.model.config.max_len}: start a new one"
             )
-        budget = min(max_new_tokens, room)
-        caches = self.model.make_caches(1, len(ids) + budget)
+        stop = StopRule(self.stop_ids, min(max_new_tokens, room))
+        caches = self.model.make_caches(1, len(ids) + stop.max_tokens)
         start = time.perf_counter()
-        logits = self.model(torch.tensor([ids]), caches=caches, last=True)[:, -1]
+        logits = self.model.prefill(torch.tensor([ids]), caches)
         step = compiled_decode_step(self.model, caches) if compile else None
         prefilled = time.perf_counter()
         decoder = self.tokenizer.stream()
         self.last_stats = {"prompt_tokens": len(ids), "new_tokens": 0}
-        for count in range(1, budget + 1):
-            token = sample(
-                logits.float(),
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                generator=generator,
-            )
-            if int(token) in self.stop_ids:
+        for count in range(stop.max_tokens):
+            choice = sample_and_stop(logits.float(), sampling, stop, generated=count,
+                                     generator=generator)  # fmt: skip
+            if choice.stopped is not None and bool(choice.stopped):
                 break
+            token = choice.tokens
             piece = decoder.push(int(token))
             self.last_stats.update(
-                new_tokens=count,
+                new_tokens=count + 1,
                 prefill_seconds=prefilled - start,
                 decode_seconds=time.perf_counter() - prefilled,
             )
             if piece:
                 yield piece
-            if count < budget and step is not None:
-                logits = step(token.view(1, 1))[:, -1]
-            elif count < budget:
-                logits = self.model(token.view(1, 1), caches=caches, last=True)[:, -1]
+            if choice.last:
+                break
+            if step is not None:
+                logits = step(token.view(1, 1))
+            else:
+                logits = self.model.step(token.view(1, 1), caches)
         tail = decoder.flush()
         if tail:
             yield tail

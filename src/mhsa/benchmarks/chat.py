@@ -39,14 +39,14 @@ def _ours(quantize: str, compiled: bool):
 
     def prefill(ids: torch.Tensor, new: int):
         caches = model.make_caches(ids.shape[0], ids.shape[1] + new)
-        logits = model(ids, caches=caches, last=True)[:, -1]
+        logits = model.prefill(ids, caches)
         # the compiled step (compiled on the first repeat, which the best-of drops)
         return (compiled_decode_step(model, caches) if compiled else caches), logits
 
     def step(token: torch.Tensor, caches):
         if compiled:
-            return caches(token.view(-1, 1))[:, -1]
-        return model(token.view(-1, 1), caches=caches, last=True)[:, -1]
+            return caches(token.view(-1, 1))
+        return model.step(token.view(-1, 1), caches)
 
     def batch(prompts: list[torch.Tensor], new: int):
         return model.generate(prompts, new, temperature=0.0, eos_token=[], compile=compiled)

@@ -1,12 +1,13 @@
 """Text generation for decoder-only language models (GPT, Llama), shared by them.
 
-    generate(model, prompts, n)   left-pad prompts, prefill, decode n tokens
-    sample(logits)                greedy, or temperature / top-k / top-p sampling
+    generate(model, prompts, n)          left-pad prompts, prefill, decode n tokens
+    greedy_search(decoder, caches, ...)  the most likely token at every step, to a stop
+    compiled_decode_step(model, caches)  model.step compiled once per model
 
-The model is called as model(tokens (B, T), caches=..., last=True) to continue what
-its caches hold, or model(tokens, start=..., last=True) to recompute left-padded
-sequences from scratch (last: logits of the last position only), and
-builds its caches with model.make_caches(batch, max_len); both return logits (B, T, V).
+The model is a Decoder (mhsa.models.decoder): prefill(tokens, caches, start=...) and
+step(tokens, caches) give the last position's logits (B, V); make_caches(batch,
+max_len) builds its caches. Each next token and stop comes from
+mhsa.models.sampling.sample_and_stop.
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ import torch
 from torch import Tensor, nn
 
 from ..cache import StaticKVCache
+from .decoder import Decoder
+from .sampling import GREEDY, Sampling, StopRule, check_sampling, sample, sample_and_stop
+
+__all__ = ["check_sampling", "check_token_ids", "compile_seconds", "compiled_decode_step",
+           "generate", "greedy_search", "sample"]  # fmt: skip
 
 # per model: its compiled functions (by the function compiled), and how long the first
 # call took (compiling)
@@ -54,10 +60,10 @@ def generate(
         raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    check_sampling(temperature, top_k, top_p)
+    sampling = Sampling(temperature, top_k, top_p)
     if compile and not use_cache:
         raise ValueError("compile=True compiles the cached decoding step: keep use_cache=True")
-    stops = _stop_tokens(eos_token, vocab_size)
+    stop = StopRule(_stop_tokens(eos_token, vocab_size), max_new_tokens)
     as_list = isinstance(idx, (list, tuple))
     prompts = list(idx) if as_list else list(idx.unbind(0))
     if not prompts or min(p.numel() for p in prompts) == 0:
@@ -75,40 +81,68 @@ def generate(
         raise ValueError(f"prompt ({width}) + max_new_tokens ({max_new_tokens}) exceeds "
                          f"max_len {max_len} of this model's positions")  # fmt: skip
     caches = model.make_caches(len(prompts), width + max_new_tokens) if use_cache else None
-    if caches is not None:
-        for cache in caches:
-            cache.set_padding(start)
-        logits = model(tokens, caches=caches, last=True)[:, -1]
-    else:
-        logits = model(tokens, start=start, last=True)[:, -1]
+    logits = model.prefill(tokens, caches, start=start)
     step = compiled_decode_step(model, caches) if compile else None
     new = []
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
-    for _ in range(max_new_tokens):
-        nxt = sample(logits, temperature=temperature, top_k=top_k, top_p=top_p,
-                     generator=generator)  # fmt: skip
-        if stops is not None:
-            nxt = torch.where(done, torch.full_like(nxt, int(stops[0])), nxt)
-            done |= torch.isin(nxt, stops.to(device))
+    for count in range(max_new_tokens):
+        choice = sample_and_stop(logits, sampling, stop, generated=count, generator=generator)
+        nxt = choice.tokens
+        if choice.stopped is not None:  # ended rows repeat the first stop token
+            nxt = torch.where(done, torch.full_like(nxt, stop.stop_tokens[0]), nxt)
+            done |= choice.stopped
         new.append(nxt)
-        if stops is not None and bool(done.all()):
+        if choice.last or (choice.stopped is not None and bool(done.all())):
             break
         if step is not None:
-            logits = step(nxt.view(-1, 1))[:, -1]
+            logits = step(nxt.view(-1, 1))
         elif caches is not None:
-            logits = model(nxt.view(-1, 1), caches=caches, last=True)[:, -1]
+            logits = model.step(nxt.view(-1, 1), caches)
         else:
             tokens = torch.cat([tokens, nxt.view(-1, 1)], dim=1)
-            logits = model(tokens, start=start, last=True)[:, -1]
+            logits = model.prefill(tokens, None, start=start)
     generated = torch.stack(new, dim=1) if new else tokens[:, :0]
     if not as_list:  # equal-length prompts: one tensor, the stop token repeated after the end
         return torch.cat([idx.to(device), generated], dim=1)
-    return [torch.cat([p.to(device), _until_stop(g, stops)])
+    return [torch.cat([p.to(device), _until_stop(g, stop)])
             for p, g in zip(prompts, generated, strict=True)]  # fmt: skip
 
 
+@torch.no_grad()
+def greedy_search(
+    decoder: Decoder, caches: object, start: Tensor, eos: int, max_new_tokens: int
+) -> list[list[int]]:
+    """Most likely token at every step. start (B, T0) is prefilled into caches, then
+    each row's best token is fed back -> B token lists (no prefix, no eos); a row stops
+    at eos or after max_new_tokens."""
+    check_search(start, max_new_tokens)
+    stop = StopRule((eos,), max_new_tokens)
+    outputs: list[list[int]] = [[] for _ in range(start.shape[0])]
+    done = torch.zeros(start.shape[0], dtype=torch.bool)
+    logits = decoder.prefill(start, caches)
+    for count in range(max_new_tokens):
+        choice = sample_and_stop(logits, GREEDY, stop, generated=count)
+        best, stopped = choice.tokens.cpu(), choice.stopped.cpu()
+        for row in (~done).nonzero().flatten().tolist():
+            if not stopped[row]:
+                outputs[row].append(int(best[row]))
+        done |= stopped
+        if choice.last or done.all():
+            break
+        logits = decoder.step(best.view(-1, 1).to(start.device), caches)
+    return outputs
+
+
+def check_search(start: Tensor, max_new_tokens: int) -> None:
+    """Raise ValueError for a search's start tokens or length that mean nothing."""
+    if start.dim() != 2 or start.shape[1] == 0:
+        raise ValueError(f"start must be (batch, prefix_len >= 1) tokens, got {tuple(start.shape)}")
+    if max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
+
+
 def compiled_decode_step(model: nn.Module, caches: list) -> Callable[[Tensor], Tensor]:
-    """token (B, 1) -> logits (B, 1, V): model's decoding step compiled once per model
+    """token (B, 1) -> logits (B, V): model.step compiled once per model
     (fullgraph; inductor's caches keep the compiled code on disk between runs), over
     StaticKVCaches that continue `caches`."""
     static = static_caches(caches)
@@ -145,8 +179,8 @@ def compiled_once(model: nn.Module, function: Callable, arguments: Callable) -> 
     return call
 
 
-def _decode_step(model: nn.Module, token: Tensor, caches: list) -> Tensor:
-    return model(token, caches=caches, last=True)
+def _decode_step(model: Decoder, token: Tensor, caches: list) -> Tensor:
+    return model.step(token, caches)
 
 
 def compile_seconds(model: nn.Module) -> float | None:
@@ -155,61 +189,25 @@ def compile_seconds(model: nn.Module) -> float | None:
     return _COMPILE_SECONDS.get(model)
 
 
-def _stop_tokens(eos_token: int | Sequence[int] | None, vocab_size: int) -> Tensor | None:
-    """The stop tokens as a 1-D tensor (the first fills finished rows), or None."""
+def _stop_tokens(eos_token: int | Sequence[int] | None, vocab_size: int) -> tuple[int, ...]:
+    """The stop tokens, checked (the first fills finished rows); () for none."""
     if eos_token is None:
-        return None
+        return ()
     ids = [eos_token] if isinstance(eos_token, int) else list(eos_token)
     if not ids or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
         raise TypeError(f"eos_token must be a token id, a non-empty list of them, or None; "
                         f"got {eos_token!r}")  # fmt: skip
-    stops = torch.tensor(ids, dtype=torch.long)
-    check_token_ids(stops, vocab_size, name="eos_token")
-    return stops
+    check_token_ids(torch.tensor(ids, dtype=torch.long), vocab_size, name="eos_token")
+    return tuple(ids)
 
 
-def _until_stop(tokens: Tensor, stops: Tensor | None) -> Tensor:
-    if stops is None:
+def _until_stop(tokens: Tensor, stop: StopRule) -> Tensor:
+    """tokens (N,) cut after the first stop token."""
+    stopped = stop.stopped(tokens)
+    if stopped is None:
         return tokens
-    hits = torch.isin(tokens, stops.to(tokens.device)).nonzero()
+    hits = stopped.nonzero()
     return tokens if hits.numel() == 0 else tokens[: int(hits[0]) + 1]
-
-
-def sample(
-    logits: Tensor,
-    *,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-) -> Tensor:
-    """Next tokens (B,) from logits (B, V): greedy at temperature 0, else sampled
-    from the softmax at that temperature, restricted to the top_k tokens and/or the
-    smallest set whose probability reaches top_p."""
-    check_sampling(temperature, top_k, top_p)
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, -torch.inf)
-    if top_p is not None:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p  # keep the first
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), -torch.inf)
-    probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
-def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    """Raise ValueError for sampling settings that select nothing or mean nothing."""
-    if not temperature >= 0:  # also catches nan
-        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be an int >= 1, or None for no limit; got {top_k!r}")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], or None for no limit; got {top_p!r}")
 
 
 def check_token_ids(ids: Tensor, vocab_size: int, name: str = "idx") -> None:

@@ -32,6 +32,7 @@ from ..positional import (
     SinusoidalPositionalEncoding,
 )
 from ..validate import int_at_least
+from .decoder import CacheLayout, CausalLMDecoding
 from .decoding import check_sampling, check_token_ids, generate, sample
 from .init import normal_init
 
@@ -82,7 +83,9 @@ class GPTConfig:
         return asdict(self)
 
 
-class GPT(nn.Module):
+class GPT(nn.Module, CausalLMDecoding):
+    """A Decoder (mhsa.models.decoder): prefill, step, make_caches, cache_layout."""
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
@@ -178,6 +181,13 @@ class GPT(nn.Module):
             block.self_attn.fuse_projections()
         decoding_layout(self, "tok_emb")
         return self
+
+    @property
+    def cache_layout(self) -> CacheLayout:
+        """The per-token shape of this model's caches (a paged pool's size)."""
+        config, param = self.config, self.tok_emb.weight
+        return CacheLayout(config.n_layer, config.n_kv_head or config.n_head,
+                           config.d_model // config.n_head, param.dtype, param.device)  # fmt: skip
 
     def make_caches(self, batch: int, max_len: int) -> list[KVCache]:
         """Empty caches for every layer: ring buffers of `window` with a window."""

@@ -32,6 +32,7 @@ from ..nn import GatedFeedForward, MultiHeadAttention, RMSNorm
 from ..nn.layout import decoding_layout
 from ..positional import RotaryEmbedding, rope_frequencies, rope_type
 from ..validate import int_at_least
+from .decoder import CacheLayout, CausalLMDecoding
 from .decoding import check_token_ids, generate
 from .init import normal_init
 
@@ -184,7 +185,9 @@ class LlamaBlock(nn.Module):
         return x + self.ff(self.ff_norm(x))
 
 
-class Llama(nn.Module):
+class Llama(nn.Module, CausalLMDecoding):
+    """A Decoder (mhsa.models.decoder): prefill, step, make_caches, cache_layout."""
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
@@ -257,6 +260,13 @@ class Llama(nn.Module):
         tied = "embed" if self.lm_head is None else None
         decoding_layout(self.fuse_projections(), tied)
         return self
+
+    @property
+    def cache_layout(self) -> CacheLayout:
+        """The per-token shape of this model's caches (a paged pool's size)."""
+        c, param = self.config, self.embed.weight
+        return CacheLayout(c.n_layer, c.n_kv_head or c.n_head, c.head_width, param.dtype,
+                           param.device)  # fmt: skip
 
     def make_caches(self, batch: int, max_len: int) -> list[KVCache]:
         """Empty caches for every layer; windowed layers keep only their window."""

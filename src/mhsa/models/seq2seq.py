@@ -28,7 +28,9 @@ from ..nn import (
     TransformerEncoderLayer,
 )
 from ..positional import SinusoidalPositionalEncoding
-from ..search import beam_search, greedy_search
+from .beam_search import beam_search
+from .decoder import CacheLayout
+from .decoding import greedy_search
 from .init import normal_init
 
 
@@ -129,22 +131,48 @@ class Seq2Seq(nn.Module):
         if not 0 < max_new < config.max_len:
             raise ValueError(f"max_new_tokens must be in [1, {config.max_len - 1}], got {max_new}")
         memory, padding = self.encode(src)
-        memory = memory.repeat_interleave(beam_size, dim=0)
-        padding = padding.repeat_interleave(beam_size, dim=0)
-        cache = DecoderCache(
-            config.n_decoder_layer, memory.shape[0], config.n_head, max_new + 1,
-            config.d_model // config.n_head, dtype=memory.dtype, device=memory.device,
-            cache_memory=cache_memory,
-        )  # fmt: skip
-
-        def step(tokens: Tensor) -> Tensor:
-            return self.decode(tokens, memory, padding, cache)[:, -1]
-
+        decoder = Seq2SeqDecoder(self, memory.repeat_interleave(beam_size, dim=0),
+                                 padding.repeat_interleave(beam_size, dim=0), cache_memory)
+        cache = decoder.make_caches(src.shape[0] * beam_size, max_new + 1)
         start = torch.full((src.shape[0], 1), config.bos_id, device=src.device)
         if beam_size == 1:
-            return greedy_search(step, start, config.eos_id, max_new)
-        return beam_search(step, cache.reorder, start, config.eos_id, max_new, beam_size,
+            return greedy_search(decoder, cache, start, config.eos_id, max_new)
+        return beam_search(decoder, cache, start, config.eos_id, max_new, beam_size,
                            length_penalty)  # fmt: skip
+
+
+class Seq2SeqDecoder:
+    """The decoder over one encoded batch, memory (B, S, d) with its key padding
+    (B, S): a Decoder (mhsa.models.decoder). cache_memory=False projects the
+    cross-attention keys/values at every step."""
+
+    def __init__(self, model: Seq2Seq, memory: Tensor, padding: Tensor,
+                 cache_memory: bool = True) -> None:  # fmt: skip
+        self.model, self.memory, self.padding = model, memory, padding
+        self.cache_memory = cache_memory
+
+    @property
+    def cache_layout(self) -> CacheLayout:
+        config = self.model.config
+        return CacheLayout(config.n_decoder_layer, config.n_head, config.d_model // config.n_head,
+                           self.memory.dtype, self.memory.device)  # fmt: skip
+
+    def make_caches(self, batch: int, max_len: int) -> DecoderCache:
+        layout = self.cache_layout
+        return DecoderCache(layout.num_layers, batch, layout.num_kv_heads, max_len,
+                            layout.head_dim, dtype=layout.dtype, device=layout.device,
+                            cache_memory=self.cache_memory)  # fmt: skip
+
+    def prefill(self, tokens: Tensor, caches: DecoderCache | None, *,
+                start: Tensor | None = None) -> Tensor:  # fmt: skip
+        """Target tokens (B, T) -> logits (B, tgt_vocab) of the last; never left-padded."""
+        if start is not None:
+            raise ValueError("target prefixes are never left-padded: pass start=None")
+        return self.model.decode(tokens, self.memory, self.padding, caches)[:, -1]
+
+    def step(self, tokens: Tensor, caches: DecoderCache) -> Tensor:
+        """tokens (B, 1) -> logits (B, tgt_vocab)."""
+        return self.model.decode(tokens, self.memory, self.padding, caches)[:, -1]
 
 
 def _check_ids(name: str, ids: Tensor, vocab: int, max_len: int) -> None:

@@ -35,9 +35,9 @@ from ..nn import (
 )
 from ..nn.layout import decoding_layout
 from ..positional import LearnedPositionalEmbedding
-from ..search import greedy_search
 from ..validate import int_at_least
-from .decoding import compiled_once, static_caches
+from .decoder import CacheLayout
+from .decoding import compiled_once, greedy_search, static_caches
 
 
 @dataclass
@@ -189,31 +189,13 @@ class Whisper(nn.Module):
                 f"max_new_tokens must be in [1, {config.n_text_ctx - prompt_len}] (n_text_ctx "
                 f"minus the prompt), got {max_new}"
             )
-        memory = self.encode(mel)
-        batch = memory.shape[0]
-        cache = self.make_cache(batch, prompt_len + max_new, cache_memory=reuse_memory)
-        step_logits: list[Tensor] = []
-
-        compiled = None
-
-        def step(tokens: Tensor) -> Tensor:
-            nonlocal compiled
-            first = cache.length == 0  # the call that takes the prompt
-            if compiled is not None:
-                logits = compiled(tokens)[:, -1]
-            else:
-                logits = self.logits(tokens, memory, cache)[:, -1]  # (B, n_vocab)
-                if compile:  # the prompt is in: the later steps run compiled
-                    steps = cache.to_static(static_caches(cache.self_attn))
-                    compiled = compiled_once(self, _logits_step,
-                                             lambda t: (self, t, memory, steps))  # fmt: skip
-            if return_logits:
-                step_logits.append(logits)
-            return self.suppress(logits, first=first)
-
-        prompt = torch.tensor(config.prompt, device=memory.device).expand(batch, -1)
-        ids = greedy_search(step, prompt, config.eot_id, max_new)
-        return (ids, torch.stack(step_logits, dim=1)) if return_logits else ids
+        decoder = WhisperTextDecoder(self, self.encode(mel), cache_memory=reuse_memory,
+                                     compile=compile, record=return_logits)  # fmt: skip
+        batch = decoder.memory.shape[0]
+        cache = decoder.make_caches(batch, prompt_len + max_new)
+        prompt = torch.tensor(config.prompt, device=decoder.memory.device).expand(batch, -1)
+        ids = greedy_search(decoder, cache, prompt, config.eot_id, max_new)
+        return (ids, torch.stack(decoder.seen, dim=1)) if return_logits else ids
 
     def decode(self, ids: list[int]) -> str:
         """Text of token ids (special tokens skipped), by the checkpoint's tokenizer.json."""
@@ -356,6 +338,57 @@ CT2_NAMES = NameTable(  # our names <-> a CTranslate2 WhisperSpec's; q|k|v and k
     # flags and head counts (encoder/num_heads...); the output head is the tied embedding
     ignore=("encoder/{any}", "decoder/{any}", "decoder/projection/weight"),
 )  # fmt: skip
+
+
+class WhisperTextDecoder:
+    """Whisper's text decoder over one encoder output, memory (B, S, d): a Decoder
+    (mhsa.models.decoder) whose logits have the suppressed tokens at -inf (the
+    begin-suppressed ones too after the prompt). cache_memory=False projects the
+    cross-attention keys/values at every step; compile runs the steps after the prompt
+    through one compiled decoder step over StaticKVCaches; record keeps every call's
+    raw logits (B, n_vocab) in `seen`."""
+
+    def __init__(self, model: Whisper, memory: Tensor, *, cache_memory: bool = True,
+                 compile: bool = False, record: bool = False) -> None:  # fmt: skip
+        self.model, self.memory = model, memory
+        self.cache_memory, self.compile, self.record = cache_memory, compile, record
+        self.seen: list[Tensor] = []
+        self._compiled = None
+
+    @property
+    def cache_layout(self) -> CacheLayout:
+        config, param = self.model.config, self.model.token_embedding.weight
+        return CacheLayout(config.n_text_layer, config.n_head, config.d_model // config.n_head,
+                           param.dtype, param.device)  # fmt: skip
+
+    def make_caches(self, batch: int, max_len: int) -> DecoderCache:
+        return self.model.make_cache(batch, max_len, cache_memory=self.cache_memory)
+
+    def prefill(self, tokens: Tensor, caches: DecoderCache | None, *,
+                start: Tensor | None = None) -> Tensor:  # fmt: skip
+        """The prompt tokens (B, T) -> logits (B, n_vocab); prompts are never padded."""
+        if start is not None:
+            raise ValueError("Whisper's prompts are never left-padded: pass start=None")
+        logits = self.model.logits(tokens, self.memory, caches)[:, -1]
+        if self.compile and caches is not None:  # the prompt is in: the steps run compiled
+            model, memory = self.model, self.memory
+            steps = caches.to_static(static_caches(caches.self_attn))
+            self._compiled = compiled_once(model, _logits_step,
+                                           lambda t: (model, t, memory, steps))  # fmt: skip
+        return self._seen(logits, first=True)
+
+    def step(self, tokens: Tensor, caches: DecoderCache) -> Tensor:
+        """tokens (B, 1) -> logits (B, n_vocab)."""
+        if self._compiled is not None:
+            logits = self._compiled(tokens)[:, -1]
+        else:
+            logits = self.model.logits(tokens, self.memory, caches)[:, -1]
+        return self._seen(logits, first=False)
+
+    def _seen(self, logits: Tensor, first: bool) -> Tensor:
+        if self.record:
+            self.seen.append(logits)
+        return self.model.suppress(logits, first=first)
 
 
 def _logits_step(model: Whisper, tokens: Tensor, memory: Tensor, cache: DecoderCache) -> Tensor:

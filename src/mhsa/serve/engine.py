@@ -1,13 +1,10 @@
-"""Continuous batching over a PagedKVCache: requests join between decoding steps and
-leave when done, as vLLM schedules them.
+"""Continuous batching over a PagedKVCache, as vLLM serves: requests join between
+decoding steps and leave when done.
 
-Each step runs one forward pass for every running sequence's next token (decode) and
-at most one chunk of one waiting prompt (prefill), so a long prompt is prefilled a
-chunk per step while the others keep decoding. A request is admitted only when the
-pool can hold its prompt and all its new tokens on top of what the running requests
-may still take, so no running request ever finds the pool full: one that does not fit
-waits (first come, first served), none is dropped. Prompts that start alike share the
-cached blocks of their common start (PagedKVCache's prefix cache).
+The Engine composes a Scheduler (mhsa.serve.scheduler: which requests run and which
+tokens each feeds, no tensors) and a Runner (mhsa.serve.runner: the forward passes and
+each next token), and adds what a server needs around them: a lock, the callbacks, a
+thread that steps while there is work, and the cache's statistics.
 
 The model runs outside the engine's lock, so submit and cancel return at once from any
 thread while a step computes.
@@ -16,65 +13,33 @@ thread while a step computes.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from ..cache import PagedKVCache
-from ..models.decoding import check_sampling, sample
+from ..models.sampling import Choice, check_sampling
+from .runner import Runner
+from .scheduler import OnToken, Request, Scheduler
+
+__all__ = ["Engine", "Request"]
 
 log = logging.getLogger(__name__)
 
-OnToken = Callable[["Request", "int | None"], None]
-
-
-@dataclass(eq=False)
-class Request:
-    """One generation request (Engine.submit makes it). on_token(request, token) is
-    called from the engine's thread for every new token, then with None once
-    finish_reason is set: "stop" (a stop token, not in output), "length" (max_tokens),
-    "cancelled" or "error"."""
-
-    id: int
-    prompt: list[int]
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float | None = None
-    generator: torch.Generator | None = None
-    on_token: OnToken | None = None
-    output: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    cached_tokens: int = 0  # prompt tokens found in the prefix cache
-    submitted: float = field(default_factory=time.perf_counter)
-    first_token_at: float | None = None
-    token_times: list[float] = field(default_factory=list)
-    # scheduler state
-    seq: int | None = None  # the cache's sequence id once admitted
-    prefilled: int = 0  # prompt tokens in the cache
-    next_token: int | None = None  # sampled, to be fed by the next decoding step
-    cancelled: bool = False
-    worst_blocks: int = 0  # blocks it holds at its longest
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
-
 
 class Engine:
-    """Serves generation requests for one Llama or GPT model over a PagedKVCache of
-    num_blocks blocks of block_size tokens. context_length bounds prompt + new tokens;
-    max_batch the requests running at once; prefill_chunk the prompt tokens computed
-    per step."""
+    """Serves generation requests for one Llama or GPT model (a Decoder) over a
+    PagedKVCache of num_blocks blocks of block_size tokens. context_length bounds
+    prompt + new tokens; max_batch the requests running at once; prefill_chunk the
+    prompt tokens computed per step; admission "reserve" or "optimistic" (preempting
+    when blocks run out; see mhsa.serve.scheduler)."""
 
     def __init__(self, model: nn.Module, *, context_length: int, num_blocks: int,
                  block_size: int = 16, max_batch: int = 16, prefill_chunk: int = 128,
-                 stop_ids: Sequence[int] = ()) -> None:  # fmt: skip
+                 stop_ids: Sequence[int] = (), admission: str = "reserve") -> None:  # fmt: skip
         for name, value in (("context_length", context_length), ("max_batch", max_batch),
                             ("prefill_chunk", prefill_chunk)):  # fmt: skip
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -83,19 +48,18 @@ class Engine:
         if context_length > config.max_len:
             raise ValueError(f"context_length {context_length} exceeds the model's max_len "
                              f"{config.max_len}")  # fmt: skip
-        weight = next(p for p in model.parameters() if p.is_floating_point())
-        head_dim = getattr(config, "head_width", None) or config.d_model // config.n_head
-        self.cache = PagedKVCache(len(model.layers if hasattr(model, "layers") else model.blocks),
-                                  config.n_kv_head or config.n_head, head_dim,
+        layout = model.cache_layout
+        self.cache = PagedKVCache(layout.num_layers, layout.num_kv_heads, layout.head_dim,
                                   num_blocks=num_blocks, block_size=block_size,
-                                  dtype=weight.dtype, device=weight.device)  # fmt: skip
+                                  dtype=layout.dtype, device=layout.device)  # fmt: skip
         self.model = model.eval()
-        self.device = weight.device
+        self.device = layout.device
         self.context_length, self.max_batch = context_length, max_batch
         self.prefill_chunk, self.stop_ids = prefill_chunk, frozenset(stop_ids)
+        self.scheduler = Scheduler(self.cache, max_batch=max_batch, prefill_chunk=prefill_chunk,
+                                   admission=admission)  # fmt: skip
+        self.runner = Runner(self.model, self.cache, sorted(self.stop_ids))
         self._lock = threading.Condition()
-        self._waiting: deque[Request] = deque()
-        self._running: list[Request] = []
         self._next_id = 0
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -121,55 +85,70 @@ class Engine:
         if len(prompt) + max_tokens > self.context_length:
             raise ValueError(f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) "
                              f"exceeds the context length {self.context_length}")  # fmt: skip
-        worst = math.ceil((len(prompt) + max_tokens) / self.cache.block_size)
-        if worst > self.cache.num_blocks:
-            raise ValueError(f"the request needs {worst} cache blocks, the pool has "
-                             f"{self.cache.num_blocks}: shorten it or serve with more "
-                             "blocks")  # fmt: skip
-        generator = None
-        if temperature > 0:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(seed if seed is not None else int(torch.randint(2**62, ())))
         with self._lock:
             request = Request(self._next_id, prompt, max_tokens, float(temperature), top_p,
-                              generator, on_token, worst_blocks=worst)  # fmt: skip
+                              on_token)  # fmt: skip
+            self.scheduler.add(request)  # (raises when the pool can never hold it)
+            self.runner.add(request, seed)
             self._next_id += 1
-            self._waiting.append(request)
             self._lock.notify_all()
         return request
 
     def cancel(self, request: Request) -> None:
         """End request ("cancelled"); its blocks are freed at the next step."""
         with self._lock:
-            if not request.done:
-                request.cancelled = True
-                self._lock.notify_all()
+            self.scheduler.cancel(request)
+            self._lock.notify_all()
 
     @property
     def idle(self) -> bool:
         with self._lock:
-            return not self._waiting and not self._running
+            return self.scheduler.idle
 
-    # -- the scheduler --
+    # -- one step --
 
     def step(self) -> bool:
-        """One scheduling step: end cancelled requests, admit waiting ones, then one
-        decoding pass and one prefill chunk. False when there was nothing to do."""
+        """One step: the scheduler's plan (cancelled requests end, waiting ones are
+        admitted), then the runner's decoding pass and prefill chunk, each pass's
+        tokens handed out as it ends. False when there was nothing to do."""
         with self._lock:
-            self._end_cancelled()
-            self._admit()
-            decoding = [r for r in self._running if r.next_token is not None]
-            prefilling = next((r for r in self._running if r.prefilled < len(r.prompt)), None)
-            self._in_step = decoding + [prefilling] * (prefilling is not None)
-        if not decoding and prefilling is None:
+            plan = self.scheduler.schedule()
+            for request in plan.ended:
+                self._ended(request)
+            self._in_step = plan.requests
+        if plan.empty:
             return False
         with torch.inference_mode():
-            if decoding:
-                self._decode(decoding)
-            if prefilling is not None:
-                self._prefill(prefilling)
+            for chosen in self.runner.run(plan):
+                self._emit(chosen)
         self._note_peaks(self._in_step)
         return True
+
+    def _emit(self, chosen: list[tuple[Request, Choice]]) -> None:
+        """Hand out each request's new token, and end the requests that stop or reach
+        max_tokens."""
+        now = time.perf_counter()
+        for request, choice in chosen:
+            if choice.stopped is not None and bool(choice.stopped[0]):
+                self._finish(request, "stop")
+                continue
+            token = int(choice.tokens[0])
+            request.output.append(token)
+            request.token_times.append(now)
+            request.first_token_at = request.first_token_at or now
+            _call(request, token)
+            if choice.last:
+                self._finish(request, "length")
+
+    def _finish(self, request: Request, reason: str) -> None:
+        with self._lock:
+            if self.scheduler.finish(request, reason):
+                self._ended(request)
+
+    def _ended(self, request: Request) -> None:
+        """(under the lock) A request ended: forget it and say so."""
+        self.runner.drop(request)
+        _call(request, None)
 
     def _note_peaks(self, requests: list[Request]) -> None:
         peak = self._peak
@@ -187,7 +166,7 @@ class Engine:
         block_bytes *= cache.num_layers
         token_bytes = block_bytes // cache.block_size
         with self._lock:
-            waiting, running = len(self._waiting), len(self._running)
+            waiting, running = len(self.scheduler.waiting), len(self.scheduler.running)
         return {"num_blocks": cache.num_blocks, "block_size": cache.block_size,
                 "block_bytes": block_bytes, "used_blocks": cache.used_blocks,
                 "waiting": waiting, "running": running,
@@ -196,78 +175,6 @@ class Engine:
                 "longest_request": peak["longest_request"],
                 "contiguous_bytes": peak["longest_request"] * token_bytes
                 * peak["running"]}  # fmt: skip
-
-    def _end_cancelled(self) -> None:
-        for request in [r for r in self._running if r.cancelled]:
-            self._finish(request, "cancelled")
-        for request in [r for r in self._waiting if r.cancelled]:
-            self._waiting.remove(request)
-            self._finish(request, "cancelled")
-
-    def _outstanding(self) -> int:
-        """Blocks the running requests may still allocate."""
-        return sum(max(r.worst_blocks - len(self.cache.block_table(r.seq)), 0)
-                   for r in self._running)  # fmt: skip
-
-    def _admit(self) -> None:
-        while self._waiting and len(self._running) < self.max_batch:
-            request = self._waiting[0]
-            if self.cache.free_blocks - self._outstanding() < request.worst_blocks:
-                return  # the pool is spoken for: wait for a running request to end
-            self._waiting.popleft()
-            request.seq = self.cache.add_sequence(request.prompt)
-            request.prefilled = request.cached_tokens = self.cache.length(request.seq)
-            self._running.append(request)
-
-    def _prefill(self, request: Request) -> None:
-        """One chunk of request's prompt; its first token once the prompt is in."""
-        chunk = request.prompt[request.prefilled : request.prefilled + self.prefill_chunk]
-        caches = self.cache.batch([request.seq], len(chunk))
-        logits = self.model(self._tensor([chunk]), caches=caches, last=True)[:, -1]
-        request.prefilled += len(chunk)
-        if request.prefilled == len(request.prompt):
-            self._emit([request], logits)
-
-    def _decode(self, requests: list[Request]) -> None:
-        """Each request's next token, all in one forward pass."""
-        tokens = self._tensor([[r.next_token] for r in requests])
-        caches = self.cache.batch([r.seq for r in requests], 1)
-        self._emit(requests, self.model(tokens, caches=caches, last=True)[:, -1])
-
-    def _emit(self, requests: list[Request], logits: Tensor) -> None:
-        """Sample each request's token from its logits row (N, V), hand it out, and end
-        the requests that stop or reach max_tokens."""
-        greedy = logits.argmax(dim=-1).tolist()
-        now = time.perf_counter()
-        for i, request in enumerate(requests):
-            token = greedy[i]
-            if request.temperature > 0:
-                token = int(sample(logits[i : i + 1].float(), temperature=request.temperature,
-                                   top_p=request.top_p, generator=request.generator))  # fmt: skip
-            if token in self.stop_ids:
-                request.next_token = None
-                with self._lock:
-                    self._finish(request, "stop")
-                continue
-            request.output.append(token)
-            request.token_times.append(now)
-            request.first_token_at = request.first_token_at or now
-            request.next_token = token
-            _call(request, token)
-            if len(request.output) == request.max_tokens:
-                request.next_token = None
-                with self._lock:
-                    self._finish(request, "length")
-
-    def _finish(self, request: Request, reason: str) -> None:
-        """(under the lock) End request: free its blocks and say so."""
-        if request.done:
-            return
-        if request in self._running:
-            self._running.remove(request)
-            self.cache.free(request.seq)
-        request.finish_reason, request.next_token = reason, None
-        _call(request, None)
 
     # -- running it --
 
@@ -283,19 +190,20 @@ class Engine:
         """End the thread; waiting and running requests are cancelled."""
         with self._lock:
             self._stopping = True
-            for request in [*self._running, *self._waiting]:
-                request.cancelled = True
+            for request in [*self.scheduler.running, *self.scheduler.waiting]:
+                self.scheduler.cancel(request)
             self._lock.notify_all()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
         with self._lock:
-            self._end_cancelled()
+            for request in self.scheduler.end_cancelled():
+                self._ended(request)
 
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not self._stopping and not self._waiting and not self._running:
+                while not self._stopping and self.scheduler.idle:
                     self._lock.wait()
                 if self._stopping:
                     return
@@ -303,9 +211,8 @@ class Engine:
                 self.step()
             except Exception:  # a failed step ends its requests, not the server
                 log.exception("engine step failed")
-                with self._lock:
-                    for request in self._in_step:
-                        self._finish(request, "error")
+                for request in self._in_step:
+                    self._finish(request, "error")
 
     def run(self, prompts: Sequence[Sequence[int]],
             max_tokens: int | Sequence[int]) -> list[list[int]]:  # fmt: skip
@@ -316,9 +223,6 @@ class Engine:
             if not self.step():
                 raise RuntimeError("the engine went idle before its requests finished")
         return [r.output for r in requests]
-
-    def _tensor(self, rows: list[list[int]]) -> Tensor:
-        return torch.tensor(rows, dtype=torch.long, device=self.device)
 
 
 def _call(request: Request, token: int | None) -> None:

@@ -75,9 +75,11 @@ class ServedModel:
 
 def make_engine(model: nn.Module, *, num_blocks: int = 512, block_size: int = 16,
                 context_length: int | None = None, max_batch: int = 16,
-                prefill_chunk: int = 128, stop_ids: Any = ()) -> Engine:  # fmt: skip
+                prefill_chunk: int = 128, stop_ids: Any = (),
+                admission: str = "reserve") -> Engine:  # fmt: skip
     """An Engine for model whose context (default: the model's max_len, at most what the
-    pool holds) always fits the pool, so no request is refused for the pool's size."""
+    pool holds) always fits the pool, so no request is refused for the pool's size;
+    admission: see mhsa.serve.scheduler."""
     pool = num_blocks * block_size
     if context_length is None:
         context_length = min(model.config.max_len, pool)
@@ -87,7 +89,7 @@ def make_engine(model: nn.Module, *, num_blocks: int = 512, block_size: int = 16
                          "num_blocks or lower context_length")  # fmt: skip
     return Engine(model, context_length=context_length, num_blocks=num_blocks,
                   block_size=block_size, max_batch=max_batch, prefill_chunk=prefill_chunk,
-                  stop_ids=stop_ids)  # fmt: skip
+                  stop_ids=stop_ids, admission=admission)  # fmt: skip
 
 
 class ByteStream:

@@ -1,52 +1,26 @@
-"""Decoding searches for autoregressive decoders: greedy and beam search.
+"""Beam search for autoregressive decoders: keep the beam_size best prefixes of each
+sequence, ranked by log-probability.
 
-Both drive a `step` function that takes the newest tokens (rows, T) - the whole
-prefix on the first call, then one token per row - and returns next-token logits
-(rows, vocab); the step function keeps its own KV cache. Beam search also calls
-`reorder(index)` so the cache follows the beams that survive each step.
+The decoder is a Decoder (mhsa.models.decoder): prefill(start, caches) takes the
+prefixes, step(tokens, caches) one token per row, both returning next-token logits
+(rows, vocab); caches.reorder(index) makes the caches follow the beams that survive
+each step. A hypothesis ends at a stop token (mhsa.models.sampling's StopRule).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor
 
-Step = Callable[[Tensor], Tensor]
-
-
-def _check(start: Tensor, max_new_tokens: int) -> None:
-    if start.dim() != 2 or start.shape[1] == 0:
-        raise ValueError(f"start must be (batch, prefix_len >= 1) tokens, got {tuple(start.shape)}")
-    if max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
-
-
-@torch.no_grad()
-def greedy_search(step: Step, start: Tensor, eos: int, max_new_tokens: int) -> list[list[int]]:
-    """Most likely token at every step. start (B, T0) -> B token lists (no prefix,
-    no eos); a row stops at eos or after max_new_tokens."""
-    _check(start, max_new_tokens)
-    outputs: list[list[int]] = [[] for _ in range(start.shape[0])]
-    done = torch.zeros(start.shape[0], dtype=torch.bool)
-    tokens = start
-    for _ in range(max_new_tokens):
-        best = step(tokens).argmax(-1).cpu()
-        for row in (~done).nonzero().flatten().tolist():
-            if best[row] != eos:
-                outputs[row].append(int(best[row]))
-        done |= best == eos
-        if done.all():
-            break
-        tokens = best.view(-1, 1).to(start.device)
-    return outputs
+from .decoder import Decoder
+from .decoding import check_search
+from .sampling import StopRule
 
 
 @torch.no_grad()
 def beam_search(
-    step: Step,
-    reorder: Callable[[Tensor], None],
+    decoder: Decoder,
+    caches: object,
     start: Tensor,
     eos: int,
     max_new_tokens: int,
@@ -56,21 +30,22 @@ def beam_search(
     """Keep the beam_size best prefixes per sequence; return each sequence's best
     finished hypothesis (no prefix, no eos), ranked by log-prob / length**length_penalty.
 
-    start (B, T0). The step function must already serve B * beam_size rows, row
-    b * beam_size + j being beam j of sequence b (e.g. the encoder output repeated
+    start (B, T0). The decoder and its caches must already serve B * beam_size rows,
+    row b * beam_size + j being beam j of sequence b (e.g. the encoder output repeated
     beam_size times); all beams start equal, so the first step expands beam 0 only.
     """
-    _check(start, max_new_tokens)
+    check_search(start, max_new_tokens)
     if beam_size <= 0:
         raise ValueError(f"beam_size must be positive, got {beam_size}")
+    stop = StopRule((eos,), max_new_tokens)
     batch, k = start.shape[0], beam_size
     scores = torch.full((batch, k), -torch.inf)
     scores[:, 0] = 0.0
     beams: list[list[int]] = [[] for _ in range(batch * k)]  # tokens after the prefix
     finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(batch)]
-    tokens = start.repeat_interleave(k, dim=0)
+    logits = decoder.prefill(start.repeat_interleave(k, dim=0), caches)
     for length in range(1, max_new_tokens + 1):
-        log_probs = torch.log_softmax(step(tokens).float(), dim=-1).cpu()
+        log_probs = torch.log_softmax(logits.float(), dim=-1).cpu()
         vocab = log_probs.shape[-1]
         candidates = (scores.unsqueeze(-1) + log_probs.view(batch, k, vocab)).view(batch, -1)
         top_scores, top_index = candidates.topk(2 * k, dim=-1)
@@ -82,7 +57,7 @@ def beam_search(
                 source, token = b * k + index // vocab, index % vocab
                 if score == -torch.inf or alive == k:
                     break
-                if token == eos:
+                if stop.ends(token):
                     finished[b].append((score / length**length_penalty, beams[source]))
                     continue
                 keep[b, alive], next_tokens[b, alive] = source, token
@@ -96,8 +71,10 @@ def beam_search(
         index = keep.flatten()
         chosen = zip(index.tolist(), next_tokens.flatten().tolist(), strict=True)
         beams = [beams[i] + [token] for i, token in chosen]
-        reorder(index.to(start.device))
-        tokens = next_tokens.view(-1, 1).to(start.device)
+        if stop.is_last(length - 1):  # the beams have max_new_tokens tokens
+            break
+        caches.reorder(index.to(start.device))
+        logits = decoder.step(next_tokens.view(-1, 1).to(start.device), caches)
     results = []
     for b in range(batch):
         if not finished[b]:  # nothing ended within max_new_tokens: take the best beam

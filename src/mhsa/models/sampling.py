@@ -1,0 +1,126 @@
+"""The next token and whether a sequence ends: the one decision every decoding loop
+makes (generate, chat, greedy and beam search, the server's runner).
+
+    Sampling(temperature, top_k, top_p)      how a token is chosen (temperature 0: greedy)
+    StopRule(stop_tokens, max_tokens)        when a sequence ends
+    sample_and_stop(logits, sampling, stop, generated=n)   -> Choice(tokens, stopped, last)
+    sample(logits, temperature=..., ...)     the token choice alone
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Greedy at temperature 0, else sampled from the softmax at that temperature,
+    restricted to the top_k tokens and/or the smallest set whose probability reaches
+    top_p (None: no restriction)."""
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self) -> None:
+        check_sampling(self.temperature, self.top_k, self.top_p)
+
+
+class StopRule:
+    """A sequence ends when its next token is one of stop_tokens (whether that token
+    is output is the caller's choice) or when that token is its max_tokens-th new one
+    (None: no limit). The first stop token is the one that fills ended rows."""
+
+    def __init__(self, stop_tokens: Sequence[int] = (), max_tokens: int | None = None) -> None:
+        self.stop_tokens = tuple(stop_tokens)
+        self.max_tokens = max_tokens
+        self._on: dict[torch.device, Tensor] = {}  # the stop tokens, per device
+
+    def stopped(self, tokens: Tensor) -> Tensor | None:
+        """tokens (...) -> bool (...), True at stop tokens; None when the rule has none."""
+        if not self.stop_tokens:
+            return None
+        if tokens.device not in self._on:  # made once per device
+            self._on[tokens.device] = torch.tensor(self.stop_tokens, device=tokens.device)
+        return torch.isin(tokens, self._on[tokens.device])
+
+    def ends(self, token: int) -> bool:
+        """Whether one token (a Python int) is a stop token."""
+        return token in self.stop_tokens
+
+    def is_last(self, generated: int) -> bool:
+        """Whether the next token, after `generated` new ones, is the last allowed."""
+        return self.max_tokens is not None and generated + 1 >= self.max_tokens
+
+    def __repr__(self) -> str:
+        return f"StopRule(stop_tokens={self.stop_tokens}, max_tokens={self.max_tokens})"
+
+
+@dataclass
+class Choice:
+    """One decoding step's decision for B sequences: tokens (B,); stopped (B,) bool,
+    True where the token is a stop token (None when the rule has none); last: the
+    tokens are the max_tokens-th, so every sequence ends after them."""
+
+    tokens: Tensor
+    stopped: Tensor | None
+    last: bool
+
+
+def sample_and_stop(
+    logits: Tensor,
+    sampling: Sampling,
+    stop: StopRule,
+    *,
+    generated: int,
+    generator: torch.Generator | None = None,
+) -> Choice:
+    """The next tokens from logits (B, V) and whether they end their sequences, each
+    of which has `generated` new tokens before this one."""
+    tokens = sample(logits, temperature=sampling.temperature, top_k=sampling.top_k,
+                    top_p=sampling.top_p, generator=generator)  # fmt: skip
+    return Choice(tokens, stop.stopped(tokens), stop.is_last(generated))
+
+
+def sample(
+    logits: Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Next tokens (B,) from logits (B, V): greedy at temperature 0, else sampled
+    from the softmax at that temperature, restricted to the top_k tokens and/or the
+    smallest set whose probability reaches top_p."""
+    check_sampling(temperature, top_k, top_p)
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, -torch.inf)
+    if top_p is not None:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p  # keep the first
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), -torch.inf)
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """Raise ValueError for sampling settings that select nothing or mean nothing."""
+    if not temperature >= 0:  # also catches nan
+        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be an int >= 1, or None for no limit; got {top_k!r}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], or None for no limit; got {top_p!r}")
+
+
+GREEDY = Sampling(temperature=0.0)

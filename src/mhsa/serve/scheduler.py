@@ -1,0 +1,255 @@
+"""The scheduler of continuous batching (vLLM's): each step it decides which requests
+run and which tokens each feeds the model. It holds no tensors: the Runner executes
+its plans, and the pool it counts blocks in is a PagedKVCache's bookkeeping.
+
+A step decodes one token for every running request that has generated one, and feeds
+at most one chunk of one other request's context (prefill), so a long prompt is
+prefilled a chunk per step while the others keep decoding. Requests are admitted first
+come, first served, at most max_batch at once, by one of two rules:
+
+- "reserve" (the default): only when the pool can hold the request's prompt and all
+  its new tokens on top of what the running requests may still take, so no running
+  request ever finds the pool full (one that does not fit waits; none is dropped);
+- "optimistic": when the pool's free blocks hold its context now. A step that needs
+  more blocks than are free preempts the newest running request: it gives back its
+  blocks and waits at the head of the queue, to be prefilled again from its prompt and
+  the tokens it generated (recompute), and then carries on where it stopped.
+
+Cancelled requests end at the next step. Prompts that start alike share the cached
+blocks of their common start (the pool's prefix cache).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+ADMISSION = ("reserve", "optimistic")
+
+
+class BlockPool(Protocol):
+    """The block bookkeeping the scheduler reads and changes (PagedKVCache's)."""
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def free_blocks(self) -> int: ...
+
+    def add_sequence(self, tokens: Sequence[int]) -> int:
+        """Register a sequence; its leading cached blocks count in length(id)."""
+        ...
+
+    def length(self, seq_id: int) -> int: ...
+
+    def block_table(self, seq_id: int) -> list[int]: ...
+
+    def blocks_needed(self, seq_id: int, new_tokens: int) -> int: ...
+
+    def free(self, seq_id: int) -> None: ...
+
+
+OnToken = Callable[["Request", "int | None"], None]
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request (Engine.submit makes it). on_token(request, token) is
+    called from the engine's thread for every new token, then with None once
+    finish_reason is set: "stop" (a stop token, not in output), "length" (max_tokens),
+    "cancelled" or "error"."""
+
+    id: int
+    prompt: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float | None = None
+    on_token: OnToken | None = None
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
+    submitted: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    # the scheduler's state
+    seq: int | None = None  # the pool's sequence id while admitted
+    computed: int = 0  # tokens of the context (prompt + output) in the pool
+    cancelled: bool = False
+    worst_blocks: int = 0  # blocks it holds at its longest
+    preemptions: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def context_length(self) -> int:
+        """Prompt and output tokens: what the pool holds once the request catches up."""
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def decoding(self) -> bool:
+        """It has generated a token, and that token is all the pool lacks."""
+        return bool(self.output) and self.context_length - self.computed == 1
+
+    def context(self, start: int, stop: int) -> list[int]:
+        """Tokens start..stop-1 of prompt + output."""
+        if stop <= len(self.prompt):
+            return self.prompt[start:stop]
+        return (self.prompt + self.output)[start:stop]
+
+
+@dataclass
+class Chunk:
+    """Tokens of one request fed in a step; samples: they end its context, so the
+    last one's logits give its next token."""
+
+    request: Request
+    tokens: list[int]
+    samples: bool
+
+
+@dataclass
+class Plan:
+    """One step: a one-token chunk for each decoding request (one forward pass), at
+    most one prefill chunk (another), and the requests this scheduling ended
+    (cancelled) or preempted."""
+
+    decode: list[Chunk] = field(default_factory=list)
+    prefill: Chunk | None = None
+    ended: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def requests(self) -> list[Request]:
+        """The requests that run in this step."""
+        chunks = self.decode + ([self.prefill] if self.prefill is not None else [])
+        return [chunk.request for chunk in chunks]
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and self.prefill is None
+
+
+class Scheduler:
+    """Decides each step's Plan over a BlockPool (see the module docstring); max_batch
+    requests run at once, prefill_chunk tokens of a context are fed per step."""
+
+    def __init__(self, pool: BlockPool, *, max_batch: int, prefill_chunk: int,
+                 admission: str = "reserve") -> None:  # fmt: skip
+        for name, value in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if admission not in ADMISSION:
+            raise ValueError(f"admission must be one of {ADMISSION}, got {admission!r}")
+        self.pool, self.max_batch, self.prefill_chunk = pool, max_batch, prefill_chunk
+        self.admission = admission
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def worst_blocks(self, tokens: int) -> int:
+        """Blocks a request of this many tokens (prompt + max_tokens) holds at its longest."""
+        return math.ceil(tokens / self.pool.block_size)
+
+    def add(self, request: Request) -> None:
+        """Queue a request (its worst_blocks set); it runs once admitted."""
+        request.worst_blocks = self.worst_blocks(len(request.prompt) + request.max_tokens)
+        if request.worst_blocks > self.pool.num_blocks:
+            raise ValueError(f"the request needs {request.worst_blocks} cache blocks, the pool "
+                             f"has {self.pool.num_blocks}: shorten it or serve with more "
+                             "blocks")  # fmt: skip
+        self.waiting.append(request)
+
+    def schedule(self) -> Plan:
+        """End cancelled requests, admit waiting ones, and plan the step; preempt the
+        newest running requests while the step needs more blocks than are free."""
+        plan = Plan(ended=self.end_cancelled())
+        self._admit()
+        while True:
+            decode = [Chunk(r, [r.output[-1]], True) for r in self.running if r.decoding]
+            prefilling = next((r for r in self.running if not r.decoding), None)
+            prefill = None if prefilling is None else self._prefill_chunk(prefilling)
+            chunks = decode + ([prefill] if prefill is not None else [])
+            needed = sum(self.pool.blocks_needed(c.request.seq, len(c.tokens)) for c in chunks)
+            if needed <= self.pool.free_blocks or len(self.running) < 2:
+                break
+            plan.preempted.append(self.preempt(self.running[-1]))
+        plan.decode, plan.prefill = decode, prefill
+        for chunk in chunks:  # the runner writes them into the pool in this step
+            chunk.request.computed += len(chunk.tokens)
+        return plan
+
+    def _prefill_chunk(self, request: Request) -> Chunk:
+        stop = min(request.computed + self.prefill_chunk, request.context_length)
+        return Chunk(request, request.context(request.computed, stop),
+                     stop == request.context_length)  # fmt: skip
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_batch:
+            request = self.waiting[0]
+            if self.pool.free_blocks - self._spoken_for() < self._blocks_to_admit(request):
+                return  # wait for a running request to end (or to run further)
+            self.waiting.popleft()
+            request.seq = self.pool.add_sequence(request.prompt + request.output)
+            request.computed = self.pool.length(request.seq)
+            if not request.preemptions:
+                request.cached_tokens = request.computed
+            self.running.append(request)
+
+    def _spoken_for(self) -> int:
+        """Free blocks the running requests may take first: all they may still grow by
+        ("reserve"), or what their next decoding token takes ("optimistic")."""
+        if self.admission == "reserve":
+            return sum(max(r.worst_blocks - len(self.pool.block_table(r.seq)), 0)
+                       for r in self.running)  # fmt: skip
+        return sum(self.pool.blocks_needed(r.seq, 1) for r in self.running if r.decoding)
+
+    def _blocks_to_admit(self, request: Request) -> int:
+        if self.admission == "reserve":
+            return request.worst_blocks
+        return self.worst_blocks(request.context_length)
+
+    def preempt(self, request: Request) -> Request:
+        """Take a running request off the pool (its blocks given back) to the head of
+        the queue; once admitted again it is prefilled from prompt + output."""
+        self.running.remove(request)
+        self.pool.free(request.seq)
+        request.seq, request.computed = None, 0
+        request.preemptions += 1
+        self.waiting.appendleft(request)
+        return request
+
+    def cancel(self, request: Request) -> None:
+        """Mark request to end ("cancelled") at the next schedule."""
+        if not request.done:
+            request.cancelled = True
+
+    def end_cancelled(self) -> list[Request]:
+        """End every cancelled request (running or waiting); returns them."""
+        ended = [r for r in [*self.running, *self.waiting] if r.cancelled and not r.done]
+        for request in ended:
+            self.finish(request, "cancelled")
+        return ended
+
+    def finish(self, request: Request, reason: str) -> bool:
+        """End request with reason, its blocks given back; False if it had ended."""
+        if request.done:
+            return False
+        if request in self.running:
+            self.running.remove(request)
+            self.pool.free(request.seq)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.finish_reason = reason
+        return True
