@@ -50,21 +50,3 @@ class Decoder(Protocol):
     def step(self, tokens: Tensor, caches: Any) -> Tensor:
         """tokens (B, 1), each sequence's newest token -> logits (B, V)."""
         ...
-
-
-class CausalLMDecoding:
-    """prefill and step for a decoder-only model (GPT, Llama) called as
-    model(tokens, caches=..., start=..., last=True) -> logits (B, 1, V)."""
-
-    def prefill(self, tokens: Tensor, caches: Any, *, start: Tensor | None = None) -> Tensor:
-        """Decoder.prefill: tokens (B, T) -> logits (B, V) of the last position."""
-        if caches is None:
-            return self(tokens, start=start, last=True)[:, -1]
-        if start is not None:
-            for cache in caches:
-                cache.set_padding(start)
-        return self(tokens, caches=caches, last=True)[:, -1]
-
-    def step(self, tokens: Tensor, caches: Any) -> Tensor:
-        """Decoder.step: tokens (B, 1) -> logits (B, V)."""
-        return self(tokens, caches=caches, last=True)[:, -1]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -221,3 +222,55 @@ def check_token_ids(ids: Tensor, vocab_size: int, name: str = "idx") -> None:
         raise ValueError(
             f"{name} holds token id {bad}, outside this model's vocabulary 0..{vocab_size - 1}"
         )
+
+
+class CausalLMDecoding:
+    """prefill and step for a decoder-only model (GPT, Llama) called as
+    model(tokens, caches=..., start=..., last=True) -> logits (B, 1, V)."""
+
+    def prefill(self, tokens: Tensor, caches: Any, *, start: Tensor | None = None) -> Tensor:
+        """Decoder.prefill: tokens (B, T) -> logits (B, V) of the last position."""
+        if caches is None:
+            return self(tokens, start=start, last=True)[:, -1]
+        if start is not None:
+            for cache in caches:
+                cache.set_padding(start)
+        return self(tokens, caches=caches, last=True)[:, -1]
+
+    def step(self, tokens: Tensor, caches: Any) -> Tensor:
+        """Decoder.step: tokens (B, 1) -> logits (B, V)."""
+        return self(tokens, caches=caches, last=True)[:, -1]
+
+    def position_limit(self) -> int | None:
+        """The longest sequence the model can position (None: no limit)."""
+        return None
+
+    def default_stop_tokens(self) -> int | Sequence[int] | None:
+        """The stop tokens generate() uses when it is given none."""
+        return None
+
+    def generate(
+        self,
+        idx: Tensor | list[Tensor],
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_token: int | Sequence[int] | None = None,
+        use_cache: bool = True,
+        generator: torch.Generator | None = None,
+        compile: bool = False,
+    ) -> Tensor | list[Tensor]:
+        """Continue prompts: a (B, T) tensor, or a list of 1-D prompts of any lengths
+        (decoded together, left-padded). temperature 0 is greedy. eos_token: the stop
+        token(s); None uses the model's default_stop_tokens(), [] never stops early.
+        Returns prompts + new tokens in the same form (see generate() in this module;
+        compile: one compiled decoding step)."""
+        stops = self.default_stop_tokens() if eos_token is None else eos_token
+        if stops is not None and not isinstance(stops, int) and len(stops) == 0:
+            stops = None
+        options = {"temperature": temperature, "top_k": top_k, "top_p": top_p,
+                   "use_cache": use_cache, "generator": generator, "compile": compile}
+        return generate(self, idx, max_new_tokens, vocab_size=self.config.vocab_size,
+                        max_len=self.position_limit(), eos_token=stops, **options)

@@ -12,7 +12,7 @@ token attends only the last `window` positions (itself included).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 import torch
@@ -32,8 +32,8 @@ from ..positional import (
     SinusoidalPositionalEncoding,
 )
 from ..validate import int_at_least
-from .decoder import CacheLayout, CausalLMDecoding
-from .decoding import check_sampling, check_token_ids, generate, sample
+from .decoder import CacheLayout
+from .decoding import CausalLMDecoding, check_sampling, check_token_ids, sample
 from .init import normal_init
 
 POSITIONS = ("learned", "sinusoidal", "rotary", "alibi", "t5")
@@ -201,29 +201,9 @@ class GPT(nn.Module, CausalLMDecoding):
                     for _ in self.blocks]  # fmt: skip
         return [KVCache(batch, kv_heads, max_len, head_dim, **options) for _ in self.blocks]
 
-    def generate(
-        self,
-        idx: Tensor | list[Tensor],
-        max_new_tokens: int,
-        *,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        eos_token: int | Sequence[int] | None = None,
-        use_cache: bool = True,
-        generator: torch.Generator | None = None,
-        compile: bool = False,
-    ) -> Tensor | list[Tensor]:
-        """Continue prompts: a (B, T) tensor, or a list of 1-D prompts of any lengths
-        (decoded together, left-padded). temperature 0 is greedy. After eos_token (or
-        any of several stop tokens) a sequence stops growing. Returns prompts + new
-        tokens in the same form (see mhsa.models.decoding.generate; compile: one compiled
-        decoding step)."""
-        max_len = self.config.max_len if self.pos_emb is not None else None
-        return generate(self, idx, max_new_tokens, vocab_size=self.config.vocab_size,
-                        max_len=max_len, temperature=temperature, top_k=top_k, top_p=top_p,
-                        eos_token=eos_token, use_cache=use_cache, generator=generator,
-                        compile=compile)  # fmt: skip
+    def position_limit(self) -> int | None:
+        """Learned positions end at max_len; rotary, ALiBi and T5 positions do not."""
+        return self.config.max_len if self.pos_emb is not None else None
 
     @classmethod
     def from_hf_gpt2(

@@ -32,8 +32,8 @@ from ..nn import GatedFeedForward, MultiHeadAttention, RMSNorm
 from ..nn.layout import decoding_layout
 from ..positional import RotaryEmbedding, rope_frequencies, rope_type
 from ..validate import int_at_least
-from .decoder import CacheLayout, CausalLMDecoding
-from .decoding import check_token_ids, generate
+from .decoder import CacheLayout
+from .decoding import CausalLMDecoding, check_token_ids
 from .init import normal_init
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -280,30 +280,9 @@ class Llama(nn.Module, CausalLMDecoding):
             for i in range(c.n_layer)
         ]
 
-    def generate(
-        self,
-        idx: Tensor | list[Tensor],
-        max_new_tokens: int,
-        *,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        eos_token: int | Sequence[int] | None = None,
-        use_cache: bool = True,
-        generator: torch.Generator | None = None,
-        compile: bool = False,
-    ) -> Tensor | list[Tensor]:
-        """Continue prompts: a (B, T) tensor, or a list of 1-D prompts of any lengths
-        (decoded together, left-padded). temperature 0 is greedy. eos_token: the stop
-        token(s); None uses the config's eos_token, [] never stops early. Returns
-        prompts + new tokens in the same form (see mhsa.models.decoding.generate;
-        compile: one compiled decoding step)."""
-        stops = self.config.eos_token if eos_token is None else eos_token
-        if not isinstance(stops, int) and len(stops) == 0:
-            stops = None
-        return generate(self, idx, max_new_tokens, vocab_size=self.config.vocab_size,
-                        temperature=temperature, top_k=top_k, top_p=top_p, eos_token=stops,
-                        use_cache=use_cache, generator=generator, compile=compile)  # fmt: skip
+    def default_stop_tokens(self) -> int | Sequence[int] | None:
+        """The config's eos_token(s)."""
+        return self.config.eos_token
 
     @classmethod
     def from_hf(
