@@ -3,9 +3,27 @@ imports nothing of mhsa). Checks specific to attention calls are in validate.py.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
 
 def int_at_least(name: str, value: int, low: int, hint: str = "") -> int:
     """value, if it is an int (not a bool) >= low; else ValueError naming `name`."""
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an int >= {low}{hint}, got {value!r}")
     return value
+
+
+def int_list(name: str, value: Tensor | Sequence, shape: str = "") -> list:
+    """A 1-D integer tensor or a sequence as a list (its items unchecked); TypeError
+    naming `name` for a tensor of another dtype or rank. shape: e.g. " (N,)"."""
+    if isinstance(value, Tensor):
+        if value.dim() != 1 or value.is_floating_point() or value.dtype == torch.bool:
+            raise TypeError(
+                f"{name} must be a 1-D integer tensor{shape} or a sequence of ints, "
+                f"got {value.dtype} {tuple(value.shape)}"
+            )
+        return value.tolist()
+    return list(value)

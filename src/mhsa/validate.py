@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from .checks import int_at_least as int_at_least  # re-exported for the layers above
+from .checks import int_list
 from .masks.base import Pattern
 from .masks.patterns import SlidingWindow
 
@@ -229,12 +230,7 @@ def check_paged(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table, seq_lens
 def _seq_lens(seq_lens, batch: int, capacity: int) -> list[int]:
     if seq_lens is None:
         raise ValueError("block_table needs seq_lens: the keys of each sequence (N,)")
-    if isinstance(seq_lens, Tensor):
-        if seq_lens.dim() != 1 or seq_lens.is_floating_point() or seq_lens.dtype == torch.bool:
-            raise TypeError(f"seq_lens must be a 1-D integer tensor (N,), got {seq_lens.dtype} "
-                            f"{tuple(seq_lens.shape)}")  # fmt: skip
-        seq_lens = seq_lens.tolist()
-    seq_lens = list(seq_lens)
+    seq_lens = int_list("seq_lens", seq_lens, " (N,)")
     if len(seq_lens) != batch or set(map(type, seq_lens)) - {int}:  # (bool is no int here)
         raise ValueError(f"seq_lens must hold {batch} ints (one per sequence), got {seq_lens}")
     if seq_lens and (min(seq_lens) < 0 or max(seq_lens) > capacity):

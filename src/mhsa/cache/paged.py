@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..checks import int_list
 from .base import MultiLayerCache
 from .blocks import BlockAllocator, PoolExhausted, chain_hashes
 from .contiguous import _check_positive
@@ -268,12 +269,7 @@ class PagedKVCache(MultiLayerCache):
 
 
 def _token_ids(tokens: Sequence[int] | Tensor) -> list[int]:
-    if isinstance(tokens, Tensor):
-        if tokens.dim() != 1 or tokens.is_floating_point() or tokens.dtype == torch.bool:
-            raise TypeError(f"tokens must be a 1-D integer tensor or a sequence of ints, got "
-                            f"{tokens.dtype} {tuple(tokens.shape)}")  # fmt: skip
-        tokens = tokens.tolist()
-    tokens = list(tokens)
+    tokens = int_list("tokens", tokens)
     if not tokens:
         raise ValueError("tokens must hold the prompt's token ids, at least one")
     bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**63]
