@@ -70,6 +70,8 @@ MODULES = {
     ],
     "kernels/plan.py": ["tests/test_flash.py", "tests/test_masks.py", "tests/test_band.py"],
     "train.py": ["tests/test_train.py"],
+    "kernels/merge.py": ["tests/test_primitives.py", "tests/test_paged_attention.py"],
+    "masks/causal.py": ["tests/test_primitives.py", "tests/test_masks.py"],
 }  # fmt: skip
 
 STATUSES = ["killed", "survived", "timeout", "suspicious", "no tests", "not checked", "other"]

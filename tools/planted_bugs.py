@@ -82,6 +82,12 @@ BUGS = {
     "a nan gradient with a finite loss is stepped": (
         "train.py", "torch.isfinite(loss) & torch.isfinite(grad_norm)",
         "torch.isfinite(loss) | torch.isfinite(grad_norm)", "tests/test_train.py"),
+    "partial results merged without normalising the weights": (
+        "kernels/merge.py", "weights = (weights / safe_total).unsqueeze(-1)",
+        "weights = weights.unsqueeze(-1)", "tests/test_primitives.py"),
+    "causal queries aligned top-left": (
+        "masks/causal.py", "    return kv_len - q_len", "    return 0 * kv_len",
+        "tests/test_primitives.py"),
 }  # fmt: skip
 
 
