@@ -58,11 +58,13 @@ def test_attention_modules_and_models_never_test_a_caches_type(tmp_path):
 
 def test_the_cache_package_computes_no_attention():
     """It stores and hands out keys and pages: it imports no kernel, backend or
-    attention function."""
+    attention function (only its own modules and the leaf of generic argument checks)."""
     for path in (SOURCE / "cache").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.ImportFrom):
-                assert node.level <= 1 and not (node.module or "").startswith("mhsa"), path
+                checks = (node.level, node.module) == (2, "checks")
+                own = node.level <= 1 and not (node.module or "").startswith("mhsa")
+                assert own or checks, path
 
 
 def test_every_cache_is_a_cache():
