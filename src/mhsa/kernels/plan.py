@@ -1,8 +1,8 @@
 """Block plans: which (query block, key block) tiles the tiled engine visits, and how.
 
 A plan is built from what may attend: an mhsa.masks pattern (the call's mask and
-causality as one, masks.with_causal), or None when everything may. This module reads
-the pattern through its methods only (masks sit above the kernels):
+causality as one, masks.with_causal), or None when everything may. The plan asks the
+pattern, whatever its kind:
     kinds(L, S, block_q, block_k) -> (num_q_blocks, num_k_blocks) int8
         EMPTY (never visited), PARTIAL (element mask applied), FULL (no mask applied),
         conservative over batch and heads (FULL only if full for every batch and head).
