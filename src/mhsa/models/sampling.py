@@ -106,8 +106,8 @@ def sample(
         logits = logits.masked_fill(logits < kth, -torch.inf)
     if top_p is not None:
         sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p  # keep the first
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p  # keep the first
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), -torch.inf)
     probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
