@@ -176,7 +176,7 @@ def max_error(actual: Tensor, expected: Tensor) -> float:
 
 def cpu_backends() -> list[str]:
     """The backends that serve a typical call here (on CPU): for tests over all of them."""
-    from mhsa.backends import AttentionSpec, get, local_names
+    from mhsa.core.backends import AttentionSpec, get, local_names
 
     spec = AttentionSpec.example()
     # triton serves CPU tensors only in its (slow) interpreter: test_triton.py covers it

@@ -170,7 +170,7 @@ def test_dropout_is_unbiased_on_average():
 
 
 def test_dropout_seeds_follow_torch_seed_and_span_31_bits():
-    from mhsa.kernels.dropout import draw_seed
+    from mhsa.core.kernels.dropout import draw_seed
 
     torch.manual_seed(0)
     seeds = [draw_seed() for _ in range(200)]

@@ -9,8 +9,8 @@ import torch
 import mhsa
 from helpers import assert_matches_reference, make_qkv, max_error, reference_with_grads
 from mhsa import masks
-from mhsa.backends.flash_plan import FUSED_BLOCK, plan_for
-from mhsa.kernels import band, flash
+from mhsa.core.backends.flash_plan import FUSED_BLOCK, plan_for
+from mhsa.core.kernels import band, flash
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import transformers
 
 import mhsa
 from helpers import cpu_backends, max_error
-from mhsa.embed import SentenceEncoder, minilm_directory
+from mhsa.apps.embed import SentenceEncoder, minilm_directory
 from mhsa.models.bert import Bert, BertConfig, mean_pool
 from optional import needs
 
@@ -80,7 +80,7 @@ def test_missing_weights_package_is_a_clear_error(monkeypatch):
 def test_missing_tokenizers_is_named_as_such(monkeypatch):
     import sys
 
-    from mhsa.embed import SentenceEncoder
+    from mhsa.apps.embed import SentenceEncoder
 
     monkeypatch.setitem(sys.modules, "tokenizers", None)
     with pytest.raises(RuntimeError, match="need the tokenizers package: pip install tokenizers"):

@@ -23,7 +23,7 @@ from mhsa.cache import (
     StaticKVCache,
 )
 from mhsa.nn import MultiHeadAttention
-from mhsa.positional import AttentionPosition, RotaryEmbedding
+from mhsa.nn.positional import AttentionPosition, RotaryEmbedding
 
 SOURCE = Path(__file__).resolve().parents[1] / "src" / "mhsa"
 CACHE_TYPES = {name for name in mhsa.cache.__all__ if name != "PoolExhausted"}
@@ -62,7 +62,7 @@ def test_the_cache_package_computes_no_attention():
     for path in (SOURCE / "cache").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.ImportFrom):
-                checks = (node.level, node.module) == (2, "checks")
+                checks = (node.level, node.module) == (2, "core.checks")
                 own = node.level <= 1 and not (node.module or "").startswith("mhsa")
                 assert own or checks, path
 

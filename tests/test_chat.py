@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import mhsa
-from mhsa.chat import load_chat_model, smollm2_path
+from mhsa.apps.chat import load_chat_model, smollm2_path
 from mhsa.cli import main
 from optional import needs
 

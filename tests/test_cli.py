@@ -82,7 +82,7 @@ def test_train_gpt_then_generate(tmp_path, capsys):
 def test_attention_maps_match_the_modules_and_plot(tmp_path):
     import torch
 
-    from mhsa.viz import attention_maps, plot_maps
+    from mhsa.apps.viz import attention_maps, plot_maps
 
     model = GPT(GPTConfig(vocab_size=256, n_layer=2, n_head=3, d_model=24, max_len=32,
                           position="alibi", window=6))  # fmt: skip
@@ -160,7 +160,7 @@ def test_ctrl_c_names_the_latest_checkpoint_and_exits_130(tmp_path, capsys, monk
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("mhsa.train.train", interrupted)
+    monkeypatch.setattr("mhsa.apps.train.train", interrupted)
     assert main(tiny_train(out, "--resume", "--steps", "4")) == 130
     err = capsys.readouterr().err
     assert "interrupted; the latest checkpoint is" in err and "step-000002" in err

@@ -7,7 +7,7 @@ import torch
 
 import mhsa
 from helpers import make_qkv, max_error
-from mhsa.cluster import implied_counts, lsh_buckets
+from mhsa.core.cluster import implied_counts, lsh_buckets
 
 
 def reference_with_counts(q, k, v, counts):

@@ -13,11 +13,11 @@ from torch._dynamo.testing import CompileCounter
 
 import mhsa
 from helpers import max_error
+from mhsa.core.scores import ALiBi, RelativeBias, ScoreMod, Softcap
 from mhsa.models.bert import Bert, BertConfig
 from mhsa.models.gpt import GPT, GPTConfig
 from mhsa.models.llama import Llama, LlamaConfig
 from mhsa.models.vit import ViT, ViTConfig
-from mhsa.scores import ALiBi, RelativeBias, ScoreMod, Softcap
 
 
 def _gpt():
@@ -183,7 +183,7 @@ def _op_inputs(dtype=torch.float64, padded=True):
                          False, 0.0), ("", True, 0.3)])  # fmt: skip
 def test_the_flash_op_passes_opcheck_and_gradcheck(pattern, causal, dropout):
     """With dropout the seed input fixes the dropped entries, forward and backward."""
-    from mhsa.backends.flash_op import flash_attention_op
+    from mhsa.core.backends.flash_op import flash_attention_op
 
     q, k, v, mask, bias = _op_inputs()
     seed = torch.tensor(1234)
@@ -198,8 +198,8 @@ def test_the_flash_op_passes_opcheck_and_gradcheck(pattern, causal, dropout):
 
 
 def test_the_flash_op_equals_the_reference_with_patterns_padding_and_bias():
-    from mhsa.backends.flash_op import traced_flash_attention
-    from mhsa.masks import KeyPadding, SlidingWindow
+    from mhsa.core.backends.flash_op import traced_flash_attention
+    from mhsa.core.masks import KeyPadding, SlidingWindow
 
     q, k, v, _, bias = _op_inputs(padded=False)
     for mask, causal in ((SlidingWindow(3, 0), False), (KeyPadding([9, 5]), True), (None, True)):
@@ -229,9 +229,9 @@ SCORES = {
 def test_the_flash_op_takes_score_functions_and_sinks(name, causal):
     """Score functions reach the op as text + tensors; gradients reach those tensors
     and the sinks, and outputs equal the reference."""
-    from mhsa.backends.flash_op import flash_attention_op, traced_flash_attention
-    from mhsa.backends.op_scores import score_spec
-    from mhsa.scores import Compose
+    from mhsa.core.backends.flash_op import flash_attention_op, traced_flash_attention
+    from mhsa.core.backends.op_scores import score_spec
+    from mhsa.core.scores import Compose
 
     q, k, v, _, bias = _op_inputs(padded=False)
     score = Compose(*SCORES[name](4))
@@ -256,7 +256,7 @@ def test_the_flash_op_takes_score_functions_and_sinks(name, causal):
 def test_a_score_mod_is_named_while_it_lives():
     """The same ScoreMod gives the same text (no recompile); the op rebuilds it from the
     text while it lives, reading the op's tensors, and says so once it is gone."""
-    from mhsa.backends.op_scores import rebuild_score, score_mod_text, score_spec
+    from mhsa.core.backends.op_scores import rebuild_score, score_mod_text, score_spec
 
     weight = torch.ones(4)
     score = ScoreMod(lambda s, b, h, qi, ki: s * weight[h])

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mhsa.apps.train import TrainConfig, load_checkpoint, train
 from mhsa.cli import main
 from mhsa.data.text import ByteTokenizer, TextTask
 from mhsa.launch import run_local
 from mhsa.models import GPT, GPTConfig
-from mhsa.train import TrainConfig, load_checkpoint, train
 
 TEXT = "def f(x):\n    return x * 2  # doubles\n" * 200
 
@@ -76,7 +76,7 @@ def test_cli_data_parallel_checks_the_batch_split(tmp_path, capsys):
 
 
 def test_each_rank_gets_an_equal_share_of_the_rows():
-    from mhsa.train import _local_rows
+    from mhsa.apps.train import _local_rows
 
     batch = (torch.arange(12).view(6, 2), torch.arange(6), "not a tensor")
     shares = [_local_rows(batch, rank, 3) for rank in range(3)]

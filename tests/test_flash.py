@@ -15,9 +15,9 @@ from helpers import (
     reference_with_grads,
 )
 from mhsa import masks
-from mhsa.kernels.flash import flash_attention
-from mhsa.kernels.plan import build_plan
-from mhsa.masks import EMPTY, FULL, PARTIAL, BoolMask, Causal, with_causal
+from mhsa.core.kernels.flash import flash_attention
+from mhsa.core.kernels.plan import build_plan
+from mhsa.core.masks import EMPTY, FULL, PARTIAL, BoolMask, Causal, with_causal
 
 KERNELS = ["fused", "gather", "plain"]
 

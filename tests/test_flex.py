@@ -9,11 +9,19 @@ import torch
 
 import mhsa
 from helpers import max_error
-from mhsa.backends import AttentionSpec, get
-from mhsa.backends.flex import block_mask_for, flex_forward
-from mhsa.masks import Document, KeyPadding, Pattern, PrefixLM, RandomBlocks, SlidingWindow, bigbird
-from mhsa.positional import alibi_slopes
-from mhsa.scores import ALiBi, RelativeBias, Softcap
+from mhsa.core.backends import AttentionSpec, get
+from mhsa.core.backends.flex import block_mask_for, flex_forward
+from mhsa.core.masks import (
+    Document,
+    KeyPadding,
+    Pattern,
+    PrefixLM,
+    RandomBlocks,
+    SlidingWindow,
+    bigbird,
+)
+from mhsa.core.scores import ALiBi, RelativeBias, Softcap
+from mhsa.nn.positional import alibi_slopes
 
 pytest.importorskip("torch.nn.attention.flex_attention")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # eager flex warns
@@ -75,7 +83,7 @@ def test_cache_keys_leave_out_private_caches():
 
 
 def test_compiled_flex_may_recompile_past_dynamos_default_limit():
-    from mhsa.backends.flex import RECOMPILE_LIMIT, _recompile_limit
+    from mhsa.core.backends.flex import RECOMPILE_LIMIT, _recompile_limit
 
     with _recompile_limit():
         assert torch._dynamo.config.recompile_limit >= RECOMPILE_LIMIT

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 import mhsa
 from helpers import cpu_backends, golden, make_qkv, max_error
-from mhsa.backends import AttentionSpec, select
-from mhsa.functional import attention_and_weights
+from mhsa.core.attention import attention_and_weights
+from mhsa.core.backends import AttentionSpec, select
 
 spec = AttentionSpec.example
 
@@ -47,7 +47,7 @@ def test_use_backend_forces_and_restores():
         assert select(spec(), "auto").name == "reference"
         assert select(spec(), "sdpa").name == "reference"
     assert select(spec(), "auto").name == "sdpa"
-    assert mhsa.backends() == ["sdpa", "flash", "flex", "triton", "reference", "ring"]
+    assert mhsa.core.backends() == ["sdpa", "flash", "flex", "triton", "reference", "ring"]
 
 
 def test_empty_query_gives_empty_output():
@@ -297,9 +297,9 @@ def test_attention_weights_auto_is_reference_for_all_rows_else_flash(selection, 
         ({"scale": 0.0}, ValueError, "scale must be finite and > 0, got 0.0"),
         ({"causal": None}, TypeError, "causal must be True or False, got NoneType"),
         # a pattern made for other lengths (ceil(5/2), ceil(7/2)) = (3, 4) blocks
-        ({"mask": mhsa.masks.BlockSparse(torch.ones(4, 4, dtype=torch.bool), 2)},
+        ({"mask": mhsa.core.masks.BlockSparse(torch.ones(4, 4, dtype=torch.bool), 2)},
          ValueError, r"layout has shape \(4, 4\) but L=5, S=7"),
-        ({"mask": mhsa.masks.BlockSparse(torch.ones(4, 4, dtype=torch.bool), 2), "rows": [1]},
+        ({"mask": mhsa.core.masks.BlockSparse(torch.ones(4, 4, dtype=torch.bool), 2), "rows": [1]},
          ValueError, r"layout has shape \(4, 4\) but L=5, S=7"),
     ],
 )  # fmt: skip
@@ -327,7 +327,7 @@ def test_attention_weights_statistics_dtype(selection):
 
 
 def test_attention_weights_with_the_triton_backend_selects_heads_and_rows():
-    from mhsa.kernels.triton import triton_attention_weights
+    from mhsa.core.kernels.triton import triton_attention_weights
 
     """Triton's CPU interpreter on a tiny call: per-head mask, bias, causal, custom
     scale, float16 in and out."""
@@ -389,7 +389,7 @@ def test_attention_describes_the_call_to_the_dispatcher(monkeypatch):
         seen.append((spec, backend))
         return select(spec, backend)
 
-    monkeypatch.setattr(mhsa.functional, "select", spy)
+    monkeypatch.setattr(mhsa.core.attention, "select", spy)
     q, k, v = make_qkv(2, 6, 3, 5, 7, 8, value_dim=3)
     mask = torch.ones(5, 7, dtype=torch.bool)
     mhsa.attention(q, k, v, mask, causal=True, dropout_p=0.25)

@@ -17,10 +17,10 @@ import torch
 from torch import Tensor, nn
 
 from helpers import max_error
-from mhsa.masks import SlidingWindow
+from mhsa.core.masks import SlidingWindow
+from mhsa.core.scores import Softcap
 from mhsa.nn import GatedFeedForward, MultiHeadAttention, RMSNorm
-from mhsa.positional import RotaryEmbedding
-from mhsa.scores import Softcap
+from mhsa.nn.positional import RotaryEmbedding
 from optional import needs
 
 BATCH, LENGTH, WINDOW = 2, 40, 8

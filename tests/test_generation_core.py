@@ -21,10 +21,10 @@ SOURCE = Path(__file__).resolve().parents[1] / "src" / "mhsa"
 # each decoding loop, and what it must call for its tokens and stops
 LOOPS = {
     "models/decoding.py": "sample_and_stop(",  # generate, greedy_search
-    "chat.py": "sample_and_stop(",  # ChatModel.reply
-    "serve/runner.py": "sample_and_stop(",  # the server
+    "apps/chat.py": "sample_and_stop(",  # ChatModel.reply
+    "apps/serve/runner.py": "sample_and_stop(",  # the server
     "models/beam_search.py": "StopRule(",  # ranks by log-prob: no sampling to share
-    "serve/engine.py": "runner.run(",  # applies the runner's choices
+    "apps/serve/engine.py": "runner.run(",  # applies the runner's choices
 }
 # what only models/sampling.py may do: choose tokens, test stop tokens
 OWN_CHOICES = re.compile(r"multinomial\(|\.argmax\(|torch\.isin\(|in self\.stop_ids|== eos")
@@ -48,7 +48,7 @@ def test_every_decoding_loop_uses_the_one_decision(loop):
 
 
 def test_the_engine_asks_the_model_for_its_cache_layout():
-    engine = (SOURCE / "serve" / "engine.py").read_text()
+    engine = (SOURCE / "apps" / "serve" / "engine.py").read_text()
     assert "hasattr" not in engine and "model.cache_layout" in engine
 
 

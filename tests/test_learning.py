@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from mhsa.train import TrainConfig, evaluate, train
+from mhsa.apps.train import TrainConfig, evaluate, train
 from optional import needs, needs_program
 
 

@@ -13,7 +13,7 @@ import mhsa
 from helpers import cpu_backends, max_error
 from mhsa.models import Llama, LlamaConfig
 from mhsa.models.llama import HF_NAMES
-from mhsa.positional import RotaryEmbedding, rope_frequencies
+from mhsa.nn.positional import RotaryEmbedding, rope_frequencies
 from optional import needs
 
 VOCAB, LENGTH, STOPS, QK_GAIN = 101, 40, [2, 5], 6.0

@@ -8,7 +8,7 @@ import torch
 import mhsa
 from helpers import make_qkv, max_error
 from mhsa import masks
-from mhsa.masks import EMPTY, FULL
+from mhsa.core.masks import EMPTY, FULL
 
 BATCH = 2
 
@@ -81,7 +81,7 @@ def test_attention_with_pattern_equals_reference_with_dense_mask(backend, q_len,
 def test_flash_plans_only_the_allowed_blocks():
     pattern = masks.SlidingWindow(256, 256)
     source = pattern
-    from mhsa.kernels.plan import build_plan
+    from mhsa.core.kernels.plan import build_plan
 
     plan = build_plan(source, 16384, 16384, block_q=256, block_k=256, gather=True)
     assert plan.visited_fraction < 3 * 256 / 16384 + 1e-9
@@ -174,8 +174,8 @@ def test_attention_weights_with_pattern_rows():
 @pytest.mark.parametrize("pattern", [masks.SlidingWindow(32, 32), masks.SlidingWindow(40, 0)],
                          ids=["band", "local-causal"])  # fmt: skip
 def test_triangular_window_tiles_run_unmasked_in_causal_mode(pattern):
-    from mhsa.kernels.flash import flash_attention
-    from mhsa.kernels.plan import build_plan
+    from mhsa.core.kernels.flash import flash_attention
+    from mhsa.core.kernels.plan import build_plan
 
     q, k, v = make_qkv(2, 4, 2, 203, 203, 16, requires_grad=True)
     plan = build_plan(pattern, 203, 203, block_q=32, block_k=32, gather=True)

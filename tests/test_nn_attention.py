@@ -85,7 +85,7 @@ def test_grouped_query_heads_match_repeated_kv_heads():
 
 @pytest.mark.parametrize(
     "position",
-    [None, mhsa.positional.RotaryEmbedding(8), mhsa.positional.ALiBiPosition(4)],
+    [None, mhsa.nn.positional.RotaryEmbedding(8), mhsa.nn.positional.ALiBiPosition(4)],
     ids=["none", "rotary", "alibi"],
 )
 def test_cached_decoding_equals_full_recompute(position):
@@ -151,15 +151,15 @@ def test_head_dim_scale_and_score_options():
     """head_dim with H * D != E, a scale of its own and a score function after the
     position's: the same as mhsa.attention called with them."""
     torch.manual_seed(0)
-    position = mhsa.positional.ALiBiPosition(4)
+    position = mhsa.nn.positional.ALiBiPosition(4)
     mha = MultiHeadAttention(16, 4, num_kv_heads=2, head_dim=6, scale=0.3,
-                             score=mhsa.scores.Softcap(2.0), backend="flash")  # fmt: skip
+                             score=mhsa.core.scores.Softcap(2.0), backend="flash")  # fmt: skip
     assert mha.q_proj.weight.shape == (24, 16) and mha.out_proj.weight.shape == (16, 24)
     x = torch.randn(2, 9, 16)
     q = mha.q_proj(x).view(2, 9, 4, 6).transpose(1, 2)
     k = mha.k_proj(x).view(2, 9, 2, 6).transpose(1, 2)
     v = mha.v_proj(x).view(2, 9, 2, 6).transpose(1, 2)
-    score = [position.score(), mhsa.scores.Softcap(2.0)]
+    score = [position.score(), mhsa.core.scores.Softcap(2.0)]
     out = mhsa.attention(q, k, v, causal=True, scale=0.3, score=score, backend="reference")
     expected = mha.out_proj(out.transpose(1, 2).reshape(2, 9, 24))
     assert max_error(mha(x, causal=True, position=position), expected) < 1e-5
@@ -167,7 +167,7 @@ def test_head_dim_scale_and_score_options():
     assert max_error(mha.attention_map(x, causal=True, position=position), weights) < 1e-5
     _, averaged = mha(x, causal=True, position=position, need_weights=True)
     assert max_error(averaged, weights.mean(dim=1)) < 1e-5
-    with pytest.raises(TypeError, match="score must be an mhsa.scores function"):
+    with pytest.raises(TypeError, match="score must be an mhsa.core.scores function"):
         MultiHeadAttention(16, 4, score=lambda s: s)
     with pytest.raises(ValueError, match="scale must be a number > 0"):
         MultiHeadAttention(16, 4, scale=0.0)

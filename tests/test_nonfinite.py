@@ -15,10 +15,10 @@ import torch
 
 import mhsa
 from helpers import golden_attention, max_error
-from mhsa.backends import get
 from mhsa.cache import KVCache
+from mhsa.core.backends import get
+from mhsa.core.masks import KeyPadding, SlidingWindow
 from mhsa.distributed import context_parallel, run_local, shard, unshard
-from mhsa.masks import KeyPadding, SlidingWindow
 from optional import needs
 
 BACKENDS = ["reference", "sdpa", "flash", "auto"]

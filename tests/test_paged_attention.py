@@ -11,11 +11,11 @@ import torch
 
 import mhsa
 from helpers import golden_attention, max_error
-from mhsa.backends import AttentionSpec, get, names
-from mhsa.kernels import paged as paged_kernels
-from mhsa.masks import SlidingWindow
-from mhsa.positional import alibi_slopes
-from mhsa.scores import ALiBi, RelativeBias, Softcap
+from mhsa.core.backends import AttentionSpec, get, names
+from mhsa.core.kernels import paged as paged_kernels
+from mhsa.core.masks import SlidingWindow
+from mhsa.core.scores import ALiBi, RelativeBias, Softcap
+from mhsa.nn.positional import alibi_slopes
 
 
 def _paged(lengths, block_size, num_heads=4, num_kv_heads=2, q_len=1, head_dim=7, value_dim=5,
@@ -105,7 +105,7 @@ def test_window_scale_and_score_functions_at_each_sequences_positions(backend, m
         return s + t5.table[t5_bucket(j - i)].permute(2, 0, 1).unsqueeze(0)
 
     def t5_bucket(offsets):
-        from mhsa.scores import t5_bucket as bucket
+        from mhsa.core.scores import t5_bucket as bucket
 
         return bucket(offsets, 8, 16, False)
 

@@ -11,7 +11,7 @@ from helpers import max_error
 from mhsa.cache import PagedKVCache, PagedLayer, PoolExhausted
 from mhsa.models.gpt import GPT, GPTConfig
 from mhsa.models.llama import Llama, LlamaConfig
-from mhsa.positional import AttentionPosition
+from mhsa.nn.positional import AttentionPosition
 
 VOCAB = 50
 
@@ -272,7 +272,7 @@ def test_misuse_raises_clear_errors():
 
 def test_a_module_with_rotary_positions_rotates_each_sequence_at_its_own():
     from mhsa.nn import MultiHeadAttention
-    from mhsa.positional import RotaryEmbedding
+    from mhsa.nn.positional import RotaryEmbedding
 
     module = MultiHeadAttention(16, 4, num_kv_heads=2, dtype=torch.float64).eval()
     rotary = RotaryEmbedding(4)

@@ -9,7 +9,7 @@ import torch
 
 from helpers import max_error
 from mhsa.nn import MultiHeadAttention
-from mhsa.positional import (
+from mhsa.nn.positional import (
     ALiBiPosition,
     LearnedPositionalEmbedding,
     RelativeBiasPosition,

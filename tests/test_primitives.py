@@ -1,5 +1,5 @@
 """The causal alignment and the logsumexp merge: each has one definition
-(mhsa.masks.causal, mhsa.kernels.merge), checked here against float64 and the
+(mhsa.core.masks.causal, mhsa.core.kernels.merge), checked here against float64 and the
 formula, and the source tree is checked to hold no second copy of either."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from helpers import golden_attention, make_qkv
-from mhsa.kernels.merge import merge_partials
-from mhsa.masks.causal import causal_allows, causal_mask, causal_shift
+from mhsa.core.kernels.merge import merge_partials
+from mhsa.core.masks.causal import causal_allows, causal_mask, causal_shift
 
 SOURCE = Path(__file__).resolve().parents[1] / "src" / "mhsa"
 
@@ -129,7 +129,7 @@ def test_the_causal_alignment_is_written_once():
     offenders = [
         name
         for name, code in _sources().items()
-        if name != "masks/causal.py" and shift.search(code)
+        if name != "core/masks/causal.py" and shift.search(code)
     ]
     assert offenders == []
 
@@ -140,15 +140,15 @@ def test_the_merge_is_written_once_and_every_engine_calls_it():
     offenders = [
         name
         for name, code in sources.items()
-        if name != "kernels/merge.py" and merging.search(code)
+        if name != "core/kernels/merge.py" and merging.search(code)
     ]
     assert offenders == []
     callers = [
-        "kernels/flash.py",
-        "kernels/paged.py",
-        "kernels/scored.py",
+        "core/kernels/flash.py",
+        "core/kernels/paged.py",
+        "core/kernels/scored.py",
         "distributed/ring.py",
-        "cluster.py",
+        "core/cluster.py",
     ]
     for name in callers:
         tree = ast.parse((SOURCE / name).read_text())

@@ -11,8 +11,8 @@ import torch
 import mhsa
 from helpers import assert_matches_reference, make_qkv, reference_with_grads
 from mhsa import masks
-from mhsa.backends.flash import FlashBackend
-from mhsa.masks.residues import residue_classes
+from mhsa.core.backends.flash import FlashBackend
+from mhsa.core.masks.residues import residue_classes
 
 
 def classes_as_dense(classes, dilation: int, q_len: int, kv_len: int) -> torch.Tensor:

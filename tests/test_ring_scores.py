@@ -14,10 +14,10 @@ import torch.distributed as dist
 
 import mhsa
 from helpers import expect_error
+from mhsa.core.masks import KeyPadding, SlidingWindow
+from mhsa.core.scores import ALiBi, RelativeBias, ScoreMod, Softcap
 from mhsa.distributed import context_parallel, ring_attention, run_local, shard, unshard
-from mhsa.masks import KeyPadding, SlidingWindow
-from mhsa.positional import alibi_slopes
-from mhsa.scores import ALiBi, RelativeBias, ScoreMod, Softcap
+from mhsa.nn.positional import alibi_slopes
 
 TOLERANCE = 1e-5  # out, dq, dk, dv: absolute
 # gradients of replicated tensors sum over every (query, key) pair, relative to their
@@ -217,7 +217,7 @@ def test_bad_score_or_sinks_raise_on_every_rank(world):
     expected = {
         "slopes of 3 heads": "ALiBi slopes have 3 heads",
         "sinks of 3 heads": "sinks must have shape (H,)",
-        "not a score function": "score must be an mhsa.scores function",
+        "not a score function": "score must be an mhsa.core.scores function",
         "score on rank 1 only": "the same score on every rank",
         "sinks on rank 0 only": "the same sinks on every rank",
     }
@@ -232,7 +232,7 @@ def test_gradcheck_float64_with_scores_and_sinks():
 
 
 def test_ring_backend_serves_scores_and_sinks():
-    from mhsa.backends.registry import AttentionSpec, get
+    from mhsa.core.backends.registry import AttentionSpec, get
 
     spec = AttentionSpec.example(causal=True, has_score=True, has_sinks=True)
     with context_parallel():

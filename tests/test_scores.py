@@ -9,10 +9,10 @@ import torch
 
 import mhsa
 from helpers import assert_matches_golden, golden_attention, max_error
-from mhsa.kernels import plain as plain_kernel
-from mhsa.masks import SlidingWindow, bigbird
-from mhsa.positional import alibi_slopes
-from mhsa.scores import ALiBi, Compose, RelativeBias, ScoreMod, Softcap, t5_bucket
+from mhsa.core.kernels import plain as plain_kernel
+from mhsa.core.masks import SlidingWindow, bigbird
+from mhsa.core.scores import ALiBi, Compose, RelativeBias, ScoreMod, Softcap, t5_bucket
+from mhsa.nn.positional import alibi_slopes
 from optional import needs
 
 HEADS = 4
@@ -234,9 +234,9 @@ def test_bad_score_functions_and_sinks_fail_at_the_first_call():
         call(score=ScoreMod(lambda s, b, h, qi, ki: s @ s))
     with pytest.raises(TypeError, match="ScoreMod needs a callable"):
         ScoreMod(3)
-    with pytest.raises(TypeError, match="score must be an mhsa.scores function"):
+    with pytest.raises(TypeError, match="score must be an mhsa.core.scores function"):
         call(score=lambda s: s)
-    with pytest.raises(TypeError, match="score functions must be mhsa.scores objects"):
+    with pytest.raises(TypeError, match="score functions must be mhsa.core.scores objects"):
         Compose(Softcap(1.0), "tanh")
     with pytest.raises(ValueError, match=r"sinks must have shape \(H,\) = \(2,\)"):
         call(sinks=torch.zeros(3))

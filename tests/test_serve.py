@@ -13,8 +13,8 @@ import time
 import pytest
 import torch
 
+from mhsa.apps.serve.models import ServedModel
 from mhsa.cli import main
-from mhsa.serve.models import ServedModel
 from optional import needs
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea."]
@@ -23,7 +23,7 @@ NEW = 24
 
 @pytest.fixture(scope="module")
 def chat_model():
-    from mhsa.chat import load_chat_model
+    from mhsa.apps.chat import load_chat_model
 
     try:
         # the packaged SmolLM2 on the exact float path (`mhsa serve --quantize none`): the
@@ -37,7 +37,7 @@ def chat_model():
 @pytest.fixture(scope="module")
 def server(chat_model):
     needs("starlette"), needs("uvicorn")
-    from mhsa.serve.server import Server
+    from mhsa.apps.serve.server import Server
 
     served = ServedModel.from_chat(chat_model, num_blocks=128, block_size=16)
     with Server(served, port=0) as running:
@@ -54,9 +54,9 @@ def client(server):
 def _mhsa_chat(chat_model, monkeypatch, capsys, prompt: str, new: int) -> str:
     """What `mhsa chat --prompt prompt --temperature 0 --quantize none` prints (on the
     model already loaded: load_chat_model(quantize="none") is the same call either way)."""
-    import mhsa.chat
+    import mhsa.apps.chat
 
-    monkeypatch.setattr(mhsa.chat, "load_chat_model", lambda *args, **kwargs: chat_model)
+    monkeypatch.setattr(mhsa.apps.chat, "load_chat_model", lambda *args, **kwargs: chat_model)
     args = ["chat", "--prompt", prompt, "--max-new-tokens", str(new), "--temperature", "0",
             "--quantize", "none"]  # fmt: skip
     assert main(args) == 0

@@ -79,7 +79,7 @@ def test_mhsa_serve_bad_arguments_are_one_line_errors(tmp_path, capsys):
 def test_mhsa_imports_without_the_serve_extra_and_serve_says_how_to_get_it():
     code = (
         "import sys; sys.modules['starlette'] = sys.modules['uvicorn'] = None\n"
-        "import mhsa, mhsa.serve, mhsa.serve.models\n"
+        "import mhsa, mhsa.apps.serve, mhsa.apps.serve.models\n"
         "from mhsa.cli import main\n"
         "print(main(['serve', '--port', '0']))\n"
     )
@@ -97,9 +97,9 @@ def test_ctrl_c_in_wait_returns_only_once_the_server_and_engine_have_stopped():
     import _thread
     import threading
 
+    from mhsa.apps.serve.models import ServedModel
+    from mhsa.apps.serve.server import Server
     from mhsa.models.gpt import GPT, GPTConfig
-    from mhsa.serve.models import ServedModel
-    from mhsa.serve.server import Server
 
     gpt = GPT(GPTConfig(vocab_size=256, max_len=32, d_model=16, n_head=2, n_layer=1)).eval()
     server = Server(ServedModel.from_gpt(gpt, "tiny", num_blocks=4), port=0).start()

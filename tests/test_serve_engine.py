@@ -1,4 +1,4 @@
-"""The continuous-batching engine (mhsa.serve.engine) on tiny float64 models: every
+"""The continuous-batching engine (mhsa.apps.serve.engine) on tiny float64 models: every
 request's greedy output equals running it alone, whatever joins or leaves; long prompts
 are prefilled in chunks while others decode; admission waits for room in the pool;
 prefix sharing, cancellation, stop tokens, the thread, and bad requests."""
@@ -10,9 +10,9 @@ import threading
 import pytest
 import torch
 
+from mhsa.apps.serve import Engine
 from mhsa.models.gpt import GPT, GPTConfig
 from mhsa.models.llama import Llama, LlamaConfig
-from mhsa.serve import Engine
 
 VOCAB = 64
 

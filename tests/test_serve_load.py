@@ -15,8 +15,8 @@ import threading
 import pytest
 import torch
 
+from mhsa.apps.serve.models import ServedModel
 from mhsa.models.gpt import GPT, GPTConfig
-from mhsa.serve.models import ServedModel
 from optional import needs
 
 CLIENTS, REQUESTS = 16, 128
@@ -80,7 +80,7 @@ def _stream(port: int, prompt: list[int], max_tokens: int) -> tuple[str, str, di
 
 def test_sixteen_streaming_clients_get_each_greedy_output_and_the_pool_empties(one_thread):
     needs("starlette"), needs("uvicorn")
-    from mhsa.serve.server import Server
+    from mhsa.apps.serve.server import Server
 
     model = _model()
     jobs = _jobs()

@@ -1,4 +1,4 @@
-"""The continuous-batching scheduler (mhsa.serve.scheduler) without a model or a tensor:
+"""The continuous-batching scheduler (mhsa.apps.serve.scheduler) without a model or a tensor:
 admission when the pool is full, chunked prefill, cancellation, preemption when blocks
 run out and the preempted request's resumption. A pool of block counts stands for the
 PagedKVCache, and a loop that writes each plan's chunks into it stands for the Runner."""
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from mhsa.serve import scheduler as scheduler_module
-from mhsa.serve.scheduler import Plan, Request, Scheduler
+from mhsa.apps.serve import scheduler as scheduler_module
+from mhsa.apps.serve.scheduler import Plan, Request, Scheduler
 
 
 class _Pool:

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from mhsa.serve.models import ByteStream
-from mhsa.serve.text import StoppingText
+from mhsa.apps.serve.models import ByteStream
+from mhsa.apps.serve.text import StoppingText
 
 
 def _run(text: str, stop: list[str], cuts: list[int]) -> tuple[list[str], bool]:

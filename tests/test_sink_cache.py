@@ -8,9 +8,9 @@ import torch
 
 from helpers import max_error
 from mhsa.cache import SlidingWindowCache
-from mhsa.masks import GlobalTokens, SlidingWindow
+from mhsa.core.masks import GlobalTokens, SlidingWindow
 from mhsa.nn import MultiHeadAttention
-from mhsa.positional import RotaryEmbedding
+from mhsa.nn.positional import RotaryEmbedding
 
 
 @pytest.fixture(autouse=True)

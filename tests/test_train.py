@@ -12,11 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import mhsa.train as train_module
-from mhsa.checkpoint import checkpoints_in, save_checkpoint
-from mhsa.data.text import ByteTokenizer, TextTask
-from mhsa.models import GPT, GPTConfig
-from mhsa.train import (
+import mhsa.apps.train as train_module
+from mhsa.apps.train import (
     TrainConfig,
     TrainingDiverged,
     load_checkpoint,
@@ -24,6 +21,9 @@ from mhsa.train import (
     resolve_checkpoint,
     train,
 )
+from mhsa.checkpoint import checkpoints_in, save_checkpoint
+from mhsa.data.text import ByteTokenizer, TextTask
+from mhsa.models import GPT, GPTConfig
 
 TEXT = "def f(x):\n    return x * 2  # doubles\n" * 200
 

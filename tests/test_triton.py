@@ -22,19 +22,19 @@ from helpers import (
     max_error,
     reference_with_grads,
 )
-from mhsa.backends import AttentionSpec, registry
-from mhsa.backends.reference import attention_probs
-from mhsa.backends.triton import TritonBackend
-from mhsa.kernels.dense import apply_dropout, probs_times_v
-from mhsa.kernels.dropout import keep_mask
-from mhsa.kernels.triton import (
+from mhsa.core.backends import AttentionSpec, registry
+from mhsa.core.backends.reference import attention_probs
+from mhsa.core.backends.triton import TritonBackend
+from mhsa.core.kernels.dense import apply_dropout, probs_times_v
+from mhsa.core.kernels.dropout import keep_mask
+from mhsa.core.kernels.triton import (
     build_tiles,
     interpreting,
     triton_attention,
     triton_attention_weights,
     triton_keep_mask,
 )
-from mhsa.masks import KeyPadding, SlidingWindow, bigbird
+from mhsa.core.masks import KeyPadding, SlidingWindow, bigbird
 
 assert interpreting(), "conftest.py sets TRITON_INTERPRET=1 before triton is imported"
 
@@ -250,8 +250,8 @@ warnings.filterwarnings("ignore")
 import torch, triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from mhsa.kernels.triton import attention
-from mhsa.kernels.triton.function import block_sizes
+from mhsa.core.kernels.triton import attention
+from mhsa.core.kernels.triton.function import block_sizes
 
 POINTERS = {"Mask": "*u8", "Tiles": "*u8", "row_ptr": "*i32", "col_ptr": "*i32",
             "blk_idx": "*i32", "blk_kind": "*i32", "blk_tile": "*i32", "Buckets": "*i32"}

@@ -14,11 +14,11 @@ needs("triton")  # the interpreter is switched on in conftest.py
 
 import mhsa
 from helpers import max_error
-from mhsa.backends.op_scores import rebuild_score, score_spec
-from mhsa.backends.op_values import rebuild_pattern
-from mhsa.backends.triton_op import triton_attention_op
+from mhsa.core.backends.op_scores import rebuild_score, score_spec
+from mhsa.core.backends.op_values import rebuild_pattern
+from mhsa.core.backends.triton_op import triton_attention_op
+from mhsa.core.scores import ALiBi, Compose, RelativeBias, Softcap
 from mhsa.models.gpt import GPT, GPTConfig
-from mhsa.scores import ALiBi, Compose, RelativeBias, Softcap
 
 
 def _inputs():

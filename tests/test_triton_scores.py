@@ -14,15 +14,15 @@ needs("triton")  # the interpreter is switched on in conftest.py
 
 import mhsa
 from helpers import assert_matches_golden, golden_attention, max_error
-from mhsa.backends import AttentionSpec
-from mhsa.backends.reference import attention_probs
-from mhsa.backends.triton import TritonBackend
-from mhsa.kernels.dense import apply_dropout, probs_times_v
-from mhsa.kernels.triton import triton_attention
-from mhsa.kernels.triton.scores import bucket_lookup, kernel_score
-from mhsa.masks import SlidingWindow, bigbird
-from mhsa.positional import alibi_slopes
-from mhsa.scores import ALiBi, RelativeBias, ScoreMod, Softcap, as_score, kinds, t5_bucket
+from mhsa.core.backends import AttentionSpec
+from mhsa.core.backends.reference import attention_probs
+from mhsa.core.backends.triton import TritonBackend
+from mhsa.core.kernels.dense import apply_dropout, probs_times_v
+from mhsa.core.kernels.triton import triton_attention
+from mhsa.core.kernels.triton.scores import bucket_lookup, kernel_score
+from mhsa.core.masks import SlidingWindow, bigbird
+from mhsa.core.scores import ALiBi, RelativeBias, ScoreMod, Softcap, as_score, kinds, t5_bucket
+from mhsa.nn.positional import alibi_slopes
 
 HEADS = 4
 # (L, S, causal, mask, H_kv, D, blocks): L == S causal at D 64; L < S with a window,

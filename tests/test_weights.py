@@ -199,7 +199,7 @@ def write_gguf_file(folder: Path, edit: Callable[[dict], None]) -> Path:
 
 
 def load_gguf(path: Path) -> Llama:
-    from mhsa.chat import _from_gguf
+    from mhsa.apps.chat import _from_gguf
 
     return _from_gguf(path, torch.float32, "file").model  # the quantised path of mhsa chat
 

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from helpers import assert_same_greedy, max_error
+from mhsa.apps.transcribe import load_audio, load_whisper, transcribe, whisper_directory
 from mhsa.data import speech
 from mhsa.data.whisper_audio import N_FRAMES, log_mel_spectrogram, mel_filters
 from mhsa.formats import ctranslate2_header, read_ctranslate2
 from mhsa.models.whisper import Whisper, whisper_sinusoids
-from mhsa.transcribe import load_audio, load_whisper, transcribe, whisper_directory
 from optional import needs, needs_file, needs_program
 
 ALSA = Path("/usr/share/sounds/alsa")

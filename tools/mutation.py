@@ -43,21 +43,21 @@ WORK = ROOT / "build" / "mutation"
 # module under src/mhsa -> the tests that exercise it and run in seconds, not minutes
 # (mutmut runs, per mutant, only those of them that executed the mutated function)
 MODULES = {
-    "kernels/dropout.py": [
+    "core/kernels/dropout.py": [
         "tests/test_backends.py", "tests/test_flash.py", "-k", "dropout",
         # triton's copy of the hash, run by its CPU interpreter: the independent check
         "tests/test_triton.py::test_dropout_mask_equals_cpu_keep_mask",
     ],
     "models/beam_search.py": ["tests/test_seq2seq.py"],
-    "serve/scheduler.py": ["tests/test_serve_scheduler.py"],
+    "apps/serve/scheduler.py": ["tests/test_serve_scheduler.py"],
     "cache/contiguous.py": [
         "tests/test_decoder_cache.py", "tests/test_gpt.py", "tests/test_nn_attention.py",
         "tests/test_nonfinite.py::test_unwritten_and_padded_cache_slots_are_ignored",
     ],
     "cache/paged.py": ["tests/test_paged_cache.py"],
     "cache/blocks.py": ["tests/test_paged_cache.py"],
-    "kernels/paged.py": ["tests/test_paged_attention.py", "tests/test_paged_cache.py"],
-    "functional.py": [
+    "core/kernels/paged.py": ["tests/test_paged_attention.py", "tests/test_paged_cache.py"],
+    "core/attention.py": [
         "tests/test_functional.py", "tests/test_backends.py", "tests/test_nonfinite.py",
         "tests/test_validate.py", "tests/test_nn_attention.py",
         "tests/test_flash.py::test_attention_weights_selected_heads_and_rows",
@@ -65,13 +65,13 @@ MODULES = {
         "tests/test_masks.py::test_attention_weights_with_pattern_rows",
         "-k", "not triton_interpreter",  # 20 s of triton's interpreter, not of functional
     ],
-    "positional.py": [
+    "nn/positional.py": [
         "tests/test_positional.py", "tests/test_gpt.py", "tests/test_nn_attention.py",
     ],
-    "kernels/plan.py": ["tests/test_flash.py", "tests/test_masks.py", "tests/test_band.py"],
-    "train.py": ["tests/test_train.py"],
-    "kernels/merge.py": ["tests/test_primitives.py", "tests/test_paged_attention.py"],
-    "masks/causal.py": ["tests/test_primitives.py", "tests/test_masks.py"],
+    "core/kernels/plan.py": ["tests/test_flash.py", "tests/test_masks.py", "tests/test_band.py"],
+    "apps/train.py": ["tests/test_train.py"],
+    "core/kernels/merge.py": ["tests/test_primitives.py", "tests/test_paged_attention.py"],
+    "core/masks/causal.py": ["tests/test_primitives.py", "tests/test_masks.py"],
 }  # fmt: skip
 
 STATUSES = ["killed", "survived", "timeout", "suspicious", "no tests", "not checked", "other"]

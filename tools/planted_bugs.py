@@ -25,25 +25,25 @@ BUGS = {
         "models/gpt.py", "SlidingWindow(window - 1, 0)", "SlidingWindow(window, 0)",
         "tests/test_gpt.py"),
     "custom scale ignored": (
-        "functional.py", "if scale is None else float(scale)", "if scale is None else 1.0 / "
+        "core/attention.py", "if scale is None else float(scale)", "if scale is None else 1.0 / "
         "math.sqrt(q.shape[-1])", "tests/test_functional.py"),
     "rotary rotation sign flipped": (
-        "positional.py", "torch.cat((-sin, sin), dim=-1)",
+        "nn/positional.py", "torch.cat((-sin, sin), dim=-1)",
         "torch.cat((sin, -sin), dim=-1)", "tests/test_positional.py"),
     "rotary frequencies wrong": (
-        "positional.py", "exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim",
+        "nn/positional.py", "exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim",
         "exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / (dim // 2)",
         "tests/test_positional.py"),
     "softmax without max subtraction": (
-        "kernels/dense.py", "row_max = torch.where(torch.isfinite(row_max), row_max, "
+        "core/kernels/dense.py", "row_max = torch.where(torch.isfinite(row_max), row_max, "
         "torch.zeros_like(row_max))", "row_max = torch.zeros_like(row_max)",
         "tests/test_backends.py"),
     "dropout hash ignores head and batch": (
-        "kernels/dropout.py", "heads = torch.arange(batch * num_heads, device=device, "
+        "core/kernels/dropout.py", "heads = torch.arange(batch * num_heads, device=device, "
         "dtype=torch.int64)", "heads = torch.zeros(batch * num_heads, device=device, "
         "dtype=torch.int64)", "tests/test_backends.py"),
     "zero_grad after backward": (
-        "train.py", "        optimizer.zero_grad(set_to_none=True)\n        loss.backward()\n",
+        "apps/train.py", "        optimizer.zero_grad(set_to_none=True)\n        loss.backward()\n",
         "        loss.backward()\n        optimizer.zero_grad(set_to_none=True)\n",
         "tests/test_train.py"),
     "vit interpolation height and width swapped": (
@@ -55,11 +55,11 @@ BUGS = {
         "models/sampling.py", "logits = logits.float() / temperature",
         "logits = logits.float() * temperature", "tests/test_gpt.py"),
     "paged attention lets a query see its own key late": (
-        "kernels/paged.py", "allowed = causal_allows(q_pos, k_pos)",
+        "core/kernels/paged.py", "allowed = causal_allows(q_pos, k_pos)",
         "allowed = causal_allows(q_pos - 1, k_pos)",
         "tests/test_paged_attention.py"),
     "a stop token is output before the request ends": (
-        "serve/engine.py",
+        "apps/serve/engine.py",
         "            if choice.stopped is not None and bool(choice.stopped[0]):\n",
         "            if choice.stopped is not None and bool(choice.stopped[0]) and "
         "request.output.append(int(choice.tokens[0])):\n", "tests/test_serve_engine.py"),
@@ -67,26 +67,27 @@ BUGS = {
         "models/sampling.py", "generated + 1 >= self.max_tokens", "generated >= self.max_tokens",
         "tests/test_generation_core.py"),
     "the scheduler preempts the oldest request": (
-        "serve/scheduler.py", "self.preempt(self.running[-1])", "self.preempt(self.running[0])",
+        "apps/serve/scheduler.py",
+        "self.preempt(self.running[-1])", "self.preempt(self.running[0])",
         "tests/test_serve_scheduler.py"),
     "admission forgets what running requests may still take": (
-        "serve/scheduler.py", "self.pool.free_blocks - self._spoken_for() <",
+        "apps/serve/scheduler.py", "self.pool.free_blocks - self._spoken_for() <",
         "self.pool.free_blocks <", "tests/test_serve_scheduler.py"),
     "a preempted request resumes from its prompt alone": (
-        "serve/scheduler.py", "return (self.prompt + self.output)[start:stop]",
+        "apps/serve/scheduler.py", "return (self.prompt + self.output)[start:stop]",
         "return self.prompt[start:stop]", "tests/test_serve_scheduler.py"),
     # found by the mutation run (tools/mutation.py), not in the original list
     "learning rate schedule never applied": (
-        "train.py", '            group["lr"] = lr_at(step, config)\n',
+        "apps/train.py", '            group["lr"] = lr_at(step, config)\n',
         "            pass\n", "tests/test_train.py"),
     "a nan gradient with a finite loss is stepped": (
-        "train.py", "torch.isfinite(loss) & torch.isfinite(grad_norm)",
+        "apps/train.py", "torch.isfinite(loss) & torch.isfinite(grad_norm)",
         "torch.isfinite(loss) | torch.isfinite(grad_norm)", "tests/test_train.py"),
     "partial results merged without normalising the weights": (
-        "kernels/merge.py", "weights = (weights / safe_total).unsqueeze(-1)",
+        "core/kernels/merge.py", "weights = (weights / safe_total).unsqueeze(-1)",
         "weights = weights.unsqueeze(-1)", "tests/test_primitives.py"),
     "causal queries aligned top-left": (
-        "masks/causal.py", "    return kv_len - q_len", "    return 0 * kv_len",
+        "core/masks/causal.py", "    return kv_len - q_len", "    return 0 * kv_len",
         "tests/test_primitives.py"),
 }  # fmt: skip
 

@@ -5,7 +5,7 @@ An output folder holds `step-NNNNNN/` folders (`model.safetensors` weights,
 `latest` link. A folder is written under a temporary `.tmp-*` name and renamed, and
 `latest` is swapped by an atomic rename, so a run killed at any moment leaves every
 complete checkpoint intact. Nothing here deletes a checkpoint: which ones a run may
-remove is the training loop's decision (mhsa.train).
+remove is the training loop's decision (mhsa.apps.train).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mhsa.functional import attention
+from mhsa.core.attention import attention
 
 from .memory import measure_in_subprocess
 from .timing import best_times, matmul_gflops

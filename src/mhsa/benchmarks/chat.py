@@ -31,7 +31,7 @@ def _prompt_ids(tokenizer, length: int) -> list[int]:
 
 
 def _ours(quantize: str, compiled: bool):
-    from mhsa.chat import load_chat_model
+    from mhsa.apps.chat import load_chat_model
     from mhsa.models.decoding import compiled_decode_step
 
     chat = load_chat_model(quantize=quantize)
@@ -57,7 +57,7 @@ def _ours(quantize: str, compiled: bool):
 def _transformers():
     from transformers import AutoModelForCausalLM
 
-    from mhsa.chat import smollm2_path
+    from mhsa.apps.chat import smollm2_path
     from mhsa.formats import read_gguf_tokenizer
 
     path = smollm2_path()
@@ -97,7 +97,7 @@ def _streaming_bound(repeat: int) -> tuple[float, float]:
     and the output head): what reading all weights once per token costs here. Two
     layouts: (out, in) through F.linear, as transformers stores them, and (in, out)
     through a matmul, as our decoding layout does (mhsa.nn.layout)."""
-    from mhsa.chat import load_chat_model
+    from mhsa.apps.chat import load_chat_model
     from mhsa.nn.layout import TransposedLinear
 
     model = load_chat_model(quantize="none").model

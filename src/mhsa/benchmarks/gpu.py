@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 
-from mhsa.backends.common import combined_mask
-from mhsa.functional import attention
-from mhsa.masks import SlidingWindow
-from mhsa.masks.presets import bigbird
+from mhsa.core.attention import attention
+from mhsa.core.backends.common import combined_mask
+from mhsa.core.masks import SlidingWindow
+from mhsa.core.masks.presets import bigbird
 
 from .timing import best_times, matmul_gflops
 
@@ -59,7 +59,7 @@ def _allowed(mask, causal: bool, length: int, device: torch.device) -> int:
 
 def _call(name: str, q, k, v, mask, causal: bool, dry_run: bool):
     if name == "flex" and dry_run:  # the backend serves CUDA only: run flex eagerly here
-        from mhsa.backends.flex import flex_forward
+        from mhsa.core.backends.flex import flex_forward
 
         return flex_forward(q, k, v, mask=mask, causal=causal, scale=q.shape[-1] ** -0.5,
                             compiled=False)[0]  # fmt: skip
@@ -166,7 +166,7 @@ def run(
 
 def _tune(qkv, config, dry_run, repeat, device, peak, over_budget) -> dict:
     """The triton forward on causal attention with one launch config."""
-    from mhsa.kernels.triton import triton_attention
+    from mhsa.core.kernels.triton import triton_attention
 
     batch, heads, length, dim = qkv[0].shape
     row = {"config": list(config), "length": length}

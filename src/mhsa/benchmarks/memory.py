@@ -45,7 +45,7 @@ def peak_bytes() -> int:
 
 def pattern_named(name: str | None):
     """The patterns the benchmarks use, by name (None: no mask)."""
-    from mhsa import masks
+    from mhsa.core import masks
 
     return {
         None: None,
@@ -56,8 +56,8 @@ def pattern_named(name: str | None):
 
 def score_named(name: str | None, heads: int):
     """The score functions the benchmarks use, by name (None: none)."""
-    from mhsa.positional import alibi_slopes
-    from mhsa.scores import ALiBi, Softcap
+    from mhsa.core.scores import ALiBi, Softcap
+    from mhsa.nn.positional import alibi_slopes
 
     return {None: None, "alibi": ALiBi(alibi_slopes(heads)), "softcap": Softcap(30.0)}[name]
 
@@ -66,7 +66,7 @@ def measure(
     backend: str, length: int, heads: int, head_dim: int, causal: bool, pattern: str | None = None,
     score: str | None = None,
 ) -> dict:  # fmt: skip
-    from mhsa.functional import attention
+    from mhsa.core.attention import attention
 
     mask = pattern_named(pattern)
     score_fn = score_named(score, heads)

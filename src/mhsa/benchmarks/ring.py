@@ -36,8 +36,8 @@ def _cpus() -> int:
 def _measure(rank: int, world: int, ring: bool, length: int, heads: int, head_dim: int,
              causal: bool, layout: str, repeat: int) -> dict:  # fmt: skip
     """One process's memory and times (run in a spawned process of a local group)."""
+    from mhsa.core.attention import attention
     from mhsa.distributed import ring_attention
-    from mhsa.functional import attention
 
     def call(q, k, v):
         if ring:

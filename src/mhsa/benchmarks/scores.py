@@ -21,7 +21,7 @@ SCORES = (None, "alibi", "softcap")
 
 
 def _step(q, k, v, score):
-    from mhsa.functional import attention
+    from mhsa.core.attention import attention
 
     def run() -> None:
         out = attention(q, k, v, causal=True, backend="flash", score=score)
@@ -32,7 +32,7 @@ def _step(q, k, v, score):
 
 def _flex_score_mods(heads: int) -> dict:
     """FlexAttention score_mods written as a FlexAttention user would, equal to ours."""
-    from mhsa.positional import alibi_slopes
+    from mhsa.nn.positional import alibi_slopes
 
     slopes, cap = alibi_slopes(heads), score_named("softcap", heads).cap
 
@@ -48,7 +48,7 @@ def _flex_score_mods(heads: int) -> dict:
 def flex_forward(length: int, repeat: int) -> dict:
     """Forward-only seconds of the flash engine and compiled FlexAttention (causal
     BlockMask) for each score function, and the largest difference of their outputs."""
-    from mhsa.functional import attention
+    from mhsa.core.attention import attention
 
     q, k, v = (torch.randn(1, HEADS, length, HEAD_DIM) for _ in range(3))
     result: dict = {"seconds": {}, "max_difference": {}, "setup_seconds": {}}

@@ -11,8 +11,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from mhsa import masks
-from mhsa.functional import attention
+from mhsa.core import masks
+from mhsa.core.attention import attention
 
 from .memory import measure_in_subprocess, pattern_named
 from .timing import best_times

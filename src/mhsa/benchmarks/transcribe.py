@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
+from ..apps.transcribe import load_audio, load_whisper, transcribe, whisper_directory
 from ..data.speech import INSTALL_HINT
 from ..data.whisper_audio import N_SAMPLES, SAMPLE_RATE, log_mel_spectrogram
-from ..transcribe import load_audio, load_whisper, transcribe, whisper_directory
 from .timing import best_times
 
 ENGINES = ("mhsa", "mhsa compiled", "ctranslate2")  # compiled: its decoder step

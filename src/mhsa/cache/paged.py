@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..checks import int_list
+from ..core.checks import int_list
 from .base import MultiLayerCache
 from .blocks import BlockAllocator, PoolExhausted, chain_hashes
 from .contiguous import _check_positive

@@ -18,7 +18,7 @@ def chat(args: argparse.Namespace) -> int:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from ..chat import load_chat_model
+    from ..apps.chat import load_chat_model
 
     if args.prompt is not None and any(not p.strip() for p in args.prompt):
         raise ValueError("--prompt must not be empty")
@@ -91,7 +91,7 @@ def _report_compile(model) -> None:
               "keeps the compiled code on disk for the next run)]", file=sys.stderr)  # fmt: skip
 
 
-QUANTIZE = ("file", "none", "bfloat16", "int8", "int4")  # mhsa.chat.QUANTIZE
+QUANTIZE = ("file", "none", "bfloat16", "int8", "int4")  # mhsa.apps.chat.QUANTIZE
 
 
 def add_parser(commands) -> None:

@@ -116,7 +116,7 @@ def common_train_options(
 
 def train_config(args: argparse.Namespace, lr: float):
     """The TrainConfig of the command line's run options."""
-    from ..train import TrainConfig
+    from ..apps.train import TrainConfig
 
     return TrainConfig(steps=args.steps, lr=lr, eval_every=args.eval_every,
                        checkpoint_every=args.eval_every, seed=args.seed, keep=args.keep,

@@ -9,7 +9,7 @@ def embed(args: argparse.Namespace) -> int:
     """Sentence embeddings (all-MiniLM-L6-v2), as JSON or a cosine-similarity matrix."""
     import json
 
-    from ..embed import SentenceEncoder
+    from ..apps.embed import SentenceEncoder
 
     try:
         encoder = SentenceEncoder()

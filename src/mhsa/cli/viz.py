@@ -16,8 +16,8 @@ LARGE = 20 * MB  # past this the command suggests --heads / --max-tokens
 def viz(args: argparse.Namespace) -> int:
     """Record the attention of the chosen model for one input; write the PNG (--out)
     and/or the HTML explorer (--html); maps.png when neither is given."""
-    from ..viz import plot_maps, record, write_html
-    from ..viz.recording import parse_heads
+    from ..apps.viz import plot_maps, record, write_html
+    from ..apps.viz.recording import parse_heads
 
     if args.model not in MODELS:
         raise ValueError(f"unknown --model {args.model!r}: pass one of {', '.join(MODELS)}")
@@ -48,15 +48,15 @@ def viz(args: argparse.Namespace) -> int:
 
 
 def _source(args: argparse.Namespace):
-    """The model's Source for this input (mhsa.viz.sources), its model loaded the way
+    """The model's Source for this input (mhsa.apps.viz.sources), its model loaded the way
     the model's own command loads it."""
-    from ..viz import chat_source, gpt_source, minilm_source, whisper_source
+    from ..apps.viz import chat_source, gpt_source, minilm_source, whisper_source
 
     if args.model == "gpt":
         model, name = _gpt(args)
         return gpt_source(model, _required_text(args), name=name)
     if args.model == "chat":
-        from ..chat import load_chat_model
+        from ..apps.chat import load_chat_model
 
         return chat_source(load_chat_model(args.source), _required_text(args))
     if args.model == "minilm":
@@ -66,7 +66,7 @@ def _source(args: argparse.Namespace):
         return minilm_source(_packaged(_sentence_encoder), text)
     if args.source is None:
         raise ValueError("--model whisper needs a WAV file: mhsa viz --model whisper FILE.wav")
-    from ..transcribe import load_whisper
+    from ..apps.transcribe import load_whisper
 
     return whisper_source(_packaged(load_whisper), args.source, args.text)
 
@@ -90,7 +90,7 @@ def _required_text(args: argparse.Namespace) -> str:
 
 
 def _sentence_encoder():
-    from ..embed import SentenceEncoder
+    from ..apps.embed import SentenceEncoder
 
     return SentenceEncoder()
 
@@ -105,7 +105,7 @@ def _packaged(load):
 
 def _full_maps(source) -> list:
     """Every layer's (1, H, L, S) probabilities, for the PNG (keys past key_limit cut)."""
-    from ..viz import capture
+    from ..apps.viz import capture
 
     maps: list = []
 

@@ -3,7 +3,7 @@
 Each chunk is cut into pieces (PIECES_PER_SHARD per shard, none shorter than
 MIN_PIECE), and a block is one (query piece, key piece) pair; computing piece by piece
 keeps the engine's gradient temporaries a fraction of a shard. The mask (causal and/or
-an mhsa.masks pattern, in global positions) is reduced once to piece resolution: an
+an mhsa.core.masks pattern, in global positions) is reduced once to piece resolution: an
 EMPTY block is never computed, and ranks that no rank needs are never visited.
 """
 
@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..backends.flash_plan import FUSED_BLOCK, plan_for
-from ..kernels.plan import BlockPlan
-from ..kernels.scored import Shifted
-from ..masks import EMPTY, FULL, Pattern
-from ..masks.blocks import reduce_blocks
-from ..scores import ScoreFunction
+from ..core.backends.flash_plan import FUSED_BLOCK, plan_for
+from ..core.kernels.plan import BlockPlan
+from ..core.kernels.scored import Shifted
+from ..core.masks import EMPTY, FULL, Pattern
+from ..core.masks.blocks import reduce_blocks
+from ..core.scores import ScoreFunction
 from .layout import rank_chunks, rank_pieces
 from .transfer import Ring
 

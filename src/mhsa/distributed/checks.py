@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import validate
-from ..kernels.dense import stats_dtype
-from ..masks import Pattern
-from ..scores import as_score
+from ..core import validate
+from ..core.kernels.dense import stats_dtype
+from ..core.masks import Pattern
+from ..core.scores import as_score
 from .layout import LAYOUTS
 
 
@@ -50,7 +50,7 @@ def local_problem(q, k, v, mask, key_padding_mask, causal, scale, dropout_p, lay
         if mask is not None:
             if not isinstance(mask, Pattern):
                 raise TypeError(
-                    f"mask must be an mhsa.masks pattern in global positions, got "
+                    f"mask must be an mhsa.core.masks pattern in global positions, got "
                     f"{type(mask).__name__}; give key padding as key_padding_mask="
                 )
             mask.check_lengths(length * world, length * world)

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..backends.registry import PAGED_REASON, AttentionSpec, Backend, register, use_backend
-from ..masks import Pattern
+from ..core.backends.registry import PAGED_REASON, AttentionSpec, Backend, register, use_backend
+from ..core.masks import Pattern
 from .ring import ring_attention
 
 _active: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
@@ -83,7 +83,7 @@ class RingBackend(Backend):
     ) -> tuple[Tensor, Tensor | None]:
         if mask is not None and not isinstance(mask, Pattern):
             raise ValueError(
-                "the ring backend takes masks as mhsa.masks patterns (global positions); "
+                "the ring backend takes masks as mhsa.core.masks patterns (global positions); "
                 "a tensor mask of the local shard is ambiguous"
             )
         group, layout = _active.get()

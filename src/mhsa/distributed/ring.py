@@ -3,7 +3,7 @@
 Each of P ranks holds L / P positions of q, k and v. The K/V shards travel around the
 ring with point-to-point isend/irecv while each rank attends its queries to the shard
 it holds; the partial outputs merge by their logsumexp (float32 statistics). Every
-block is computed by the tiled flash engine (mhsa.kernels.flash). The backward is
+block is computed by the tiled flash engine (mhsa.core.kernels.flash). The backward is
 exact: each rank recomputes its blocks from the final logsumexp while dK/dV
 accumulators travel with their shards and end at their owners.
 
@@ -16,7 +16,7 @@ one rank at a time through the left neighbours, then jump once to the farthest r
 neighbour and come back one at a time: len(schedule) - 1 transfers instead of P - 1,
 no compute on the others.
 
-Score functions (mhsa.scores) are evaluated per tile by the engine, each block seeing
+Score functions (mhsa.core.scores) are evaluated per tile by the engine, each block seeing
 its rows and keys at their global positions (kernels.scored.Shifted), so ALiBi, a relative
 bias or a ScoreMod equal one process's under either layout. Sinks join the merged
 lse once, after the last step. Gradients of the replicated tensors (sinks, slopes, a
@@ -36,12 +36,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..kernels.dense import stats_dtype
-from ..kernels.flash import flash_backward, flash_forward, fused_available
-from ..kernels.merge import merge_partials
-from ..kernels.scored import add_sinks, sink_grad
-from ..masks import FULL, Causal, Pattern
-from ..scores import ScoreFunction, as_score
+from ..core.kernels.dense import stats_dtype
+from ..core.kernels.flash import flash_backward, flash_forward, fused_available
+from ..core.kernels.merge import merge_partials
+from ..core.kernels.scored import add_sinks, sink_grad
+from ..core.masks import FULL, Causal, Pattern
+from ..core.scores import ScoreFunction, as_score
 from .blocks import Setup, split_pieces, tile_block, visit_order
 from .checks import check_across_ranks, describe_score, local_problem
 from .layout import rank_chunks
@@ -205,13 +205,13 @@ def ring_attention(
         v: (B, H_kv, n, D_v) this rank's values.
         group: the process group (default: the default group); P = its size.
         causal: the query at global position p sees keys at positions <= p.
-        mask: an mhsa.masks pattern (e.g. SlidingWindow(w, 0)) on the whole (L, L)
+        mask: an mhsa.core.masks pattern (e.g. SlidingWindow(w, 0)) on the whole (L, L)
             sequence, in global positions; the same on every rank.
         key_padding_mask: (B, n) bool, True = real key, for this rank's keys.
         scale: multiplies q k^T; defaults to 1 / sqrt(D).
         layout: "contiguous" or "zigzag", as the shards were cut by `shard`.
         dropout_p: must be 0; dropout is not supported.
-        score: an mhsa.scores function (ALiBi, RelativeBias, Softcap, ScoreMod) or a
+        score: an mhsa.core.scores function (ALiBi, RelativeBias, Softcap, ScoreMod) or a
             list of them, the same on every rank; it sees global positions (a query's
             and a key's place in the whole sequence, whatever the layout).
         sinks: (H,) per-head logits of a key without a value, the same on every rank;
@@ -225,7 +225,7 @@ def ring_attention(
     closure tensors) are this rank's share: those of its own query rows against every
     key. Like the gradient of any weight applied to this rank's shard, they sum over
     the ranks to one process's gradient: all-reduce them with the model's other
-    gradients (as DistributedDataParallel or mhsa.train's context parallel do).
+    gradients (as DistributedDataParallel or mhsa.apps.train's context parallel do).
 
     Each call all-gathers the shard shapes once, so a bad argument on any rank (uneven
     shards, mismatched B/H/D, odd shard length for zigzag, unknown layout, dropout)

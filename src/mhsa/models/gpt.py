@@ -20,18 +20,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..cache import KVCache, SlidingWindowCache
+from ..core.masks import SlidingWindow
+from ..core.validate import int_at_least
 from ..formats.weights import NameTable, Rule, TensorSource, as_source, load_weights
-from ..masks import SlidingWindow
 from ..nn import TransformerEncoderLayer
 from ..nn.layout import decoding_layout
-from ..positional import (
+from ..nn.positional import (
     ALiBiPosition,
     LearnedPositionalEmbedding,
     RelativeBiasPosition,
     RotaryEmbedding,
     SinusoidalPositionalEncoding,
 )
-from ..validate import int_at_least
 from .decoder import CacheLayout
 from .decoding import CausalLMDecoding, check_sampling, check_token_ids, sample
 from .init import normal_init

@@ -11,7 +11,7 @@ Qwen2, Qwen3), loadable from Hugging Face checkpoints.
 The variants differ in small switches: Qwen2 adds biases to q, k and v; Qwen3 normalises
 each head's q and k (RMSNorm) before the rotation; Mistral lets a token see only the last
 `sliding_window` tokens (itself included). Rotary scaling (linear, dynamic NTK, llama3,
-yarn) and partial rotary come from mhsa.positional. Load with `Llama.from_pretrained(dir)`
+yarn) and partial rotary come from mhsa.nn.positional. Load with `Llama.from_pretrained(dir)`
 (config.json + safetensors) or `Llama.from_hf(state_dict, LlamaConfig.from_hf_config(d))`.
 """
 
@@ -26,12 +26,12 @@ import torch
 from torch import Tensor, nn
 
 from ..cache import KVCache, SlidingWindowCache
+from ..core.masks import SlidingWindow
+from ..core.validate import int_at_least
 from ..formats.weights import NameTable, SafetensorsFiles, TensorSource, as_source, load_weights
-from ..masks import SlidingWindow
 from ..nn import GatedFeedForward, MultiHeadAttention, RMSNorm
 from ..nn.layout import decoding_layout
-from ..positional import RotaryEmbedding, rope_frequencies, rope_type
-from ..validate import int_at_least
+from ..nn.positional import RotaryEmbedding, rope_frequencies, rope_type
 from .decoder import CacheLayout
 from .decoding import CausalLMDecoding, check_token_ids
 from .init import normal_init
@@ -54,7 +54,7 @@ class LlamaConfig:
     norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rotary_dim: int | None = None  # None: head_dim; less rotates only the first channels
-    rope_scaling: dict | None = None  # see mhsa.positional.rope_frequencies
+    rope_scaling: dict | None = None  # see mhsa.nn.positional.rope_frequencies
     attention_bias: bool = False  # q, k, v projections (Qwen2: True)
     attention_out_bias: bool = False  # output projection
     qk_norm: bool = False  # RMSNorm over each head's q and k (Qwen3)

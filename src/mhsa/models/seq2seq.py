@@ -27,7 +27,7 @@ from ..nn import (
     TransformerEncoder,
     TransformerEncoderLayer,
 )
-from ..positional import SinusoidalPositionalEncoding
+from ..nn.positional import SinusoidalPositionalEncoding
 from .beam_search import beam_search
 from .decoder import CacheLayout
 from .decoding import greedy_search

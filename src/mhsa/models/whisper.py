@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..cache import DecoderCache
+from ..core.validate import int_at_least
 from ..formats import ctranslate2_header, read_ctranslate2
 from ..formats.weights import NameTable, TensorDict, load_weights
 from ..nn import (
@@ -34,8 +35,7 @@ from ..nn import (
     TransformerEncoderLayer,
 )
 from ..nn.layout import decoding_layout
-from ..positional import LearnedPositionalEmbedding
-from ..validate import int_at_least
+from ..nn.positional import LearnedPositionalEmbedding
 from .decoder import CacheLayout
 from .decoding import compiled_once, greedy_search, static_caches
 

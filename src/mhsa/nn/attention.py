@@ -6,13 +6,13 @@ import torch
 from torch import Tensor, nn
 
 from ..cache import Cache
-from ..functional import attention, attention_and_weights, attention_weights
-from ..masks import KeyPadding, Pattern
-from ..positional import AttentionPosition, RotaryEmbedding
-from ..scores import ScoreFunction
-from ..validate import int_at_least, paged_window
+from ..core.attention import attention, attention_and_weights, attention_weights
+from ..core.masks import KeyPadding, Pattern
+from ..core.scores import ScoreFunction
+from ..core.validate import int_at_least, paged_window
 from .layout import fuse_linears
 from .norm import RMSNorm
+from .positional import AttentionPosition, RotaryEmbedding
 
 
 def from_torch_masks(
@@ -75,7 +75,7 @@ class MultiHeadAttention(nn.Module):
             hold their (head_dim,) weights.
         dropout: dropout on attention probabilities while training.
         scale: multiplies q k^T; default 1 / sqrt(D) (Gemma 2 uses its own scalar).
-        score: an mhsa.scores function applied to the scaled scores inside the engine,
+        score: an mhsa.core.scores function applied to the scaled scores inside the engine,
             after the `position`'s own (e.g. Softcap(50.0)); it should hold no tensors
             (those would not follow module.to()); positions bring theirs.
         backend: attention backend name, "auto" by default.
@@ -123,7 +123,7 @@ class MultiHeadAttention(nn.Module):
                                   or not scale > 0):  # fmt: skip
             raise ValueError(f"scale must be a number > 0 or None, got {scale!r}")
         if score is not None and not isinstance(score, ScoreFunction):
-            raise TypeError(f"score must be an mhsa.scores function (e.g. Softcap(50.0)) or "
+            raise TypeError(f"score must be an mhsa.core.scores function (e.g. Softcap(50.0)) or "
                             f"None, got {type(score).__name__}")  # fmt: skip
         self.embed_dim = embed_dim
         self.num_heads = num_heads
@@ -184,7 +184,7 @@ class MultiHeadAttention(nn.Module):
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from query (B, L, E) to key (B, S, kdim) / value (B, S, vdim).
 
-        key=None means self-attention (key = value = query). mask is an mhsa.masks
+        key=None means self-attention (key = value = query). mask is an mhsa.core.masks
         pattern or a bool tensor broadcastable to (B, H, L, S), True = may attend;
         key_padding_mask is (B, S) bool, True = a real token; bias is a float added
         to the scores, broadcastable to (B, H, L, S). causal is aligned

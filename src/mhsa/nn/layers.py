@@ -8,10 +8,10 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from ..cache import KVCache, MemoryCache
-from ..positional import AttentionPosition
 from .attention import MultiHeadAttention
 from .convert import copy_feed_forward, copy_norms, torch_layer_options
 from .feedforward import FeedForward, Residual
+from .positional import AttentionPosition
 
 
 class TransformerEncoderLayer(nn.Module):

@@ -9,9 +9,9 @@ import copy
 from torch import Tensor, nn
 
 from ..cache import DecoderCache
-from ..positional import AttentionPosition
 from .convert import stack_from
 from .layers import TransformerDecoderLayer, TransformerEncoderLayer
+from .positional import AttentionPosition
 
 
 class TransformerEncoder(nn.Module):

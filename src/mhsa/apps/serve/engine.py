@@ -1,0 +1,234 @@
+"""Continuous batching over a PagedKVCache, as vLLM serves: requests join between
+decoding steps and leave when done.
+
+The Engine composes a Scheduler (mhsa.apps.serve.scheduler: which requests run and which
+tokens each feeds, no tensors) and a Runner (mhsa.apps.serve.runner: the forward passes and
+each next token), and adds what a server needs around them: a lock, the callbacks, a
+thread that steps while there is work, and the cache's statistics.
+
+The model runs outside the engine's lock, so submit and cancel return at once from any
+thread while a step computes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ...cache import PagedKVCache
+from ...models.sampling import Choice, check_sampling
+from .runner import Runner
+from .scheduler import OnToken, Request, Scheduler
+
+__all__ = ["Engine", "Request"]
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    """Serves generation requests for one Llama or GPT model (a Decoder) over a
+    PagedKVCache of num_blocks blocks of block_size tokens. context_length bounds
+    prompt + new tokens; max_batch the requests running at once; prefill_chunk the
+    prompt tokens computed per step; admission "reserve" or "optimistic" (preempting
+    when blocks run out; see mhsa.apps.serve.scheduler)."""
+
+    def __init__(self, model: nn.Module, *, context_length: int, num_blocks: int,
+                 block_size: int = 16, max_batch: int = 16, prefill_chunk: int = 128,
+                 stop_ids: Sequence[int] = (), admission: str = "reserve") -> None:  # fmt: skip
+        for name, value in (("context_length", context_length), ("max_batch", max_batch),
+                            ("prefill_chunk", prefill_chunk)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        config = model.config
+        if context_length > config.max_len:
+            raise ValueError(f"context_length {context_length} exceeds the model's max_len "
+                             f"{config.max_len}")  # fmt: skip
+        layout = model.cache_layout
+        self.cache = PagedKVCache(layout.num_layers, layout.num_kv_heads, layout.head_dim,
+                                  num_blocks=num_blocks, block_size=block_size,
+                                  dtype=layout.dtype, device=layout.device)  # fmt: skip
+        self.model = model.eval()
+        self.device = layout.device
+        self.context_length, self.max_batch = context_length, max_batch
+        self.prefill_chunk, self.stop_ids = prefill_chunk, frozenset(stop_ids)
+        self.scheduler = Scheduler(self.cache, max_batch=max_batch, prefill_chunk=prefill_chunk,
+                                   admission=admission)  # fmt: skip
+        self.runner = Runner(self.model, self.cache, sorted(self.stop_ids))
+        self._lock = threading.Condition()
+        self._next_id = 0
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._peak = {"used_blocks": 0, "running": 0, "longest_request": 0}
+        self._in_step: list[Request] = []  # the requests of the step running now
+
+    # -- requests (any thread) --
+
+    def submit(self, prompt: Sequence[int], max_tokens: int, *, temperature: float = 0.0,
+               top_p: float | None = None, seed: int | None = None,
+               on_token: OnToken | None = None) -> Request:  # fmt: skip
+        """Queue a request; raises ValueError (a message fit for an API error) when it
+        can never be served."""
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("the prompt is empty: give at least one token")
+        vocab = self.model.config.vocab_size
+        if not all(0 <= t < vocab for t in prompt):
+            raise ValueError(f"the prompt holds token ids outside the vocabulary 0..{vocab - 1}")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+        check_sampling(temperature, None, top_p)
+        if len(prompt) + max_tokens > self.context_length:
+            raise ValueError(f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) "
+                             f"exceeds the context length {self.context_length}")  # fmt: skip
+        with self._lock:
+            request = Request(self._next_id, prompt, max_tokens, float(temperature), top_p,
+                              on_token)  # fmt: skip
+            self.scheduler.add(request)  # (raises when the pool can never hold it)
+            self.runner.add(request, seed)
+            self._next_id += 1
+            self._lock.notify_all()
+        return request
+
+    def cancel(self, request: Request) -> None:
+        """End request ("cancelled"); its blocks are freed at the next step."""
+        with self._lock:
+            self.scheduler.cancel(request)
+            self._lock.notify_all()
+
+    @property
+    def idle(self) -> bool:
+        with self._lock:
+            return self.scheduler.idle
+
+    # -- one step --
+
+    def step(self) -> bool:
+        """One step: the scheduler's plan (cancelled requests end, waiting ones are
+        admitted), then the runner's decoding pass and prefill chunk, each pass's
+        tokens handed out as it ends. False when there was nothing to do."""
+        with self._lock:
+            plan = self.scheduler.schedule()
+            for request in plan.ended:
+                self._ended(request)
+            self._in_step = plan.requests
+        if plan.empty:
+            return False
+        with torch.inference_mode():
+            for chosen in self.runner.run(plan):
+                self._emit(chosen)
+        self._note_peaks(self._in_step)
+        return True
+
+    def _emit(self, chosen: list[tuple[Request, Choice]]) -> None:
+        """Hand out each request's new token, and end the requests that stop or reach
+        max_tokens."""
+        now = time.perf_counter()
+        for request, choice in chosen:
+            if choice.stopped is not None and bool(choice.stopped[0]):
+                self._finish(request, "stop")
+                continue
+            token = int(choice.tokens[0])
+            request.output.append(token)
+            request.token_times.append(now)
+            request.first_token_at = request.first_token_at or now
+            _call(request, token)
+            if choice.last:
+                self._finish(request, "length")
+
+    def _finish(self, request: Request, reason: str) -> None:
+        with self._lock:
+            if self.scheduler.finish(request, reason):
+                self._ended(request)
+
+    def _ended(self, request: Request) -> None:
+        """(under the lock) A request ended: forget it and say so."""
+        self.runner.drop(request)
+        _call(request, None)
+
+    def _note_peaks(self, requests: list[Request]) -> None:
+        peak = self._peak
+        peak["used_blocks"] = max(peak["used_blocks"], self.cache.used_blocks)
+        peak["running"] = max(peak["running"], len(requests))
+        longest = max(len(r.prompt) + len(r.output) for r in requests)
+        peak["longest_request"] = max(peak["longest_request"], longest)
+
+    def stats(self) -> dict:
+        """The cache's size and use: blocks now and at the peak, their bytes, and the
+        bytes contiguous caches sized for the longest request so far would take for
+        the most requests that ran at once."""
+        cache, peak = self.cache, dict(self._peak)
+        block_bytes = cache.k.element_size() * (cache.k[0, 0].numel() + cache.v[0, 0].numel())
+        block_bytes *= cache.num_layers
+        token_bytes = block_bytes // cache.block_size
+        with self._lock:
+            waiting, running = len(self.scheduler.waiting), len(self.scheduler.running)
+        return {"num_blocks": cache.num_blocks, "block_size": cache.block_size,
+                "block_bytes": block_bytes, "used_blocks": cache.used_blocks,
+                "waiting": waiting, "running": running,
+                "peak_used_blocks": peak["used_blocks"], "peak_running": peak["running"],
+                "peak_bytes": peak["used_blocks"] * block_bytes,
+                "longest_request": peak["longest_request"],
+                "contiguous_bytes": peak["longest_request"] * token_bytes
+                * peak["running"]}  # fmt: skip
+
+    # -- running it --
+
+    def start(self) -> None:
+        """Run the steps in a daemon thread (idle, it waits for a request)."""
+        if self._thread is not None:
+            return
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="mhsa-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End the thread; waiting and running requests are cancelled."""
+        with self._lock:
+            self._stopping = True
+            for request in [*self.scheduler.running, *self.scheduler.waiting]:
+                self.scheduler.cancel(request)
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        with self._lock:
+            for request in self.scheduler.end_cancelled():
+                self._ended(request)
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopping and self.scheduler.idle:
+                    self._lock.wait()
+                if self._stopping:
+                    return
+            try:
+                self.step()
+            except Exception:  # a failed step ends its requests, not the server
+                log.exception("engine step failed")
+                for request in self._in_step:
+                    self._finish(request, "error")
+
+    def run(self, prompts: Sequence[Sequence[int]],
+            max_tokens: int | Sequence[int]) -> list[list[int]]:  # fmt: skip
+        """Greedy outputs of prompts decoded together (no thread: steps until done)."""
+        counts = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else max_tokens
+        requests = [self.submit(p, n) for p, n in zip(prompts, counts, strict=True)]
+        while not all(r.done for r in requests):
+            if not self.step():
+                raise RuntimeError("the engine went idle before its requests finished")
+        return [r.output for r in requests]
+
+
+def _call(request: Request, token: int | None) -> None:
+    if request.on_token is None:
+        return
+    try:
+        request.on_token(request, token)
+    except Exception:  # a listener's fault must not stop the engine
+        log.exception("on_token of request %d failed", request.id)

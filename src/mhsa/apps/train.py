@@ -1,0 +1,354 @@
+"""The one training loop for every model: progress, evaluation, atomic checkpoints, resume.
+
+A model trains if it has `loss(*batch) -> scalar`; a task supplies batches:
+    task.train_batch(generator) -> batch     random, drawn from `generator`
+    task.eval_batches() -> list of batches   fixed
+    task.tokens_per_batch() -> int           for the tokens/s figure
+    task.metrics(model) -> dict              optional, e.g. test accuracy, at each eval
+
+Checkpoints (mhsa.checkpoint) are written atomically into an output folder. A run
+never deletes a checkpoint it did not write: it refuses a folder that holds one
+unless asked to resume it or to overwrite it (and then removes the old ones only once
+its own first checkpoint is written), and it keeps its own last `keep`. A non-finite
+loss or gradient stops the run (or skips the step, with nonfinite="skip"), so no
+checkpoint ever holds nan or inf weights.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ..checkpoint import (
+    checkpoints_in,
+    clean_leftovers,
+    latest_checkpoint,
+    load_checkpoint,
+    read_weights,
+    resolve_checkpoint,
+    save_checkpoint,
+)
+from ..core.checks import int_at_least
+
+__all__ = [
+    "TrainConfig",
+    "TrainingDiverged",
+    "check_resumable",
+    "evaluate",
+    "load_checkpoint",
+    "lr_at",
+    "resolve_checkpoint",
+    "save_checkpoint",
+    "train",
+]
+
+MAX_SKIPPED_IN_A_ROW = 10  # nonfinite="skip" still stops when nothing finite comes back
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1  # cosine decay to lr * min_lr_ratio
+    warmup: int = 20
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_every: int = 100
+    checkpoint_every: int = 100
+    seed: int = 0
+    keep: int = 1  # how many of its own latest checkpoints a run keeps
+    nonfinite: str = "stop"  # on a nan/inf loss or gradient: "stop", or "skip" the step
+    compile: bool = False  # the loss (forward and backward) through torch.compile
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "eval_every", "checkpoint_every", "keep", "warmup"):
+            flag = "--" + name.replace("_", "-")
+            int_at_least(name, getattr(self, name), 0 if name == "warmup" else 1, f" ({flag})")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be a finite number > 0 (--lr), got {self.lr!r}")
+        if self.nonfinite not in ("stop", "skip"):
+            raise ValueError(f"nonfinite must be 'stop' or 'skip', got {self.nonfinite!r}")
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or a gradient became nan or inf; the message names the last good
+    checkpoint."""
+
+
+def lr_at(step: int, config: TrainConfig) -> float:
+    """Linear warm-up, then cosine decay."""
+    if step < config.warmup:
+        return config.lr * (step + 1) / config.warmup
+    progress = (step - config.warmup) / max(1, config.steps - config.warmup)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return config.lr * (config.min_lr_ratio + (1 - config.min_lr_ratio) * cosine)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, task) -> float:
+    was_training = model.training
+    model.eval()
+    losses = [model.loss(*batch).item() for batch in task.eval_batches()]
+    model.train(was_training)
+    return sum(losses) / len(losses)
+
+
+def _optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": config.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]  # fmt: skip
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95))
+
+
+def train(
+    model: nn.Module,
+    task,
+    config: TrainConfig,
+    out_dir: str | Path,
+    *,
+    model_info: dict,
+    resume: bool = False,
+    overwrite: bool = False,
+    stop_after: int | None = None,
+    log=print,
+    context_parallel: str | None = None,
+) -> dict:
+    """Train `model` on `task` for config.steps steps, checkpointing into out_dir.
+
+    model_info (JSON-able) goes into config.json to rebuild the model later.
+    resume continues from out_dir's latest checkpoint exactly where it stopped;
+    without it, an out_dir that holds a checkpoint is refused unless overwrite is set.
+    stop_after ends the run early after that many steps (as a kill would, but with a
+    checkpoint written first).
+
+    Under an initialised torch.distributed group every rank draws the same global
+    batch. By default (data parallel) each trains on its share of the rows with
+    DistributedDataParallel. With context_parallel (a layout of mhsa.distributed,
+    e.g. "zigzag") each rank takes its shard of every sequence instead - batches are
+    (tokens, targets) (B, T) and model.loss takes `positions` - attention runs as ring
+    attention, and gradients are averaged over ranks after backward.
+    """
+    out_dir = Path(out_dir)
+    torch.manual_seed(config.seed)
+    generator = torch.Generator().manual_seed(config.seed + 1)
+    optimizer = _optimizer(model, config)
+    step = 0
+    history: list[dict] = []
+    owned, replaced = _checkpoints_to_manage(out_dir, resume, overwrite)
+    if resume:
+        state = load_checkpoint(out_dir, weights=False)
+        check_resumable(state, model_info.get("model"))
+        shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        model.load_state_dict(read_weights(state["path"] / "model.safetensors", shapes))
+        trainer = state["trainer"]
+        optimizer.load_state_dict(trainer["optimizer"])
+        generator.set_state(trainer["generator"])
+        torch.set_rng_state(trainer["torch_rng"])
+        step, history = trainer["step"], trainer["history"]
+        log(f"resumed from {state['path']} at step {step}")
+    model.train()
+    compute_loss, rank, world = _data_parallel(model, context_parallel)
+    if config.compile:
+        compute_loss = torch.compile(compute_loss)
+    start, tokens_done, skipped = time.perf_counter(), 0, 0
+    end = config.steps if stop_after is None else min(config.steps, step + stop_after)
+    while step < end:
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, config)
+        # every rank draws the same global batch; data parallel: each takes its share of
+        # the rows, context parallel: each its shard of every sequence (_SequenceShards)
+        batch = task.train_batch(generator)
+        loss = compute_loss(*(batch if context_parallel else _local_rows(batch, rank, world)))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if context_parallel and world > 1:
+            _average_gradients(model, world)
+        norm = nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        if _finite_on_every_rank(loss.detach(), norm, world):
+            skipped = 0
+            optimizer.step()
+        else:
+            skipped += 1
+            if config.nonfinite == "stop" or skipped >= MAX_SKIPPED_IN_A_ROW:
+                raise TrainingDiverged(_divergence_message(out_dir, step, loss, config, skipped))
+            log(f"step {step + 1}: non-finite loss or gradient, step skipped")
+        step += 1
+        tokens_done += task.tokens_per_batch()
+        elapsed = time.perf_counter() - start
+        loss = _mean_over_ranks(loss.detach(), world)
+        if rank:  # rank 0 alone reports, evaluates and writes checkpoints
+            if step % config.checkpoint_every == 0 or step == end:
+                dist.barrier()
+            continue
+        _progress(step, config.steps, loss.item(), tokens_done / elapsed, elapsed)
+        if step % config.eval_every == 0 or step == config.steps:
+            val = evaluate(model, task)
+            record = {"step": step, "train_loss": loss.item(), "val_loss": val}
+            if hasattr(task, "metrics"):
+                model.eval()
+                with torch.no_grad():
+                    record.update(task.metrics(model))
+                model.train()
+            history.append(record)
+            sys.stderr.write("\n")
+            extra = "".join(f", {k} {v:.4f}" for k, v in record.items() if k not in
+                            ("step", "train_loss", "val_loss"))  # fmt: skip
+            log(f"step {step}: val loss {val:.4f}{extra}")
+        if step % config.checkpoint_every == 0 or step == end:
+            trainer = {
+                "optimizer": optimizer.state_dict(), "generator": generator.get_state(),
+                "torch_rng": torch.get_rng_state(), "step": step, "history": history,
+                "train_config": asdict(config),
+            }  # fmt: skip
+            written = save_checkpoint(out_dir, step, model, model_info, trainer)
+            owned = [p for p in owned if p != written] + [written]
+            for old in owned[: -config.keep] + [p for p in replaced if p != written]:
+                shutil.rmtree(old, ignore_errors=True)
+            owned, replaced = owned[-config.keep :], []
+            if world > 1:
+                dist.barrier()
+    seconds = time.perf_counter() - start
+    return {"step": step, "seconds": seconds, "history": history,
+            "tokens_per_second": tokens_done / max(seconds, 1e-9)}  # fmt: skip
+
+
+def _checkpoints_to_manage(out_dir: Path, resume: bool, overwrite: bool) -> tuple[list, list]:
+    """(this run's own checkpoints, old ones to remove after its first write). Refuses an
+    out_dir that holds a checkpoint, unless resuming it or overwriting it."""
+    if resume and overwrite:
+        raise ValueError("resume and overwrite exclude each other: choose one")
+    clean_leftovers(out_dir)
+    existing = checkpoints_in(out_dir)
+    if resume:
+        return existing, []
+    if existing and not overwrite:
+        raise ValueError(
+            f"{out_dir} already holds a checkpoint ({existing[-1].name}): pass --resume to "
+            "continue it, --overwrite to replace it, or choose another --out"
+        )
+    return [], existing
+
+
+def check_resumable(state: dict, want: str | None) -> None:
+    """Raise unless the checkpoint (load_checkpoint's state) holds a `want` model and its
+    trainer state."""
+    kind = state["info"].get("model")
+    if kind != want:
+        raise ValueError(
+            f"{state['path']} holds a {kind!r} model, not {want!r}: --resume continues a run "
+            "of the same model; choose another --out for a new one"
+        )
+    if state["trainer"] is None:
+        raise ValueError(
+            f"{state['path']} has no trainer.pt (optimizer and random states), so it cannot "
+            "be resumed; start a new run with another --out"
+        )
+
+
+def _finite_on_every_rank(loss: Tensor, grad_norm: Tensor, world: int) -> bool:
+    """Whether the loss and gradients are finite on every rank (all ranks agree, so
+    they stop or skip together instead of leaving one waiting in a collective)."""
+    finite = (torch.isfinite(loss) & torch.isfinite(grad_norm)).to(torch.int32).view(1)
+    if world > 1:
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    return bool(finite.item())
+
+
+def _divergence_message(out_dir: Path, step: int, loss: Tensor, config, skipped: int) -> str:
+    good = latest_checkpoint(out_dir)
+    where = f"the last good checkpoint is {good}" if good else "no checkpoint was written"
+    what = f"{skipped} steps in a row" if skipped > 1 else f"at step {step + 1}"
+    return (
+        f"training diverged: non-finite loss ({loss.item():g}) or gradient {what}; {where}. "
+        f"Resume it with a lower --lr (now {config.lr:g}), or pass --skip-nonfinite to "
+        "skip such steps"
+    )
+
+
+class _Loss(nn.Module):
+    """model.loss as a forward, so that DistributedDataParallel sees the call."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *batch) -> Tensor:
+        return self.model.loss(*batch)
+
+
+def _data_parallel(model: nn.Module, context_parallel: str | None) -> tuple:
+    """(loss function on the global batch's rows for this rank, rank, world size)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return model.loss, 0, 1
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if context_parallel:
+        return _SequenceShards(model, context_parallel, rank, world), rank, world
+    return DistributedDataParallel(_Loss(model)), rank, world
+
+
+class _SequenceShards:
+    """model.loss on this rank's shard of every sequence, attention as ring attention."""
+
+    def __init__(self, model: nn.Module, layout: str, rank: int, world: int) -> None:
+        self.model, self.layout, self.rank, self.world = model, layout, rank, world
+
+    def __call__(self, tokens: Tensor, targets: Tensor) -> Tensor:
+        from ..distributed import context_parallel, shard
+
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        cut = {"rank": self.rank, "world_size": self.world, "layout": self.layout}
+        tokens, targets = shard(tokens, dim=1, **cut), shard(targets, dim=1, **cut)
+        with context_parallel(layout=self.layout):
+            return self.model.loss(tokens, targets, positions=shard(positions, dim=0, **cut))
+
+
+def _average_gradients(model: nn.Module, world: int) -> None:
+    """Every rank's loss is the mean over an equal number of tokens: the global mean's
+    gradient is the ranks' average."""
+    for param in model.parameters():
+        if param.grad is not None:
+            dist.all_reduce(param.grad)
+            param.grad /= world
+
+
+def _local_rows(batch: tuple, rank: int, world: int) -> tuple:
+    """This rank's contiguous share of a global batch: every tensor whose first dimension
+    is the batch is cut along it, so the mean of the ranks' losses is the global loss."""
+    if world == 1:
+        return batch
+    size = batch[0].shape[0]
+    if size % world:
+        raise ValueError(
+            f"the batch size ({size}) must be divisible by the number of processes ({world}): "
+            "change --batch-size or --nproc"
+        )
+    rows = slice(rank * size // world, (rank + 1) * size // world)
+    return tuple(
+        t[rows] if isinstance(t, Tensor) and t.dim() and t.shape[0] == size else t for t in batch
+    )
+
+
+def _mean_over_ranks(value: Tensor, world: int) -> Tensor:
+    if world > 1:
+        dist.all_reduce(value)
+        value = value / world
+    return value
+
+
+def _progress(step: int, total: int, loss: float, tokens_per_s: float, elapsed: float) -> None:
+    done = step / total
+    bar = "#" * int(24 * done) + "-" * (24 - int(24 * done))
+    eta = elapsed / max(step, 1) * (total - step)
+    sys.stderr.write(f"\r[{bar}] step {step}/{total}  loss {loss:.4f}  "
+                     f"{tokens_per_s / 1e3:.1f}k tok/s  eta {eta:4.0f}s ")  # fmt: skip
+    sys.stderr.flush()

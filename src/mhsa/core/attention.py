@@ -1,0 +1,337 @@
+"""The public attention functions: validate, then dispatch to a backend."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from . import validate
+from .backends import AttentionSpec, select
+from .backends.isolate import isolate_masked_nonfinite
+from .backends.reference import attention_probs
+from .kernels.dense import apply_dropout, grouped_scores, probs_times_v, stats_dtype
+from .kernels.dropout import draw_seed
+from .kernels.scored import SelectedHeads, softmax_with_sinks
+from .masks import Pattern
+from .masks.causal import causal_allows, causal_shift
+from .scores import ScoreFunction, apply_score, as_score, kinds
+
+
+def _check_common(
+    q: Tensor,
+    k: Tensor,
+    mask: Tensor | None,
+    bias: Tensor | None,
+    causal: bool,
+    scale: float | None,
+    sharded: bool = False,
+    score: ScoreFunction | None = None,
+    sinks: Tensor | None = None,
+) -> float:
+    """Validate mask/bias/causal/scale/score/sinks against q and k; return the resolved
+    scale."""
+    target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    validate.check_mask(mask, target, q.device, sharded)
+    validate.check_bias(bias, target, q.device)
+    validate.check_sinks(sinks, q.shape[1], q.device)
+    if score is not None:
+        score.check(q.shape[1], q.device, stats_dtype(q.dtype))
+    validate.check_causal(causal)
+    validate.check_scale(scale)
+    return _resolved_scale(q, scale)
+
+
+def _resolved_scale(q: Tensor, scale: float | None) -> float:
+    """The scale of q k^T: `scale`, or 1 / sqrt(D) by default."""
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | Pattern | None = None,
+    *,
+    bias: Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    backend: str = "auto",
+    return_lse: bool = False,
+    score: ScoreFunction | list | None = None,
+    sinks: Tensor | None = None,
+    block_table: Tensor | None = None,
+    seq_lens: Tensor | Sequence[int] | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Scaled dot-product attention: softmax(score(q k^T * scale) + bias) v.
+
+    Args:
+        q: (B, H, L, D) queries.
+        k: (B, H_kv, S, D) keys; H % H_kv == 0 gives grouped-query attention
+            (query head h uses key head h // (H // H_kv)); H_kv = 1 is multi-query.
+        v: (B, H_kv, S, D_v) values.
+        mask: an mhsa.core.masks pattern (e.g. SlidingWindow(256, 0)), or a bool tensor
+            broadcastable to (B, H, L, S); True means "may attend".
+        bias: float, broadcastable to (B, H, L, S); added to the scaled scores.
+        causal: query i may attend key j only if j <= i + S - L (aligned
+            bottom-right, so with a KV cache the newest query sees every key).
+        scale: multiplies q k^T; defaults to 1 / sqrt(D).
+        dropout_p: probability of dropping an attention weight (0 disables it).
+        backend: "auto" (fastest that serves the call) or a name from mhsa.core.backends().
+        return_lse: also return the logsumexp of each row's scores.
+        score: an mhsa.core.scores function (ALiBi, RelativeBias, Softcap, ScoreMod) or a
+            list of them applied in order to the scaled scores, before the bias and the
+            mask; positions are global, query i at i + S - L like causal.
+        sinks: (H,) float logits, one per query head, of a key without a value: it
+            takes probability mass (exp(sink) joins each row's denominator).
+        block_table: paged keys (a PagedKVCache's pages). k and v are then pools
+            (num_blocks, block_size, H_kv, D) and (..., D_v) of N sequences' keys, q
+            is (N, H, T, D): the T new queries of each, and block_table (N, max_blocks)
+            holds integer block ids: sequence n's key j is row j % block_size of block
+            block_table[n, j // block_size] (entries past its keys: any value).
+            Attention is causal per sequence (causal=True), aligned bottom-right:
+            query t of sequence n sits at position seq_lens[n] - T + t and sees the
+            keys up to it (a query with no key gets 0), within SlidingWindow(left, 0)
+            if that is the mask; score functions see each sequence's own positions.
+            No bias, dropout, sinks or return_lse. Backends say in `mhsa info` whether
+            they serve paged keys (flash: inference only; reference: differentiable).
+        seq_lens: with block_table, (N,) ints: the keys of each sequence, the new
+            ones included, at most max_blocks * block_size.
+
+    Returns:
+        out (B, H, L, D_v) in q's dtype; with return_lse, (out, lse) where lse is
+        (B, H, L) float32 (float64 for float64 inputs). A query row with no allowed
+        key gets output 0, lse -inf (the sink's logit, with sinks) and zero gradients.
+    """
+    if block_table is not None or seq_lens is not None:
+        return _paged_attention(q, k, v, mask, block_table, seq_lens, bias=bias, causal=causal,
+                                scale=scale, dropout_p=dropout_p, backend=backend,
+                                return_lse=return_lse, score=score, sinks=sinks)  # fmt: skip
+    validate.check_qkv(q, k, v)
+    validate.check_dropout(dropout_p)
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str, got {type(backend).__name__}")
+    score = as_score(score)
+    batch, num_heads, q_len, head_dim = q.shape
+    kv_len, value_dim = k.shape[2], v.shape[3]
+    if q_len == 0 or kv_len == 0:
+        _check_common(q, k, mask, bias, causal, scale, score=score, sinks=sinks)
+        # exact zeros that stay in the autograd graph (zero gradients), as SDPA's do:
+        # a sum over no elements is 0 whatever the inputs hold, nan included
+        connected = sum(t.reshape(-1)[:0].sum() for t in (q, k, v))
+        out = q.new_zeros(batch, num_heads, q_len, value_dim) + connected
+        lse = q.new_full((batch, num_heads, q_len), -torch.inf, dtype=stats_dtype(q.dtype))
+        if sinks is not None:  # every row's only "key" is its sink
+            lse = sinks.to(lse.dtype).view(1, -1, 1).expand(batch, num_heads, q_len)
+        return (out, lse) if return_lse else out
+    spec = AttentionSpec(
+        batch=batch,
+        num_heads=num_heads,
+        num_kv_heads=k.shape[1],
+        q_len=q_len,
+        kv_len=kv_len,
+        head_dim=head_dim,
+        value_dim=value_dim,
+        dtype=q.dtype,
+        device=q.device,
+        has_mask=mask is not None,
+        has_bias=bias is not None,
+        causal=causal,
+        dropout_p=float(dropout_p),
+        return_lse=return_lse,
+        has_score=score is not None,
+        score_kinds=kinds(score),
+        has_sinks=sinks is not None,
+    )
+    # one query aligned bottom-right sees every key (a decoding step): nothing to mask,
+    # and backends take their unmasked fast paths; but a sharded (ring) backend's
+    # causality is global, across the shards
+    unmasked = causal is True and q_len == 1
+    chosen = select(dataclasses.replace(spec, causal=False) if unmasked else spec, backend)
+    if unmasked and chosen.sharded:
+        chosen, unmasked = select(spec, backend), False
+    if unmasked:
+        causal = False
+    resolved_scale = _check_common(q, k, mask, bias, causal, scale, chosen.sharded, score, sinks)
+    call = dict(mask=mask, bias=bias, causal=causal, scale=resolved_scale,
+                dropout_p=float(dropout_p), return_lse=return_lse, score=score,
+                sinks=sinks)  # fmt: skip
+    out, lse = chosen.forward(q, k, v, **call)
+    out, lse = isolate_masked_nonfinite(chosen, q, k, v, out, lse, call)
+    return (out, lse) if return_lse else out
+
+
+def _paged_attention(q, k_pool, v_pool, mask, block_table, seq_lens, *, bias, causal, scale,
+                     dropout_p, backend, return_lse, score, sinks) -> Tensor:  # fmt: skip
+    """attention() over paged keys: validate, then the chosen backend's forward_paged."""
+    if block_table is None:
+        raise ValueError("seq_lens goes with block_table (paged keys); pass both or neither")
+    seq_lens = validate.check_paged(q, k_pool, v_pool, block_table, seq_lens)
+    unserved = {"bias": bias is not None, "dropout_p": bool(dropout_p), "return_lse": return_lse,
+                "sinks": sinks is not None}  # fmt: skip
+    if any(unserved.values()):
+        names = ", ".join(name for name, given in unserved.items() if given)
+        raise ValueError(f"attention over paged keys (block_table=) takes no bias, dropout_p, "
+                         f"return_lse or sinks; got {names}")  # fmt: skip
+    validate.check_causal(causal)
+    window = validate.paged_window(mask, causal, q.shape[2])
+    validate.check_scale(scale)
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str, got {type(backend).__name__}")
+    score = as_score(score)
+    if score is not None:
+        score.check(q.shape[1], q.device, stats_dtype(q.dtype))
+    needs_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (q, k_pool, v_pool, *(score.tensors() if score else ()))
+    )
+    batch, num_heads, q_len, head_dim = q.shape
+    spec = AttentionSpec(
+        batch=batch, num_heads=num_heads, num_kv_heads=k_pool.shape[2], q_len=q_len,
+        kv_len=max(seq_lens, default=0), head_dim=head_dim, value_dim=v_pool.shape[3],
+        dtype=q.dtype, device=q.device, has_mask=window is not None, has_bias=False,
+        causal=True, dropout_p=0.0, return_lse=False, has_score=score is not None,
+        score_kinds=kinds(score), paged=True, needs_grad=needs_grad,
+    )  # fmt: skip
+    chosen = select(spec, backend)
+    if batch == 0 or q_len == 0:
+        return q.new_zeros(batch, num_heads, q_len, v_pool.shape[3])
+    table = block_table.long().clamp(0, k_pool.shape[0] - 1)  # unused entries: any value
+    resolved_scale = _resolved_scale(q, scale)
+    return chosen.forward_paged(q, k_pool, v_pool, block_table=table, seq_lens=seq_lens,
+                                scale=resolved_scale, score=score, window=window)  # fmt: skip
+
+
+def attention_weights(
+    q: Tensor,
+    k: Tensor,
+    mask: Tensor | None = None,
+    *,
+    bias: Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    backend: str = "auto",
+    heads: Sequence[int] | Tensor | None = None,
+    rows: Sequence[int] | Tensor | None = None,
+    score: ScoreFunction | list | None = None,
+    sinks: Tensor | None = None,
+) -> Tensor:
+    """The attention probabilities softmax(score(q k^T * scale) + bias), (B, h, r, S).
+
+    Same arguments and conventions as `attention`; rows with no allowed key are 0.
+    heads and rows pick query heads and query rows (default all): only those
+    (B, len(heads), len(rows), S) probabilities are computed, never the rest.
+    backend "flash" normalises them by the logsumexp of the tiled engine (exactly
+    what its forward used); "reference" by a softmax over each selected row. "auto"
+    is "reference" for all heads and rows, else "flash". Computed in float32
+    (float64 for float64 inputs) and returned in q's dtype.
+    """
+    validate.check_qkv(q, k, k)
+    score = as_score(score)
+    resolved_scale = _check_common(q, k, mask, bias, causal, scale, score=score, sinks=sinks)
+    num_heads, q_len, kv_len = q.shape[1], q.shape[2], k.shape[2]
+    head_idx = _indices("heads", heads, num_heads, q.device)
+    row_idx = _indices("rows", rows, q_len, q.device)
+    if backend == "auto":
+        backend = "reference" if heads is None and rows is None else "flash"
+    if backend not in ("reference", "flash", "triton"):
+        raise ValueError(
+            "attention_weights backend must be 'auto', 'reference', 'flash' or 'triton', "
+            f"got {backend!r}"
+        )
+    if head_idx.numel() == 0 or row_idx.numel() == 0:  # an empty selection is no error
+        return q.new_zeros(q.shape[0], head_idx.numel(), row_idx.numel(), kv_len)
+    q_sel = q.index_select(1, head_idx)
+    k_sel = k.index_select(1, head_idx // (num_heads // k.shape[1]))
+    keys = torch.arange(kv_len, device=q.device)
+    if mask is None or isinstance(mask, Tensor):
+        mask_sel = _select(mask, 1, head_idx)
+        allowed = None if mask_sel is None else _select(mask_sel, 2, row_idx)
+    else:  # a pattern, the same for every head: evaluate it on the selected rows only
+        mask_sel = mask
+        allowed = mask.allowed(row_idx.view(-1, 1), keys.view(1, -1), q_len, kv_len)
+    bias_sel = _select(bias, 1, head_idx)
+    score_sel = None if score is None else SelectedHeads(score, head_idx, num_heads)
+    sinks_sel = None if sinks is None else sinks.index_select(0, head_idx)
+    if backend == "triton":  # visited tiles only, normalised by the kernel's own lse
+        from .kernels.triton import score_of_heads, triton_attention_weights  # imports triton
+
+        probs = triton_attention_weights(
+            q_sel, k_sel, mask_sel, bias=bias_sel, causal=causal, scale=resolved_scale,
+            score=score_of_heads(score, head_idx), sinks=sinks_sel,
+        )  # fmt: skip
+        return probs.index_select(2, row_idx).to(q.dtype)
+    dtype = stats_dtype(q.dtype)
+    scores = grouped_scores(q_sel.index_select(2, row_idx), k_sel, resolved_scale, dtype)
+    if score is not None:
+        q_pos = row_idx + causal_shift(q_len, kv_len)
+        scores = apply_score(score, scores, q_pos, keys, head_idx)
+    if bias_sel is not None:
+        scores = scores + _select(bias_sel, 2, row_idx).to(dtype)
+    if causal:
+        q_pos = row_idx.view(-1, 1) + causal_shift(q_len, kv_len)
+        visible = causal_allows(q_pos, keys.view(1, -1))
+        allowed = visible if allowed is None else allowed & visible
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, -torch.inf)
+    if backend == "reference":
+        return softmax_with_sinks(scores, sinks_sel)[0].to(q.dtype)
+    _, lse = attention(
+        q_sel, k_sel, k_sel, mask_sel, bias=bias_sel, causal=causal, scale=resolved_scale,
+        backend="flash", return_lse=True, score=score_sel, sinks=sinks_sel,
+    )  # fmt: skip
+    lse = lse.index_select(2, row_idx)
+    lse = torch.where(torch.isneginf(lse), torch.full_like(lse, torch.inf), lse)
+    return torch.exp(scores - lse.unsqueeze(-1)).to(q.dtype)
+
+
+def _indices(name: str, value, size: int, device: torch.device) -> Tensor:
+    """A 1-D int64 index tensor from None (all), a sequence or a tensor of ints."""
+    if value is None:
+        return torch.arange(size, device=device)
+    idx = torch.as_tensor(value, device=device)
+    if idx.numel() == 0 and not isinstance(value, Tensor):
+        idx = idx.long()  # [] is a float tensor to torch: an empty selection of ints
+    if idx.dim() != 1 or idx.is_floating_point() or idx.dtype == torch.bool:
+        raise TypeError(f"{name} must be a 1-D sequence of ints, got {value!r}")
+    if idx.numel() and (idx.min() < 0 or idx.max() >= size):
+        raise ValueError(f"{name} must lie in [0, {size}), got {idx.tolist()}")
+    return idx.long()
+
+
+def _select(t: Tensor | None, dim: int, idx: Tensor) -> Tensor | None:
+    """Index a (B, H, L, S)-broadcastable tensor along dim 1 (heads) or 2 (rows)."""
+    if t is None:
+        return None
+    t = t.view((1,) * (4 - t.dim()) + tuple(t.shape))
+    return t if t.shape[dim] == 1 else t.index_select(dim, idx)
+
+
+def attention_and_weights(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None = None,
+    *,
+    bias: Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    score: ScoreFunction | list | None = None,
+    sinks: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """(out (B, H, L, D_v), probs (B, H, L, S)) from one pass of the reference math.
+
+    For modules that return weights (need_weights=True); probs are before dropout.
+    """
+    validate.check_qkv(q, k, v)
+    score = as_score(score)
+    resolved_scale = _check_common(q, k, mask, bias, causal, scale, score=score, sinks=sinks)
+    validate.check_dropout(dropout_p)
+    probs, _ = attention_probs(q, k, mask=mask, bias=bias, causal=causal, scale=resolved_scale,
+                               score=score, sinks=sinks)  # fmt: skip
+    dropped = apply_dropout(probs, dropout_p, draw_seed()) if dropout_p > 0 else probs
+    return probs_times_v(dropped, v).to(q.dtype), probs.to(q.dtype)

@@ -1,0 +1,203 @@
+"""The flex backend: PyTorch's compiled FlexAttention, for patterns on CUDA.
+
+A call's mask and bottom-right causal alignment become one mask_mod (a pattern's own
+elementwise rule, `Pattern.allowed`, so no L x S mask is materialised; a bool tensor
+is looked up) and a BlockMask built from it; an mhsa.core.scores function becomes a
+score_mod, with our global query positions. FlexAttention then skips the empty tiles
+and applies no mask in full ones. BlockMasks of patterns are cached per (pattern,
+causal, shape, device), so a model calling the same pattern in every layer builds it
+once. Used on CUDA only: on CPU FlexAttention has no backward, and our flash engine
+serves patterns there.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from ..kernels.memo import PatternCache
+from ..kernels.scored import add_sinks
+from ..masks import Pattern
+from ..masks.causal import causal_allows, causal_shift
+from .common import combined_mask
+from .registry import PAGED_REASON, AttentionSpec, Backend
+
+BLOCK = 128  # FlexAttention's tile
+
+
+def _flex_module():
+    from torch.nn.attention import flex_attention
+
+    return flex_attention
+
+
+# torch.compile keeps at most recompile_limit (8) versions of flex_attention, one per
+# input shape here; past that it silently runs FlexAttention unfused, materialising
+# the whole score matrix. A model sees more shapes than that (every decoding length).
+RECOMPILE_LIMIT = 256
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_flex():
+    return torch.compile(_flex_module().flex_attention, dynamic=False)
+
+
+def _recompile_limit():
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    return config.patch(**{name: max(getattr(config, name), RECOMPILE_LIMIT)})
+
+
+def _dense_mask(
+    mask: Tensor | Pattern | None, causal: bool, q_len: int, kv_len: int, device
+) -> Tensor | None:
+    """(Bm, Hm, L, S) bool, True = may attend, or None when nothing is masked."""
+    dense = combined_mask(mask, causal, q_len, kv_len, device)
+    return None if dense is None else dense.view((1,) * (4 - dense.dim()) + dense.shape)
+
+
+def block_mask_for(
+    mask: Tensor | Pattern | None, causal: bool, shape: tuple[int, int, int, int], device
+):
+    """The FlexAttention BlockMask of a call (batch, heads, L, S); None if unmasked.
+    Patterns and plain causal masks are cached; tensor masks are rebuilt each call
+    (they may change in place)."""
+    if mask is None and not causal:
+        return None
+    if isinstance(mask, Tensor):
+        return _build_block_mask(mask, causal, shape, device)
+    build = functools.partial(_build_block_mask, mask, causal, shape, device)
+    return _CACHE.get(mask, (causal, tuple(shape), str(device)), build)
+
+
+_CACHE = PatternCache(size=64)
+
+
+def _build_block_mask(mask, causal: bool, shape: tuple, device):
+    batch, heads, q_len, kv_len = shape
+    shift = causal_shift(q_len, kv_len)
+    if mask is None:  # causal only: a closed form, no dense L x S mask to build or keep
+
+        def causal_mod(b, h, q_idx, kv_idx):
+            return causal_allows(q_idx + shift, kv_idx)
+
+        return _flex_module().create_block_mask(
+            causal_mod, None, None, q_len, kv_len, device=device, BLOCK_SIZE=BLOCK
+        )
+    if isinstance(mask, Pattern):
+        return _pattern_block_mask(mask, causal, shape, device)
+    dense = _dense_mask(mask, causal, q_len, kv_len, device)
+    per_batch, per_head = dense.shape[0] > 1, dense.shape[1] > 1
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return dense[b if per_batch else 0, h if per_head else 0, q_idx, kv_idx]
+
+    return _flex_module().create_block_mask(
+        mask_mod,
+        batch if per_batch else None,
+        heads if per_head else None,
+        q_len,
+        kv_len,
+        device=device,
+        BLOCK_SIZE=BLOCK,
+    )
+
+
+def _pattern_block_mask(pattern: Pattern, causal: bool, shape: tuple, device):
+    """A pattern's BlockMask from its elementwise rule: the mask_mod asks
+    `pattern.allowed` about one (query, key) pair at a time."""
+    batch, heads, q_len, kv_len = shape
+    shift = causal_shift(q_len, kv_len)
+    index = torch.zeros(1, 1, dtype=torch.long, device=device)
+    per_batch = pattern.allowed(index, index, q_len, kv_len).shape[0] > 1
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        allowed = pattern.allowed(q_idx.view(1, 1), kv_idx.view(1, 1), q_len, kv_len)
+        allowed = allowed.reshape(allowed.shape[0])[b if per_batch else 0]
+        return allowed & causal_allows(q_idx + shift, kv_idx) if causal else allowed
+
+    return _flex_module().create_block_mask(
+        mask_mod, batch if per_batch else None, None, q_len, kv_len, device=device,
+        BLOCK_SIZE=BLOCK,
+    )  # fmt: skip
+
+
+def _score_mod(score, q_len: int, kv_len: int):
+    """An mhsa.core.scores function as FlexAttention's score_mod: flex numbers query rows
+    0..L-1, our functions see global positions (row + S - L)."""
+    if score is None:
+        return None
+    shift = causal_shift(q_len, kv_len)
+
+    def score_mod(value, b, h, q_idx, kv_idx):
+        return score(value, b, h, q_idx + shift, kv_idx)
+
+    return score_mod
+
+
+def flex_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Tensor | Pattern | None,
+    causal: bool,
+    scale: float,
+    compiled: bool = True,
+    score=None,
+    sinks: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """(out (B, H, L, D_v), lse (B, H, L) float32) with FlexAttention; score is an
+    mhsa.core.scores function or None; sinks (H,) join each row's denominator after
+    FlexAttention, through its differentiable lse; compiled=False runs it eagerly
+    (slow; for checking on CPU)."""
+    batch, heads, q_len, _ = q.shape
+    block_mask = block_mask_for(mask, causal, (batch, heads, q_len, k.shape[2]), q.device)
+    flex = _compiled_flex() if compiled else _flex_module().flex_attention
+    with _recompile_limit():
+        out, lse = flex(
+            q,
+            k,
+            v,
+            score_mod=_score_mod(score, q_len, k.shape[2]),
+            block_mask=block_mask,
+            scale=scale,
+            enable_gqa=k.shape[1] != heads,
+            return_lse=True,
+        )
+    lse = lse.float()
+    return (out, lse) if sinks is None else add_sinks(out, lse, sinks)
+
+
+class FlexBackend(Backend):
+    name = "flex"
+
+    def available(self) -> str | None:
+        try:
+            _flex_module()
+        except ImportError:
+            return "torch.nn.attention.flex_attention is missing (torch >= 2.5 has it)"
+        return None
+
+    def supports(self, spec: AttentionSpec) -> str | None:
+        if spec.device.type != "cuda":
+            return "used on CUDA only (on CPU FlexAttention has no backward)"
+        if spec.paged:
+            return PAGED_REASON
+        if spec.has_bias:
+            return "no additive bias (triton and flash take one)"
+        if spec.dropout_p:
+            return "no dropout (triton and flash take it with any pattern)"
+        return None
+
+    def preference(self, spec: AttentionSpec) -> float:
+        # On CUDA: the choice for patterns (sdpa wins plain and aligned-causal calls)
+        return 2.5 if spec.has_mask or spec.causal else 0.5
+
+    def forward(self, q, k, v, *, mask, bias, causal, scale, dropout_p, return_lse,
+                score=None, sinks=None):  # fmt: skip
+        out, lse = flex_forward(q, k, v, mask=mask, causal=causal, scale=scale, score=score,
+                                sinks=sinks)  # fmt: skip
+        return out, (lse if return_lse else None)

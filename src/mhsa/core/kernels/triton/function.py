@@ -1,0 +1,319 @@
+"""Launch code for the Triton kernels: the autograd Function, attention probabilities
+and the dropout mask.
+
+Every launch walks the tile lists of .tiles (the flash engine's block plan).
+Backward is atomic-free: one program per query block writes dQ (and its dS tiles
+into a dBias buffer of the full (B, H, L, S) shape, reduced over broadcast dims with
+torch), one program per (key block, kv head) accumulates dK and dV over the query
+heads of its group. Score functions' tensors get their gradients from per-program
+partial sums of the dQ programs (see .scores); sinks from lse and delta in torch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ...scores import ScoreFunction
+from ..dense import stats_dtype
+from ..dropout import draw_seed
+from ..scored import sink_grad
+from .attention import _attn_bwd_dkv, _attn_bwd_dq, _attn_fwd, _attn_probs, _keep_mask
+from .checks import check_inputs, check_score, interpreting
+from .scores import KernelScore, block_buckets, kernel_score
+from .tiles import TileLists, broadcast4d, build_tiles
+
+NO_SCORE = KernelScore()
+NO_TENSORS = (None, None, None)  # (slopes, table, sinks)
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) by (16-bit inputs, head dim up to): chosen
+# from ptxas register reports for sm_90 / sm_80 (no spills in forward and dQ), not timed
+_LAUNCH = {
+    (True, 64): (64, 64, 4, 2),
+    (True, 128): (64, 64, 8, 2),
+    (True, 256): (32, 32, 8, 2),
+    (False, 64): (32, 32, 4, 2),  # float32 products are IEEE FMAs: smaller tiles
+    (False, 128): (64, 32, 8, 2),
+    (False, 256): (32, 32, 8, 1),
+}
+
+
+def block_sizes(head_dim: int, value_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a call; 16 x 16 under the interpreter."""
+    if interpreting():
+        return 16, 16, 4, 1
+    dim = next(d for d in (64, 128, 256) if max(head_dim, value_dim) <= d)
+    return _LAUNCH[(dtype in (torch.float16, torch.bfloat16), dim)]
+
+
+def _mask_args(tiles: TileLists, bias: Tensor | None, like: Tensor, shape) -> list:
+    """Bias, Mask, Tiles pointers and their strides (dummies where absent)."""
+    bias4 = like if bias is None else broadcast4d(bias, shape)
+    mask = like if tiles.mask is None else tiles.mask
+    buf = like if tiles.tiles is None else tiles.tiles
+    bias_strides = (0,) * 4 if bias is None else bias4.stride()
+    mask_strides = (0,) * 4 if tiles.mask is None else mask.stride()
+    tile_stride = 0 if tiles.tiles is None or buf.shape[0] == 1 else buf.stride(0)
+    return [bias4, mask, buf, *bias_strides, *mask_strides, tile_stride]
+
+
+def _dot_options(dtype: torch.dtype) -> dict:
+    """IEEE float32 products unless torch allows TF32; bfloat16 dots are upcast under
+    the interpreter, whose dot cannot take them; ACC is the statistics dtype."""
+    prec = None
+    if dtype == torch.float32:
+        prec = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    acc = tl.float64 if dtype == torch.float64 else tl.float32
+    return {"PREC": prec, "UPCAST": interpreting() and dtype == torch.bfloat16, "ACC": acc}
+
+
+def _dropout_args(dropout: tuple[float, int] | None) -> list:
+    """seed, threshold, keep_scale of (p, seed) (zeros without dropout)."""
+    if dropout is None:
+        return [0, 0, 1.0]
+    p, seed = dropout
+    return [seed, int(p * 2**32), 1.0 / (1.0 - p)]
+
+
+def _block_dim(dim: int) -> int:
+    return max(16, triton.next_power_of_2(dim))
+
+
+def _forward(q, k, v, bias, tiles: TileLists, scale, dropout, score: KernelScore = NO_SCORE,
+             tensors: tuple = NO_TENSORS) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """(out, lse); score and tensors (slopes, table, sinks) as in TritonAttention."""
+    batch, num_heads, q_len, head_dim = q.shape
+    num_kv_heads, kv_len, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    out = q.new_empty(batch, num_heads, q_len, value_dim)
+    lse = torch.empty(batch, num_heads, q_len, dtype=stats_dtype(q.dtype), device=q.device)
+    masks = _mask_args(tiles, bias, q, (batch, num_heads, q_len, kv_len))
+    _attn_fwd[(tiles.num_q_blocks, batch * num_heads)](
+        q, k, v, out, lse, *masks[:3], tiles.row_ptr, tiles.row_blk, tiles.row_kind,
+        tiles.row_tile, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *masks[3:],
+        num_heads, num_heads // num_kv_heads, q_len, kv_len, head_dim, value_dim,
+        scale, tiles.shift, *_dropout_args(dropout), *score.args(*tensors, like=q),
+        HAS_BIAS=bias is not None, MASK_MODE=tiles.mask_mode, CAUSAL=tiles.causal,
+        **score.constants(), HAS_SINKS=tensors[2] is not None,
+        DROPOUT=dropout is not None, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        BLOCK_D=_block_dim(head_dim), BLOCK_DV=_block_dim(value_dim), **_dot_options(q.dtype),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )  # fmt: skip
+    return out, lse
+
+
+def _backward(grad_out, grad_lse, q, k, v, bias, out, lse, tiles: TileLists, scale, dropout,
+              bias_grad: bool, score: KernelScore = NO_SCORE, tensors: tuple = NO_TENSORS,
+              wanted: tuple = (False, False, False)):  # fmt: skip
+    """(dq, dk, dv, dbias, dsinks, dslopes, dtable), each in its input's dtype; dbias
+    when bias_grad, the others where wanted (sinks, slopes, table) says so, else None."""
+    batch, num_heads, q_len, head_dim = q.shape
+    num_kv_heads, kv_len, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    shape = (batch, num_heads, q_len, kv_len)
+    acc = stats_dtype(q.dtype)
+    grad_out = grad_out.to(q.dtype)
+    delta = (grad_out.to(acc) * out.to(acc)).sum(dim=-1)  # (B, H, L)
+    if grad_lse is not None:  # d lse / d scores is P: it enters as a shift of delta
+        delta = delta - torch.where(torch.isfinite(lse), grad_lse.to(acc), 0.0)
+    delta = delta.contiguous()
+    dq = torch.empty(q.shape, dtype=acc, device=q.device)
+    dk = torch.empty(k.shape, dtype=acc, device=q.device)
+    dv = torch.empty(v.shape, dtype=acc, device=q.device)
+    dbias = torch.zeros(shape, dtype=acc, device=q.device) if bias_grad else q
+    slope_grad, table_grad = wanted[1] and score.alibi > 0, wanted[2] and score.relative > 0
+    block_nb = block_buckets(score.num_buckets)
+    partial = (batch * num_heads, tiles.num_q_blocks)
+    d_slope = torch.empty(partial, dtype=acc, device=q.device) if slope_grad else q
+    d_table = torch.empty(*partial, block_nb, dtype=acc, device=q.device) if table_grad else q
+    masks = _mask_args(tiles, bias, q, shape)
+    common = dict(
+        **score.constants(),
+        HAS_BIAS=bias is not None, MASK_MODE=tiles.mask_mode, CAUSAL=tiles.causal,
+        DROPOUT=dropout is not None, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        BLOCK_D=_block_dim(head_dim), BLOCK_DV=_block_dim(value_dim), **_dot_options(q.dtype),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )  # fmt: skip
+    strides = [*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *masks[3:]]
+    sizes = [q_len, kv_len, head_dim, value_dim, scale, tiles.shift, *_dropout_args(dropout),
+             *score.args(*tensors, like=q)]  # fmt: skip
+    _attn_bwd_dq[(tiles.num_q_blocks, batch * num_heads)](
+        q, k, v, grad_out, lse, delta, dq, dbias, *masks[:3],
+        tiles.row_ptr, tiles.row_blk, tiles.row_kind, tiles.row_tile,
+        *strides, num_heads, num_heads // num_kv_heads, *sizes, d_slope, d_table,
+        BIAS_GRAD=bias_grad, SLOPE_GRAD=slope_grad, TABLE_GRAD=table_grad, BLOCK_NB=block_nb,
+        **common,
+    )  # fmt: skip
+    _attn_bwd_dkv[(tiles.num_k_blocks, batch * num_kv_heads)](
+        q, k, v, grad_out, lse, delta, dk, dv, *masks[:3],
+        tiles.col_ptr, tiles.col_blk, tiles.col_kind, tiles.col_tile,
+        *strides, num_heads, num_kv_heads, num_heads // num_kv_heads, *sizes, **common,
+    )  # fmt: skip
+    grad_bias = None
+    if bias_grad:
+        bias4 = bias.view((1,) * (4 - bias.dim()) + tuple(bias.shape))
+        dims = [i for i in range(4) if bias4.shape[i] == 1 and shape[i] != 1]
+        grad_bias = (dbias.sum(dim=dims, keepdim=True) if dims else dbias).view(bias.shape)
+        grad_bias = grad_bias.to(bias.dtype)
+    slopes, table, sinks = tensors
+    grads = [
+        sink_grad(sinks, lse, delta) if wanted[0] else None,
+        d_slope.view(batch, num_heads, -1).sum(dim=(0, 2)).to(slopes.dtype) if slope_grad else None,
+        (d_table.view(batch, num_heads, -1, block_nb).sum(dim=(0, 2))[:, : score.num_buckets]
+         .t().to(table.dtype) if table_grad else None),
+    ]  # fmt: skip
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), grad_bias, *grads
+
+
+class TritonAttention(torch.autograd.Function):
+    """(q, k, v, bias, sinks, slopes, table) -> (out, lse); saves only those inputs, out
+    and lse. slopes and table are the ALiBi and RelativeBias tensors of the score
+    function that KernelScore describes (None where absent)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, sinks, slopes, table, tiles, scale, dropout, score):
+        tensors = (slopes, table, sinks)
+        out, lse = _forward(q, k, v, bias, tiles, scale, dropout, score, tensors)
+        ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None
+        ctx.save_for_backward(q, k, v, bias, sinks, slopes, table, out, lse)
+        ctx.tiles, ctx.scale, ctx.dropout, ctx.score = tiles, scale, dropout, score
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, bias, sinks, slopes, table, out, lse = ctx.saved_tensors
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        bias_grad = bias is not None and ctx.needs_input_grad[3]
+        needs = ctx.needs_input_grad[4:7]
+        wanted = tuple(
+            t is not None and need for t, need in zip((sinks, slopes, table), needs, strict=True)
+        )
+        grads = _backward(
+            grad_out, grad_lse, q, k, v, bias, out, lse, ctx.tiles, ctx.scale, ctx.dropout,
+            bias_grad, ctx.score, (slopes, table, sinks), wanted,
+        )  # fmt: skip
+        return (*grads, None, None, None, None)
+
+
+def _prepare(q, k, v, mask, bias, causal, scale, blocks, score=None, sinks=None):
+    check_inputs(q, k, v, mask, bias)
+    check_score(score, sinks, q)
+    value_dim = q.shape[3] if v is None else v.shape[3]
+    launch = block_sizes(q.shape[3], value_dim, q.dtype)
+    if blocks is not None:
+        blocks = tuple(blocks)
+        tiles_ok = len(blocks) in (2, 4) and all(b >= 16 and not b & (b - 1) for b in blocks[:2])
+        if not tiles_ok or any(b < 1 for b in blocks[2:]):
+            raise ValueError(
+                "blocks must be (BLOCK_M, BLOCK_N) or (BLOCK_M, BLOCK_N, num_warps, "
+                f"num_stages), tiles powers of two >= 16, got {blocks}"
+            )
+        launch = blocks + launch[len(blocks) :]
+    shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    tiles = build_tiles(mask, causal, shape, q.device, launch)
+    return tiles, 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
+
+
+def triton_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask=None,
+    *,
+    bias: Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    seed: int | None = None,
+    blocks: tuple[int, ...] | None = None,
+    score: ScoreFunction | None = None,
+    sinks: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Exact attention in Triton: (out (B, H, L, D_v) in q's dtype, lse (B, H, L) float32,
+    float64 for float64 inputs, which only the interpreter takes).
+
+    q (B, H, L, D), k (B, H_kv, S, D), v (B, H_kv, S, D_v) with H % H_kv == 0 and
+    D, D_v <= 256; mask an mhsa.core.masks pattern or a bool tensor broadcastable to
+    (B, H, L, S) (True = may attend); bias float, broadcastable, differentiable;
+    causal aligned bottom-right (query i sees keys <= i + S - L); scale defaults to
+    1/sqrt(D). Dropout keeps exactly the entries of mhsa.core.kernels.dropout.keep_mask
+    with the given seed (default: drawn from torch's generator). blocks overrides
+    (BLOCK_M, BLOCK_N), each a power of two >= 16, and optionally (num_warps,
+    num_stages) after them. score: ALiBi, RelativeBias, Softcap or a composition holding
+    each at most once (mhsa.core.scores), applied to the scaled scores before the bias and
+    the mask, query row i at position i + S - L; its slopes and table are
+    differentiable. sinks (H,): differentiable logits of a key without a value in each
+    row's denominator. A row with no allowed key gets output 0, lse -inf (its sink with
+    sinks) and zero gradients.
+    """
+    if q.shape[2] == 0 or k.shape[2] == 0:
+        out = q.new_zeros(*q.shape[:3], v.shape[3])
+        lse = q.new_full(q.shape[:3], -math.inf, dtype=stats_dtype(q.dtype))
+        if sinks is not None:  # every row's only "key" is its sink
+            lse = sinks.to(lse.dtype).view(1, -1, 1).expand(lse.shape)
+        return out, lse
+    kernel, slopes, table = kernel_score(score)
+    tiles, scale = _prepare(q, k, v, mask, bias, causal, scale, blocks, score, sinks)
+    dropout = None
+    if dropout_p > 0:
+        dropout = (float(dropout_p), draw_seed() if seed is None else int(seed))
+    return TritonAttention.apply(q, k, v, bias, sinks, slopes, table, tiles, scale, dropout,
+                                 kernel)  # fmt: skip
+
+
+@torch.no_grad()
+def triton_attention_weights(
+    q: Tensor,
+    k: Tensor,
+    mask=None,
+    *,
+    bias: Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    lse: Tensor | None = None,
+    blocks: tuple[int, ...] | None = None,
+    score: ScoreFunction | None = None,
+    sinks: Tensor | None = None,
+) -> Tensor:
+    """Softmax probabilities (B, H, L, S) of score(q k^T * scale) + bias, float32 (the
+    statistics dtype), masked as in triton_attention and normalised by lse (B, H, L)
+    (default: the one the forward kernel computes, sinks in its denominator). Only
+    visited tiles are computed; rows with no allowed key and empty tiles are 0. No
+    dropout is applied."""
+    if q.shape[2] == 0 or k.shape[2] == 0:
+        return q.new_zeros(*q.shape[:3], k.shape[2], dtype=stats_dtype(q.dtype))
+    kernel, slopes, table = kernel_score(score)
+    tiles, scale = _prepare(q, k, None, mask, bias, causal, scale, blocks, score, sinks)
+    if lse is None:
+        lse = _forward(q, k, k, bias, tiles, scale, None, kernel, (slopes, table, sinks))[1]
+    batch, num_heads, q_len, head_dim = q.shape
+    shape = (batch, num_heads, q_len, k.shape[2])
+    if lse.shape != shape[:3]:
+        raise ValueError(f"lse must have shape {shape[:3]}, got {tuple(lse.shape)}")
+    lse = lse.to(stats_dtype(q.dtype)).contiguous()
+    probs = torch.zeros(shape, dtype=stats_dtype(q.dtype), device=q.device)
+    masks = _mask_args(tiles, bias, q, shape)
+    _attn_probs[(tiles.num_q_blocks, batch * num_heads)](
+        q, k, lse, probs, *masks[:3], tiles.row_ptr, tiles.row_blk, tiles.row_kind,
+        tiles.row_tile, *q.stride(), *k.stride(), *masks[3:],
+        num_heads, num_heads // k.shape[1], q_len, k.shape[2], head_dim, scale, tiles.shift,
+        *kernel.args(slopes, table, None, like=q), **kernel.constants(),
+        HAS_BIAS=bias is not None, MASK_MODE=tiles.mask_mode, CAUSAL=tiles.causal,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=_block_dim(head_dim),
+        **_dot_options(q.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )  # fmt: skip
+    return probs
+
+
+def triton_keep_mask(
+    seed: int, batch: int, num_heads: int, q_len: int, kv_len: int, p: float, device
+) -> Tensor:
+    """(B, H, L, S) bool: the dropout keep mask the kernels draw for (seed, p); equal to
+    mhsa.core.kernels.dropout.keep_mask(seed, B, H, 0, L, arange(S), p)."""
+    out = torch.empty(batch, num_heads, q_len, kv_len, dtype=torch.bool, device=device)
+    grid = (triton.cdiv(q_len, 16), triton.cdiv(kv_len, 16), batch * num_heads)
+    _keep_mask[grid](out, seed, int(p * 2**32), q_len, kv_len, BLOCK_M=16, BLOCK_N=16)
+    return out

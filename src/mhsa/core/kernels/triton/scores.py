@@ -1,0 +1,217 @@
+"""Score functions and sinks inside the Triton kernels.
+
+The kernels evaluate ALiBi, RelativeBias and Softcap (mhsa.core.scores) per tile from the
+tile's row and column indices, in global positions aligned bottom-right (query row r
+at r + S - L), and never build an (L, S) tensor:
+    ALiBi         -slopes[h] * |i - j|, slopes (H,) loaded once per program;
+    RelativeBias  table[bucket(j - i), h]; the bucket of each offset in -span..span
+                  (span = max_distance; beyond it every offset shares the end bucket)
+                  is looked up in a (2 * span + 1,) int32 vector made by
+                  mhsa.core.scores.t5_bucket itself, so kernel and torch buckets agree
+                  exactly, with no float log in the kernel;
+    Softcap       cap * tanh(s / cap); its backward multiplies dS by 1 - tanh**2.
+Each additive function has a stage: 1 before the softcap (or without one), 2 after it,
+so a composition holds each kind at most once. Sinks (H,) start each row's online
+softmax at (max = sink, sum = 1): the denominator includes exp(sink) and a row with no
+allowed key gets output 0 and lse = sink; their gradient is computed in torch from lse
+and delta (mhsa.core.kernels.scored.sink_grad).
+
+Gradients are atomic-free: the dQ kernel, one program per (batch, head, query block),
+writes its tiles' slope gradient and per-bucket table gradient sums to a partial
+buffer, which torch then reduces over batches and query blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ...scores import ALiBi, Compose, RelativeBias, ScoreFunction, Softcap, t5_bucket
+
+KERNEL_SCORES = (ALiBi, RelativeBias, Softcap)
+
+
+@triton.jit
+def _tanh(x):
+    """tanh from exp (no libdevice: the interpreter and every GPU run it)."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _distance(rows, cols, shift):
+    """(BLOCK_M, BLOCK_N) int32 |i - j| of query positions rows + shift and keys cols."""
+    return tl.abs((rows + shift)[:, None] - cols[None, :])
+
+
+@triton.jit
+def _bucket(rows, cols, shift, Buckets, span):
+    """(BLOCK_M, BLOCK_N) int32 T5 bucket of the offsets j - i, looked up in Buckets
+    (2 * span + 1,) after clamping them to -span..span."""
+    offset = cols[None, :] - (rows + shift)[:, None]
+    return tl.load(Buckets + span + tl.minimum(tl.maximum(offset, -span), span))
+
+
+# Triton takes no structs: the helpers keep dense argument lists, which the formatter
+# would spread one per line.
+# fmt: off
+@triton.jit
+def _additive(s, rows, cols, shift, slope, table, stn, Buckets, span, STAGE: tl.constexpr,
+              ALIBI: tl.constexpr, RELATIVE: tl.constexpr, ACC: tl.constexpr):
+    """s plus the additive functions of this STAGE (1 before the softcap, 2 after)."""
+    if ALIBI == STAGE:
+        s -= slope * _distance(rows, cols, shift).to(ACC)
+    if RELATIVE == STAGE:
+        s += tl.load(table + _bucket(rows, cols, shift, Buckets, span) * stn).to(ACC)
+    return s
+
+
+@triton.jit
+def _score_fn(s, rows, cols, shift, slope, table, stn, Buckets, span, cap,
+              ALIBI: tl.constexpr, RELATIVE: tl.constexpr, SOFTCAP: tl.constexpr,
+              ACC: tl.constexpr):
+    """(scores after the score function, tanh of the softcap's argument (s without a
+    softcap), for the backward) of (BLOCK_M, BLOCK_N) scaled scores s."""
+    s = _additive(s, rows, cols, shift, slope, table, stn, Buckets, span, 1,
+                  ALIBI, RELATIVE, ACC)
+    t = s
+    if SOFTCAP:
+        t = _tanh(s / cap)
+        s = cap * t
+        s = _additive(s, rows, cols, shift, slope, table, stn, Buckets, span, 2,
+                      ALIBI, RELATIVE, ACC)
+    return s, t
+
+
+@triton.jit
+def _bucket_sums(bucket, g, BLOCK_NB: tl.constexpr):
+    """(BLOCK_NB,) sums of g over the entries of each bucket, looping over the range of
+    buckets present (a tile spans BLOCK_M + BLOCK_N - 1 offsets: few buckets)."""
+    ids = tl.arange(0, BLOCK_NB)
+    sums = tl.zeros([BLOCK_NB], g.dtype)
+    for n in range(tl.min(bucket), tl.max(bucket) + 1):
+        sums += tl.where(ids == n, tl.sum(tl.where(bucket == n, g, 0.0)), 0.0)
+    return sums
+
+
+@triton.jit
+def _score_grad(ds, t, rows, cols, shift, Buckets, span, d_slope, d_table,
+                ALIBI: tl.constexpr, RELATIVE: tl.constexpr, SOFTCAP: tl.constexpr,
+                SLOPE_GRAD: tl.constexpr, TABLE_GRAD: tl.constexpr, BLOCK_NB: tl.constexpr,
+                ACC: tl.constexpr):
+    """(dS of the scaled scores, d_slope + this tile's slope gradient, d_table + its
+    per-bucket table gradient) from dS of the modified scores and t of _score_fn."""
+    ds_in = ds
+    if SOFTCAP:
+        ds_in = ds * (1.0 - t * t)
+    if SLOPE_GRAD:
+        g = ds_in if ALIBI == 1 else ds
+        d_slope -= tl.sum(g * _distance(rows, cols, shift).to(ACC))
+    if TABLE_GRAD:
+        g = ds_in if RELATIVE == 1 else ds
+        d_table += _bucket_sums(_bucket(rows, cols, shift, Buckets, span), g, BLOCK_NB)
+    return ds_in, d_slope, d_table
+# fmt: on
+
+
+@triton.jit
+def _head_score(
+    Slopes, Table, Sinks, h64, sth, ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, ACC: tl.constexpr
+):
+    """(slope, this head's table column, sink) of query head h64; 0 where absent (the
+    sink's 0 is unused)."""
+    slope = 0.0
+    if ALIBI != 0:
+        slope = tl.load(Slopes + h64).to(ACC)
+    sink = 0.0
+    if HAS_SINKS:
+        sink = tl.load(Sinks + h64).to(ACC)
+    return slope, Table + h64 * sth, sink
+
+
+@dataclass(frozen=True)
+class KernelScore:
+    """A call's score function as the kernels evaluate it: each additive function's
+    stage (0 absent, 1 before the softcap or without one, 2 after it), the cap (0.0
+    without one) and RelativeBias's bucketing."""
+
+    alibi: int = 0
+    relative: int = 0
+    cap: float = 0.0
+    num_buckets: int = 0
+    max_distance: int = 0
+    bidirectional: bool = True
+
+    def constants(self) -> dict:
+        """The kernels' constexpr arguments."""
+        return {"ALIBI": self.alibi, "RELATIVE": self.relative, "SOFTCAP": self.cap > 0}
+
+    def args(self, slopes: Tensor | None, table: Tensor | None, sinks: Tensor | None,
+             like: Tensor) -> list:  # fmt: skip
+        """Slopes, Table, Buckets, Sinks, stn, sth, span, cap (dummies where absent)."""
+        buckets = like
+        if self.relative:
+            buckets = bucket_lookup(self.num_buckets, self.max_distance, self.bidirectional,
+                                    str(like.device))  # fmt: skip
+        strides = (0, 0) if table is None else table.stride()
+        slopes, table, sinks = (like if t is None else t for t in (slopes, table, sinks))
+        return [slopes, table, buckets, sinks, *strides, self.max_distance, self.cap]
+
+
+def kernel_score(score: ScoreFunction | None) -> tuple[KernelScore, Tensor | None, Tensor | None]:
+    """(KernelScore, ALiBi slopes or None, RelativeBias table or None) of score; raises
+    ValueError for what the kernels cannot evaluate."""
+    functions = () if score is None else score.functions if isinstance(score, Compose) else (score,)
+    kinds = [type(f) for f in functions]
+    fields, slopes, table = {}, None, None
+    for f in functions:
+        if type(f) not in KERNEL_SCORES or kinds.count(type(f)) > 1:
+            raise ValueError(f"the triton kernels evaluate ALiBi, RelativeBias and Softcap, each "
+                             f"at most once, got {score!r}; use backend='flash'")  # fmt: skip
+        stage = 2 if "cap" in fields else 1
+        if isinstance(f, ALiBi):
+            fields["alibi"], slopes = stage, f.slopes
+        elif isinstance(f, RelativeBias):
+            fields.update(relative=stage, num_buckets=f.num_buckets,
+                          max_distance=f.max_distance, bidirectional=f.bidirectional)  # fmt: skip
+            table = f.table
+        else:
+            fields["cap"] = f.cap
+    return KernelScore(**fields), slopes, table
+
+
+@functools.lru_cache(maxsize=32)
+def bucket_lookup(num_buckets: int, max_distance: int, bidirectional: bool, device: str) -> Tensor:
+    """(2 * max_distance + 1,) int32: t5_bucket of the offsets -max_distance..max_distance;
+    offsets beyond share the end buckets (their log ratio is >= 1, clamped)."""
+    offsets = torch.arange(-max_distance, max_distance + 1)
+    buckets = t5_bucket(offsets, num_buckets, max_distance, bidirectional)
+    return buckets.to(device=device, dtype=torch.int32)
+
+
+def block_buckets(num_buckets: int) -> int:
+    """The power of two >= num_buckets that the table gradient's partial sums take."""
+    return triton.next_power_of_2(max(num_buckets, 1))
+
+
+def score_of_heads(score: ScoreFunction | None, index: Tensor) -> ScoreFunction | None:
+    """score as a call on the query heads `index` (1-D int64) alone sees it: ALiBi's
+    slopes and RelativeBias's table columns selected (Softcap has none)."""
+    if score is None:
+        return None
+    functions = score.functions if isinstance(score, Compose) else (score,)
+    selected = []
+    for f in functions:
+        if isinstance(f, ALiBi):
+            f = ALiBi(f.slopes.index_select(0, index))
+        elif isinstance(f, RelativeBias):
+            f = RelativeBias(f.table.index_select(1, index), f.num_buckets, f.max_distance,
+                             f.bidirectional)  # fmt: skip
+        selected.append(f)
+    return Compose(*selected)

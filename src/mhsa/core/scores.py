@@ -1,0 +1,423 @@
+"""Score functions: changes to attention scores that are not yes/no masks.
+
+A score function rewrites each scaled score s = (q . k) * scale of query position i
+and key position j, elementwise: `ALiBi` and `RelativeBias` add a per-head value of
+i - j, `Softcap` squashes s into (-cap, cap) (Gemma 2), and `ScoreMod` applies any
+function written with torch ops, with FlexAttention's signature
+fn(score, batch, head, q_idx, kv_idx). Several compose in order:
+`ALiBi(slopes).then(Softcap(30.0))`, or pass a list to `mhsa.attention(score=...)`.
+
+Positions are global and aligned bottom-right like causal masks: query row r of L
+sits at position r + S - L, so the newest query of a KV cache is at S - 1.
+
+Like masks they are data: the reference backend materialises them; the flash engine
+evaluates them per tile from index vectors and never builds an (L, S) tensor; its
+backward differentiates through them, to `tensors()` as well (slopes, a bias table,
+tensors a ScoreMod closes over).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+
+class ScoreFunction:
+    """Base class. Arguments of __call__ broadcast to (B, H, rows, keys): score is
+    float, batch (B, 1, 1, 1), head (1, H, 1, 1), q_pos (1, 1, rows, 1) and
+    k_pos (1, 1, 1, keys) are int64 global indices."""
+
+    # an additive function returns score + bias(batch, head, q_pos, k_pos), the bias
+    # not depending on the score: engines may add it to a tile's float mask
+    additive: bool = False
+
+    def __call__(self, score: Tensor, batch: Tensor, head: Tensor, q_pos: Tensor,
+                 k_pos: Tensor) -> Tensor:  # fmt: skip
+        return score + self.bias(batch, head, q_pos, k_pos).to(score.dtype)
+
+    def bias(self, batch: Tensor, head: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        raise NotImplementedError(f"{type(self).__name__} is not additive")
+
+    # an additive function whose bias, on tiles whose keys all precede their queries,
+    # is a row term plus a key term (split_left): engines then pass the fused kernel
+    # one (H, keys) row of values for the whole tile
+    separable: bool = False
+
+    def apply_(self, score: Tensor, batch: Tensor, head: Tensor, q_pos: Tensor,
+               k_pos: Tensor) -> Tensor:  # fmt: skip
+        """self(score, ...), overwriting score where the function can (engines call it
+        on scratch tiles, without autograd)."""
+        if self.additive:
+            return score.add_(self.bias(batch, head, q_pos, k_pos).to(score.dtype))
+        return self(score, batch, head, q_pos, k_pos)
+
+    def split_left(self, head: Tensor, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor]:
+        """For a separable function and keys k_pos (keys,) all before the queries q_pos
+        (rows,): the bias as (row term (1, H, rows, 1), key term (1, H, 1, keys)), each no
+        larger in magnitude than the bias itself (so adding them loses no precision)."""
+        raise NotImplementedError(f"{type(self).__name__} is not separable")
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        """The tensors the function reads that gradients may flow to."""
+        return ()
+
+    # input_grad knows the score's gradient without autograd
+    grad_from_output: bool = False
+
+    def input_grad(self, out: Tensor, grad_out: Tensor) -> Tensor:
+        """The gradient of the score given the function's output `out` and its gradient
+        (where grad_from_output); it may overwrite both arguments."""
+        if not self.additive:
+            raise NotImplementedError(f"{type(self).__name__} needs autograd for its gradient")
+        return grad_out
+
+    def check(self, num_heads: int, device: torch.device, dtype: torch.dtype) -> None:
+        """Raise ValueError if the function cannot serve a call with num_heads heads whose
+        scores are computed in dtype on device."""
+
+    def then(self, other: ScoreFunction) -> ScoreFunction:
+        """This function, then `other` on its result."""
+        return Compose(self, other)
+
+
+class ALiBi(ScoreFunction):
+    """Attention with linear biases: score - slopes[h] * |i - j|.
+
+    slopes (H,): one per query head (mhsa.nn.positional.alibi_slopes(H) gives the
+    paper's); a tensor that requires grad is learned."""
+
+    additive = grad_from_output = True
+
+    def __init__(self, slopes: Tensor) -> None:
+        if not isinstance(slopes, Tensor) or slopes.dim() != 1 or not slopes.is_floating_point():
+            raise ValueError("ALiBi slopes must be a 1-D float tensor (H,), got "
+                             f"{_describe(slopes)}")  # fmt: skip
+        self.slopes = slopes
+
+    def bias(self, batch, head, q_pos, k_pos):
+        distance = (q_pos.to(self.slopes.dtype) - k_pos.to(self.slopes.dtype)).abs()
+        return -self.slopes[head] * distance
+
+    separable = True
+
+    def split_left(self, head, q_pos, k_pos):
+        # -slope * (i - j) = slope * (j - c) - slope * (i - c), c the first query: both
+        # terms are between the bias and 0
+        first = q_pos[:1]
+        slopes = self.slopes[head].view(1, -1, 1, 1)
+        rows = -slopes * (q_pos - first).to(slopes.dtype).view(1, 1, -1, 1)
+        keys = slopes * (k_pos - first).to(slopes.dtype).view(1, 1, 1, -1)
+        return rows, keys
+
+    def tensors(self):
+        return (self.slopes,)
+
+    def check(self, num_heads, device, dtype):
+        _check_per_head("ALiBi slopes", self.slopes, 0, num_heads, device)
+
+    def __repr__(self) -> str:
+        return f"ALiBi(slopes of {self.slopes.shape[0]} heads)"
+
+
+def check_t5_buckets(num_buckets: int, max_distance: int, bidirectional: bool) -> None:
+    """T5's bucketing needs at least one exact bucket per direction and a max_distance
+    beyond the exact ones (its log scale divides by log(max_distance / exact))."""
+    min_buckets = 4 if bidirectional else 2
+    if isinstance(num_buckets, bool) or not isinstance(num_buckets, int) \
+            or num_buckets < min_buckets:  # fmt: skip
+        raise ValueError(f"num_buckets must be >= {min_buckets}, got {num_buckets!r}")
+    exact = (num_buckets // 2 if bidirectional else num_buckets) // 2
+    if isinstance(max_distance, bool) or not isinstance(max_distance, int) \
+            or max_distance <= exact:  # fmt: skip
+        raise ValueError(f"max_distance must be an int > {exact} (the offsets bucketed one "
+                         f"by one), got {max_distance!r}")  # fmt: skip
+
+
+def t5_bucket(offsets: Tensor, num_buckets: int, max_distance: int, bidirectional: bool) -> Tensor:
+    """T5's bucket id of key-minus-query offsets (int64, any shape).
+
+    Offsets below num_buckets / 2 (per direction when bidirectional) get their own
+    bucket; larger ones share logarithmically wider buckets up to max_distance."""
+    buckets = num_buckets
+    result = torch.zeros_like(offsets)
+    if bidirectional:
+        buckets //= 2
+        result = result + (offsets > 0).long() * buckets
+        distance = offsets.abs()
+    else:
+        distance = (-offsets).clamp(min=0)  # only the past is distinguished
+    exact = buckets // 2
+    log_ratio = torch.log(distance.float().clamp(min=1) / exact) / math.log(max_distance / exact)
+    large = (exact + (log_ratio * (buckets - exact)).long()).clamp(max=buckets - 1)
+    return result + torch.where(distance < exact, distance, large)
+
+
+class RelativeBias(ScoreFunction):
+    """T5's bucketed relative position bias: score + table[bucket(j - i), h].
+
+    table (num_buckets, H), usually an nn.Embedding's weight (learned)."""
+
+    additive = grad_from_output = True
+
+    def __init__(self, table: Tensor, num_buckets: int = 32, max_distance: int = 128,
+                 bidirectional: bool = True) -> None:  # fmt: skip
+        check_t5_buckets(num_buckets, max_distance, bidirectional)
+        if (not isinstance(table, Tensor) or table.dim() != 2 or table.shape[0] != num_buckets
+                or not table.is_floating_point()):  # fmt: skip
+            raise ValueError(f"RelativeBias table must be a float tensor (num_buckets "
+                             f"{num_buckets}, H), got {_describe(table)}")  # fmt: skip
+        self.table, self.num_buckets = table, num_buckets
+        self.max_distance, self.bidirectional = max_distance, bidirectional
+
+    def bias(self, batch, head, q_pos, k_pos):
+        bucket = t5_bucket(k_pos - q_pos, self.num_buckets, self.max_distance, self.bidirectional)
+        return self.table[bucket, head]
+
+    def tensors(self):
+        return (self.table,)
+
+    def check(self, num_heads, device, dtype):
+        _check_per_head("RelativeBias table", self.table, 1, num_heads, device)
+
+    def __repr__(self) -> str:
+        return (f"RelativeBias({self.num_buckets} buckets, max_distance {self.max_distance}, "
+                f"{'bidirectional' if self.bidirectional else 'causal'})")  # fmt: skip
+
+
+class Softcap(ScoreFunction):
+    """Logit softcapping (Gemma 2): cap * tanh(score / cap)."""
+
+    def __init__(self, cap: float) -> None:
+        if isinstance(cap, bool) or not isinstance(cap, int | float) or not cap > 0 \
+                or not math.isfinite(cap):  # fmt: skip
+            raise ValueError(f"Softcap cap must be a finite number > 0, got {cap!r}")
+        self.cap = float(cap)
+
+    def __call__(self, score, batch, head, q_pos, k_pos):
+        return torch.tanh(score / self.cap) * self.cap
+
+    def apply_(self, score, batch, head, q_pos, k_pos):
+        # cap * tanh(x) = 2 cap * sigmoid(2x) - cap: torch's sigmoid is several times
+        # faster than its tanh on CPU; the result is within a few ulp of cap
+        return score.mul_(2 / self.cap).sigmoid_().mul_(2 * self.cap).sub_(self.cap)
+
+    grad_from_output = True
+
+    def input_grad(self, out, grad_out):
+        # d/ds cap * tanh(s / cap) = 1 - tanh(s / cap)**2 = 1 - (out / cap)**2
+        return grad_out.addcmul_(grad_out, out.square_(), value=-1 / self.cap**2)
+
+    def __repr__(self) -> str:
+        return f"Softcap({self.cap:g})"
+
+
+class ScoreMod(ScoreFunction):
+    """Any elementwise fn(score, batch, head, q_idx, kv_idx) -> new score, written with
+    torch ops that broadcast (FlexAttention's score_mod). Tensors it closes over that
+    require grad receive gradients; name others in `tensors`."""
+
+    def __init__(self, fn: Callable[..., Tensor], tensors: Sequence[Tensor] = ()) -> None:
+        if not callable(fn):
+            raise TypeError(f"ScoreMod needs a callable fn(score, b, h, q_idx, kv_idx), "
+                            f"got {type(fn).__name__}")  # fmt: skip
+        self.fn = fn
+        self._tensors = tuple(tensors) + _closure_tensors(fn)
+        self._checked: set = set()
+
+    def __call__(self, score, batch, head, q_pos, k_pos):
+        return self.fn(score, batch, head, q_pos, k_pos)
+
+    def tensors(self):
+        return _unique(self._tensors)
+
+    def check(self, num_heads, device, dtype):
+        _probe_once(self, int(num_heads), device, dtype)
+
+    def __repr__(self) -> str:
+        return f"ScoreMod({getattr(self.fn, '__name__', self.fn)!r})"
+
+
+class Compose(ScoreFunction):
+    """Score functions applied in order."""
+
+    def __init__(self, *functions: ScoreFunction) -> None:
+        flat: list[ScoreFunction] = []
+        for f in functions:
+            if not isinstance(f, ScoreFunction):
+                raise TypeError("score functions must be mhsa.core.scores objects (ALiBi, "
+                                "RelativeBias, Softcap, ScoreMod), "
+                                f"got {type(f).__name__}")  # fmt: skip
+            flat.extend(f.functions if isinstance(f, Compose) else [f])
+        self.functions = tuple(flat)
+        self.additive = all(f.additive for f in flat)
+        self.separable = all(f.separable for f in flat)
+        # additive functions pass the gradient through unchanged, so only the last
+        # function's derivative (from the final output) counts
+        last = flat[-1] if flat else None
+        self.grad_from_output = all(f.additive for f in flat[:-1]) and (
+            last is None or last.grad_from_output
+        )
+
+    def __call__(self, score, batch, head, q_pos, k_pos):
+        for f in self.functions:
+            score = f(score, batch, head, q_pos, k_pos)
+        return score
+
+    def apply_(self, score, batch, head, q_pos, k_pos):
+        for f in self.functions:
+            score = f.apply_(score, batch, head, q_pos, k_pos)
+        return score
+
+    def bias(self, batch, head, q_pos, k_pos):
+        return sum(f.bias(batch, head, q_pos, k_pos) for f in self.functions)
+
+    def split_left(self, head, q_pos, k_pos):
+        parts = [f.split_left(head, q_pos, k_pos) for f in self.functions]
+        return sum(p[0] for p in parts), sum(p[1] for p in parts)
+
+    def tensors(self):
+        return _unique(t for f in self.functions for t in f.tensors())
+
+    def input_grad(self, out, grad_out):
+        if not self.grad_from_output:
+            raise NotImplementedError("this composition needs autograd for its gradient")
+        return self.functions[-1].input_grad(out, grad_out) if self.functions else grad_out
+
+    def check(self, num_heads, device, dtype):
+        for f in self.functions:
+            f.check(num_heads, device, dtype)
+
+    def __repr__(self) -> str:
+        return " then ".join(repr(f) for f in self.functions)
+
+
+def kinds(score: ScoreFunction | None) -> tuple[str, ...]:
+    """The class names of score's functions in order (a Compose's, flattened): what an
+    AttentionSpec carries for backends that evaluate only some kinds."""
+    if score is None:
+        return ()
+    functions = score.functions if isinstance(score, Compose) else (score,)
+    return tuple(type(f).__name__ for f in functions)
+
+
+def as_score(score) -> ScoreFunction | None:
+    """None, a ScoreFunction, or a sequence of them composed in order."""
+    if score is None or isinstance(score, ScoreFunction):
+        return score
+    if isinstance(score, list | tuple):
+        return Compose(*score) if score else None
+    raise TypeError(f"score must be an mhsa.core.scores function (ALiBi, RelativeBias, Softcap, "
+                    f"ScoreMod) or a list of them, got {type(score).__name__}")  # fmt: skip
+
+
+def tile_indices(batch: int, heads: Tensor | int, q_pos: Tensor, k_pos: Tensor):
+    """(batch, head, q_pos, k_pos) index tensors shaped to broadcast against a
+    (B, H, rows, keys) score tile; heads is H (all) or the query heads' indices."""
+    device = q_pos.device
+    head = torch.arange(heads, device=device) if isinstance(heads, int) else heads
+    return (torch.arange(batch, device=device).view(-1, 1, 1, 1), head.view(1, -1, 1, 1),
+            q_pos.view(1, 1, -1, 1), k_pos.view(1, 1, 1, -1))  # fmt: skip
+
+
+def apply_score(score_fn: ScoreFunction, scores: Tensor, q_pos: Tensor, k_pos: Tensor,
+                heads: Tensor | None = None) -> Tensor:  # fmt: skip
+    """score_fn on a (B, H, rows, keys) tile whose rows sit at global q_pos (rows,) and
+    keys at k_pos (keys,); heads are the tile's query heads (default 0..H-1)."""
+    index = tile_indices(scores.shape[0], scores.shape[1] if heads is None else heads,
+                         q_pos, k_pos)  # fmt: skip
+    return score_fn(scores, *index).expand(scores.shape)
+
+
+@torch.compiler.assume_constant_result  # a traced graph probes once, eagerly, unbroken
+def _probe_once(fn: ScoreMod, num_heads: int, device: torch.device, dtype: torch.dtype) -> bool:
+    """_check_elementwise once per (num_heads, device, dtype) of fn."""
+    key = (num_heads, str(device), dtype)
+    if key not in fn._checked:
+        _check_elementwise(fn, num_heads, device, dtype)
+        fn._checked.add(key)
+    return True
+
+
+def _check_elementwise(fn: ScoreFunction, num_heads: int, device: torch.device,
+                       dtype: torch.dtype) -> None:  # fmt: skip
+    """Evaluate fn on a small probe tile and on three single entries of it: the same
+    shape and dtype as the scores, and each entry's value equal, or a ValueError naming
+    the fault."""
+    heads = min(num_heads, 2)
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.randn(1, heads, 3, 4, generator=generator).to(device, dtype)
+    q_pos, k_pos = torch.arange(3, device=device), torch.arange(4, device=device)
+    batch, head, rows, keys = tile_indices(1, heads, q_pos, k_pos)
+    with torch.no_grad():
+        try:
+            out = fn(scores, batch, head, rows, keys)
+        except Exception as error:
+            raise ValueError(f"{fn!r} failed on a (1, {heads}, 3, 4) score tile: {error}. A "
+                             "score_mod takes (score, batch, head, q_idx, kv_idx) tensors that "
+                             "broadcast, and uses torch ops") from error  # fmt: skip
+        if not isinstance(out, Tensor) or out.dtype != scores.dtype:
+            got = out.dtype if isinstance(out, Tensor) else type(out).__name__
+            raise ValueError(f"{fn!r} must return a tensor of the scores' dtype "
+                             f"{scores.dtype}, got {got}")  # fmt: skip
+        if not _broadcasts_to(out.shape, scores.shape):
+            raise ValueError(f"{fn!r} must return the scores' shape {tuple(scores.shape)} "
+                             f"(elementwise), got {tuple(out.shape)}")  # fmt: skip
+        for h, r, c in ((0, 0, 0), (heads - 1, 1, 2), (0, 2, 3)):  # single entries alone
+            one = fn(scores[:, h : h + 1, r : r + 1, c : c + 1], batch, head[:, h : h + 1],
+                     rows[:, :, r : r + 1], keys[..., c : c + 1])  # fmt: skip
+            expected = out.expand(scores.shape)[:, h : h + 1, r : r + 1, c : c + 1]
+            if one.shape == expected.shape and torch.allclose(one, expected, equal_nan=True):
+                continue
+            raise ValueError(f"{fn!r} is not elementwise: one score computed alone differs "
+                             "from the same score in a tile (a score_mod may not reduce over "
+                             "or mix entries)")  # fmt: skip
+
+
+def _broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
+    try:
+        return torch.broadcast_shapes(shape, target) == target
+    except RuntimeError:
+        return False
+
+
+def _closure_tensors(fn: Callable) -> tuple[Tensor, ...]:
+    """Tensors (and parameters of modules) that fn closes over or reads as globals."""
+    try:
+        variables = inspect.getclosurevars(fn)
+    except (TypeError, ValueError):
+        return ()
+    found: list[Tensor] = []
+    for value in [*variables.nonlocals.values(), *variables.globals.values()]:
+        if isinstance(value, Tensor) and value.is_floating_point():
+            found.append(value)
+        elif isinstance(value, nn.Module):
+            found.extend(value.parameters())
+    return tuple(found)
+
+
+def _unique(tensors) -> tuple[Tensor, ...]:
+    seen, result = set(), []
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            result.append(t)
+    return tuple(result)
+
+
+def _check_per_head(name: str, t: Tensor, axis: int, num_heads: int, device) -> None:
+    """t holds one value per query head along `axis`, on q's device."""
+    if t.shape[axis] != num_heads:
+        raise ValueError(f"{name} have {t.shape[axis]} heads but the call has {num_heads} "
+                         "query heads: give one value per query head")  # fmt: skip
+    if t.device.type != device.type:
+        raise ValueError(f"{name} are on {t.device} but q is on {device}: move them with .to()")
+
+
+def _describe(value) -> str:
+    if isinstance(value, Tensor):
+        return f"{value.dtype} tensor of shape {tuple(value.shape)}"
+    return type(value).__name__

@@ -1,0 +1,239 @@
+"""Input checks for the attention entry points.
+
+Every check raises ValueError (bad value or shape) or TypeError (bad type or dtype)
+with a message that names the argument, says what it got, and how to fix it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .checks import int_at_least as int_at_least  # re-exported for the layers above
+from .checks import int_list
+from .masks.base import Pattern
+from .masks.patterns import SlidingWindow
+
+LAYOUT = "(batch, num_heads, seq_len, head_dim)"
+
+
+def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
+    """Check q (B, H, L, D), k (B, H_kv, S, D), v (B, H_kv, S, D_v) against each other."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must be 4-D {LAYOUT}, got shape {tuple(t.shape)}; "
+                "for a single head add one with .unsqueeze(1)"
+            )
+        if not t.is_floating_point():
+            raise TypeError(
+                f"{name} must be a floating point tensor, got dtype {t.dtype}; "
+                "convert it with .float()"
+            )
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(
+            f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}; "
+            "cast them with .to(q.dtype)"
+        )
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(
+            f"q, k and v must be on one device, got q {q.device}, k {k.device}, v {v.device}; "
+            "move them with .to(q.device)"
+        )
+    batch, num_heads, _, head_dim = q.shape
+    if head_dim == 0 or num_heads == 0:
+        raise ValueError(
+            f"q has {num_heads} heads of head_dim {head_dim}: both must be >= 1 {LAYOUT}"
+        )
+    if k.shape[0] != batch or v.shape[0] != batch:
+        raise ValueError(
+            f"batch size differs: q has {batch}, k has {k.shape[0]}, v has {v.shape[0]}"
+        )
+    if k.shape[3] != head_dim:
+        raise ValueError(
+            f"head_dim differs: q has {head_dim}, k has {k.shape[3]}; "
+            "q and k must have the same last dimension"
+        )
+    if v.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"k and v must have the same number of heads, got k {k.shape[1]}, v {v.shape[1]}"
+        )
+    if v.shape[2] != k.shape[2]:
+        raise ValueError(f"k and v must have the same length, got k {k.shape[2]}, v {v.shape[2]}")
+    num_kv_heads = k.shape[1]
+    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"q's num_heads ({num_heads}) must be a multiple of k/v's num_kv_heads "
+            f"({num_kv_heads}) for grouped-query attention"
+        )
+
+
+def _check_broadcast(name: str, t: Tensor, target: tuple[int, ...]) -> None:
+    ok = t.dim() <= len(target) and all(
+        got in (1, want) for got, want in zip(reversed(t.shape), reversed(target), strict=False)
+    )
+    if not ok:
+        raise ValueError(
+            f"{name} of shape {tuple(t.shape)} does not broadcast to (batch, num_heads, "
+            f"q_len, kv_len) = {target}; give it shape {target} or size-1 dimensions "
+            "where it is shared, e.g. (batch, 1, 1, kv_len) for key padding"
+        )
+
+
+def check_mask(mask, target: tuple[int, ...], device: torch.device, sharded: bool = False) -> None:
+    """A mask is a pattern from mhsa.core.masks, or a bool tensor (True = may attend)
+    broadcastable to (B, H, L, S). sharded: q and k are one rank's shards, so a
+    pattern's lengths are global (the ring backend checks them)."""
+    if mask is None:
+        return
+    if isinstance(mask, Pattern):
+        if not sharded:
+            mask.check_lengths(target[2], target[3])
+        mask.check_batch(target[0])
+        return
+    if not isinstance(mask, Tensor):
+        raise TypeError(
+            f"mask must be a bool torch.Tensor, an mhsa.core.masks pattern or None, "
+            f"got {type(mask).__name__}"
+        )
+    if mask.dtype != torch.bool:
+        raise TypeError(
+            f"mask must have dtype torch.bool (True = may attend), got {mask.dtype}; "
+            "if nonzero means 'attend' use mask.bool(), and pass additive float "
+            "values as bias= instead"
+        )
+    if mask.device != device:
+        raise ValueError(f"mask is on {mask.device} but q is on {device}; move it with .to()")
+    _check_broadcast("mask", mask, target)
+
+
+def check_bias(bias: Tensor | None, target: tuple[int, ...], device: torch.device) -> None:
+    """A bias is a float tensor added to the scores, broadcastable to (B, H, L, S)."""
+    if bias is None:
+        return
+    if not isinstance(bias, Tensor):
+        raise TypeError(f"bias must be a float torch.Tensor or None, got {type(bias).__name__}")
+    if not bias.is_floating_point():
+        raise TypeError(
+            f"bias must be a floating point tensor added to the scores, got {bias.dtype}; "
+            "boolean masks go in mask= (True = may attend)"
+        )
+    if bias.device != device:
+        raise ValueError(f"bias is on {bias.device} but q is on {device}; move it with .to()")
+    _check_broadcast("bias", bias, target)
+
+
+def check_sinks(sinks: Tensor | None, num_heads: int, device: torch.device) -> None:
+    """Sinks are (H,) float logits, one per query head."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, Tensor) or not sinks.is_floating_point():
+        got = sinks.dtype if isinstance(sinks, Tensor) else type(sinks).__name__
+        raise TypeError(f"sinks must be a float tensor of shape (H,), got {got}")
+    if tuple(sinks.shape) != (num_heads,):
+        raise ValueError(f"sinks must have shape (H,) = ({num_heads},), one logit per query "
+                         f"head, got {tuple(sinks.shape)}")  # fmt: skip
+    if sinks.device != device:
+        raise ValueError(f"sinks are on {sinks.device} but q is on {device}; move them with .to()")
+
+
+def check_scale(scale: float | None) -> None:
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(
+            f"scale must be finite and > 0, got {scale}; leave it None for 1/sqrt(head_dim)"
+        )
+
+
+def check_dropout(dropout_p: float) -> None:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+
+
+def check_causal(causal: bool) -> None:
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be True or False, got {type(causal).__name__}")
+
+
+def paged_window(mask, causal: bool, q_len: int) -> int | None:
+    """The window of attention over paged keys (block_table=), which is causal per
+    sequence: `left` of a SlidingWindow(left, 0) mask, or None for plain causal (a
+    single query sees every key either way, so causal may be False for it)."""
+    if isinstance(mask, SlidingWindow) and mask.right == 0:
+        return mask.left
+    if mask is None and (causal or q_len == 1):
+        return None
+    raise ValueError(f"attention over paged keys (block_table=) attends causally "
+                     f"(causal=True), optionally within SlidingWindow(left, 0); got mask "
+                     f"{mask!r}, causal={causal}")  # fmt: skip
+
+
+def check_paged(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table, seq_lens) -> list[int]:
+    """Check q (N, H, T, D), the pools (num_blocks, block_size, H_kv, D) / (..., D_v),
+    block_table (N, max_blocks) and seq_lens (N,); return seq_lens as a list of ints."""
+    for name, t in (("q", q), ("k_pool", k_pool), ("v_pool", v_pool)):
+        if not isinstance(t, Tensor) or t.dim() != 4 or not t.is_floating_point():
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a 4-D float tensor, got {got}; layout with "
+                             "block_table: q (N, H, T, D), pools (num_blocks, block_size, "
+                             "H_kv, D)")  # fmt: skip
+    if k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
+        raise TypeError(f"q, k_pool and v_pool must share one dtype, got {q.dtype}, "
+                        f"{k_pool.dtype}, {v_pool.dtype}; cast them with .to(q.dtype)")  # fmt: skip
+    if k_pool.device != q.device or v_pool.device != q.device:
+        raise ValueError(f"q, k_pool and v_pool must be on one device, got {q.device}, "
+                         f"{k_pool.device}, {v_pool.device}")  # fmt: skip
+    batch, num_heads, _, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, key_dim = k_pool.shape
+    if tuple(v_pool.shape[:3]) != (num_blocks, block_size, num_kv_heads):
+        raise ValueError(f"v_pool must be (num_blocks, block_size, H_kv, D_v) = ({num_blocks}, "
+                         f"{block_size}, {num_kv_heads}, *) like k_pool, got "
+                         f"{tuple(v_pool.shape)}")  # fmt: skip
+    if key_dim != head_dim or min(num_blocks, block_size, num_kv_heads, head_dim) == 0:
+        raise ValueError(f"k_pool {tuple(k_pool.shape)} must hold keys of q's head_dim "
+                         f"{head_dim}, with no empty dimension")  # fmt: skip
+    if num_heads % num_kv_heads:
+        raise ValueError(f"q's num_heads ({num_heads}) must be a multiple of the pools' "
+                         f"num_kv_heads ({num_kv_heads}) for grouped-query attention")  # fmt: skip
+    if not isinstance(block_table, Tensor) or block_table.dim() != 2 \
+            or block_table.shape[0] != batch:  # fmt: skip
+        got = tuple(block_table.shape) if isinstance(block_table, Tensor) else block_table
+        raise ValueError(f"block_table must be a (N, max_blocks) = ({batch}, *) tensor of "
+                         f"block ids, got {got}")  # fmt: skip
+    if block_table.is_floating_point() or block_table.is_complex() \
+            or block_table.dtype == torch.bool:  # fmt: skip
+        raise TypeError(f"block_table must hold integer block ids, got {block_table.dtype}")
+    if block_table.device != q.device:
+        raise ValueError(f"block_table is on {block_table.device} but q is on {q.device}")
+    seq_lens = _seq_lens(seq_lens, batch, block_table.shape[1] * block_size)
+    ids = block_table
+    low, high = [int(x) for x in torch.aminmax(ids)] if ids.numel() else (0, 0)
+    if low < 0 or high >= num_blocks:  # only the entries that hold keys must be blocks
+        used = torch.arange(block_table.shape[1], device=q.device).view(1, -1) * block_size
+        ids = block_table[used < torch.tensor(seq_lens, device=q.device).view(-1, 1)]
+        low, high = [int(x) for x in torch.aminmax(ids)] if ids.numel() else (0, 0)
+    if low < 0 or high >= num_blocks:
+        raise ValueError(f"block_table's blocks holding keys must be in 0..{num_blocks - 1} "
+                         f"(the pools' num_blocks), got {low}..{high}")  # fmt: skip
+    return seq_lens
+
+
+def _seq_lens(seq_lens, batch: int, capacity: int) -> list[int]:
+    if seq_lens is None:
+        raise ValueError("block_table needs seq_lens: the keys of each sequence (N,)")
+    seq_lens = int_list("seq_lens", seq_lens, " (N,)")
+    if len(seq_lens) != batch or set(map(type, seq_lens)) - {int}:  # (bool is no int here)
+        raise ValueError(f"seq_lens must hold {batch} ints (one per sequence), got {seq_lens}")
+    if seq_lens and (min(seq_lens) < 0 or max(seq_lens) > capacity):
+        raise ValueError(f"seq_lens must be in 0..{capacity} (block_table's max_blocks * "
+                         f"block_size), got {seq_lens}")  # fmt: skip
+    return seq_lens
