@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import copy
-
 import torch.nn.functional as F
 from torch import nn
 
-from .feedforward import FeedForward, Residual
+from .attention import MultiHeadAttention
+from .feedforward import Residual
 
 
 def torch_layer_options(layer: nn.Module) -> dict:
@@ -29,17 +28,16 @@ def torch_layer_options(layer: nn.Module) -> dict:
     }
 
 
-def copy_feed_forward(ff: FeedForward, layer: nn.Module) -> None:
-    ff.linear1.load_state_dict(layer.linear1.state_dict())
-    ff.linear2.load_state_dict(layer.linear2.state_dict())
+def layer_from_torch(cls: type[nn.Module], layer: nn.Module) -> nn.Module:
+    """A new `cls` layer with the options, self-attention and feed-forward weights of a
+    torch Transformer*Layer; the caller copies the rest (norms, cross-attention)."""
+    ours = cls(layer.self_attn.embed_dim, layer.self_attn.num_heads, **torch_layer_options(layer))
+    ours.self_attn = MultiHeadAttention.from_torch(layer.self_attn)
+    ours.feed_forward.linear1.load_state_dict(layer.linear1.state_dict())
+    ours.feed_forward.linear2.load_state_dict(layer.linear2.state_dict())
+    return ours
 
 
 def copy_norms(blocks: tuple[Residual, ...], norms: tuple[nn.LayerNorm, ...]) -> None:
     for block, norm in zip(blocks, norms, strict=True):
         block.norm.load_state_dict(norm.state_dict())
-
-
-def stack_from(cls, layers: list[nn.Module], norm: nn.Module | None):
-    stack = cls(layers[0], 0, copy.deepcopy(norm))
-    stack.layers = nn.ModuleList(layers)
-    return stack

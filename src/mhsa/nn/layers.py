@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from ..cache import KVCache, MemoryCache
 from .attention import MultiHeadAttention
-from .convert import copy_feed_forward, copy_norms, torch_layer_options
+from .convert import copy_norms, layer_from_torch
 from .feedforward import FeedForward, Residual
 from .positional import AttentionPosition
 
@@ -57,30 +57,15 @@ class TransformerEncoderLayer(nn.Module):
         cache: KVCache | None = None,
     ) -> Tensor:
         """x (B, L, d_model) -> (B, L, d_model)."""
-
-        def attend(h: Tensor) -> Tensor:
-            return self.self_attn(
-                h,
-                mask=mask,
-                key_padding_mask=key_padding_mask,
-                causal=causal,
-                position=position,
-                cache=cache,
-            )
-
-        x = self.attn_block(x, attend)
+        x = _self_attention(
+            self.self_attn, self.attn_block, x, mask, key_padding_mask, causal, position, cache
+        )
         return self.ff_block(x, self.feed_forward)
 
     @classmethod
     def from_torch(cls, layer: nn.TransformerEncoderLayer) -> TransformerEncoderLayer:
         """Copy a torch.nn.TransformerEncoderLayer (batch-first or not)."""
-        ours = cls(
-            layer.self_attn.embed_dim,
-            layer.self_attn.num_heads,
-            **torch_layer_options(layer),
-        )
-        ours.self_attn = MultiHeadAttention.from_torch(layer.self_attn)
-        copy_feed_forward(ours.feed_forward, layer)
+        ours = layer_from_torch(cls, layer)
         copy_norms((ours.attn_block, ours.ff_block), (layer.norm1, layer.norm2))
         return ours
 
@@ -137,16 +122,6 @@ class TransformerDecoderLayer(nn.Module):
         cache holds this layer's self-attention keys/values while decoding;
         memory_cache its cross-attention keys/values, projected from memory once."""
 
-        def self_attend(h: Tensor) -> Tensor:
-            return self.self_attn(
-                h,
-                mask=mask,
-                key_padding_mask=key_padding_mask,
-                causal=causal,
-                position=position,
-                cache=cache,
-            )
-
         def cross_attend(h: Tensor) -> Tensor:
             return self.cross_attn(
                 h,
@@ -156,26 +131,48 @@ class TransformerDecoderLayer(nn.Module):
                 cache=memory_cache,
             )
 
-        x = self.self_block(x, self_attend)
+        x = _self_attention(
+            self.self_attn, self.self_block, x, mask, key_padding_mask, causal, position, cache
+        )
         x = self.cross_block(x, cross_attend)
         return self.ff_block(x, self.feed_forward)
 
     @classmethod
     def from_torch(cls, layer: nn.TransformerDecoderLayer) -> TransformerDecoderLayer:
         """Copy a torch.nn.TransformerDecoderLayer (batch-first or not)."""
-        ours = cls(
-            layer.self_attn.embed_dim,
-            layer.self_attn.num_heads,
-            **torch_layer_options(layer),
-        )
-        ours.self_attn = MultiHeadAttention.from_torch(layer.self_attn)
+        ours = layer_from_torch(cls, layer)
         ours.cross_attn = MultiHeadAttention.from_torch(layer.multihead_attn)
-        copy_feed_forward(ours.feed_forward, layer)
         copy_norms(
             (ours.self_block, ours.cross_block, ours.ff_block),
             (layer.norm1, layer.norm2, layer.norm3),
         )
         return ours
+
+
+def _self_attention(
+    attn: MultiHeadAttention,
+    block: Residual,
+    x: Tensor,
+    mask: Tensor | None,
+    key_padding_mask: Tensor | None,
+    causal: bool,
+    position: AttentionPosition | None,
+    cache: KVCache | None,
+) -> Tensor:
+    """The self-attention sublayer of either layer: x (B, L, d_model) through `block`
+    (residual and norm) around `attn` with these masks, positions and cache."""
+
+    def attend(h: Tensor) -> Tensor:
+        return attn(
+            h,
+            mask=mask,
+            key_padding_mask=key_padding_mask,
+            causal=causal,
+            position=position,
+            cache=cache,
+        )
+
+    return block(x, attend)
 
 
 __all__ = ["TransformerDecoderLayer", "TransformerEncoderLayer"]

@@ -9,20 +9,36 @@ import copy
 from torch import Tensor, nn
 
 from ..cache import DecoderCache
-from .convert import stack_from
 from .layers import TransformerDecoderLayer, TransformerEncoderLayer
 from .positional import AttentionPosition
 
 
-class TransformerEncoder(nn.Module):
-    """`num_layers` copies of an encoder layer, then an optional final norm."""
+class _LayerStack(nn.Module):
+    """`num_layers` copies of a layer, then an optional final norm."""
 
-    def __init__(
-        self, layer: TransformerEncoderLayer, num_layers: int, norm: nn.Module | None = None
-    ) -> None:
+    layer_type: type[nn.Module]  # what from_torch builds each layer as
+
+    def __init__(self, layer: nn.Module, num_layers: int, norm: nn.Module | None = None) -> None:
         super().__init__()
         self.layers = nn.ModuleList(copy.deepcopy(layer) for _ in range(num_layers))
         self.norm = norm
+
+    def _final_norm(self, x: Tensor) -> Tensor:
+        return x if self.norm is None else self.norm(x)
+
+    @classmethod
+    def from_torch(cls, stack: nn.Module) -> _LayerStack:
+        """Copy a torch.nn.TransformerEncoder or TransformerDecoder (batch-first or not)."""
+        layers = [cls.layer_type.from_torch(layer) for layer in stack.layers]
+        ours = cls(layers[0], 0, copy.deepcopy(stack.norm))
+        ours.layers = nn.ModuleList(layers)
+        return ours
+
+
+class TransformerEncoder(_LayerStack):
+    """`num_layers` copies of an encoder layer, then an optional final norm."""
+
+    layer_type = TransformerEncoderLayer
 
     def forward(
         self,
@@ -38,23 +54,13 @@ class TransformerEncoder(nn.Module):
             x = layer(
                 x, mask=mask, key_padding_mask=key_padding_mask, causal=causal, position=position
             )
-        return x if self.norm is None else self.norm(x)
-
-    @classmethod
-    def from_torch(cls, encoder: nn.TransformerEncoder) -> TransformerEncoder:
-        layers = [TransformerEncoderLayer.from_torch(layer) for layer in encoder.layers]
-        return stack_from(cls, layers, encoder.norm)
+        return self._final_norm(x)
 
 
-class TransformerDecoder(nn.Module):
+class TransformerDecoder(_LayerStack):
     """`num_layers` copies of a decoder layer, then an optional final norm."""
 
-    def __init__(
-        self, layer: TransformerDecoderLayer, num_layers: int, norm: nn.Module | None = None
-    ) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(copy.deepcopy(layer) for _ in range(num_layers))
-        self.norm = norm
+    layer_type = TransformerDecoderLayer
 
     def forward(
         self,
@@ -85,12 +91,7 @@ class TransformerDecoder(nn.Module):
                 cache=None if cache is None else cache.self_attn[i],
                 memory_cache=None if cache is None else cache.cross_attn[i],
             )
-        return x if self.norm is None else self.norm(x)
-
-    @classmethod
-    def from_torch(cls, decoder: nn.TransformerDecoder) -> TransformerDecoder:
-        layers = [TransformerDecoderLayer.from_torch(layer) for layer in decoder.layers]
-        return stack_from(cls, layers, decoder.norm)
+        return self._final_norm(x)
 
 
 class Transformer(nn.Module):
