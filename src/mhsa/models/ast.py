@@ -6,17 +6,18 @@ spectrogram (B, mels, frames) -> overlapping 2-D patches (a strided convolution)
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..nn import TransformerEncoderLayer
+from ..nn import encoder_layers
+from .config import ModelConfig
 
 
 @dataclass
-class ASTConfig:
+class ASTConfig(ModelConfig):
     n_mels: int = 64
     frames: int = 101
     patch: int = 16
@@ -31,9 +32,6 @@ class ASTConfig:
         return ((self.n_mels - self.patch) // self.stride + 1,
                 (self.frames - self.patch) // self.stride + 1)  # fmt: skip
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 class AST(nn.Module):
     def __init__(self, config: ASTConfig) -> None:
@@ -44,11 +42,9 @@ class AST(nn.Module):
         rows, cols = config.grid()
         self.cls_token = nn.Parameter(torch.zeros(1, 1, d))
         self.pos_emb = nn.Parameter(torch.randn(1, 1 + rows * cols, d) * 0.02)
-        self.blocks = nn.ModuleList(
-            TransformerEncoderLayer(d, config.n_head, dim_feedforward=4 * d,
-                                    dropout=config.dropout, activation="gelu", norm_first=True)
-            for _ in range(config.n_layer)
-        )  # fmt: skip
+        self.blocks = encoder_layers(config.n_layer, d, config.n_head, dim_feedforward=4 * d,
+                                     dropout=config.dropout, activation="gelu",
+                                     norm_first=True)  # fmt: skip
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, config.num_classes)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,12 +25,13 @@ from ..formats.weights import (
     as_source,
     load_weights,
 )
-from ..nn import TransformerEncoderLayer
+from ..nn import encoder_layers
+from .config import ModelConfig
 from .init import normal_init
 
 
 @dataclass
-class BertConfig:
+class BertConfig(ModelConfig):
     vocab_size: int = 30522
     hidden_size: int = 384
     num_layers: int = 6
@@ -57,9 +58,6 @@ class BertConfig:
             dropout=hf.get("hidden_dropout_prob", 0.1), pad_token_id=hf.get("pad_token_id", 0),
         )  # fmt: skip
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 class Bert(nn.Module):
     def __init__(self, config: BertConfig) -> None:
@@ -71,16 +69,14 @@ class Bert(nn.Module):
         self.type_emb = nn.Embedding(config.type_vocab_size, hidden)
         self.emb_norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
         self.drop = nn.Dropout(config.dropout)
-        self.layers = nn.ModuleList(
-            TransformerEncoderLayer(
-                hidden,
-                config.num_heads,
-                dim_feedforward=config.intermediate_size,
-                dropout=config.dropout,
-                activation="gelu",
-                layer_norm_eps=config.layer_norm_eps,
-            )  # fmt: skip
-            for _ in range(config.num_layers)
+        self.layers = encoder_layers(
+            config.num_layers,
+            hidden,
+            config.num_heads,
+            dim_feedforward=config.intermediate_size,
+            dropout=config.dropout,
+            activation="gelu",
+            layer_norm_eps=config.layer_norm_eps,
         )
         self.pooler = nn.Linear(hidden, hidden)
         self.mlm_dense = nn.Linear(hidden, hidden)

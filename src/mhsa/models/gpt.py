@@ -13,7 +13,7 @@ token attends only the last `window` positions (itself included).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +23,7 @@ from ..cache import KVCache, SlidingWindowCache
 from ..core.masks import SlidingWindow
 from ..core.validate import int_at_least
 from ..formats.weights import NameTable, Rule, TensorSource, as_source, load_weights
-from ..nn import TransformerEncoderLayer
+from ..nn import encoder_layers
 from ..nn.layout import decoding_layout
 from ..nn.positional import (
     ALiBiPosition,
@@ -32,6 +32,7 @@ from ..nn.positional import (
     RotaryEmbedding,
     SinusoidalPositionalEncoding,
 )
+from .config import ModelConfig
 from .decoder import CacheLayout
 from .decoding import CausalLMDecoding, check_sampling, check_token_ids, sample
 from .init import normal_init
@@ -42,7 +43,7 @@ __all__ = ["GPT", "GPT2_NAMES", "GPTConfig", "check_sampling", "check_token_ids"
 
 
 @dataclass
-class GPTConfig:
+class GPTConfig(ModelConfig):
     vocab_size: int = 256
     n_layer: int = 4
     n_head: int = 4
@@ -79,9 +80,6 @@ class GPTConfig:
         if self.window is not None and self.window < 1:
             raise ValueError(f"window must be >= 1 or None, got {self.window}")
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 class GPT(nn.Module, CausalLMDecoding):
     """A Decoder (mhsa.models.decoder): prefill, step, make_caches, cache_layout."""
@@ -101,19 +99,17 @@ class GPT(nn.Module, CausalLMDecoding):
             "t5": lambda: RelativeBiasPosition(config.n_head, bidirectional=False),
         }.get(config.position, lambda: None)()
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(
-            TransformerEncoderLayer(
-                config.d_model,
-                config.n_head,
-                dim_feedforward=config.d_ff or 4 * config.d_model,
-                dropout=config.dropout,
-                activation=config.activation,
-                norm_first=True,
-                layer_norm_eps=config.norm_eps,
-                num_kv_heads=config.n_kv_head,
-                bias=config.bias,
-            )  # fmt: skip
-            for _ in range(config.n_layer)
+        self.blocks = encoder_layers(
+            config.n_layer,
+            config.d_model,
+            config.n_head,
+            dim_feedforward=config.d_ff or 4 * config.d_model,
+            dropout=config.dropout,
+            activation=config.activation,
+            norm_first=True,
+            layer_norm_eps=config.norm_eps,
+            num_kv_heads=config.n_kv_head,
+            bias=config.bias,
         )
         self.ln_f = nn.LayerNorm(config.d_model, eps=config.norm_eps)
         self.apply(normal_init)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -32,6 +32,7 @@ from ..formats.weights import NameTable, SafetensorsFiles, TensorSource, as_sour
 from ..nn import GatedFeedForward, MultiHeadAttention, RMSNorm
 from ..nn.layout import decoding_layout
 from ..nn.positional import RotaryEmbedding, rope_frequencies, rope_type
+from .config import ModelConfig
 from .decoder import CacheLayout
 from .decoding import CausalLMDecoding, check_token_ids
 from .init import normal_init
@@ -42,7 +43,7 @@ HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu",
 
 
 @dataclass
-class LlamaConfig:
+class LlamaConfig(ModelConfig):
     vocab_size: int = 256
     n_layer: int = 4
     n_head: int = 4
@@ -107,9 +108,6 @@ class LlamaConfig:
         if self.sliding_window is None:
             return False
         return self.window_layers is None or layer in self.window_layers
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
     @classmethod
     def from_hf_config(cls, d: dict) -> LlamaConfig:

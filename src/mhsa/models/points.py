@@ -13,19 +13,20 @@ the per-point features and leaves the pooled output unchanged.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..nn import MultiHeadAttention, TransformerEncoderLayer
+from ..nn import MultiHeadAttention, encoder_layers
+from .config import ModelConfig
 
 POOLINGS = ("attention", "mean", "max")
 
 
 @dataclass
-class PointCloudConfig:
+class PointCloudConfig(ModelConfig):
     num_classes: int = 6
     d_model: int = 96
     n_layer: int = 3
@@ -38,9 +39,6 @@ class PointCloudConfig:
         if self.pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 class PointCloudTransformer(nn.Module):
     def __init__(self, config: PointCloudConfig) -> None:
@@ -48,11 +46,9 @@ class PointCloudTransformer(nn.Module):
         self.config = config
         d = config.d_model
         self.embed = nn.Sequential(nn.Linear(4, d), nn.GELU(), nn.Linear(d, d))
-        self.blocks = nn.ModuleList(
-            TransformerEncoderLayer(d, config.n_head, dim_feedforward=config.d_ff or 2 * d,
-                                    dropout=config.dropout, activation="gelu", norm_first=True)
-            for _ in range(config.n_layer)
-        )  # fmt: skip
+        self.blocks = encoder_layers(config.n_layer, d, config.n_head,
+                                     dim_feedforward=config.d_ff or 2 * d, dropout=config.dropout,
+                                     activation="gelu", norm_first=True)  # fmt: skip
         self.norm = nn.LayerNorm(d)
         self.seed = nn.Parameter(torch.randn(1, 1, d) * 0.02)
         self.pool_attn = MultiHeadAttention(d, config.n_head)

@@ -14,7 +14,7 @@ are projected from the memory once per source sentence.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -29,13 +29,14 @@ from ..nn import (
 )
 from ..nn.positional import SinusoidalPositionalEncoding
 from .beam_search import beam_search
+from .config import ModelConfig
 from .decoder import CacheLayout
 from .decoding import greedy_search
 from .init import normal_init
 
 
 @dataclass
-class Seq2SeqConfig:
+class Seq2SeqConfig(ModelConfig):
     src_vocab: int
     tgt_vocab: int
     d_model: int = 128
@@ -58,9 +59,6 @@ class Seq2SeqConfig:
                 f"share_embeddings needs src_vocab == tgt_vocab, got {self.src_vocab} and "
                 f"{self.tgt_vocab}; use one vocabulary or share_embeddings=False"
             )
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 class Seq2Seq(nn.Module):

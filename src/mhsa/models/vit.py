@@ -10,17 +10,18 @@ size differs from the one the model was built for.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..nn import TransformerEncoderLayer
+from ..nn import encoder_layers
+from .config import ModelConfig
 
 
 @dataclass
-class ViTConfig:
+class ViTConfig(ModelConfig):
     image_size: int = 8
     patch_size: int = 2
     channels: int = 1
@@ -36,9 +37,6 @@ class ViTConfig:
             raise ValueError(f"image_size ({self.image_size}) must be a multiple of "
                              f"patch_size ({self.patch_size})")  # fmt: skip
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 class ViT(nn.Module):
     def __init__(self, config: ViTConfig) -> None:
@@ -50,11 +48,9 @@ class ViT(nn.Module):
         self.cls_token = nn.Parameter(torch.zeros(1, 1, d))
         self.pos_emb = nn.Parameter(torch.randn(1, 1 + grid * grid, d) * 0.02)
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(
-            TransformerEncoderLayer(d, config.n_head, dim_feedforward=config.d_ff or 4 * d,
-                                    dropout=config.dropout, activation="gelu", norm_first=True)
-            for _ in range(config.n_layer)
-        )  # fmt: skip
+        self.blocks = encoder_layers(config.n_layer, d, config.n_head,
+                                     dim_feedforward=config.d_ff or 4 * d, dropout=config.dropout,
+                                     activation="gelu", norm_first=True)  # fmt: skip
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, config.num_classes)
 

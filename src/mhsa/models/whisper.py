@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,12 +36,13 @@ from ..nn import (
 )
 from ..nn.layout import decoding_layout
 from ..nn.positional import LearnedPositionalEmbedding
+from .config import ModelConfig
 from .decoder import CacheLayout
 from .decoding import compiled_once, greedy_search, static_caches
 
 
 @dataclass
-class WhisperConfig:
+class WhisperConfig(ModelConfig):
     """Sizes of Whisper tiny.en by default, and the special tokens decoding needs."""
 
     n_mels: int = 80
@@ -67,9 +68,6 @@ class WhisperConfig:
             )
         if not self.prompt:
             raise ValueError("prompt must hold at least <|startoftranscript|>")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def whisper_sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> Tensor:

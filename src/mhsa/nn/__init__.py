@@ -4,7 +4,7 @@ attention.py     MultiHeadAttention (self/cross, GQA, positions, caches)
 feedforward.py   the feed-forward sublayers (plain, gated) and the residual + norm wrapper
 norm.py          RMSNorm
 layers.py        encoder and decoder layers
-stacks.py        encoder and decoder stacks, the encoder-decoder Transformer
+stacks.py        encoder and decoder stacks, the encoder-decoder Transformer, encoder_layers
 convert.py       copying torch.nn Transformer modules into ours
 quantized.py     weight-only int4/int8 linears on torch's CPU kernels
 layout.py        the decoding layout: transposed float weights, fused projections
@@ -14,7 +14,7 @@ from .attention import MultiHeadAttention, from_torch_masks
 from .feedforward import FeedForward, GatedFeedForward
 from .layers import TransformerDecoderLayer, TransformerEncoderLayer
 from .norm import RMSNorm
-from .stacks import Transformer, TransformerDecoder, TransformerEncoder
+from .stacks import Transformer, TransformerDecoder, TransformerEncoder, encoder_layers
 
 __all__ = [
     "FeedForward",
@@ -26,5 +26,6 @@ __all__ = [
     "TransformerDecoderLayer",
     "TransformerEncoder",
     "TransformerEncoderLayer",
+    "encoder_layers",
     "from_torch_masks",
 ]

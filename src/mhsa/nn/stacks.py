@@ -5,6 +5,7 @@ All You Need" (without embeddings). Inputs are batch-first (B, L, d_model).
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 from torch import Tensor, nn
 
@@ -33,6 +34,14 @@ class _LayerStack(nn.Module):
         ours = cls(layers[0], 0, copy.deepcopy(stack.norm))
         ours.layers = nn.ModuleList(layers)
         return ours
+
+
+def encoder_layers(num_layers: int, d_model: int, num_heads: int, **options: Any) -> nn.ModuleList:
+    """`num_layers` TransformerEncoderLayer(d_model, num_heads, **options), each one
+    initialised on its own (a TransformerEncoder deep-copies one layer instead)."""
+    return nn.ModuleList(
+        TransformerEncoderLayer(d_model, num_heads, **options) for _ in range(num_layers)
+    )
 
 
 class TransformerEncoder(_LayerStack):
@@ -172,4 +181,4 @@ class Transformer(nn.Module):
         return ours
 
 
-__all__ = ["Transformer", "TransformerDecoder", "TransformerEncoder"]
+__all__ = ["Transformer", "TransformerDecoder", "TransformerEncoder", "encoder_layers"]
