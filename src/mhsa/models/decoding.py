@@ -1,6 +1,6 @@
 """Text generation for decoder-only language models (GPT, Llama), shared by them.
 
-    generate(model, prompts, n)          left-pad prompts, prefill, decode n tokens
+    model.generate(prompts, n)           left-pad prompts, prefill, decode n tokens
     greedy_search(decoder, caches, ...)  the most likely token at every step, to a stop
     compiled_decode_step(model, caches)  model.step compiled once per model
 
@@ -24,89 +24,13 @@ from ..cache import StaticKVCache
 from .decoder import Decoder
 from .sampling import GREEDY, Sampling, StopRule, check_sampling, sample, sample_and_stop
 
-__all__ = ["check_sampling", "check_token_ids", "compile_seconds", "compiled_decode_step",
-           "generate", "greedy_search", "sample"]  # fmt: skip
+__all__ = ["CausalLMDecoding", "check_sampling", "check_token_ids", "compile_seconds",
+           "compiled_decode_step", "greedy_search", "sample"]  # fmt: skip
 
 # per model: its compiled functions (by the function compiled), and how long the first
 # call took (compiling)
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _COMPILE_SECONDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-@torch.no_grad()
-def generate(
-    model: nn.Module,
-    idx: Tensor | list[Tensor],
-    max_new_tokens: int,
-    *,
-    vocab_size: int,
-    max_len: int | None = None,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    eos_token: int | Sequence[int] | None = None,
-    use_cache: bool = True,
-    generator: torch.Generator | None = None,
-    compile: bool = False,
-) -> Tensor | list[Tensor]:
-    """Continue prompts: a (B, T) tensor, or a list of 1-D prompts of any lengths
-    (decoded together, left-padded). temperature 0 is greedy. eos_token: one stop token
-    or several; after one a sequence stops growing, and decoding ends when all have
-    stopped. max_len: the longest sequence the model can position (None: no limit).
-    compile: decode through one torch.compile'd step over StaticKVCaches (the prompt
-    is prefilled eagerly); compile_seconds(model) then tells what compiling took.
-    Returns prompts + new tokens in the same form: a tensor (B, T + new) with the
-    first stop token repeated after a sequence's end, or a list cut after each one's."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
-        raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    sampling = Sampling(temperature, top_k, top_p)
-    if compile and not use_cache:
-        raise ValueError("compile=True compiles the cached decoding step: keep use_cache=True")
-    stop = StopRule(_stop_tokens(eos_token, vocab_size), max_new_tokens)
-    as_list = isinstance(idx, (list, tuple))
-    prompts = list(idx) if as_list else list(idx.unbind(0))
-    if not prompts or min(p.numel() for p in prompts) == 0:
-        raise ValueError("generate needs at least one non-empty prompt")
-    for prompt in prompts:
-        check_token_ids(prompt, vocab_size, name="prompt")
-    lengths = torch.tensor([p.numel() for p in prompts])
-    width = int(lengths.max())
-    device = next(model.parameters()).device
-    tokens = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
-    for b, p in enumerate(prompts):
-        tokens[b, width - p.numel() :] = p.to(device)
-    start = (width - lengths).to(device)
-    if max_len is not None and width + max_new_tokens > max_len:
-        raise ValueError(f"prompt ({width}) + max_new_tokens ({max_new_tokens}) exceeds "
-                         f"max_len {max_len} of this model's positions")  # fmt: skip
-    caches = model.make_caches(len(prompts), width + max_new_tokens) if use_cache else None
-    logits = model.prefill(tokens, caches, start=start)
-    step = compiled_decode_step(model, caches) if compile else None
-    new = []
-    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
-    for count in range(max_new_tokens):
-        choice = sample_and_stop(logits, sampling, stop, generated=count, generator=generator)
-        nxt = choice.tokens
-        if choice.stopped is not None:  # ended rows repeat the first stop token
-            nxt = torch.where(done, torch.full_like(nxt, stop.stop_tokens[0]), nxt)
-            done |= choice.stopped
-        new.append(nxt)
-        if choice.last or (choice.stopped is not None and bool(done.all())):
-            break
-        if step is not None:
-            logits = step(nxt.view(-1, 1))
-        elif caches is not None:
-            logits = model.step(nxt.view(-1, 1), caches)
-        else:
-            tokens = torch.cat([tokens, nxt.view(-1, 1)], dim=1)
-            logits = model.prefill(tokens, None, start=start)
-    generated = torch.stack(new, dim=1) if new else tokens[:, :0]
-    if not as_list:  # equal-length prompts: one tensor, the stop token repeated after the end
-        return torch.cat([idx.to(device), generated], dim=1)
-    return [torch.cat([p.to(device), _until_stop(g, stop)])
-            for p, g in zip(prompts, generated, strict=True)]  # fmt: skip
 
 
 @torch.no_grad()
@@ -202,6 +126,17 @@ def _stop_tokens(eos_token: int | Sequence[int] | None, vocab_size: int) -> tupl
     return tuple(ids)
 
 
+def _left_padded(prompts: list[Tensor], device: torch.device) -> tuple[Tensor, Tensor]:
+    """1-D prompts -> (tokens (B, T) with each prompt at the right end of its row, zeros
+    before it; start (B,) the index of each row's first prompt token)."""
+    lengths = torch.tensor([p.numel() for p in prompts])
+    width = int(lengths.max())
+    tokens = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+    for b, p in enumerate(prompts):
+        tokens[b, width - p.numel() :] = p.to(device)
+    return tokens, (width - lengths).to(device)
+
+
 def _until_stop(tokens: Tensor, stop: StopRule) -> Tensor:
     """tokens (N,) cut after the first stop token."""
     stopped = stop.stopped(tokens)
@@ -249,6 +184,7 @@ class CausalLMDecoding:
         """The stop tokens generate() uses when it is given none."""
         return None
 
+    @torch.no_grad()
     def generate(
         self,
         idx: Tensor | list[Tensor],
@@ -263,14 +199,61 @@ class CausalLMDecoding:
         compile: bool = False,
     ) -> Tensor | list[Tensor]:
         """Continue prompts: a (B, T) tensor, or a list of 1-D prompts of any lengths
-        (decoded together, left-padded). temperature 0 is greedy. eos_token: the stop
-        token(s); None uses the model's default_stop_tokens(), [] never stops early.
-        Returns prompts + new tokens in the same form (see generate() in this module;
-        compile: one compiled decoding step)."""
-        stops = self.default_stop_tokens() if eos_token is None else eos_token
-        if stops is not None and not isinstance(stops, int) and len(stops) == 0:
-            stops = None
-        options = {"temperature": temperature, "top_k": top_k, "top_p": top_p,
-                   "use_cache": use_cache, "generator": generator, "compile": compile}
-        return generate(self, idx, max_new_tokens, vocab_size=self.config.vocab_size,
-                        max_len=self.position_limit(), eos_token=stops, **options)
+        (decoded together, left-padded). temperature 0 is greedy. eos_token: one stop
+        token or several (None: the model's default_stop_tokens(); [] never stops early);
+        after one a sequence stops growing, and decoding ends when all have stopped.
+        The prompt plus the new tokens must fit the model's position_limit().
+        compile: decode through one torch.compile'd step over StaticKVCaches (the prompt
+        is prefilled eagerly); compile_seconds(model) then tells what compiling took.
+        Returns prompts + new tokens in the same form: a tensor (B, T + new) with the
+        first stop token repeated after a sequence's end, or a list cut after each one's."""
+        eos_token = self.default_stop_tokens() if eos_token is None else eos_token
+        if eos_token is not None and not isinstance(eos_token, int) and len(eos_token) == 0:
+            eos_token = None
+        vocab_size, max_len = self.config.vocab_size, self.position_limit()
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+            raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        sampling = Sampling(temperature, top_k, top_p)
+        if compile and not use_cache:
+            raise ValueError("compile=True compiles the cached decoding step: keep use_cache=True")
+        stop = StopRule(_stop_tokens(eos_token, vocab_size), max_new_tokens)
+        as_list = isinstance(idx, (list, tuple))
+        prompts = list(idx) if as_list else list(idx.unbind(0))
+        if not prompts or min(p.numel() for p in prompts) == 0:
+            raise ValueError("generate needs at least one non-empty prompt")
+        for prompt in prompts:
+            check_token_ids(prompt, vocab_size, name="prompt")
+        device = next(self.parameters()).device
+        tokens, start = _left_padded(prompts, device)
+        width = tokens.shape[1]
+        if max_len is not None and width + max_new_tokens > max_len:
+            raise ValueError(f"prompt ({width}) + max_new_tokens ({max_new_tokens}) exceeds "
+                             f"max_len {max_len} of this model's positions")  # fmt: skip
+        caches = self.make_caches(len(prompts), width + max_new_tokens) if use_cache else None
+        logits = self.prefill(tokens, caches, start=start)
+        step = compiled_decode_step(self, caches) if compile else None
+        new = []
+        done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+        for count in range(max_new_tokens):
+            choice = sample_and_stop(logits, sampling, stop, generated=count, generator=generator)
+            nxt = choice.tokens
+            if choice.stopped is not None:  # ended rows repeat the first stop token
+                nxt = torch.where(done, torch.full_like(nxt, stop.stop_tokens[0]), nxt)
+                done |= choice.stopped
+            new.append(nxt)
+            if choice.last or (choice.stopped is not None and bool(done.all())):
+                break
+            if step is not None:
+                logits = step(nxt.view(-1, 1))
+            elif caches is not None:
+                logits = self.step(nxt.view(-1, 1), caches)
+            else:
+                tokens = torch.cat([tokens, nxt.view(-1, 1)], dim=1)
+                logits = self.prefill(tokens, None, start=start)
+        generated = torch.stack(new, dim=1) if new else tokens[:, :0]
+        if not as_list:  # equal-length prompts: one tensor, the stop token repeated after the end
+            return torch.cat([idx.to(device), generated], dim=1)
+        return [torch.cat([p.to(device), _until_stop(g, stop)])
+                for p, g in zip(prompts, generated, strict=True)]  # fmt: skip
