@@ -1,8 +1,10 @@
-"""The base of every model's config dataclass."""
+"""The bases of the models' config dataclasses."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+
+from ..core.validate import int_at_least
 
 
 @dataclass
@@ -12,3 +14,23 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass
+class CausalLMConfig(ModelConfig):
+    """What every decoder-only language model's config starts with (GPT, Llama): the
+    vocabulary, depth, heads and width, checked here; subclasses add their own."""
+
+    vocab_size: int = 256
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_head: int | None = None  # None: n_head (no grouped-query attention)
+    d_model: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "n_layer", "n_head", "d_model"):
+            int_at_least(name, getattr(self, name), 1)
+        kv = self.n_head if self.n_kv_head is None else self.n_kv_head
+        if isinstance(kv, bool) or not isinstance(kv, int) or kv < 1 or self.n_head % kv:
+            raise ValueError(f"n_kv_head must divide n_head ({self.n_head}) or be None, "
+                             f"got {self.n_kv_head!r}")  # fmt: skip

@@ -32,7 +32,7 @@ from ..nn.positional import (
     RotaryEmbedding,
     SinusoidalPositionalEncoding,
 )
-from .config import ModelConfig
+from .config import CausalLMConfig
 from .decoder import CacheLayout
 from .decoding import CausalLMDecoding, check_sampling, check_token_ids, sample
 from .init import normal_init
@@ -43,12 +43,7 @@ __all__ = ["GPT", "GPT2_NAMES", "GPTConfig", "check_sampling", "check_token_ids"
 
 
 @dataclass
-class GPTConfig(ModelConfig):
-    vocab_size: int = 256
-    n_layer: int = 4
-    n_head: int = 4
-    n_kv_head: int | None = None  # None: n_head (no grouped-query attention)
-    d_model: int = 256
+class GPTConfig(CausalLMConfig):
     max_len: int = 256
     dropout: float = 0.0
     position: str = "learned"
@@ -59,16 +54,8 @@ class GPTConfig(ModelConfig):
     norm_eps: float = 1e-5
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "n_layer", "n_head", "d_model", "max_len"):
-            int_at_least(name, getattr(self, name), 1)
-        if self.n_kv_head is not None and (
-            not isinstance(self.n_kv_head, int)
-            or self.n_kv_head < 1
-            or self.n_head % self.n_kv_head
-        ):
-            raise ValueError(
-                f"n_kv_head must divide n_head ({self.n_head}) or be None, got {self.n_kv_head!r}"
-            )
+        super().__post_init__()
+        int_at_least("max_len", self.max_len, 1)
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
         if self.position not in POSITIONS:

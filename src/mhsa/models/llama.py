@@ -32,7 +32,7 @@ from ..formats.weights import NameTable, SafetensorsFiles, TensorSource, as_sour
 from ..nn import GatedFeedForward, MultiHeadAttention, RMSNorm
 from ..nn.layout import decoding_layout
 from ..nn.positional import RotaryEmbedding, rope_frequencies, rope_type
-from .config import ModelConfig
+from .config import CausalLMConfig
 from .decoder import CacheLayout
 from .decoding import CausalLMDecoding, check_token_ids
 from .init import normal_init
@@ -43,12 +43,7 @@ HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu",
 
 
 @dataclass
-class LlamaConfig(ModelConfig):
-    vocab_size: int = 256
-    n_layer: int = 4
-    n_head: int = 4
-    n_kv_head: int | None = None  # None: n_head (no grouped-query attention)
-    d_model: int = 256
+class LlamaConfig(CausalLMConfig):
     head_dim: int | None = None  # None: d_model // n_head
     d_ff: int = 688
     max_len: int = 2048  # max_position_embeddings: what dynamic / yarn scaling refer to
@@ -68,12 +63,9 @@ class LlamaConfig(ModelConfig):
     eos_token: tuple[int, ...] = field(default_factory=tuple)  # stop tokens for generate
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "n_layer", "n_head", "d_model", "d_ff", "max_len"):
+        super().__post_init__()
+        for name in ("d_ff", "max_len"):
             int_at_least(name, getattr(self, name), 1)
-        kv = self.n_head if self.n_kv_head is None else self.n_kv_head
-        if isinstance(kv, bool) or not isinstance(kv, int) or kv < 1 or self.n_head % kv:
-            raise ValueError(f"n_kv_head must divide n_head ({self.n_head}) or be None, "
-                             f"got {self.n_kv_head!r}")  # fmt: skip
         if self.head_dim is None and self.d_model % self.n_head:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_head "
                              f"({self.n_head}), or set head_dim")  # fmt: skip
