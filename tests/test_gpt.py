@@ -176,7 +176,8 @@ def test_logits_equal_transformers_gpt2():
     ("options", "message"),
     [({"n_head": 0}, "n_head must be an int >= 1"), ({"vocab_size": 0}, "vocab_size must be"),
      ({"n_layer": -1}, "n_layer must be"), ({"d_model": -8}, "d_model must be"),
-     ({"n_kv_head": 3}, "n_kv_head must divide n_head"), ({"dropout": 1.5}, "dropout must be")],
+     ({"n_kv_head": 3}, "n_kv_head must divide n_head"), ({"dropout": 1.5}, "dropout must be"),
+     ({"n_kv_head": True}, "n_kv_head must divide n_head"), ({"max_len": 0}, "max_len must be")],
 )  # fmt: skip
 def test_config_errors_name_the_field(options, message):
     with pytest.raises(ValueError, match=message):

@@ -16,6 +16,7 @@ from mhsa.nn import (
     TransformerDecoderLayer,
     TransformerEncoder,
     TransformerEncoderLayer,
+    encoder_layers,
     from_torch_masks,
 )
 
@@ -131,6 +132,20 @@ def test_stack_builds_independent_copies():
     assert out.shape == (2, 4, D_MODEL)
     out.sum().backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_encoder_layers_are_initialised_each_on_its_own():
+    torch.manual_seed(0)
+    layers = encoder_layers(3, D_MODEL, HEADS, dim_feedforward=FF, norm_first=True)
+    torch.manual_seed(0)
+    one_by_one = [TransformerEncoderLayer(D_MODEL, HEADS, dim_feedforward=FF, norm_first=True)
+                  for _ in range(3)]  # fmt: skip
+    assert isinstance(layers, nn.ModuleList) and len(layers) == 3
+    for ours, expected in zip(layers, one_by_one, strict=True):
+        assert ours.attn_block.norm_first
+        for a, b in zip(ours.state_dict().values(), expected.state_dict().values(), strict=True):
+            assert torch.equal(a, b)
+    assert not torch.equal(layers[0].self_attn.q_proj.weight, layers[1].self_attn.q_proj.weight)
 
 
 def test_feed_forward_and_bad_activation():
