@@ -47,7 +47,7 @@ def test_use_backend_forces_and_restores():
         assert select(spec(), "auto").name == "reference"
         assert select(spec(), "sdpa").name == "reference"
     assert select(spec(), "auto").name == "sdpa"
-    assert mhsa.core.backends() == ["sdpa", "flash", "flex", "triton", "reference", "ring"]
+    assert mhsa.backends() == ["sdpa", "flash", "flex", "triton", "reference", "ring"]
 
 
 def test_empty_query_gives_empty_output():

@@ -81,7 +81,7 @@ def attention(
             bottom-right, so with a KV cache the newest query sees every key).
         scale: multiplies q k^T; defaults to 1 / sqrt(D).
         dropout_p: probability of dropping an attention weight (0 disables it).
-        backend: "auto" (fastest that serves the call) or a name from mhsa.core.backends().
+        backend: "auto" (fastest that serves the call) or a name from mhsa.backends().
         return_lse: also return the logsumexp of each row's scores.
         score: an mhsa.core.scores function (ALiBi, RelativeBias, Softcap, ScoreMod) or a
             list of them applied in order to the scaled scores, before the bias and the
