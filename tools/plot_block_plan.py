@@ -61,14 +61,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out", type=Path, help="the figure to write (.svg or .png)")
     args = parser.parse_args(argv)
     plt.rcParams["svg.hashsalt"] = "mhsa"  # the same SVG on every run
-    fig, axes = plt.subplots(1, len(CASES), figsize=(3.2 * len(CASES), 3.6))
-    for ax, case in zip(axes, CASES, strict=True):
+    fig, axes = plt.subplots(2, 2, figsize=(8, 8))
+    for ax, case in zip(axes.flat, CASES, strict=True):
         draw(ax, *case)
     labels = {"full": "FULL run", "triangle": "causal-mode run", "partial": "PARTIAL run"}
     handles = [Patch(color=COLOURS[k], label=v) for k, v in labels.items()]
     handles.append(Patch(facecolor="white", edgecolor="grey", label="EMPTY: never visited"))
-    fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.legend(handles=handles, loc="lower center", ncol=2, fontsize=9, frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, metadata={"Date": None} if args.out.suffix == ".svg" else None)
     print(f"wrote {args.out}")
