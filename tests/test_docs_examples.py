@@ -15,6 +15,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+import torch
 from sybil.document import Document
 from sybil.parsers.markdown import PythonCodeBlockParser
 
@@ -58,12 +59,15 @@ def test_python_blocks_run(page, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     examples = python_examples(page)
     assert examples, f"{page_id(page)} has python blocks but Sybil found none"
-    for example in examples:
-        try:
-            example.evaluate()
-        except Exception as error:
-            where = f"{page_id(page)}:{example.line}"
-            raise AssertionError(f"{where}: the example fails: {error!r}") from error
+    try:
+        for example in examples:
+            try:
+                example.evaluate()
+            except Exception as error:
+                where = f"{page_id(page)}:{example.line}"
+                raise AssertionError(f"{where}: the example fails: {error!r}") from error
+    finally:
+        torch._dynamo.reset()  # what a page traced stays out of later tests
 
 
 def test_sybil_runs_every_python_block():
