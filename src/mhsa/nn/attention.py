@@ -66,7 +66,8 @@ class MultiHeadAttention(nn.Module):
         num_kv_heads: key/value heads H_kv (grouped-query when < H); default H.
         head_dim: width D of each head; default E // H. The projections map E to H * D
             and back, so H * D need not equal E (Gemma 2).
-        kdim, vdim: widths of the key and value inputs (cross-attention); default E.
+        kdim: width of the key input (cross-attention); default E.
+        vdim: width of the value input (cross-attention); default E.
         bias: whether the projections have biases.
         out_bias: whether the output projection has one; default `bias` (Qwen2: q, k
             and v do, the output does not).
