@@ -102,6 +102,7 @@ def test_attention_maps_match_the_modules_and_plot(tmp_path):
     assert (tmp_path / "maps.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_generate_bench_quick():
     from mhsa.benchmarks import generate
 

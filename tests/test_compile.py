@@ -115,6 +115,7 @@ def _outputs_and_grads(model, inputs):
     return out.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,backend", CASES)
 def test_compiled_forward_and_gradients_equal_eager(name, backend):
     """Through dynamo and AOTAutograd (aot_eager): the graphs a compiler would get."""
@@ -179,6 +180,7 @@ def _op_inputs(dtype=torch.float64, padded=True):
     return q, k, v, mask, bias
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pattern,causal,dropout", [("", True, 0.0), ("SlidingWindow(2, 1)",
                          False, 0.0), ("", True, 0.3)])  # fmt: skip
 def test_the_flash_op_passes_opcheck_and_gradcheck(pattern, causal, dropout):
@@ -224,6 +226,7 @@ SCORES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SCORES)
 @pytest.mark.parametrize("causal", [True, False])
 def test_the_flash_op_takes_score_functions_and_sinks(name, causal):

@@ -22,6 +22,7 @@ def _models():
     yield Llama(config).eval()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", list(_models()), ids=["gpt", "gpt-rotary", "llama"])
 def test_compiled_decoding_gives_the_eager_tokens(model):
     options = {"temperature": 0.0, "eos_token": []} if isinstance(model, Llama) else {

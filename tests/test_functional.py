@@ -98,6 +98,7 @@ def test_lse_matches_logsumexp_of_scores():
     assert torch.allclose(lse, torch.logsumexp(scores, dim=-1), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_gradcheck_reference_with_mask_bias_gqa_and_dead_row():
     q, k, v = make_qkv(1, 4, 2, 5, 6, 3, value_dim=2, dtype=torch.float64, requires_grad=True)
     mask = torch.rand(1, 4, 5, 6) > 0.3
@@ -114,6 +115,7 @@ def test_gradcheck_reference_with_mask_bias_gqa_and_dead_row():
     assert torch.autograd.gradgradcheck(fn, (q, k, v, bias))
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(
     batch=st.integers(1, 2),

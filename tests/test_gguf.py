@@ -362,6 +362,7 @@ def theirs(smollm2):
     return transformers.AutoModelForCausalLM.from_pretrained(smollm2.parent, gguf_file=smollm2.name)
 
 
+@pytest.mark.slow
 def test_state_dict_equals_transformers(ours, theirs):
     expected = theirs.state_dict()
     assert ours.config["tie_word_embeddings"]
@@ -414,6 +415,7 @@ def tokenizers(smollm2):
     return read_gguf_tokenizer(smollm2), hf
 
 
+@pytest.mark.slow
 def test_token_ids_equal_transformers(tokenizers):
     tokenizer, hf = tokenizers
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (

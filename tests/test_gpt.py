@@ -20,6 +20,7 @@ def small(**changes) -> GPT:
     return GPT(GPTConfig(**options)).eval()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("position", ["learned", "sinusoidal", "rotary", "alibi", "t5"])
 @pytest.mark.parametrize("n_kv_head, window", [(None, None), (2, None), (1, 5)],
                          ids=["mha", "gqa", "mqa-window"])  # fmt: skip

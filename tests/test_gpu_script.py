@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from optional import needs
@@ -12,6 +13,7 @@ from optional import needs
 needs("triton")
 
 
+@pytest.mark.slow
 def test_gpu_script_dry_run(tmp_path, monkeypatch, capsys):
     import sys
 
@@ -33,6 +35,7 @@ def test_gpu_script_dry_run(tmp_path, monkeypatch, capsys):
     assert list(tmp_path.iterdir()) == [tmp_path / "gpu.json"]  # no temporary file left
 
 
+@pytest.mark.slow
 def test_gpu_script_records_failures_and_the_budget(tmp_path, monkeypatch):
     from mhsa.benchmarks import gpu
 

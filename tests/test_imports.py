@@ -169,6 +169,7 @@ def test_the_checker_sees_an_upward_import_and_a_cycle(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_mhsa_imports_without_triton():
     code = (
         "import sys; sys.modules['triton'] = None\n"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from mhsa.apps.train import TrainConfig, evaluate, train
@@ -24,6 +25,7 @@ def learn(model, task, tmp_path, *, steps: int, lr: float) -> tuple[float, float
     return before, result["history"][-1]["val_loss"]
 
 
+@pytest.mark.slow
 def test_bert_learns_masked_bytes(tmp_path):
     """Untrained 5.6 (about ln 258); measured 2.8 after 30 steps on repetitive text."""
     from mhsa.data.text import MaskedLMTask
@@ -40,6 +42,7 @@ def test_bert_learns_masked_bytes(tmp_path):
     assert after < 0.6 * before, (before, after)
 
 
+@pytest.mark.slow
 def test_vit_learns_digits(tmp_path):
     """Untrained 2.6 (about ln 10); measured 0.87 after 120 steps."""
     needs("sklearn")
@@ -56,6 +59,7 @@ def test_vit_learns_digits(tmp_path):
     assert after < 0.5 * before, (before, after)
 
 
+@pytest.mark.slow
 def test_point_cloud_transformer_learns_shapes(tmp_path):
     """Untrained 1.8 (about ln 6); measured 0.88 after 120 steps."""
     from mhsa.data.classify import ClassificationTask
@@ -70,6 +74,7 @@ def test_point_cloud_transformer_learns_shapes(tmp_path):
     assert after < 0.6 * before, (before, after)
 
 
+@pytest.mark.slow
 def test_seq2seq_learns_number_translation(tmp_path):
     """Untrained 4.1 (ln 63, the vocabulary size); measured 1.6 after 80 steps."""
     needs("num2words")
@@ -87,6 +92,7 @@ def test_seq2seq_learns_number_translation(tmp_path):
     assert after < 0.6 * before, (before, after)
 
 
+@pytest.mark.slow
 def test_ast_learns_spoken_digits(tmp_path):
     """Untrained 2.6 (about ln 10); measured 1.33 after 80 steps, tested on a voice
     never heard in training."""

@@ -62,6 +62,7 @@ def tokens(batch: int, length: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_and_greedy_tokens_equal_transformers(case):
     hf, ours = pair(case)
@@ -80,6 +81,7 @@ def test_logits_and_greedy_tokens_equal_transformers(case):
         assert max_error(unscaled, expected) > 1e-2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [c for c in CASES if c != "dynamic"])
 def test_cached_decoding_equals_full_recompute(case):
     """(Dynamic NTK is left out: its frequencies follow the longest position of each call,
@@ -94,6 +96,7 @@ def test_cached_decoding_equals_full_recompute(case):
     assert max_error(torch.cat(steps, dim=1), full) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_left_padded_batch_equals_each_sequence_alone(case):
     _, ours = pair(case)
@@ -112,6 +115,7 @@ def test_left_padded_batch_equals_each_sequence_alone(case):
         assert max_error(logits[b, start[b] :], ours(p.view(1, -1))[0]) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["llama3", "mistral", "qwen2-window", "qwen3"])
 def test_every_cpu_backend_gives_the_same_greedy_tokens(case):
     _, ours = pair(case)

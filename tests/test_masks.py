@@ -61,6 +61,7 @@ def test_dense_agrees_with_block_layout(q_len, kv_len, block):
                 assert tile.all(), (name, qi, kj)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["flash", "sdpa"])
 @pytest.mark.parametrize("q_len, kv_len", LENGTHS)
 def test_attention_with_pattern_equals_reference_with_dense_mask(backend, q_len, kv_len):

@@ -104,6 +104,7 @@ def _check(backend: str, q, k, v, mask, bias, causal, allowed):
         assert error < 1e-4, f"d{name} differs by {error}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_masked_nonfinite_keys_and_values_never_leak(backend):
     gen = torch.Generator().manual_seed(15)
@@ -115,6 +116,7 @@ def test_masked_nonfinite_keys_and_values_never_leak(backend):
             raise AssertionError(f"case {number}: {error}") from error
 
 
+@pytest.mark.slow
 def test_masked_nonfinite_triton_interpreter():
     needs("triton")
     assert get("triton").available() is None
@@ -179,6 +181,7 @@ def _ring_worker(rank: int, world: int) -> float:
     return (unshard(out, world, "zigzag") - expected).abs().max().item()
 
 
+@pytest.mark.slow
 def test_ring_attention_ignores_masked_nonfinite_keys():
     errors = run_local(_ring_worker, 2, timeout=120)
     assert max(errors) < 1e-5, errors

@@ -203,6 +203,7 @@ def _results(world: int) -> list[dict]:
     return run_local(_worker, world, timeout=240)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", (2, 3))
 def test_scores_and_sinks_match_single_process(world):
     for rank, result in enumerate(_results(world)):
@@ -227,6 +228,7 @@ def test_bad_score_or_sinks_raise_on_every_rank(world):
             assert message is not None and text in message, (rank, name, message)
 
 
+@pytest.mark.slow
 def test_gradcheck_float64_with_scores_and_sinks():
     assert _results(1)[0]["gradcheck"]
 

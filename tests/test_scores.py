@@ -74,6 +74,7 @@ CASES = ["alibi", "relative", "softcap", "score_mod", "sinks", "alibi-then-softc
          "relative-softcap-sinks"]  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["reference", "flash"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("case", CASES)

@@ -273,6 +273,7 @@ def test_bad_inputs_say_what_to_fix():
         model.translate(pad_batch([[3] * 13]))
 
 
+@pytest.mark.slow
 def test_train_and_translate_end_to_end(tmp_path, capsys):
     out = str(tmp_path / "tr")
     args = ["train", "translate", "--out", out, "--steps", "3", "--eval-every", "3",

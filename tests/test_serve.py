@@ -63,6 +63,7 @@ def _mhsa_chat(chat_model, monkeypatch, capsys, prompt: str, new: int) -> str:
     return capsys.readouterr().out.removesuffix("\n")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("question", QUESTIONS)
 def test_chat_completions_equal_mhsa_chat(client, server, chat_model, monkeypatch, capsys,
                                           question):  # fmt: skip

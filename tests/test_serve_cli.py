@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from mhsa.cli import main
 from optional import needs
 
@@ -29,6 +31,7 @@ def _post(port: int, path: str, body: dict) -> tuple[int, dict]:
     return status, answer
 
 
+@pytest.mark.slow
 def test_mhsa_serve_a_gpt_checkpoint(tmp_path, capsys):
     needs("starlette"), needs("uvicorn")
     data = tmp_path / "data.txt"
@@ -76,6 +79,7 @@ def test_mhsa_serve_bad_arguments_are_one_line_errors(tmp_path, capsys):
     assert "is not a checkpoint" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_mhsa_imports_without_the_serve_extra_and_serve_says_how_to_get_it():
     code = (
         "import sys; sys.modules['starlette'] = sys.modules['uvicorn'] = None\n"

@@ -78,6 +78,7 @@ def _stream(port: int, prompt: list[int], max_tokens: int) -> tuple[str, str, di
     return "".join(text), finish, usage
 
 
+@pytest.mark.slow
 def test_sixteen_streaming_clients_get_each_greedy_output_and_the_pool_empties(one_thread):
     needs("starlette"), needs("uvicorn")
     from mhsa.apps.serve.server import Server

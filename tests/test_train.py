@@ -207,6 +207,7 @@ def test_leftovers_of_a_killed_run_are_cleaned_and_its_checkpoint_resumes(tmp_pa
     assert sorted(p.name for p in out.iterdir()) == ["latest", "step-000008"]
 
 
+@pytest.mark.slow
 def test_every_step_uses_lr_at_and_a_nan_gradient_stops_the_run(tmp_path, monkeypatch):
     """The optimizer sees lr_at(step) at every step (warm-up, then cosine); a finite
     loss whose gradient is nan stops the run like a nan loss."""

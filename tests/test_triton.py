@@ -71,6 +71,7 @@ def make_case(name: str, dtype=torch.float32):
     return q, k, v, mask, bias, causal, blocks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_float64_reference(case):
     q, k, v, mask, bias, causal, blocks = make_case(case)
@@ -104,6 +105,7 @@ def test_tiles_follow_the_block_plan():
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_low_precision_by_the_2x_3x_rule(dtype):
     q, k, v, _, _, _, _ = make_case("causal-LneS-gqa", dtype)
@@ -287,6 +289,7 @@ print("compiled")
 """
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_a_gpu():
     """Compile forward, backward and probability kernels to sm_90 code (ptxas ships with
     triton; no GPU needed): catches what the interpreter accepts but the compiler does not."""

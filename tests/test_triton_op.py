@@ -46,6 +46,7 @@ def _reference(q, k, v, mask, bias, pattern, causal, scale, dropout_p, seed, tex
                           return_lse=True)  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_the_triton_op_passes_opcheck_and_equals_the_reference(case):
     """Outputs, lse and every gradient (q, k, v, bias, score tensors, sinks) in float64.

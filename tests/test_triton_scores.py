@@ -101,6 +101,7 @@ def loss_of(out, lse, grad_out, grad_lse):
     return (out * grad_out.to(out.dtype)).sum() + (lse.nan_to_num(0, 0, 0) * grad_lse).sum()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case, shape", RUNS)
 def test_scores_and_sinks_match_the_golden_formula(case, shape):
     q, k, v, mask, causal, blocks = make_inputs(shape)

@@ -184,6 +184,7 @@ def _retyped(type_id: int):  # the same bytes under another dtype id of the same
     return change
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("change", "message"),
     [
@@ -319,6 +320,7 @@ def test_sinc_resampling_keeps_speech_band_and_removes_aliases():
         speech.resample(tone, 48000, 16000, method="cubic")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rate", [11127, 16001, 8000])
 def test_sinc_resampling_of_awkward_rates_is_exact_and_small(rate):
     """Coprime rates (11127 -> 16000 Hz) once built a 16000-phase filter bank (5.8 GB for
@@ -375,6 +377,7 @@ def mel(request, tmp_path_factory) -> torch.Tensor:
     return log_mel_spectrogram(load_audio(path))[None]
 
 
+@pytest.mark.slow
 def test_encoder_matches_ctranslate2(model, reference, mel):
     """Both engines are float32 runs of one model, judged by a float64 run of ours. The
     last layer has a few activations near 600 that the final layer norm scales down to
@@ -396,6 +399,7 @@ def test_encoder_matches_ctranslate2(model, reference, mel):
     assert (ours.double() - golden).abs().mean() < 1e-5
 
 
+@pytest.mark.slow
 def test_greedy_tokens_and_step_logits_match_ctranslate2(model, reference, mel):
     ctranslate2, ct2 = reference
     features = ctranslate2.StorageView.from_array(mel.numpy())
@@ -419,6 +423,7 @@ def moved(model) -> Whisper:
     return copy.deepcopy(model).decoding_layout()
 
 
+@pytest.mark.slow
 def test_the_decoding_layout_decodes_the_same_tokens(model, moved, mel):
     """Whisper.decoding_layout (transcribe's default): the decoder's weights and the
     output head transposed, q, k, v fused; the same tokens, logits within 1e-5 of their
@@ -433,6 +438,7 @@ def test_the_decoding_layout_decodes_the_same_tokens(model, moved, mel):
             assert max_error(again_logits, logits) < 1e-5 * logits.abs().max().item()
 
 
+@pytest.mark.slow
 def test_memory_cache_and_full_recompute_agree(model, mel):
     (ids,), cached = model.generate(mel, return_logits=True)
     (again,), recomputed = model.generate(mel, reuse_memory=False, return_logits=True)
@@ -488,6 +494,7 @@ def test_load_whisper_without_the_weights_package(monkeypatch):
         Whisper.from_ctranslate2("/nonexistent")
 
 
+@pytest.mark.slow
 def test_transcribe_bench_quick(reference):
     from mhsa.benchmarks import transcribe as bench
 
