@@ -12,6 +12,8 @@ from mhsa.apps.chat import load_chat_model, smollm2_path
 from mhsa.cli import main
 from optional import needs
 
+pytestmark = pytest.mark.slow  # real models, servers, browsers or several processes
+
 PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -60,7 +62,6 @@ def test_answers_the_capital_of_france(exact):
     assert answer == "The capital of France is Paris."
 
 
-@pytest.mark.slow
 def test_greedy_tokens_and_logits_equal_transformers_on_the_same_gguf(smollm2, exact, prompts):
     needs("transformers")
     pytest.importorskip("accelerate")
@@ -76,7 +77,6 @@ def test_greedy_tokens_and_logits_equal_transformers_on_the_same_gguf(smollm2, e
         assert _greedy(exact.model, ids) == _hf_greedy(theirs, ids)
 
 
-@pytest.mark.slow
 def test_the_files_quantisation_stays_close_to_the_dequantised_model(smollm2, exact, prompts):
     """Along the float model's greedy answers, the model keeping the file's Q4_1 / Q8_0
     weights predicts within 5% of the float model's logits: its prefill (the float

@@ -23,6 +23,7 @@ def test_info_lists_backends(capsys):
     assert "logsumexp" in out  # sdpa's limit is explained
 
 
+@pytest.mark.slow
 def test_console_script_runs():
     result = subprocess.run(
         [sys.executable, "-m", "mhsa.cli", "info"], capture_output=True, text=True, check=True
@@ -47,6 +48,7 @@ def test_bench_scores_small(capsys):
     assert "L=S=128" in out and all(name in out for name in ("None", "alibi", "softcap"))
 
 
+@pytest.mark.slow
 def test_memory_probe_runs_in_a_subprocess():
     from mhsa.benchmarks.memory import measure_in_subprocess
 
@@ -138,6 +140,7 @@ def test_train_refuses_a_folder_with_a_checkpoint(tmp_path, capsys):
     assert sorted(p.name for p in out.glob("step-*")) == ["step-000004"]
 
 
+@pytest.mark.slow
 def test_train_resume_into_another_model_kind_is_a_clear_error(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(tiny_train(out)) == 0
@@ -236,6 +239,7 @@ def test_damaged_or_mismatched_checkpoints_are_clear_errors(tmp_path, capsys):
     assert "not a readable safetensors file" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_resume_a_gpt_run_into_another_kind_is_a_clear_error(tmp_path, capsys):
     out = tmp_path / "pts"
     args = ["train", "points", "--out", str(out), "--steps", "1", "--eval-every", "1",

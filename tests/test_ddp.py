@@ -13,6 +13,8 @@ from mhsa.data.text import ByteTokenizer, TextTask
 from mhsa.launch import run_local
 from mhsa.models import GPT, GPTConfig
 
+pytestmark = pytest.mark.slow  # real models, servers, browsers or several processes
+
 TEXT = "def f(x):\n    return x * 2  # doubles\n" * 200
 
 
@@ -45,7 +47,6 @@ def assert_same(a: list, b: list) -> None:
         assert abs(train_a - train_b) <= 1e-5 and abs(val_a - val_b) <= 1e-5
 
 
-@pytest.mark.slow
 def test_two_ranks_train_like_one_process_with_the_same_global_batch(tmp_path):
     run(str(tmp_path / "one"))
     run_local(as_rank, 2, str(tmp_path / "two"))
@@ -53,7 +54,6 @@ def test_two_ranks_train_like_one_process_with_the_same_global_batch(tmp_path):
     assert len(losses(tmp_path / "one")) == 4
 
 
-@pytest.mark.slow
 def test_resume_with_a_different_number_of_processes(tmp_path):
     run(str(tmp_path / "straight"))
     run_local(as_rank, 2, str(tmp_path / "split"), 4, 2)  # two ranks, "killed" after step 2
@@ -62,7 +62,6 @@ def test_resume_with_a_different_number_of_processes(tmp_path):
     assert_same(losses(tmp_path / "split"), losses(tmp_path / "straight"))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("position", ["rotary", "learned"])
 def test_context_parallel_ranks_train_like_one_process(tmp_path, position):
     """Each of 2 ranks holds half of every sequence (zigzag); attention is ring attention."""

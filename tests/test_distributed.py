@@ -176,6 +176,7 @@ def test_matches_single_process(world):
             assert not bad, f"world {world}, rank {rank}, {name}: {bad}"
 
 
+@pytest.mark.slow
 def test_long_chunks_with_several_tiles():
     for result in _results(2):
         for name in LONG_CASES:
@@ -183,6 +184,7 @@ def test_long_chunks_with_several_tiles():
             assert max(errors.values()) <= TOLERANCE, (name, errors)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", (2, 4))
 def test_empty_blocks_and_out_of_reach_ranks_are_skipped(world):
     for rank, result in enumerate(_results(world)):
@@ -196,10 +198,12 @@ def test_empty_blocks_and_out_of_reach_ranks_are_skipped(world):
         assert work["left window"] == (1, 1 if rank == 0 else 2)
 
 
+@pytest.mark.slow
 def test_gradcheck_float64():
     assert _results(1)[0]["gradcheck"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", (2, 3))
 def test_bad_calls_raise_on_every_rank(world):
     expected = {
@@ -222,6 +226,7 @@ def _sleep(rank: int, world: int) -> None:
     time.sleep(60)
 
 
+@pytest.mark.slow
 def test_run_local_times_out_instead_of_hanging():
     start = time.monotonic()
     with pytest.raises(TimeoutError):

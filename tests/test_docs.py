@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 QUICK_START = re.compile(r"^```bash\n(.+?)\n```", re.MULTILINE)
 
@@ -49,6 +51,7 @@ def test_the_readme_test_command_is_what_ci_runs():
     assert chat in install and tests in install, "docs/install.md repeats both, verbatim"
 
 
+@pytest.mark.slow
 def test_block_plan_figure_script_runs(tmp_path):
     out = tmp_path / "plan.svg"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}

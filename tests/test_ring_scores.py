@@ -213,6 +213,7 @@ def test_scores_and_sinks_match_single_process(world):
     assert set(LONG_CASES) <= set(_results(2)[0]["max"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", (2, 3))
 def test_bad_score_or_sinks_raise_on_every_rank(world):
     expected = {

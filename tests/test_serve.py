@@ -17,6 +17,8 @@ from mhsa.apps.serve.models import ServedModel
 from mhsa.cli import main
 from optional import needs
 
+pytestmark = pytest.mark.slow  # real models, servers, browsers or several processes
+
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea."]
 NEW = 24
 
@@ -63,7 +65,6 @@ def _mhsa_chat(chat_model, monkeypatch, capsys, prompt: str, new: int) -> str:
     return capsys.readouterr().out.removesuffix("\n")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("question", QUESTIONS)
 def test_chat_completions_equal_mhsa_chat(client, server, chat_model, monkeypatch, capsys,
                                           question):  # fmt: skip

@@ -19,6 +19,8 @@ from mhsa.apps.serve.models import ServedModel
 from mhsa.models.gpt import GPT, GPTConfig
 from optional import needs
 
+pytestmark = pytest.mark.slow  # real models, servers, browsers or several processes
+
 CLIENTS, REQUESTS = 16, 128
 
 
@@ -78,7 +80,6 @@ def _stream(port: int, prompt: list[int], max_tokens: int) -> tuple[str, str, di
     return "".join(text), finish, usage
 
 
-@pytest.mark.slow
 def test_sixteen_streaming_clients_get_each_greedy_output_and_the_pool_empties(one_thread):
     needs("starlette"), needs("uvicorn")
     from mhsa.apps.serve.server import Server

@@ -76,6 +76,7 @@ def test_the_triton_op_passes_opcheck_and_equals_the_reference(case):
         assert max_error(got, want) <= 1e-10
 
 
+@pytest.mark.slow
 def test_a_compiled_gpt_on_triton_is_one_graph_equal_to_eager():
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=64, max_len=64, d_model=32, n_head=2, n_layer=2, dropout=0.0,
