@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import io
+import tokenize
+from pathlib import Path
+
 import torch
 from torch import Tensor
 
@@ -199,3 +203,18 @@ def assert_same_greedy(got: list[int], want: list[int], logits_at) -> None:
         return
     best, second = logits_at(first).topk(2).values.tolist()
     assert best - second < 1e-4, f"greedy tokens part at {first} without a tie: {got} {want}"
+
+
+SOURCE = Path(__file__).resolve().parent.parent / "src" / "mhsa"
+
+
+def source_code() -> dict[str, str]:
+    """Each module under src/mhsa (its path relative to it) -> its code without comments
+    and strings, for tests that check where an idea is written."""
+
+    def code_of(path: Path) -> str:
+        tokens = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
+        kept = [tok.string for tok in tokens if tok.type not in (tokenize.COMMENT, tokenize.STRING)]
+        return " ".join(kept)
+
+    return {str(path.relative_to(SOURCE)): code_of(path) for path in SOURCE.rglob("*.py")}

@@ -40,39 +40,37 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "build" / "mutation"
 
-# module under src/mhsa -> the tests that exercise it and run in seconds, not minutes
-# (mutmut runs, per mutant, only those of them that executed the mutated function)
-MODULES = {
-    "core/kernels/dropout.py": [
-        "tests/test_backends.py", "tests/test_flash.py", "-k", "dropout",
-        # triton's copy of the hash, run by its CPU interpreter: the independent check
-        "tests/test_triton.py::test_dropout_mask_equals_cpu_keep_mask",
-    ],
-    "models/beam_search.py": ["tests/test_seq2seq.py"],
-    "apps/serve/scheduler.py": ["tests/test_serve_scheduler.py"],
-    "cache/contiguous.py": [
-        "tests/test_decoder_cache.py", "tests/test_gpt.py", "tests/test_nn_attention.py",
-        "tests/test_nonfinite.py::test_unwritten_and_padded_cache_slots_are_ignored",
-    ],
-    "cache/paged.py": ["tests/test_paged_cache.py"],
-    "cache/blocks.py": ["tests/test_paged_cache.py"],
-    "core/kernels/paged.py": ["tests/test_paged_attention.py", "tests/test_paged_cache.py"],
-    "core/attention.py": [
-        "tests/test_functional.py", "tests/test_backends.py", "tests/test_nonfinite.py",
-        "tests/test_validate.py", "tests/test_nn_attention.py",
-        "tests/test_flash.py::test_attention_weights_selected_heads_and_rows",
-        "tests/test_flash.py::test_attention_weights_of_an_empty_selection_is_empty",
-        "tests/test_masks.py::test_attention_weights_with_pattern_rows",
-        "-k", "not triton_interpreter",  # 20 s of triton's interpreter, not of functional
-    ],
-    "nn/positional.py": [
-        "tests/test_positional.py", "tests/test_gpt.py", "tests/test_nn_attention.py",
-    ],
-    "core/kernels/plan.py": ["tests/test_flash.py", "tests/test_masks.py", "tests/test_band.py"],
-    "apps/train.py": ["tests/test_train.py"],
-    "core/kernels/merge.py": ["tests/test_primitives.py", "tests/test_paged_attention.py"],
-    "core/masks/causal.py": ["tests/test_primitives.py", "tests/test_masks.py"],
-}  # fmt: skip
+# modules under src/mhsa, each mutated against the tests that mirror it (tests_for)
+MODULES = [
+    "core/kernels/dropout.py",
+    "models/beam_search.py",
+    "apps/serve/scheduler.py",
+    "cache/contiguous.py",
+    "cache/paged.py",
+    "cache/blocks.py",
+    "core/kernels/paged.py",
+    "core/attention.py",
+    "nn/positional.py",
+    "core/kernels/plan.py",
+    "apps/train.py",
+    "core/kernels/merge.py",
+    "core/masks/causal.py",
+]
+
+
+def tests_for(module: str) -> list[str]:
+    """The tests of src/mhsa/<module>, read off the layout: tests/<its folder>/test_<its
+    name>*.py, or every test file of that folder when none is named after it (then of
+    the folder above, and so on); the slow ones left out, as mutmut runs them per mutant."""
+    path = Path(module)
+    folder = ROOT / "tests" / path.parent
+    chosen = sorted(folder.glob(f"test_{path.stem}*.py"))
+    while not chosen and folder != ROOT / "tests":
+        chosen = sorted(folder.glob("test_*.py"))
+        folder = folder.parent
+    if not chosen:
+        raise SystemExit(f"no tests mirror {module}: add tests/{path.parent}/test_{path.stem}.py")
+    return [str(test.relative_to(ROOT)) for test in chosen] + ["-m", "not slow"]
 
 STATUSES = ["killed", "survived", "timeout", "suspicious", "no tests", "not checked", "other"]
 
@@ -210,7 +208,7 @@ def main() -> int:
                 print("   no earlier run")
                 continue
         else:
-            prepare(module, MODULES[module], args.resume)
+            prepare(module, tests_for(module), args.resume)
             start = time.monotonic()
             status, stopped = run_module(work, args.minutes)
             spent = work / "seconds"  # the time of this module's runs, resumed ones added

@@ -23,72 +23,72 @@ ROOT = Path(__file__).resolve().parent.parent
 BUGS = {
     "gpt window one too wide": (
         "models/gpt.py", "SlidingWindow(window - 1, 0)", "SlidingWindow(window, 0)",
-        "tests/test_gpt.py"),
+        "tests/models/test_gpt.py"),
     "custom scale ignored": (
         "core/attention.py", "if scale is None else float(scale)", "if scale is None else 1.0 / "
-        "math.sqrt(q.shape[-1])", "tests/test_functional.py"),
+        "math.sqrt(q.shape[-1])", "tests/core/test_attention.py"),
     "rotary rotation sign flipped": (
         "nn/positional.py", "torch.cat((-sin, sin), dim=-1)",
-        "torch.cat((sin, -sin), dim=-1)", "tests/test_positional.py"),
+        "torch.cat((sin, -sin), dim=-1)", "tests/nn/test_positional.py"),
     "rotary frequencies wrong": (
         "nn/positional.py", "exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim",
         "exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / (dim // 2)",
-        "tests/test_positional.py"),
+        "tests/nn/test_positional.py"),
     "softmax without max subtraction": (
         "core/kernels/dense.py", "row_max = torch.where(torch.isfinite(row_max), row_max, "
         "torch.zeros_like(row_max))", "row_max = torch.zeros_like(row_max)",
-        "tests/test_backends.py"),
+        "tests/core/backends/test_backends.py"),
     "dropout hash ignores head and batch": (
         "core/kernels/dropout.py", "heads = torch.arange(batch * num_heads, device=device, "
         "dtype=torch.int64)", "heads = torch.zeros(batch * num_heads, device=device, "
-        "dtype=torch.int64)", "tests/test_backends.py"),
+        "dtype=torch.int64)", "tests/core/backends/test_backends.py"),
     "zero_grad after backward": (
         "apps/train.py", "        optimizer.zero_grad(set_to_none=True)\n        loss.backward()\n",
         "        loss.backward()\n        optimizer.zero_grad(set_to_none=True)\n",
-        "tests/test_train.py"),
+        "tests/apps/test_train.py"),
     "vit interpolation height and width swapped": (
-        "models/vit.py", "size=(grid_h, grid_w)", "size=(grid_w, grid_h)", "tests/test_vit.py"),
+        "models/vit.py", "size=(grid_h, grid_w)", "size=(grid_w, grid_h)", "tests/models/test_vit.py"),
     "seq2seq embeddings not scaled by sqrt(d)": (
         "models/seq2seq.py", "x = table(ids) * math.sqrt(self.config.d_model)",
-        "x = table(ids)", "tests/test_seq2seq.py"),
+        "x = table(ids)", "tests/models/test_seq2seq.py"),
     "sampling multiplies by the temperature": (
         "models/sampling.py", "logits = logits.float() / temperature",
-        "logits = logits.float() * temperature", "tests/test_gpt.py"),
+        "logits = logits.float() * temperature", "tests/models/test_gpt.py"),
     "paged attention lets a query see its own key late": (
         "core/kernels/paged.py", "allowed = causal_allows(q_pos, k_pos)",
         "allowed = causal_allows(q_pos - 1, k_pos)",
-        "tests/test_paged_attention.py"),
+        "tests/core/kernels/test_paged_attention.py"),
     "a stop token is output before the request ends": (
         "apps/serve/engine.py",
         "            if choice.stopped is not None and bool(choice.stopped[0]):\n",
         "            if choice.stopped is not None and bool(choice.stopped[0]) and "
-        "request.output.append(int(choice.tokens[0])):\n", "tests/test_serve_engine.py"),
+        "request.output.append(int(choice.tokens[0])):\n", "tests/apps/serve/test_engine.py"),
     "the stop rule ends a sequence one token late": (
         "models/sampling.py", "generated + 1 >= self.max_tokens", "generated >= self.max_tokens",
-        "tests/test_generation_core.py"),
+        "tests/models/test_generation_core.py"),
     "the scheduler preempts the oldest request": (
         "apps/serve/scheduler.py",
         "self.preempt(self.running[-1])", "self.preempt(self.running[0])",
-        "tests/test_serve_scheduler.py"),
+        "tests/apps/serve/test_scheduler.py"),
     "admission forgets what running requests may still take": (
         "apps/serve/scheduler.py", "self.pool.free_blocks - self._spoken_for() <",
-        "self.pool.free_blocks <", "tests/test_serve_scheduler.py"),
+        "self.pool.free_blocks <", "tests/apps/serve/test_scheduler.py"),
     "a preempted request resumes from its prompt alone": (
         "apps/serve/scheduler.py", "return (self.prompt + self.output)[start:stop]",
-        "return self.prompt[start:stop]", "tests/test_serve_scheduler.py"),
+        "return self.prompt[start:stop]", "tests/apps/serve/test_scheduler.py"),
     # found by the mutation run (tools/mutation.py), not in the original list
     "learning rate schedule never applied": (
         "apps/train.py", '            group["lr"] = lr_at(step, config)\n',
-        "            pass\n", "tests/test_train.py"),
+        "            pass\n", "tests/apps/test_train.py"),
     "a nan gradient with a finite loss is stepped": (
         "apps/train.py", "torch.isfinite(loss) & torch.isfinite(grad_norm)",
-        "torch.isfinite(loss) | torch.isfinite(grad_norm)", "tests/test_train.py"),
+        "torch.isfinite(loss) | torch.isfinite(grad_norm)", "tests/apps/test_train.py"),
     "partial results merged without normalising the weights": (
         "core/kernels/merge.py", "weights = (weights / safe_total).unsqueeze(-1)",
-        "weights = weights.unsqueeze(-1)", "tests/test_primitives.py"),
+        "weights = weights.unsqueeze(-1)", "tests/core/kernels/test_merge.py"),
     "causal queries aligned top-left": (
         "core/masks/causal.py", "    return kv_len - q_len", "    return 0 * kv_len",
-        "tests/test_primitives.py"),
+        "tests/core/masks/test_causal.py"),
 }  # fmt: skip
 
 

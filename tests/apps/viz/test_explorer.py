@@ -24,7 +24,7 @@ from optional import needs, needs_file, needs_package_file, needs_program
 
 pytestmark = pytest.mark.slow  # real models, servers, browsers or several processes
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 ALSA = Path("/usr/share/sounds/alsa")
 TEXT = "attention is all you need"
 COLUMNS = {"query": "queries", "key": "keys"}  # the page's token columns

@@ -17,7 +17,7 @@ from mhsa.models.sampling import GREEDY, Sampling, StopRule, sample_and_stop
 from mhsa.models.seq2seq import Seq2SeqDecoder
 from mhsa.models.whisper import Whisper, WhisperConfig, WhisperTextDecoder
 
-SOURCE = Path(__file__).resolve().parents[1] / "src" / "mhsa"
+SOURCE = Path(__file__).resolve().parents[2] / "src" / "mhsa"
 # each decoding loop, and what it must call for its tokens and stops
 LOOPS = {
     "models/decoding.py": "sample_and_stop(",  # generate, greedy_search

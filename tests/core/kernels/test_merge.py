@@ -1,40 +1,18 @@
-"""The causal alignment and the logsumexp merge: each has one definition
-(mhsa.core.masks.causal, mhsa.core.kernels.merge), checked here against float64 and the
-formula, and the source tree is checked to hold no second copy of either."""
+"""The logsumexp merge of partial results (mhsa.core.kernels.merge) has one
+definition: checked here against float64 attention over all keys, and the source tree
+is checked to hold no second copy and every engine to call it."""
 
 from __future__ import annotations
 
 import ast
-import io
 import re
-import tokenize
-from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import golden_attention, make_qkv
+from helpers import SOURCE, golden_attention, make_qkv, source_code
 from mhsa.core.kernels.merge import merge_partials
-from mhsa.core.masks.causal import causal_allows, causal_mask, causal_shift
-
-SOURCE = Path(__file__).resolve().parents[1] / "src" / "mhsa"
-
-
-@pytest.mark.parametrize("q_len,kv_len", [(1, 1), (1, 9), (5, 5), (4, 11), (11, 4), (7, 0)])
-def test_causal_mask_is_the_bottom_right_rule(q_len, kv_len):
-    expected = torch.tensor(
-        [[j <= i + kv_len - q_len for j in range(kv_len)] for i in range(q_len)], dtype=torch.bool
-    ).view(q_len, kv_len)
-    assert torch.equal(causal_mask(q_len, kv_len), expected)
-    assert causal_shift(q_len, kv_len) == kv_len - q_len
-    if q_len and kv_len:
-        assert bool(causal_mask(q_len, kv_len)[-1].all())  # the last query sees every key
-    assert causal_allows(3, 3) and causal_allows(3, 2) and not causal_allows(3, 4)
-
-
-def test_causal_shift_takes_per_sequence_lengths():
-    lengths = torch.tensor([4, 9, 1])
-    assert torch.equal(causal_shift(1, lengths), torch.tensor([3, 8, 0]))
+from mhsa.core.masks.causal import causal_mask
 
 
 def _split_keys(kv_len: int, cuts: list[int]) -> list[slice]:
@@ -107,36 +85,9 @@ def test_merge_needs_a_part():
         merge_partials([])
 
 
-def _code_of(path: Path) -> str:
-    """The file's code without comments and docstrings/strings."""
-    tokens = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
-    kept = [tok.string for tok in tokens if tok.type not in (tokenize.COMMENT, tokenize.STRING)]
-    return " ".join(kept)
-
-
-def _sources() -> dict[str, str]:
-    return {str(p.relative_to(SOURCE)): _code_of(p) for p in SOURCE.rglob("*.py")}
-
-
-def test_the_causal_alignment_is_written_once():
-    """No module but masks/causal.py computes S - L, a triangle or the causal
-    comparison itself (the triton kernels receive the shift as an argument and
-    compare in-kernel, where Python cannot be called)."""
-    shift = re.compile(
-        r"\b(\w+\.)?kv_len - (\w+\.)?q_len\b|\b(\w+\.)?q_len - (\w+\.)?kv_len\b"
-        r"|\btril\b|\btriu\b"
-    )
-    offenders = [
-        name
-        for name, code in _sources().items()
-        if name != "core/masks/causal.py" and shift.search(code)
-    ]
-    assert offenders == []
-
-
 def test_the_merge_is_written_once_and_every_engine_calls_it():
     merging = re.compile(r"\blogaddexp\b|\blogsumexp\b")
-    sources = _sources()
+    sources = source_code()
     offenders = [
         name
         for name, code in sources.items()

@@ -25,7 +25,7 @@ from mhsa.cache import (
 from mhsa.nn import MultiHeadAttention
 from mhsa.nn.positional import AttentionPosition, RotaryEmbedding
 
-SOURCE = Path(__file__).resolve().parents[1] / "src" / "mhsa"
+SOURCE = Path(__file__).resolve().parents[2] / "src" / "mhsa"
 CACHE_TYPES = {name for name in mhsa.cache.__all__ if name != "PoolExhausted"}
 
 
