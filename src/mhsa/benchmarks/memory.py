@@ -90,14 +90,9 @@ def measure(
 
 
 def measure_in_subprocess(
-    backend: str,
-    length: int,
-    heads: int,
-    head_dim: int = 64,
-    causal: bool = False,
-    pattern: str | None = None,
-    score: str | None = None,
-) -> dict:
+    backend: str, length: int, heads: int, head_dim: int = 64, causal: bool = False,
+    pattern: str | None = None, score: str | None = None,
+) -> dict:  # fmt: skip
     """Run `measure` in a fresh interpreter so that peaks do not mix."""
     cmd = [
         sys.executable, "-m", "mhsa.benchmarks.memory", "--backend", backend,

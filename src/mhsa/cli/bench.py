@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import positive_int
+from .common import positive_int, threads_option
 
 
 def bench(args: argparse.Namespace) -> int:
@@ -93,9 +93,7 @@ def add_parser(commands) -> None:
     bench_parser.add_argument(
         "--model", help="serve: the model `mhsa serve` loads (default the packaged SmolLM2)"
     )
-    bench_parser.add_argument(
-        "--threads", type=positive_int, help="serve: torch threads of the server"
-    )
+    threads_option(bench_parser, help="serve: torch threads of the server")
     bench_parser.add_argument(
         "--load",
         default="chat",

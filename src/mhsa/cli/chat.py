@@ -7,9 +7,7 @@ import sys
 
 import torch
 
-from .common import positive_int, torch_threads
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+from .common import chat_weight_options, chat_weights, positive_int, threads_option, torch_threads
 
 
 def chat(args: argparse.Namespace) -> int:
@@ -22,7 +20,7 @@ def _chat(args: argparse.Namespace) -> int:
 
     if args.prompt is not None and any(not p.strip() for p in args.prompt):
         raise ValueError("--prompt must not be empty")
-    model = load_chat_model(args.model, dtype=DTYPES[args.dtype], quantize=args.quantize)
+    model = load_chat_model(args.model, **chat_weights(args))
     generator = torch.Generator().manual_seed(args.seed)
     history = [{"role": "system", "content": args.system}] if args.system else []
     options = {
@@ -91,9 +89,6 @@ def _report_compile(model) -> None:
               "keeps the compiled code on disk for the next run)]", file=sys.stderr)  # fmt: skip
 
 
-QUANTIZE = ("file", "none", "bfloat16", "int8", "int4")  # mhsa.apps.chat.QUANTIZE
-
-
 def add_parser(commands) -> None:
     cmd = commands.add_parser("chat", help="chat with an instruction-tuned model (SmolLM2)")
     cmd.add_argument(
@@ -127,15 +122,6 @@ def add_parser(commands) -> None:
         default=256,
         help="at most this many tokens per answer (default 256)",
     )
-    cmd.add_argument(
-        "--dtype", choices=list(DTYPES), default="float32", help="dtype of the dequantised weights"
-    )
-    cmd.add_argument(
-        "--quantize",
-        choices=QUANTIZE,
-        default=None,
-        help="weights: 'file' keeps a GGUF's own quantisation (default for GGUF), "
-        "'none' dequantises (the exact path), or bfloat16 / int8 / int4",
-    )
-    cmd.add_argument("--threads", type=positive_int, default=None, help="torch threads")
+    chat_weight_options(cmd)
+    threads_option(cmd)
     cmd.set_defaults(run=chat)

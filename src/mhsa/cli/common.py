@@ -1,4 +1,5 @@
-"""What several commands share: loading a checkpoint, the training options."""
+"""What several commands share: loading a checkpoint, the training options, the options
+of the commands that run a chat model."""
 
 from __future__ import annotations
 
@@ -7,6 +8,10 @@ import contextlib
 from collections.abc import Iterator
 
 TRAIN_COMMANDS = {"seq2seq": "translate"}  # model kinds trained by another command's name
+# a chat model's weights: --dtype's names, --quantize's modes (mhsa.apps.chat.QUANTIZE,
+# written again so that building the parser does not import the models)
+DTYPES = ("float32", "bfloat16")
+QUANTIZE = ("file", "none", "bfloat16", "int8", "int4")
 
 
 @contextlib.contextmanager
@@ -145,3 +150,28 @@ def size_options(
         "--d-model", type=positive_int, default=d_model, help=f"model width (default {d_model})"
     )
     parser.add_argument("--lr", type=float, default=lr, help=f"peak learning rate (default {lr:g})")
+
+
+def threads_option(
+    parser: argparse.ArgumentParser, default: int | None = None, help: str = "torch threads"
+) -> None:
+    """--threads: torch's thread count while the command runs (see torch_threads)."""
+    parser.add_argument("--threads", type=positive_int, default=default, help=help)
+
+
+def chat_weight_options(parser: argparse.ArgumentParser, whose: str = "", exact: str = "") -> None:
+    """--dtype and --quantize of a chat model's weights (see chat_weights); whose starts
+    their help ("a chat model's "), exact adds to what 'none' (the exact path) means."""
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32",
+                        help=f"{whose}dtype of the dequantised weights")  # fmt: skip
+    parser.add_argument("--quantize", choices=QUANTIZE, default=None,
+                        help=f"{whose}weights: 'file' keeps a GGUF's own quantisation (default "
+                             f"for GGUF), 'none' dequantises (the exact path{exact}), or "
+                             "bfloat16 / int8 / int4")  # fmt: skip
+
+
+def chat_weights(args: argparse.Namespace) -> dict:
+    """load_chat_model's dtype and quantize of --dtype and --quantize."""
+    import torch
+
+    return {"dtype": getattr(torch, args.dtype), "quantize": args.quantize}

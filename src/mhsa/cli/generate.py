@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from .common import load_model, non_negative_int, positive_int, torch_threads
+from .common import load_model, non_negative_int, threads_option, torch_threads
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -85,11 +85,6 @@ def add_parser(commands) -> None:
         action="store_true",
         help="decode through one torch.compile'd step (compiling takes a while)",
     )
-    gen.add_argument(
-        "--threads",
-        type=positive_int,
-        default=1,
-        help="torch threads (default 1: one token at a time of a small model "
-        "gains little from more, and loses much when cores are busy)",
-    )
+    threads_option(gen, default=1, help="torch threads (default 1: one token at a time of a "
+                   "small model gains little from more, and loses much when cores are busy)")
     gen.set_defaults(run=generate)

@@ -10,8 +10,14 @@ from pathlib import Path
 
 import torch
 
-from .chat import DTYPES, QUANTIZE
-from .common import non_negative_int, positive_int, torch_threads
+from .common import (
+    chat_weight_options,
+    chat_weights,
+    non_negative_int,
+    positive_int,
+    threads_option,
+    torch_threads,
+)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -25,8 +31,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ImportError as error:
         print(f"mhsa serve: {error}", file=sys.stderr)
         return 2
-    weights = {"dtype": DTYPES[args.dtype], "quantize": args.quantize}
-    served = load_served(args.model, weights, name=args.name, num_blocks=args.num_blocks,
+    served = load_served(args.model, chat_weights(args), name=args.name, num_blocks=args.num_blocks,
                          block_size=args.block_size, max_batch=args.max_batch,
                          context_length=args.context_length)  # fmt: skip
     server = Server(served, host=args.host, port=args.port, log_level=args.log_level)
@@ -108,14 +113,10 @@ def add_parser(commands) -> None:
         help="prompt + new tokens per request at most (default: the model's, "
         "at most what the pool holds)",
     )
-    cmd.add_argument("--dtype", choices=list(DTYPES), default="float32",
-                     help="a chat model's dtype of the dequantised weights")  # fmt: skip
-    cmd.add_argument("--quantize", choices=QUANTIZE, default=None,
-                     help="a chat model's weights: 'file' keeps a GGUF's own quantisation "
-                          "(default for GGUF), 'none' dequantises (the exact path: a "
-                          "request's answer then does not depend on what it is batched "
-                          "with), or bfloat16 / int8 / int4")  # fmt: skip
-    cmd.add_argument("--threads", type=positive_int, default=None, help="torch threads")
+    chat_weight_options(cmd, whose="a chat model's ",
+                        exact=": a request's answer then does not depend on what it is "
+                              "batched with")  # fmt: skip
+    threads_option(cmd)
     cmd.add_argument(
         "--log-level",
         default="warning",

@@ -15,7 +15,6 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 
 from ..core.backends.registry import PAGED_REASON, AttentionSpec, Backend, register, use_backend
 from ..core.masks import Pattern
@@ -66,21 +65,10 @@ class RingBackend(Backend):
         dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=group)
         return bool(votes.item())
 
-    def forward(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        mask: Tensor | Pattern | None,
-        bias: Tensor | None,
-        causal: bool,
-        scale: float,
-        dropout_p: float,
-        return_lse: bool,
-        score=None,
-        sinks: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor | None]:
+    def forward(self, q, k, v, *, mask, bias, causal, scale, dropout_p, return_lse,
+                score=None, sinks=None):  # fmt: skip
+        """ring_attention over the whole sequences; mask: None or a pattern in global
+        positions. Returns (out, None): no lse."""
         if mask is not None and not isinstance(mask, Pattern):
             raise ValueError(
                 "the ring backend takes masks as mhsa.core.masks patterns (global positions); "

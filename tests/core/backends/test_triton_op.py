@@ -76,6 +76,22 @@ def test_the_triton_op_passes_opcheck_and_equals_the_reference(case):
         assert max_error(got, want) <= 1e-10
 
 
+def test_the_triton_op_without_keys_gives_zeros_and_the_sinks_logit():
+    """No keys: output 0, lse each row's sink (contiguous, as an op's outputs are), and
+    zero gradients; opcheck passes."""
+    q, k, v, _ = _inputs()
+    sinks = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    args = (q, k[:, :, :0], v[:, :, :0], None, None, "", False, 0.3, 0.0, torch.tensor(0), "",
+            [], sinks)  # fmt: skip
+    torch.library.opcheck(triton_attention_op, args)
+    out, lse = triton_attention_op(*args)
+    assert torch.equal(out, torch.zeros(2, 4, 9, 8, dtype=torch.float64))
+    assert lse.is_contiguous()
+    assert torch.equal(lse, sinks.detach().view(1, 4, 1).expand(2, 4, 9))
+    grads = torch.autograd.grad(out.sum(), (q, sinks), allow_unused=True)
+    assert all(g is None or not g.any() for g in grads)
+
+
 @pytest.mark.slow
 def test_a_compiled_gpt_on_triton_is_one_graph_equal_to_eager():
     torch.manual_seed(0)

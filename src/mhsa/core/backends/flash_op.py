@@ -24,7 +24,7 @@ from ..kernels.flash import flash_backward, flash_forward, fused_available
 from ..scores import ScoreFunction
 from .flash_plan import plan_for
 from .op_scores import differentiable_score, rebuild_score, score_spec
-from .op_values import rebuild_pattern, register_attention_op, traced_call
+from .op_values import backward_outputs, rebuild_pattern, register_attention_op, traced_call
 
 
 def _engine_inputs(q, v, mask, pattern, causal, dropout_p, seed, score):
@@ -87,13 +87,11 @@ def flash_attention_backward_op(
             grad_out, grad_lse, q, k, v, bias, out, lse, plan, scale, dropout, fused,
             bias_grad, score_fn, sinks, tuple(t for t in targets if t is not None),
         )  # fmt: skip
-    dbias = q.new_empty(0) if dbias is None else dbias.contiguous()
-    dsinks = q.new_empty(0) if dsinks is None else dsinks.contiguous()
     found = iter(found)
     grads = [None if target is None else next(found) for target in targets]
     dscore = [torch.zeros_like(t) if g is None else g.detach()
               for t, g in zip(score_tensors, grads, strict=True)] if score_grad else []  # fmt: skip
-    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dbias, dsinks, dscore
+    return backward_outputs(q, dq, dk, dv, dbias, dsinks, dscore)
 
 
 register_attention_op(flash_attention_op, flash_attention_backward_op)

@@ -93,6 +93,15 @@ def register_attention_op(op, backward_op) -> None:
     backward_op.register_fake(_fake_backward)
 
 
+def backward_outputs(q: Tensor, dq: Tensor, dk: Tensor, dv: Tensor, dbias: Tensor | None,
+                     dsinks: Tensor | None, dscore: list[Tensor]) -> tuple:  # fmt: skip
+    """A backward op's (dq, dk, dv, dbias, dsinks, dscore), contiguous; an op returns no
+    None, so an absent dbias or dsinks is an empty tensor."""
+    dbias = q.new_empty(0) if dbias is None else dbias.contiguous()
+    dsinks = q.new_empty(0) if dsinks is None else dsinks.contiguous()
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dbias, dsinks, dscore
+
+
 def _fake_forward(q, k, v, mask, bias, pattern, causal, scale, dropout_p, seed, score,
                   score_tensors, sinks):  # fmt: skip
     batch, heads, q_len, _ = q.shape

@@ -9,17 +9,14 @@ triton.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
-from ..kernels.dense import stats_dtype
-from ..kernels.triton.function import _backward, _forward, _prepare
+from ..kernels.triton.function import _backward, _forward, _no_keys, _prepare
 from ..kernels.triton.scores import kernel_score
 from ..scores import ScoreFunction
 from .op_scores import rebuild_score
-from .op_values import rebuild_pattern, register_attention_op, traced_call
+from .op_values import backward_outputs, rebuild_pattern, register_attention_op, traced_call
 
 
 def _launch_inputs(q, k, v, mask, bias, pattern, causal, scale, dropout_p, seed, score,
@@ -34,15 +31,6 @@ def _launch_inputs(q, k, v, mask, bias, pattern, causal, scale, dropout_p, seed,
     return tiles, scale, dropout, kernel, slopes, table
 
 
-def _no_keys(q: Tensor, v: Tensor, sinks: Tensor | None) -> tuple[Tensor, Tensor]:
-    """(out, lse) of a call with no query rows or no keys."""
-    out = q.new_zeros(*q.shape[:3], v.shape[3])
-    lse = q.new_full(q.shape[:3], -math.inf, dtype=stats_dtype(q.dtype))
-    if sinks is not None:  # every row's only "key" is its sink
-        lse = sinks.to(lse.dtype).view(1, -1, 1).expand(lse.shape).contiguous()
-    return out, lse
-
-
 @torch.library.custom_op("mhsa::triton_attention", mutates_args=())
 def triton_attention_op(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, pattern: str,
@@ -52,7 +40,8 @@ def triton_attention_op(
     """(out (B, H, L, D_v), lse (B, H, L)) of the Triton kernels; arguments as
     mhsa::flash_attention's."""
     if q.shape[2] == 0 or k.shape[2] == 0:
-        return _no_keys(q, v, sinks)
+        out, lse = _no_keys(q, v, sinks)
+        return out, lse.contiguous()  # (an op's outputs are not views)
     tiles, scale, dropout, kernel, slopes, table = _launch_inputs(
         q, k, v, mask, bias, pattern, causal, scale, dropout_p, seed, score, score_tensors
     )
@@ -85,9 +74,7 @@ def triton_attention_backward_op(
         found = dslopes if t is slopes else dtable if t is table else None
         if found is not None:
             dscore[i] = found
-    dbias = q.new_empty(0) if dbias is None else dbias.contiguous()
-    dsinks = q.new_empty(0) if dsinks is None else dsinks.contiguous()
-    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dbias, dsinks, dscore
+    return backward_outputs(q, dq, dk, dv, dbias, dsinks, dscore)
 
 
 register_attention_op(triton_attention_op, triton_attention_backward_op)

@@ -131,20 +131,13 @@ def _forward_runs(q, k, v, bias, plan, scale, dropout, fused, score):
             cols, index, k_run, v_run = run_keys(k, v, run, plan)
             if fused:
                 triangle = run.triangle
-                split = key_row_bias(plan, bias, q0, q1, run, cols, q.dtype, score,
-                                      num_heads, triangle)  # fmt: skip
-                attn = (
-                    split[0]
-                    if split
-                    else tile_bias(
-                        plan, bias, q0, q1, run, cols, q.dtype, score, (batch, num_heads), triangle
-                    )
-                )
+                attn, row_term = _fused_bias(plan, bias, q0, q1, run, cols, q.dtype, score,
+                                             (batch, num_heads))  # fmt: skip
                 # attn may hold -inf: the mask's, or a bias's
                 masked = bias is not None or (not run.full and triangle is None)
                 out_r, lse_r = _fused_run(q_blk, k_run, v_run, attn, scale, triangle, masked)
-                if split:
-                    lse_r = lse_r + split[1]
+                if row_term is not None:
+                    lse_r = lse_r + row_term
             else:
                 attn = tile_bias(plan, bias, q0, q1, run, cols, dtype)
                 out_r, lse_r = run_forward(q_blk, k_run, v_run, attn, scale, dropout, q0, cols,
@@ -159,6 +152,18 @@ def _forward_runs(q, k, v, bias, plan, scale, dropout, fused, score):
         out[:, :, q0:q1] = out_rows
         lse[:, :, q0:q1] = lse_rows
     return out, lse
+
+
+def _fused_bias(plan: BlockPlan, bias, q0: int, q1: int, run, cols: Tensor, dtype: torch.dtype,
+                score, heads: tuple[int, int]) -> tuple[Tensor | None, Tensor | None]:  # fmt: skip
+    """(attn, row term) that the fused kernel adds to run's scores of rows q0..q1 for
+    heads (batch, num_heads): a separable score function's key term with its row term
+    (which enters the run's lse, runs.key_row_bias), else the tile's bias, mask and
+    score function (runs.tile_bias) and None."""
+    split = key_row_bias(plan, bias, q0, q1, run, cols, dtype, score, heads[1], run.triangle)
+    if split:
+        return split
+    return tile_bias(plan, bias, q0, q1, run, cols, dtype, score, heads, run.triangle), None
 
 
 def _band_interior(plan: BlockPlan, bias, dropout, fused: bool) -> tuple[int, int] | None:
@@ -223,20 +228,12 @@ def flash_backward(
                                 scale, dropout, score, score_params, grads)  # fmt: skip
                 continue
             cols, index, k_run, v_run = run_keys(k, v, run, plan)
-            triangle = run.triangle
-            split = key_row_bias(plan, bias4, q0, q1, run, cols, q.dtype, score, num_heads,
-                                  triangle)  # fmt: skip
-            attn = (
-                split[0]
-                if split
-                else tile_bias(
-                    plan, bias4, q0, q1, run, cols, q.dtype, score, (batch, num_heads), triangle
-                )
-            )
+            attn, row_term = _fused_bias(plan, bias4, q0, q1, run, cols, q.dtype, score,
+                                         (batch, num_heads))  # fmt: skip
             lse_blk = lse_inv[:, :, q0:q1]
-            lse_blk = (lse_blk - split[1] if split else lse_blk).contiguous()
+            lse_blk = (lse_blk - row_term if row_term is not None else lse_blk).contiguous()
             dq_r, dk_r, dv_r = _fused_run_backward(
-                go_blk, q_blk, k_run, v_run, out[:, :, q0:q1], lse_blk, attn, scale, triangle
+                go_blk, q_blk, k_run, v_run, out[:, :, q0:q1], lse_blk, attn, scale, run.triangle
             )  # fmt: skip
             dq[:, :, q0:q1] += dq_r
             add_keys(dk, run, index, dk_r)

@@ -140,6 +140,29 @@ def _tiled(q, k_pool, v_pool, table, lengths, batch_ids, scale, score, window, t
     return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=2)
 
 
+def _page_tiles(k_pool, v_pool, table, lens, ends, first_key, rows, window, tile_size):
+    """The key tiles of _tiled_rows and _fused_rows, whole pages of about tile_size keys
+    from first_key on: (active, keys (a, H_kv, K, D), values (a, H_kv, K, D_v), k_pos
+    (1, 1, 1, K), masked) per tile, for the a = active first sequences (ends descending)
+    that reach it; unwritten slots' values are zeroed; masked: some of the tile's R = rows
+    query rows must not see some of its keys (else each sees each)."""
+    block_size = k_pool.shape[1]
+    pages = max(1, tile_size // block_size)
+    span = pages * block_size
+    negated = [-end for end in ends]  # ascending, for bisect
+    for k0 in range(first_key // span * span, max(ends, default=0), span):
+        active = bisect.bisect_left(negated, -k0)  # sequences with ends[n] > k0
+        blocks = table[:active, k0 // block_size : k0 // block_size + pages]
+        keys, values = gather_pages(k_pool, blocks), gather_pages(v_pool, blocks)
+        k_end = k0 + keys.shape[2]
+        k_pos = torch.arange(k0, k_end, device=keys.device).view(1, 1, 1, -1)
+        if k_end > ends[active - 1]:  # slots past some sequence's end
+            real = (k_pos < lens[:active].view(-1, 1, 1, 1)).transpose(2, 3)
+            values = values.masked_fill(~real, 0)  # unwritten slots may hold anything
+        masked = window is not None or k_end > ends[active - 1] - rows + 1
+        yield active, keys, values, k_pos, masked
+
+
 def _tiled_rows(q, q_pos, k_pool, v_pool, table, lens, ends, first_key, batch_ids, scale,
                 score, window, tile_size) -> Tensor:  # fmt: skip
     """Online softmax over key tiles for query rows q (N, H, R, D) at q_pos (N, 1, R, 1);
@@ -149,31 +172,20 @@ def _tiled_rows(q, q_pos, k_pool, v_pool, table, lens, ends, first_key, batch_id
         return _fused_rows(q, q_pos, k_pool, v_pool, table, lens, ends, first_key, scale,
                            window, tile_size)  # fmt: skip
     batch, num_heads, rows, head_dim = q.shape
-    block_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
+    num_kv_heads = k_pool.shape[2]
     dtype = stats_dtype(q.dtype)
-    pages = max(1, tile_size // block_size)
-    span = pages * block_size
     grouped = q.to(dtype).reshape(batch, num_kv_heads, -1, head_dim)  # (N, H_kv, G*R, D)
     out = q.new_zeros((batch, num_heads, rows, v_pool.shape[3]), dtype=dtype)
     lse = q.new_full((batch, num_heads, rows), -torch.inf, dtype=dtype)
-    negated = [-end for end in ends]  # ascending, for bisect
-    for k0 in range(first_key // span * span, max(ends, default=0), span):
-        active = bisect.bisect_left(negated, -k0)  # sequences with ends[n] > k0
-        p0 = k0 // block_size
-        blocks = table[:active, p0 : p0 + pages]
-        keys = gather_pages(k_pool, blocks).to(dtype)  # (a, H_kv, K, D)
-        values = gather_pages(v_pool, blocks).to(dtype)
-        k_pos = torch.arange(k0, k0 + keys.shape[2], device=q.device).view(1, 1, 1, -1)
+    tiles = _page_tiles(k_pool, v_pool, table, lens, ends, first_key, rows, window, tile_size)
+    for active, keys, values, k_pos, masked in tiles:
+        keys, values = keys.to(dtype), values.to(dtype)
         scores = (grouped[:active] @ keys.transpose(-1, -2)).mul_(scale)
         scores = scores.view(active, num_heads, rows, -1)
         scores = _scored(score, scores, batch_ids[:active], q_pos[:active], k_pos)
-        if window is not None or k0 + keys.shape[2] > ends[active - 1] - rows + 1:
+        if masked:
             scores = scores.masked_fill_(~_allowed(q_pos[:active], k_pos, window), -torch.inf)
-        # (else every row of every active sequence sees every key of the tile)
         probs, lse_t = masked_softmax(scores)
-        if k0 + keys.shape[2] > ends[active - 1]:  # slots past some sequence's end
-            real = (k_pos < lens[:active].view(-1, 1, 1, 1)).transpose(2, 3)
-            values = values.masked_fill(~real, 0)  # unwritten slots may hold anything
         out_t = probs.view(active, num_kv_heads, -1, keys.shape[2]) @ values
         out[:active], lse[:active] = merge_partials(
             [(out[:active], lse[:active]), (out_t.view(active, num_heads, rows, -1), lse_t)]
@@ -186,28 +198,19 @@ def _fused_rows(q, q_pos, k_pool, v_pool, table, lens, ends, first_key, scale, w
     """_tiled_rows without a score function, each tile on the fused CPU kernel: query
     rows (g, r) of kv head h are query head h * G + g's row r."""
     batch, num_heads, rows, head_dim = q.shape
-    block_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
+    num_kv_heads = k_pool.shape[2]
     group = num_heads // num_kv_heads
-    pages = max(1, tile_size // block_size)
-    span = pages * block_size
     grouped = q.reshape(batch, num_kv_heads, group * rows, head_dim)
     row_pos = q_pos.view(batch, 1, 1, rows).expand(batch, 1, group, rows)
     row_pos = row_pos.reshape(batch, 1, group * rows, 1)
     out = lse = None
-    negated = [-end for end in ends]  # ascending, for bisect
-    for k0 in range(first_key // span * span, max(ends, default=0), span):
-        active = bisect.bisect_left(negated, -k0)  # sequences with ends[n] > k0
-        blocks = table[:active, k0 // block_size : k0 // block_size + pages]
-        keys, values = gather_pages(k_pool, blocks), gather_pages(v_pool, blocks)
-        k_pos = torch.arange(k0, k0 + keys.shape[2], device=q.device).view(1, 1, 1, -1)
+    tiles = _page_tiles(k_pool, v_pool, table, lens, ends, first_key, rows, window, tile_size)
+    for active, keys, values, k_pos, masked in tiles:
         mask = None
-        if window is not None or k0 + keys.shape[2] > ends[active - 1] - rows + 1:
+        if masked:
             allowed = _allowed(row_pos[:active], k_pos, window)  # (a, 1, G*R, K)
             mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
             mask.masked_fill_(~allowed, -torch.inf)
-        if k0 + keys.shape[2] > ends[active - 1]:  # slots past some sequence's end
-            real = (k_pos < lens[:active].view(-1, 1, 1, 1)).transpose(2, 3)
-            values = values.masked_fill(~real, 0)  # unwritten slots may hold anything
         out_t, lse_t = _FUSED(grouped[:active], keys, values, 0.0, False, attn_mask=mask,
                               scale=scale)  # fmt: skip
         if mask is not None:  # the kernel reports lse 0 for rows with no allowed key

@@ -79,6 +79,20 @@ def _load_lse(Lse, bh, rows, q_len):
     return tl.where(lse == float("-inf"), float("inf"), lse)
 
 
+@triton.jit
+def _entry(e, blk_idx, blk_kind, blk_tile, BLOCK: tl.constexpr):
+    """Entry e of a tile list: (the BLOCK indices of its block, kind, compact tile index)."""
+    block, kind, tile = tl.load(blk_idx + e), tl.load(blk_kind + e), tl.load(blk_tile + e)
+    return block * BLOCK + tl.arange(0, BLOCK), kind, tile
+
+
+@triton.jit
+def _head_slices(Bias, Mask, Tiles, b64, h64, sbb, sbh, smb, smh, stb):
+    """Pointers to head (b64, h64)'s (L, S) slices of the bias and the mask, and to its
+    batch's compact partial-tile buffer."""
+    return Bias + b64 * sbb + h64 * sbh, Mask + b64 * smb + h64 * smh, Tiles + b64 * stb
+
+
 # Triton takes no structs: kernels and their helpers keep dense argument lists, which
 # the formatter would spread one per line.
 # fmt: off
@@ -123,6 +137,31 @@ def _scores(
 
 
 @triton.jit
+def _key_tile(
+    e, blk_idx, blk_kind, blk_tile, q, rows, k_base, sks, skd, head_dim, v_base, svs, svd,
+    value_dim, bias, sbl, sbs, mask, sml, sms, tiles, scale, q_len, kv_len, shift,
+    slope, table, stn, Buckets, span, cap,
+    HAS_BIAS: tl.constexpr, MASK_MODE: tl.constexpr, CAUSAL: tl.constexpr,
+    ALIBI: tl.constexpr, RELATIVE: tl.constexpr, SOFTCAP: tl.constexpr, VALUES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
+):
+    """Entry e of a query block's tile list (the forward, dQ and probability kernels):
+    (its key columns, the key tile (BLOCK_N, BLOCK_D), the value tile (BLOCK_N,
+    BLOCK_DV) with VALUES (else the key tile again), and s, t of _scores for q's rows)."""
+    cols, kind, tile = _entry(e, blk_idx, blk_kind, blk_tile, BLOCK_N)
+    k = _load_2d(k_base, cols, kv_len, sks, tl.arange(0, BLOCK_D), head_dim, skd)
+    v = k
+    if VALUES:  # loaded before the scores are computed, as the pipeliner expects
+        v = _load_2d(v_base, cols, kv_len, svs, tl.arange(0, BLOCK_DV), value_dim, svd)
+    s, t = _scores(q, k, rows, cols, kind, tile, bias, sbl, sbs, mask, sml, sms, tiles,
+                   scale, q_len, kv_len, shift, slope, table, stn, Buckets, span, cap,
+                   HAS_BIAS, MASK_MODE, CAUSAL, ALIBI, RELATIVE, SOFTCAP,
+                   BLOCK_M, BLOCK_N, PREC, UPCAST, ACC)
+    return cols, k, v, s, t
+
+
+@triton.jit
 def _attn_fwd(
     Q, K, V, Out, Lse, Bias, Mask, Tiles, row_ptr, blk_idx, blk_kind, blk_tile,
     sqb, sqh, sql, sqd, skb, skh, sks, skd, svb, svh, svs, svd, sob, soh, sol, sod,
@@ -140,12 +179,11 @@ def _attn_fwd(
     qi, bh = tl.program_id(0), tl.program_id(1)
     b64, h64, hk64 = _program_heads(bh, num_heads, group)
     slope, table, sink = _head_score(Slopes, Table, Sinks, h64, sth, ALIBI, HAS_SINKS, ACC)
+    bias, mask, tiles = _head_slices(Bias, Mask, Tiles, b64, h64, sbb, sbh, smb, smh, stb)
     rows = qi * BLOCK_M + tl.arange(0, BLOCK_M)
     dims, vdims = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
     q = _load_2d(Q + b64 * sqb + h64 * sqh, rows, q_len, sql, dims, head_dim, sqd)
     k_base, v_base = K + b64 * skb + hk64 * skh, V + b64 * svb + hk64 * svh
-    bias, mask = Bias + b64 * sbb + h64 * sbh, Mask + b64 * smb + h64 * smh
-    tiles = Tiles + b64 * stb
     m_i = tl.full([BLOCK_M], float("-inf"), ACC)
     l_i = tl.zeros([BLOCK_M], ACC)
     if HAS_SINKS:
@@ -153,14 +191,11 @@ def _attn_fwd(
         l_i = tl.full([BLOCK_M], 1.0, ACC)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], ACC)
     for e in range(tl.load(row_ptr + qi), tl.load(row_ptr + qi + 1)):
-        kj, kind, tile = tl.load(blk_idx + e), tl.load(blk_kind + e), tl.load(blk_tile + e)
-        cols = kj * BLOCK_N + tl.arange(0, BLOCK_N)
-        k = _load_2d(k_base, cols, kv_len, sks, dims, head_dim, skd)
-        v = _load_2d(v_base, cols, kv_len, svs, vdims, value_dim, svd)
-        s, t = _scores(q, k, rows, cols, kind, tile, bias, sbl, sbs, mask, sml, sms, tiles,
-                    scale, q_len, kv_len, shift, slope, table, stn, Buckets, span, cap,
-                    HAS_BIAS, MASK_MODE, CAUSAL, ALIBI, RELATIVE, SOFTCAP,
-                    BLOCK_M, BLOCK_N, PREC, UPCAST, ACC)
+        cols, k, v, s, t = _key_tile(
+            e, blk_idx, blk_kind, blk_tile, q, rows, k_base, sks, skd, head_dim, v_base, svs, svd,
+            value_dim, bias, sbl, sbs, mask, sml, sms, tiles, scale, q_len, kv_len, shift, slope,
+            table, stn, Buckets, span, cap, HAS_BIAS, MASK_MODE, CAUSAL, ALIBI, RELATIVE, SOFTCAP,
+            True, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PREC, UPCAST, ACC)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet
         p = tl.exp(s - m_safe[:, None])
@@ -204,6 +239,7 @@ def _attn_bwd_dq(
     qi, bh = tl.program_id(0), tl.program_id(1)
     b64, h64, hk64 = _program_heads(bh, num_heads, group)
     slope, table, _ = _head_score(Slopes, Table, Sinks, h64, sth, ALIBI, False, ACC)
+    bias, mask, tiles = _head_slices(Bias, Mask, Tiles, b64, h64, sbb, sbh, smb, smh, stb)
     bh64 = bh.to(tl.int64)
     rows = qi * BLOCK_M + tl.arange(0, BLOCK_M)
     dims, vdims = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
@@ -213,20 +249,15 @@ def _attn_bwd_dq(
     lse = _load_lse(Lse, bh, rows, q_len)
     delta = tl.load(Delta + bh64 * q_len + rows, mask=row_ok, other=0.0)
     k_base, v_base = K + b64 * skb + hk64 * skh, V + b64 * svb + hk64 * svh
-    bias, mask = Bias + b64 * sbb + h64 * sbh, Mask + b64 * smb + h64 * smh
-    tiles = Tiles + b64 * stb
     dq = tl.zeros([BLOCK_M, BLOCK_D], ACC)
     d_slope = tl.zeros([], ACC)
     d_table = tl.zeros([BLOCK_NB], ACC)
     for e in range(tl.load(row_ptr + qi), tl.load(row_ptr + qi + 1)):
-        kj, kind, tile = tl.load(blk_idx + e), tl.load(blk_kind + e), tl.load(blk_tile + e)
-        cols = kj * BLOCK_N + tl.arange(0, BLOCK_N)
-        k = _load_2d(k_base, cols, kv_len, sks, dims, head_dim, skd)
-        v = _load_2d(v_base, cols, kv_len, svs, vdims, value_dim, svd)
-        s, t = _scores(q, k, rows, cols, kind, tile, bias, sbl, sbs, mask, sml, sms, tiles,
-                    scale, q_len, kv_len, shift, slope, table, stn, Buckets, span, cap,
-                    HAS_BIAS, MASK_MODE, CAUSAL, ALIBI, RELATIVE, SOFTCAP,
-                    BLOCK_M, BLOCK_N, PREC, UPCAST, ACC)
+        cols, k, v, s, t = _key_tile(
+            e, blk_idx, blk_kind, blk_tile, q, rows, k_base, sks, skd, head_dim, v_base, svs, svd,
+            value_dim, bias, sbl, sbs, mask, sml, sms, tiles, scale, q_len, kv_len, shift, slope,
+            table, stn, Buckets, span, cap, HAS_BIAS, MASK_MODE, CAUSAL, ALIBI, RELATIVE, SOFTCAP,
+            True, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PREC, UPCAST, ACC)
         p = tl.exp(s - lse[:, None])
         dp = _dot(do, tl.trans(v), PREC, UPCAST, ACC)
         if DROPOUT:
@@ -273,7 +304,6 @@ def _attn_bwd_dkv(
     col_ok = cols < kv_len
     k = _load_2d(K + b64 * skb + hk64 * skh, cols, kv_len, sks, dims, head_dim, skd)
     v = _load_2d(V + b64 * svb + hk64 * svh, cols, kv_len, svs, vdims, value_dim, svd)
-    tiles = Tiles + b64 * stb
     dk = tl.zeros([BLOCK_N, BLOCK_D], ACC)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], ACC)
     start, end = tl.load(col_ptr + kj), tl.load(col_ptr + kj + 1)
@@ -282,19 +312,18 @@ def _attn_bwd_dkv(
         bh = b * num_heads + h
         h64 = h.to(tl.int64)
         slope, table, _ = _head_score(Slopes, Table, Sinks, h64, sth, ALIBI, False, ACC)
+        bias, mask, tiles = _head_slices(Bias, Mask, Tiles, b64, h64, sbb, sbh, smb, smh, stb)
         q_base, do_base = Q + b64 * sqb + h64 * sqh, DO + b64 * sdb + h64 * sdh
-        bias, mask = Bias + b64 * sbb + h64 * sbh, Mask + b64 * smb + h64 * smh
         for e in range(start, end):
-            qi, kind, tile = tl.load(blk_idx + e), tl.load(blk_kind + e), tl.load(blk_tile + e)
-            rows = qi * BLOCK_M + tl.arange(0, BLOCK_M)
+            rows, kind, tile = _entry(e, blk_idx, blk_kind, blk_tile, BLOCK_M)
             q = _load_2d(q_base, rows, q_len, sql, dims, head_dim, sqd)
             do = _load_2d(do_base, rows, q_len, sdl, vdims, value_dim, sdd)
             lse = _load_lse(Lse, bh, rows, q_len)
             delta = tl.load(Delta + bh.to(tl.int64) * q_len + rows, mask=rows < q_len, other=0.0)
             s, t = _scores(q, k, rows, cols, kind, tile, bias, sbl, sbs, mask, sml, sms, tiles,
-                        scale, q_len, kv_len, shift, slope, table, stn, Buckets, span, cap,
-                        HAS_BIAS, MASK_MODE, CAUSAL, ALIBI, RELATIVE, SOFTCAP,
-                        BLOCK_M, BLOCK_N, PREC, UPCAST, ACC)
+                           scale, q_len, kv_len, shift, slope, table, stn, Buckets, span, cap,
+                           HAS_BIAS, MASK_MODE, CAUSAL, ALIBI, RELATIVE, SOFTCAP,
+                           BLOCK_M, BLOCK_N, PREC, UPCAST, ACC)
             p = tl.exp(s - lse[:, None])
             dp = _dot(do, tl.trans(v), PREC, UPCAST, ACC)
             if DROPOUT:
@@ -332,21 +361,17 @@ def _attn_probs(
     qi, bh = tl.program_id(0), tl.program_id(1)
     b64, h64, hk64 = _program_heads(bh, num_heads, group)
     slope, table, _ = _head_score(Slopes, Table, Sinks, h64, sth, ALIBI, False, ACC)
+    bias, mask, tiles = _head_slices(Bias, Mask, Tiles, b64, h64, sbb, sbh, smb, smh, stb)
     rows = qi * BLOCK_M + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, BLOCK_D)
-    q = _load_2d(Q + b64 * sqb + h64 * sqh, rows, q_len, sql, dims, head_dim, sqd)
+    q = _load_2d(Q + b64 * sqb + h64 * sqh, rows, q_len, sql, tl.arange(0, BLOCK_D), head_dim, sqd)
     lse = _load_lse(Lse, bh, rows, q_len)
     k_base = K + b64 * skb + hk64 * skh
-    bias, mask = Bias + b64 * sbb + h64 * sbh, Mask + b64 * smb + h64 * smh
-    tiles = Tiles + b64 * stb
     for e in range(tl.load(row_ptr + qi), tl.load(row_ptr + qi + 1)):
-        kj, kind, tile = tl.load(blk_idx + e), tl.load(blk_kind + e), tl.load(blk_tile + e)
-        cols = kj * BLOCK_N + tl.arange(0, BLOCK_N)
-        k = _load_2d(k_base, cols, kv_len, sks, dims, head_dim, skd)
-        s, t = _scores(q, k, rows, cols, kind, tile, bias, sbl, sbs, mask, sml, sms, tiles,
-                    scale, q_len, kv_len, shift, slope, table, stn, Buckets, span, cap,
-                    HAS_BIAS, MASK_MODE, CAUSAL, ALIBI, RELATIVE, SOFTCAP,
-                    BLOCK_M, BLOCK_N, PREC, UPCAST, ACC)
+        cols, k, v, s, t = _key_tile(  # (no values: v is the key tile again)
+            e, blk_idx, blk_kind, blk_tile, q, rows, k_base, sks, skd, head_dim, k_base, sks, skd,
+            head_dim, bias, sbl, sbs, mask, sml, sms, tiles, scale, q_len, kv_len, shift, slope,
+            table, stn, Buckets, span, cap, HAS_BIAS, MASK_MODE, CAUSAL, ALIBI, RELATIVE, SOFTCAP,
+            False, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_D, PREC, UPCAST, ACC)
         offs = (bh.to(tl.int64) * q_len + rows.to(tl.int64))[:, None] * kv_len + cols[None, :]
         tl.store(P + offs, tl.exp(s - lse[:, None]),
                  mask=(rows[:, None] < q_len) & (cols[None, :] < kv_len))

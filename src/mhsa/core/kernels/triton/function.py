@@ -198,6 +198,16 @@ class TritonAttention(torch.autograd.Function):
         return (*grads, None, None, None, None)
 
 
+def _no_keys(q: Tensor, v: Tensor, sinks: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(out, lse) of a call with no query rows or no keys: zeros, and lse -inf (each
+    row's sink with sinks: its only "key")."""
+    out = q.new_zeros(*q.shape[:3], v.shape[3])
+    lse = q.new_full(q.shape[:3], -math.inf, dtype=stats_dtype(q.dtype))
+    if sinks is not None:
+        lse = sinks.to(lse.dtype).view(1, -1, 1).expand(lse.shape)
+    return out, lse
+
+
 def _prepare(q, k, v, mask, bias, causal, scale, blocks, score=None, sinks=None):
     check_inputs(q, k, v, mask, bias)
     check_score(score, sinks, q)
@@ -250,11 +260,7 @@ def triton_attention(
     sinks) and zero gradients.
     """
     if q.shape[2] == 0 or k.shape[2] == 0:
-        out = q.new_zeros(*q.shape[:3], v.shape[3])
-        lse = q.new_full(q.shape[:3], -math.inf, dtype=stats_dtype(q.dtype))
-        if sinks is not None:  # every row's only "key" is its sink
-            lse = sinks.to(lse.dtype).view(1, -1, 1).expand(lse.shape)
-        return out, lse
+        return _no_keys(q, v, sinks)
     kernel, slopes, table = kernel_score(score)
     tiles, scale = _prepare(q, k, v, mask, bias, causal, scale, blocks, score, sinks)
     dropout = None
