@@ -47,10 +47,17 @@ def make_qkv(
 
 
 def golden_attention(
-    q: Tensor, k: Tensor, v: Tensor, mask=None, *, bias: Tensor | None = None,
-    causal: bool = False, scale: float | None = None, modify=None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask=None,
+    *,
+    bias: Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    modify=None,
     sinks: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
+) -> tuple[Tensor, Tensor]:
     """(out (B, H, L, D_v), lse (B, H, L)) in float64, written out from the formula and
     sharing no code with mhsa: softmax(modify(q k^T * scale) + bias) v over the allowed
     keys (mask True, causal aligned bottom-right), rows with no allowed key 0 and lse
@@ -87,8 +94,11 @@ def golden_attention(
     total = weights.sum(dim=-1, keepdim=True)
     alive = total > 0
     probs = weights / torch.where(alive, total, torch.ones_like(total))
-    lse = torch.where(alive, top + torch.log(torch.where(alive, total, torch.ones_like(total))),
-                      torch.full_like(total, -torch.inf))  # fmt: skip
+    lse = torch.where(
+        alive,
+        top + torch.log(torch.where(alive, total, torch.ones_like(total))),
+        torch.full_like(total, -torch.inf),
+    )
     return torch.einsum("bhls,bhsd->bhld", probs, v), lse.squeeze(-1)
 
 

@@ -177,6 +177,7 @@ def test_mhsa_imports_without_triton():
         "from mhsa.core.backends.triton import TritonBackend\n"
         "print(TritonBackend().available())\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=120, check=True)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
     assert "not installed" in result.stdout

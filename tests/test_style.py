@@ -15,8 +15,13 @@ TREES = ["src", "tests", "tools"]
 
 
 def ruff(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ruff", *args, *TREES], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "ruff", *args, *TREES],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.mark.parametrize("command", [["format", "--check"], ["check"]])

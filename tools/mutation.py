@@ -72,6 +72,7 @@ def tests_for(module: str) -> list[str]:
         raise SystemExit(f"no tests mirror {module}: add tests/{path.parent}/test_{path.stem}.py")
     return [str(test.relative_to(ROOT)) for test in chosen] + ["-m", "not slow"]
 
+
 STATUSES = ["killed", "survived", "timeout", "suspicious", "no tests", "not checked", "other"]
 
 
@@ -148,9 +149,13 @@ def run_module(work: Path, minutes: float | None) -> tuple[int, bool]:
     workers = str(os.cpu_count() or 1)
     with open(work / "mutmut.log", "w") as log:
         proc = subprocess.Popen(
-            mutmut("run", "--max-children", workers), cwd=work, env=env,
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+            mutmut("run", "--max-children", workers),
+            cwd=work,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             return proc.wait(timeout=None if minutes is None else minutes * 60), False
         except subprocess.TimeoutExpired:
@@ -230,13 +235,33 @@ def main() -> int:
         survivors += [(work, name) for name, s in statuses.items() if s == "survived"]
         print(f"   {counts['mutants']} mutants, score {score(counts)}, {seconds:.0f} s", flush=True)
 
-    header = ("module", "mutants", "killed", "survived", "timeout", "suspicious/other",
-              "no tests", "not checked", "score", "time")  # fmt: skip
+    header = (
+        "module",
+        "mutants",
+        "killed",
+        "survived",
+        "timeout",
+        "suspicious/other",
+        "no tests",
+        "not checked",
+        "score",
+        "time",
+    )
     print("\n" + " | ".join(header))
     for module, c, seconds in rows:
         other = c["suspicious"] + c["other"]
-        cells = [module, c["mutants"], c["killed"], c["survived"], c["timeout"], other,
-                 c["no tests"], c["not checked"], score(c), f"{seconds:.0f} s"]  # fmt: skip
+        cells = [
+            module,
+            c["mutants"],
+            c["killed"],
+            c["survived"],
+            c["timeout"],
+            other,
+            c["no tests"],
+            c["not checked"],
+            score(c),
+            f"{seconds:.0f} s",
+        ]
         print(" | ".join(map(str, cells)) + (" (partial)" if c["not checked"] else ""))
     print("score = (killed + timeout) / (mutants - no tests - not checked)")
 

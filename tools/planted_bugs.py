@@ -22,74 +22,128 @@ ROOT = Path(__file__).resolve().parent.parent
 # name: (file under src/mhsa, original text, planted text, owning test file)
 BUGS = {
     "gpt window one too wide": (
-        "models/gpt.py", "SlidingWindow(window - 1, 0)", "SlidingWindow(window, 0)",
-        "tests/models/test_gpt.py"),
+        "models/gpt.py",
+        "SlidingWindow(window - 1, 0)",
+        "SlidingWindow(window, 0)",
+        "tests/models/test_gpt.py",
+    ),
     "custom scale ignored": (
-        "core/attention.py", "if scale is None else float(scale)", "if scale is None else 1.0 / "
-        "math.sqrt(q.shape[-1])", "tests/core/test_attention.py"),
+        "core/attention.py",
+        "if scale is None else float(scale)",
+        "if scale is None else 1.0 / math.sqrt(q.shape[-1])",
+        "tests/core/test_attention.py",
+    ),
     "rotary rotation sign flipped": (
-        "nn/positional.py", "torch.cat((-sin, sin), dim=-1)",
-        "torch.cat((sin, -sin), dim=-1)", "tests/nn/test_positional.py"),
+        "nn/positional.py",
+        "torch.cat((-sin, sin), dim=-1)",
+        "torch.cat((sin, -sin), dim=-1)",
+        "tests/nn/test_positional.py",
+    ),
     "rotary frequencies wrong": (
-        "nn/positional.py", "exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim",
+        "nn/positional.py",
+        "exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim",
         "exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / (dim // 2)",
-        "tests/nn/test_positional.py"),
+        "tests/nn/test_positional.py",
+    ),
     "softmax without max subtraction": (
-        "core/kernels/dense.py", "row_max = torch.where(torch.isfinite(row_max), row_max, "
-        "torch.zeros_like(row_max))", "row_max = torch.zeros_like(row_max)",
-        "tests/core/backends/test_backends.py"),
+        "core/kernels/dense.py",
+        "row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))",
+        "row_max = torch.zeros_like(row_max)",
+        "tests/core/backends/test_backends.py",
+    ),
     "dropout hash ignores head and batch": (
-        "core/kernels/dropout.py", "heads = torch.arange(batch * num_heads, device=device, "
-        "dtype=torch.int64)", "heads = torch.zeros(batch * num_heads, device=device, "
-        "dtype=torch.int64)", "tests/core/backends/test_backends.py"),
+        "core/kernels/dropout.py",
+        "heads = torch.arange(batch * num_heads, device=device, dtype=torch.int64)",
+        "heads = torch.zeros(batch * num_heads, device=device, dtype=torch.int64)",
+        "tests/core/backends/test_backends.py",
+    ),
     "zero_grad after backward": (
-        "apps/train.py", "        optimizer.zero_grad(set_to_none=True)\n        loss.backward()\n",
+        "apps/train.py",
+        "        optimizer.zero_grad(set_to_none=True)\n        loss.backward()\n",
         "        loss.backward()\n        optimizer.zero_grad(set_to_none=True)\n",
-        "tests/apps/test_train.py"),
+        "tests/apps/test_train.py",
+    ),
     "vit interpolation height and width swapped": (
-        "models/vit.py", "size=(grid_h, grid_w)", "size=(grid_w, grid_h)", "tests/models/test_vit.py"),
+        "models/vit.py",
+        "size=(grid_h, grid_w)",
+        "size=(grid_w, grid_h)",
+        "tests/models/test_vit.py",
+    ),
     "seq2seq embeddings not scaled by sqrt(d)": (
-        "models/seq2seq.py", "x = table(ids) * math.sqrt(self.config.d_model)",
-        "x = table(ids)", "tests/models/test_seq2seq.py"),
+        "models/seq2seq.py",
+        "x = table(ids) * math.sqrt(self.config.d_model)",
+        "x = table(ids)",
+        "tests/models/test_seq2seq.py",
+    ),
     "sampling multiplies by the temperature": (
-        "models/sampling.py", "logits = logits.float() / temperature",
-        "logits = logits.float() * temperature", "tests/models/test_gpt.py"),
+        "models/sampling.py",
+        "logits = logits.float() / temperature",
+        "logits = logits.float() * temperature",
+        "tests/models/test_gpt.py",
+    ),
     "paged attention lets a query see its own key late": (
-        "core/kernels/paged.py", "allowed = causal_allows(q_pos, k_pos)",
+        "core/kernels/paged.py",
+        "allowed = causal_allows(q_pos, k_pos)",
         "allowed = causal_allows(q_pos - 1, k_pos)",
-        "tests/core/kernels/test_paged_attention.py"),
+        "tests/core/kernels/test_paged_attention.py",
+    ),
     "a stop token is output before the request ends": (
         "apps/serve/engine.py",
         "            if choice.stopped is not None and bool(choice.stopped[0]):\n",
         "            if choice.stopped is not None and bool(choice.stopped[0]) and "
-        "request.output.append(int(choice.tokens[0])):\n", "tests/apps/serve/test_engine.py"),
+        "request.output.append(int(choice.tokens[0])):\n",
+        "tests/apps/serve/test_engine.py",
+    ),
     "the stop rule ends a sequence one token late": (
-        "models/sampling.py", "generated + 1 >= self.max_tokens", "generated >= self.max_tokens",
-        "tests/models/test_generation_core.py"),
+        "models/sampling.py",
+        "generated + 1 >= self.max_tokens",
+        "generated >= self.max_tokens",
+        "tests/models/test_generation_core.py",
+    ),
     "the scheduler preempts the oldest request": (
         "apps/serve/scheduler.py",
-        "self.preempt(self.running[-1])", "self.preempt(self.running[0])",
-        "tests/apps/serve/test_scheduler.py"),
+        "self.preempt(self.running[-1])",
+        "self.preempt(self.running[0])",
+        "tests/apps/serve/test_scheduler.py",
+    ),
     "admission forgets what running requests may still take": (
-        "apps/serve/scheduler.py", "self.pool.free_blocks - self._spoken_for() <",
-        "self.pool.free_blocks <", "tests/apps/serve/test_scheduler.py"),
+        "apps/serve/scheduler.py",
+        "self.pool.free_blocks - self._spoken_for() <",
+        "self.pool.free_blocks <",
+        "tests/apps/serve/test_scheduler.py",
+    ),
     "a preempted request resumes from its prompt alone": (
-        "apps/serve/scheduler.py", "return (self.prompt + self.output)[start:stop]",
-        "return self.prompt[start:stop]", "tests/apps/serve/test_scheduler.py"),
+        "apps/serve/scheduler.py",
+        "return (self.prompt + self.output)[start:stop]",
+        "return self.prompt[start:stop]",
+        "tests/apps/serve/test_scheduler.py",
+    ),
     # found by the mutation run (tools/mutation.py), not in the original list
     "learning rate schedule never applied": (
-        "apps/train.py", '            group["lr"] = lr_at(step, config)\n',
-        "            pass\n", "tests/apps/test_train.py"),
+        "apps/train.py",
+        '            group["lr"] = lr_at(step, config)\n',
+        "            pass\n",
+        "tests/apps/test_train.py",
+    ),
     "a nan gradient with a finite loss is stepped": (
-        "apps/train.py", "torch.isfinite(loss) & torch.isfinite(grad_norm)",
-        "torch.isfinite(loss) | torch.isfinite(grad_norm)", "tests/apps/test_train.py"),
+        "apps/train.py",
+        "torch.isfinite(loss) & torch.isfinite(grad_norm)",
+        "torch.isfinite(loss) | torch.isfinite(grad_norm)",
+        "tests/apps/test_train.py",
+    ),
     "partial results merged without normalising the weights": (
-        "core/kernels/merge.py", "weights = (weights / safe_total).unsqueeze(-1)",
-        "weights = weights.unsqueeze(-1)", "tests/core/kernels/test_merge.py"),
+        "core/kernels/merge.py",
+        "weights = (weights / safe_total).unsqueeze(-1)",
+        "weights = weights.unsqueeze(-1)",
+        "tests/core/kernels/test_merge.py",
+    ),
     "causal queries aligned top-left": (
-        "core/masks/causal.py", "    return kv_len - q_len", "    return 0 * kv_len",
-        "tests/core/masks/test_causal.py"),
-}  # fmt: skip
+        "core/masks/causal.py",
+        "    return kv_len - q_len",
+        "    return 0 * kv_len",
+        "tests/core/masks/test_causal.py",
+    ),
+}
 
 
 def run_with_bug(name: str, workdir: Path) -> tuple[bool, str]:
@@ -104,11 +158,22 @@ def run_with_bug(name: str, workdir: Path) -> tuple[bool, str]:
         raise SystemExit(f"{name}: the original text is not found once in {relative}")
     target.write_text(text.replace(original, planted))
     env = {**os.environ, "PYTHONPATH": f"{src}{os.pathsep}{ROOT / 'tests'}"}
-    command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-               "-o", "addopts=", str(ROOT / test_file)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-x",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "addopts=",
+        str(ROOT / test_file),
+    ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, cwd=workdir)
-    failed = [line.split(" ")[1] for line in result.stdout.splitlines()
-              if line.startswith("FAILED ")]  # fmt: skip
+    failed = [
+        line.split(" ")[1] for line in result.stdout.splitlines() if line.startswith("FAILED ")
+    ]
     last = (result.stdout.strip().splitlines() or ["(no output)"])[-1]
     return result.returncode != 0, ", ".join(failed) or last
 

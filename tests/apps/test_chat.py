@@ -67,8 +67,9 @@ def test_greedy_tokens_and_logits_equal_transformers_on_the_same_gguf(smollm2, e
     pytest.importorskip("accelerate")
     from transformers import AutoModelForCausalLM
 
-    theirs = AutoModelForCausalLM.from_pretrained(smollm2.parent, gguf_file=smollm2.name,
-                                                  torch_dtype=torch.float32).eval()  # fmt: skip
+    theirs = AutoModelForCausalLM.from_pretrained(
+        smollm2.parent, gguf_file=smollm2.name, torch_dtype=torch.float32
+    ).eval()
     for ids in prompts:
         with torch.no_grad():
             want = theirs(torch.tensor([ids])).logits
@@ -139,9 +140,16 @@ def test_a_transformers_directory_chats_like_its_model(tmp_path, exact):
 
     torch.manual_seed(0)
     vocab = len(exact.tokenizer)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         eos_token_id=exact.stop_ids, tie_word_embeddings=True)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        eos_token_id=exact.stop_ids,
+        tie_word_embeddings=True,
+    )
     theirs = LlamaForCausalLM(config).eval()
     theirs.save_pretrained(tmp_path)
     exact.tokenizer._backend.save(str(tmp_path / "tokenizer.json"))
@@ -164,15 +172,26 @@ def test_bench_chat_report_states_modes_ratios_and_the_bound():
     from mhsa.benchmarks.chat import report
 
     def mode(prefill, decode, tokens):
-        return {"prefill_tokens_per_s": prefill, "decode_tokens_per_s": decode,
-                "batch8_tokens_per_s": 40.0, "peak_extra_bytes": 2**30,
-                "tokens": tokens}  # fmt: skip
+        return {
+            "prefill_tokens_per_s": prefill,
+            "decode_tokens_per_s": decode,
+            "batch8_tokens_per_s": 40.0,
+            "peak_extra_bytes": 2**30,
+            "tokens": tokens,
+        }
 
-    result = {"prompt": 512, "new": 128, "threads": 2, "streaming_bound_tokens_per_s": 20.0,
-              "streaming_pass_seconds": {"F.linear (out, in)": 0.07, "mm (in, out)": 0.05},
-              "modes": {"mhsa float32": mode(400.0, 18.0, [1, 2]),
-                        "mhsa file (Q4_1/Q8_0)": {"error": "boom"},
-                        "transformers float32": mode(300.0, 15.0, [1, 2])}}  # fmt: skip
+    result = {
+        "prompt": 512,
+        "new": 128,
+        "threads": 2,
+        "streaming_bound_tokens_per_s": 20.0,
+        "streaming_pass_seconds": {"F.linear (out, in)": 0.07, "mm (in, out)": 0.05},
+        "modes": {
+            "mhsa float32": mode(400.0, 18.0, [1, 2]),
+            "mhsa file (Q4_1/Q8_0)": {"error": "boom"},
+            "transformers float32": mode(300.0, 15.0, [1, 2]),
+        },
+    }
     text = report(result)
     assert "bound (float32) 20.0 tokens/s" in text and "mm (in, out) 50.0 ms" in text
     assert "0.90x  1.20x" in text  # 18 / 20 of the bound, 18 / 15 of transformers

@@ -79,10 +79,10 @@ def test_minilm_onnx_axes_are_dynamic(minilm):
 
     encoder, _, path = minilm
     graph = onnx.load(str(path)).graph
-    assert [[d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
-            for v in [*graph.input, *graph.output]] == [
-        ["batch", "seq"], ["batch", "seq"], ["batch", 384]
-    ]  # fmt: skip
+    assert [
+        [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+        for v in [*graph.input, *graph.output]
+    ] == [["batch", "seq"], ["batch", "seq"], ["batch", 384]]
     first = _feeds(encoder, SENTENCES)["input_ids"].shape
     for sentences in (SENTENCES[1:4], SENTENCES[4:5]):
         feeds = _feeds(encoder, sentences)

@@ -28,8 +28,18 @@ from mhsa.models import GPT, GPTConfig
 TEXT = "def f(x):\n    return x * 2  # doubles\n" * 200
 
 
-def run(out_dir, *, steps=8, resume=False, stop_after=None, overwrite=False, kind="gpt",
-        nan_from=None, log=lambda *_: None, **options):  # fmt: skip
+def run(
+    out_dir,
+    *,
+    steps=8,
+    resume=False,
+    stop_after=None,
+    overwrite=False,
+    kind="gpt",
+    nan_from=None,
+    log=lambda *_: None,
+    **options,
+):
     """Train a tiny GPT; nan_from=N makes the loss nan from the N-th training step on."""
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=256, n_layer=2, n_head=2, d_model=32, max_len=32, dropout=0.1)
@@ -45,8 +55,17 @@ def run(out_dir, *, steps=8, resume=False, stop_after=None, overwrite=False, kin
         model.loss = poisoned
     train_config = TrainConfig(steps=steps, eval_every=4, checkpoint_every=4, warmup=2, **options)
     info = {"model": kind, "config": config.to_dict(), "tokenizer": "bytes"}
-    result = train(model, task, train_config, out_dir, model_info=info, resume=resume,
-                   overwrite=overwrite, stop_after=stop_after, log=log)  # fmt: skip
+    result = train(
+        model,
+        task,
+        train_config,
+        out_dir,
+        model_info=info,
+        resume=resume,
+        overwrite=overwrite,
+        stop_after=stop_after,
+        log=log,
+    )
     return model, result
 
 
@@ -61,8 +80,9 @@ def test_resume_reaches_the_same_loss_as_an_uninterrupted_run(tmp_path):
     resumed, second = run(tmp_path / "split", resume=True)
     assert second["step"] == 8
     assert second["history"][-1]["val_loss"] == result["history"][-1]["val_loss"]
-    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values(),
-                            strict=True):  # fmt: skip
+    for (name, a), b in zip(
+        straight.state_dict().items(), resumed.state_dict().values(), strict=True
+    ):
         assert torch.equal(a, b), name
 
 
@@ -89,8 +109,11 @@ def test_checkpoint_layout_and_reload(tmp_path):
     model, _ = run(tmp_path / "run", steps=4)
     path = resolve_checkpoint(tmp_path / "run")
     assert path.name == "step-000004" and (tmp_path / "run" / "latest").is_symlink()
-    assert sorted(p.name for p in path.iterdir()) == ["config.json", "model.safetensors",
-                                                      "trainer.pt"]  # fmt: skip
+    assert sorted(p.name for p in path.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "trainer.pt",
+    ]
     state = load_checkpoint(tmp_path / "run")
     info = json.loads((path / "config.json").read_text())
     assert info["step"] == 4 and info["model"] == "gpt"
@@ -124,8 +147,10 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
 def test_a_folder_with_a_checkpoint_is_refused_without_resume_or_overwrite(tmp_path):
     run(tmp_path / "run", steps=8)
     before = load_checkpoint(tmp_path / "run")["weights"]
-    refusal = (r"already holds a checkpoint \(step-000008\): pass --resume to continue it, "
-               "--overwrite to replace it, or choose another --out$")  # fmt: skip
+    refusal = (
+        r"already holds a checkpoint \(step-000008\): pass --resume to continue it, "
+        "--overwrite to replace it, or choose another --out$"
+    )
     with pytest.raises(ValueError, match=refusal):
         run(tmp_path / "run", steps=4)
     assert step_names(tmp_path / "run") == ["step-000008"]
@@ -159,8 +184,11 @@ def test_train_config_rejects_non_positive_counts(field):
 
 def test_resume_checks_the_model_kind_and_the_trainer_state(tmp_path):
     run(tmp_path / "run", steps=4)
-    with pytest.raises(ValueError, match="holds a 'gpt' model, not 'points': --resume continues "
-                       "a run of the same model; choose another --out for a new one$"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match="holds a 'gpt' model, not 'points': --resume continues "
+        "a run of the same model; choose another --out for a new one$",
+    ):
         run(tmp_path / "run", steps=8, resume=True, kind="points")
     (resolve_checkpoint(tmp_path / "run") / "trainer.pt").unlink()
     with pytest.raises(ValueError, match="no trainer.pt.*cannot be resumed"):
@@ -283,8 +311,17 @@ class LineTask:
         return {"bias_error": abs(model.bias.item() + 1.0), "gain": model.gain.item()}
 
 
-LINE = {"steps": 7, "lr": 0.3, "warmup": 2, "min_lr_ratio": 0.2, "weight_decay": 0.2,
-        "grad_clip": 5.0, "eval_every": 3, "checkpoint_every": 3, "seed": 3}  # fmt: skip
+LINE = {
+    "steps": 7,
+    "lr": 0.3,
+    "warmup": 2,
+    "min_lr_ratio": 0.2,
+    "weight_decay": 0.2,
+    "grad_clip": 5.0,
+    "eval_every": 3,
+    "checkpoint_every": 3,
+    "seed": 3,
+}
 
 
 def line_reference(config: TrainConfig):
@@ -295,8 +332,10 @@ def line_reference(config: TrainConfig):
     (model, the training losses, the history, how many steps were clipped)"""
     model, task = Line(), LineTask()
     generator = torch.Generator().manual_seed(config.seed + 1)
-    groups = [{"params": [model.weight], "weight_decay": config.weight_decay},
-              {"params": [model.bias, model.gain], "weight_decay": 0.0}]  # fmt: skip
+    groups = [
+        {"params": [model.weight], "weight_decay": config.weight_decay},
+        {"params": [model.bias, model.gain], "weight_decay": 0.0},
+    ]
     optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95))
     losses, history, clipped = [], [], 0
     for step in range(config.steps):
@@ -316,17 +355,22 @@ def line_reference(config: TrainConfig):
         if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
             with torch.no_grad():
                 val = sum(model.loss(*b).item() for b in task.fixed) / len(task.fixed)
-            history.append({"step": step + 1, "train_loss": loss.item(), "val_loss": val,
-                            "bias_error": abs(model.bias.item() + 1.0),
-                            "gain": model.gain.item()})  # fmt: skip
+            history.append(
+                {
+                    "step": step + 1,
+                    "train_loss": loss.item(),
+                    "val_loss": val,
+                    "bias_error": abs(model.bias.item() + 1.0),
+                    "gain": model.gain.item(),
+                }
+            )
     return model, losses, history, clipped
 
 
 def train_line(out_dir, config, *, model=None, task=None, log=None, **kwargs):
     model, task, lines = model or Line(), task or LineTask(), []
     info = {"model": "line", "config": {}}
-    result = train(model, task, config, out_dir, model_info=info, log=log or lines.append,
-                   **kwargs)  # fmt: skip
+    result = train(model, task, config, out_dir, model_info=info, log=log or lines.append, **kwargs)
     return model, task, result, lines
 
 
@@ -364,17 +408,24 @@ def test_a_run_equals_its_written_out_optimisation_and_reports_it(tmp_path, caps
     shown = re.findall(r"\r\[([#-]{24})\] step (\d)/7  loss (\S+)  (\S+)k tok/s  eta +(\d+)s ", err)
     elapsed = [0.5 + i / 16 for i in range(7)]
     assert [(bar, int(s), float(loss), rate, int(eta)) for bar, s, loss, rate, eta in shown] == [
-        ("#" * (24 * s // 7) + "-" * (24 - 24 * s // 7), s, pytest.approx(x, abs=1e-4),
-         f"{525 * s / t / 1e3:.1f}", round(t / s * (7 - s)))
+        (
+            "#" * (24 * s // 7) + "-" * (24 - 24 * s // 7),
+            s,
+            pytest.approx(x, abs=1e-4),
+            f"{525 * s / t / 1e3:.1f}",
+            round(t / s * (7 - s)),
+        )
         for s, x, t in zip(range(1, 8), losses, elapsed, strict=True)
-    ]  # fmt: skip
+    ]
     assert shown[0][3:] == ("1.1", "3")  # 1050 tokens/s; 0.5 s per step, 6 steps left
     assert err.count("\n") == 3 and err.endswith("\n")
     # the checkpoint records the optimizer's two groups and the run's TrainConfig
     trainer = load_checkpoint(tmp_path / "run")["trainer"]
     groups = trainer["optimizer"]["param_groups"]
     assert [(g["params"], g["weight_decay"], g["betas"]) for g in groups] == [
-        ([0], 0.2, (0.9, 0.95)), ([1, 2], 0.0, (0.9, 0.95))]  # fmt: skip
+        ([0], 0.2, (0.9, 0.95)),
+        ([1, 2], 0.0, (0.9, 0.95)),
+    ]
     shapes = [tuple(trainer["optimizer"]["state"][i]["exp_avg"].shape) for i in range(3)]
     assert shapes == [(1, 3), (1,), ()]  # weight decayed; bias and gain not; frozen left out
     assert trainer["train_config"] == asdict(config) and trainer["step"] == 7
@@ -449,17 +500,24 @@ def test_overwrite_replaces_an_old_checkpoint_of_the_same_step_and_keeps_them_un
 
 
 def test_train_config_messages_name_the_option_and_the_value():
-    for field, low in [("steps", 1), ("eval_every", 1), ("checkpoint_every", 1), ("keep", 1),
-                       ("warmup", 0)]:  # fmt: skip
+    for field, low in [
+        ("steps", 1),
+        ("eval_every", 1),
+        ("checkpoint_every", 1),
+        ("keep", 1),
+        ("warmup", 0),
+    ]:
         flag = "--" + field.replace("_", "-")
         TrainConfig(**{field: low})
-        with pytest.raises(ValueError, match=re.escape(f"{field} must be an int >= {low} "
-                                                       f"({flag}), got {low - 1}")):  # fmt: skip
+        with pytest.raises(
+            ValueError, match=re.escape(f"{field} must be an int >= {low} ({flag}), got {low - 1}")
+        ):
             TrainConfig(**{field: low - 1})
     TrainConfig(lr=0.5)
     for lr in (0.0, -1e-3, math.nan, math.inf):
-        with pytest.raises(ValueError, match=re.escape(f"lr must be a finite number > 0 (--lr), "
-                                                       f"got {lr!r}")):  # fmt: skip
+        with pytest.raises(
+            ValueError, match=re.escape(f"lr must be a finite number > 0 (--lr), got {lr!r}")
+        ):
             TrainConfig(lr=lr)
     TrainConfig(nonfinite="skip"), TrainConfig(nonfinite="stop")
     with pytest.raises(
@@ -487,11 +545,12 @@ def test_a_compiled_training_run_trains_like_an_eager_one(tmp_path):
         task = TextTask(ByteTokenizer().encode(TEXT), 32, batch_size=4, eval_batches=2)
         model = GPT(config)
         info = {"model": "gpt", "config": config.to_dict(), "tokenizer": "bytes"}
-        settings = TrainConfig(steps=4, eval_every=4, checkpoint_every=4, warmup=2,
-                               compile=compiled)  # fmt: skip
-        train(model, task, settings, tmp_path / str(compiled), model_info=info,
-              log=lambda *_: None)  # fmt: skip
+        settings = TrainConfig(
+            steps=4, eval_every=4, checkpoint_every=4, warmup=2, compile=compiled
+        )
+        train(model, task, settings, tmp_path / str(compiled), model_info=info, log=lambda *_: None)
         models.append(model)
-    for (name, a), b in zip(models[0].state_dict().items(), models[1].state_dict().values(),
-                            strict=True):  # fmt: skip
+    for (name, a), b in zip(
+        models[0].state_dict().items(), models[1].state_dict().values(), strict=True
+    ):
         assert (a - b).abs().max() <= 1e-5, name

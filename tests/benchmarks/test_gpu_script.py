@@ -26,8 +26,9 @@ def test_gpu_script_dry_run(tmp_path, monkeypatch, capsys):
     for row in result["checks"]:
         assert "skipped" not in row, row
         assert max(row["max_errors"]) < 1e-5, row
-    assert all("ms" in row and row["tflops"] > 0 and row["first_call_s"] > 0
-               for row in result["bench"])  # fmt: skip
+    assert all(
+        "ms" in row and row["tflops"] > 0 and row["first_call_s"] > 0 for row in result["bench"]
+    )
     assert [row["config"] for row in result["tuning"]] == [[16, 16, 4, 1], [32, 16, 4, 1]]
     assert all(row["ms"] > 0 for row in result["tuning"])
     printed = capsys.readouterr().out
@@ -70,8 +71,9 @@ def test_gpu_script_times_the_others_when_one_fails_while_timed(monkeypatch):
     original = gpu._call
     monkeypatch.setattr(gpu, "_call", flaky)
     qkv = [torch.randn(1, 2, 64, 16) for _ in range(3)]
-    rows = gpu._bench_case(qkv, "dense", None, False, True, 1, torch.device("cpu"), 1e9,
-                           over_budget=False)  # fmt: skip
+    rows = gpu._bench_case(
+        qkv, "dense", None, False, True, 1, torch.device("cpu"), 1e9, over_budget=False
+    )
     by_name = {row["backend"]: row for row in rows}
     assert by_name["triton"]["skipped"] == "RuntimeError: illegal memory access"
     assert "ms" in by_name["sdpa"] and "ms" in by_name["flex"]

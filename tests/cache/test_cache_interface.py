@@ -34,13 +34,21 @@ def _type_checks_on_caches(path: Path) -> list[str]:
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         named = set()
-        if isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("isinstance",
-                                                                         "issubclass"):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") in (
+            "isinstance",
+            "issubclass",
+        ):
             named = {getattr(n, "id", getattr(n, "attr", "")) for n in ast.walk(node.args[1])}
-        elif isinstance(node, ast.Compare) and isinstance(node.left, ast.Call) \
-                and getattr(node.left.func, "id", "") == "type":  # fmt: skip
-            named = {getattr(n, "id", getattr(n, "attr", "")) for c in node.comparators
-                     for n in ast.walk(c)}  # fmt: skip
+        elif (
+            isinstance(node, ast.Compare)
+            and isinstance(node.left, ast.Call)
+            and getattr(node.left.func, "id", "") == "type"
+        ):
+            named = {
+                getattr(n, "id", getattr(n, "attr", ""))
+                for c in node.comparators
+                for n in ast.walk(c)
+            }
         if named & CACHE_TYPES:
             found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
     return found
@@ -51,8 +59,10 @@ def test_attention_modules_and_models_never_test_a_caches_type(tmp_path):
     files = sorted([*(SOURCE / "nn").glob("*.py"), *(SOURCE / "models").glob("*.py")])
     assert [hit for path in files for hit in _type_checks_on_caches(path)] == []
     planted = tmp_path / "planted.py"  # the check itself finds them
-    planted.write_text("if isinstance(cache, (KVCache, mhsa.cache.PagedLayer)):\n    pass\n"
-                       "elif type(cache) is MemoryCache:\n    pass\n")  # fmt: skip
+    planted.write_text(
+        "if isinstance(cache, (KVCache, mhsa.cache.PagedLayer)):\n    pass\n"
+        "elif type(cache) is MemoryCache:\n    pass\n"
+    )
     assert len(_type_checks_on_caches(planted)) == 2
 
 
@@ -81,8 +91,9 @@ def test_every_cache_is_a_cache():
 
 
 def _kv(batch, length, heads=1, dim=4, value=0.0):
-    return torch.full((batch, heads, length, dim), value), torch.full((batch, heads, length, dim),
-                                                                      -value)  # fmt: skip
+    return torch.full((batch, heads, length, dim), value), torch.full(
+        (batch, heads, length, dim), -value
+    )
 
 
 def test_memory_cache_keeps_the_first_keys_and_gives_no_positions():
@@ -135,8 +146,12 @@ def test_rotary_positions_come_from_the_cache_per_sequence():
     cache = KVCache(2, 2, 16, 4, dtype=torch.float64)
     start = torch.tensor([max(lengths) - n for n in lengths])
     cache.set_padding(start)
-    prompt = torch.cat([torch.cat([torch.zeros(1, max(lengths) - n, 16, dtype=torch.float64),
-                                   x[:, :n]], dim=1) for n, x in zip(lengths, xs, strict=True)])
+    prompt = torch.cat(
+        [
+            torch.cat([torch.zeros(1, max(lengths) - n, 16, dtype=torch.float64), x[:, :n]], dim=1)
+            for n, x in zip(lengths, xs, strict=True)
+        ]
+    )
     with torch.no_grad():
         steps = [module(prompt, causal=True, position=rotary, cache=cache)[:, -1:]]
         for t in range(4):

@@ -26,10 +26,15 @@ def test_step_by_step_equals_full_pass():
             full = decoder(x, memory, causal=True, memory_key_padding_mask=padding)
             cache = DecoderCache(2, 3, 4, 7, 4)
             steps = [
-                decoder(x[:, t : t + 1], memory, causal=True, memory_key_padding_mask=padding,
-                        cache=cache)
+                decoder(
+                    x[:, t : t + 1],
+                    memory,
+                    causal=True,
+                    memory_key_padding_mask=padding,
+                    cache=cache,
+                )
                 for t in range(7)
-            ]  # fmt: skip
+            ]
         assert max_error(torch.cat(steps, dim=1), full) < 1e-5
         assert cache.length == 7
 

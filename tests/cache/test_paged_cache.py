@@ -26,8 +26,9 @@ def _one_thread():
 
 
 def _llama(dtype=torch.float64, **changes) -> Llama:
-    config = LlamaConfig(vocab_size=VOCAB, n_layer=2, n_head=4, n_kv_head=2, d_model=32,
-                         d_ff=48, **changes)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=VOCAB, n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=48, **changes
+    )
     return Llama(config).to(dtype).eval()
 
 
@@ -50,8 +51,9 @@ MODELS = {
 def _cache(model, dtype=torch.float64, **options) -> PagedKVCache:
     attn = model.layers[0].attn if isinstance(model, Llama) else model.blocks[0].self_attn
     options = {"num_blocks": 40, "block_size": 5, **options}
-    return PagedKVCache(len(attn_layers(model)), attn.num_kv_heads, attn.head_dim, dtype=dtype,
-                        **options)  # fmt: skip
+    return PagedKVCache(
+        len(attn_layers(model)), attn.num_kv_heads, attn.head_dim, dtype=dtype, **options
+    )
 
 
 def attn_layers(model):
@@ -132,11 +134,15 @@ def test_a_shared_prefix_is_stored_once():
     assert cache.used_blocks == 3
     with torch.no_grad():
         second_logits = model(prompts[1][None, 32:], caches=cache.batch([second], 17))[0]
-        steps = [model(idx.view(2, 1), caches=cache.batch([first, second], 1))
-                 for idx in torch.stack(continuations, dim=1)]  # fmt: skip
+        steps = [
+            model(idx.view(2, 1), caches=cache.batch([first, second], 1))
+            for idx in torch.stack(continuations, dim=1)
+        ]
     assert cache.used_blocks == 3 + 2  # 49 + 3 tokens of the second: 4 blocks, 2 shared
-    logits = [torch.cat([first_logits, *(s[0] for s in steps)]),
-              torch.cat([second_logits, *(s[1] for s in steps)])]  # fmt: skip
+    logits = [
+        torch.cat([first_logits, *(s[0] for s in steps)]),
+        torch.cat([second_logits, *(s[1] for s in steps)]),
+    ]
     assert max_error(logits[0], _alone(model, prompts[0], continuations[0])) < 1e-10
     alone = _alone(model, prompts[1], continuations[1])
     assert max_error(logits[1], alone[32:]) < 1e-10
@@ -183,8 +189,9 @@ def test_fork_copies_a_shared_block_before_writing():
             k, v = cache.gather(original, layer)
             assert torch.equal(k, keys[layer][0]) and torch.equal(v, keys[layer][1])
         pairs = torch.stack([mine, torch.cat([theirs[1:], theirs[:1]])], dim=1)  # (4, 2)
-        steps = [model(pair.view(2, 1), caches=cache.batch([original, forked], 1))
-                 for pair in pairs]  # fmt: skip
+        steps = [
+            model(pair.view(2, 1), caches=cache.batch([original, forked], 1)) for pair in pairs
+        ]
     mine_logits = torch.cat([prefill, *(s[0] for s in steps)])
     fork_logits = torch.cat([*fork_logits, *(s[1] for s in steps[:-1])])
     assert max_error(mine_logits, _alone(model, prompt, mine)) < 1e-10
@@ -223,16 +230,27 @@ def test_misuse_raises_clear_errors():
     model = _llama()
     cache = _cache(model)
     seq = cache.add_sequence([1, 2, 3])
-    for bad, error in (([], ValueError), ([1, -2], ValueError), ([1.0], ValueError),
-                       (torch.zeros(2), TypeError)):  # fmt: skip
+    for bad, error in (
+        ([], ValueError),
+        ([1, -2], ValueError),
+        ([1.0], ValueError),
+        (torch.zeros(2), TypeError),
+    ):
         with pytest.raises(error, match="tokens must"):
             cache.add_sequence(bad)
-    for call in (lambda: cache.length(99), lambda: cache.free(99), lambda: cache.fork(99),
-                 lambda: cache.batch([99], 1)):  # fmt: skip
+    for call in (
+        lambda: cache.length(99),
+        lambda: cache.free(99),
+        lambda: cache.fork(99),
+        lambda: cache.batch([99], 1),
+    ):
         with pytest.raises(ValueError, match="no live sequence 99"):
             call()
-    for args, message in ((([], 1), "non-empty"), (([seq, seq], 1), "distinct"),
-                          (([seq], 0), "new_tokens must be a positive")):  # fmt: skip
+    for args, message in (
+        (([], 1), "non-empty"),
+        (([seq, seq], 1), "distinct"),
+        (([seq], 0), "new_tokens must be a positive"),
+    ):
         with pytest.raises(ValueError, match=message):
             cache.batch(*args)
     layers = cache.batch([seq], 3)
@@ -241,10 +259,12 @@ def test_misuse_raises_clear_errors():
     attn = model.layers[0].attn
     x = torch.randn(1, 3, 32, dtype=torch.float64)
     with torch.no_grad():
-        for kwargs, message in (({"need_weights": True}, "need_weights"),
-                                ({"key": x.clone()}, "self-attention"),
-                                ({"key_padding_mask": torch.ones(1, 3).bool()}, "key_padding"),
-                                ({"causal": False}, "attends causally")):  # fmt: skip
+        for kwargs, message in (
+            ({"need_weights": True}, "need_weights"),
+            ({"key": x.clone()}, "self-attention"),
+            ({"key_padding_mask": torch.ones(1, 3).bool()}, "key_padding"),
+            ({"causal": False}, "attends causally"),
+        ):
             with pytest.raises(ValueError, match=message):
                 attn(x, cache=layers[0], **{"causal": True, **kwargs})
         with pytest.raises(TypeError, match="float64"):

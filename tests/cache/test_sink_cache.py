@@ -51,8 +51,12 @@ def test_decoding_2000_tokens_with_4_sinks_equals_full_recomputation():
     cache = SlidingWindowCache(1, 1, window, module.head_dim, sink_tokens=sinks)
     with torch.no_grad():
         steps = _decode(module, x, cache, [1] * length, sinks, window)
-        full = module(x, mask=_sink_window_mask(length, sinks, window), causal=True,
-                      position=RotaryEmbedding(module.head_dim))  # fmt: skip
+        full = module(
+            x,
+            mask=_sink_window_mask(length, sinks, window),
+            causal=True,
+            position=RotaryEmbedding(module.head_dim),
+        )
     assert max_error(steps, full) < 1e-5
     assert cache.k.shape == (1, 1, sinks + window, module.head_dim)
     assert cache.v.shape[2] == 260 and cache.window == window and cache.length == length
@@ -69,8 +73,12 @@ def test_chunks_of_any_size_equal_full_recomputation_in_float64(sinks):
     cache = SlidingWindowCache(2, 3, window, 4, dtype=torch.float64, sink_tokens=sinks)
     with torch.no_grad():
         steps = _decode(module, x, cache, chunks, sinks, window)
-        full = module(x, mask=_sink_window_mask(length, sinks, window), causal=True,
-                      position=RotaryEmbedding(4))  # fmt: skip
+        full = module(
+            x,
+            mask=_sink_window_mask(length, sinks, window),
+            causal=True,
+            position=RotaryEmbedding(4),
+        )
     assert max_error(steps, full) < 1e-12
     assert cache.k.shape[2] == sinks + window
 

@@ -71,8 +71,24 @@ def test_train_gpt_then_generate(tmp_path, capsys):
     data = tmp_path / "data.txt"
     data.write_text("for i in range(10):\n    print(i)\n" * 100)
     out = tmp_path / "run"
-    args = ["train", "gpt", "--data", str(data), "--out", str(out), "--steps", "4",
-            "--eval-every", "2", "--layers", "1", "--d-model", "32", "--seq-len", "32"]  # fmt: skip
+    args = [
+        "train",
+        "gpt",
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--steps",
+        "4",
+        "--eval-every",
+        "2",
+        "--layers",
+        "1",
+        "--d-model",
+        "32",
+        "--seq-len",
+        "32",
+    ]
     assert main(args) == 0
     text = capsys.readouterr().out
     assert "unigram baseline" in text and (out / "latest").exists()
@@ -86,8 +102,11 @@ def test_attention_maps_match_the_modules_and_plot(tmp_path):
 
     from mhsa.apps.viz import attention_maps, plot_maps
 
-    model = GPT(GPTConfig(vocab_size=256, n_layer=2, n_head=3, d_model=24, max_len=32,
-                          position="alibi", window=6))  # fmt: skip
+    model = GPT(
+        GPTConfig(
+            vocab_size=256, n_layer=2, n_head=3, d_model=24, max_len=32, position="alibi", window=6
+        )
+    )
     idx = torch.randint(0, 256, (1, 11))
     maps = attention_maps(model, idx)
     assert len(maps) == 2 and maps[0].shape == (1, 3, 11, 11)
@@ -96,9 +115,13 @@ def test_attention_maps_match_the_modules_and_plot(tmp_path):
     # the first layer's map is what its module computes with need_weights
     block = model.blocks[0]
     x = block.attn_block.norm(model.tok_emb(idx))
-    _, weights = block.self_attn(x, mask=__import__("mhsa").masks.SlidingWindow(5, 0),
-                                 position=model.attn_position, need_weights=True,
-                                 average_weights=False)  # fmt: skip
+    _, weights = block.self_attn(
+        x,
+        mask=__import__("mhsa").masks.SlidingWindow(5, 0),
+        position=model.attn_position,
+        need_weights=True,
+        average_weights=False,
+    )
     assert torch.allclose(maps[0], weights, atol=1e-6)
     plot_maps(maps, list("abcdefghijk"), str(tmp_path / "maps.png"))
     assert (tmp_path / "maps.png").stat().st_size > 1000
@@ -124,9 +147,27 @@ def test_bad_checkpoint_path_is_a_clear_error(tmp_path, capsys):
 
 
 def tiny_train(out, *extra: str) -> list[str]:
-    return ["train", "gpt", "--out", str(out), "--steps", "2", "--eval-every", "2",
-            "--layers", "1", "--d-model", "16", "--heads", "2", "--seq-len", "16",
-            "--batch-size", "2", *extra]  # fmt: skip
+    return [
+        "train",
+        "gpt",
+        "--out",
+        str(out),
+        "--steps",
+        "2",
+        "--eval-every",
+        "2",
+        "--layers",
+        "1",
+        "--d-model",
+        "16",
+        "--heads",
+        "2",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "2",
+        *extra,
+    ]
 
 
 def test_train_refuses_a_folder_with_a_checkpoint(tmp_path, capsys):
@@ -189,8 +230,9 @@ def test_generate_options(tmp_path, capsys):
     assert "compiled the decoding step in" in captured.err
     model, _ = load_model(str(out), {"gpt": (GPT, GPTConfig)})
     got, want = (ByteTokenizer().encode(text.rstrip("\n")) for text in (captured.out, eager))
-    assert_same_greedy(got.tolist(), want.tolist(),
-                       lambda i: model(want[:i].view(1, -1))[0, -1].detach())  # fmt: skip
+    assert_same_greedy(
+        got.tolist(), want.tolist(), lambda i: model(want[:i].view(1, -1))[0, -1].detach()
+    )
     assert main([*base, "--prompt", ""]) == 2
     assert "mhsa generate: --prompt must not be empty" in capsys.readouterr().err
     assert main([*base, "--top-p", "0"]) == 2
@@ -242,8 +284,22 @@ def test_damaged_or_mismatched_checkpoints_are_clear_errors(tmp_path, capsys):
 @pytest.mark.slow
 def test_resume_a_gpt_run_into_another_kind_is_a_clear_error(tmp_path, capsys):
     out = tmp_path / "pts"
-    args = ["train", "points", "--out", str(out), "--steps", "1", "--eval-every", "1",
-            "--per-class", "2", "--layers", "1", "--d-model", "16"]  # fmt: skip
+    args = [
+        "train",
+        "points",
+        "--out",
+        str(out),
+        "--steps",
+        "1",
+        "--eval-every",
+        "1",
+        "--per-class",
+        "2",
+        "--layers",
+        "1",
+        "--d-model",
+        "16",
+    ]
     assert main(args) == 0
     assert main(tiny_train(out, "--resume")) == 2
     assert "holds a 'points' model, not 'gpt'" in capsys.readouterr().err

@@ -37,15 +37,43 @@ def test_mhsa_serve_a_gpt_checkpoint(tmp_path, capsys):
     data = tmp_path / "data.txt"
     data.write_text("for i in range(10):\n    print(i)\n" * 100)
     out = tmp_path / "run"
-    train = ["train", "gpt", "--data", str(data), "--out", str(out), "--steps", "4",
-             "--eval-every", "2", "--layers", "1", "--d-model", "32",
-             "--seq-len", "32"]  # fmt: skip
+    train = [
+        "train",
+        "gpt",
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--steps",
+        "4",
+        "--eval-every",
+        "2",
+        "--layers",
+        "1",
+        "--d-model",
+        "32",
+        "--seq-len",
+        "32",
+    ]
     assert main(train) == 0
     capsys.readouterr()
-    command = [sys.executable, "-m", "mhsa.cli", "serve", "--model", str(out), "--port", "0",
-               "--num-blocks", "8", "--threads", "1"]  # fmt: skip
-    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=ENV)  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "mhsa.cli",
+        "serve",
+        "--model",
+        str(out),
+        "--port",
+        "0",
+        "--num-blocks",
+        "8",
+        "--threads",
+        "1",
+    ]
+    server = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV
+    )
     try:
         line = server.stdout.readline()
         found = re.search(r"serving (\S+) at http://127\.0\.0\.1:(\d+)/v1", line)
@@ -60,8 +88,9 @@ def test_mhsa_serve_a_gpt_checkpoint(tmp_path, capsys):
         status, cut = _post(port, "/v1/completions", {**body, "stop": [stop]})
         assert status == 200 and cut["choices"][0]["text"] == text[: text.index(stop)]
         assert cut["choices"][0]["finish_reason"] == "stop"
-        status, refused = _post(port, "/v1/chat/completions",
-                                {"messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+        status, refused = _post(
+            port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}
+        )
         assert status == 400 and "/v1/completions" in refused["error"]["message"]
         status, long = _post(port, "/v1/completions", {"prompt": "x" * 40})
         assert status == 400 and refused["error"]["code"] != long["error"]["code"]
@@ -87,8 +116,14 @@ def test_mhsa_imports_without_the_serve_extra_and_serve_says_how_to_get_it():
         "from mhsa.cli import main\n"
         "print(main(['serve', '--port', '0']))\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=120, env=ENV, check=True)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=ENV,
+        check=True,
+    )
     assert result.stdout.strip() == "2"
     assert "pip install 'mhsa[serve]'" in result.stderr
 

@@ -168,8 +168,9 @@ def test_a_custom_scale_is_used(backend):
     assert max_error(out, golden(q, k, v, causal=True, scale=0.1)) < 1e-5
     assert max_error(out, golden(q, k, v, causal=True)) > 1e-2
     weights = mhsa.attention_weights(q, k, scale=0.1)
-    expected = torch.softmax(q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2)
-                             * 0.1, dim=-1)  # fmt: skip
+    expected = torch.softmax(
+        q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2) * 0.1, dim=-1
+    )
     assert max_error(weights, expected) < 1e-6
 
 
@@ -269,9 +270,13 @@ def test_attention_and_weights_reject_bad_arguments(kwargs, error, match):
 
 @pytest.mark.parametrize(
     ("selection", "chosen"),
-    [({}, "reference"), ({"heads": [1, 2]}, "flash"), ({"rows": [0, 3]}, "flash"),
-     ({"heads": [0, 1, 2, 3], "rows": [0, 1, 2, 3, 4]}, "flash")],
-)  # fmt: skip
+    [
+        ({}, "reference"),
+        ({"heads": [1, 2]}, "flash"),
+        ({"rows": [0, 3]}, "flash"),
+        ({"heads": [0, 1, 2, 3], "rows": [0, 1, 2, 3, 4]}, "flash"),
+    ],
+)
 def test_attention_weights_auto_is_reference_for_all_rows_else_flash(selection, chosen):
     """As documented: the very numbers of the backend "auto" stands for (the two differ
     in the last bits: flash normalises by its own forward's lse)."""
@@ -291,20 +296,33 @@ def test_attention_weights_auto_is_reference_for_all_rows_else_flash(selection, 
         ({"heads": [4]}, ValueError, r"^heads must lie in \[0, 4\), got \[4\]$"),
         ({"rows": [True]}, TypeError, r"^rows must be a 1-D sequence of ints"),
         ({"rows": [0, -1]}, ValueError, r"^rows must lie in \[0, 5\), got \[0, -1\]$"),
-        ({"backend": "sdpa"}, ValueError, r"^attention_weights backend must be 'auto', "
-         r"'reference', 'flash' or 'triton', got 'sdpa'$"),
+        (
+            {"backend": "sdpa"},
+            ValueError,
+            r"^attention_weights backend must be 'auto', "
+            r"'reference', 'flash' or 'triton', got 'sdpa'$",
+        ),
         ({"bias": torch.ones(5, 7, dtype=torch.int64)}, TypeError, "bias must be a floating"),
         ({"bias": torch.ones(3, 5, 7)}, ValueError, r"bias of shape \(3, 5, 7\) does not"),
         ({"mask": torch.ones(5, 7, dtype=torch.uint8)}, TypeError, "dtype torch.bool"),
         ({"scale": 0.0}, ValueError, "scale must be finite and > 0, got 0.0"),
         ({"causal": None}, TypeError, "causal must be True or False, got NoneType"),
         # a pattern made for other lengths (ceil(5/2), ceil(7/2)) = (3, 4) blocks
-        ({"mask": mhsa.core.masks.BlockSparse(torch.ones(4, 4, dtype=torch.bool), 2)},
-         ValueError, r"layout has shape \(4, 4\) but L=5, S=7"),
-        ({"mask": mhsa.core.masks.BlockSparse(torch.ones(4, 4, dtype=torch.bool), 2), "rows": [1]},
-         ValueError, r"layout has shape \(4, 4\) but L=5, S=7"),
+        (
+            {"mask": mhsa.core.masks.BlockSparse(torch.ones(4, 4, dtype=torch.bool), 2)},
+            ValueError,
+            r"layout has shape \(4, 4\) but L=5, S=7",
+        ),
+        (
+            {
+                "mask": mhsa.core.masks.BlockSparse(torch.ones(4, 4, dtype=torch.bool), 2),
+                "rows": [1],
+            },
+            ValueError,
+            r"layout has shape \(4, 4\) but L=5, S=7",
+        ),
     ],
-)  # fmt: skip
+)
 def test_attention_weights_reject_bad_arguments_naming_them(kwargs, error, match):
     q, k, _ = make_qkv(2, 4, 2, 5, 7, 8)
     with pytest.raises(error, match=match):
@@ -337,17 +355,18 @@ def test_attention_weights_with_the_triton_backend_selects_heads_and_rows():
     mask = torch.rand(2, 4, 5, 7) > 0.3
     bias = torch.randn(4, 5, 7, dtype=torch.float16)
     options = {"bias": bias, "causal": True, "scale": 0.5}
-    got = mhsa.attention_weights(q, k, mask, heads=[3, 0], rows=[4, 1], backend="triton",
-                                 **options)  # fmt: skip
+    got = mhsa.attention_weights(q, k, mask, heads=[3, 0], rows=[4, 1], backend="triton", **options)
     want = golden(q, k, _eye_values(k), mask, **options)[:, [3, 0]][:, :, [4, 1]]
     assert got.shape == (2, 2, 2, 7) and got.dtype == torch.float16
     assert max_error(got, want) < 2e-3
     # in float32: the kernel's own numbers (query heads 3, 0 read key heads 1, 0)
     q, k, bias = q.float(), k.float(), bias.float()
-    got = mhsa.attention_weights(q, k, mask, bias=bias, causal=True, scale=0.5, heads=[3, 0],
-                                 rows=[4, 1], backend="triton")  # fmt: skip
-    kernel = triton_attention_weights(q[:, [3, 0]], k[:, [1, 0]], mask[:, [3, 0]],
-                                      bias=bias[[3, 0]], causal=True, scale=0.5)  # fmt: skip
+    got = mhsa.attention_weights(
+        q, k, mask, bias=bias, causal=True, scale=0.5, heads=[3, 0], rows=[4, 1], backend="triton"
+    )
+    kernel = triton_attention_weights(
+        q[:, [3, 0]], k[:, [1, 0]], mask[:, [3, 0]], bias=bias[[3, 0]], causal=True, scale=0.5
+    )
     assert torch.equal(got, kernel[:, :, [4, 1]])
 
 
@@ -356,8 +375,11 @@ def test_attention_weights_with_the_triton_backend_selects_heads_and_rows():
     ("kwargs", "error", "match"),
     [
         ({"backend": 3}, TypeError, r"^backend must be a str, got int$"),
-        ({"mask": torch.ones(1, 1, 1, 1, 1, dtype=torch.bool)}, ValueError,
-         r"^mask of shape \(1, 1, 1, 1, 1\) does not broadcast"),
+        (
+            {"mask": torch.ones(1, 1, 1, 1, 1, dtype=torch.bool)},
+            ValueError,
+            r"^mask of shape \(1, 1, 1, 1, 1\) does not broadcast",
+        ),
         ({"mask": torch.ones(1, dtype=torch.int32)}, TypeError, "mask must have dtype torch.bool"),
         ({"bias": torch.ones(1, dtype=torch.int32)}, TypeError, "bias must be a floating point"),
         ({"bias": torch.ones(3, 1, 1)}, ValueError, r"^bias of shape \(3, 1, 1\) does not"),
@@ -365,7 +387,7 @@ def test_attention_weights_with_the_triton_backend_selects_heads_and_rows():
         ({"causal": "yes"}, TypeError, "causal must be True or False, got str"),
         ({"dropout_p": -0.1}, ValueError, r"dropout_p must be in \[0, 1\), got -0.1"),
     ],
-)  # fmt: skip
+)
 def test_attention_rejects_bad_arguments_also_for_empty_inputs(kwargs, error, match, q_len, kv_len):
     """An empty query or key set returns early, but after the same checks."""
     q, k, v = make_qkv(2, 4, 2, q_len, kv_len, 8)
@@ -396,21 +418,46 @@ def test_attention_describes_the_call_to_the_dispatcher(monkeypatch):
     mask = torch.ones(5, 7, dtype=torch.bool)
     mhsa.attention(q, k, v, mask, causal=True, dropout_p=0.25)
     mhsa.attention(q, k, v, bias=torch.zeros(5, 7), backend="flash", return_lse=True)
-    shape = dict(batch=2, num_heads=6, num_kv_heads=3, q_len=5, kv_len=7, head_dim=8,
-                 value_dim=3, dtype=torch.float32, device=torch.device("cpu"))  # fmt: skip
+    shape = dict(
+        batch=2,
+        num_heads=6,
+        num_kv_heads=3,
+        q_len=5,
+        kv_len=7,
+        head_dim=8,
+        value_dim=3,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
     assert seen == [
-        (AttentionSpec(**shape, has_mask=True, has_bias=False, causal=True, dropout_p=0.25,
-                       return_lse=False), "auto"),
-        (AttentionSpec(**shape, has_mask=False, has_bias=True, causal=False, dropout_p=0.0,
-                       return_lse=True), "flash"),
-    ]  # fmt: skip
+        (
+            AttentionSpec(
+                **shape,
+                has_mask=True,
+                has_bias=False,
+                causal=True,
+                dropout_p=0.25,
+                return_lse=False,
+            ),
+            "auto",
+        ),
+        (
+            AttentionSpec(
+                **shape, has_mask=False, has_bias=True, causal=False, dropout_p=0.0, return_lse=True
+            ),
+            "flash",
+        ),
+    ]
 
 
 @pytest.mark.parametrize(
     ("dtype", "lse_dtype"),
-    [(torch.bfloat16, torch.float32), (torch.float16, torch.float32),
-     (torch.float64, torch.float64)],
-)  # fmt: skip
+    [
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.float32),
+        (torch.float64, torch.float64),
+    ],
+)
 def test_empty_inputs_keep_the_dtypes(dtype, lse_dtype):
     """out in q's dtype, lse in the statistics dtype, as for non-empty calls."""
     for q_len, kv_len in [(0, 5), (5, 0)]:

@@ -18,9 +18,13 @@ def reference_with_counts(q, k, v, counts):
 
 @pytest.mark.parametrize(
     "heads, kv_heads, q_len, kv_len, hashes, causal",
-    [(4, 4, 113, 113, 1, False), (4, 2, 113, 113, 3, True), (2, 1, 70, 203, 2, False),
-     (2, 2, 203, 70, 2, True)],
-)  # fmt: skip
+    [
+        (4, 4, 113, 113, 1, False),
+        (4, 2, 113, 113, 3, True),
+        (2, 1, 70, 203, 2, False),
+        (2, 2, 203, 70, 2, True),
+    ],
+)
 def test_matches_reference_on_implied_mask(heads, kv_heads, q_len, kv_len, hashes, causal):
     q, k, v = make_qkv(2, heads, kv_heads, q_len, kv_len, 16, requires_grad=True)
     options = {"num_buckets": 8, "chunk_size": 16, "num_hashes": hashes, "causal": causal}
@@ -52,8 +56,9 @@ def test_similar_vectors_share_buckets():
 def test_memory_is_linear_in_length():
     q, k, v = make_qkv(1, 2, 2, 512, 512, 16, requires_grad=True)
     sizes = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t,
-                                                  lambda t: t):  # fmt: skip
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: sizes.append(t.numel()) or t, lambda t: t
+    ):
         out = mhsa.cluster_attention(q, k, v, num_buckets=8, chunk_size=32, num_hashes=2)
     out.sum().backward()
     assert max(sizes) < 512 * 512  # per head: L * 2 * chunk, never L * S

@@ -30,8 +30,7 @@ def hf_bucket(offsets, bidirectional=True, num_buckets=32, max_distance=128):
     needs("transformers")
     from transformers.models.t5.modeling_t5 import T5Attention
 
-    return T5Attention._relative_position_bucket(offsets, bidirectional, num_buckets,
-                                                 max_distance)  # fmt: skip
+    return T5Attention._relative_position_bucket(offsets, bidirectional, num_buckets, max_distance)
 
 
 def make_case(name: str, dtype=torch.float32):
@@ -61,17 +60,31 @@ def make_case(name: str, dtype=torch.float32):
         "softcap": (Softcap(2.0), None, softcap, []),
         "score_mod": (mod_fn, None, mod, [weight]),
         "sinks": (None, sinks, None, [sinks]),
-        "alibi-then-softcap": ([ALiBi(slopes), Softcap(1.5)], None,
-                               lambda s, i, j: softcap(alibi(s, i, j), i, j, 1.5), [slopes]),
-        "relative-softcap-sinks": (RelativeBias(table).then(Softcap(3.0)), sinks,
-                                   lambda s, i, j: softcap(relative(s, i, j), i, j, 3.0),
-                                   [table, sinks]),
-    }  # fmt: skip
+        "alibi-then-softcap": (
+            [ALiBi(slopes), Softcap(1.5)],
+            None,
+            lambda s, i, j: softcap(alibi(s, i, j), i, j, 1.5),
+            [slopes],
+        ),
+        "relative-softcap-sinks": (
+            RelativeBias(table).then(Softcap(3.0)),
+            sinks,
+            lambda s, i, j: softcap(relative(s, i, j), i, j, 3.0),
+            [table, sinks],
+        ),
+    }
     return cases[name]
 
 
-CASES = ["alibi", "relative", "softcap", "score_mod", "sinks", "alibi-then-softcap",
-         "relative-softcap-sinks"]  # fmt: skip
+CASES = [
+    "alibi",
+    "relative",
+    "softcap",
+    "score_mod",
+    "sinks",
+    "alibi-then-softcap",
+    "relative-softcap-sinks",
+]
 
 
 @pytest.mark.slow
@@ -90,13 +103,15 @@ def test_scores_and_sinks_match_the_golden_formula(case, shape, backend):
     def loss(out, lse):
         return (out * grad_out.to(out.dtype)).sum() + (lse.nan_to_num(0, 0, 0) * grad_lse).sum()
 
-    out, lse = mhsa.attention(q, k, v, mask, causal=causal, score=score, sinks=sinks,
-                              backend=backend, return_lse=True)  # fmt: skip
+    out, lse = mhsa.attention(
+        q, k, v, mask, causal=causal, score=score, sinks=sinks, backend=backend, return_lse=True
+    )
     inputs = [q, k, v, *learned]
     got = torch.autograd.grad(loss(out, lse), inputs)
     ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref_out, ref_lse = golden_attention(*ref_inputs, mask, causal=causal, modify=modify,
-                                        sinks=sinks)  # fmt: skip
+    ref_out, ref_lse = golden_attention(
+        *ref_inputs, mask, causal=causal, modify=modify, sinks=sinks
+    )
     want = torch.autograd.grad(loss(ref_out, ref_lse), [*ref_inputs, *learned])
     names = ["q", "k", "v"] + [f"learned {i}" for i in range(len(learned))]
     assert_matches_golden(out, lse, got, ref_out, ref_lse, want, names)
@@ -107,8 +122,9 @@ def test_a_row_with_no_allowed_key_and_a_sink_gives_zero_and_the_sinks_logit():
     k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
     sinks = torch.tensor([0.5, -1.0], requires_grad=True)
     for backend in ("reference", "flash"):
-        out, lse = mhsa.attention(q, k, v, causal=True, sinks=sinks, backend=backend,
-                                  return_lse=True)  # fmt: skip
+        out, lse = mhsa.attention(
+            q, k, v, causal=True, sinks=sinks, backend=backend, return_lse=True
+        )
         assert torch.equal(out[:, :, :2], torch.zeros(1, 2, 2, 8))  # rows 0, 1 see no key
         assert torch.equal(lse[0, :, :2], sinks.detach().view(2, 1).expand(2, 2))
         (grad,) = torch.autograd.grad(lse[:, :, :2].sum(), sinks)
@@ -126,8 +142,9 @@ def test_flash_gradcheck_in_float64(case):
     score, sinks, _, learned = make_case(case, torch.float64)
 
     def run(*tensors):
-        out, lse = mhsa.attention(*tensors[:3], causal=True, score=score, sinks=sinks,
-                                  backend="flash", return_lse=True)  # fmt: skip
+        out, lse = mhsa.attention(
+            *tensors[:3], causal=True, score=score, sinks=sinks, backend="flash", return_lse=True
+        )
         return out, lse.nan_to_num(0, 0, 0)
 
     assert torch.autograd.gradcheck(run, (q, k, v, *learned), fast_mode=True)
@@ -138,14 +155,16 @@ def test_flash_gradcheck_in_float64(case):
 
 @pytest.mark.parametrize("case", ["alibi-then-softcap", "relative-softcap-sinks"])
 def test_dropout_with_scores_equals_the_reference_given_the_same_keep_mask(case):
-    q, k, v = (torch.randn(2, HEADS, 30, 8, dtype=torch.float64, requires_grad=True)
-               for _ in range(3))  # fmt: skip
+    q, k, v = (
+        torch.randn(2, HEADS, 30, 8, dtype=torch.float64, requires_grad=True) for _ in range(3)
+    )
     score, sinks, _, learned = make_case(case, torch.float64)
     results = []
     for backend in ("reference", "flash"):
         torch.manual_seed(7)  # the same dropout seed for both
-        out = mhsa.attention(q, k, v, causal=True, score=score, sinks=sinks, dropout_p=0.3,
-                             backend=backend)  # fmt: skip
+        out = mhsa.attention(
+            q, k, v, causal=True, score=score, sinks=sinks, dropout_p=0.3, backend=backend
+        )
         results.append([out, *torch.autograd.grad(out.square().sum(), [q, k, v, *learned])])
     for got, want in zip(*results, strict=True):
         assert max_error(got, want) < 1e-10
@@ -157,8 +176,15 @@ def test_low_precision_is_within_twice_attention_computed_in_that_dtype(dtype):
     q, k, v = (torch.randn(2, HEADS, 70, 32) for _ in range(3))
     slopes = alibi_slopes(HEADS)
     score = [ALiBi(slopes), Softcap(5.0)]
-    expected, _ = golden_attention(q, k, v, causal=True, modify=lambda s, i, j: 5.0 * torch.tanh(
-        (s - slopes.double().view(1, -1, 1, 1) * (i - j).abs()) / 5.0))  # fmt: skip
+    expected, _ = golden_attention(
+        q,
+        k,
+        v,
+        causal=True,
+        modify=lambda s, i, j: (
+            5.0 * torch.tanh((s - slopes.double().view(1, -1, 1, 1) * (i - j).abs()) / 5.0)
+        ),
+    )
     low = [t.to(dtype) for t in (q, k, v)]
     out = mhsa.attention(*low, causal=True, score=score, backend="flash")
     scores = low[0] @ low[1].transpose(-1, -2) * 32**-0.5  # all in the low dtype
@@ -176,8 +202,16 @@ def test_attention_weights_of_selected_heads_and_rows_with_scores_and_sinks(back
     q, k = torch.randn(2, HEADS, 9, 8), torch.randn(2, 2, 12, 8)
     score, sinks, modify, _ = make_case("relative-softcap-sinks")
     heads, rows = [1, 3], [0, 4, 8]
-    probs = mhsa.attention_weights(q, k, causal=True, score=score, sinks=sinks.detach(),
-                                   heads=heads, rows=rows, backend=backend)  # fmt: skip
+    probs = mhsa.attention_weights(
+        q,
+        k,
+        causal=True,
+        score=score,
+        sinks=sinks.detach(),
+        heads=heads,
+        rows=rows,
+        backend=backend,
+    )
     eye = torch.eye(12).expand(2, 2, 12, 12)
     expected, _ = golden_attention(q, k, eye, causal=True, modify=modify, sinks=sinks.detach())
     assert max_error(probs, expected[:, heads][:, :, rows]) < 1e-6
@@ -196,8 +230,10 @@ def test_t5_buckets_equal_transformers():
     offsets = torch.arange(-300, 301).view(-1, 1)
     for bidirectional in (True, False):
         for buckets, distance in ((32, 128), (8, 20)):
-            assert torch.equal(t5_bucket(offsets, buckets, distance, bidirectional),
-                               hf_bucket(offsets, bidirectional, buckets, distance))  # fmt: skip
+            assert torch.equal(
+                t5_bucket(offsets, buckets, distance, bidirectional),
+                hf_bucket(offsets, bidirectional, buckets, distance),
+            )
 
 
 def test_positions_are_global_and_aligned_bottom_right():
@@ -276,8 +312,9 @@ def test_long_causal_alibi_runs_left_of_the_diagonal_as_key_and_row_terms(
     slopes = alibi_slopes(HEADS).requires_grad_(learned)
     grad_out = torch.randn(1, HEADS, q_len, 16)
     grad_lse = torch.randn(1, HEADS, q_len) if learned else torch.zeros(1, HEADS, q_len)
-    out, lse = mhsa.attention(q, k, v, causal=True, score=ALiBi(slopes), backend="flash",
-                              return_lse=True)  # fmt: skip
+    out, lse = mhsa.attention(
+        q, k, v, causal=True, score=ALiBi(slopes), backend="flash", return_lse=True
+    )
     inputs = [q, k, v] + ([slopes] if learned else [])
     got = torch.autograd.grad((out * grad_out).sum() + (lse * grad_lse).sum(), inputs)
     ref = [t.detach().double().requires_grad_() for t in inputs]

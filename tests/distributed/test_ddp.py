@@ -18,18 +18,33 @@ pytestmark = pytest.mark.slow  # real models, servers, browsers or several proce
 TEXT = "def f(x):\n    return x * 2  # doubles\n" * 200
 
 
-def run(out_dir: str, steps: int = 4, stop_after: int | None = None, resume: bool = False,
-        context_parallel: str | None = None, position: str = "learned"):  # fmt: skip
+def run(
+    out_dir: str,
+    steps: int = 4,
+    stop_after: int | None = None,
+    resume: bool = False,
+    context_parallel: str | None = None,
+    position: str = "learned",
+):
     """A tiny GPT trained for `steps` steps, loss recorded at every step (rank 0)."""
     torch.manual_seed(0)
-    config = GPTConfig(vocab_size=256, n_layer=2, n_head=2, d_model=32, max_len=32, dropout=0.0,
-                       position=position)  # fmt: skip
+    config = GPTConfig(
+        vocab_size=256, n_layer=2, n_head=2, d_model=32, max_len=32, dropout=0.0, position=position
+    )
     task = TextTask(ByteTokenizer().encode(TEXT), 32, batch_size=4, eval_batches=1)
     train_config = TrainConfig(steps=steps, eval_every=1, checkpoint_every=1, warmup=2)
     info = {"model": "gpt", "config": config.to_dict(), "tokenizer": "bytes"}
-    train(GPT(config), task, train_config, out_dir, model_info=info, resume=resume,
-          stop_after=stop_after, log=lambda *_: None,
-          context_parallel=context_parallel)  # fmt: skip
+    train(
+        GPT(config),
+        task,
+        train_config,
+        out_dir,
+        model_info=info,
+        resume=resume,
+        stop_after=stop_after,
+        log=lambda *_: None,
+        context_parallel=context_parallel,
+    )
 
 
 def as_rank(rank: int, world_size: int, *args) -> None:
@@ -71,8 +86,18 @@ def test_context_parallel_ranks_train_like_one_process(tmp_path, position):
 
 
 def test_cli_data_parallel_checks_the_batch_split(tmp_path, capsys):
-    args = ["train", "gpt", "--out", str(tmp_path / "g"), "--steps", "1", "--nproc", "2",
-            "--batch-size", "3"]  # fmt: skip
+    args = [
+        "train",
+        "gpt",
+        "--out",
+        str(tmp_path / "g"),
+        "--steps",
+        "1",
+        "--nproc",
+        "2",
+        "--batch-size",
+        "3",
+    ]
     assert main(args) == 2
     assert "divisible by --nproc" in capsys.readouterr().err
 

@@ -66,9 +66,12 @@ def _check_case(rank: int, world: int, spec: tuple) -> dict[str, float]:
 
     local = [shard(t, rank, world, layout).requires_grad_() for t in (q, k, v)]
     out = ring_attention(
-        *local, causal=causal, mask=mask, layout=layout,
+        *local,
+        causal=causal,
+        mask=mask,
+        layout=layout,
         key_padding_mask=shard(keys, rank, world, layout, dim=1) if padding else None,
-    )  # fmt: skip
+    )
     (out * shard(grad, rank, world, layout)).sum().backward()
     pairs = {"out": (out.detach(), expected)}
     for name, mine, full in zip(("dq", "dk", "dv"), local, leaves, strict=True):
@@ -101,7 +104,7 @@ def _error_checks(rank: int, world: int) -> dict[str, str | None]:
         "block layouts differ": expect_error(
             lambda: ring_attention(
                 *qkv(4), mask=BlockSparse(torch.eye(2 * world, dtype=torch.bool) | (rank > 0), 2)
-            )  # fmt: skip
+            )
         ),
     }
 

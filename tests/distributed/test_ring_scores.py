@@ -56,9 +56,7 @@ CASES = {
 # several pieces per shard (blocks.MIN_PIECE = 128): block offsets within a shard
 LONG_CASES = {
     "long alibi causal zigzag": Case("zigzag", True, "alibi", chunk=256),
-    "long relative bias, sinks, contiguous": Case(
-        "contiguous", False, "relative", True, chunk=256
-    ),  # fmt: skip
+    "long relative bias, sinks, contiguous": Case("contiguous", False, "relative", True, chunk=256),
 }
 
 
@@ -71,8 +69,9 @@ def _make_score(name: str | None, tensors: dict[str, torch.Tensor], causal: bool
     if name == "alibi+softcap":
         return [ALiBi(tensors["slopes"]), Softcap(2.0)]
     if name == "relative":
-        return RelativeBias(tensors["table"], num_buckets=8, max_distance=12,
-                            bidirectional=not causal)  # fmt: skip
+        return RelativeBias(
+            tensors["table"], num_buckets=8, max_distance=12, bidirectional=not causal
+        )
     if name == "softcap":
         return Softcap(2.0)
     key_bias, head_scale = tensors["key_bias"], tensors["head_scale"]
@@ -89,8 +88,10 @@ def _score_tensors(name: str | None, heads: int, length: int, gen) -> dict[str, 
     if name == "relative":
         return {"table": torch.randn(8, heads, generator=gen)}
     if name == "score_mod":
-        return {"key_bias": torch.randn(length, generator=gen),
-                "head_scale": torch.rand(heads, generator=gen)}  # fmt: skip
+        return {
+            "key_bias": torch.randn(length, generator=gen),
+            "head_scale": torch.rand(heads, generator=gen),
+        }
     return {}
 
 
@@ -122,16 +123,24 @@ def _check_case(rank: int, world: int, case: Case) -> dict[str, float]:
     # the golden answer: one process on the whole sequence, in float64
     whole = [t.double().requires_grad_() for t in (q, k, v)]
     whole_tensors = _leaves(tensors, torch.float64, grad=not case.frozen)
-    expected = mhsa.attention(*whole, full_mask, causal=case.causal,
-                              score=_make_score(case.score, whole_tensors, case.causal),
-                              sinks=whole_tensors.get("sinks"))  # fmt: skip
+    expected = mhsa.attention(
+        *whole,
+        full_mask,
+        causal=case.causal,
+        score=_make_score(case.score, whole_tensors, case.causal),
+        sinks=whole_tensors.get("sinks"),
+    )
     (expected * grad.double()).sum().backward()
 
     cut = {"rank": rank, "world_size": world, "layout": case.layout}
     local = [shard(t, **cut).requires_grad_() for t in (q, k, v)]
     local_tensors = _leaves(tensors, torch.float32, grad=not case.frozen)
-    call = {"causal": case.causal, "mask": mask, "sinks": local_tensors.get("sinks"),
-            "score": _make_score(case.score, local_tensors, case.causal)}  # fmt: skip
+    call = {
+        "causal": case.causal,
+        "mask": mask,
+        "sinks": local_tensors.get("sinks"),
+        "score": _make_score(case.score, local_tensors, case.causal),
+    }
     if case.dispatch:
         with context_parallel(layout=case.layout):
             out = mhsa.attention(*local, **call)
@@ -178,8 +187,9 @@ def _gradcheck() -> bool:
         return torch.randn(*shape, dtype=torch.float64, generator=gen, requires_grad=True)
 
     def fn(q, k, v, slopes, sinks):
-        return ring_attention(q, k, v, causal=True, layout="zigzag", sinks=sinks,
-                              score=[ALiBi(slopes), Softcap(3.0)])  # fmt: skip
+        return ring_attention(
+            q, k, v, causal=True, layout="zigzag", sinks=sinks, score=[ALiBi(slopes), Softcap(3.0)]
+        )
 
     inputs = (leaf(1, 2, 6, 4), leaf(1, 1, 6, 4), leaf(1, 1, 6, 4), leaf(2), leaf(2))
     return torch.autograd.gradcheck(fn, inputs)

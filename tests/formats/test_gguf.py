@@ -56,13 +56,22 @@ def hf_weights(arch: str = "llama", tied: bool = True) -> dict[str, np.ndarray]:
     return {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
 
 
-GGUF_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
-              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-              "mlp.down_proj": "ffn_down"}  # fmt: skip
+GGUF_NAMES = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
 
 
 def gguf_name(name: str) -> str:
@@ -82,8 +91,16 @@ def tiny_vocab() -> dict:
     return {"tokens": tokens, "merges": merges, "types": [1] * (len(tokens) - 2) + [3, 3]}
 
 
-def write_gguf(path, arch="llama", weights=None, qtype=Q.F32, tokenizer="gpt2", pre="gpt2",
-               chat_template=None, metadata=None):  # fmt: skip
+def write_gguf(
+    path,
+    arch="llama",
+    weights=None,
+    qtype=Q.F32,
+    tokenizer="gpt2",
+    pre="gpt2",
+    chat_template=None,
+    metadata=None,
+):
     """A GGUF file of a one-layer model with `weights` (HF names, HF row order) stored as
     `qtype` (norms always F32), and a byte-level tokenizer, the way llama.cpp writes one."""
     weights = hf_weights(arch) if weights is None else weights
@@ -190,9 +207,15 @@ def test_bfloat16_raw_and_config(tmp_path):
     config = model.config
     assert config["model_type"] == "llama" and config["architectures"] == ["LlamaForCausalLM"]
     assert (config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]) == (
-        HIDDEN, INNER, 1)  # fmt: skip
+        HIDDEN,
+        INNER,
+        1,
+    )
     assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (
-        HEADS, KV_HEADS, HEAD_DIM)  # fmt: skip
+        HEADS,
+        KV_HEADS,
+        HEAD_DIM,
+    )
     assert config["rms_norm_eps"] == 1e-6 and config["rope_theta"] == 10000.0
     assert config["tie_word_embeddings"] and "lm_head.weight" not in model.state_dict
     assert config["max_position_embeddings"] == 256 and config["vocab_size"] == VOCAB
@@ -329,8 +352,11 @@ def test_chat_template_environment_like_transformers():
         "{% endfor %}\n"
         "{% if add_generation_prompt %}{{ bos_token }}assistant:{% endif %}"
     )
-    messages = [{"role": "user", "content": {"ü": "<b>"}}, {"role": "assistant", "content": "x"},
-                {"role": "user", "content": "dropped"}]  # fmt: skip
+    messages = [
+        {"role": "user", "content": {"ü": "<b>"}},
+        {"role": "assistant", "content": "x"},
+        {"role": "user", "content": "dropped"},
+    ]
     rendered = render_chat(template, messages, bos_token="<s>")
     assert rendered == 'user: {\n "ü": "<b>"\n}\nassistant: "x"\n<s>assistant:'
     jinja2 = needs("jinja2")
@@ -419,13 +445,17 @@ def tokenizers(smollm2):
 def test_token_ids_equal_transformers(tokenizers):
     tokenizer, hf = tokenizers
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (
-        hf.bos_token_id, hf.eos_token_id, hf.pad_token_id)  # fmt: skip
+        hf.bos_token_id,
+        hf.eos_token_id,
+        hf.pad_token_id,
+    )
     for text in TEXTS:
         ids = tokenizer.encode(text)
         assert ids == hf(text)["input_ids"], text
         for skip in (False, True):
             assert tokenizer.decode(ids, skip_special_tokens=skip) == hf.decode(
-                ids, skip_special_tokens=skip)  # fmt: skip
+                ids, skip_special_tokens=skip
+            )
         assert tokenizer.decode(ids) == text
         stream = tokenizer.stream(skip_special_tokens=False)
         assert "".join(stream.push(i) for i in ids) + stream.flush() == text
@@ -442,10 +472,13 @@ def test_smollm_splits_every_digit_like_llama_cpp(tokenizers):
 
 CONVERSATIONS = [
     [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi!"}],
-    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! 😀"},
-     {"role": "user", "content": "2 + 2?\n"}],
+    [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello! 😀"},
+        {"role": "user", "content": "2 + 2?\n"},
+    ],
     [{"role": "user", "content": "No system prompt here."}],
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("add_generation_prompt", [True, False])

@@ -74,9 +74,13 @@ TINY_NAMES = NameTable(
 
 def tiny_file() -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
-    return {"model.ab.weight": torch.randn(3, 6), "model.ab.bias": torch.randn(6),
-            "model.ln.weight": torch.randn(3), "model.ln.bias": torch.randn(3),
-            "buffer": torch.arange(4)}  # fmt: skip
+    return {
+        "model.ab.weight": torch.randn(3, 6),
+        "model.ab.bias": torch.randn(6),
+        "model.ln.weight": torch.randn(3),
+        "model.ln.bias": torch.randn(3),
+        "buffer": torch.arange(4),
+    }
 
 
 def test_load_weights_splits_transposes_and_keeps_what_is_optional():
@@ -95,21 +99,33 @@ def test_load_weights_splits_transposes_and_keeps_what_is_optional():
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (lambda d: d.pop("model.ln.bias"),
-         r"^tiny.bin: 1 tensor missing: 'model.ln.bias' \(for norm.bias\); "),
+        (
+            lambda d: d.pop("model.ln.bias"),
+            r"^tiny.bin: 1 tensor missing: 'model.ln.bias' \(for norm.bias\); ",
+        ),
         (lambda d: d.update(y=torch.ones(1)), r"^tiny.bin: 1 unexpected tensor: 'y' \(no param"),
-        (lambda d: d.update(x=torch.ones(4)),
-         r"^tiny.bin: tensor 'x' has shape \(4,\), but the model implies \(5,\) \(for extra\); "),
-        (lambda d: d.update({"model.ab.weight": torch.ones(6, 3)}),
-         r"tensor 'model.ab.weight' has shape \(6, 3\), but the model implies \(3, 6\) "
-         r"\(for a.weight \+ b.weight\)"),
-        (lambda d: d.update({"model.ab.bias": torch.ones(6, dtype=torch.int8)}),
-         r"tensor 'model.ab.bias' is stored as torch.int8, not a float type"),
-        (lambda d: [d.pop(f"model.{k}") for k in ("ln.bias", "ln.weight", "ab.bias", "ab.weight")],
-         r"4 tensors missing: 'ab.weight' \(for a.weight \+ b.weight\), 'ab.bias' \(for "
-         r"a.bias \+ b.bias\), 'ln.weight' \(for norm.weight\) and 1 more; "),  # no prefix left
+        (
+            lambda d: d.update(x=torch.ones(4)),
+            r"^tiny.bin: tensor 'x' has shape \(4,\), but the model implies \(5,\) \(for extra\); ",
+        ),
+        (
+            lambda d: d.update({"model.ab.weight": torch.ones(6, 3)}),
+            r"tensor 'model.ab.weight' has shape \(6, 3\), but the model implies \(3, 6\) "
+            r"\(for a.weight \+ b.weight\)",
+        ),
+        (
+            lambda d: d.update({"model.ab.bias": torch.ones(6, dtype=torch.int8)}),
+            r"tensor 'model.ab.bias' is stored as torch.int8, not a float type",
+        ),
+        (
+            lambda d: [
+                d.pop(f"model.{k}") for k in ("ln.bias", "ln.weight", "ab.bias", "ab.weight")
+            ],
+            r"4 tensors missing: 'ab.weight' \(for a.weight \+ b.weight\), 'ab.bias' \(for "
+            r"a.bias \+ b.bias\), 'ln.weight' \(for norm.weight\) and 1 more; ",
+        ),  # no prefix left
     ],
-)  # fmt: skip
+)
 def test_load_weights_errors_are_one_line(change, message):
     stored = tiny_file()
     change(stored)
@@ -147,8 +163,15 @@ def edit_safetensors(path: Path, edit: Callable[[dict], None]) -> None:
 
 def write_gpt2(folder: Path) -> Path:
     transformers = needs("transformers")
-    config = transformers.GPT2Config(vocab_size=11, n_positions=8, n_embd=8, n_layer=1, n_head=2,
-                                     bos_token_id=None, eos_token_id=None)  # fmt: skip
+    config = transformers.GPT2Config(
+        vocab_size=11,
+        n_positions=8,
+        n_embd=8,
+        n_layer=1,
+        n_head=2,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     transformers.GPT2LMHeadModel(config).save_pretrained(folder)
     return folder / "model.safetensors"
 
@@ -160,19 +183,29 @@ def load_gpt2(path: Path) -> GPT:
 
 def write_bert(folder: Path) -> Path:
     transformers = needs("transformers")
-    config = transformers.BertConfig(vocab_size=13, hidden_size=8, num_hidden_layers=1,
-                                     num_attention_heads=2, intermediate_size=12,
-                                     max_position_embeddings=10)  # fmt: skip
+    config = transformers.BertConfig(
+        vocab_size=13,
+        hidden_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=12,
+        max_position_embeddings=10,
+    )
     transformers.BertModel(config).save_pretrained(folder)
     return folder
 
 
 def write_llama(folder: Path) -> Path:
     transformers = needs("transformers")
-    config = transformers.LlamaConfig(vocab_size=17, hidden_size=16, intermediate_size=24,
-                                      num_hidden_layers=1, num_attention_heads=2,
-                                      num_key_value_heads=1,
-                                      max_position_embeddings=32)  # fmt: skip
+    config = transformers.LlamaConfig(
+        vocab_size=17,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+    )
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
     return folder
 
@@ -296,28 +329,57 @@ class Loader:
 
 
 LOADERS = {
-    "gpt2": Loader(write_gpt2, edit_safetensors, load_gpt2, lambda p: p,
-                   "transformer.h.0.mlp.c_fc.weight", "transformer.h.0.mlp.c_fc2.weight"),
-    "bert": Loader(write_bert, lambda p, e: edit_safetensors(p / "model.safetensors", e),
-                   Bert.from_pretrained, lambda p: p / "model.safetensors",
-                   "encoder.layer.0.intermediate.dense.weight",
-                   "encoder.layer.0.intermediate.dense2.weight"),
-    "llama": Loader(write_llama, lambda p, e: edit_safetensors(p / "model.safetensors", e),
-                    Llama.from_pretrained, lambda p: p / "model.safetensors",
-                    "model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.upper_proj.weight"),
-    "gguf": Loader(lambda folder: write_gguf_file(folder, lambda w: None),
-                   lambda p, e: write_gguf_file(p.parent, e), load_gguf, lambda p: p,
-                   "model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.gate_proj.bias",
-                   "blk.0.ffn_up.weight", "blk.0.ffn_gate.bias"),
-    "ctranslate2": Loader(write_whisper, edit_ctranslate2, Whisper.from_ctranslate2,
-                          lambda p: p / "model.bin", "decoder/layer_0/ffn/linear_0/weight",
-                          "decoder/layer_0/ffn/linear_9/weight"),
-    "checkpoint": Loader(write_checkpoint,
-                         lambda p, e: edit_safetensors(p / "model.safetensors", e),
-                         load_checkpoint_weights, lambda p: p / "model.safetensors",
-                         "blocks.0.feed_forward.linear1.weight",
-                         "blocks.0.feed_forward.linear_1.weight"),
-}  # fmt: skip
+    "gpt2": Loader(
+        write_gpt2,
+        edit_safetensors,
+        load_gpt2,
+        lambda p: p,
+        "transformer.h.0.mlp.c_fc.weight",
+        "transformer.h.0.mlp.c_fc2.weight",
+    ),
+    "bert": Loader(
+        write_bert,
+        lambda p, e: edit_safetensors(p / "model.safetensors", e),
+        Bert.from_pretrained,
+        lambda p: p / "model.safetensors",
+        "encoder.layer.0.intermediate.dense.weight",
+        "encoder.layer.0.intermediate.dense2.weight",
+    ),
+    "llama": Loader(
+        write_llama,
+        lambda p, e: edit_safetensors(p / "model.safetensors", e),
+        Llama.from_pretrained,
+        lambda p: p / "model.safetensors",
+        "model.layers.0.mlp.up_proj.weight",
+        "model.layers.0.mlp.upper_proj.weight",
+    ),
+    "gguf": Loader(
+        lambda folder: write_gguf_file(folder, lambda w: None),
+        lambda p, e: write_gguf_file(p.parent, e),
+        load_gguf,
+        lambda p: p,
+        "model.layers.0.mlp.up_proj.weight",
+        "model.layers.0.mlp.gate_proj.bias",
+        "blk.0.ffn_up.weight",
+        "blk.0.ffn_gate.bias",
+    ),
+    "ctranslate2": Loader(
+        write_whisper,
+        edit_ctranslate2,
+        Whisper.from_ctranslate2,
+        lambda p: p / "model.bin",
+        "decoder/layer_0/ffn/linear_0/weight",
+        "decoder/layer_0/ffn/linear_9/weight",
+    ),
+    "checkpoint": Loader(
+        write_checkpoint,
+        lambda p, e: edit_safetensors(p / "model.safetensors", e),
+        load_checkpoint_weights,
+        lambda p: p / "model.safetensors",
+        "blocks.0.feed_forward.linear1.weight",
+        "blocks.0.feed_forward.linear_1.weight",
+    ),
+}
 
 
 def renamed(loader: Loader) -> Callable[[dict], None]:
@@ -335,8 +397,9 @@ def reshaped(loader: Loader) -> Callable[[dict], None]:
     def edit(tensors: dict) -> None:
         tensor = tensors[loader.tensor]
         cut = tensor[..., :-1] if isinstance(tensor, torch.Tensor) else tensor[..., :-32]
-        tensors[loader.tensor] = cut.contiguous() if isinstance(cut, torch.Tensor) else (
-            np.ascontiguousarray(cut))  # fmt: skip
+        tensors[loader.tensor] = (
+            cut.contiguous() if isinstance(cut, torch.Tensor) else (np.ascontiguousarray(cut))
+        )
 
     return edit
 
@@ -373,21 +436,26 @@ def test_loaded_weights_are_the_files(tmp_path):
     path = write_gpt2(tmp_path / "gpt2")
     stored = load_file(path)
     gpt = load_gpt2(path)
-    assert torch.equal(gpt.blocks[0].feed_forward.linear1.weight,
-                       stored["transformer.h.0.mlp.c_fc.weight"].t())  # fmt: skip
-    assert torch.equal(gpt.blocks[0].self_attn.v_proj.bias,
-                       stored["transformer.h.0.attn.c_attn.bias"][16:])  # fmt: skip
+    assert torch.equal(
+        gpt.blocks[0].feed_forward.linear1.weight, stored["transformer.h.0.mlp.c_fc.weight"].t()
+    )
+    assert torch.equal(
+        gpt.blocks[0].self_attn.v_proj.bias, stored["transformer.h.0.attn.c_attn.bias"][16:]
+    )
     llama = Llama.from_pretrained(write_llama(tmp_path / "llama"))
     stored = load_file(tmp_path / "llama" / "model.safetensors")
-    assert torch.equal(llama.layers[0].attn.out_proj.weight,
-                       stored["model.layers.0.self_attn.o_proj.weight"])  # fmt: skip
+    assert torch.equal(
+        llama.layers[0].attn.out_proj.weight, stored["model.layers.0.self_attn.o_proj.weight"]
+    )
     whisper = Whisper.from_ctranslate2(write_whisper(tmp_path / "whisper"))
     assert whisper.config.n_vocab == len(WHISPER_TOKENS) and whisper.config.prompt == (4, 5)
     from mhsa.formats import read_ctranslate2
 
     stored = read_ctranslate2(tmp_path / "whisper")
-    assert torch.equal(whisper.decoder.layers[0].cross_attn.v_proj.weight,
-                       stored["decoder/layer_0/attention/linear_1/weight"][8:])  # fmt: skip
+    assert torch.equal(
+        whisper.decoder.layers[0].cross_attn.v_proj.weight,
+        stored["decoder/layer_0/attention/linear_1/weight"][8:],
+    )
     assert torch.equal(whisper.decoder.norm.bias, stored["decoder/layer_norm/beta"])
 
 
@@ -395,9 +463,14 @@ def test_bert_masked_lm_head_loads_when_the_file_has_it(tmp_path):
     """A BertForMaskedLM file ("bert." names and the cls.predictions head) gives the MLM
     logits transformers gives; a BertModel file (no head) loads too."""
     transformers = needs("transformers")
-    config = transformers.BertConfig(vocab_size=13, hidden_size=8, num_hidden_layers=1,
-                                     num_attention_heads=2, intermediate_size=12,
-                                     max_position_embeddings=10)  # fmt: skip
+    config = transformers.BertConfig(
+        vocab_size=13,
+        hidden_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=12,
+        max_position_embeddings=10,
+    )
     torch.manual_seed(0)
     hf = transformers.BertForMaskedLM(config).eval()
     with torch.no_grad():

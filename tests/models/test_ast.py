@@ -55,8 +55,15 @@ def test_model_shapes_and_bad_input():
 
 def _torch_layer(block, d_model: int, heads: int) -> nn.TransformerEncoderLayer:
     """torch's own pre-norm encoder layer holding one of our blocks' weights."""
-    layer = nn.TransformerEncoderLayer(d_model, heads, 4 * d_model, dropout=0.0, activation="gelu",
-                                       batch_first=True, norm_first=True)  # fmt: skip
+    layer = nn.TransformerEncoderLayer(
+        d_model,
+        heads,
+        4 * d_model,
+        dropout=0.0,
+        activation="gelu",
+        batch_first=True,
+        norm_first=True,
+    )
     attn = block.self_attn
     with torch.no_grad():
         layer.self_attn.in_proj_weight.copy_(
@@ -101,8 +108,24 @@ def test_missing_espeak_is_a_clear_error(monkeypatch, tmp_path):
 
 
 def test_train_ast_end_to_end(tmp_path, capsys):
-    args = ["train", "ast", "--out", str(tmp_path / "ast"), "--steps", "4", "--eval-every", "2",
-            "--voices", "5", "--per-voice", "1", "--layers", "1", "--d-model", "32"]  # fmt: skip
+    args = [
+        "train",
+        "ast",
+        "--out",
+        str(tmp_path / "ast"),
+        "--steps",
+        "4",
+        "--eval-every",
+        "2",
+        "--voices",
+        "5",
+        "--per-voice",
+        "1",
+        "--layers",
+        "1",
+        "--d-model",
+        "32",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "espeak-ng" in out and "test accuracy" in out

@@ -33,8 +33,13 @@ def test_hidden_states_and_embeddings_equal_transformers(encoder):
     real = mask.bool()
     assert max_error(ours[real], expected[real]) < 1e-5
     assert max_error(encoder.encode(SENTENCES), mean_pool(expected, mask)) < 1e-5
-    assert max_error(encoder.model.pooled(ours), hf(input_ids=ids, attention_mask=mask)
-                     .pooler_output.detach()) < 1e-5  # fmt: skip
+    assert (
+        max_error(
+            encoder.model.pooled(ours),
+            hf(input_ids=ids, attention_mask=mask).pooler_output.detach(),
+        )
+        < 1e-5
+    )
 
 
 @pytest.mark.parametrize("backend", cpu_backends())
@@ -45,17 +50,27 @@ def test_embeddings_are_the_same_with_every_backend(encoder, backend):
 
 
 def test_embeddings_mean_something(encoder):
-    vectors = encoder.encode(["A cat sits on the mat.", "A kitten rests on a rug.",
-                              "Quarterly revenue grew five percent."])  # fmt: skip
+    vectors = encoder.encode(
+        [
+            "A cat sits on the mat.",
+            "A kitten rests on a rug.",
+            "Quarterly revenue grew five percent.",
+        ]
+    )
     sims = vectors @ vectors.T
     assert torch.allclose(vectors.norm(dim=-1), torch.ones(3), atol=1e-5)
     assert sims[0, 1] > 0.5 > sims[0, 2]
 
 
 def test_random_bert_equals_transformers_with_mlm_head_shapes():
-    hf_config = transformers.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2,
-                                        num_attention_heads=4, intermediate_size=48,
-                                        max_position_embeddings=40)  # fmt: skip
+    hf_config = transformers.BertConfig(
+        vocab_size=99,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=48,
+        max_position_embeddings=40,
+    )
     hf = transformers.BertModel(hf_config).eval()
     ours = Bert(BertConfig.from_hf(hf_config.to_dict()))
     ours.load_hf_weights(hf.state_dict())
@@ -106,8 +121,24 @@ def test_train_bert_end_to_end(tmp_path, capsys):
 
     data = tmp_path / "text.txt"
     data.write_text("the quick brown fox jumps over the lazy dog\n" * 200)
-    args = ["train", "bert", "--data", str(data), "--out", str(tmp_path / "bert"), "--steps", "4",
-            "--eval-every", "2", "--layers", "1", "--d-model", "32", "--seq-len", "32"]  # fmt: skip
+    args = [
+        "train",
+        "bert",
+        "--data",
+        str(data),
+        "--out",
+        str(tmp_path / "bert"),
+        "--steps",
+        "4",
+        "--eval-every",
+        "2",
+        "--layers",
+        "1",
+        "--d-model",
+        "32",
+        "--seq-len",
+        "32",
+    ]
     assert main(args) == 0
     assert "validation MLM loss" in capsys.readouterr().out
 

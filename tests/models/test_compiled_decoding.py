@@ -16,8 +16,9 @@ from mhsa.models.llama import Llama, LlamaConfig
 def _models():
     torch.manual_seed(0)
     yield GPT(GPTConfig(vocab_size=96, n_layer=2, n_head=4, d_model=32, max_len=64)).eval()
-    yield GPT(GPTConfig(vocab_size=96, n_layer=2, n_head=4, d_model=32, max_len=64,
-                        position="rotary")).eval()  # fmt: skip
+    yield GPT(
+        GPTConfig(vocab_size=96, n_layer=2, n_head=4, d_model=32, max_len=64, position="rotary")
+    ).eval()
     config = LlamaConfig(vocab_size=96, n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=48)
     yield Llama(config).eval()
 
@@ -25,8 +26,9 @@ def _models():
 @pytest.mark.slow
 @pytest.mark.parametrize("model", list(_models()), ids=["gpt", "gpt-rotary", "llama"])
 def test_compiled_decoding_gives_the_eager_tokens(model):
-    options = {"temperature": 0.0, "eos_token": []} if isinstance(model, Llama) else {
-        "temperature": 0.0}  # fmt: skip
+    options = (
+        {"temperature": 0.0, "eos_token": []} if isinstance(model, Llama) else {"temperature": 0.0}
+    )
     prompts = [torch.randint(0, 96, (7,)), torch.randint(0, 96, (4,))]  # left-padded
     other = [torch.randint(0, 96, (9,))]  # another length: the same compiled step
     for batch, new in ((prompts, 12), (other, 5)):
@@ -34,8 +36,9 @@ def test_compiled_decoding_gives_the_eager_tokens(model):
         got = model.generate(batch, new, compile=True, **options)
         for g, w in zip(got, want, strict=True):
             with torch.no_grad():
-                assert_same_greedy(g.tolist(), w.tolist(),
-                                   lambda i, w=w: model(w[:i].view(1, -1))[0, -1])  # fmt: skip
+                assert_same_greedy(
+                    g.tolist(), w.tolist(), lambda i, w=w: model(w[:i].view(1, -1))[0, -1]
+                )
     assert compile_seconds(model) > 0
 
 
@@ -48,8 +51,10 @@ def test_a_static_cache_continues_a_prefilled_cache_in_place():
     k, v = torch.randn(2, 3, 1, 4), torch.randn(2, 3, 1, 4)
     all_k, _ = static.update(k, v)
     assert all_k.shape == (2, 3, 8, 4) and torch.equal(cache.k[:, :, 5:6], k)
-    assert static.key_padding().tolist() == [[True] * 6 + [False] * 2,
-                                             [False] * 2 + [True] * 4 + [False] * 2]  # fmt: skip
+    assert static.key_padding().tolist() == [
+        [True] * 6 + [False] * 2,
+        [False] * 2 + [True] * 4 + [False] * 2,
+    ]
 
 
 def test_static_cache_and_compile_refuse_what_they_cannot_do():

@@ -135,8 +135,12 @@ def make_hf(transformers):
     model = transformers.Gemma2ForCausalLM(config).float().eval()
     with torch.no_grad():
         for layer in model.model.layers:  # norms away from their zero init, bigger scores
-            norms = (layer.input_layernorm, layer.post_attention_layernorm,
-                     layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm)  # fmt: skip
+            norms = (
+                layer.input_layernorm,
+                layer.post_attention_layernorm,
+                layer.pre_feedforward_layernorm,
+                layer.post_feedforward_layernorm,
+            )
             for norm in norms:
                 norm.weight.normal_(0.0, 0.3)
             layer.self_attn.q_proj.weight.mul_(QK_GAIN)

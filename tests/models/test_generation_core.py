@@ -31,8 +31,9 @@ OWN_CHOICES = re.compile(r"multinomial\(|\.argmax\(|torch\.isin\(|in self\.stop_
 
 
 def test_sampling_and_stopping_are_defined_once():
-    definitions = re.compile(r"^(def (sample|sample_and_stop|check_sampling)\(|class StopRule\b)",
-                             re.MULTILINE)  # fmt: skip
+    definitions = re.compile(
+        r"^(def (sample|sample_and_stop|check_sampling)\(|class StopRule\b)", re.MULTILINE
+    )
     found = {}
     for path in SOURCE.rglob("*.py"):
         for match in definitions.finditer(path.read_text()):
@@ -61,8 +62,13 @@ def test_sample_and_stop_decides_tokens_stops_and_the_length():
     free = sample_and_stop(logits, GREEDY, StopRule(), generated=100)
     assert free.stopped is None and not free.last
     generator = torch.Generator().manual_seed(0)
-    hot = sample_and_stop(logits.repeat(500, 1), Sampling(temperature=1.0, top_k=1), StopRule(),
-                          generated=0, generator=generator)  # fmt: skip
+    hot = sample_and_stop(
+        logits.repeat(500, 1),
+        Sampling(temperature=1.0, top_k=1),
+        StopRule(),
+        generated=0,
+        generator=generator,
+    )
     assert hot.tokens.view(500, 2).eq(torch.tensor([1, 0])).all()  # top_k 1 is greedy
     with pytest.raises(ValueError, match="temperature must be >= 0"):
         Sampling(temperature=-1.0)
@@ -70,33 +76,80 @@ def test_sample_and_stop_decides_tokens_stops_and_the_length():
 
 def _decoders():
     torch.manual_seed(0)
-    gpt = GPT(GPTConfig(vocab_size=40, n_layer=2, n_head=4, n_kv_head=2, d_model=32,
-                        max_len=32)).double().eval()  # fmt: skip
-    yield "gpt", gpt, lambda tokens: gpt(tokens)[:, -1], CacheLayout(2, 2, 8, torch.float64,
-                                                                    torch.device("cpu"))
-    llama = Llama(LlamaConfig(vocab_size=40, n_layer=3, n_head=4, n_kv_head=1, d_model=32,
-                              head_dim=16, d_ff=48)).double().eval()  # fmt: skip
-    yield "llama", llama, lambda tokens: llama(tokens)[:, -1], CacheLayout(
-        3, 1, 16, torch.float64, torch.device("cpu"))
-    config = WhisperConfig(n_mels=8, n_audio_ctx=6, n_vocab=40, n_text_ctx=16, d_model=16,
-                           n_head=2, n_audio_layer=1, n_text_layer=2, eot_id=30,
-                           prompt=(31, 32))  # fmt: skip
+    gpt = (
+        GPT(GPTConfig(vocab_size=40, n_layer=2, n_head=4, n_kv_head=2, d_model=32, max_len=32))
+        .double()
+        .eval()
+    )
+    yield (
+        "gpt",
+        gpt,
+        lambda tokens: gpt(tokens)[:, -1],
+        CacheLayout(2, 2, 8, torch.float64, torch.device("cpu")),
+    )
+    llama = (
+        Llama(
+            LlamaConfig(
+                vocab_size=40, n_layer=3, n_head=4, n_kv_head=1, d_model=32, head_dim=16, d_ff=48
+            )
+        )
+        .double()
+        .eval()
+    )
+    yield (
+        "llama",
+        llama,
+        lambda tokens: llama(tokens)[:, -1],
+        CacheLayout(3, 1, 16, torch.float64, torch.device("cpu")),
+    )
+    config = WhisperConfig(
+        n_mels=8,
+        n_audio_ctx=6,
+        n_vocab=40,
+        n_text_ctx=16,
+        d_model=16,
+        n_head=2,
+        n_audio_layer=1,
+        n_text_layer=2,
+        eot_id=30,
+        prompt=(31, 32),
+    )
     whisper = Whisper(config).double().eval()
     memory = whisper.encode(torch.randn(2, 8, 12, dtype=torch.float64))
-    yield "whisper", WhisperTextDecoder(whisper, memory), \
-        lambda tokens: whisper.logits(tokens, memory)[:, -1], CacheLayout(
-            2, 2, 8, torch.float64, torch.device("cpu"))  # fmt: skip
-    seq2seq = Seq2Seq(Seq2SeqConfig(src_vocab=40, tgt_vocab=40, d_model=16, n_head=2,
-                                    n_encoder_layer=1, n_decoder_layer=2, dropout=0.0,
-                                    max_len=16)).double().eval()  # fmt: skip
+    yield (
+        "whisper",
+        WhisperTextDecoder(whisper, memory),
+        lambda tokens: whisper.logits(tokens, memory)[:, -1],
+        CacheLayout(2, 2, 8, torch.float64, torch.device("cpu")),
+    )
+    seq2seq = (
+        Seq2Seq(
+            Seq2SeqConfig(
+                src_vocab=40,
+                tgt_vocab=40,
+                d_model=16,
+                n_head=2,
+                n_encoder_layer=1,
+                n_decoder_layer=2,
+                dropout=0.0,
+                max_len=16,
+            )
+        )
+        .double()
+        .eval()
+    )
     source, padding = seq2seq.encode(torch.tensor([[5, 6, 7, 2], [4, 9, 2, 0]]))
-    yield "seq2seq", Seq2SeqDecoder(seq2seq, source, padding), \
-        lambda tokens: seq2seq.decode(tokens, source, padding)[:, -1], CacheLayout(
-            2, 2, 8, torch.float64, torch.device("cpu"))  # fmt: skip
+    yield (
+        "seq2seq",
+        Seq2SeqDecoder(seq2seq, source, padding),
+        lambda tokens: seq2seq.decode(tokens, source, padding)[:, -1],
+        CacheLayout(2, 2, 8, torch.float64, torch.device("cpu")),
+    )
 
 
-@pytest.mark.parametrize("name, decoder, full, layout", list(_decoders()),
-                         ids=["gpt", "llama", "whisper", "seq2seq"])  # fmt: skip
+@pytest.mark.parametrize(
+    "name, decoder, full, layout", list(_decoders()), ids=["gpt", "llama", "whisper", "seq2seq"]
+)
 @torch.no_grad()
 def test_prefill_then_steps_equal_the_full_forward(name, decoder, full, layout):
     assert isinstance(decoder, Decoder) and decoder.cache_layout == layout
@@ -110,5 +163,7 @@ def test_prefill_then_steps_equal_the_full_forward(name, decoder, full, layout):
         if name == "whisper":  # its logits come with the suppressed tokens at -inf
             want = decoder.model.suppress(want, first=i == 5)
         torch.testing.assert_close(logits, want)
-    torch.testing.assert_close(decoder.prefill(tokens, None), full(tokens) if name != "whisper"
-                               else decoder.model.suppress(full(tokens), first=True))
+    torch.testing.assert_close(
+        decoder.prefill(tokens, None),
+        full(tokens) if name != "whisper" else decoder.model.suppress(full(tokens), first=True),
+    )

@@ -22,8 +22,9 @@ def small(**changes) -> GPT:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("position", ["learned", "sinusoidal", "rotary", "alibi", "t5"])
-@pytest.mark.parametrize("n_kv_head, window", [(None, None), (2, None), (1, 5)],
-                         ids=["mha", "gqa", "mqa-window"])  # fmt: skip
+@pytest.mark.parametrize(
+    "n_kv_head, window", [(None, None), (2, None), (1, 5)], ids=["mha", "gqa", "mqa-window"]
+)
 def test_cached_decoding_equals_full_recompute(position, n_kv_head, window):
     model = small(position=position, n_kv_head=n_kv_head, window=window)
     idx = torch.randint(0, 61, (3, 23))
@@ -155,9 +156,17 @@ def test_sliding_window_cache_memory_is_bounded():
 def test_logits_equal_transformers_gpt2():
     transformers = needs("transformers")
     hf_config = transformers.GPT2Config(
-        vocab_size=101, n_positions=64, n_embd=48, n_layer=3, n_head=4,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None,
-    )  # fmt: skip
+        vocab_size=101,
+        n_positions=64,
+        n_embd=48,
+        n_layer=3,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     torch.manual_seed(0)
     hf = transformers.GPT2LMHeadModel(hf_config).eval()
     config = GPTConfig(vocab_size=101, n_layer=3, n_head=4, d_model=48, max_len=64)
@@ -168,18 +177,23 @@ def test_logits_equal_transformers_gpt2():
     assert max_error(ours(idx), expected) < 1e-4
     generated = ours.generate(idx[:, :10], 8, temperature=0)
     with torch.no_grad():
-        hf_generated = hf.generate(idx[:, :10], max_new_tokens=8, do_sample=False,
-                                   pad_token_id=0)  # fmt: skip
+        hf_generated = hf.generate(idx[:, :10], max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(generated, hf_generated)
 
 
 @pytest.mark.parametrize(
     ("options", "message"),
-    [({"n_head": 0}, "n_head must be an int >= 1"), ({"vocab_size": 0}, "vocab_size must be"),
-     ({"n_layer": -1}, "n_layer must be"), ({"d_model": -8}, "d_model must be"),
-     ({"n_kv_head": 3}, "n_kv_head must divide n_head"), ({"dropout": 1.5}, "dropout must be"),
-     ({"n_kv_head": True}, "n_kv_head must divide n_head"), ({"max_len": 0}, "max_len must be")],
-)  # fmt: skip
+    [
+        ({"n_head": 0}, "n_head must be an int >= 1"),
+        ({"vocab_size": 0}, "vocab_size must be"),
+        ({"n_layer": -1}, "n_layer must be"),
+        ({"d_model": -8}, "d_model must be"),
+        ({"n_kv_head": 3}, "n_kv_head must divide n_head"),
+        ({"dropout": 1.5}, "dropout must be"),
+        ({"n_kv_head": True}, "n_kv_head must divide n_head"),
+        ({"max_len": 0}, "max_len must be"),
+    ],
+)
 def test_config_errors_name_the_field(options, message):
     with pytest.raises(ValueError, match=message):
         GPTConfig(**options)
@@ -187,15 +201,17 @@ def test_config_errors_name_the_field(options, message):
 
 @pytest.mark.parametrize(
     ("options", "error", "message"),
-    [({"top_k": 0}, ValueError, "top_k must be an int >= 1"),
-     ({"top_p": 0.0}, ValueError, r"top_p must be in \(0, 1\]"),
-     ({"top_p": -0.5}, ValueError, "top_p must be"),
-     ({"temperature": float("nan")}, ValueError, "temperature must be >= 0"),
-     ({"max_new_tokens": -1}, ValueError, "max_new_tokens must be >= 0"),
-     ({"prompt": torch.tensor([1.0, 2.0])}, TypeError, "prompt must hold integer token ids"),
-     ({"prompt": torch.tensor([1, 300])}, ValueError, "token id 300, outside .* 0..255"),
-     ({"prompt": torch.tensor([-1, 2])}, ValueError, "token id -1")],
-)  # fmt: skip
+    [
+        ({"top_k": 0}, ValueError, "top_k must be an int >= 1"),
+        ({"top_p": 0.0}, ValueError, r"top_p must be in \(0, 1\]"),
+        ({"top_p": -0.5}, ValueError, "top_p must be"),
+        ({"temperature": float("nan")}, ValueError, "temperature must be >= 0"),
+        ({"max_new_tokens": -1}, ValueError, "max_new_tokens must be >= 0"),
+        ({"prompt": torch.tensor([1.0, 2.0])}, TypeError, "prompt must hold integer token ids"),
+        ({"prompt": torch.tensor([1, 300])}, ValueError, "token id 300, outside .* 0..255"),
+        ({"prompt": torch.tensor([-1, 2])}, ValueError, "token id -1"),
+    ],
+)
 def test_generate_errors_name_the_argument(options, error, message):
     model = GPT(GPTConfig(vocab_size=256, n_layer=1, n_head=2, d_model=16, max_len=32)).eval()
     options = dict(options)  # the parametrize dict is shared: a rerun must see it whole
@@ -215,8 +231,9 @@ def test_left_padded_generation_with_a_sliding_window_cache_equals_each_prompt_a
     """The window cache's key padding (its padded path): a left-padded batch decoded
     past the window gives each prompt's own greedy tokens."""
     model = small(window=4, position="rotary")
-    prompts = [torch.randint(0, 61, (n,), generator=torch.Generator().manual_seed(n))
-               for n in (6, 2, 9)]  # fmt: skip
+    prompts = [
+        torch.randint(0, 61, (n,), generator=torch.Generator().manual_seed(n)) for n in (6, 2, 9)
+    ]
     together = model.generate(prompts, 10, temperature=0)
     for prompt, out in zip(prompts, together, strict=True):
         alone = model.generate([prompt], 10, temperature=0)[0]

@@ -20,8 +20,9 @@ def learn(model, task, tmp_path, *, steps: int, lr: float) -> tuple[float, float
     """(validation loss before, after) `steps` training steps."""
     before = evaluate(model, task)
     config = TrainConfig(steps=steps, lr=lr, warmup=2, eval_every=steps, checkpoint_every=steps)
-    result = train(model, task, config, tmp_path / "run", model_info={"model": "test"},
-                   log=lambda *_: None)  # fmt: skip
+    result = train(
+        model, task, config, tmp_path / "run", model_info={"model": "test"}, log=lambda *_: None
+    )
     return before, result["history"][-1]["val_loss"]
 
 
@@ -34,9 +35,15 @@ def test_bert_learns_masked_bytes(tmp_path):
     torch.manual_seed(0)
     text = "def double(x):\n    return x * 2  # twice x\n" * 100
     task = MaskedLMTask(torch.tensor(list(text.encode())), 32, batch_size=16, eval_batches=2)
-    config = BertConfig(vocab_size=MaskedLMTask.VOCAB, hidden_size=32, num_layers=1,
-                        num_heads=2, intermediate_size=64, max_position=32,
-                        pad_token_id=MaskedLMTask.PAD)  # fmt: skip
+    config = BertConfig(
+        vocab_size=MaskedLMTask.VOCAB,
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        intermediate_size=64,
+        max_position=32,
+        pad_token_id=MaskedLMTask.PAD,
+    )
     before, after = learn(Bert(config), task, tmp_path, steps=30, lr=1e-2)
     assert before > 0.9 * math.log(MaskedLMTask.VOCAB)
     assert after < 0.6 * before, (before, after)
@@ -84,9 +91,16 @@ def test_seq2seq_learns_number_translation(tmp_path):
     torch.manual_seed(0)
     task = NumberTranslationTask(32, test_size=100, seed=0)
     vocab = len(task.vocab)
-    config = Seq2SeqConfig(src_vocab=vocab, tgt_vocab=vocab, d_model=32, n_head=2,
-                           n_encoder_layer=1, n_decoder_layer=1, dropout=0.0,
-                           max_len=32)  # fmt: skip
+    config = Seq2SeqConfig(
+        src_vocab=vocab,
+        tgt_vocab=vocab,
+        d_model=32,
+        n_head=2,
+        n_encoder_layer=1,
+        n_decoder_layer=1,
+        dropout=0.0,
+        max_len=32,
+    )
     before, after = learn(Seq2Seq(config), task, tmp_path, steps=80, lr=1e-2)
     assert before > 0.8 * math.log(vocab)
     assert after < 0.6 * before, (before, after)
@@ -105,10 +119,15 @@ def test_ast_learns_spoken_digits(tmp_path):
     audio, labels, speakers = synthesize(3, seed=0, voice_list=voices()[::12][:6])
     features = normalise_clips(log_mel(audio))
     test = speakers == 0
-    config = ASTConfig(n_mels=features.shape[1], frames=features.shape[2], d_model=32,
-                       n_layer=1, n_head=2, dropout=0.0)  # fmt: skip
-    task = ClassificationTask((features[~test], labels[~test]), (features[test], labels[test]),
-                              32)  # fmt: skip
+    config = ASTConfig(
+        n_mels=features.shape[1],
+        frames=features.shape[2],
+        d_model=32,
+        n_layer=1,
+        n_head=2,
+        dropout=0.0,
+    )
+    task = ClassificationTask((features[~test], labels[~test]), (features[test], labels[test]), 32)
     before, after = learn(AST(config), task, tmp_path, steps=80, lr=3e-3)
     assert before > 0.8 * math.log(10)
     assert after < 0.7 * before, (before, after)

@@ -17,26 +17,59 @@ from mhsa.nn.positional import RotaryEmbedding, rope_frequencies
 from optional import needs
 
 VOCAB, LENGTH, STOPS, QK_GAIN = 101, 40, [2, 5], 6.0
-TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-            bos_token_id=1, eos_token_id=STOPS, rms_norm_eps=1e-6)  # fmt: skip
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-          "high_freq_factor": 4.0, "original_max_position_embeddings": 16}  # fmt: skip
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=32,
+    bos_token_id=1,
+    eos_token_id=STOPS,
+    rms_norm_eps=1e-6,
+)
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 CASES = {  # name -> (transformers class, config changes); sequences reach 40 > 16 or 32
     "llama3": ("LlamaForCausalLM", {"rope_parameters": {"rope_theta": 500.0, **LLAMA3}}),
     "linear": ("LlamaForCausalLM", {"rope_parameters": {"rope_type": "linear", "factor": 2.0}}),
-    "dynamic": ("LlamaForCausalLM", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0},
-                                     "max_position_embeddings": 16}),
-    "yarn": ("LlamaForCausalLM", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0,
-                                                      "original_max_position_embeddings": 16}}),
-    "llama-bias": ("LlamaForCausalLM", {"attention_bias": True, "mlp_bias": True,
-                                        "num_hidden_layers": 3}),
+    "dynamic": (
+        "LlamaForCausalLM",
+        {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}, "max_position_embeddings": 16},
+    ),
+    "yarn": (
+        "LlamaForCausalLM",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+            }
+        },
+    ),
+    "llama-bias": (
+        "LlamaForCausalLM",
+        {"attention_bias": True, "mlp_bias": True, "num_hidden_layers": 3},
+    ),
     "mistral": ("MistralForCausalLM", {"sliding_window": 7, "num_hidden_layers": 3}),
     "qwen2": ("Qwen2ForCausalLM", {"tie_word_embeddings": True, "rope_theta": 1e6}),
-    "qwen2-window": ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 6,
-                                          "max_window_layers": 1, "num_hidden_layers": 3}),
+    "qwen2-window": (
+        "Qwen2ForCausalLM",
+        {
+            "use_sliding_window": True,
+            "sliding_window": 6,
+            "max_window_layers": 1,
+            "num_hidden_layers": 3,
+        },
+    ),
     "qwen3": ("Qwen3ForCausalLM", {"head_dim": 24, "num_key_value_heads": 1}),
-}  # fmt: skip
+}
 
 
 def pair(case: str, dtype: torch.dtype = torch.float32):
@@ -72,8 +105,13 @@ def test_logits_and_greedy_tokens_equal_transformers(case):
     assert max_error(ours(idx), expected) < 1e-5
     prompt = idx[:, :12]
     with torch.no_grad():
-        want = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=26,
-                           do_sample=False, pad_token_id=STOPS[0])  # fmt: skip
+        want = hf.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=26,
+            do_sample=False,
+            pad_token_id=STOPS[0],
+        )
     assert torch.equal(ours.generate(prompt, 26, temperature=0), want)  # stops: the config's
     if ours.config.rope_scaling is not None:  # the scaling matters at these lengths
         plain = replace(ours.config, rope_scaling=None)
@@ -159,9 +197,17 @@ ROPE_CASES = [
     {"rope_type": "dynamic", "factor": 3.0},
     LLAMA3,
     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
-    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
-     "beta_fast": 16, "beta_slow": 2, "mscale": 1.0, "mscale_all_dim": 0.5, "truncate": False},
-]  # fmt: skip
+    {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 16,
+        "beta_fast": 16,
+        "beta_slow": 2,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.5,
+        "truncate": False,
+    },
+]
 
 
 @pytest.mark.parametrize("scaling", ROPE_CASES, ids=lambda s: s and s["rope_type"])
@@ -172,15 +218,20 @@ def test_rotary_with_scaling_and_partial_rotary_equals_transformers(scaling, par
     original context (dynamic: beyond max_position_embeddings)."""
     stablelm = needs("transformers.models.stablelm.modeling_stablelm")
     transformers = needs("transformers")
-    rope = {"rope_type": "default", **(scaling or {}), "rope_theta": 1000.0,
-            "partial_rotary_factor": partial}  # fmt: skip
+    rope = {
+        "rope_type": "default",
+        **(scaling or {}),
+        "rope_theta": 1000.0,
+        "partial_rotary_factor": partial,
+    }
     config = transformers.StableLmConfig(
         hidden_size=64, num_attention_heads=2, max_position_embeddings=20, rope_parameters=rope
     )
     theirs = stablelm.StableLmRotaryEmbedding(config)
     rotary_dim = int(32 * partial)
-    ours = RotaryEmbedding(32, 1000.0, rotary_dim=rotary_dim, scaling=scaling,
-                           max_position_embeddings=20)  # fmt: skip
+    ours = RotaryEmbedding(
+        32, 1000.0, rotary_dim=rotary_dim, scaling=scaling, max_position_embeddings=20
+    )
     q = torch.randn(1, 2, 50, 32)
     positions = torch.arange(50).view(1, -1)
     cos, sin = theirs(q, positions)  # (dynamic: updates their frequencies to 50 positions)
@@ -188,14 +239,19 @@ def test_rotary_with_scaling_and_partial_rotary_equals_transformers(scaling, par
     want = torch.cat([stablelm.apply_rotary_pos_emb(rot, rot, cos, sin)[0], rest], dim=-1)
     assert max_error(ours(q, positions=positions[0]), want) < 1e-5
     assert ours.attention_factor == pytest.approx(theirs.attention_scaling)
-    inv_freq, _ = rope_frequencies(rotary_dim, 1000.0, scaling, max_position_embeddings=20,
-                                   seq_len=50)  # fmt: skip
+    inv_freq, _ = rope_frequencies(
+        rotary_dim, 1000.0, scaling, max_position_embeddings=20, seq_len=50
+    )
     assert max_error(inv_freq, theirs.inv_freq) < 1e-9
 
 
 def test_partial_rotary_model_caches_and_config():
-    d = {**TINY, "model_type": "llama", "partial_rotary_factor": 0.5,
-         "rope_parameters": {"rope_theta": 500.0, **LLAMA3}}  # fmt: skip
+    d = {
+        **TINY,
+        "model_type": "llama",
+        "partial_rotary_factor": 0.5,
+        "rope_parameters": {"rope_theta": 500.0, **LLAMA3},
+    }
     config = LlamaConfig.from_hf_config(d)
     assert config.rotary_dim == 8 and config.rope_scaling["rope_type"] == "llama3"
     torch.manual_seed(0)
@@ -212,13 +268,21 @@ def test_partial_rotary_model_caches_and_config():
 
 def test_from_hf_config_reads_transformers_4_layouts():
     """rope_theta at the top level and rope_scaling with "type" (older config.json)."""
-    d = {**TINY, "model_type": "mistral", "rope_theta": 1e6, "sliding_window": None,
-         "rope_scaling": {"type": "linear", "factor": 4.0}, "eos_token_id": 2}  # fmt: skip
+    d = {
+        **TINY,
+        "model_type": "mistral",
+        "rope_theta": 1e6,
+        "sliding_window": None,
+        "rope_scaling": {"type": "linear", "factor": 4.0},
+        "eos_token_id": 2,
+    }
     config = LlamaConfig.from_hf_config(d)
     assert config.rope_theta == 1e6 and config.rope_scaling == {"type": "linear", "factor": 4.0}
     assert config.sliding_window is None and config.eos_token == (2,)
-    assert (HF_NAMES.stored_name("layers.1.attn.out_proj.weight")
-            == "model.layers.1.self_attn.o_proj.weight")  # fmt: skip
+    assert (
+        HF_NAMES.stored_name("layers.1.attn.out_proj.weight")
+        == "model.layers.1.self_attn.o_proj.weight"
+    )
     assert HF_NAMES.stored_name("layers.0.ff.gate.weight") == "model.layers.0.mlp.gate_proj.weight"
 
 
@@ -229,8 +293,11 @@ def test_loading_errors_name_the_problem():
     sd = transformers.LlamaForCausalLM(hf_config).state_dict()
     d = hf_config.to_dict()
     config = LlamaConfig.from_hf_config(d)
-    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not supported by Llama; "
-                                         r"supported: llama, mistral, qwen2, qwen3"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"model_type 'gpt2' is not supported by Llama; "
+        r"supported: llama, mistral, qwen2, qwen3",
+    ):
         LlamaConfig.from_hf_config({**d, "model_type": "gpt2"})
     with pytest.raises(ValueError, match=r"1 tensor missing: 'model.norm.weight'"):
         Llama.from_hf({k: v for k, v in sd.items() if k != "model.norm.weight"}, config)
@@ -243,8 +310,14 @@ def test_loading_errors_name_the_problem():
     with pytest.raises(ValueError, match=r"rope scaling type 'longrope' is not supported"):
         LlamaConfig.from_hf_config({**d, "rope_parameters": {"rope_type": "longrope"}})
     with pytest.raises(ValueError, match=r"'llama3' needs \['low_freq_factor'"):
-        LlamaConfig(rope_scaling={"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
-                                  "original_max_position_embeddings": 16})  # fmt: skip
+        LlamaConfig(
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            }
+        )
     tied = LlamaConfig.from_hf_config({**d, "tie_word_embeddings": True})
     with pytest.raises(ValueError, match="not tied: set tie_embeddings=False"):
         Llama.from_hf(sd, tied)

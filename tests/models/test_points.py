@@ -42,8 +42,9 @@ def test_padding_does_not_change_the_output():
     model = PointCloudTransformer(PointCloudConfig(d_model=32, n_layer=2)).eval()
     cloud = point_cloud("torus", torch.Generator().manual_seed(0))
     alone = model(cloud.unsqueeze(0))
-    padded, mask = collate([cloud, point_cloud("cube", torch.Generator().manual_seed(1),
-                                               points=(200, 200))])  # fmt: skip
+    padded, mask = collate(
+        [cloud, point_cloud("cube", torch.Generator().manual_seed(1), points=(200, 200))]
+    )
     assert max_error(model(padded, mask)[0], alone[0]) < 1e-5
 
 
@@ -58,8 +59,22 @@ def test_shapes_are_what_they_say():
 
 
 def test_train_points_end_to_end(tmp_path, capsys):
-    args = ["train", "points", "--out", str(tmp_path / "pts"), "--steps", "4", "--eval-every",
-            "2", "--per-class", "5", "--layers", "1", "--d-model", "16"]  # fmt: skip
+    args = [
+        "train",
+        "points",
+        "--out",
+        str(tmp_path / "pts"),
+        "--steps",
+        "4",
+        "--eval-every",
+        "2",
+        "--per-class",
+        "5",
+        "--layers",
+        "1",
+        "--d-model",
+        "16",
+    ]
     assert main(args) == 0
     assert "test accuracy" in capsys.readouterr().out
     # classify a cube written as x y z text rows

@@ -28,7 +28,7 @@ def _model(**changes) -> Seq2Seq:
         "dropout": 0.0,
         "max_len": 12,
     }
-    return Seq2Seq(Seq2SeqConfig(**{**options, **changes})).eval()  # fmt: skip
+    return Seq2Seq(Seq2SeqConfig(**{**options, **changes})).eval()
 
 
 def _uncached_greedy(model: Seq2Seq, src: torch.Tensor, steps: int) -> list[list[int]]:
@@ -37,8 +37,10 @@ def _uncached_greedy(model: Seq2Seq, src: torch.Tensor, steps: int) -> list[list
     for _ in range(steps):
         tokens = torch.cat([tokens, model(src, tokens)[:, -1].argmax(-1, keepdim=True)], dim=1)
     eos = model.config.eos_id
-    return [row[1:].tolist()[: row[1:].tolist().index(eos)] if eos in row[1:] else
-            row[1:].tolist() for row in tokens]  # fmt: skip
+    return [
+        row[1:].tolist()[: row[1:].tolist().index(eos)] if eos in row[1:] else row[1:].tolist()
+        for row in tokens
+    ]
 
 
 def test_encoder_and_decoder_inputs_are_scaled_embeddings_plus_sinusoids():
@@ -128,8 +130,9 @@ class _HistoryModel(_StepDecoder):
 def _exhaustive_best(model: _HistoryModel, start: int, eos: int, max_new: int, penalty: float):
     best, best_score = None, -math.inf
     for length in range(1, max_new + 1):
-        for body in itertools.product([t for t in range(model.vocab) if t != eos],
-                                      repeat=length - 1):  # fmt: skip
+        for body in itertools.product(
+            [t for t in range(model.vocab) if t != eos], repeat=length - 1
+        ):
             seq, score = (start,), 0.0
             for token in (*body, eos):
                 score += torch.log_softmax(model.logits(seq), -1)[token].item()
@@ -144,22 +147,24 @@ def test_wide_beam_search_finds_the_exact_optimum(penalty):
     vocab, eos, max_new, beam = 4, 0, 4, 64  # 3**3 live prefixes at most: exhaustive
     for start in (1, 2):
         model = _HistoryModel(beam, vocab)
-        found = beam_search(model, model, torch.tensor([[start]]), eos, max_new,
-                            beam, penalty)[0]  # fmt: skip
+        found = beam_search(model, model, torch.tensor([[start]]), eos, max_new, beam, penalty)[0]
         assert found == _exhaustive_best(_HistoryModel(1, vocab), start, eos, max_new, penalty)
 
 
-def _narrow_beam(model: _HistoryModel, start: int, eos: int, max_new: int, k: int,
-                 penalty: float) -> list[int]:  # fmt: skip
+def _narrow_beam(
+    model: _HistoryModel, start: int, eos: int, max_new: int, k: int, penalty: float
+) -> list[int]:
     """Beam search written out: each step the 2k best extensions are read in order,
     eos ones finish (scored log-prob / length**penalty), the first k others live on;
     the search stops once k have finished and the best live beam, scored at its
     current length, is no better than the k-th best finished."""
     alive, finished = [(0.0, (start,))], []
     for length in range(1, max_new + 1):
-        extended = [(score + log_p, prefix + (token,)) for score, prefix in alive
-                    for token, log_p in enumerate(torch.log_softmax(model.logits(prefix), -1)
-                                                  .tolist())]  # fmt: skip
+        extended = [
+            (score + log_p, prefix + (token,))
+            for score, prefix in alive
+            for token, log_p in enumerate(torch.log_softmax(model.logits(prefix), -1).tolist())
+        ]
         alive = []
         for score, prefix in sorted(extended, reverse=True)[: 2 * k]:
             if len(alive) == k:
@@ -181,8 +186,9 @@ def test_narrow_beam_search_on_a_batch_equals_the_written_out_search(beam, max_n
     vocab, eos, starts = 5, 0, (1, 2, 3)
     for salt in range(3):
         model = _HistoryModel(len(starts) * beam, vocab, salt)
-        found = beam_search(model, model, torch.tensor([[s] for s in starts]), eos,
-                            max_new, beam, penalty)  # fmt: skip
+        found = beam_search(
+            model, model, torch.tensor([[s] for s in starts]), eos, max_new, beam, penalty
+        )
         reference = _HistoryModel(1, vocab, salt)
         assert found == [_narrow_beam(reference, s, eos, max_new, beam, penalty) for s in starts]
 
@@ -197,8 +203,15 @@ def test_beam_search_stops_when_no_live_beam_can_win(penalty, beam, steps):
         return torch.tensor([[5.0, 0, 0, 0]]).expand(tokens.shape[0], 4)
 
     decoder = _StepDecoder(step)
-    found = beam_search(decoder, decoder, torch.tensor([[1]]), eos=0,
-                        max_new_tokens=10, beam_size=beam, length_penalty=penalty)  # fmt: skip
+    found = beam_search(
+        decoder,
+        decoder,
+        torch.tensor([[1]]),
+        eos=0,
+        max_new_tokens=10,
+        beam_size=beam,
+        length_penalty=penalty,
+    )
     # beam 1: the one hypothesis that ends at step 1 beats the live beam; beam 2:
     # step 1 ends one hypothesis, step 2 two more, and the live beams (two unlikely
     # tokens deep) score below the best two that ended
@@ -209,8 +222,9 @@ def test_search_defaults_and_bad_arguments():
     model = _HistoryModel(4, 5, salt=1)
     found = beam_search(model, model, torch.tensor([[1]]), 0, 6)
     model = _HistoryModel(4, 5, salt=1)
-    assert found == beam_search(model, model, torch.tensor([[1]]), 0, 6,
-                                beam_size=4, length_penalty=1.0)  # fmt: skip
+    assert found == beam_search(
+        model, model, torch.tensor([[1]]), 0, 6, beam_size=4, length_penalty=1.0
+    )
     model = _HistoryModel(1, 5)
     assert len(greedy_search(model, model, torch.tensor([[1]]), eos=0, max_new_tokens=1)[0]) <= 1
     for bad in (torch.tensor([1, 2]), torch.zeros(1, 0, dtype=torch.long)):
@@ -276,8 +290,24 @@ def test_bad_inputs_say_what_to_fix():
 @pytest.mark.slow
 def test_train_and_translate_end_to_end(tmp_path, capsys):
     out = str(tmp_path / "tr")
-    args = ["train", "translate", "--out", out, "--steps", "3", "--eval-every", "3",
-            "--layers", "1", "--d-model", "16", "--heads", "2", "--batch-size", "8"]  # fmt: skip
+    args = [
+        "train",
+        "translate",
+        "--out",
+        out,
+        "--steps",
+        "3",
+        "--eval-every",
+        "3",
+        "--layers",
+        "1",
+        "--d-model",
+        "16",
+        "--heads",
+        "2",
+        "--batch-size",
+        "8",
+    ]
     assert main(args) == 0
     assert "held-out exact match" in capsys.readouterr().out
     assert main(["translate", out, "three hundred and twelve", "--beam-size", "2"]) == 0

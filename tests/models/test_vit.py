@@ -46,8 +46,22 @@ def test_bad_images_are_clear_errors():
 
 def test_train_vit_end_to_end(tmp_path, capsys):
     needs("sklearn")  # the built-in digits
-    args = ["train", "vit", "--out", str(tmp_path / "vit"), "--steps", "6", "--eval-every", "3",
-            "--layers", "1", "--d-model", "16", "--heads", "2"]  # fmt: skip
+    args = [
+        "train",
+        "vit",
+        "--out",
+        str(tmp_path / "vit"),
+        "--steps",
+        "6",
+        "--eval-every",
+        "3",
+        "--layers",
+        "1",
+        "--d-model",
+        "16",
+        "--heads",
+        "2",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "sklearn digits" in out and "test accuracy" in out

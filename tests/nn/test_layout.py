@@ -106,8 +106,9 @@ def test_fused_gated_feed_forward_equals_separate():
 
 def test_a_llama_in_the_decoding_layout_decodes_the_same_tokens():
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=96, n_layer=2, n_head=4, n_kv_head=2, d_model=32,
-                         d_ff=48, tie_embeddings=True)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=96, n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=48, tie_embeddings=True
+    )
     model = Llama(config).eval()
     prompt = torch.randint(0, 96, (1, 7))
     want_logits = model(prompt)
@@ -117,8 +118,9 @@ def test_a_llama_in_the_decoding_layout_decodes_the_same_tokens():
     assert type(model.embed).__name__ == "TransposedEmbedding"
     assert max_error(model(prompt), want_logits) <= 1e-5
     got = model.generate(prompt, 12, temperature=0.0, eos_token=[])[0]
-    assert_same_greedy(got.tolist(), want.tolist(),
-                       lambda i: reference(want[:i].view(1, -1))[0, -1])  # fmt: skip
+    assert_same_greedy(
+        got.tolist(), want.tolist(), lambda i: reference(want[:i].view(1, -1))[0, -1]
+    )
 
 
 def test_a_gpt_in_the_decoding_layout_decodes_the_same_tokens():
@@ -135,5 +137,6 @@ def test_a_gpt_in_the_decoding_layout_decodes_the_same_tokens():
     assert max_error(model(prompts[0].view(1, -1)), want_logits) <= 1e-5
     got = model.generate(prompts, 12, temperature=0.0)
     for g, w in zip(got, want, strict=True):
-        assert_same_greedy(g.tolist(), w.tolist(),
-                           lambda i, w=w: reference(w[:i].view(1, -1))[0, -1])  # fmt: skip
+        assert_same_greedy(
+            g.tolist(), w.tolist(), lambda i, w=w: reference(w[:i].view(1, -1))[0, -1]
+        )

@@ -139,9 +139,12 @@ def test_module_gradients_match_reference_backend(backend):
 
 @pytest.mark.parametrize(
     ("options", "message"),
-    [({"embed_dim": -8}, "embed_dim must be an int >= 1"), ({"dropout": 1.5}, "dropout must be"),
-     ({"kdim": 0}, "kdim must be an int >= 1")],
-)  # fmt: skip
+    [
+        ({"embed_dim": -8}, "embed_dim must be an int >= 1"),
+        ({"dropout": 1.5}, "dropout must be"),
+        ({"kdim": 0}, "kdim must be an int >= 1"),
+    ],
+)
 def test_module_options_are_checked(options, message):
     with pytest.raises(ValueError, match=message):
         MultiHeadAttention(**{"embed_dim": 16, "num_heads": 2, **options})
@@ -152,8 +155,15 @@ def test_head_dim_scale_and_score_options():
     position's: the same as mhsa.attention called with them."""
     torch.manual_seed(0)
     position = mhsa.nn.positional.ALiBiPosition(4)
-    mha = MultiHeadAttention(16, 4, num_kv_heads=2, head_dim=6, scale=0.3,
-                             score=mhsa.core.scores.Softcap(2.0), backend="flash")  # fmt: skip
+    mha = MultiHeadAttention(
+        16,
+        4,
+        num_kv_heads=2,
+        head_dim=6,
+        scale=0.3,
+        score=mhsa.core.scores.Softcap(2.0),
+        backend="flash",
+    )
     assert mha.q_proj.weight.shape == (24, 16) and mha.out_proj.weight.shape == (16, 24)
     x = torch.randn(2, 9, 16)
     q = mha.q_proj(x).view(2, 9, 4, 6).transpose(1, 2)

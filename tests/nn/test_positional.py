@@ -78,7 +78,8 @@ def test_rotary_exact_values_at_known_positions():
                 a * math.cos(angle) - b * math.sin(angle), abs=2e-5
             )
             assert got[0, 0, row, c + dim // 2].item() == pytest.approx(
-                b * math.cos(angle) + a * math.sin(angle), abs=2e-5)  # fmt: skip
+                b * math.cos(angle) + a * math.sin(angle), abs=2e-5
+            )
 
 
 def test_rotary_equals_transformers_apply_rotary_pos_emb():
@@ -265,8 +266,9 @@ def test_added_encodings_at_per_sequence_positions(module):
     d_model, max_len = 4, 20
     if module == "sinusoidal":
         enc = SinusoidalPositionalEncoding(d_model, max_len=max_len)
-        rows = torch.tensor([[sinusoid(p, i, d_model) for i in range(d_model)]
-                             for p in range(max_len)])  # fmt: skip
+        rows = torch.tensor(
+            [[sinusoid(p, i, d_model) for i in range(d_model)] for p in range(max_len)]
+        )
     else:
         enc = LearnedPositionalEmbedding(max_len, d_model)
         rows = enc.embedding.weight.detach()

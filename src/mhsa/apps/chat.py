@@ -106,8 +106,9 @@ class ChatModel:
         decoder = self.tokenizer.stream()
         self.last_stats = {"prompt_tokens": len(ids), "new_tokens": 0}
         for count in range(stop.max_tokens):
-            choice = sample_and_stop(logits.float(), sampling, stop, generated=count,
-                                     generator=generator)  # fmt: skip
+            choice = sample_and_stop(
+                logits.float(), sampling, stop, generated=count, generator=generator
+            )
             if choice.stopped is not None and bool(choice.stopped):
                 break
             token = choice.tokens

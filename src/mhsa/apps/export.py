@@ -137,9 +137,12 @@ def export_onnx(
     program = model if isinstance(model, ExportedProgram) else export_program(model)
     names = program.graph_signature.user_inputs
     onnx_program = torch.onnx.export(
-        program, dynamo=True, optimize=True, verbose=False,
+        program,
+        dynamo=True,
+        optimize=True,
+        verbose=False,
         output_names=[OUTPUTS[names[0]]] if names and names[0] in OUTPUTS else None,
-    )  # fmt: skip
+    )
     renamed = {}
     for value in onnx_program.model.graph.inputs:  # s0, s1 ... -> batch, seq
         for dim, axis in zip(value.shape, AXES.get(value.name, ()), strict=False):

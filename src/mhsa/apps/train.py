@@ -105,8 +105,10 @@ def evaluate(model: nn.Module, task) -> float:
 def _optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": config.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]  # fmt: skip
+    groups = [
+        {"params": decay, "weight_decay": config.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
     return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95))
 
 
@@ -201,15 +203,21 @@ def train(
                 model.train()
             history.append(record)
             sys.stderr.write("\n")
-            extra = "".join(f", {k} {v:.4f}" for k, v in record.items() if k not in
-                            ("step", "train_loss", "val_loss"))  # fmt: skip
+            extra = "".join(
+                f", {k} {v:.4f}"
+                for k, v in record.items()
+                if k not in ("step", "train_loss", "val_loss")
+            )
             log(f"step {step}: val loss {val:.4f}{extra}")
         if step % config.checkpoint_every == 0 or step == end:
             trainer = {
-                "optimizer": optimizer.state_dict(), "generator": generator.get_state(),
-                "torch_rng": torch.get_rng_state(), "step": step, "history": history,
+                "optimizer": optimizer.state_dict(),
+                "generator": generator.get_state(),
+                "torch_rng": torch.get_rng_state(),
+                "step": step,
+                "history": history,
                 "train_config": asdict(config),
-            }  # fmt: skip
+            }
             written = save_checkpoint(out_dir, step, model, model_info, trainer)
             owned = [p for p in owned if p != written] + [written]
             for old in owned[: -config.keep] + [p for p in replaced if p != written]:
@@ -218,8 +226,12 @@ def train(
             if world > 1:
                 dist.barrier()
     seconds = time.perf_counter() - start
-    return {"step": step, "seconds": seconds, "history": history,
-            "tokens_per_second": tokens_done / max(seconds, 1e-9)}  # fmt: skip
+    return {
+        "step": step,
+        "seconds": seconds,
+        "history": history,
+        "tokens_per_second": tokens_done / max(seconds, 1e-9),
+    }
 
 
 def _checkpoints_to_manage(out_dir: Path, resume: bool, overwrite: bool) -> tuple[list, list]:
@@ -349,6 +361,8 @@ def _progress(step: int, total: int, loss: float, tokens_per_s: float, elapsed: 
     done = step / total
     bar = "#" * int(24 * done) + "-" * (24 - int(24 * done))
     eta = elapsed / max(step, 1) * (total - step)
-    sys.stderr.write(f"\r[{bar}] step {step}/{total}  loss {loss:.4f}  "
-                     f"{tokens_per_s / 1e3:.1f}k tok/s  eta {eta:4.0f}s ")  # fmt: skip
+    sys.stderr.write(
+        f"\r[{bar}] step {step}/{total}  loss {loss:.4f}  "
+        f"{tokens_per_s / 1e3:.1f}k tok/s  eta {eta:4.0f}s "
+    )
     sys.stderr.flush()

@@ -37,33 +37,54 @@ def timing_cases(length: int, heads: int, head_dim: int, repeat: int) -> list[di
     fwd_flops = 4 * heads * length * length * head_dim
     grads = _inputs(heads, length, head_dim, grad=True)
     cases = [
-        ("dense forward", fwd_flops, {
-            "sdpa": lambda: F.scaled_dot_product_attention(q, k, v),
-            "flash": lambda: attention(q, k, v, backend="flash"),
-            "auto": lambda: attention(q, k, v),
-        }, {"flash": 1.3, "auto": 1.05}),
-        ("causal forward", fwd_flops / 2, {
-            "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-            "flash": lambda: attention(q, k, v, causal=True, backend="flash"),
-        }, {"flash": 1.3}),
-        ("causal forward+backward", fwd_flops / 2 * 3.5, {
-            "sdpa": _forward_backward(
-                lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True), grads
-            ),
-            "flash": _forward_backward(
-                lambda a, b, c: attention(a, b, c, causal=True, backend="flash"), grads
-            ),
-        }, {"flash": 1.6}),
-    ]  # fmt: skip
+        (
+            "dense forward",
+            fwd_flops,
+            {
+                "sdpa": lambda: F.scaled_dot_product_attention(q, k, v),
+                "flash": lambda: attention(q, k, v, backend="flash"),
+                "auto": lambda: attention(q, k, v),
+            },
+            {"flash": 1.3, "auto": 1.05},
+        ),
+        (
+            "causal forward",
+            fwd_flops / 2,
+            {
+                "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                "flash": lambda: attention(q, k, v, causal=True, backend="flash"),
+            },
+            {"flash": 1.3},
+        ),
+        (
+            "causal forward+backward",
+            fwd_flops / 2 * 3.5,
+            {
+                "sdpa": _forward_backward(
+                    lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True), grads
+                ),
+                "flash": _forward_backward(
+                    lambda a, b, c: attention(a, b, c, causal=True, backend="flash"), grads
+                ),
+            },
+            {"flash": 1.6},
+        ),
+    ]
     rows = []
     for name, flops, fns, targets in cases:
         times = best_times(fns, repeat)
         for backend, seconds in times.items():
-            rows.append({
-                "case": name, "shape": f"B=1 H={heads} L=S={length} D={head_dim}",
-                "backend": backend, "seconds": seconds, "vs_sdpa": seconds / times["sdpa"],
-                "gflops": flops / seconds / 1e9, "target_vs_sdpa": targets.get(backend),
-            })  # fmt: skip
+            rows.append(
+                {
+                    "case": name,
+                    "shape": f"B=1 H={heads} L=S={length} D={head_dim}",
+                    "backend": backend,
+                    "seconds": seconds,
+                    "vs_sdpa": seconds / times["sdpa"],
+                    "gflops": flops / seconds / 1e9,
+                    "target_vs_sdpa": targets.get(backend),
+                }
+            )
     return rows
 
 
@@ -85,8 +106,14 @@ def memory_cases(long: bool) -> list[dict]:
     return rows
 
 
-def run(length: int = 4096, heads: int = 8, head_dim: int = 64, repeat: int = 5,
-        memory: bool = True, long: bool = False) -> dict:  # fmt: skip
+def run(
+    length: int = 4096,
+    heads: int = 8,
+    head_dim: int = 64,
+    repeat: int = 5,
+    memory: bool = True,
+    long: bool = False,
+) -> dict:
     torch.manual_seed(0)
     result = {
         "torch": torch.__version__,

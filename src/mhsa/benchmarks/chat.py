@@ -16,8 +16,13 @@ import time
 
 import torch
 
-MODES = ("mhsa float32", "mhsa float32, compiled", "mhsa file (Q4_1/Q8_0)",
-         "mhsa file, compiled", "transformers float32")  # fmt: skip
+MODES = (
+    "mhsa float32",
+    "mhsa float32, compiled",
+    "mhsa file (Q4_1/Q8_0)",
+    "mhsa file, compiled",
+    "transformers float32",
+)
 
 
 def _prompt_ids(tokenizer, length: int) -> list[int]:
@@ -105,8 +110,9 @@ def _streaming_bound(repeat: int) -> tuple[float, float]:
     stored.append(model.embed.weight.T)  # the tied head, (in, out) in our layout
 
     def best(weights: list[torch.Tensor], multiply) -> float:
-        vectors = [torch.randn(1, w.shape[0] if multiply is torch.mm else w.shape[1])
-                   for w in weights]  # fmt: skip
+        vectors = [
+            torch.randn(1, w.shape[0] if multiply is torch.mm else w.shape[1]) for w in weights
+        ]
         fastest = float("inf")
         with torch.no_grad():
             for _ in range(repeat + 1):

@@ -31,13 +31,15 @@ def converted_generator(hf_model, threads: int):
             tokenizer_object=words, unk_token="t0", bos_token="t0", eos_token="t0"
         ).save_pretrained(source)
         ctranslate2.converters.TransformersConverter(str(source)).convert(str(target))
-        return ctranslate2.Generator(str(target), device="cpu", intra_threads=threads,
-                                     inter_threads=1)  # fmt: skip
+        return ctranslate2.Generator(
+            str(target), device="cpu", intra_threads=threads, inter_threads=1
+        )
 
 
 def greedy(generator, idx: torch.Tensor, new: int) -> list[list[int]]:
     """The `new` greedy tokens after each prompt row of idx (B, T), never stopping early."""
     prompts = [[f"t{i}" for i in row] for row in idx.tolist()]
-    results = generator.generate_batch(prompts, max_length=new, min_length=new, sampling_topk=1,
-                                       include_prompt_in_result=False)  # fmt: skip
+    results = generator.generate_batch(
+        prompts, max_length=new, min_length=new, sampling_topk=1, include_prompt_in_result=False
+    )
     return [[int(token[1:]) for token in r.sequences[0]] for r in results]

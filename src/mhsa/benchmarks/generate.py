@@ -29,25 +29,31 @@ def _tokens_per_s(fn, new_tokens: int, repeat: int) -> float:
 
 
 def cache_case(prompt: int, new: int, repeat: int) -> dict:
-    config = GPTConfig(vocab_size=256, n_layer=LAYERS, n_head=HEADS, d_model=D_MODEL,
-                       max_len=prompt + new)  # fmt: skip
+    config = GPTConfig(
+        vocab_size=256, n_layer=LAYERS, n_head=HEADS, d_model=D_MODEL, max_len=prompt + new
+    )
     model = GPT(config).eval()
     idx = torch.randint(0, 256, (1, prompt))
     rates = {
-        "mhsa, cache": _tokens_per_s(
-            lambda: model.generate(idx, new, temperature=0), new, repeat),
+        "mhsa, cache": _tokens_per_s(lambda: model.generate(idx, new, temperature=0), new, repeat),
         "mhsa, no cache": _tokens_per_s(
-            lambda: model.generate(idx, new, temperature=0, use_cache=False), new, 1),
-    }  # fmt: skip
+            lambda: model.generate(idx, new, temperature=0, use_cache=False), new, 1
+        ),
+    }
     try:
         import transformers
     except ImportError:
         rates["transformers"] = None
     else:
         hf_config = transformers.GPT2Config(
-            vocab_size=256, n_positions=prompt + new, n_embd=D_MODEL, n_layer=LAYERS,
-            n_head=HEADS, bos_token_id=None, eos_token_id=None,
-        )  # fmt: skip
+            vocab_size=256,
+            n_positions=prompt + new,
+            n_embd=D_MODEL,
+            n_layer=LAYERS,
+            n_head=HEADS,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
         hf = transformers.GPT2LMHeadModel(hf_config).eval()
         ours = GPT.from_hf_gpt2(hf.state_dict(), config).eval()
         same = torch.equal(
@@ -57,7 +63,8 @@ def cache_case(prompt: int, new: int, repeat: int) -> dict:
 
         rates["transformers"] = _tokens_per_s(lambda: _hf_generate(hf, idx, new), new, repeat)
         rates["mhsa, GPT-2 weights"] = _tokens_per_s(
-            lambda: ours.generate(idx, new, temperature=0), new, repeat)  # fmt: skip
+            lambda: ours.generate(idx, new, temperature=0), new, repeat
+        )
         rates["same greedy tokens as transformers"] = same
         rates.update(_ctranslate2_rates(hf, ours, idx, new, repeat))
     return {"prompt": prompt, "new_tokens": new, "tokens_per_s": rates}
@@ -80,35 +87,54 @@ def _ctranslate2_rates(hf, ours: GPT, idx: torch.Tensor, new: int, repeat: int) 
     compile_seconds = time.perf_counter() - started
     return {
         "mhsa, GPT-2 weights, compiled step": _tokens_per_s(
-            lambda: compiled.generate(idx, new, temperature=0, compile=True), new, repeat),
+            lambda: compiled.generate(idx, new, temperature=0, compile=True), new, repeat
+        ),
         "compile seconds (first call)": compile_seconds,
         f"mhsa, GPT-2 weights, compiled step, batch {BATCH}": _tokens_per_s(
-            lambda: compiled.generate(batch, new, temperature=0, compile=True), BATCH * new,
-            repeat),
+            lambda: compiled.generate(batch, new, temperature=0, compile=True), BATCH * new, repeat
+        ),
         "mhsa, GPT-2 weights, decoding layout": _tokens_per_s(
-            lambda: fast.generate(idx, new, temperature=0), new, repeat),
+            lambda: fast.generate(idx, new, temperature=0), new, repeat
+        ),
         f"mhsa, GPT-2 weights, decoding layout, batch {BATCH}": _tokens_per_s(
-            lambda: fast.generate(batch, new, temperature=0), BATCH * new, repeat),
+            lambda: fast.generate(batch, new, temperature=0), BATCH * new, repeat
+        ),
         "CTranslate2": _tokens_per_s(lambda: greedy(generator, idx, new), new, repeat),
         "same greedy tokens as CTranslate2": greedy(generator, idx, new)[0] == mine,
         f"mhsa, GPT-2 weights, batch {BATCH}": _tokens_per_s(
-            lambda: ours.generate(batch, new, temperature=0), BATCH * new, repeat),
+            lambda: ours.generate(batch, new, temperature=0), BATCH * new, repeat
+        ),
         f"transformers, batch {BATCH}": _tokens_per_s(
-            lambda: _hf_generate(hf, batch, new), BATCH * new, repeat),
+            lambda: _hf_generate(hf, batch, new), BATCH * new, repeat
+        ),
         f"CTranslate2, batch {BATCH}": _tokens_per_s(
-            lambda: greedy(generator, batch, new), BATCH * new, repeat),
-    }  # fmt: skip
+            lambda: greedy(generator, batch, new), BATCH * new, repeat
+        ),
+    }
 
 
 def _hf_generate(hf, idx: torch.Tensor, new: int) -> None:
     with torch.no_grad():
-        hf.generate(idx, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                    use_cache=True, pad_token_id=0)  # fmt: skip
+        hf.generate(
+            idx,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            use_cache=True,
+            pad_token_id=0,
+        )
 
 
 def window_case(prompt: int, new: int, window: int, repeat: int) -> dict:
-    config = GPTConfig(vocab_size=256, n_layer=LAYERS, n_head=HEADS, d_model=D_MODEL,
-                       max_len=prompt + new, position="rotary", window=window)  # fmt: skip
+    config = GPTConfig(
+        vocab_size=256,
+        n_layer=LAYERS,
+        n_head=HEADS,
+        d_model=D_MODEL,
+        max_len=prompt + new,
+        position="rotary",
+        window=window,
+    )
     model = GPT(config).eval()
     idx = torch.randint(0, 256, (1, prompt))
     head_dim = D_MODEL // HEADS
@@ -128,8 +154,10 @@ def window_case(prompt: int, new: int, window: int, repeat: int) -> dict:
     rows = {}
     for name, full in (("sliding-window cache", False), ("full cache", True)):
         memory = run(full)
-        rows[name] = {"tokens_per_s": _tokens_per_s(lambda full=full: run(full), new, repeat),
-                      "cache_bytes": memory}  # fmt: skip
+        rows[name] = {
+            "tokens_per_s": _tokens_per_s(lambda full=full: run(full), new, repeat),
+            "cache_bytes": memory,
+        }
     return {"prompt": prompt, "new_tokens": new, "window": window, "results": rows}
 
 
@@ -143,8 +171,10 @@ def run(repeat: int = 3, quick: bool = False) -> dict:
 def report(result: dict) -> str:
     cache = result["cache"]
     rates = cache["tokens_per_s"]
-    lines = [f"GPT {LAYERS} layers, d_model {D_MODEL}, {HEADS} heads, random weights, batch 1, "
-             f"greedy; prompt {cache['prompt']}, {cache['new_tokens']} new tokens"]  # fmt: skip
+    lines = [
+        f"GPT {LAYERS} layers, d_model {D_MODEL}, {HEADS} heads, random weights, batch 1, "
+        f"greedy; prompt {cache['prompt']}, {cache['new_tokens']} new tokens"
+    ]
     base = rates["mhsa, cache"]
     for name, value in rates.items():
         if name.startswith("compile seconds"):
@@ -152,28 +182,37 @@ def report(result: dict) -> str:
         elif isinstance(value, bool) or value is None:
             lines.append(f"  {name}: {value if value is not None else 'transformers missing'}")
         else:
-            lines.append(f"  {name:<22} {value:8.1f} tokens/s  (mhsa cache / this: "
-                         f"{base / value:5.2f}x)")  # fmt: skip
+            lines.append(
+                f"  {name:<22} {value:8.1f} tokens/s  (mhsa cache / this: {base / value:5.2f}x)"
+            )
     nocache = rates["mhsa, no cache"]
     lines.append(f"  target cache >= 5x no cache: {'ok' if base / nocache >= 5 else 'MISSED'}")
     if rates.get("transformers"):
         ratio = rates["mhsa, GPT-2 weights"] / rates["transformers"]
-        lines.append(f"  target >= 2.0x transformers: {ratio:.2f}x "
-                     f"{'ok' if ratio >= 2.0 else 'MISSED'}")  # fmt: skip
+        lines.append(
+            f"  target >= 2.0x transformers: {ratio:.2f}x {'ok' if ratio >= 2.0 else 'MISSED'}"
+        )
     for suffix in ("", f", batch {BATCH}"):
         peer = rates.get("CTranslate2" + suffix)
         if peer:  # ours: the fastest of the eager layouts and the compiled step
-            ours = max(rates["mhsa, GPT-2 weights" + suffix],
-                       rates["mhsa, GPT-2 weights, decoding layout" + suffix],
-                       rates["mhsa, GPT-2 weights, compiled step" + suffix])  # fmt: skip
+            ours = max(
+                rates["mhsa, GPT-2 weights" + suffix],
+                rates["mhsa, GPT-2 weights, decoding layout" + suffix],
+                rates["mhsa, GPT-2 weights, compiled step" + suffix],
+            )
             ratio, hf = ours / peer, ours / rates["transformers" + suffix]
-            lines.append(f"  target >= 1.0x CTranslate2{suffix}: {ratio:.2f}x "
-                         f"{'ok' if ratio >= 1.0 else 'MISSED'} (vs transformers "
-                         f"{hf:.2f}x, target 2x)")  # fmt: skip
+            lines.append(
+                f"  target >= 1.0x CTranslate2{suffix}: {ratio:.2f}x "
+                f"{'ok' if ratio >= 1.0 else 'MISSED'} (vs transformers "
+                f"{hf:.2f}x, target 2x)"
+            )
     window = result["window"]
-    lines.append(f"window {window['window']}, prompt {window['prompt']}, "
-                 f"{window['new_tokens']} new tokens:")  # fmt: skip
+    lines.append(
+        f"window {window['window']}, prompt {window['prompt']}, {window['new_tokens']} new tokens:"
+    )
     for name, row in window["results"].items():
-        lines.append(f"  {name:<22} {row['tokens_per_s']:8.1f} tokens/s, cache "
-                     f"{row['cache_bytes'] / 2**20:7.1f} MiB")  # fmt: skip
+        lines.append(
+            f"  {name:<22} {row['tokens_per_s']:8.1f} tokens/s, cache "
+            f"{row['cache_bytes'] / 2**20:7.1f} MiB"
+        )
     return "\n".join(lines)

@@ -38,8 +38,15 @@ from .timing import best_times, matmul_gflops
 BACKENDS = ("sdpa", "flex", "triton")
 # triton forward launch configs (BLOCK_M, BLOCK_N, num_warps, num_stages) timed on causal
 # attention at the first length, to choose kernels/triton/function.py's defaults from
-TUNING = ((64, 64, 4, 2), (64, 64, 8, 2), (128, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3),
-          (128, 128, 8, 2), (64, 128, 4, 3))  # fmt: skip
+TUNING = (
+    (64, 64, 4, 2),
+    (64, 64, 8, 2),
+    (128, 64, 4, 3),
+    (128, 64, 8, 2),
+    (128, 64, 8, 3),
+    (128, 128, 8, 2),
+    (64, 128, 4, 3),
+)
 DRY_RUN_TUNING = ((16, 16, 4, 1), (32, 16, 4, 1))
 
 
@@ -61,8 +68,9 @@ def _call(name: str, q, k, v, mask, causal: bool, dry_run: bool):
     if name == "flex" and dry_run:  # the backend serves CUDA only: run flex eagerly here
         from mhsa.core.backends.flex import flex_forward
 
-        return flex_forward(q, k, v, mask=mask, causal=causal, scale=q.shape[-1] ** -0.5,
-                            compiled=False)[0]  # fmt: skip
+        return flex_forward(
+            q, k, v, mask=mask, causal=causal, scale=q.shape[-1] ** -0.5, compiled=False
+        )[0]
     return attention(q, k, v, mask, causal=causal, backend=name)
 
 
@@ -70,16 +78,18 @@ def check(name: str, case: str, mask, causal: bool, shape: tuple, dtype, device,
     """Max errors of out, dq, dk, dv against the float32 reference on the same inputs."""
     batch, heads, length, dim = shape
     torch.manual_seed(0)
-    q, k, v = (torch.randn(batch, heads, length, dim, device=device, dtype=dtype)
-               for _ in range(3))  # fmt: skip
+    q, k, v = (torch.randn(batch, heads, length, dim, device=device, dtype=dtype) for _ in range(3))
     grad = torch.randn_like(q)
     backward = name != "flex" or not dry_run  # eager flex has no backward on CPU
     results = {}
     for label, inputs, call in (
-        ("ref", [t.float() for t in (q, k, v)], lambda *t: attention(
-            *t, mask, causal=causal, backend="reference")),
+        (
+            "ref",
+            [t.float() for t in (q, k, v)],
+            lambda *t: attention(*t, mask, causal=causal, backend="reference"),
+        ),
         ("ours", [q, k, v], lambda *t: _call(name, *t, mask, causal, dry_run)),
-    ):  # fmt: skip
+    ):
         inputs = [t.detach().requires_grad_(backward) for t in inputs]
         out = call(*inputs)
         if backward:
@@ -134,33 +144,46 @@ def run(
     batch, heads, dim = (1, 2, 16) if dry_run else (4, 16, 128)
     cases = _cases(32, 16) if dry_run else _cases(1024, 64)
     results = Results(
-        out, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        torch=torch.__version__, dtype=str(dtype), tuning=[],
-    )  # fmt: skip
+        out,
+        device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        torch=torch.__version__,
+        dtype=str(dtype),
+        tuning=[],
+    )
     check_len = 64 if dry_run else 2048
     for case, (mask, causal) in cases.items():
         for name in BACKENDS:
             try:
-                row = check(name, case, mask, causal, (1, heads, check_len, dim), dtype,
-                            device, dry_run)  # fmt: skip
+                row = check(
+                    name, case, mask, causal, (1, heads, check_len, dim), dtype, device, dry_run
+                )
             except Exception as error:
                 row = {"backend": name, "case": case, "skipped": _failure(error)}
             results.add("checks", row)
     peak = matmul_gflops(256 if dry_run else 8192, repeat, device, dtype) * 1e9
     results.data["matmul_tflops"] = peak / 1e12
     for length in lengths:
-        qkv = [torch.randn(batch, heads, length, dim, device=device, dtype=dtype)
-               for _ in range(3)]  # fmt: skip
+        qkv = [torch.randn(batch, heads, length, dim, device=device, dtype=dtype) for _ in range(3)]
         for case, (mask, causal) in cases.items():
-            rows = _bench_case(qkv, case, mask, causal, dry_run, repeat, device, peak,
-                               over_budget=time.perf_counter() - start > budget)  # fmt: skip
+            rows = _bench_case(
+                qkv,
+                case,
+                mask,
+                causal,
+                dry_run,
+                repeat,
+                device,
+                peak,
+                over_budget=time.perf_counter() - start > budget,
+            )
             for row in rows:
                 results.add("bench", row)
         if length == lengths[0]:
             for config in DRY_RUN_TUNING if dry_run else TUNING:
                 over_budget = time.perf_counter() - start > budget
-                results.add("tuning", _tune(qkv, config, dry_run, repeat, device, peak,
-                                            over_budget))  # fmt: skip
+                results.add(
+                    "tuning", _tune(qkv, config, dry_run, repeat, device, peak, over_budget)
+                )
     return results.data
 
 
@@ -226,29 +249,37 @@ def goals(result: dict) -> list[str]:
         flex = times.get((case, "flex", length))
         if backend == "triton" and flex is not None:
             ratio = flex / times[(case, backend, length)]
-            lines.append(f"  triton forward vs flex, {case}, L={length}: {ratio:.2f}x "
-                         f"(goal >= 0.8x: {'met' if ratio >= 0.8 else 'MISSED'})")  # fmt: skip
+            lines.append(
+                f"  triton forward vs flex, {case}, L={length}: {ratio:.2f}x "
+                f"(goal >= 0.8x: {'met' if ratio >= 0.8 else 'MISSED'})"
+            )
     for row in result["bench"]:
         if (row["case"], row["backend"]) == ("causal", "triton") and "ms" in row:
             share = row["of_matmul"]
             verdict = "met" if share >= 0.6 else "MISSED"
-            lines.append(f"  triton causal L={row['length']}: {share:.1%} of the matmul "
-                         f"(goal >= 60% at L=8192: {verdict})")  # fmt: skip
+            lines.append(
+                f"  triton causal L={row['length']}: {share:.1%} of the matmul "
+                f"(goal >= 60% at L=8192: {verdict})"
+            )
     return lines
 
 
 def summary(result: dict) -> str:
-    lines = [f"{result['device']}, torch {result['torch']}, {result['dtype']}; "
-             f"matmul {result.get('matmul_tflops', float('nan')):.2f} TFLOP/s", "checks (max "
-             "|error| of out, dq, dk, dv against the float32 reference):"]  # fmt: skip
+    lines = [
+        f"{result['device']}, torch {result['torch']}, {result['dtype']}; "
+        f"matmul {result.get('matmul_tflops', float('nan')):.2f} TFLOP/s",
+        "checks (max |error| of out, dq, dk, dv against the float32 reference):",
+    ]
     for row in result["checks"]:
         detail = row.get("skipped") or ", ".join(f"{e:.1e}" for e in row["max_errors"])
         lines.append(f"  {row['case']:<18} {row['backend']:<7} {detail}")
     lines.append("forward:")
     for row in result["bench"]:
-        detail = row.get("skipped") or (f"{row['ms']:9.3f} ms  {row['tflops']:7.2f} TFLOP/s  "
-                                        f"{row['of_matmul']:6.1%} of matmul  first call "
-                                        f"{row['first_call_s']:.1f} s")  # fmt: skip
+        detail = row.get("skipped") or (
+            f"{row['ms']:9.3f} ms  {row['tflops']:7.2f} TFLOP/s  "
+            f"{row['of_matmul']:6.1%} of matmul  first call "
+            f"{row['first_call_s']:.1f} s"
+        )
         lines.append(f"  L={row['length']:<6} {row['case']:<18} {row['backend']:<7} {detail}")
     lines.append("triton forward launch configs, causal (BLOCK_M, BLOCK_N, warps, stages):")
     for row in result["tuning"]:
@@ -265,8 +296,12 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu.json")
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--lengths", type=int, nargs="+", help="L = S values to benchmark")
-    parser.add_argument("--budget", type=float, default=420.0,
-                        help="seconds after which no new benchmark case starts")  # fmt: skip
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=420.0,
+        help="seconds after which no new benchmark case starts",
+    )
     args = parser.parse_args()
     if not args.dry_run and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --dry-run, or on a GPU machine")

@@ -63,9 +63,14 @@ def score_named(name: str | None, heads: int):
 
 
 def measure(
-    backend: str, length: int, heads: int, head_dim: int, causal: bool, pattern: str | None = None,
+    backend: str,
+    length: int,
+    heads: int,
+    head_dim: int,
+    causal: bool,
+    pattern: str | None = None,
     score: str | None = None,
-) -> dict:  # fmt: skip
+) -> dict:
     from mhsa.core.attention import attention
 
     mask = pattern_named(pattern)
@@ -82,22 +87,43 @@ def measure(
     seconds = time.perf_counter() - start
     peak = peak_bytes()
     return {
-        "backend": backend, "length": length, "heads": heads, "head_dim": head_dim,
-        "causal": causal, "pattern": pattern, "score": score, "seconds": seconds,
+        "backend": backend,
+        "length": length,
+        "heads": heads,
+        "head_dim": head_dim,
+        "causal": causal,
+        "pattern": pattern,
+        "score": score,
+        "seconds": seconds,
         "baseline_bytes": baseline,
-        "peak_bytes": peak, "extra_bytes": peak - baseline,
-    }  # fmt: skip
+        "peak_bytes": peak,
+        "extra_bytes": peak - baseline,
+    }
 
 
 def measure_in_subprocess(
-    backend: str, length: int, heads: int, head_dim: int = 64, causal: bool = False,
-    pattern: str | None = None, score: str | None = None,
-) -> dict:  # fmt: skip
+    backend: str,
+    length: int,
+    heads: int,
+    head_dim: int = 64,
+    causal: bool = False,
+    pattern: str | None = None,
+    score: str | None = None,
+) -> dict:
     """Run `measure` in a fresh interpreter so that peaks do not mix."""
     cmd = [
-        sys.executable, "-m", "mhsa.benchmarks.memory", "--backend", backend,
-        "--length", str(length), "--heads", str(heads), "--head-dim", str(head_dim),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "mhsa.benchmarks.memory",
+        "--backend",
+        backend,
+        "--length",
+        str(length),
+        "--heads",
+        str(heads),
+        "--head-dim",
+        str(head_dim),
+    ]
     if causal:
         cmd.append("--causal")
     if pattern:
@@ -107,8 +133,15 @@ def measure_in_subprocess(
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         error = (result.stderr.strip().splitlines() or ["killed"])[-1]
-        return {"backend": backend, "length": length, "heads": heads, "causal": causal,
-                "pattern": pattern, "score": score, "error": error}  # fmt: skip
+        return {
+            "backend": backend,
+            "length": length,
+            "heads": heads,
+            "causal": causal,
+            "pattern": pattern,
+            "score": score,
+            "error": error,
+        }
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -122,8 +155,9 @@ def main() -> None:
     parser.add_argument("--pattern", choices=["window", "bigbird"])
     parser.add_argument("--score", choices=["alibi", "softcap"])
     args = parser.parse_args()
-    row = measure(args.backend, args.length, args.heads, args.head_dim, args.causal, args.pattern,
-                  args.score)  # fmt: skip
+    row = measure(
+        args.backend, args.length, args.heads, args.head_dim, args.causal, args.pattern, args.score
+    )
     print(json.dumps(row))
 
 

@@ -33,8 +33,17 @@ def _cpus() -> int:
         return os.cpu_count() or 1
 
 
-def _measure(rank: int, world: int, ring: bool, length: int, heads: int, head_dim: int,
-             causal: bool, layout: str, repeat: int) -> dict:  # fmt: skip
+def _measure(
+    rank: int,
+    world: int,
+    ring: bool,
+    length: int,
+    heads: int,
+    head_dim: int,
+    causal: bool,
+    layout: str,
+    repeat: int,
+) -> dict:
     """One process's memory and times (run in a spawned process of a local group)."""
     from mhsa.core.attention import attention
     from mhsa.distributed import ring_attention
@@ -70,25 +79,49 @@ def _measure(rank: int, world: int, ring: bool, length: int, heads: int, head_di
     return {"extra_bytes": peak - baseline, "times": times, "peak_reset": reset}
 
 
-def _case(nproc: int, ring: bool, length: int, heads: int, head_dim: int, causal: bool,
-          layout: str, repeat: int) -> dict:  # fmt: skip
+def _case(
+    nproc: int,
+    ring: bool,
+    length: int,
+    heads: int,
+    head_dim: int,
+    causal: bool,
+    layout: str,
+    repeat: int,
+) -> dict:
     from mhsa.distributed import run_local
 
     threads = max(1, _cpus() // nproc)
     ranks = run_local(
-        _measure, nproc, ring, length, heads, head_dim, causal, layout, repeat,
-        timeout=600, threads=threads,
-    )  # fmt: skip
+        _measure,
+        nproc,
+        ring,
+        length,
+        heads,
+        head_dim,
+        causal,
+        layout,
+        repeat,
+        timeout=600,
+        threads=threads,
+    )
     per_call = [max(r["times"][i] for r in ranks) for i in range(repeat)]  # slowest rank
     return {
-        "mode": "ring" if ring else "single", "nproc": nproc, "threads_per_process": threads,
-        "length": length, "shard_len": length // nproc, "heads": heads, "head_dim": head_dim,
-        "causal": causal, "layout": layout if ring else None,
+        "mode": "ring" if ring else "single",
+        "nproc": nproc,
+        "threads_per_process": threads,
+        "length": length,
+        "shard_len": length // nproc,
+        "heads": heads,
+        "head_dim": head_dim,
+        "causal": causal,
+        "layout": layout if ring else None,
         "input_bytes_per_process": 3 * heads * (length // nproc) * head_dim * 4,
         "extra_bytes": max(r["extra_bytes"] for r in ranks),
         "per_rank_extra_bytes": [r["extra_bytes"] for r in ranks],
-        "seconds": min(per_call), "peak_reset": all(r["peak_reset"] for r in ranks),
-    }  # fmt: skip
+        "seconds": min(per_call),
+        "peak_reset": all(r["peak_reset"] for r in ranks),
+    }
 
 
 def run(
@@ -133,8 +166,11 @@ def report(rows: list[dict]) -> str:
         f"{'seconds':>8} {'time ratio':>10}",
     ]
     for row in rows:
-        name = "single process" if row["mode"] == "single" else (
-            f"ring, {row['nproc']} ranks, {row['layout']}")  # fmt: skip
+        name = (
+            "single process"
+            if row["mode"] == "single"
+            else (f"ring, {row['nproc']} ranks, {row['layout']}")
+        )
         ratio = f"{row['memory_ratio']:.2f}" if "memory_ratio" in row else "1.00"
         time_ratio = f"{row['time_ratio']:.2f}x" if "time_ratio" in row else "1.00x"
         lines.append(

@@ -56,14 +56,16 @@ def flex_forward(length: int, repeat: int) -> dict:
         # a second score_mod compiled in the same process can fail to lower (torch
         # 2.13, CPU: "unbacked_bindings"); each is measured on a fresh dynamo state
         torch._dynamo.reset()
-        flex, setup = compiled_flex(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, length,
-                                    score_mod)  # fmt: skip
+        flex, setup = compiled_flex(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, length, score_mod)
         if flex is None:
             return {"unavailable": setup}
         score = score_named(name, HEADS)
-        fns = {f"flash {name}": lambda s=score: attention(q, k, v, causal=True, score=s,
-                                                          backend="flash"),
-               f"flex {name}": lambda f=flex: f(q, k, v)}  # fmt: skip
+        fns = {
+            f"flash {name}": lambda s=score: attention(
+                q, k, v, causal=True, score=s, backend="flash"
+            ),
+            f"flex {name}": lambda f=flex: f(q, k, v),
+        }
         result["seconds"].update(best_times(fns, repeat))
         difference = (fns[f"flash {name}"]() - fns[f"flex {name}"]()).abs().max().item()
         result["max_difference"][name], result["setup_seconds"][name] = difference, setup
@@ -78,10 +80,11 @@ def run(length: int = 4096, repeat: int = 3, memory: bool = True, flex: bool = T
     result = {"length": length, "heads": HEADS, "head_dim": HEAD_DIM, "seconds": seconds}
     if memory:
         result["extra_bytes"] = {
-            str(name): measure_in_subprocess("flash", length, HEADS, HEAD_DIM, causal=True,
-                                             score=name).get("extra_bytes")
+            str(name): measure_in_subprocess(
+                "flash", length, HEADS, HEAD_DIM, causal=True, score=name
+            ).get("extra_bytes")
             for name in (None, "alibi")
-        }  # fmt: skip
+        }
     result["dense_bias_bytes"] = HEADS * length * length * 4
     if flex:
         result["flex_forward"] = flex_forward(length, repeat)
@@ -90,23 +93,29 @@ def run(length: int = 4096, repeat: int = 3, memory: bool = True, flex: bool = T
 
 def report(result: dict) -> str:
     seconds, base = result["seconds"], result["seconds"]["None"]
-    lines = [f"score functions in the flash engine: causal, B=1, H={result['heads']}, "
-             f"D={result['head_dim']}, L=S={result['length']}, float32, forward+backward",
-             f"{'score':>10} {'time (s)':>9} {'vs none':>8}"]  # fmt: skip
+    lines = [
+        f"score functions in the flash engine: causal, B=1, H={result['heads']}, "
+        f"D={result['head_dim']}, L=S={result['length']}, float32, forward+backward",
+        f"{'score':>10} {'time (s)':>9} {'vs none':>8}",
+    ]
     for name, value in seconds.items():
         lines.append(f"{name:>10} {value:9.3f} {value / base:7.2f}x")
     extra = result.get("extra_bytes")
     if extra and extra.get("None"):
         none, alibi = extra["None"] / 2**20, extra["alibi"] / 2**20
         dense = result["dense_bias_bytes"] / 2**20
-        lines.append(f"peak extra memory: none {none:.0f} MiB, alibi {alibi:.0f} MiB "
-                     f"({alibi / none:.2f}x); a dense ALiBi bias is {dense:.0f} MiB")  # fmt: skip
+        lines.append(
+            f"peak extra memory: none {none:.0f} MiB, alibi {alibi:.0f} MiB "
+            f"({alibi / none:.2f}x); a dense ALiBi bias is {dense:.0f} MiB"
+        )
     flex = result.get("flex_forward")
     if flex and "unavailable" in flex:
         lines.append(f"compiled FlexAttention unavailable: {flex['unavailable']}")
     elif flex:
-        lines.append("forward only, against compiled FlexAttention (causal BlockMask, the "
-                     "same score_mod; compile time excluded):")  # fmt: skip
+        lines.append(
+            "forward only, against compiled FlexAttention (causal BlockMask, the "
+            "same score_mod; compile time excluded):"
+        )
         for name, difference in flex["max_difference"].items():
             ours, theirs = flex["seconds"][f"flash {name}"], flex["seconds"][f"flex {name}"]
             lines.append(

@@ -68,14 +68,21 @@ def _get(port: int, path: str) -> dict:
 def _stream(port: int, model: str, prompt: str, max_tokens: int) -> dict:
     """One streamed greedy completion: its token count, time to first token and the
     gaps between tokens (seconds)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     start = time.perf_counter()
     arrivals, tokens = [], None
     try:
-        connection.request("POST", "/v1/completions", json.dumps(body),
-                           {"Content-Type": "application/json"})  # fmt: skip
+        connection.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
         response = connection.getresponse()
         if response.status != 200:
             raise RuntimeError(f"the server answered {response.status}: {response.read()!r}")
@@ -105,8 +112,9 @@ def _load(port: int, model: str, requests: list[tuple[str, int]], clients: int) 
             with lock:
                 results.append(result)
 
-    threads = [threading.Thread(target=client_loop, args=(requests[i::clients],))
-               for i in range(clients)]  # fmt: skip
+    threads = [
+        threading.Thread(target=client_loop, args=(requests[i::clients],)) for i in range(clients)
+    ]
     start = time.perf_counter()
     for t in threads:
         t.start()
@@ -116,9 +124,14 @@ def _load(port: int, model: str, requests: list[tuple[str, int]], clients: int) 
     tokens = sum(r["tokens"] for r in results)
     ttft = [r["ttft"] for r in results if r["ttft"] is not None]
     gaps = [g for r in results for g in r["gaps"]]
-    return {"requests": len(results), "seconds": seconds, "tokens": tokens,
-            "tokens_per_second": tokens / seconds, "ttft": _percentiles(ttft),
-            "itl": _percentiles(gaps)}  # fmt: skip
+    return {
+        "requests": len(results),
+        "seconds": seconds,
+        "tokens": tokens,
+        "tokens_per_second": tokens / seconds,
+        "ttft": _percentiles(ttft),
+        "itl": _percentiles(gaps),
+    }
 
 
 def _percentiles(values: list[float]) -> dict:
@@ -129,11 +142,22 @@ def _percentiles(values: list[float]) -> dict:
 
 
 def _start_server(model: str | None, port: int, options: list[str]) -> subprocess.Popen:
-    command = [sys.executable, "-m", "mhsa.cli", "serve", "--host", "127.0.0.1",
-               "--port", str(port), *(["--model", model] if model else []), *options]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "mhsa.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *(["--model", model] if model else []),
+        *options,
+    ]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
-                            text=True)  # fmt: skip
+    return subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True
+    )
 
 
 def _wait_ready(port: int, server: subprocess.Popen, timeout: float = 300) -> dict:
@@ -181,12 +205,16 @@ def run(
         server.terminate()
         server.wait(30)
     return {
-        "model": name, "quantize": quantize or "default", "load": load,
-        "cache": health["cache"], "peak": peak,
-        "concurrent": concurrent, "one_at_a_time": serial,
+        "model": name,
+        "quantize": quantize or "default",
+        "load": load,
+        "cache": health["cache"],
+        "peak": peak,
+        "concurrent": concurrent,
+        "one_at_a_time": serial,
         "speedup": concurrent["tokens_per_second"] / serial["tokens_per_second"],
         "cpu": _cpu_name(),
-    }  # fmt: skip
+    }
 
 
 def _cpu_name() -> str:
@@ -212,12 +240,16 @@ def report(result: dict) -> str:
         f"{load['new'][1]} new tokens), {result['cpu']}",
         f"{'load':<28}{'tokens/s':>10}{'TTFT p50':>10}{'p95':>9}{'ITL p50':>10}{'p95':>9}",
     ]
-    for label, key in ((f"{load['clients']} concurrent clients", "concurrent"),
-                       ("one request at a time", "one_at_a_time")):  # fmt: skip
+    for label, key in (
+        (f"{load['clients']} concurrent clients", "concurrent"),
+        ("one request at a time", "one_at_a_time"),
+    ):
         r = result[key]
-        lines.append(f"{label:<28}{r['tokens_per_second']:>10.1f}{_ms(r['ttft']['p50']):>10}"
-                     f"{_ms(r['ttft']['p95']):>9}{_ms(r['itl']['p50']):>10}"
-                     f"{_ms(r['itl']['p95']):>9}")  # fmt: skip
+        lines.append(
+            f"{label:<28}{r['tokens_per_second']:>10.1f}{_ms(r['ttft']['p50']):>10}"
+            f"{_ms(r['ttft']['p95']):>9}{_ms(r['itl']['p50']):>10}"
+            f"{_ms(r['itl']['p95']):>9}"
+        )
     lines.append(f"throughput, concurrent vs one at a time: {result['speedup']:.2f}x")
     mib = 2**20
     contiguous = peak["contiguous_bytes"]

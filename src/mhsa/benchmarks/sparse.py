@@ -88,12 +88,14 @@ def window_cases(length: int, repeat: int) -> dict:
 
         backward["flex"] = best_times({"flex": flex_step}, repeat)["flex"]
     return {
-        "pattern": repr(pattern), "length": length, "forward": forward,
+        "pattern": repr(pattern),
+        "length": length,
+        "forward": forward,
         "forward_backward": backward,
         "flex_setup_seconds": flex_setup if flex is not None else None,
         "flex_unavailable": None if flex is not None else flex_setup,
         "flex_backward_unavailable": flex_backward,
-    }  # fmt: skip
+    }
 
 
 def scaling_case(short: int, long: int, repeat: int) -> dict:
@@ -106,20 +108,31 @@ def scaling_case(short: int, long: int, repeat: int) -> dict:
             return attention(q, k, v, pattern, backend="flash")
 
         times[length] = best_times({"flash": forward}, repeat)["flash"]
-    return {"pattern": repr(pattern), "seconds": times, "ratio": times[long] / times[short],
-            "length_ratio": long / short}  # fmt: skip
+    return {
+        "pattern": repr(pattern),
+        "seconds": times,
+        "ratio": times[long] / times[short],
+        "length_ratio": long / short,
+    }
 
 
 def bigbird_case(length: int, repeat: int) -> dict:
     pattern = masks.bigbird(64)
     q, k, v = _inputs(length, 8)
     dense = pattern.dense(length, length)
-    times = best_times({
-        "flash": lambda: attention(q, k, v, pattern, backend="flash"),
-        "sdpa dense mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense),
-    }, repeat)  # fmt: skip
-    return {"pattern": repr(pattern), "length": length, "forward": times,
-            "allowed_fraction": dense.float().mean().item()}  # fmt: skip
+    times = best_times(
+        {
+            "flash": lambda: attention(q, k, v, pattern, backend="flash"),
+            "sdpa dense mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense),
+        },
+        repeat,
+    )
+    return {
+        "pattern": repr(pattern),
+        "length": length,
+        "forward": times,
+        "allowed_fraction": dense.float().mean().item(),
+    }
 
 
 def dilated_case(length: int, repeat: int) -> dict:
@@ -128,11 +141,14 @@ def dilated_case(length: int, repeat: int) -> dict:
     dilated, window = masks.Dilated(64, 4), masks.SlidingWindow(64, 64)
     q, k, v = _inputs(length, 8)
     dense = dilated.dense(length, length)
-    times = best_times({
-        "flash": lambda: attention(q, k, v, dilated, backend="flash"),
-        "flash, same-size window": lambda: attention(q, k, v, window, backend="flash"),
-        "sdpa dense mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense),
-    }, repeat)  # fmt: skip
+    times = best_times(
+        {
+            "flash": lambda: attention(q, k, v, dilated, backend="flash"),
+            "flash, same-size window": lambda: attention(q, k, v, window, backend="flash"),
+            "sdpa dense mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense),
+        },
+        repeat,
+    )
     return {"pattern": repr(dilated), "length": length, "forward": times}
 
 
@@ -162,8 +178,14 @@ def curves(lengths: list[int], repeat: int) -> list[dict]:
 
             seconds = best_times({label: forward}, repeat)[label]
             memory = measure_in_subprocess(backend, length, 8, causal=causal, pattern=name)
-            rows.append({"curve": label, "length": length, "seconds": seconds,
-                         "extra_bytes": memory.get("extra_bytes")})  # fmt: skip
+            rows.append(
+                {
+                    "curve": label,
+                    "length": length,
+                    "seconds": seconds,
+                    "extra_bytes": memory.get("extra_bytes"),
+                }
+            )
     return rows
 
 
@@ -194,10 +216,13 @@ def report(result: dict) -> str:
     fwd = window["forward"]
     lines.append(f"{window['pattern']} at L=S={window['length']}, forward:")
     for name, seconds in fwd.items():
-        lines.append(f"  {name:<16} {seconds * 1e3:9.1f} ms  flash is "
-                     f"{seconds / fwd['flash']:5.2f}x faster")  # fmt: skip
-    lines.append(f"  targets: >= 8x vs sdpa dense mask: "
-                 f"{'ok' if fwd['sdpa dense mask'] / fwd['flash'] >= 8 else 'MISSED'}")  # fmt: skip
+        lines.append(
+            f"  {name:<16} {seconds * 1e3:9.1f} ms  flash is {seconds / fwd['flash']:5.2f}x faster"
+        )
+    lines.append(
+        f"  targets: >= 8x vs sdpa dense mask: "
+        f"{'ok' if fwd['sdpa dense mask'] / fwd['flash'] >= 8 else 'MISSED'}"
+    )
     if "flex" in fwd:
         lines.append(
             f"           >= 1.5x vs flex: "
@@ -219,22 +244,28 @@ def report(result: dict) -> str:
         lines.append(f"  flex             cannot run it: {window['flex_backward_unavailable']}")
     scaling = result["scaling"]
     (short, t_short), (long, t_long) = scaling["seconds"].items()
-    lines.append(f"linear scaling, {scaling['pattern']} forward: L={short} {t_short * 1e3:.1f} ms, "
-                 f"L={long} {t_long * 1e3:.1f} ms, ratio {scaling['ratio']:.2f} for "
-                 f"{scaling['length_ratio']:.0f}x the length (target <= 4.6: "
-                 f"{'ok' if scaling['ratio'] <= 4.6 else 'MISSED'})")  # fmt: skip
+    lines.append(
+        f"linear scaling, {scaling['pattern']} forward: L={short} {t_short * 1e3:.1f} ms, "
+        f"L={long} {t_long * 1e3:.1f} ms, ratio {scaling['ratio']:.2f} for "
+        f"{scaling['length_ratio']:.0f}x the length (target <= 4.6: "
+        f"{'ok' if scaling['ratio'] <= 4.6 else 'MISSED'})"
+    )
     bird = result["bigbird"]
     speedup = bird["forward"]["sdpa dense mask"] / bird["forward"]["flash"]
-    lines.append(f"{bird['pattern']} at L=S={bird['length']} ({bird['allowed_fraction']:.1%} "
-                 f"allowed), forward: flash {bird['forward']['flash'] * 1e3:.1f} ms, sdpa dense "
-                 f"mask {bird['forward']['sdpa dense mask'] * 1e3:.1f} ms: {speedup:.1f}x "
-                 f"(target >= 4x: {'ok' if speedup >= 4 else 'MISSED'})")  # fmt: skip
+    lines.append(
+        f"{bird['pattern']} at L=S={bird['length']} ({bird['allowed_fraction']:.1%} "
+        f"allowed), forward: flash {bird['forward']['flash'] * 1e3:.1f} ms, sdpa dense "
+        f"mask {bird['forward']['sdpa dense mask'] * 1e3:.1f} ms: {speedup:.1f}x "
+        f"(target >= 4x: {'ok' if speedup >= 4 else 'MISSED'})"
+    )
     dilated = result["dilated"]
     times = dilated["forward"]
-    lines.append(f"{dilated['pattern']} at L=S={dilated['length']}, forward: flash "
-                 f"{times['flash'] * 1e3:.1f} ms, SlidingWindow(64, 64) (as many keys per "
-                 f"query) {times['flash, same-size window'] * 1e3:.1f} ms, sdpa dense mask "
-                 f"{times['sdpa dense mask'] * 1e3:.1f} ms")  # fmt: skip
+    lines.append(
+        f"{dilated['pattern']} at L=S={dilated['length']}, forward: flash "
+        f"{times['flash'] * 1e3:.1f} ms, SlidingWindow(64, 64) (as many keys per "
+        f"query) {times['flash, same-size window'] * 1e3:.1f} ms, sdpa dense mask "
+        f"{times['sdpa dense mask'] * 1e3:.1f} ms"
+    )
     lines.append("window forward+backward peak extra memory (fresh process each):")
     for row in result["memory"]:
         value = row.get("extra_bytes")
@@ -244,8 +275,9 @@ def report(result: dict) -> str:
     for row in result["curves"]:
         memory = row["extra_bytes"]
         memory_text = f"{memory / 2**20:8.1f}" if memory is not None else "     n/a"
-        lines.append(f"  {row['curve']:<24} L={row['length']:<6} {row['seconds'] * 1e3:9.1f}"
-                     f" {memory_text}")  # fmt: skip
+        lines.append(
+            f"  {row['curve']:<24} L={row['length']:<6} {row['seconds'] * 1e3:9.1f} {memory_text}"
+        )
     return "\n".join(lines)
 
 
@@ -265,8 +297,9 @@ def plot(result: dict, path: str) -> None:
         rows = [r for r in result["curves"] if r["curve"] == label]
         lengths = [r["length"] for r in rows]
         ax_time.plot(lengths, [r["seconds"] * 1e3 for r in rows], marker="o", label=label)
-        ax_mem.plot(lengths, [(r["extra_bytes"] or 0) / 2**20 for r in rows], marker="o",
-                    label=label)  # fmt: skip
+        ax_mem.plot(
+            lengths, [(r["extra_bytes"] or 0) / 2**20 for r in rows], marker="o", label=label
+        )
     for ax, ylabel in ((ax_time, "forward time (ms)"), (ax_mem, "fwd+bwd peak extra (MiB)")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")

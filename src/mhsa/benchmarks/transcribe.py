@@ -49,8 +49,9 @@ def synthesize(text: str, path: Path, voice: str = "en-us") -> Path:
     """Speak `text` with espeak-ng into the WAV file `path` (22.05 kHz)."""
     if shutil.which("espeak-ng") is None:
         raise ValueError(f"{INSTALL_HINT}; or pass a WAV file to benchmark")
-    subprocess.run(["espeak-ng", "-v", voice, "-w", str(path), text], check=True,
-                   capture_output=True)  # fmt: skip
+    subprocess.run(
+        ["espeak-ng", "-v", voice, "-w", str(path), text], check=True, capture_output=True
+    )
     return path
 
 
@@ -61,9 +62,13 @@ def _ctranslate2_transcriber(threads: int) -> Callable[[Path], str]:
         import ctranslate2
     except ImportError as error:
         raise RuntimeError("the comparison needs CTranslate2: pip install ctranslate2") from error
-    model = ctranslate2.models.Whisper(str(whisper_directory()), device="cpu",
-                                       compute_type="float32", intra_threads=threads,
-                                       inter_threads=1)  # fmt: skip
+    model = ctranslate2.models.Whisper(
+        str(whisper_directory()),
+        device="cpu",
+        compute_type="float32",
+        intra_threads=threads,
+        inter_threads=1,
+    )
     ours = load_whisper()
     prompt = list(ours.config.prompt)
 
@@ -88,8 +93,13 @@ def time_engine(engine: str, path: str | Path, threads: int, repeat: int) -> dic
     torch.set_num_threads(threads)
     path = Path(path)
     if engine.startswith("mhsa"):  # the warm-up below compiles
-        fn = functools.partial(transcribe, path, load_whisper().decoding_layout(),
-                               batch_size=BATCH, compile=engine == "mhsa compiled")  # fmt: skip
+        fn = functools.partial(
+            transcribe,
+            path,
+            load_whisper().decoding_layout(),
+            batch_size=BATCH,
+            compile=engine == "mhsa compiled",
+        )
     else:
         fn = functools.partial(_ctranslate2_transcriber(threads), path)
     text = fn()
@@ -97,8 +107,17 @@ def time_engine(engine: str, path: str | Path, threads: int, repeat: int) -> dic
 
 
 def _time_in_subprocess(engine: str, path: Path, threads: int, repeat: int) -> dict:
-    command = [sys.executable, "-m", "mhsa.benchmarks.transcribe", engine, str(path),
-               "--threads", str(threads), "--repeat", str(repeat)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "mhsa.benchmarks.transcribe",
+        engine,
+        str(path),
+        "--threads",
+        str(threads),
+        "--repeat",
+        str(repeat),
+    ]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         lines = done.stderr.strip().splitlines() or ["(no output)"]
@@ -106,8 +125,9 @@ def _time_in_subprocess(engine: str, path: Path, threads: int, repeat: int) -> d
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def run(path: str | Path | None = None, repeat: int = 3, threads: int | None = None,
-        quick: bool = False) -> dict:  # fmt: skip
+def run(
+    path: str | Path | None = None, repeat: int = 3, threads: int | None = None, quick: bool = False
+) -> dict:
     """Time transcription of `path` (default: an English passage spoken by espeak-ng,
     a short sentence with quick=True) by mhsa and by CTranslate2, each in a fresh
     process: best of `repeat` runs after a warm-up (1 run with quick=True)."""
@@ -122,11 +142,14 @@ def run(path: str | Path | None = None, repeat: int = 3, threads: int | None = N
         path = Path(path)
         seconds = len(load_audio(path)) / SAMPLE_RATE
         results = {name: _time_in_subprocess(name, path, threads, repeat) for name in ENGINES}
-    rows = [{"name": name, "seconds": r["seconds"], "rtf": r["seconds"] / seconds,
-             "text": r["text"]} for name, r in results.items()]  # fmt: skip
+    rows = [
+        {"name": name, "seconds": r["seconds"], "rtf": r["seconds"] / seconds, "text": r["text"]}
+        for name, r in results.items()
+    ]
     other = results["ctranslate2"]
-    mhsa = min((results[name] for name in ENGINES if name.startswith("mhsa")),
-               key=lambda r: r["seconds"])  # fmt: skip
+    mhsa = min(
+        (results[name] for name in ENGINES if name.startswith("mhsa")), key=lambda r: r["seconds"]
+    )
     return {
         "file": label,
         "audio_seconds": seconds,
@@ -138,13 +161,19 @@ def run(path: str | Path | None = None, repeat: int = 3, threads: int | None = N
 
 
 def report(result: dict) -> str:
-    lines = [f"Whisper tiny.en, float32 CPU, {result['threads']} threads, greedy; "
-             f"{result['file']} ({result['audio_seconds']:.1f} s of audio)"]  # fmt: skip
+    lines = [
+        f"Whisper tiny.en, float32 CPU, {result['threads']} threads, greedy; "
+        f"{result['file']} ({result['audio_seconds']:.1f} s of audio)"
+    ]
     for row in result["rows"]:
-        lines.append(f"  {row['name']:<14} {row['seconds']:7.3f} s  RTF {row['rtf']:.3f}  "
-                     f"{row['text'][:60]!r}")  # fmt: skip
-    lines.append(f"  mhsa time (the faster) / ctranslate2 time: {result['ratio']:.2f}x "
-                 f"(below 1: mhsa is faster); same text: {result['same_text']}")  # fmt: skip
+        lines.append(
+            f"  {row['name']:<14} {row['seconds']:7.3f} s  RTF {row['rtf']:.3f}  "
+            f"{row['text'][:60]!r}"
+        )
+    lines.append(
+        f"  mhsa time (the faster) / ctranslate2 time: {result['ratio']:.2f}x "
+        f"(below 1: mhsa is faster); same text: {result['same_text']}"
+    )
     return "\n".join(lines)
 
 

@@ -167,8 +167,15 @@ class SlidingWindowCache(KVCache):
         _check_positive(window=window)  # (the base class would call it max_len)
         if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 0:
             raise ValueError(f"sink_tokens must be an int >= 0, got {sink_tokens!r}")
-        super().__init__(batch, num_kv_heads, sink_tokens + window, head_dim, value_dim,
-                         dtype=dtype, device=device)  # fmt: skip
+        super().__init__(
+            batch,
+            num_kv_heads,
+            sink_tokens + window,
+            head_dim,
+            value_dim,
+            dtype=dtype,
+            device=device,
+        )
         self.sink_tokens = sink_tokens
         self.first = 0  # position of the first window key the last update returned
 
@@ -181,9 +188,11 @@ class SlidingWindowCache(KVCache):
 
     def set_padding(self, start: Tensor) -> None:
         if self.sink_tokens and isinstance(start, Tensor) and start.numel() and start.any():
-            raise ValueError("a SlidingWindowCache with sink_tokens keeps the first positions, "
-                             "which left padding would fill: decode sequences with sinks "
-                             "unpadded (equal lengths, or one cache each)")  # fmt: skip
+            raise ValueError(
+                "a SlidingWindowCache with sink_tokens keeps the first positions, "
+                "which left padding would fill: decode sequences with sinks "
+                "unpadded (equal lengths, or one cache each)"
+            )
         super().set_padding(start)
 
     def _slots(self, positions: Tensor) -> Tensor:
@@ -205,8 +214,9 @@ class SlidingWindowCache(KVCache):
         v_all = torch.cat([self.v.index_select(2, order), v], dim=2)
         # new positions to store: the sinks among them, and the newest `window` others
         end = length + new
-        stored = torch.cat([span(length, min(sinks, end)),
-                            span(max(sinks, end - window, length), end)])  # fmt: skip
+        stored = torch.cat(
+            [span(length, min(sinks, end)), span(max(sinks, end - window, length), end)]
+        )
         slots = self._slots(stored)
         self.k.index_copy_(2, slots, k.index_select(2, stored - length))
         self.v.index_copy_(2, slots, v.index_select(2, stored - length))
@@ -239,16 +249,19 @@ class StaticKVCache(KVCache):
 
     def __init__(self, prefilled: KVCache) -> None:  # (no super().__init__: shares storage)
         if type(prefilled) is not KVCache:
-            raise TypeError(f"StaticKVCache continues a KVCache, got {type(prefilled).__name__}"
-                            " (a sliding window keeps no fixed slots)")  # fmt: skip
+            raise TypeError(
+                f"StaticKVCache continues a KVCache, got {type(prefilled).__name__}"
+                " (a sliding window keeps no fixed slots)"
+            )
         self.k, self.v, self.start = prefilled.k, prefilled.v, prefilled.start
         self.length = prefilled.max_len
         self.filled = torch.tensor(prefilled.length, device=self.k.device)
 
     def next_positions(self, count: int) -> Tensor:
         if count != 1:
-            raise ValueError(f"a StaticKVCache takes one token per step, got {count}; "
-                             "prefill with a KVCache")  # fmt: skip
+            raise ValueError(
+                f"a StaticKVCache takes one token per step, got {count}; prefill with a KVCache"
+            )
         return (self.filled - self.start).clamp(min=0).view(-1, 1)
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -268,8 +281,9 @@ class StaticKVCache(KVCache):
         return (index < self.filled) & (index >= self.start.view(-1, 1))
 
     def reorder(self, index: Tensor) -> None:
-        raise ValueError("a StaticKVCache does not reorder; reorder the prefilled KVCache "
-                         "and wrap it again")  # fmt: skip
+        raise ValueError(
+            "a StaticKVCache does not reorder; reorder the prefilled KVCache and wrap it again"
+        )
 
 
 class MemoryCache(Cache):

@@ -63,9 +63,14 @@ class PagedKVCache(MultiLayerCache):
         device: torch.device | str | None = None,
     ) -> None:
         value_dim = head_dim if value_dim is None else value_dim
-        _check_positive(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                        num_blocks=num_blocks, block_size=block_size,
-                        value_dim=value_dim)  # fmt: skip
+        _check_positive(
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            value_dim=value_dim,
+        )
         shape = (num_layers, num_blocks, block_size, num_kv_heads)
         self.k = torch.zeros(*shape, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros(*shape, value_dim, dtype=dtype, device=device)
@@ -124,8 +129,10 @@ class PagedKVCache(MultiLayerCache):
 
     def _sequence(self, seq_id: int) -> _Sequence:
         if seq_id not in self.sequences:
-            raise ValueError(f"no live sequence {seq_id!r} in this cache (ids come from "
-                             "add_sequence or fork; free ends one)")  # fmt: skip
+            raise ValueError(
+                f"no live sequence {seq_id!r} in this cache (ids come from "
+                "add_sequence or fork; free ends one)"
+            )
         return self.sequences[seq_id]
 
     def length(self, seq_id: int) -> int:
@@ -142,8 +149,9 @@ class PagedKVCache(MultiLayerCache):
         self._touch(seq_id)
         for block in seq.blocks:
             self.allocator.hold(block)
-        copy = _Sequence(list(seq.tokens), seq.digests, list(seq.blocks), seq.length,
-                         seq.remembered)  # fmt: skip
+        copy = _Sequence(
+            list(seq.tokens), seq.digests, list(seq.blocks), seq.length, seq.remembered
+        )
         return self._add(copy)
 
     def free(self, seq_id: int) -> None:
@@ -178,8 +186,11 @@ class PagedKVCache(MultiLayerCache):
         block every holder writes, the last writer keeps the original."""
         needed = sum(self.blocks_needed(seq_id, new_tokens) for seq_id in seq_ids)
         size, refs = self.block_size, self.allocator.refs
-        last = Counter(self.sequences[seq_id].blocks[-1] for seq_id in seq_ids
-                       if self.sequences[seq_id].length % size)  # fmt: skip
+        last = Counter(
+            self.sequences[seq_id].blocks[-1]
+            for seq_id in seq_ids
+            if self.sequences[seq_id].length % size
+        )
         return needed - sum(1 for block, count in last.items() if count == refs[block] > 1)
 
     def batch(self, seq_ids: Sequence[int], new_tokens: int) -> list[PagedLayer]:
@@ -190,14 +201,17 @@ class PagedKVCache(MultiLayerCache):
         sequence's length at once: run exactly one forward pass with the result."""
         seq_ids = list(seq_ids)
         if not seq_ids or len(set(seq_ids)) != len(seq_ids):
-            raise ValueError(f"seq_ids must be a non-empty list of distinct sequence ids, "
-                             f"got {seq_ids}")  # fmt: skip
+            raise ValueError(
+                f"seq_ids must be a non-empty list of distinct sequence ids, got {seq_ids}"
+            )
         _check_positive(new_tokens=new_tokens)
         needed = self._needed(seq_ids, new_tokens)
         if needed > self.free_blocks:
-            raise PoolExhausted(f"this step needs {needed} blocks but {self.free_blocks} of "
-                                f"{self.num_blocks} are free: check blocks_needed before "
-                                "batch, free a sequence, or use more num_blocks")  # fmt: skip
+            raise PoolExhausted(
+                f"this step needs {needed} blocks but {self.free_blocks} of "
+                f"{self.num_blocks} are free: check blocks_needed before "
+                "batch, free a sequence, or use more num_blocks"
+            )
         if self._step is not None:
             self._step.valid = False
         size = self.block_size
@@ -208,8 +222,10 @@ class PagedKVCache(MultiLayerCache):
                 seq.blocks[-1] = self._copy(seq.blocks[-1])
             while len(seq.blocks) * size < seq.length + new_tokens:
                 seq.blocks.append(self.allocator.allocate())
-            slots += [seq.blocks[p // size] * size + p % size
-                      for p in range(seq.length, seq.length + new_tokens)]  # fmt: skip
+            slots += [
+                seq.blocks[p // size] * size + p % size
+                for p in range(seq.length, seq.length + new_tokens)
+            ]
             seq.length += new_tokens
             full = min(seq.length, len(seq.tokens)) // size
             completed += [(seq_id, i) for i in range(seq.remembered, full)]
@@ -220,8 +236,11 @@ class PagedKVCache(MultiLayerCache):
         """Layer `index`'s part of the forward pass the last batch() prepared."""
         if self._step is None:
             raise ValueError("no forward pass is prepared: call batch(seq_ids, new_tokens)")
-        if isinstance(index, bool) or not isinstance(index, int) \
-                or not 0 <= index < self.num_layers:  # fmt: skip
+        if (
+            isinstance(index, bool)
+            or not isinstance(index, int)
+            or not 0 <= index < self.num_layers
+        ):
             raise ValueError(f"layer must be in 0..{self.num_layers - 1}, got {index!r}")
         return PagedLayer(self._step, index)
 
@@ -243,9 +262,16 @@ class PagedKVCache(MultiLayerCache):
         rows = torch.arange(new_tokens)
         positions = torch.tensor(lengths).view(-1, 1) - new_tokens + rows
         device = self.k.device
-        return PagedStep(self.k, self.v, seq_ids, table.to(device), lengths,
-                         positions.to(device), torch.tensor(slots, device=device),
-                         lambda: self._remember(completed))  # fmt: skip
+        return PagedStep(
+            self.k,
+            self.v,
+            seq_ids,
+            table.to(device),
+            lengths,
+            positions.to(device),
+            torch.tensor(slots, device=device),
+            lambda: self._remember(completed),
+        )
 
     def _remember(self, completed: list[tuple[int, int]]) -> None:
         """Every layer wrote a step: the full prompt blocks (sequence id, block index) it

@@ -60,8 +60,10 @@ class PagedLayer(Cache):
     def next_positions(self, count: int) -> Tensor:
         """(N, count) positions of the new tokens: each sequence's length + 0..count-1."""
         if count != self.step.positions.shape[1]:
-            raise ValueError(f"this step adds {self.step.positions.shape[1]} tokens per "
-                             f"sequence (batch(..., new_tokens)), got {count}")  # fmt: skip
+            raise ValueError(
+                f"this step adds {self.step.positions.shape[1]} tokens per "
+                f"sequence (batch(..., new_tokens)), got {count}"
+            )
         return self.step.positions
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -69,12 +71,16 @@ class PagedLayer(Cache):
         this layer's pools (num_blocks, block_size, H_kv, D) and (..., D_v)."""
         step = self.step
         if not step.valid:
-            raise ValueError("these PagedLayers are stale: the cache was batched again, or "
-                             "one of their sequences freed or forked, since batch() made "
-                             "them; call batch() for each forward pass")  # fmt: skip
+            raise ValueError(
+                "these PagedLayers are stale: the cache was batched again, or "
+                "one of their sequences freed or forked, since batch() made "
+                "them; call batch() for each forward pass"
+            )
         if self.layer in step.written:
-            raise ValueError(f"layer {self.layer}'s PagedLayer already served a forward "
-                             "pass; call cache.batch(...) for the next one")  # fmt: skip
+            raise ValueError(
+                f"layer {self.layer}'s PagedLayer already served a forward "
+                "pass; call cache.batch(...) for the next one"
+            )
         self._check(k, v)
         flat = (k.shape[0] * k.shape[2], k.shape[1])  # (N * T, H_kv)
         for pool, new in ((step.k, k), (step.v, v)):
@@ -86,20 +92,25 @@ class PagedLayer(Cache):
         return step.k[self.layer], step.v[self.layer]
 
     def reorder(self, index: Tensor) -> None:
-        raise ValueError("a PagedLayer does not reorder; fork the PagedKVCache's sequences "
-                         "instead")  # fmt: skip
+        raise ValueError("a PagedLayer does not reorder; fork the PagedKVCache's sequences instead")
 
     def _check(self, k: Tensor, v: Tensor) -> None:
         step = self.step
         want = (len(step.seq_ids), step.k.shape[3], step.positions.shape[1], step.k.shape[4])
         if tuple(k.shape) != want or tuple(v.shape) != (*want[:3], step.v.shape[4]):
-            raise ValueError(f"this step's k must be (N, H_kv, T, D) = {want} and v (..., "
-                             f"{step.v.shape[4]}); got k {tuple(k.shape)}, "
-                             f"v {tuple(v.shape)}")  # fmt: skip
+            raise ValueError(
+                f"this step's k must be (N, H_kv, T, D) = {want} and v (..., "
+                f"{step.v.shape[4]}); got k {tuple(k.shape)}, "
+                f"v {tuple(v.shape)}"
+            )
         dtype = step.k.dtype
         if k.dtype != dtype or v.dtype != dtype:
-            raise TypeError(f"the cache holds {dtype}, got k {k.dtype}, v {v.dtype}: make "
-                            "the PagedKVCache in the model's dtype")  # fmt: skip
+            raise TypeError(
+                f"the cache holds {dtype}, got k {k.dtype}, v {v.dtype}: make "
+                "the PagedKVCache in the model's dtype"
+            )
         if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
-            raise ValueError("a PagedKVCache serves inference: run the model under "
-                             "torch.no_grad() or torch.inference_mode()")  # fmt: skip
+            raise ValueError(
+                "a PagedKVCache serves inference: run the model under "
+                "torch.no_grad() or torch.inference_mode()"
+            )

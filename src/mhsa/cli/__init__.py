@@ -21,8 +21,20 @@ from . import (
     viz,
 )
 
-COMMANDS = (info, chat, serve, train, generate, translate, transcribe, embed, classify, export,
-            viz, bench)  # fmt: skip
+COMMANDS = (
+    info,
+    chat,
+    serve,
+    train,
+    generate,
+    translate,
+    transcribe,
+    embed,
+    classify,
+    export,
+    viz,
+    bench,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,9 +15,13 @@ def bench(args: argparse.Namespace) -> int:
 
     if args.suite == "attention":
         result = attention.run(
-            length=args.length, heads=args.heads, head_dim=args.head_dim, repeat=args.repeat,
-            memory=not args.no_memory, long=args.long,
-        )  # fmt: skip
+            length=args.length,
+            heads=args.heads,
+            head_dim=args.head_dim,
+            repeat=args.repeat,
+            memory=not args.no_memory,
+            long=args.long,
+        )
         text = attention.report(result)
     elif args.suite == "generate":
         result = generate.run(repeat=args.repeat, quick=args.quick)

@@ -85,8 +85,11 @@ def _report_compile(model) -> None:
     seconds = compile_seconds(model)
     if seconds is not None and not getattr(model, "_compile_reported", False):
         model._compile_reported = True
-        print(f"[compiled the decoding step in {seconds:.1f} s (torch.compile; inductor "
-              "keeps the compiled code on disk for the next run)]", file=sys.stderr)  # fmt: skip
+        print(
+            f"[compiled the decoding step in {seconds:.1f} s (torch.compile; inductor "
+            "keeps the compiled code on disk for the next run)]",
+            file=sys.stderr,
+        )
 
 
 def add_parser(commands) -> None:
@@ -104,9 +107,11 @@ def add_parser(commands) -> None:
         help="answer this and exit (repeat for more turns of one conversation)",
     )
     cmd.add_argument("--system", default=None, help="a system message to start with")
-    cmd.add_argument("--compile", action="store_true",
-                     help="decode through one torch.compile'd step (the first answer "
-                          "waits for compiling)")  # fmt: skip
+    cmd.add_argument(
+        "--compile",
+        action="store_true",
+        help="decode through one torch.compile'd step (the first answer waits for compiling)",
+    )
     cmd.add_argument(
         "--temperature",
         type=float,

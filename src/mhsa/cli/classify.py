@@ -74,9 +74,12 @@ def add_parser(commands) -> None:
         "classify", help="labels from a ViT, AST or point-cloud checkpoint"
     )
     parser.add_argument("checkpoint", help="output folder of `mhsa train vit|ast|points`")
-    parser.add_argument("files", nargs="+",
-                        help="images (vit), WAV files (ast), or .npy / x y z text point files "
-                             "(points)")  # fmt: skip
-    parser.add_argument("--top", type=positive_int, default=3,
-                        help="how many labels to show per file (default 3)")  # fmt: skip
+    parser.add_argument(
+        "files",
+        nargs="+",
+        help="images (vit), WAV files (ast), or .npy / x y z text point files (points)",
+    )
+    parser.add_argument(
+        "--top", type=positive_int, default=3, help="how many labels to show per file (default 3)"
+    )
     parser.set_defaults(run=classify)

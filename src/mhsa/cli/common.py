@@ -88,17 +88,20 @@ def common_train_options(
     parser.add_argument("--out", default=out, help=f"checkpoint folder (default {out})")
     written = parser.add_mutually_exclusive_group()
     written.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
-    written.add_argument("--overwrite", action="store_true",
-                         help="replace the checkpoints in --out (removed once this run has "
-                              "written its first)")  # fmt: skip
+    written.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the checkpoints in --out (removed once this run has written its first)",
+    )
     parser.add_argument(
         "--keep",
         type=positive_int,
         default=1,
         help="how many of the run's latest checkpoints to keep (default 1)",
     )
-    parser.add_argument("--steps", type=positive_int, default=steps,
-                        help=f"training steps (default {steps})")  # fmt: skip
+    parser.add_argument(
+        "--steps", type=positive_int, default=steps, help=f"training steps (default {steps})"
+    )
     parser.add_argument(
         "--stop-after",
         type=positive_int,
@@ -110,29 +113,45 @@ def common_train_options(
         default=eval_every,
         help=f"evaluate and checkpoint every N steps (default {eval_every})",
     )
-    parser.add_argument("--skip-nonfinite", action="store_true",
-                        help="skip a step whose loss or gradient is nan/inf instead of "
-                             "stopping (still stops after 10 in a row)")  # fmt: skip
+    parser.add_argument(
+        "--skip-nonfinite",
+        action="store_true",
+        help="skip a step whose loss or gradient is nan/inf instead of "
+        "stopping (still stops after 10 in a row)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    parser.add_argument("--compile", action="store_true",
-                        help="compile the training step with torch.compile (the first "
-                             "step then takes a while)")  # fmt: skip
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the training step with torch.compile (the first step then takes a while)",
+    )
 
 
 def train_config(args: argparse.Namespace, lr: float):
     """The TrainConfig of the command line's run options."""
     from ..apps.train import TrainConfig
 
-    return TrainConfig(steps=args.steps, lr=lr, eval_every=args.eval_every,
-                       checkpoint_every=args.eval_every, seed=args.seed, keep=args.keep,
-                       nonfinite="skip" if args.skip_nonfinite else "stop",
-                       compile=args.compile)  # fmt: skip
+    return TrainConfig(
+        steps=args.steps,
+        lr=lr,
+        eval_every=args.eval_every,
+        checkpoint_every=args.eval_every,
+        seed=args.seed,
+        keep=args.keep,
+        nonfinite="skip" if args.skip_nonfinite else "stop",
+        compile=args.compile,
+    )
 
 
 def size_options(
-    parser: argparse.ArgumentParser, *, batch_size: int, layers: int, heads: int, d_model: int,
+    parser: argparse.ArgumentParser,
+    *,
+    batch_size: int,
+    layers: int,
+    heads: int,
+    d_model: int,
     lr: float,
-) -> None:  # fmt: skip
+) -> None:
     """The model-size and optimisation options every `mhsa train` command has."""
     parser.add_argument(
         "--batch-size",
@@ -162,12 +181,20 @@ def threads_option(
 def chat_weight_options(parser: argparse.ArgumentParser, whose: str = "", exact: str = "") -> None:
     """--dtype and --quantize of a chat model's weights (see chat_weights); whose starts
     their help ("a chat model's "), exact adds to what 'none' (the exact path) means."""
-    parser.add_argument("--dtype", choices=list(DTYPES), default="float32",
-                        help=f"{whose}dtype of the dequantised weights")  # fmt: skip
-    parser.add_argument("--quantize", choices=QUANTIZE, default=None,
-                        help=f"{whose}weights: 'file' keeps a GGUF's own quantisation (default "
-                             f"for GGUF), 'none' dequantises (the exact path{exact}), or "
-                             "bfloat16 / int8 / int4")  # fmt: skip
+    parser.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        default="float32",
+        help=f"{whose}dtype of the dequantised weights",
+    )
+    parser.add_argument(
+        "--quantize",
+        choices=QUANTIZE,
+        default=None,
+        help=f"{whose}weights: 'file' keeps a GGUF's own quantisation (default "
+        f"for GGUF), 'none' dequantises (the exact path{exact}), or "
+        "bfloat16 / int8 / int4",
+    )
 
 
 def chat_weights(args: argparse.Namespace) -> dict:

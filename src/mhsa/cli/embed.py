@@ -27,8 +27,10 @@ def embed(args: argparse.Namespace) -> int:
         print(json.dumps(vectors.tolist()))
     else:
         for sentence, vector in zip(args.sentences, vectors.tolist(), strict=True):
-            print(f"{sentence[:40]!r}: [{', '.join(f'{v:.4f}' for v in vector[:6])}, ...] "
-                  f"({len(vector)} dims)")  # fmt: skip
+            print(
+                f"{sentence[:40]!r}: [{', '.join(f'{v:.4f}' for v in vector[:6])}, ...] "
+                f"({len(vector)} dims)"
+            )
     return 0
 
 
@@ -40,6 +42,7 @@ def add_parser(commands) -> None:
         action="store_true",
         help="print JSON (the vectors, or with --similarity the matrix)",
     )
-    embed_parser.add_argument("--similarity", action="store_true",
-                              help="print the cosine-similarity matrix")  # fmt: skip
+    embed_parser.add_argument(
+        "--similarity", action="store_true", help="print the cosine-similarity matrix"
+    )
     embed_parser.set_defaults(run=embed)

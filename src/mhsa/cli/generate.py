@@ -34,23 +34,34 @@ def _generate(args: argparse.Namespace) -> int:
     room = model.config.max_len - prompt.numel()
     if args.max_new_tokens > room:
         if model.config.position in ("learned", "sinusoidal"):
-            raise ValueError(f"--max-new-tokens at most {room} for this prompt (max_len "
-                             f"{model.config.max_len})")  # fmt: skip
-        print(f"mhsa generate: warning: the model was trained on {model.config.max_len} "
-              f"tokens; past that ({model.config.position} positions) its text degrades",
-              file=sys.stderr)  # fmt: skip
+            raise ValueError(
+                f"--max-new-tokens at most {room} for this prompt (max_len {model.config.max_len})"
+            )
+        print(
+            f"mhsa generate: warning: the model was trained on {model.config.max_len} "
+            f"tokens; past that ({model.config.position} positions) its text degrades",
+            file=sys.stderr,
+        )
     generator = torch.Generator().manual_seed(args.seed)
     start = time.perf_counter()
-    out = model.generate([prompt], args.max_new_tokens, temperature=args.temperature,
-                         top_k=args.top_k or None, top_p=args.top_p,
-                         generator=generator, compile=args.compile)[0]  # fmt: skip
+    out = model.generate(
+        [prompt],
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k or None,
+        top_p=args.top_p,
+        generator=generator,
+        compile=args.compile,
+    )[0]
     seconds = time.perf_counter() - start
     if args.compile:
         from ..models.decoding import compile_seconds
 
-        print(f"[compiled the decoding step in {compile_seconds(model) or 0:.1f} s "
-              "(torch.compile; inductor keeps the compiled code on disk), included below]",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"[compiled the decoding step in {compile_seconds(model) or 0:.1f} s "
+            "(torch.compile; inductor keeps the compiled code on disk), included below]",
+            file=sys.stderr,
+        )
     print(tokenizer.decode(out))
     new = out.numel() - prompt.numel()
     print(f"[{new} tokens in {seconds:.2f} s: {new / seconds:.1f} tokens/s]", file=sys.stderr)
@@ -76,15 +87,22 @@ def add_parser(commands) -> None:
         default=40,
         help="sample among the k likeliest tokens, 0 for all (default 40)",
     )
-    gen.add_argument("--top-p", type=float,
-                     help="sample among the likeliest tokens whose probability reaches p, "
-                          "in (0, 1] (default: no limit)")  # fmt: skip
+    gen.add_argument(
+        "--top-p",
+        type=float,
+        help="sample among the likeliest tokens whose probability reaches p, "
+        "in (0, 1] (default: no limit)",
+    )
     gen.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     gen.add_argument(
         "--compile",
         action="store_true",
         help="decode through one torch.compile'd step (compiling takes a while)",
     )
-    threads_option(gen, default=1, help="torch threads (default 1: one token at a time of a "
-                   "small model gains little from more, and loses much when cores are busy)")
+    threads_option(
+        gen,
+        default=1,
+        help="torch threads (default 1: one token at a time of a "
+        "small model gains little from more, and loses much when cores are busy)",
+    )
     gen.set_defaults(run=generate)

@@ -51,10 +51,12 @@ def info(_: argparse.Namespace) -> int:
     if device.type != "cuda":
         print("preference table on CUDA (what auto would pick there; bf16):")
         for probe, changes in {"plain": {}, **_PROBES}.items():
-            spec = AttentionSpec.example(device=torch.device("cuda"), dtype=torch.bfloat16,
-                                         **changes)  # fmt: skip
-            ranked = sorted((get(n).preference(spec), n) for n in names()
-                            if get(n).supports(spec) is None)  # fmt: skip
+            spec = AttentionSpec.example(
+                device=torch.device("cuda"), dtype=torch.bfloat16, **changes
+            )
+            ranked = sorted(
+                (get(n).preference(spec), n) for n in names() if get(n).supports(spec) is None
+            )
             print(f"  {probe:<16} " + " > ".join(f"{n} ({p:g})" for p, n in ranked[::-1]))
     return 0
 

@@ -31,15 +31,24 @@ def _serve(args: argparse.Namespace) -> int:
     except ImportError as error:
         print(f"mhsa serve: {error}", file=sys.stderr)
         return 2
-    served = load_served(args.model, chat_weights(args), name=args.name, num_blocks=args.num_blocks,
-                         block_size=args.block_size, max_batch=args.max_batch,
-                         context_length=args.context_length)  # fmt: skip
+    served = load_served(
+        args.model,
+        chat_weights(args),
+        name=args.name,
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+        max_batch=args.max_batch,
+        context_length=args.context_length,
+    )
     server = Server(served, host=args.host, port=args.port, log_level=args.log_level)
     server.start()
     engine = served.engine
-    print(f"serving {served.name} at {server.url}/v1 (context {engine.context_length} tokens, "
-          f"{engine.cache.num_blocks} blocks of {engine.cache.block_size}, up to "
-          f"{engine.max_batch} requests at once; Ctrl-C stops)", flush=True)  # fmt: skip
+    print(
+        f"serving {served.name} at {server.url}/v1 (context {engine.context_length} tokens, "
+        f"{engine.cache.num_blocks} blocks of {engine.cache.block_size}, up to "
+        f"{engine.max_batch} requests at once; Ctrl-C stops)",
+        flush=True,
+    )
     server.wait()
     return 0
 
@@ -60,11 +69,12 @@ def load_served(model: str | None, weights: dict, *, name: str | None = None, **
             ".gguf file, a transformers directory or a GPT checkpoint"
         )
     if path.is_file() or (path / "tokenizer.json").is_file():
-        return ServedModel.from_chat(load_chat_model(path, **weights), name=name,
-                                     **engine_options)  # fmt: skip
+        return ServedModel.from_chat(load_chat_model(path, **weights), name=name, **engine_options)
     if weights["quantize"] is not None or weights["dtype"] != torch.float32:
-        raise ValueError("--quantize and --dtype are for chat models; a GPT checkpoint is "
-                         "served as it was trained")  # fmt: skip
+        raise ValueError(
+            "--quantize and --dtype are for chat models; a GPT checkpoint is "
+            "served as it was trained"
+        )
     from ..models import GPT, GPTConfig
     from .common import load_model
 
@@ -86,8 +96,11 @@ def add_parser(commands) -> None:
         default=None,
         help="the model name clients pass (default: from the file or folder)",
     )
-    cmd.add_argument("--host", default="127.0.0.1", help="address to listen on (default "
-                     "127.0.0.1: this machine only)")  # fmt: skip
+    cmd.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1: this machine only)",
+    )
     cmd.add_argument(
         "--port", type=non_negative_int, default=8000, help="port (default 8000; 0: any free one)"
     )
@@ -113,9 +126,11 @@ def add_parser(commands) -> None:
         help="prompt + new tokens per request at most (default: the model's, "
         "at most what the pool holds)",
     )
-    chat_weight_options(cmd, whose="a chat model's ",
-                        exact=": a request's answer then does not depend on what it is "
-                              "batched with")  # fmt: skip
+    chat_weight_options(
+        cmd,
+        whose="a chat model's ",
+        exact=": a request's answer then does not depend on what it is batched with",
+    )
     threads_option(cmd)
     cmd.add_argument(
         "--log-level",

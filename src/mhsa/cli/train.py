@@ -22,10 +22,16 @@ def train_gpt(args: argparse.Namespace) -> int:
     tokenizer = ByteTokenizer()
     text = read_text(args.data) if args.data else stdlib_corpus()
     config = GPTConfig(
-        vocab_size=tokenizer.vocab_size, n_layer=args.layers, n_head=args.heads,
-        n_kv_head=args.kv_heads, d_model=args.d_model, max_len=args.seq_len,
-        dropout=args.dropout, position=args.position, window=args.window,
-    )  # fmt: skip
+        vocab_size=tokenizer.vocab_size,
+        n_layer=args.layers,
+        n_head=args.heads,
+        n_kv_head=args.kv_heads,
+        d_model=args.d_model,
+        max_len=args.seq_len,
+        dropout=args.dropout,
+        position=args.position,
+        window=args.window,
+    )
     if args.resume:  # the checkpoint's model, not the command line's
         saved = load_checkpoint(args.out, weights=False)
         check_resumable(saved, "gpt")
@@ -38,14 +44,23 @@ def train_gpt(args: argparse.Namespace) -> int:
         f"data: {'--data ' + args.data if args.data else 'Python standard library source'}, "
         f"{len(task.train):,} train / {len(task.val):,} validation tokens ({tokenizer.name})"
     )
-    print(f"model: GPT {config.n_layer} layers, d_model {config.d_model}, {config.n_head} heads, "
-          f"{config.position} positions, {params / 1e6:.2f}M parameters")  # fmt: skip
+    print(
+        f"model: GPT {config.n_layer} layers, d_model {config.d_model}, {config.n_head} heads, "
+        f"{config.position} positions, {params / 1e6:.2f}M parameters"
+    )
     run_config = train_config(args, args.lr)
     info = {"model": "gpt", "config": config.to_dict(), "tokenizer": tokenizer.name}
-    result = train(model, task, run_config, args.out, model_info=info, resume=args.resume,
-                   overwrite=args.overwrite,
-                   stop_after=args.stop_after,
-                   context_parallel="zigzag" if args.context_parallel else None)  # fmt: skip
+    result = train(
+        model,
+        task,
+        run_config,
+        args.out,
+        model_info=info,
+        resume=args.resume,
+        overwrite=args.overwrite,
+        stop_after=args.stop_after,
+        context_parallel="zigzag" if args.context_parallel else None,
+    )
     final = result["history"][-1]["val_loss"] if result["history"] else float("nan")
     print(f"validation loss {describe_loss(final)}; unigram baseline {describe_loss(baseline)}")
     print(
@@ -61,9 +76,16 @@ def fit(model, task, info: dict, args: argparse.Namespace, lr: float) -> dict:
 
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {info['model']}, {params / 1e6:.3f}M parameters")
-    result = train(model, task, train_config(args, lr), args.out, model_info=info,
-                   resume=args.resume, overwrite=args.overwrite,
-                   stop_after=args.stop_after)  # fmt: skip
+    result = train(
+        model,
+        task,
+        train_config(args, lr),
+        args.out,
+        model_info=info,
+        resume=args.resume,
+        overwrite=args.overwrite,
+        stop_after=args.stop_after,
+    )
     last = result["history"][-1] if result["history"] else {}
     accuracy = f", test accuracy {last['test_acc']:.2%}" if "test_acc" in last else ""
     print(
@@ -84,10 +106,16 @@ def train_vit(args: argparse.Namespace) -> int:
     else:
         images, labels = digits()
         classes = [str(d) for d in range(10)]
-    config = ViTConfig(image_size=images.shape[-1], patch_size=args.patch_size,
-                       channels=images.shape[1], num_classes=int(labels.max()) + 1,
-                       d_model=args.d_model, n_layer=args.layers, n_head=args.heads,
-                       dropout=args.dropout)  # fmt: skip
+    config = ViTConfig(
+        image_size=images.shape[-1],
+        patch_size=args.patch_size,
+        channels=images.shape[1],
+        num_classes=int(labels.max()) + 1,
+        d_model=args.d_model,
+        n_layer=args.layers,
+        n_head=args.heads,
+        dropout=args.dropout,
+    )
     train_split, test_split = split(images, labels, 0.2, seed=args.seed)
     print(
         f"data: {'--data ' + args.data if args.data else 'sklearn digits'}, "
@@ -114,15 +142,23 @@ def train_bert(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     text = read_text(args.data) if args.data else stdlib_corpus()
     task = MaskedLMTask(torch.tensor(list(text.encode("utf-8"))), args.seq_len, args.batch_size)
-    config = BertConfig(vocab_size=MaskedLMTask.VOCAB, hidden_size=args.d_model,
-                        num_layers=args.layers, num_heads=args.heads,
-                        intermediate_size=4 * args.d_model, max_position=args.seq_len,
-                        dropout=0.1, pad_token_id=MaskedLMTask.PAD)  # fmt: skip
+    config = BertConfig(
+        vocab_size=MaskedLMTask.VOCAB,
+        hidden_size=args.d_model,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        intermediate_size=4 * args.d_model,
+        max_position=args.seq_len,
+        dropout=0.1,
+        pad_token_id=MaskedLMTask.PAD,
+    )
     model = Bert(config)
     start = evaluate(model, task)
-    print(f"data: {'--data ' + args.data if args.data else 'Python standard library source'}; "
-          f"15% of tokens selected (80/10/10), key padding; validation MLM loss at start "
-          f"{start:.4f}")  # fmt: skip
+    print(
+        f"data: {'--data ' + args.data if args.data else 'Python standard library source'}; "
+        f"15% of tokens selected (80/10/10), key padding; validation MLM loss at start "
+        f"{start:.4f}"
+    )
     result = fit(model, task, {"model": "bert", "config": config.to_dict()}, args, args.lr)
     end = result["history"][-1]["val_loss"] if result["history"] else float("nan")
     print(f"validation MLM loss: {start:.4f} at start -> {end:.4f}")
@@ -140,15 +176,26 @@ def train_ast(args: argparse.Namespace) -> int:
     order = torch.randperm(len(voice_list), generator=torch.Generator().manual_seed(args.seed))
     voice_list = [voice_list[i] for i in order[: args.voices].tolist()]
     held_out = max(1, len(voice_list) // 5)
-    print(f"synthesising {len(voice_list) * 10 * args.per_voice} clips with espeak-ng "
-          f"({len(voice_list)} voices, {held_out} held out for testing) ...")  # fmt: skip
+    print(
+        f"synthesising {len(voice_list) * 10 * args.per_voice} clips with espeak-ng "
+        f"({len(voice_list)} voices, {held_out} held out for testing) ..."
+    )
     audio, labels, speakers = synthesize(args.per_voice, args.seed, voice_list)
     features = normalise_clips(log_mel(audio))
     test = speakers < held_out  # whole voices, never heard in training
-    config = ASTConfig(n_mels=features.shape[1], frames=features.shape[2], d_model=args.d_model,
-                       n_layer=args.layers, n_head=args.heads)  # fmt: skip
-    task = ClassificationTask((features[~test], labels[~test]), (features[test], labels[test]),
-                              args.batch_size, items_per_sample=sum(config.grid()))  # fmt: skip
+    config = ASTConfig(
+        n_mels=features.shape[1],
+        frames=features.shape[2],
+        d_model=args.d_model,
+        n_layer=args.layers,
+        n_head=args.heads,
+    )
+    task = ClassificationTask(
+        (features[~test], labels[~test]),
+        (features[test], labels[test]),
+        args.batch_size,
+        items_per_sample=sum(config.grid()),
+    )
     info = {"model": "ast", "config": config.to_dict(), "classes": list(WORDS)}
     fit(AST(config), task, info, args, args.lr)
     return 0
@@ -163,15 +210,22 @@ def train_points(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     train_split = dataset(args.per_class, seed=args.seed)
     test_split = dataset(max(20, args.per_class // 5), seed=args.seed + 10_000)
-    print(f"data: {len(SHAPES)} shapes ({', '.join(SHAPES)}), {len(train_split[1])} train / "
-          f"{len(test_split[1])} test clouds of 96-160 points")  # fmt: skip
-    config = PointCloudConfig(num_classes=len(SHAPES), d_model=args.d_model, n_layer=args.layers,
-                              n_head=args.heads, pooling=args.pooling)  # fmt: skip
-    task = ClassificationTask(train_split, test_split, args.batch_size, collate=collate,
-                              items_per_sample=128)  # fmt: skip
+    print(
+        f"data: {len(SHAPES)} shapes ({', '.join(SHAPES)}), {len(train_split[1])} train / "
+        f"{len(test_split[1])} test clouds of 96-160 points"
+    )
+    config = PointCloudConfig(
+        num_classes=len(SHAPES),
+        d_model=args.d_model,
+        n_layer=args.layers,
+        n_head=args.heads,
+        pooling=args.pooling,
+    )
+    task = ClassificationTask(
+        train_split, test_split, args.batch_size, collate=collate, items_per_sample=128
+    )
     info = {"model": "points", "config": config.to_dict(), "classes": list(SHAPES)}
-    fit(PointCloudTransformer(config), task, info,
-         args, args.lr)  # fmt: skip
+    fit(PointCloudTransformer(config), task, info, args, args.lr)
     return 0
 
 
@@ -183,12 +237,20 @@ def train_translate(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     task = NumberTranslationTask(args.batch_size, seed=args.seed)
     vocab = len(task.vocab)
-    print(f"data: numbers 0..999999 in English -> French (num2words), {vocab} words; "
-          f"{len(task.test_numbers)} held-out numbers never seen in training")  # fmt: skip
-    config = Seq2SeqConfig(src_vocab=vocab, tgt_vocab=vocab, d_model=args.d_model,
-                           n_head=args.heads, n_encoder_layer=args.layers,
-                           n_decoder_layer=args.layers, dropout=args.dropout,
-                           max_len=32)  # fmt: skip
+    print(
+        f"data: numbers 0..999999 in English -> French (num2words), {vocab} words; "
+        f"{len(task.test_numbers)} held-out numbers never seen in training"
+    )
+    config = Seq2SeqConfig(
+        src_vocab=vocab,
+        tgt_vocab=vocab,
+        d_model=args.d_model,
+        n_head=args.heads,
+        n_encoder_layer=args.layers,
+        n_decoder_layer=args.layers,
+        dropout=args.dropout,
+        max_len=32,
+    )
     info = {"model": "seq2seq", "config": config.to_dict(), "vocab": task.vocab.words}
     result = fit(Seq2Seq(config), task, info, args, args.lr)
     last = result["history"][-1] if result["history"] else {}
@@ -203,11 +265,15 @@ def _spawn_data_parallel(args: argparse.Namespace, nproc: int) -> int:
 
     if args.context_parallel:
         if args.seq_len % (2 * nproc):
-            raise ValueError(f"--seq-len {args.seq_len} must be a multiple of 2 x --nproc "
-                             f"({2 * nproc}) to shard sequences (zigzag)")  # fmt: skip
+            raise ValueError(
+                f"--seq-len {args.seq_len} must be a multiple of 2 x --nproc "
+                f"({2 * nproc}) to shard sequences (zigzag)"
+            )
         if args.position in ("alibi", "t5"):
-            raise ValueError("--context-parallel works with learned, sinusoidal and rotary "
-                             f"positions, not {args.position}")  # fmt: skip
+            raise ValueError(
+                "--context-parallel works with learned, sinusoidal and rotary "
+                f"positions, not {args.position}"
+            )
     elif args.batch_size % nproc:
         raise ValueError(
             f"--batch-size {args.batch_size} must be divisible by --nproc {nproc}: each "
@@ -275,9 +341,12 @@ def add_parser(commands) -> None:
         help="data-parallel processes (DistributedDataParallel; gloo on CPU); "
         "or launch with torchrun (default 1)",
     )
-    gpt.add_argument("--context-parallel", action="store_true",
-                     help="with --nproc: shard each sequence across the processes "
-                          "(zigzag), attend with ring attention")  # fmt: skip
+    gpt.add_argument(
+        "--context-parallel",
+        action="store_true",
+        help="with --nproc: shard each sequence across the processes "
+        "(zigzag), attend with ring attention",
+    )
     gpt.set_defaults(run=run, train=train_gpt, data_parallel=True)
 
     bert = train_models.add_parser("bert", help="masked-LM BERT on Python's own source code")

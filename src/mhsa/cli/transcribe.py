@@ -32,7 +32,9 @@ def transcribe(args: argparse.Namespace) -> int:
 def add_parser(commands) -> None:
     transcribe_parser = commands.add_parser("transcribe", help="speech to text (Whisper tiny.en)")
     transcribe_parser.add_argument("files", nargs="+", help="WAV files (any rate, mono or stereo)")
-    transcribe_parser.add_argument("--compile", action="store_true",
-                                   help="decode through one torch.compile'd decoder step "
-                                        "(the first file waits for compiling)")  # fmt: skip
+    transcribe_parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="decode through one torch.compile'd decoder step (the first file waits for compiling)",
+    )
     transcribe_parser.set_defaults(run=transcribe)

@@ -19,8 +19,10 @@ def translate(args: argparse.Namespace) -> int:
             raise ValueError("a text to translate is empty; give English number words")
         unknown = vocab.unknown_words(text)
         if unknown:
-            raise ValueError(f"unknown words {unknown} in {text!r}: the model knows English "
-                             f"number words such as 'three hundred and twelve'")  # fmt: skip
+            raise ValueError(
+                f"unknown words {unknown} in {text!r}: the model knows English "
+                f"number words such as 'three hundred and twelve'"
+            )
     ids = pad_batch([vocab.encode(text) for text in args.texts])
     if ids.shape[1] > model.config.max_len:
         raise ValueError(f"a text is longer than the model's {model.config.max_len} tokens")

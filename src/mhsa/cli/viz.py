@@ -35,14 +35,22 @@ def viz(args: argparse.Namespace) -> int:
             f"{size / MB:.2f} MB"
         )
         if size > LARGE:
-            print(f"mhsa viz: {args.html} is over {LARGE // MB} MB: pass --heads or a smaller "
-                  "--max-tokens", file=sys.stderr)  # fmt: skip
+            print(
+                f"mhsa viz: {args.html} is over {LARGE // MB} MB: pass --heads or a smaller "
+                "--max-tokens",
+                file=sys.stderr,
+            )
     if out:
         maps = _full_maps(source)
         title = f"{source.title}: {args.text!r}" if args.text else f"{source.title}: {source.note}"
-        plot_maps(maps, source.queries, out, title=title,
-                  key_labels=None if source.keys is None else source.keys[: source.key_limit],
-                  layer_names=[name for name, _ in source.layers])  # fmt: skip
+        plot_maps(
+            maps,
+            source.queries,
+            out,
+            title=title,
+            key_labels=None if source.keys is None else source.keys[: source.key_limit],
+            layer_names=[name for name, _ in source.layers],
+        )
         print(f"{len(maps)} layers x {maps[0].shape[1]} heads written to {out}")
     return 0
 
@@ -77,8 +85,10 @@ def _gpt(args: argparse.Namespace) -> tuple:
     from .common import load_model
 
     if args.source is None:
-        raise ValueError("pass a GPT checkpoint folder (mhsa train gpt --out), or --model "
-                         f"{'|'.join(MODELS[1:])}")  # fmt: skip
+        raise ValueError(
+            "pass a GPT checkpoint folder (mhsa train gpt --out), or --model "
+            f"{'|'.join(MODELS[1:])}"
+        )
     model, state = load_model(args.source, {"gpt": (GPT, GPTConfig)})
     return model, str(state["path"])
 
@@ -133,9 +143,10 @@ def add_parser(commands) -> None:
         help=f"which model: {', '.join(MODELS)} (default gpt: a checkpoint)",
     )
     cmd.add_argument(
-        "--text", default=None, help="the text whose attention is drawn (whisper: default "
-        "its own transcript)"
-    )  # fmt: skip
+        "--text",
+        default=None,
+        help="the text whose attention is drawn (whisper: default its own transcript)",
+    )
     cmd.add_argument(
         "--out", default=None, help="the PNG file to write (maps.png when neither --out nor --html)"
     )

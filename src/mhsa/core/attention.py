@@ -108,9 +108,22 @@ def attention(
         key gets output 0, lse -inf (the sink's logit, with sinks) and zero gradients.
     """
     if block_table is not None or seq_lens is not None:
-        return _paged_attention(q, k, v, mask, block_table, seq_lens, bias=bias, causal=causal,
-                                scale=scale, dropout_p=dropout_p, backend=backend,
-                                return_lse=return_lse, score=score, sinks=sinks)  # fmt: skip
+        return _paged_attention(
+            q,
+            k,
+            v,
+            mask,
+            block_table,
+            seq_lens,
+            bias=bias,
+            causal=causal,
+            scale=scale,
+            dropout_p=dropout_p,
+            backend=backend,
+            return_lse=return_lse,
+            score=score,
+            sinks=sinks,
+        )
     validate.check_qkv(q, k, v)
     validate.check_dropout(dropout_p)
     if not isinstance(backend, str):
@@ -157,26 +170,54 @@ def attention(
     if unmasked:
         causal = False
     resolved_scale = _check_common(q, k, mask, bias, causal, scale, chosen.sharded, score, sinks)
-    call = dict(mask=mask, bias=bias, causal=causal, scale=resolved_scale,
-                dropout_p=float(dropout_p), return_lse=return_lse, score=score,
-                sinks=sinks)  # fmt: skip
+    call = dict(
+        mask=mask,
+        bias=bias,
+        causal=causal,
+        scale=resolved_scale,
+        dropout_p=float(dropout_p),
+        return_lse=return_lse,
+        score=score,
+        sinks=sinks,
+    )
     out, lse = chosen.forward(q, k, v, **call)
     out, lse = isolate_masked_nonfinite(chosen, q, k, v, out, lse, call)
     return (out, lse) if return_lse else out
 
 
-def _paged_attention(q, k_pool, v_pool, mask, block_table, seq_lens, *, bias, causal, scale,
-                     dropout_p, backend, return_lse, score, sinks) -> Tensor:  # fmt: skip
+def _paged_attention(
+    q,
+    k_pool,
+    v_pool,
+    mask,
+    block_table,
+    seq_lens,
+    *,
+    bias,
+    causal,
+    scale,
+    dropout_p,
+    backend,
+    return_lse,
+    score,
+    sinks,
+) -> Tensor:
     """attention() over paged keys: validate, then the chosen backend's forward_paged."""
     if block_table is None:
         raise ValueError("seq_lens goes with block_table (paged keys); pass both or neither")
     seq_lens = validate.check_paged(q, k_pool, v_pool, block_table, seq_lens)
-    unserved = {"bias": bias is not None, "dropout_p": bool(dropout_p), "return_lse": return_lse,
-                "sinks": sinks is not None}  # fmt: skip
+    unserved = {
+        "bias": bias is not None,
+        "dropout_p": bool(dropout_p),
+        "return_lse": return_lse,
+        "sinks": sinks is not None,
+    }
     if any(unserved.values()):
         names = ", ".join(name for name, given in unserved.items() if given)
-        raise ValueError(f"attention over paged keys (block_table=) takes no bias, dropout_p, "
-                         f"return_lse or sinks; got {names}")  # fmt: skip
+        raise ValueError(
+            f"attention over paged keys (block_table=) takes no bias, dropout_p, "
+            f"return_lse or sinks; got {names}"
+        )
     validate.check_causal(causal)
     window = validate.paged_window(mask, causal, q.shape[2])
     validate.check_scale(scale)
@@ -190,19 +231,40 @@ def _paged_attention(q, k_pool, v_pool, mask, block_table, seq_lens, *, bias, ca
     )
     batch, num_heads, q_len, head_dim = q.shape
     spec = AttentionSpec(
-        batch=batch, num_heads=num_heads, num_kv_heads=k_pool.shape[2], q_len=q_len,
-        kv_len=max(seq_lens, default=0), head_dim=head_dim, value_dim=v_pool.shape[3],
-        dtype=q.dtype, device=q.device, has_mask=window is not None, has_bias=False,
-        causal=True, dropout_p=0.0, return_lse=False, has_score=score is not None,
-        score_kinds=kinds(score), paged=True, needs_grad=needs_grad,
-    )  # fmt: skip
+        batch=batch,
+        num_heads=num_heads,
+        num_kv_heads=k_pool.shape[2],
+        q_len=q_len,
+        kv_len=max(seq_lens, default=0),
+        head_dim=head_dim,
+        value_dim=v_pool.shape[3],
+        dtype=q.dtype,
+        device=q.device,
+        has_mask=window is not None,
+        has_bias=False,
+        causal=True,
+        dropout_p=0.0,
+        return_lse=False,
+        has_score=score is not None,
+        score_kinds=kinds(score),
+        paged=True,
+        needs_grad=needs_grad,
+    )
     chosen = select(spec, backend)
     if batch == 0 or q_len == 0:
         return q.new_zeros(batch, num_heads, q_len, v_pool.shape[3])
     table = block_table.long().clamp(0, k_pool.shape[0] - 1)  # unused entries: any value
     resolved_scale = _resolved_scale(q, scale)
-    return chosen.forward_paged(q, k_pool, v_pool, block_table=table, seq_lens=seq_lens,
-                                scale=resolved_scale, score=score, window=window)  # fmt: skip
+    return chosen.forward_paged(
+        q,
+        k_pool,
+        v_pool,
+        block_table=table,
+        seq_lens=seq_lens,
+        scale=resolved_scale,
+        score=score,
+        window=window,
+    )
 
 
 def attention_weights(
@@ -260,9 +322,15 @@ def attention_weights(
         from .kernels.triton import score_of_heads, triton_attention_weights  # imports triton
 
         probs = triton_attention_weights(
-            q_sel, k_sel, mask_sel, bias=bias_sel, causal=causal, scale=resolved_scale,
-            score=score_of_heads(score, head_idx), sinks=sinks_sel,
-        )  # fmt: skip
+            q_sel,
+            k_sel,
+            mask_sel,
+            bias=bias_sel,
+            causal=causal,
+            scale=resolved_scale,
+            score=score_of_heads(score, head_idx),
+            sinks=sinks_sel,
+        )
         return probs.index_select(2, row_idx).to(q.dtype)
     dtype = stats_dtype(q.dtype)
     scores = grouped_scores(q_sel.index_select(2, row_idx), k_sel, resolved_scale, dtype)
@@ -280,9 +348,18 @@ def attention_weights(
     if backend == "reference":
         return softmax_with_sinks(scores, sinks_sel)[0].to(q.dtype)
     _, lse = attention(
-        q_sel, k_sel, k_sel, mask_sel, bias=bias_sel, causal=causal, scale=resolved_scale,
-        backend="flash", return_lse=True, score=score_sel, sinks=sinks_sel,
-    )  # fmt: skip
+        q_sel,
+        k_sel,
+        k_sel,
+        mask_sel,
+        bias=bias_sel,
+        causal=causal,
+        scale=resolved_scale,
+        backend="flash",
+        return_lse=True,
+        score=score_sel,
+        sinks=sinks_sel,
+    )
     lse = lse.index_select(2, row_idx)
     lse = torch.where(torch.isneginf(lse), torch.full_like(lse, torch.inf), lse)
     return torch.exp(scores - lse.unsqueeze(-1)).to(q.dtype)
@@ -331,7 +408,8 @@ def attention_and_weights(
     score = as_score(score)
     resolved_scale = _check_common(q, k, mask, bias, causal, scale, score=score, sinks=sinks)
     validate.check_dropout(dropout_p)
-    probs, _ = attention_probs(q, k, mask=mask, bias=bias, causal=causal, scale=resolved_scale,
-                               score=score, sinks=sinks)  # fmt: skip
+    probs, _ = attention_probs(
+        q, k, mask=mask, bias=bias, causal=causal, scale=resolved_scale, score=score, sinks=sinks
+    )
     dropped = apply_dropout(probs, dropout_p, draw_seed()) if dropout_p > 0 else probs
     return probs_times_v(dropped, v).to(q.dtype), probs.to(q.dtype)

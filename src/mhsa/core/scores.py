@@ -35,8 +35,9 @@ class ScoreFunction:
     # not depending on the score: engines may add it to a tile's float mask
     additive: bool = False
 
-    def __call__(self, score: Tensor, batch: Tensor, head: Tensor, q_pos: Tensor,
-                 k_pos: Tensor) -> Tensor:  # fmt: skip
+    def __call__(
+        self, score: Tensor, batch: Tensor, head: Tensor, q_pos: Tensor, k_pos: Tensor
+    ) -> Tensor:
         return score + self.bias(batch, head, q_pos, k_pos).to(score.dtype)
 
     def bias(self, batch: Tensor, head: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
@@ -47,8 +48,9 @@ class ScoreFunction:
     # one (H, keys) row of values for the whole tile
     separable: bool = False
 
-    def apply_(self, score: Tensor, batch: Tensor, head: Tensor, q_pos: Tensor,
-               k_pos: Tensor) -> Tensor:  # fmt: skip
+    def apply_(
+        self, score: Tensor, batch: Tensor, head: Tensor, q_pos: Tensor, k_pos: Tensor
+    ) -> Tensor:
         """self(score, ...), overwriting score where the function can (engines call it
         on scratch tiles, without autograd)."""
         if self.additive:
@@ -94,8 +96,9 @@ class ALiBi(ScoreFunction):
 
     def __init__(self, slopes: Tensor) -> None:
         if not isinstance(slopes, Tensor) or slopes.dim() != 1 or not slopes.is_floating_point():
-            raise ValueError("ALiBi slopes must be a 1-D float tensor (H,), got "
-                             f"{_describe(slopes)}")  # fmt: skip
+            raise ValueError(
+                f"ALiBi slopes must be a 1-D float tensor (H,), got {_describe(slopes)}"
+            )
         self.slopes = slopes
 
     def bias(self, batch, head, q_pos, k_pos):
@@ -127,14 +130,18 @@ def check_t5_buckets(num_buckets: int, max_distance: int, bidirectional: bool) -
     """T5's bucketing needs at least one exact bucket per direction and a max_distance
     beyond the exact ones (its log scale divides by log(max_distance / exact))."""
     min_buckets = 4 if bidirectional else 2
-    if isinstance(num_buckets, bool) or not isinstance(num_buckets, int) \
-            or num_buckets < min_buckets:  # fmt: skip
+    if (
+        isinstance(num_buckets, bool)
+        or not isinstance(num_buckets, int)
+        or num_buckets < min_buckets
+    ):
         raise ValueError(f"num_buckets must be >= {min_buckets}, got {num_buckets!r}")
     exact = (num_buckets // 2 if bidirectional else num_buckets) // 2
-    if isinstance(max_distance, bool) or not isinstance(max_distance, int) \
-            or max_distance <= exact:  # fmt: skip
-        raise ValueError(f"max_distance must be an int > {exact} (the offsets bucketed one "
-                         f"by one), got {max_distance!r}")  # fmt: skip
+    if isinstance(max_distance, bool) or not isinstance(max_distance, int) or max_distance <= exact:
+        raise ValueError(
+            f"max_distance must be an int > {exact} (the offsets bucketed one "
+            f"by one), got {max_distance!r}"
+        )
 
 
 def t5_bucket(offsets: Tensor, num_buckets: int, max_distance: int, bidirectional: bool) -> Tensor:
@@ -163,13 +170,24 @@ class RelativeBias(ScoreFunction):
 
     additive = grad_from_output = True
 
-    def __init__(self, table: Tensor, num_buckets: int = 32, max_distance: int = 128,
-                 bidirectional: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        table: Tensor,
+        num_buckets: int = 32,
+        max_distance: int = 128,
+        bidirectional: bool = True,
+    ) -> None:
         check_t5_buckets(num_buckets, max_distance, bidirectional)
-        if (not isinstance(table, Tensor) or table.dim() != 2 or table.shape[0] != num_buckets
-                or not table.is_floating_point()):  # fmt: skip
-            raise ValueError(f"RelativeBias table must be a float tensor (num_buckets "
-                             f"{num_buckets}, H), got {_describe(table)}")  # fmt: skip
+        if (
+            not isinstance(table, Tensor)
+            or table.dim() != 2
+            or table.shape[0] != num_buckets
+            or not table.is_floating_point()
+        ):
+            raise ValueError(
+                f"RelativeBias table must be a float tensor (num_buckets "
+                f"{num_buckets}, H), got {_describe(table)}"
+            )
         self.table, self.num_buckets = table, num_buckets
         self.max_distance, self.bidirectional = max_distance, bidirectional
 
@@ -184,16 +202,22 @@ class RelativeBias(ScoreFunction):
         _check_per_head("RelativeBias table", self.table, 1, num_heads, device)
 
     def __repr__(self) -> str:
-        return (f"RelativeBias({self.num_buckets} buckets, max_distance {self.max_distance}, "
-                f"{'bidirectional' if self.bidirectional else 'causal'})")  # fmt: skip
+        return (
+            f"RelativeBias({self.num_buckets} buckets, max_distance {self.max_distance}, "
+            f"{'bidirectional' if self.bidirectional else 'causal'})"
+        )
 
 
 class Softcap(ScoreFunction):
     """Logit softcapping (Gemma 2): cap * tanh(score / cap)."""
 
     def __init__(self, cap: float) -> None:
-        if isinstance(cap, bool) or not isinstance(cap, int | float) or not cap > 0 \
-                or not math.isfinite(cap):  # fmt: skip
+        if (
+            isinstance(cap, bool)
+            or not isinstance(cap, int | float)
+            or not cap > 0
+            or not math.isfinite(cap)
+        ):
             raise ValueError(f"Softcap cap must be a finite number > 0, got {cap!r}")
         self.cap = float(cap)
 
@@ -222,8 +246,9 @@ class ScoreMod(ScoreFunction):
 
     def __init__(self, fn: Callable[..., Tensor], tensors: Sequence[Tensor] = ()) -> None:
         if not callable(fn):
-            raise TypeError(f"ScoreMod needs a callable fn(score, b, h, q_idx, kv_idx), "
-                            f"got {type(fn).__name__}")  # fmt: skip
+            raise TypeError(
+                f"ScoreMod needs a callable fn(score, b, h, q_idx, kv_idx), got {type(fn).__name__}"
+            )
         self.fn = fn
         self._tensors = tuple(tensors) + _closure_tensors(fn)
         self._checked: set = set()
@@ -248,9 +273,11 @@ class Compose(ScoreFunction):
         flat: list[ScoreFunction] = []
         for f in functions:
             if not isinstance(f, ScoreFunction):
-                raise TypeError("score functions must be mhsa.core.scores objects (ALiBi, "
-                                "RelativeBias, Softcap, ScoreMod), "
-                                f"got {type(f).__name__}")  # fmt: skip
+                raise TypeError(
+                    "score functions must be mhsa.core.scores objects (ALiBi, "
+                    "RelativeBias, Softcap, ScoreMod), "
+                    f"got {type(f).__name__}"
+                )
             flat.extend(f.functions if isinstance(f, Compose) else [f])
         self.functions = tuple(flat)
         self.additive = all(f.additive for f in flat)
@@ -310,8 +337,10 @@ def as_score(score) -> ScoreFunction | None:
         return score
     if isinstance(score, list | tuple):
         return Compose(*score) if score else None
-    raise TypeError(f"score must be an mhsa.core.scores function (ALiBi, RelativeBias, Softcap, "
-                    f"ScoreMod) or a list of them, got {type(score).__name__}")  # fmt: skip
+    raise TypeError(
+        f"score must be an mhsa.core.scores function (ALiBi, RelativeBias, Softcap, "
+        f"ScoreMod) or a list of them, got {type(score).__name__}"
+    )
 
 
 def tile_indices(batch: int, heads: Tensor | int, q_pos: Tensor, k_pos: Tensor):
@@ -319,16 +348,24 @@ def tile_indices(batch: int, heads: Tensor | int, q_pos: Tensor, k_pos: Tensor):
     (B, H, rows, keys) score tile; heads is H (all) or the query heads' indices."""
     device = q_pos.device
     head = torch.arange(heads, device=device) if isinstance(heads, int) else heads
-    return (torch.arange(batch, device=device).view(-1, 1, 1, 1), head.view(1, -1, 1, 1),
-            q_pos.view(1, 1, -1, 1), k_pos.view(1, 1, 1, -1))  # fmt: skip
+    return (
+        torch.arange(batch, device=device).view(-1, 1, 1, 1),
+        head.view(1, -1, 1, 1),
+        q_pos.view(1, 1, -1, 1),
+        k_pos.view(1, 1, 1, -1),
+    )
 
 
-def apply_score(score_fn: ScoreFunction, scores: Tensor, q_pos: Tensor, k_pos: Tensor,
-                heads: Tensor | None = None) -> Tensor:  # fmt: skip
+def apply_score(
+    score_fn: ScoreFunction,
+    scores: Tensor,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    heads: Tensor | None = None,
+) -> Tensor:
     """score_fn on a (B, H, rows, keys) tile whose rows sit at global q_pos (rows,) and
     keys at k_pos (keys,); heads are the tile's query heads (default 0..H-1)."""
-    index = tile_indices(scores.shape[0], scores.shape[1] if heads is None else heads,
-                         q_pos, k_pos)  # fmt: skip
+    index = tile_indices(scores.shape[0], scores.shape[1] if heads is None else heads, q_pos, k_pos)
     return score_fn(scores, *index).expand(scores.shape)
 
 
@@ -342,8 +379,9 @@ def _probe_once(fn: ScoreMod, num_heads: int, device: torch.device, dtype: torch
     return True
 
 
-def _check_elementwise(fn: ScoreFunction, num_heads: int, device: torch.device,
-                       dtype: torch.dtype) -> None:  # fmt: skip
+def _check_elementwise(
+    fn: ScoreFunction, num_heads: int, device: torch.device, dtype: torch.dtype
+) -> None:
     """Evaluate fn on a small probe tile and on three single entries of it: the same
     shape and dtype as the scores, and each entry's value equal, or a ValueError naming
     the fault."""
@@ -356,25 +394,37 @@ def _check_elementwise(fn: ScoreFunction, num_heads: int, device: torch.device,
         try:
             out = fn(scores, batch, head, rows, keys)
         except Exception as error:
-            raise ValueError(f"{fn!r} failed on a (1, {heads}, 3, 4) score tile: {error}. A "
-                             "score_mod takes (score, batch, head, q_idx, kv_idx) tensors that "
-                             "broadcast, and uses torch ops") from error  # fmt: skip
+            raise ValueError(
+                f"{fn!r} failed on a (1, {heads}, 3, 4) score tile: {error}. A "
+                "score_mod takes (score, batch, head, q_idx, kv_idx) tensors that "
+                "broadcast, and uses torch ops"
+            ) from error
         if not isinstance(out, Tensor) or out.dtype != scores.dtype:
             got = out.dtype if isinstance(out, Tensor) else type(out).__name__
-            raise ValueError(f"{fn!r} must return a tensor of the scores' dtype "
-                             f"{scores.dtype}, got {got}")  # fmt: skip
+            raise ValueError(
+                f"{fn!r} must return a tensor of the scores' dtype {scores.dtype}, got {got}"
+            )
         if not _broadcasts_to(out.shape, scores.shape):
-            raise ValueError(f"{fn!r} must return the scores' shape {tuple(scores.shape)} "
-                             f"(elementwise), got {tuple(out.shape)}")  # fmt: skip
+            raise ValueError(
+                f"{fn!r} must return the scores' shape {tuple(scores.shape)} "
+                f"(elementwise), got {tuple(out.shape)}"
+            )
         for h, r, c in ((0, 0, 0), (heads - 1, 1, 2), (0, 2, 3)):  # single entries alone
-            one = fn(scores[:, h : h + 1, r : r + 1, c : c + 1], batch, head[:, h : h + 1],
-                     rows[:, :, r : r + 1], keys[..., c : c + 1])  # fmt: skip
+            one = fn(
+                scores[:, h : h + 1, r : r + 1, c : c + 1],
+                batch,
+                head[:, h : h + 1],
+                rows[:, :, r : r + 1],
+                keys[..., c : c + 1],
+            )
             expected = out.expand(scores.shape)[:, h : h + 1, r : r + 1, c : c + 1]
             if one.shape == expected.shape and torch.allclose(one, expected, equal_nan=True):
                 continue
-            raise ValueError(f"{fn!r} is not elementwise: one score computed alone differs "
-                             "from the same score in a tile (a score_mod may not reduce over "
-                             "or mix entries)")  # fmt: skip
+            raise ValueError(
+                f"{fn!r} is not elementwise: one score computed alone differs "
+                "from the same score in a tile (a score_mod may not reduce over "
+                "or mix entries)"
+            )
 
 
 def _broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
@@ -411,8 +461,10 @@ def _unique(tensors) -> tuple[Tensor, ...]:
 def _check_per_head(name: str, t: Tensor, axis: int, num_heads: int, device) -> None:
     """t holds one value per query head along `axis`, on q's device."""
     if t.shape[axis] != num_heads:
-        raise ValueError(f"{name} have {t.shape[axis]} heads but the call has {num_heads} "
-                         "query heads: give one value per query head")  # fmt: skip
+        raise ValueError(
+            f"{name} have {t.shape[axis]} heads but the call has {num_heads} "
+            "query heads: give one value per query head"
+        )
     if t.device.type != device.type:
         raise ValueError(f"{name} are on {t.device} but q is on {device}: move them with .to()")
 

@@ -135,8 +135,10 @@ def check_sinks(sinks: Tensor | None, num_heads: int, device: torch.device) -> N
         got = sinks.dtype if isinstance(sinks, Tensor) else type(sinks).__name__
         raise TypeError(f"sinks must be a float tensor of shape (H,), got {got}")
     if tuple(sinks.shape) != (num_heads,):
-        raise ValueError(f"sinks must have shape (H,) = ({num_heads},), one logit per query "
-                         f"head, got {tuple(sinks.shape)}")  # fmt: skip
+        raise ValueError(
+            f"sinks must have shape (H,) = ({num_heads},), one logit per query "
+            f"head, got {tuple(sinks.shape)}"
+        )
     if sinks.device != device:
         raise ValueError(f"sinks are on {sinks.device} but q is on {device}; move them with .to()")
 
@@ -172,9 +174,11 @@ def paged_window(mask, causal: bool, q_len: int) -> int | None:
         return mask.left
     if mask is None and (causal or q_len == 1):
         return None
-    raise ValueError(f"attention over paged keys (block_table=) attends causally "
-                     f"(causal=True), optionally within SlidingWindow(left, 0); got mask "
-                     f"{mask!r}, causal={causal}")  # fmt: skip
+    raise ValueError(
+        f"attention over paged keys (block_table=) attends causally "
+        f"(causal=True), optionally within SlidingWindow(left, 0); got mask "
+        f"{mask!r}, causal={causal}"
+    )
 
 
 def check_paged(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table, seq_lens) -> list[int]:
@@ -183,34 +187,53 @@ def check_paged(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table, seq_lens
     for name, t in (("q", q), ("k_pool", k_pool), ("v_pool", v_pool)):
         if not isinstance(t, Tensor) or t.dim() != 4 or not t.is_floating_point():
             got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
-            raise ValueError(f"{name} must be a 4-D float tensor, got {got}; layout with "
-                             "block_table: q (N, H, T, D), pools (num_blocks, block_size, "
-                             "H_kv, D)")  # fmt: skip
+            raise ValueError(
+                f"{name} must be a 4-D float tensor, got {got}; layout with "
+                "block_table: q (N, H, T, D), pools (num_blocks, block_size, "
+                "H_kv, D)"
+            )
     if k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
-        raise TypeError(f"q, k_pool and v_pool must share one dtype, got {q.dtype}, "
-                        f"{k_pool.dtype}, {v_pool.dtype}; cast them with .to(q.dtype)")  # fmt: skip
+        raise TypeError(
+            f"q, k_pool and v_pool must share one dtype, got {q.dtype}, "
+            f"{k_pool.dtype}, {v_pool.dtype}; cast them with .to(q.dtype)"
+        )
     if k_pool.device != q.device or v_pool.device != q.device:
-        raise ValueError(f"q, k_pool and v_pool must be on one device, got {q.device}, "
-                         f"{k_pool.device}, {v_pool.device}")  # fmt: skip
+        raise ValueError(
+            f"q, k_pool and v_pool must be on one device, got {q.device}, "
+            f"{k_pool.device}, {v_pool.device}"
+        )
     batch, num_heads, _, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, key_dim = k_pool.shape
     if tuple(v_pool.shape[:3]) != (num_blocks, block_size, num_kv_heads):
-        raise ValueError(f"v_pool must be (num_blocks, block_size, H_kv, D_v) = ({num_blocks}, "
-                         f"{block_size}, {num_kv_heads}, *) like k_pool, got "
-                         f"{tuple(v_pool.shape)}")  # fmt: skip
+        raise ValueError(
+            f"v_pool must be (num_blocks, block_size, H_kv, D_v) = ({num_blocks}, "
+            f"{block_size}, {num_kv_heads}, *) like k_pool, got "
+            f"{tuple(v_pool.shape)}"
+        )
     if key_dim != head_dim or min(num_blocks, block_size, num_kv_heads, head_dim) == 0:
-        raise ValueError(f"k_pool {tuple(k_pool.shape)} must hold keys of q's head_dim "
-                         f"{head_dim}, with no empty dimension")  # fmt: skip
+        raise ValueError(
+            f"k_pool {tuple(k_pool.shape)} must hold keys of q's head_dim "
+            f"{head_dim}, with no empty dimension"
+        )
     if num_heads % num_kv_heads:
-        raise ValueError(f"q's num_heads ({num_heads}) must be a multiple of the pools' "
-                         f"num_kv_heads ({num_kv_heads}) for grouped-query attention")  # fmt: skip
-    if not isinstance(block_table, Tensor) or block_table.dim() != 2 \
-            or block_table.shape[0] != batch:  # fmt: skip
+        raise ValueError(
+            f"q's num_heads ({num_heads}) must be a multiple of the pools' "
+            f"num_kv_heads ({num_kv_heads}) for grouped-query attention"
+        )
+    if (
+        not isinstance(block_table, Tensor)
+        or block_table.dim() != 2
+        or block_table.shape[0] != batch
+    ):
         got = tuple(block_table.shape) if isinstance(block_table, Tensor) else block_table
-        raise ValueError(f"block_table must be a (N, max_blocks) = ({batch}, *) tensor of "
-                         f"block ids, got {got}")  # fmt: skip
-    if block_table.is_floating_point() or block_table.is_complex() \
-            or block_table.dtype == torch.bool:  # fmt: skip
+        raise ValueError(
+            f"block_table must be a (N, max_blocks) = ({batch}, *) tensor of block ids, got {got}"
+        )
+    if (
+        block_table.is_floating_point()
+        or block_table.is_complex()
+        or block_table.dtype == torch.bool
+    ):
         raise TypeError(f"block_table must hold integer block ids, got {block_table.dtype}")
     if block_table.device != q.device:
         raise ValueError(f"block_table is on {block_table.device} but q is on {q.device}")
@@ -222,8 +245,10 @@ def check_paged(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table, seq_lens
         ids = block_table[used < torch.tensor(seq_lens, device=q.device).view(-1, 1)]
         low, high = [int(x) for x in torch.aminmax(ids)] if ids.numel() else (0, 0)
     if low < 0 or high >= num_blocks:
-        raise ValueError(f"block_table's blocks holding keys must be in 0..{num_blocks - 1} "
-                         f"(the pools' num_blocks), got {low}..{high}")  # fmt: skip
+        raise ValueError(
+            f"block_table's blocks holding keys must be in 0..{num_blocks - 1} "
+            f"(the pools' num_blocks), got {low}..{high}"
+        )
     return seq_lens
 
 
@@ -234,6 +259,8 @@ def _seq_lens(seq_lens, batch: int, capacity: int) -> list[int]:
     if len(seq_lens) != batch or set(map(type, seq_lens)) - {int}:  # (bool is no int here)
         raise ValueError(f"seq_lens must hold {batch} ints (one per sequence), got {seq_lens}")
     if seq_lens and (min(seq_lens) < 0 or max(seq_lens) > capacity):
-        raise ValueError(f"seq_lens must be in 0..{capacity} (block_table's max_blocks * "
-                         f"block_size), got {seq_lens}")  # fmt: skip
+        raise ValueError(
+            f"seq_lens must be in 0..{capacity} (block_table's max_blocks * "
+            f"block_size), got {seq_lens}"
+        )
     return seq_lens

@@ -19,10 +19,14 @@ class ClassificationTask:
 
     def __init__(
         self,
-        train: tuple, test: tuple, batch_size: int, *,
+        train: tuple,
+        test: tuple,
+        batch_size: int,
+        *,
         augment: Callable[[Tensor, torch.Generator], Tensor] | None = None,
-        collate: Callable | None = None, items_per_sample: int = 1,
-    ) -> None:  # fmt: skip
+        collate: Callable | None = None,
+        items_per_sample: int = 1,
+    ) -> None:
         self.train_x, self.train_y = train
         self.test_x, self.test_y = test
         self.batch_size, self.augment = batch_size, augment

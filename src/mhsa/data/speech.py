@@ -15,8 +15,15 @@ import torch
 from torch import Tensor
 
 WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
-ACCENTS = ("en-us", "en-gb", "en-gb-scotland", "en-gb-x-rp", "en-029", "en-gb-x-gbclan",
-           "en-gb-x-gbcwmd")  # fmt: skip
+ACCENTS = (
+    "en-us",
+    "en-gb",
+    "en-gb-scotland",
+    "en-gb-x-rp",
+    "en-029",
+    "en-gb-x-gbclan",
+    "en-gb-x-gbcwmd",
+)
 VARIANTS = ("m1", "m2", "m3", "m4", "m5", "m6", "m7", "f1", "f2", "f3", "f4", "f5")
 SAMPLE_RATE = 16000
 CLIP_SECONDS = 1.0
@@ -125,8 +132,9 @@ def check_rate(rate: int, name: str = "sample rate") -> None:
         raise ValueError(f"{name} must be {MIN_RATE}..{MAX_RATE} Hz, got {rate!r}; {CONVERT_HINT}")
 
 
-def _sinc_resample(audio: Tensor, rate: int, target: int, length: int, zeros: int = 6,
-                   rolloff: float = 0.99) -> Tensor:  # fmt: skip
+def _sinc_resample(
+    audio: Tensor, rate: int, target: int, length: int, zeros: int = 6, rolloff: float = 0.99
+) -> Tensor:
     """Band-limited resampling: output m sits at input position x = m * rate / target
     (exact integer arithmetic) and is the sum of the samples within `width` of x, each
     weighted by a Hann-windowed sinc with `zeros` zero crossings. Computed in chunks of
@@ -163,8 +171,9 @@ def resample(audio: Tensor, rate: int, target: int = SAMPLE_RATE, method: str = 
         return audio
     length = max(1, round(len(audio) * target / rate))
     if method == "linear":
-        return torch.nn.functional.interpolate(audio.view(1, 1, -1), size=length, mode="linear",
-                                               align_corners=False).flatten()  # fmt: skip
+        return torch.nn.functional.interpolate(
+            audio.view(1, 1, -1), size=length, mode="linear", align_corners=False
+        ).flatten()
     return _sinc_resample(audio.cpu(), rate, target, length).to(audio.dtype).to(audio.device)
 
 
@@ -173,8 +182,11 @@ def speak(word: str, voice: str, pitch: int, speed: int, workdir: Path) -> Tenso
     if shutil.which("espeak-ng") is None:
         raise SystemExit(INSTALL_HINT)
     path = workdir / "word.wav"
-    subprocess.run(["espeak-ng", "-v", voice, "-p", str(pitch), "-s", str(speed), "-w", str(path),
-                    word], check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        ["espeak-ng", "-v", voice, "-p", str(pitch), "-s", str(speed), "-w", str(path), word],
+        check=True,
+        capture_output=True,
+    )
     audio, rate = read_wav(path)
     return resample(audio, rate)
 
@@ -239,8 +251,13 @@ def mel_filterbank(n_fft: int, n_mels: int, sample_rate: int) -> Tensor:
 def log_mel(audio: Tensor, n_mels: int = 64, n_fft: int = 400, hop: int = 160) -> Tensor:
     """(..., samples) at 16 kHz -> log-mel spectrogram (..., n_mels, frames)."""
     window = torch.hann_window(n_fft, device=audio.device)
-    spec = torch.stft(audio.reshape(-1, audio.shape[-1]), n_fft, hop, window=window,
-                      return_complex=True).abs().square()  # fmt: skip
+    spec = (
+        torch.stft(
+            audio.reshape(-1, audio.shape[-1]), n_fft, hop, window=window, return_complex=True
+        )
+        .abs()
+        .square()
+    )
     mel = mel_filterbank(n_fft, n_mels, SAMPLE_RATE).to(audio.device) @ spec
     return torch.log(mel + 1e-6).reshape(*audio.shape[:-1], n_mels, -1)
 

@@ -72,8 +72,9 @@ class TextTask:
         self._eval = [self._windows(self.val, generator) for _ in range(eval_batches)]
 
     def _windows(self, data: Tensor, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-        starts = torch.randint(0, len(data) - self.seq_len - 1, (self.batch_size,),
-                               generator=generator)  # fmt: skip
+        starts = torch.randint(
+            0, len(data) - self.seq_len - 1, (self.batch_size,), generator=generator
+        )
         rows = torch.stack([data[s : s + self.seq_len + 1] for s in starts.tolist()])
         return rows[:, :-1], rows[:, 1:]
 

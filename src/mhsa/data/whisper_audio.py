@@ -83,8 +83,9 @@ def log_mel_spectrogram(audio: Tensor, n_mels: int = 80, *, pad: bool = True) ->
         audio = pad_or_trim(audio)
     batch_shape, samples = audio.shape[:-1], audio.shape[-1]
     window = torch.hann_window(N_FFT, device=audio.device)
-    stft = torch.stft(audio.float().reshape(-1, samples), N_FFT, HOP_LENGTH, window=window,
-                      return_complex=True)  # fmt: skip
+    stft = torch.stft(
+        audio.float().reshape(-1, samples), N_FFT, HOP_LENGTH, window=window, return_complex=True
+    )
     power = stft[..., :-1].abs() ** 2  # (N, 201, frames); Whisper drops the last frame
     mel = mel_filters(n_mels).to(audio.device) @ power
     log_spec = mel.clamp(min=1e-10).log10()

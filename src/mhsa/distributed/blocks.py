@@ -156,8 +156,15 @@ class Setup:
                 mask = None
                 if kind != FULL or key_piece is not None:
                     pattern = None if kind == FULL else self.pattern
-                    mask = BlockMask(pattern, pq * piece, pk * piece, self.total, key_piece,
-                                      self.block, self.global_kinds)  # fmt: skip
+                    mask = BlockMask(
+                        pattern,
+                        pq * piece,
+                        pk * piece,
+                        self.total,
+                        key_piece,
+                        self.block,
+                        self.global_kinds,
+                    )
                 scored = self.score is not None
                 plan = plan_for(mask, False, piece, piece, device, self.fused, self.score)
                 score = Shifted(self.score, pq * piece, pk * piece) if scored else None

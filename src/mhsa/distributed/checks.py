@@ -13,8 +13,9 @@ from ..core.scores import as_score
 from .layout import LAYOUTS
 
 
-def local_problem(q, k, v, mask, key_padding_mask, causal, scale, dropout_p, layout, world,
-                  score=None, sinks=None):  # fmt: skip
+def local_problem(
+    q, k, v, mask, key_padding_mask, causal, scale, dropout_p, layout, world, score=None, sinks=None
+):
     """(error class name, message) for this rank's arguments, or None."""
     try:
         if layout not in LAYOUTS:
@@ -92,8 +93,16 @@ def check_across_ranks(infos: list[dict]) -> None:
                 f"{name} shapes differ across ranks: {shapes} by rank; every rank needs the "
                 "same batch, heads and head_dim, (B, H, L / P, D)"
             )
-    for name in ("dtype", "layout", "causal", "mask", "scale", "key_padding_mask", "score",
-                 "sinks"):  # fmt: skip
+    for name in (
+        "dtype",
+        "layout",
+        "causal",
+        "mask",
+        "scale",
+        "key_padding_mask",
+        "score",
+        "sinks",
+    ):
         values = [info[name] for info in infos]
         if len(set(values)) > 1:
             shown = [info["mask_repr"] for info in infos] if name == "mask" else values

@@ -65,8 +65,9 @@ class RingBackend(Backend):
         dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=group)
         return bool(votes.item())
 
-    def forward(self, q, k, v, *, mask, bias, causal, scale, dropout_p, return_lse,
-                score=None, sinks=None):  # fmt: skip
+    def forward(
+        self, q, k, v, *, mask, bias, causal, scale, dropout_p, return_lse, score=None, sinks=None
+    ):
         """ring_attention over the whole sequences; mask: None or a pattern in global
         positions. Returns (out, None): no lse."""
         if mask is not None and not isinstance(mask, Pattern):
@@ -75,8 +76,18 @@ class RingBackend(Backend):
                 "a tensor mask of the local shard is ambiguous"
             )
         group, layout = _active.get()
-        out = ring_attention(q, k, v, group=group, causal=causal, mask=mask, scale=scale,
-                             layout=layout, score=score, sinks=sinks)  # fmt: skip
+        out = ring_attention(
+            q,
+            k,
+            v,
+            group=group,
+            causal=causal,
+            mask=mask,
+            scale=scale,
+            layout=layout,
+            score=score,
+            sinks=sinks,
+        )
         return out, None
 
 

@@ -75,9 +75,16 @@ def _ring_forward(q, k, v, keys, sinks, setup: Setup) -> tuple[Tensor, Tensor]:
         src = (ring.rank + offset) % ring.world
         for rows, cols, plan, score in setup.blocks(src, key_cur, q.device):
             part, part_lse = flash_forward(
-                q[:, :, rows], k_cur[:, :, cols], v_cur[:, :, cols], None, plan, setup.scale,
-                None, setup.fused, score,
-            )  # fmt: skip
+                q[:, :, rows],
+                k_cur[:, :, cols],
+                v_cur[:, :, cols],
+                None,
+                plan,
+                setup.scale,
+                None,
+                setup.fused,
+                score,
+            )
             _merge_into(out, lse, rows, part, part_lse)
         if not last:
             shards.receive()
@@ -116,10 +123,23 @@ def _ring_backward(grad_out, q, k, v, keys, out, lse, setup: Setup, params=()):
         src = (ring.rank + offset) % ring.world
         for rows, cols, plan, score in setup.blocks(src, key_cur, q.device):
             dq_b, dk_b, dv_b, _, _, found = flash_backward(
-                grad_out[:, :, rows], None, q[:, :, rows], k_cur[:, :, cols], v_cur[:, :, cols],
-                None, out[:, :, rows], lse[:, :, rows].contiguous(), plan, setup.scale, None,
-                fused, False, score, None, params,
-            )  # fmt: skip
+                grad_out[:, :, rows],
+                None,
+                q[:, :, rows],
+                k_cur[:, :, cols],
+                v_cur[:, :, cols],
+                None,
+                out[:, :, rows],
+                lse[:, :, rows].contiguous(),
+                plan,
+                setup.scale,
+                None,
+                fused,
+                False,
+                score,
+                None,
+                params,
+            )
             _accumulate(param_grads, found)
             dq[:, :, rows] += dq_b
             dk[:, :, cols] += dk_b
@@ -169,8 +189,10 @@ class _RingAttention(torch.autograd.Function):
             delta = (grad_out.to(lse.dtype) * out.to(lse.dtype)).sum(dim=-1)
             dsinks = sink_grad(sinks, lse, delta)
         found = iter(found)
-        param_grads = [_zero_if_none(next(found), p) if want else None
-                       for p, want in zip(saved_params, wanted, strict=True)]  # fmt: skip
+        param_grads = [
+            _zero_if_none(next(found), p) if want else None
+            for p, want in zip(saved_params, wanted, strict=True)
+        ]
         return (dq, dk, dv, None, dsinks, None, *param_grads)
 
 
@@ -248,13 +270,20 @@ def ring_attention(
         return tuple(t.shape) if isinstance(t, Tensor) else None
 
     info = {
-        "problem": problem, "q": shape(q) or (0, 0, -1, 0), "k": shape(k), "v": shape(v),
-        "dtype": str(getattr(q, "dtype", None)), "layout": layout, "causal": causal,
+        "problem": problem,
+        "q": shape(q) or (0, 0, -1, 0),
+        "k": shape(k),
+        "v": shape(v),
+        "dtype": str(getattr(q, "dtype", None)),
+        "layout": layout,
+        "causal": causal,
         "mask": mask.fingerprint() if isinstance(mask, Pattern) else repr(mask),
-        "mask_repr": repr(mask), "scale": repr(scale),
+        "mask_repr": repr(mask),
+        "scale": repr(scale),
         "key_padding_mask": "given" if key_padding_mask is not None else None,
-        "score": describe_score(score), "sinks": "given" if sinks is not None else None,
-    }  # fmt: skip
+        "score": describe_score(score),
+        "sinks": "given" if sinks is not None else None,
+    }
     infos: list[dict] = [{} for _ in range(world)]
     dist.all_gather_object(infos, info, group=group)
     check_across_ranks(infos)
@@ -288,5 +317,6 @@ def ring_attention(
     )
     keys = None if key_padding_mask is None else key_padding_mask.to(torch.uint8).contiguous()
     params = () if score is None else score.tensors()
-    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), keys, sinks,
-                                setup, *params)  # fmt: skip
+    return _RingAttention.apply(
+        q.contiguous(), k.contiguous(), v.contiguous(), keys, sinks, setup, *params
+    )

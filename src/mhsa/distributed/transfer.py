@@ -36,13 +36,14 @@ class Ring:
         send_to, recv_from = (self.rank - delta) % self.world, (self.rank + delta) % self.world
         received = into if into is not None else [torch.empty_like(t) for t in tensors]
         ops = [
-            dist.P2POp(dist.isend, t.contiguous(), group=self.group, tag=tag + i,
-                       group_peer=send_to)
+            dist.P2POp(
+                dist.isend, t.contiguous(), group=self.group, tag=tag + i, group_peer=send_to
+            )
             for i, t in enumerate(tensors)
         ] + [
             dist.P2POp(dist.irecv, r, group=self.group, tag=tag + i, group_peer=recv_from)
             for i, r in enumerate(received)
-        ]  # fmt: skip
+        ]
         return Transfer(dist.batch_isend_irecv(ops), received)
 
 

@@ -29,8 +29,10 @@ def _blocks(raw: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, int]:
     size = 2 * header + quant_bytes
     rows = raw.shape[0]
     if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape[1] % size:
-        raise ValueError(f"{kind} data must be uint8 rows of whole {size}-byte blocks, got "
-                         f"{raw.dtype} {raw.shape}")  # fmt: skip
+        raise ValueError(
+            f"{kind} data must be uint8 rows of whole {size}-byte blocks, got "
+            f"{raw.dtype} {raw.shape}"
+        )
     blocks = np.ascontiguousarray(raw).reshape(rows, -1, size)
     scalars = blocks[..., : 2 * header].copy().view(np.float16)
     return scalars, blocks[..., 2 * header :], blocks.shape[1] * BLOCK

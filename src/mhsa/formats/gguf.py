@@ -58,7 +58,7 @@ GGUF_NAMES = NameTable(
     ("model.layers.{i}.mlp.up_proj.weight", "blk.{i}.ffn_up.weight"),
     ("model.layers.{i}.mlp.down_proj.weight", "blk.{i}.ffn_down.weight"),
     ignore=("rope_freqs.weight",),  # read apart: not a weight (see read_gguf)
-)  # fmt: skip
+)
 # llama.cpp stores Llama 3's scaled rotary frequencies as a tensor; not a model weight
 ROPE_FREQS = "rope_freqs.weight"
 
@@ -187,7 +187,7 @@ def hf_config(metadata: dict[str, Any], tensor_names: set[str], source: str = "G
             {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[
                 arch
             ]
-        ],  # fmt: skip
+        ],
         "model_type": model_type,
         "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length")),
@@ -317,8 +317,9 @@ def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFModel
         rope_freqs = torch.from_numpy(np.array(source.dequantised(ROPE_FREQS))).float()
     expected = {name: _expected_shape(name, config) for name in _possible_names(config)}
     fix = f"a damaged or inconsistent GGUF file, or a {arch} variant we do not support"
-    state_dict = read_tensors(source, GGUF_NAMES, expected, dtype=dtype,
-                              expected_by="the metadata", fix=fix)  # fmt: skip
+    state_dict = read_tensors(
+        source, GGUF_NAMES, expected, dtype=dtype, expected_by="the metadata", fix=fix
+    )
     by_name = {GGUF_NAMES.param_names(t.name)[0]: t for t in reader.tensors if t.name != ROPE_FREQS}
     return GGUFModel(path, arch, config, state_dict, metadata, rope_freqs, by_name)
 
@@ -333,8 +334,10 @@ class _GGUFTensors:
         self.tensors = {tensor.name: tensor for tensor in reader.tensors}
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        return {name: tuple(int(d) for d in reversed(tensor.shape.tolist()))
-                for name, tensor in self.tensors.items()}  # fmt: skip
+        return {
+            name: tuple(int(d) for d in reversed(tensor.shape.tolist()))
+            for name, tensor in self.tensors.items()
+        }
 
     def dequantised(self, name: str) -> np.ndarray:
         return _dequantize(self.tensors[name], self.name)
@@ -352,9 +355,17 @@ def _required_names(config: dict[str, Any]) -> list[str]:
     if not config["tie_word_embeddings"]:
         names.append("lm_head.weight")
     for layer in range(config["num_hidden_layers"]):
-        for module in ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj",
-                       "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                       "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):  # fmt: skip
+        for module in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        ):
             names.append(f"model.layers.{layer}.{module}.weight")
     return names
 

@@ -32,13 +32,30 @@ _QWEN2 = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 PRE_TOKENIZERS: dict[str, str] = {
-    "gpt2": "gpt2", "gpt-2": "gpt2", "mpt": "gpt2", "olmo": "gpt2", "jais": "gpt2",
-    "smollm": "digits", "starcoder": "digits", "refact": "digits", "command-r": "digits",
-    "codeshell": "digits", "exaone": "digits", "minerva-7b": "digits",
-    "llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3, "dbrx": _LLAMA3,
-    "smaug-bpe": _LLAMA3, "falcon3": _LLAMA3, "pixtral": _LLAMA3,
-    "qwen2": _QWEN2, "stablelm2": _QWEN2, "deepseek-r1-qwen": _QWEN2, "megrez": _QWEN2,
-}  # fmt: skip
+    "gpt2": "gpt2",
+    "gpt-2": "gpt2",
+    "mpt": "gpt2",
+    "olmo": "gpt2",
+    "jais": "gpt2",
+    "smollm": "digits",
+    "starcoder": "digits",
+    "refact": "digits",
+    "command-r": "digits",
+    "codeshell": "digits",
+    "exaone": "digits",
+    "minerva-7b": "digits",
+    "llama-bpe": _LLAMA3,
+    "llama3": _LLAMA3,
+    "llama-v3": _LLAMA3,
+    "dbrx": _LLAMA3,
+    "smaug-bpe": _LLAMA3,
+    "falcon3": _LLAMA3,
+    "pixtral": _LLAMA3,
+    "qwen2": _QWEN2,
+    "stablelm2": _QWEN2,
+    "deepseek-r1-qwen": _QWEN2,
+    "megrez": _QWEN2,
+}
 CONTROL, USER_DEFINED = 3, 4
 INSTALL_HINT = "pip install tokenizers jinja2 (or pip install 'mhsa[chat]')"
 
@@ -104,9 +121,10 @@ class GGUFTokenizer:
         self.chat_template: str | None = metadata.get("tokenizer.chat_template")
         self._to_byte = {char: byte for byte, char in byte_alphabet().items()}
         self.special_ids = frozenset(
-            i for i, (token, kind) in enumerate(zip(tokens, types, strict=True))
+            i
+            for i, (token, kind) in enumerate(zip(tokens, types, strict=True))
             if kind == CONTROL and self._spelled(token)
-        )  # fmt: skip
+        )
         self._backend = self._build(tokens, types, merges, pre)
 
     @classmethod
@@ -125,9 +143,11 @@ class GGUFTokenizer:
         alphabet = byte_alphabet()
         vocab = {}
         for index, token in enumerate(tokens):
-            spelled = token if self._spelled(token) else "".join(
-                alphabet[b] for b in token.encode("utf-8")
-            )  # fmt: skip
+            spelled = (
+                token
+                if self._spelled(token)
+                else "".join(alphabet[b] for b in token.encode("utf-8"))
+            )
             vocab.setdefault(spelled, index)
         pairs = [tuple(merge.split(" ", 1)) for merge in merges]
         backend = tk.Tokenizer(tk.models.BPE(vocab, pairs, ignore_merges=False))
@@ -149,9 +169,10 @@ class GGUFTokenizer:
             [tk.AddedToken(t, special=True, normalized=False) for t in specials]
         )
         user = [
-            token for token, kind in zip(tokens, types, strict=True)
+            token
+            for token, kind in zip(tokens, types, strict=True)
             if kind == USER_DEFINED and self._spelled(token)
-        ]  # fmt: skip
+        ]
         backend.add_tokens([tk.AddedToken(t, special=False, normalized=False) for t in user])
         return backend
 
@@ -203,8 +224,12 @@ class GGUFTokenizer:
                 f"{self.source}: the file has no tokenizer.chat_template; pass messages through "
                 "mhsa.formats.chat_template.render_chat with a template of your own"
             )
-        names = {"bos_token": self.bos_token_id, "eos_token": self.eos_token_id,
-                 "unk_token": self.unk_token_id, "pad_token": self.pad_token_id}  # fmt: skip
+        names = {
+            "bos_token": self.bos_token_id,
+            "eos_token": self.eos_token_id,
+            "unk_token": self.unk_token_id,
+            "pad_token": self.pad_token_id,
+        }
         tokens = {key: self.tokens[i] for key, i in names.items() if i is not None}
         return render_chat(
             self.chat_template, messages, add_generation_prompt, **{**tokens, **variables}

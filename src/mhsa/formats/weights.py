@@ -62,8 +62,9 @@ class TensorDict:
         return self.tensors[name]
 
 
-def as_source(weights: Mapping[str, Tensor] | TensorSource, name: str = "the state dict"
-              ) -> TensorSource:  # fmt: skip
+def as_source(
+    weights: Mapping[str, Tensor] | TensorSource, name: str = "the state dict"
+) -> TensorSource:
     """weights as a TensorSource: a source as it is, a state dict as a TensorDict."""
     return weights if hasattr(weights, "shapes") else TensorDict(weights, name)
 
@@ -231,8 +232,10 @@ def _entries(names: NameTable | None, expected: Iterable[str]) -> dict[str, _Ent
         elif names.stores(param):
             found = names.find(param)
             if found is None:
-                raise ValueError(f"the name table has no rule for the parameter {param!r}: a "
-                                 "bug in the model's table; please report it")  # fmt: skip
+                raise ValueError(
+                    f"the name table has no rule for the parameter {param!r}: a "
+                    "bug in the model's table; please report it"
+                )
             rule, stored, params = found
             entries.setdefault(stored, _Entry(stored, rule, params))
     return entries
@@ -254,20 +257,29 @@ def _plan(
     raw_names = {name.removeprefix(prefix): name for name in in_file}  # table name -> file's
     entries = _entries(names, expected)
     shown_prefix = prefix if any(raw != name for name, raw in raw_names.items()) else ""
-    missing = [f"{shown_prefix + e.stored!r}{_for(e)}" for e in entries.values()
-               if e.stored not in raw_names and not e.rule.optional]  # fmt: skip
+    missing = [
+        f"{shown_prefix + e.stored!r}{_for(e)}"
+        for e in entries.values()
+        if e.stored not in raw_names and not e.rule.optional
+    ]
     skip = set(ignore)
-    unexpected = [repr(raw) for name, raw in raw_names.items() if name not in entries
-                  and raw not in skip and not (names and names.ignores(name))]  # fmt: skip
+    unexpected = [
+        repr(raw)
+        for name, raw in raw_names.items()
+        if name not in entries and raw not in skip and not (names and names.ignores(name))
+    ]
     where = source.name
     if missing:
         also = f", and {len(unexpected)} unexpected: {_some(unexpected)}" if unexpected else ""
-        raise ValueError(f"{where}: {_count(len(missing), 'tensor')} missing: "
-                         f"{_some(missing)}{also}; {fix}")  # fmt: skip
+        raise ValueError(
+            f"{where}: {_count(len(missing), 'tensor')} missing: {_some(missing)}{also}; {fix}"
+        )
     if unexpected:
-        raise ValueError(f"{where}: {_count(len(unexpected), 'unexpected tensor')}: "
-                         f"{_some(unexpected)} (no parameter of the model is stored under that "
-                         f"name); {fix}")  # fmt: skip
+        raise ValueError(
+            f"{where}: {_count(len(unexpected), 'unexpected tensor')}: "
+            f"{_some(unexpected)} (no parameter of the model is stored under that "
+            f"name); {fix}"
+        )
     plan = [entry for entry in entries.values() if entry.stored in raw_names]  # optional: may lack
     for entry in plan:
         entry.raw = raw_names[entry.stored]
@@ -275,8 +287,10 @@ def _plan(
         entry.rows = tuple(shape[0] if shape else 1 for shape in shapes)
         want, got = _stored_shape(entry.rule, shapes), tuple(in_file[entry.raw])
         if got != want:
-            raise ValueError(f"{where}: tensor {entry.raw!r} has shape {got}, but {expected_by} "
-                             f"implies {want}{_for(entry)}; {fix}")  # fmt: skip
+            raise ValueError(
+                f"{where}: tensor {entry.raw!r} has shape {got}, but {expected_by} "
+                f"implies {want}{_for(entry)}; {fix}"
+            )
     return plan
 
 
@@ -332,14 +346,18 @@ def load_weights(
     for entry in plan:
         tensor = source.read(entry.raw)
         if state[entry.params[0]].is_floating_point() and not tensor.is_floating_point():
-            raise ValueError(f"{source.name}: tensor {entry.raw!r} is stored as {tensor.dtype}, "
-                             f"not a float type: dequantise it first (no scale beside it?); "
-                             f"{fix}")  # fmt: skip
+            raise ValueError(
+                f"{source.name}: tensor {entry.raw!r} is stored as {tensor.dtype}, "
+                f"not a float type: dequantise it first (no scale beside it?); "
+                f"{fix}"
+            )
         for param, part in zip(entry.params, _split(entry, tensor), strict=True):
             loaded[param] = part if dtype is None else part.to(dtype)
     kept = set(state) - set(loaded)  # optional or not stored: keep their values
     if assign and kept:
-        raise ValueError(f"{source.name}: no tensor for {_some(sorted(kept))}, which a model "
-                         "built on the meta device needs; load it without assign")  # fmt: skip
+        raise ValueError(
+            f"{source.name}: no tensor for {_some(sorted(kept))}, which a model "
+            "built on the meta device needs; load it without assign"
+        )
     model.load_state_dict(loaded, strict=not kept, assign=assign)
     return model

@@ -29,8 +29,10 @@ class ASTConfig(ModelConfig):
     dropout: float = 0.1
 
     def grid(self) -> tuple[int, int]:
-        return ((self.n_mels - self.patch) // self.stride + 1,
-                (self.frames - self.patch) // self.stride + 1)  # fmt: skip
+        return (
+            (self.n_mels - self.patch) // self.stride + 1,
+            (self.frames - self.patch) // self.stride + 1,
+        )
 
 
 class AST(nn.Module):
@@ -42,9 +44,15 @@ class AST(nn.Module):
         rows, cols = config.grid()
         self.cls_token = nn.Parameter(torch.zeros(1, 1, d))
         self.pos_emb = nn.Parameter(torch.randn(1, 1 + rows * cols, d) * 0.02)
-        self.blocks = encoder_layers(config.n_layer, d, config.n_head, dim_feedforward=4 * d,
-                                     dropout=config.dropout, activation="gelu",
-                                     norm_first=True)  # fmt: skip
+        self.blocks = encoder_layers(
+            config.n_layer,
+            d,
+            config.n_head,
+            dim_feedforward=4 * d,
+            dropout=config.dropout,
+            activation="gelu",
+            norm_first=True,
+        )
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, config.num_classes)
 
@@ -52,8 +60,10 @@ class AST(nn.Module):
         """spectrogram (B, n_mels, frames), normalised log-mel -> logits (B, classes)."""
         expected = (self.config.n_mels, self.config.frames)
         if spectrogram.dim() != 3 or tuple(spectrogram.shape[1:]) != expected:
-            raise ValueError(f"spectrogram must be (batch, {expected[0]}, {expected[1]}), "
-                             f"got {tuple(spectrogram.shape)}")  # fmt: skip
+            raise ValueError(
+                f"spectrogram must be (batch, {expected[0]}, {expected[1]}), "
+                f"got {tuple(spectrogram.shape)}"
+            )
         x = self.patch_embed(spectrogram.unsqueeze(1)).flatten(2).transpose(1, 2)
         x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_emb
         for block in self.blocks:

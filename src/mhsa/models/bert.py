@@ -49,14 +49,17 @@ class BertConfig(ModelConfig):
         if hf.get("hidden_act", "gelu") != "gelu":
             raise ValueError(f"only hidden_act 'gelu' is supported, got {hf['hidden_act']!r}")
         return cls(
-            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-            num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=hf["num_attention_heads"],
             intermediate_size=hf["intermediate_size"],
             max_position=hf["max_position_embeddings"],
             type_vocab_size=hf.get("type_vocab_size", 2),
             layer_norm_eps=hf.get("layer_norm_eps", 1e-12),
-            dropout=hf.get("hidden_dropout_prob", 0.1), pad_token_id=hf.get("pad_token_id", 0),
-        )  # fmt: skip
+            dropout=hf.get("hidden_dropout_prob", 0.1),
+            pad_token_id=hf.get("pad_token_id", 0),
+        )
 
 
 class Bert(nn.Module):
@@ -93,8 +96,9 @@ class Bert(nn.Module):
         """input_ids (B, S); attention_mask (B, S), 1/True = a real token -> (B, S, hidden)."""
         length = input_ids.shape[1]
         if length > self.config.max_position:
-            raise ValueError(f"sequence of {length} tokens exceeds max_position "
-                             f"{self.config.max_position}")  # fmt: skip
+            raise ValueError(
+                f"sequence of {length} tokens exceeds max_position {self.config.max_position}"
+            )
         positions = torch.arange(length, device=input_ids.device)
         types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
         x = self.word_emb(input_ids) + self.pos_emb(positions) + self.type_emb(types)
@@ -163,10 +167,9 @@ BERT_NAMES = NameTable(  # our names <-> transformers' BertModel ("bert." option
     Rule("mlm_norm.{p}", "cls.predictions.transform.LayerNorm.{p}", optional=True),
     Rule("mlm_bias", "cls.predictions.bias", optional=True),
     # positions 0..max-1 (a buffer); the head's decoder is the tied embedding and its bias
-    ignore=("embeddings.position_ids", "cls.predictions.decoder.{p}",
-            "cls.seq_relationship.{p}"),
+    ignore=("embeddings.position_ids", "cls.predictions.decoder.{p}", "cls.seq_relationship.{p}"),
     prefix="bert.",
-)  # fmt: skip
+)
 
 
 def mean_pool(hidden: Tensor, attention_mask: Tensor, normalize: bool = True) -> Tensor:

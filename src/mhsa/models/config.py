@@ -32,5 +32,6 @@ class CausalLMConfig(ModelConfig):
             int_at_least(name, getattr(self, name), 1)
         kv = self.n_head if self.n_kv_head is None else self.n_kv_head
         if isinstance(kv, bool) or not isinstance(kv, int) or kv < 1 or self.n_head % kv:
-            raise ValueError(f"n_kv_head must divide n_head ({self.n_head}) or be None, "
-                             f"got {self.n_kv_head!r}")  # fmt: skip
+            raise ValueError(
+                f"n_kv_head must divide n_head ({self.n_head}) or be None, got {self.n_kv_head!r}"
+            )

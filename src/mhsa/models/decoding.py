@@ -24,8 +24,15 @@ from ..cache import StaticKVCache
 from .decoder import Decoder
 from .sampling import GREEDY, Sampling, StopRule, check_sampling, sample, sample_and_stop
 
-__all__ = ["CausalLMDecoding", "check_sampling", "check_token_ids", "compile_seconds",
-           "compiled_decode_step", "greedy_search", "sample"]  # fmt: skip
+__all__ = [
+    "CausalLMDecoding",
+    "check_sampling",
+    "check_token_ids",
+    "compile_seconds",
+    "compiled_decode_step",
+    "greedy_search",
+    "sample",
+]
 
 # per model: its compiled functions (by the function compiled), and how long the first
 # call took (compiling)
@@ -120,8 +127,9 @@ def _stop_tokens(eos_token: int | Sequence[int] | None, vocab_size: int) -> tupl
         return ()
     ids = [eos_token] if isinstance(eos_token, int) else list(eos_token)
     if not ids or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
-        raise TypeError(f"eos_token must be a token id, a non-empty list of them, or None; "
-                        f"got {eos_token!r}")  # fmt: skip
+        raise TypeError(
+            f"eos_token must be a token id, a non-empty list of them, or None; got {eos_token!r}"
+        )
     check_token_ids(torch.tensor(ids, dtype=torch.long), vocab_size, name="eos_token")
     return tuple(ids)
 
@@ -229,8 +237,10 @@ class CausalLMDecoding:
         tokens, start = _left_padded(prompts, device)
         width = tokens.shape[1]
         if max_len is not None and width + max_new_tokens > max_len:
-            raise ValueError(f"prompt ({width}) + max_new_tokens ({max_new_tokens}) exceeds "
-                             f"max_len {max_len} of this model's positions")  # fmt: skip
+            raise ValueError(
+                f"prompt ({width}) + max_new_tokens ({max_new_tokens}) exceeds "
+                f"max_len {max_len} of this model's positions"
+            )
         caches = self.make_caches(len(prompts), width + max_new_tokens) if use_cache else None
         logits = self.prefill(tokens, caches, start=start)
         step = compiled_decode_step(self, caches) if compile else None
@@ -255,5 +265,7 @@ class CausalLMDecoding:
         generated = torch.stack(new, dim=1) if new else tokens[:, :0]
         if not as_list:  # equal-length prompts: one tensor, the stop token repeated after the end
             return torch.cat([idx.to(device), generated], dim=1)
-        return [torch.cat([p.to(device), _until_stop(g, stop)])
-                for p, g in zip(prompts, generated, strict=True)]  # fmt: skip
+        return [
+            torch.cat([p.to(device), _until_stop(g, stop)])
+            for p, g in zip(prompts, generated, strict=True)
+        ]

@@ -126,8 +126,10 @@ class GPT(nn.Module, CausalLMDecoding):
         attn_position = self.attn_position
         if positions is not None:
             if caches is not None or start is not None or self.config.position in SCORE_POSITIONS:
-                raise ValueError("positions (a sequence shard) does not go with caches, "
-                                 "start or ALiBi/T5 positions")  # fmt: skip
+                raise ValueError(
+                    "positions (a sequence shard) does not go with caches, "
+                    "start or ALiBi/T5 positions"
+                )
             positions = positions.to(idx.device)
             if attn_position is not None:
                 attn_position = attn_position.at(positions)
@@ -151,9 +153,13 @@ class GPT(nn.Module, CausalLMDecoding):
         mask = None if window is None else SlidingWindow(window - 1, 0)
         for i, block in enumerate(self.blocks):
             x = block(
-                x, mask=mask, key_padding_mask=padding, causal=window is None,
-                position=attn_position, cache=None if caches is None else caches[i],
-            )  # fmt: skip
+                x,
+                mask=mask,
+                key_padding_mask=padding,
+                causal=window is None,
+                position=attn_position,
+                cache=None if caches is None else caches[i],
+            )
         return self.ln_f(x[:, -1:] if last else x) @ self.tok_emb.weight.T  # tied head
 
     def decoding_layout(self) -> GPT:
@@ -169,8 +175,13 @@ class GPT(nn.Module, CausalLMDecoding):
     def cache_layout(self) -> CacheLayout:
         """The per-token shape of this model's caches (a paged pool's size)."""
         config, param = self.config, self.tok_emb.weight
-        return CacheLayout(config.n_layer, config.n_kv_head or config.n_head,
-                           config.d_model // config.n_head, param.dtype, param.device)  # fmt: skip
+        return CacheLayout(
+            config.n_layer,
+            config.n_kv_head or config.n_head,
+            config.d_model // config.n_head,
+            param.dtype,
+            param.device,
+        )
 
     def make_caches(self, batch: int, max_len: int) -> list[KVCache]:
         """Empty caches for every layer: ring buffers of `window` with a window."""
@@ -180,8 +191,10 @@ class GPT(nn.Module, CausalLMDecoding):
         head_dim = config.d_model // config.n_head
         options = {"dtype": param.dtype, "device": param.device}
         if config.window is not None:
-            return [SlidingWindowCache(batch, kv_heads, config.window, head_dim, **options)
-                    for _ in self.blocks]  # fmt: skip
+            return [
+                SlidingWindowCache(batch, kv_heads, config.window, head_dim, **options)
+                for _ in self.blocks
+            ]
         return [KVCache(batch, kv_heads, max_len, head_dim, **options) for _ in self.blocks]
 
     def position_limit(self) -> int | None:
@@ -210,8 +223,15 @@ class GPT(nn.Module, CausalLMDecoding):
 GPT2_NAMES = NameTable(  # our names <-> transformers' GPT2LMHeadModel ("transformer." optional)
     ("tok_emb.weight", "wte.weight"),
     ("pos_emb.embedding.weight", "wpe.weight"),
-    Rule(("blocks.{i}.self_attn.q_proj.{p}", "blocks.{i}.self_attn.k_proj.{p}",
-          "blocks.{i}.self_attn.v_proj.{p}"), "h.{i}.attn.c_attn.{p}", transpose=True),
+    Rule(
+        (
+            "blocks.{i}.self_attn.q_proj.{p}",
+            "blocks.{i}.self_attn.k_proj.{p}",
+            "blocks.{i}.self_attn.v_proj.{p}",
+        ),
+        "h.{i}.attn.c_attn.{p}",
+        transpose=True,
+    ),
     Rule("blocks.{i}.self_attn.out_proj.{p}", "h.{i}.attn.c_proj.{p}", transpose=True),
     Rule("blocks.{i}.feed_forward.linear1.{p}", "h.{i}.mlp.c_fc.{p}", transpose=True),
     Rule("blocks.{i}.feed_forward.linear2.{p}", "h.{i}.mlp.c_proj.{p}", transpose=True),
@@ -220,4 +240,4 @@ GPT2_NAMES = NameTable(  # our names <-> transformers' GPT2LMHeadModel ("transfo
     ("ln_f.{p}", "ln_f.{p}"),
     ignore=("lm_head.weight", "h.{i}.attn.bias", "h.{i}.attn.masked_bias"),  # tied; buffers
     prefix="transformer.",
-)  # fmt: skip
+)

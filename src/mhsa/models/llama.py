@@ -38,8 +38,13 @@ from .decoding import CausalLMDecoding, check_token_ids
 from .init import normal_init
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu",
-                  "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}  # fmt: skip
+HF_ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu": "gelu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+}
 
 
 @dataclass
@@ -67,17 +72,22 @@ class LlamaConfig(CausalLMConfig):
         for name in ("d_ff", "max_len"):
             int_at_least(name, getattr(self, name), 1)
         if self.head_dim is None and self.d_model % self.n_head:
-            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_head "
-                             f"({self.n_head}), or set head_dim")  # fmt: skip
+            raise ValueError(
+                f"d_model ({self.d_model}) must be divisible by n_head "
+                f"({self.n_head}), or set head_dim"
+            )
         if self.sliding_window is not None:
             int_at_least("sliding_window", self.sliding_window, 1)
         bad = [i for i in self.window_layers or () if not 0 <= i < self.n_layer]
         if bad:
-            raise ValueError(f"window_layers must be layer indices in 0..{self.n_layer - 1}, "
-                             f"got {bad}")  # fmt: skip
+            raise ValueError(
+                f"window_layers must be layer indices in 0..{self.n_layer - 1}, got {bad}"
+            )
         if self.activation not in set(HF_ACTIVATIONS.values()):
-            raise ValueError(f"activation must be one of {sorted(set(HF_ACTIVATIONS.values()))}, "
-                             f"got {self.activation!r}")  # fmt: skip
+            raise ValueError(
+                f"activation must be one of {sorted(set(HF_ACTIVATIONS.values()))}, "
+                f"got {self.activation!r}"
+            )
         self.eos_token = tuple(self.eos_token)
         self.window_layers = None if self.window_layers is None else tuple(self.window_layers)
         rope_frequencies(
@@ -85,7 +95,7 @@ class LlamaConfig(CausalLMConfig):
             self.rope_theta,
             self.rope_scaling,
             max_position_embeddings=self.max_len,
-        )  # fmt: skip  (checks the scaling)
+        )  # checks the scaling
 
     @property
     def head_width(self) -> int:
@@ -108,10 +118,17 @@ class LlamaConfig(CausalLMConfig):
         rope_scaling or rope_parameters for the scaling)."""
         kind = d.get("model_type")
         if kind not in MODEL_TYPES:
-            raise ValueError(f"model_type {kind!r} is not supported by Llama; supported: "
-                             f"{', '.join(MODEL_TYPES)}")  # fmt: skip
-        needed = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                  "num_attention_heads")  # fmt: skip
+            raise ValueError(
+                f"model_type {kind!r} is not supported by Llama; supported: "
+                f"{', '.join(MODEL_TYPES)}"
+            )
+        needed = (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+        )
         missing = [k for k in needed if k not in d]
         if missing:
             raise ValueError(f"the config dict lacks {missing}; pass the model's config.json")
@@ -127,30 +144,43 @@ class LlamaConfig(CausalLMConfig):
         if kind in ("qwen2", "qwen3"):  # the window only where layer_types says so
             window = window if d.get("use_sliding_window") else None
             first = d.get("max_window_layers", n_layer)
-            types = d.get("layer_types") or ["sliding_attention" if i >= first else "full"
-                                             for i in range(n_layer)]  # fmt: skip
+            types = d.get("layer_types") or [
+                "sliding_attention" if i >= first else "full" for i in range(n_layer)
+            ]
             window_layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
         if kind == "llama":
             window = None
         act = d.get("hidden_act", "silu")
         if act not in HF_ACTIVATIONS:
-            raise ValueError(f"hidden_act {act!r} is not supported; use one of "
-                             f"{sorted(HF_ACTIVATIONS)}")  # fmt: skip
+            raise ValueError(
+                f"hidden_act {act!r} is not supported; use one of {sorted(HF_ACTIVATIONS)}"
+            )
         bias = d.get("attention_bias", False) if kind in ("llama", "qwen3") else kind == "qwen2"
         eos = d.get("eos_token_id")
         return cls(
-            vocab_size=d["vocab_size"], n_layer=n_layer, n_head=n_head,
-            n_kv_head=d.get("num_key_value_heads") or n_head, d_model=d["hidden_size"],
-            head_dim=head_dim, d_ff=d["intermediate_size"], max_len=max_len,
-            norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
-            rotary_dim=int(head_dim * partial), rope_scaling=rope if rope_type(rope) != "default"
-            else None, attention_bias=bias, attention_out_bias=bias and kind != "qwen2",
-            qk_norm=kind == "qwen3", sliding_window=window, window_layers=window_layers,
-            activation=HF_ACTIVATIONS[act], mlp_bias=bool(d.get("mlp_bias", False)),
+            vocab_size=d["vocab_size"],
+            n_layer=n_layer,
+            n_head=n_head,
+            n_kv_head=d.get("num_key_value_heads") or n_head,
+            d_model=d["hidden_size"],
+            head_dim=head_dim,
+            d_ff=d["intermediate_size"],
+            max_len=max_len,
+            norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rotary_dim=int(head_dim * partial),
+            rope_scaling=rope if rope_type(rope) != "default" else None,
+            attention_bias=bias,
+            attention_out_bias=bias and kind != "qwen2",
+            qk_norm=kind == "qwen3",
+            sliding_window=window,
+            window_layers=window_layers,
+            activation=HF_ACTIVATIONS[act],
+            mlp_bias=bool(d.get("mlp_bias", False)),
             tie_embeddings=bool(d.get("tie_word_embeddings", False)),
             bos_token=d.get("bos_token_id"),
             eos_token=() if eos is None else (eos,) if isinstance(eos, int) else tuple(eos),
-        )  # fmt: skip
+        )
 
 
 class LlamaBlock(nn.Module):
@@ -160,18 +190,28 @@ class LlamaBlock(nn.Module):
         super().__init__()
         self.attn_norm = RMSNorm(config.d_model, eps=config.norm_eps)
         self.attn = MultiHeadAttention(
-            config.d_model, config.n_head, num_kv_heads=config.n_kv_head,
-            head_dim=config.head_width, bias=config.attention_bias,
+            config.d_model,
+            config.n_head,
+            num_kv_heads=config.n_kv_head,
+            head_dim=config.head_width,
+            bias=config.attention_bias,
             out_bias=config.attention_out_bias,
             qk_norm_eps=config.norm_eps if config.qk_norm else None,
-        )  # fmt: skip
+        )
         self.ff_norm = RMSNorm(config.d_model, eps=config.norm_eps)
-        self.ff = GatedFeedForward(config.d_model, config.d_ff, activation=config.activation,
-                                   bias=config.mlp_bias)  # fmt: skip
+        self.ff = GatedFeedForward(
+            config.d_model, config.d_ff, activation=config.activation, bias=config.mlp_bias
+        )
 
     def forward(self, x: Tensor, *, mask, padding, position, cache) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), mask=mask, key_padding_mask=padding,
-                          causal=True, position=position, cache=cache)  # fmt: skip
+        x = x + self.attn(
+            self.attn_norm(x),
+            mask=mask,
+            key_padding_mask=padding,
+            causal=True,
+            position=position,
+            cache=cache,
+        )
         return x + self.ff(self.ff_norm(x))
 
 
@@ -193,14 +233,21 @@ class Llama(nn.Module, CausalLMDecoding):
     def _make_rotary(self) -> RotaryEmbedding:
         c = self.config
         return RotaryEmbedding(
-            c.head_width, c.rope_theta, rotary_dim=c.rotary_width, scaling=c.rope_scaling,
+            c.head_width,
+            c.rope_theta,
+            rotary_dim=c.rotary_width,
+            scaling=c.rope_scaling,
             max_position_embeddings=c.max_len,
-        )  # fmt: skip
+        )
 
     def forward(
-        self, idx: Tensor, *, caches: list[KVCache] | None = None, start: Tensor | None = None,
+        self,
+        idx: Tensor,
+        *,
+        caches: list[KVCache] | None = None,
+        start: Tensor | None = None,
         last: bool = False,
-    ) -> Tensor:  # fmt: skip
+    ) -> Tensor:
         """idx (B, T) token ids -> logits (B, T, vocab), or (B, 1, vocab) of the last
         position when last (what decoding needs: the output head is a fifth of a
         prefill's work here).
@@ -230,8 +277,13 @@ class Llama(nn.Module, CausalLMDecoding):
         x = self.embed(idx)
         for i, layer in enumerate(self.layers):
             mask = SlidingWindow(window - 1, 0) if self.config.windowed(i) else None
-            x = layer(x, mask=mask, padding=padding, position=rotary,
-                      cache=None if caches is None else caches[i])  # fmt: skip
+            x = layer(
+                x,
+                mask=mask,
+                padding=padding,
+                position=rotary,
+                cache=None if caches is None else caches[i],
+            )
         x = self.norm(x[:, -1:] if last else x)
         return x @ self.embed.weight.T if self.lm_head is None else self.lm_head(x)
 
@@ -255,8 +307,9 @@ class Llama(nn.Module, CausalLMDecoding):
     def cache_layout(self) -> CacheLayout:
         """The per-token shape of this model's caches (a paged pool's size)."""
         c, param = self.config, self.embed.weight
-        return CacheLayout(c.n_layer, c.n_kv_head or c.n_head, c.head_width, param.dtype,
-                           param.device)  # fmt: skip
+        return CacheLayout(
+            c.n_layer, c.n_kv_head or c.n_head, c.head_width, param.dtype, param.device
+        )
 
     def make_caches(self, batch: int, max_len: int) -> list[KVCache]:
         """Empty caches for every layer; windowed layers keep only their window."""
@@ -296,14 +349,24 @@ class Llama(nn.Module, CausalLMDecoding):
         if config.tie_embeddings and "lm_head.weight" in stored:
             head = source.read("lm_head.weight").cpu()
             if EMBED in stored and not torch.equal(head, source.read(EMBED).cpu()):
-                raise ValueError(f"{source.name}: lm_head.weight differs from {EMBED}, so the "
-                                 "checkpoint is not tied: set tie_embeddings=False")  # fmt: skip
+                raise ValueError(
+                    f"{source.name}: lm_head.weight differs from {EMBED}, so the "
+                    "checkpoint is not tied: set tie_embeddings=False"
+                )
             ignore.append("lm_head.weight")
         if dtype is None and EMBED in stored:
             dtype = source.read(EMBED).dtype
         fix = "check that the config (layers, attention_bias, qk_norm, tie_embeddings) matches it"
-        load_weights(model, source, HF_NAMES, dtype=dtype, assign=True,
-                     expected_by="this config", fix=fix, ignore=ignore)  # fmt: skip
+        load_weights(
+            model,
+            source,
+            HF_NAMES,
+            dtype=dtype,
+            assign=True,
+            expected_by="this config",
+            fix=fix,
+            ignore=ignore,
+        )
         with torch.device(model.embed.weight.device):
             model.rotary = model._make_rotary()  # its frequencies were made on meta
         return model.eval()
@@ -315,12 +378,16 @@ class Llama(nn.Module, CausalLMDecoding):
         """Load a Hugging Face model directory: config.json and its *.safetensors files."""
         directory = Path(directory)
         if not (directory / "config.json").is_file():
-            raise ValueError(f"{directory} has no config.json; pass a Hugging Face model "
-                             "directory (config.json + *.safetensors)")  # fmt: skip
+            raise ValueError(
+                f"{directory} has no config.json; pass a Hugging Face model "
+                "directory (config.json + *.safetensors)"
+            )
         files = sorted(directory.glob("*.safetensors"))
         if not files:
-            raise ValueError(f"{directory} has no *.safetensors weights; convert .bin "
-                             "checkpoints with transformers' save_pretrained first")  # fmt: skip
+            raise ValueError(
+                f"{directory} has no *.safetensors weights; convert .bin "
+                "checkpoints with transformers' save_pretrained first"
+            )
         config = LlamaConfig.from_hf_config(json.loads((directory / "config.json").read_text()))
         return cls.from_hf(SafetensorsFiles(files, device=str(device)), config, dtype=dtype)
 
@@ -342,4 +409,4 @@ HF_NAMES = NameTable(  # our names <-> transformers' (Llama, Mistral, Qwen2, Qwe
     ("layers.{i}.ff.up.{p}", "model.layers.{i}.mlp.up_proj.{p}"),
     ("layers.{i}.ff.down.{p}", "model.layers.{i}.mlp.down_proj.{p}"),
     ignore=("model.rotary_emb.inv_freq", "model.layers.{i}.self_attn.rotary_emb.inv_freq"),
-)  # fmt: skip
+)

@@ -46,9 +46,15 @@ class PointCloudTransformer(nn.Module):
         self.config = config
         d = config.d_model
         self.embed = nn.Sequential(nn.Linear(4, d), nn.GELU(), nn.Linear(d, d))
-        self.blocks = encoder_layers(config.n_layer, d, config.n_head,
-                                     dim_feedforward=config.d_ff or 2 * d, dropout=config.dropout,
-                                     activation="gelu", norm_first=True)  # fmt: skip
+        self.blocks = encoder_layers(
+            config.n_layer,
+            d,
+            config.n_head,
+            dim_feedforward=config.d_ff or 2 * d,
+            dropout=config.dropout,
+            activation="gelu",
+            norm_first=True,
+        )
         self.norm = nn.LayerNorm(d)
         self.seed = nn.Parameter(torch.randn(1, 1, d) * 0.02)
         self.pool_attn = MultiHeadAttention(d, config.n_head)
@@ -71,8 +77,11 @@ class PointCloudTransformer(nn.Module):
         if kind == "attention":
             seed = self.seed.expand(features.shape[0], -1, -1)
             return self.pool_attn(seed, features, key_padding_mask=mask)[:, 0]
-        weights = torch.ones(features.shape[:2], device=features.device) if mask is None \
-            else mask.to(features.dtype)  # fmt: skip
+        weights = (
+            torch.ones(features.shape[:2], device=features.device)
+            if mask is None
+            else mask.to(features.dtype)
+        )
         if kind == "mean":
             return (features * weights.unsqueeze(-1)).sum(1) / weights.sum(1, keepdim=True)
         return features.masked_fill(weights.unsqueeze(-1) == 0, -torch.inf).amax(dim=1)
@@ -92,8 +101,11 @@ def _canonical_pose(points: Tensor, mask: Tensor | None) -> Tensor:
 
     Statistics are float64: eigenvectors of a nearly degenerate covariance (a cube,
     a sphere) swing with rounding, and must not depend on the order of the points."""
-    weights = torch.ones(points.shape[:2], dtype=torch.float64, device=points.device) \
-        if mask is None else mask.to(torch.float64)  # fmt: skip
+    weights = (
+        torch.ones(points.shape[:2], dtype=torch.float64, device=points.device)
+        if mask is None
+        else mask.to(torch.float64)
+    )
     weights = (weights / weights.sum(-1, keepdim=True).clamp(min=1)).unsqueeze(-1)  # (B, N, 1)
     x = points.to(torch.float64)
     x = (x - (x * weights).sum(1, keepdim=True)) * (weights > 0)

@@ -108,8 +108,9 @@ class Seq2Seq(nn.Module):
     def loss(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor) -> Tensor:
         """Cross-entropy of tgt_out (B, T) given src and tgt_in, padding ignored."""
         logits = self(src, tgt_in)
-        return F.cross_entropy(logits.flatten(0, 1), tgt_out.flatten(),
-                               ignore_index=self.config.pad_id)  # fmt: skip
+        return F.cross_entropy(
+            logits.flatten(0, 1), tgt_out.flatten(), ignore_index=self.config.pad_id
+        )
 
     @torch.no_grad()
     def translate(
@@ -129,14 +130,17 @@ class Seq2Seq(nn.Module):
         if not 0 < max_new < config.max_len:
             raise ValueError(f"max_new_tokens must be in [1, {config.max_len - 1}], got {max_new}")
         memory, padding = self.encode(src)
-        decoder = Seq2SeqDecoder(self, memory.repeat_interleave(beam_size, dim=0),
-                                 padding.repeat_interleave(beam_size, dim=0), cache_memory)
+        decoder = Seq2SeqDecoder(
+            self,
+            memory.repeat_interleave(beam_size, dim=0),
+            padding.repeat_interleave(beam_size, dim=0),
+            cache_memory,
+        )
         cache = decoder.make_caches(src.shape[0] * beam_size, max_new + 1)
         start = torch.full((src.shape[0], 1), config.bos_id, device=src.device)
         if beam_size == 1:
             return greedy_search(decoder, cache, start, config.eos_id, max_new)
-        return beam_search(decoder, cache, start, config.eos_id, max_new, beam_size,
-                           length_penalty)  # fmt: skip
+        return beam_search(decoder, cache, start, config.eos_id, max_new, beam_size, length_penalty)
 
 
 class Seq2SeqDecoder:
@@ -144,25 +148,39 @@ class Seq2SeqDecoder:
     (B, S): a Decoder (mhsa.models.decoder). cache_memory=False projects the
     cross-attention keys/values at every step."""
 
-    def __init__(self, model: Seq2Seq, memory: Tensor, padding: Tensor,
-                 cache_memory: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self, model: Seq2Seq, memory: Tensor, padding: Tensor, cache_memory: bool = True
+    ) -> None:
         self.model, self.memory, self.padding = model, memory, padding
         self.cache_memory = cache_memory
 
     @property
     def cache_layout(self) -> CacheLayout:
         config = self.model.config
-        return CacheLayout(config.n_decoder_layer, config.n_head, config.d_model // config.n_head,
-                           self.memory.dtype, self.memory.device)  # fmt: skip
+        return CacheLayout(
+            config.n_decoder_layer,
+            config.n_head,
+            config.d_model // config.n_head,
+            self.memory.dtype,
+            self.memory.device,
+        )
 
     def make_caches(self, batch: int, max_len: int) -> DecoderCache:
         layout = self.cache_layout
-        return DecoderCache(layout.num_layers, batch, layout.num_kv_heads, max_len,
-                            layout.head_dim, dtype=layout.dtype, device=layout.device,
-                            cache_memory=self.cache_memory)  # fmt: skip
+        return DecoderCache(
+            layout.num_layers,
+            batch,
+            layout.num_kv_heads,
+            max_len,
+            layout.head_dim,
+            dtype=layout.dtype,
+            device=layout.device,
+            cache_memory=self.cache_memory,
+        )
 
-    def prefill(self, tokens: Tensor, caches: DecoderCache | None, *,
-                start: Tensor | None = None) -> Tensor:  # fmt: skip
+    def prefill(
+        self, tokens: Tensor, caches: DecoderCache | None, *, start: Tensor | None = None
+    ) -> Tensor:
         """Target tokens (B, T) -> logits (B, tgt_vocab) of the last; never left-padded."""
         if start is not None:
             raise ValueError("target prefixes are never left-padded: pass start=None")
@@ -175,8 +193,9 @@ class Seq2SeqDecoder:
 
 def _check_ids(name: str, ids: Tensor, vocab: int, max_len: int) -> None:
     if ids.dim() != 2 or ids.dtype != torch.long:
-        raise ValueError(f"{name} must be (batch, length) int64 ids, got {ids.dtype} "
-                         f"{tuple(ids.shape)}")  # fmt: skip
+        raise ValueError(
+            f"{name} must be (batch, length) int64 ids, got {ids.dtype} {tuple(ids.shape)}"
+        )
     if ids.shape[1] > max_len:
         raise ValueError(f"{name} has {ids.shape[1]} tokens, more than max_len {max_len}")
     if ids.numel() and (ids.min() < 0 or ids.max() >= vocab):

@@ -34,8 +34,10 @@ class ViTConfig(ModelConfig):
 
     def __post_init__(self) -> None:
         if self.image_size % self.patch_size:
-            raise ValueError(f"image_size ({self.image_size}) must be a multiple of "
-                             f"patch_size ({self.patch_size})")  # fmt: skip
+            raise ValueError(
+                f"image_size ({self.image_size}) must be a multiple of "
+                f"patch_size ({self.patch_size})"
+            )
 
 
 class ViT(nn.Module):
@@ -48,9 +50,15 @@ class ViT(nn.Module):
         self.cls_token = nn.Parameter(torch.zeros(1, 1, d))
         self.pos_emb = nn.Parameter(torch.randn(1, 1 + grid * grid, d) * 0.02)
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = encoder_layers(config.n_layer, d, config.n_head,
-                                     dim_feedforward=config.d_ff or 4 * d, dropout=config.dropout,
-                                     activation="gelu", norm_first=True)  # fmt: skip
+        self.blocks = encoder_layers(
+            config.n_layer,
+            d,
+            config.n_head,
+            dim_feedforward=config.d_ff or 4 * d,
+            dropout=config.dropout,
+            activation="gelu",
+            norm_first=True,
+        )
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, config.num_classes)
 
@@ -61,15 +69,17 @@ class ViT(nn.Module):
             return self.pos_emb
         cls_pos, patch_pos = self.pos_emb[:, :1], self.pos_emb[:, 1:]
         patch_pos = patch_pos.reshape(1, grid, grid, -1).permute(0, 3, 1, 2)
-        patch_pos = F.interpolate(patch_pos, size=(grid_h, grid_w), mode="bicubic",
-                                  align_corners=False)  # fmt: skip
+        patch_pos = F.interpolate(
+            patch_pos, size=(grid_h, grid_w), mode="bicubic", align_corners=False
+        )
         return torch.cat([cls_pos, patch_pos.flatten(2).transpose(1, 2)], dim=1)
 
     def forward(self, images: Tensor) -> Tensor:
         """images (B, C, H, W), H and W multiples of patch_size -> logits (B, classes)."""
         if images.dim() != 4 or images.shape[1] != self.config.channels:
-            raise ValueError(f"images must be (batch, {self.config.channels}, H, W), "
-                             f"got {tuple(images.shape)}")  # fmt: skip
+            raise ValueError(
+                f"images must be (batch, {self.config.channels}, H, W), got {tuple(images.shape)}"
+            )
         patches = self.patch_embed(images)  # (B, d, H/p, W/p)
         grid_h, grid_w = patches.shape[2:]
         x = patches.flatten(2).transpose(1, 2)  # (B, N, d)

@@ -59,8 +59,16 @@ class WhisperConfig(ModelConfig):
     suppress_ids_begin: tuple[int, ...] = ()  # not generated as the first token
 
     def __post_init__(self) -> None:
-        for name in ("n_mels", "n_audio_ctx", "n_vocab", "n_text_ctx", "d_model", "n_head",
-                     "n_audio_layer", "n_text_layer"):  # fmt: skip
+        for name in (
+            "n_mels",
+            "n_audio_ctx",
+            "n_vocab",
+            "n_text_ctx",
+            "d_model",
+            "n_head",
+            "n_audio_layer",
+            "n_text_layer",
+        ):
             int_at_least(name, getattr(self, name), 1)
         if self.d_model % self.n_head:
             raise ValueError(
@@ -87,8 +95,12 @@ class Whisper(nn.Module):
         self.config = config
         self.tokenizer = tokenizer  # a tokenizers.Tokenizer (GPT-2 byte-level BPE), for decode()
         d = config.d_model
-        options = {"dim_feedforward": 4 * d, "dropout": 0.0, "activation": "gelu",
-                   "norm_first": True}  # fmt: skip
+        options = {
+            "dim_feedforward": 4 * d,
+            "dropout": 0.0,
+            "activation": "gelu",
+            "norm_first": True,
+        }
         self.conv1 = nn.Conv1d(config.n_mels, d, kernel_size=3, padding=1)
         self.conv2 = nn.Conv1d(d, d, kernel_size=3, stride=2, padding=1)
         self.register_buffer("audio_positions", whisper_sinusoids(config.n_audio_ctx, d))
@@ -145,9 +157,16 @@ class Whisper(nn.Module):
         """An empty decoder cache for `batch` sequences of up to `max_len` tokens;
         cache_memory=False projects the cross-attention keys/values at every step."""
         config, param = self.config, self.token_embedding.weight
-        return DecoderCache(config.n_text_layer, batch, config.n_head, max_len,
-                            config.d_model // config.n_head, dtype=param.dtype,
-                            device=param.device, cache_memory=cache_memory)  # fmt: skip
+        return DecoderCache(
+            config.n_text_layer,
+            batch,
+            config.n_head,
+            max_len,
+            config.d_model // config.n_head,
+            dtype=param.dtype,
+            device=param.device,
+            cache_memory=cache_memory,
+        )
 
     def suppress(self, logits: Tensor, first: bool) -> Tensor:
         """logits (B, n_vocab) with the suppressed tokens set to -inf (and the
@@ -187,8 +206,9 @@ class Whisper(nn.Module):
                 f"max_new_tokens must be in [1, {config.n_text_ctx - prompt_len}] (n_text_ctx "
                 f"minus the prompt), got {max_new}"
             )
-        decoder = WhisperTextDecoder(self, self.encode(mel), cache_memory=reuse_memory,
-                                     compile=compile, record=return_logits)  # fmt: skip
+        decoder = WhisperTextDecoder(
+            self, self.encode(mel), cache_memory=reuse_memory, compile=compile, record=return_logits
+        )
         batch = decoder.memory.shape[0]
         cache = decoder.make_caches(batch, prompt_len + max_new)
         prompt = torch.tensor(config.prompt, device=decoder.memory.device).expand(batch, -1)
@@ -216,8 +236,12 @@ class Whisper(nn.Module):
         is checked against the model first (CT2_NAMES)."""
         directory = Path(directory)
         vocabulary_file = _vocabulary_file(directory)
-        for path in (directory / "model.bin", directory / "config.json", vocabulary_file,
-                     directory / "tokenizer.json"):  # fmt: skip
+        for path in (
+            directory / "model.bin",
+            directory / "config.json",
+            vocabulary_file,
+            directory / "tokenizer.json",
+        ):
             if not path.is_file():
                 raise FileNotFoundError(
                     f"{path}: missing; pass the folder of a CTranslate2 Whisper conversion "
@@ -335,7 +359,7 @@ CT2_NAMES = NameTable(  # our names <-> a CTranslate2 WhisperSpec's; q|k|v and k
     *_norm("decoder.norm", "decoder/layer_norm"),
     # flags and head counts (encoder/num_heads...); the output head is the tied embedding
     ignore=("encoder/{any}", "decoder/{any}", "decoder/projection/weight"),
-)  # fmt: skip
+)
 
 
 class WhisperTextDecoder:
@@ -346,8 +370,15 @@ class WhisperTextDecoder:
     through one compiled decoder step over StaticKVCaches; record keeps every call's
     raw logits (B, n_vocab) in `seen`."""
 
-    def __init__(self, model: Whisper, memory: Tensor, *, cache_memory: bool = True,
-                 compile: bool = False, record: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: Whisper,
+        memory: Tensor,
+        *,
+        cache_memory: bool = True,
+        compile: bool = False,
+        record: bool = False,
+    ) -> None:
         self.model, self.memory = model, memory
         self.cache_memory, self.compile, self.record = cache_memory, compile, record
         self.seen: list[Tensor] = []
@@ -356,14 +387,20 @@ class WhisperTextDecoder:
     @property
     def cache_layout(self) -> CacheLayout:
         config, param = self.model.config, self.model.token_embedding.weight
-        return CacheLayout(config.n_text_layer, config.n_head, config.d_model // config.n_head,
-                           param.dtype, param.device)  # fmt: skip
+        return CacheLayout(
+            config.n_text_layer,
+            config.n_head,
+            config.d_model // config.n_head,
+            param.dtype,
+            param.device,
+        )
 
     def make_caches(self, batch: int, max_len: int) -> DecoderCache:
         return self.model.make_cache(batch, max_len, cache_memory=self.cache_memory)
 
-    def prefill(self, tokens: Tensor, caches: DecoderCache | None, *,
-                start: Tensor | None = None) -> Tensor:  # fmt: skip
+    def prefill(
+        self, tokens: Tensor, caches: DecoderCache | None, *, start: Tensor | None = None
+    ) -> Tensor:
         """The prompt tokens (B, T) -> logits (B, n_vocab); prompts are never padded."""
         if start is not None:
             raise ValueError("Whisper's prompts are never left-padded: pass start=None")
@@ -371,8 +408,7 @@ class WhisperTextDecoder:
         if self.compile and caches is not None:  # the prompt is in: the steps run compiled
             model, memory = self.model, self.memory
             steps = caches.to_static(static_caches(caches.self_attn))
-            self._compiled = compiled_once(model, _logits_step,
-                                           lambda t: (model, t, memory, steps))  # fmt: skip
+            self._compiled = compiled_once(model, _logits_step, lambda t: (model, t, memory, steps))
         return self._seen(logits, first=True)
 
     def step(self, tokens: Tensor, caches: DecoderCache) -> Tensor:

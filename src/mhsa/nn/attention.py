@@ -38,8 +38,9 @@ def from_torch_masks(
     return mask, padding, bias
 
 
-def _rotated(position: AttentionPosition, q: Tensor, k: Tensor,
-             cache: Cache | None) -> tuple[Tensor, Tensor]:  # fmt: skip
+def _rotated(
+    position: AttentionPosition, q: Tensor, k: Tensor, cache: Cache | None
+) -> tuple[Tensor, Tensor]:
     """q (B, H, L, D), k (B, H_kv, L, D) rotated by `position` at the new tokens'
     positions: 0..L-1 without a cache (or with a cross-attention memory), the cache's
     next_positions with one (each sequence's own: left padding, pages)."""
@@ -50,10 +51,12 @@ def _rotated(position: AttentionPosition, q: Tensor, k: Tensor,
     if positions is None:
         return position.rotate(q, k, 0)
     if not isinstance(position, RotaryEmbedding):
-        raise TypeError(f"with a cache, positions come from the cache per sequence: it "
-                        f"takes rotary positions (rotated at them) and score functions (ALiBi, "
-                        f"T5), not {type(position).__name__}, which rotates from one "
-                        "offset")  # fmt: skip
+        raise TypeError(
+            f"with a cache, positions come from the cache per sequence: it "
+            f"takes rotary positions (rotated at them) and score functions (ALiBi, "
+            f"T5), not {type(position).__name__}, which rotates from one "
+            "offset"
+        )
     return position.at(positions).rotate(q, k, 0)
 
 
@@ -120,12 +123,15 @@ class MultiHeadAttention(nn.Module):
             )
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, int | float)
-                                  or not scale > 0):  # fmt: skip
+        if scale is not None and (
+            isinstance(scale, bool) or not isinstance(scale, int | float) or not scale > 0
+        ):
             raise ValueError(f"scale must be a number > 0 or None, got {scale!r}")
         if score is not None and not isinstance(score, ScoreFunction):
-            raise TypeError(f"score must be an mhsa.core.scores function (e.g. Softcap(50.0)) or "
-                            f"None, got {type(score).__name__}")  # fmt: skip
+            raise TypeError(
+                f"score must be an mhsa.core.scores function (e.g. Softcap(50.0)) or "
+                f"None, got {type(score).__name__}"
+            )
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -156,8 +162,10 @@ class MultiHeadAttention(nn.Module):
             return True
         projections = [self.q_proj, self.k_proj, self.v_proj]
         if len({p.in_features for p in projections}) > 1:
-            raise ValueError("fuse_projections is for self-attention; this module's key or "
-                             "value width (kdim, vdim) differs from embed_dim")  # fmt: skip
+            raise ValueError(
+                "fuse_projections is for self-attention; this module's key or "
+                "value width (kdim, vdim) differs from embed_dim"
+            )
         if len({type(p) for p in projections}) > 1:
             return False
         self.qkv_proj = fuse_linears(projections)
@@ -201,8 +209,10 @@ class MultiHeadAttention(nn.Module):
         paged = cache is not None and cache.block_table is not None
         if paged:  # checked before update writes the new keys into the pages
             if need_weights or dropout or key_padding_mask is not None or bias is not None:
-                raise ValueError("a paged cache takes no need_weights, dropout, "
-                                 "key_padding_mask or bias (each sequence is its own)")  # fmt: skip
+                raise ValueError(
+                    "a paged cache takes no need_weights, dropout, "
+                    "key_padding_mask or bias (each sequence is its own)"
+                )
             if (key is not None and key is not query) or (value is not None and value is not query):
                 raise ValueError("a paged cache caches self-attention: pass no key or value")
             paged_window(mask, causal, query.shape[1])
@@ -211,14 +221,24 @@ class MultiHeadAttention(nn.Module):
         )
         score, scale = self._score(position), self.scale
         if need_weights:
-            out, weights = attention_and_weights(q, k, v, mask, bias=bias, causal=causal,
-                                                 scale=scale, dropout_p=dropout,
-                                                 score=score)  # fmt: skip
+            out, weights = attention_and_weights(
+                q, k, v, mask, bias=bias, causal=causal, scale=scale, dropout_p=dropout, score=score
+            )
         else:
             pages = {"block_table": cache.block_table, "seq_lens": cache.seq_lens} if paged else {}
-            out = attention(q, k, v, mask, bias=bias, causal=causal, scale=scale,
-                            dropout_p=dropout, backend=self.backend, score=score,
-                            **pages)  # fmt: skip
+            out = attention(
+                q,
+                k,
+                v,
+                mask,
+                bias=bias,
+                causal=causal,
+                scale=scale,
+                dropout_p=dropout,
+                backend=self.backend,
+                score=score,
+                **pages,
+            )
         out = self.out_proj(out.transpose(1, 2).reshape(query.shape[0], query.shape[1], -1))
         if not need_weights:
             return out
@@ -281,8 +301,11 @@ class MultiHeadAttention(nn.Module):
             if key is None:
                 key = query
             value = key if value is None else value
-            for name, t, proj in (("query", query, self.q_proj), ("key", key, self.k_proj),
-                                  ("value", value, self.v_proj)):  # fmt: skip
+            for name, t, proj in (
+                ("query", query, self.q_proj),
+                ("key", key, self.k_proj),
+                ("value", value, self.v_proj),
+            ):
                 self._check_input(name, t, proj)
             q = self._split(self.q_proj(query), self.num_heads)
             k, v = held if held is not None else self._keys_values(key, value)
@@ -325,8 +348,17 @@ class MultiHeadAttention(nn.Module):
         q, k, _, mask, bias = self._inputs(
             query, key, None, mask, key_padding_mask, bias, position, None
         )
-        return attention_weights(q, k, mask, bias=bias, causal=causal, scale=self.scale,
-                                 heads=heads, rows=rows, score=self._score(position))  # fmt: skip
+        return attention_weights(
+            q,
+            k,
+            mask,
+            bias=bias,
+            causal=causal,
+            scale=self.scale,
+            heads=heads,
+            rows=rows,
+            score=self._score(position),
+        )
 
     @staticmethod
     def _merge_masks(

@@ -59,8 +59,10 @@ class TransposedLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, " \
-               f"bias={self.bias is not None}"  # fmt: skip
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}"
+        )
 
 
 class TransposedEmbedding(nn.Module):
@@ -124,22 +126,33 @@ def fuse_linears(layers: Sequence[nn.Module]) -> nn.Module:
     widths = {layer.in_features for layer in layers}
     if len(kinds) != 1 or len(widths) != 1:
         names = sorted(k.__name__ for k in kinds)
-        raise ValueError(f"fuse_linears needs layers of one kind and one input width, got "
-                         f"{names} with inputs {sorted(widths)}")  # fmt: skip
+        raise ValueError(
+            f"fuse_linears needs layers of one kind and one input width, got "
+            f"{names} with inputs {sorted(widths)}"
+        )
     kind = kinds.pop()
     bias = None
     if any(layer.bias is not None for layer in layers):
         some = next(layer.bias for layer in layers if layer.bias is not None)
-        bias = torch.cat([some.new_zeros(layer.out_features) if layer.bias is None
-                          else layer.bias.detach() for layer in layers])  # fmt: skip
+        bias = torch.cat(
+            [
+                some.new_zeros(layer.out_features) if layer.bias is None else layer.bias.detach()
+                for layer in layers
+            ]
+        )
 
     def cat(name: str, dim: int = 0) -> Tensor:
         return torch.cat([getattr(layer, name).detach() for layer in layers], dim=dim)
 
     if kind is nn.Linear:
         weight = cat("weight")
-        fused = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None,
-                          device=weight.device, dtype=weight.dtype)  # fmt: skip
+        fused = nn.Linear(
+            weight.shape[1],
+            weight.shape[0],
+            bias=bias is not None,
+            device=weight.device,
+            dtype=weight.dtype,
+        )
         with torch.no_grad():
             fused.weight.copy_(weight)
             if bias is not None:

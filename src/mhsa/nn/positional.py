@@ -149,8 +149,12 @@ def rope_frequencies(
     if kind not in ROPE_TYPES:
         raise ValueError(f"rope scaling type {kind!r} is not supported; use one of {ROPE_TYPES}")
     context = "original_max_position_embeddings"
-    needs = {"linear": ("factor",), "dynamic": ("factor",), "yarn": (context,),
-             "llama3": ("factor", "low_freq_factor", "high_freq_factor", context)}  # fmt: skip
+    needs = {
+        "linear": ("factor",),
+        "dynamic": ("factor",),
+        "yarn": (context,),
+        "llama3": ("factor", "low_freq_factor", "high_freq_factor", context),
+    }
     needs = needs.get(kind, ())
     missing = [key for key in needs if scaling.get(key) is None]
     if kind == "dynamic" and max_position_embeddings is None:
@@ -298,9 +302,12 @@ class RotaryEmbedding(AttentionPosition):
             seq_len = int(positions.max()) + 1
             if seq_len > self.max_position_embeddings:
                 inv_freq, _ = rope_frequencies(
-                    self.rotary_dim, self.base, self.scaling, seq_len=seq_len,
+                    self.rotary_dim,
+                    self.base,
+                    self.scaling,
+                    seq_len=seq_len,
                     max_position_embeddings=self.max_position_embeddings,
-                )  # fmt: skip
+                )
         angles = positions.float().unsqueeze(-1) * inv_freq.to(positions.device)
         return angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
 
@@ -347,8 +354,10 @@ class _RotaryAt(AttentionPosition):
     def rotate(self, q: Tensor, k: Tensor, offset: int = 0) -> tuple[Tensor, Tensor]:
         for x in (q, k):
             if x.shape[-1] != self.rotary.head_dim:
-                raise ValueError(f"x has head_dim {x.shape[-1]} but this RotaryEmbedding was "
-                                 f"built for {self.rotary.head_dim}")  # fmt: skip
+                raise ValueError(
+                    f"x has head_dim {x.shape[-1]} but this RotaryEmbedding was "
+                    f"built for {self.rotary.head_dim}"
+                )
             _check_rotary_positions(self.positions, x)
         return _rotate(q, self.cos, self.sin), _rotate(k, self.cos, self.sin)
 
@@ -421,8 +430,9 @@ class RelativeBiasPosition(AttentionPosition):
         return scores.t5_bucket(offsets, self.num_buckets, self.max_distance, self.bidirectional)
 
     def score(self) -> scores.RelativeBias:
-        return scores.RelativeBias(self.embedding.weight, self.num_buckets, self.max_distance,
-                                   self.bidirectional)  # fmt: skip
+        return scores.RelativeBias(
+            self.embedding.weight, self.num_buckets, self.max_distance, self.bidirectional
+        )
 
     def dense_bias(self, q_len: int, kv_len: int) -> Tensor:
         """The (H, L, S) bias the score function adds, materialised (for inspection)."""

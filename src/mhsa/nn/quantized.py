@@ -54,8 +54,10 @@ class Int4Linear(nn.Module):
         if rows % 16:
             raise ValueError(f"torch's int4 format needs out_features divisible by 16, got {rows}")
         if scale.shape != (rows, cols // GROUP) or zero.shape != scale.shape:
-            raise ValueError(f"scale and zero must be (N, K/{GROUP}) = {(rows, cols // GROUP)}, "
-                             f"got {tuple(scale.shape)} and {tuple(zero.shape)}")  # fmt: skip
+            raise ValueError(
+                f"scale and zero must be (N, K/{GROUP}) = {(rows, cols // GROUP)}, "
+                f"got {tuple(scale.shape)} and {tuple(zero.shape)}"
+            )
         return cls(q, scale, zero, bias)
 
     @classmethod

@@ -18,8 +18,9 @@ VOCAB = 64
 
 
 def _llama():
-    config = LlamaConfig(vocab_size=VOCAB, n_layer=2, n_head=4, n_kv_head=2, d_model=32,
-                         d_ff=48, max_len=512)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=VOCAB, n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=48, max_len=512
+    )
     return Llama(config)
 
 
@@ -55,8 +56,9 @@ def _alone(model, prompt, max_tokens):
 @pytest.mark.parametrize("build", [_llama, _gpt], ids=["llama", "gpt"])
 def test_outputs_equal_each_request_alone(build):
     model = _model(build)
-    engine = Engine(model, context_length=512, num_blocks=64, block_size=16, max_batch=3,
-                    prefill_chunk=16)  # fmt: skip
+    engine = Engine(
+        model, context_length=512, num_blocks=64, block_size=16, max_batch=3, prefill_chunk=16
+    )
     prompts = _prompts([5, 40, 17, 100, 3, 33, 64])
     counts = [10, 5, 20, 8, 12, 1, 16]
     outputs = engine.run(prompts, counts)
@@ -106,8 +108,9 @@ def test_preempted_requests_resume_with_the_outputs_they_would_have_had(build):
     newest are preempted when blocks run out, prefilled again from prompt + output
     later, and every output still equals the request run alone."""
     model = _model(build)
-    engine = Engine(model, context_length=64, num_blocks=4, block_size=16, max_batch=3,
-                    admission="optimistic")  # fmt: skip
+    engine = Engine(
+        model, context_length=64, num_blocks=4, block_size=16, max_batch=3, admission="optimistic"
+    )
     prompts = _prompts([20, 30, 10])
     requests = [engine.submit(p, 18) for p in prompts]
     peak = 0
@@ -168,9 +171,18 @@ def test_the_thread_serves_requests_submitted_from_other_threads():
         prompts = _prompts([7, 30, 12, 50, 9])
         requests = []
         for prompt in prompts:
-            requests.append(engine.submit(prompt, 6, on_token=lambda r, t: t is None
-                                          and all(q.done for q in requests)
-                                          and len(requests) == 5 and finished.set()))  # fmt: skip
+            requests.append(
+                engine.submit(
+                    prompt,
+                    6,
+                    on_token=lambda r, t: (
+                        t is None
+                        and all(q.done for q in requests)
+                        and len(requests) == 5
+                        and finished.set()
+                    ),
+                )
+            )
         assert finished.wait(60)
     finally:
         engine.stop()
@@ -188,13 +200,16 @@ def test_sampling_with_a_seed_repeats():
     assert runs[0].output == runs[1].output and len(runs[0].output) == 8
 
 
-@pytest.mark.parametrize("prompt,max_tokens,options,message", [
-    ([], 4, {}, "prompt is empty"),
-    ([1, 2], 0, {}, "max_tokens must be"),
-    ([1, 2], 4, {"temperature": -1.0}, "temperature must be >= 0"),
-    ([1] * 60, 10, {}, "exceeds the context length 64"),
-    ([1, VOCAB], 4, {}, "outside the vocabulary 0..63"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "prompt,max_tokens,options,message",
+    [
+        ([], 4, {}, "prompt is empty"),
+        ([1, 2], 0, {}, "max_tokens must be"),
+        ([1, 2], 4, {"temperature": -1.0}, "temperature must be >= 0"),
+        ([1] * 60, 10, {}, "exceeds the context length 64"),
+        ([1, VOCAB], 4, {}, "outside the vocabulary 0..63"),
+    ],
+)
 def test_bad_requests_raise_clear_errors(prompt, max_tokens, options, message):
     engine = Engine(_model(_llama), context_length=64, num_blocks=64)
     with pytest.raises(ValueError, match=message):

@@ -55,10 +55,16 @@ def _jobs(seed: int = 0) -> list[tuple[list[int], int]]:
 def _stream(port: int, prompt: list[int], max_tokens: int) -> tuple[str, str, dict]:
     """(text, finish_reason, usage) of one streamed completion."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
-    connection.request("POST", "/v1/completions", json.dumps(body),
-                       {"Content-Type": "application/json"})  # fmt: skip
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    connection.request(
+        "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+    )
     response = connection.getresponse()
     assert response.status == 200, response.read()
     text, finish, usage, done = [], None, None, False
@@ -87,8 +93,9 @@ def test_sixteen_streaming_clients_get_each_greedy_output_and_the_pool_empties(o
     model = _model()
     jobs = _jobs()
     # 128 blocks hold ~8 of the longest requests: the rest wait for room
-    served = ServedModel.from_gpt(model, "tiny", num_blocks=128, block_size=16, max_batch=16,
-                                  prefill_chunk=64)  # fmt: skip
+    served = ServedModel.from_gpt(
+        model, "tiny", num_blocks=128, block_size=16, max_batch=16, prefill_chunk=64
+    )
     results: dict[int, tuple[str, str, dict]] = {}
     failures: list[BaseException] = []
     todo: queue.Queue[int] = queue.Queue()

@@ -103,8 +103,12 @@ def _serve(scheduler: Scheduler, requests: list[Request], steps: int = 1000) -> 
 def test_the_scheduler_module_imports_only_the_standard_library():
     """No torch (so no tensor), nor any part of mhsa that holds one."""
     tree = ast.parse(Path(scheduler_module.__file__).read_text())
-    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
-                for alias in node.names}  # fmt: skip
+    imported = {
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    }
     imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     relative = [node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level]
     assert imported and not relative
@@ -185,7 +189,7 @@ def test_cancellation_ends_running_and_waiting_requests_and_frees_their_blocks()
 
 
 def test_preemption_when_blocks_run_out_and_resumption_from_prompt_and_output():
-    """"optimistic" admits both requests at once; as they decode the pool runs out,
+    """ "optimistic" admits both requests at once; as they decode the pool runs out,
     the newer one is preempted (its blocks given back), waits at the head of the
     queue (before a request that came later), and is prefilled again from its prompt
     and the tokens it had generated, then decodes on."""
@@ -232,11 +236,14 @@ def test_reserve_admission_never_preempts_the_same_load():
     assert all(r.output == _alone(r) and r.preemptions == 0 for r in requests)
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"max_batch": 0, "prefill_chunk": 4}, "max_batch must be an int >= 1, got 0"),
-    ({"max_batch": 1, "prefill_chunk": True}, "prefill_chunk must be an int >= 1"),
-    ({"max_batch": 1, "prefill_chunk": 4, "admission": "greedy"}, "admission must be one of"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"max_batch": 0, "prefill_chunk": 4}, "max_batch must be an int >= 1, got 0"),
+        ({"max_batch": 1, "prefill_chunk": True}, "prefill_chunk must be an int >= 1"),
+        ({"max_batch": 1, "prefill_chunk": 4, "admission": "greedy"}, "admission must be one of"),
+    ],
+)
 def test_bad_settings_say_what_to_fix(options, message):
     with pytest.raises(ValueError, match=message):
         Scheduler(_Pool(4), **options)

@@ -49,8 +49,7 @@ def server(chat_model):
 @pytest.fixture(scope="module")
 def client(server):
     openai = needs("openai")
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
-                         timeout=120)  # fmt: skip
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def _mhsa_chat(chat_model, monkeypatch, capsys, prompt: str, new: int) -> str:
@@ -59,21 +58,32 @@ def _mhsa_chat(chat_model, monkeypatch, capsys, prompt: str, new: int) -> str:
     import mhsa.apps.chat
 
     monkeypatch.setattr(mhsa.apps.chat, "load_chat_model", lambda *args, **kwargs: chat_model)
-    args = ["chat", "--prompt", prompt, "--max-new-tokens", str(new), "--temperature", "0",
-            "--quantize", "none"]  # fmt: skip
+    args = [
+        "chat",
+        "--prompt",
+        prompt,
+        "--max-new-tokens",
+        str(new),
+        "--temperature",
+        "0",
+        "--quantize",
+        "none",
+    ]
     assert main(args) == 0
     return capsys.readouterr().out.removesuffix("\n")
 
 
 @pytest.mark.parametrize("question", QUESTIONS)
-def test_chat_completions_equal_mhsa_chat(client, server, chat_model, monkeypatch, capsys,
-                                          question):  # fmt: skip
+def test_chat_completions_equal_mhsa_chat(
+    client, server, chat_model, monkeypatch, capsys, question
+):
     want = _mhsa_chat(chat_model, monkeypatch, capsys, question, NEW)
     messages = [{"role": "user", "content": question}]
     prompt_tokens = len(chat_model.prompt_ids(messages))
     name = server.served.name
-    answer = client.chat.completions.create(model=name, messages=messages, max_tokens=NEW,
-                                            temperature=0)  # fmt: skip
+    answer = client.chat.completions.create(
+        model=name, messages=messages, max_tokens=NEW, temperature=0
+    )
     assert answer.object == "chat.completion" and answer.model == name
     assert answer.id.startswith("chatcmpl-") and answer.created > 0
     assert answer.choices[0].message.role == "assistant"
@@ -83,9 +93,16 @@ def test_chat_completions_equal_mhsa_chat(client, server, chat_model, monkeypatc
     assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (prompt_tokens, new)
     assert answer.usage.total_tokens == prompt_tokens + new
 
-    chunks = list(client.chat.completions.create(
-        model=name, messages=messages, max_tokens=NEW, temperature=0, stream=True,
-        stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model=name,
+            messages=messages,
+            max_tokens=NEW,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == answer.choices[
@@ -108,11 +125,11 @@ def test_completions_and_models(client, server, chat_model):
     assert answer.object == "text_completion" and answer.choices[0].text == want
     assert answer.choices[0].finish_reason == "length"
     assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (len(ids), 8)
-    pieces = client.completions.create(model=name, prompt=text, max_tokens=8, temperature=0,
-                                       stream=True)  # fmt: skip
+    pieces = client.completions.create(
+        model=name, prompt=text, max_tokens=8, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].text for c in pieces) == want
-    both = client.completions.create(model=name, prompt=[text, ids], max_tokens=8,
-                                     temperature=0)  # fmt: skip
+    both = client.completions.create(model=name, prompt=[text, ids], max_tokens=8, temperature=0)
     assert [c.text for c in both.choices] == [want, want] and both.usage.completion_tokens == 16
 
 
@@ -138,29 +155,67 @@ HI = [{"role": "user", "content": "hi"}]
 BAD_REQUESTS = {  # name: (path, body, status, param, code)
     "invalid JSON": ("chat", '{"messages": [', 400, None, "invalid_json"),
     "not an object": ("chat", "[1, 2]", 400, None, "invalid_json"),
-    "unknown model": ("chat", {"model": "gpt-9", "messages": HI}, 404, "model",
-                      "model_not_found"),
-    "missing messages": ("chat", {"max_tokens": 5}, 400, "messages",
-                         "missing_required_parameter"),
+    "unknown model": ("chat", {"model": "gpt-9", "messages": HI}, 404, "model", "model_not_found"),
+    "missing messages": ("chat", {"max_tokens": 5}, 400, "messages", "missing_required_parameter"),
     "empty messages": ("chat", {"messages": []}, 400, "messages", "invalid_value"),
-    "a message without content": ("chat", {"messages": [{"role": "user"}]}, 400,
-                                  "messages[0].content", "missing_required_parameter"),
-    "max_tokens 0": ("chat", {"messages": HI, "max_tokens": 0}, 400, "max_tokens",
-                     "integer_below_min_value"),
-    "max_tokens -3": ("completions", {"prompt": "a", "max_tokens": -3}, 400, "max_tokens",
-                      "integer_below_min_value"),
-    "max_tokens above the context": ("chat", {"messages": HI, "max_tokens": 5000}, 400,
-                                     "messages", "context_length_exceeded"),
-    "a prompt longer than the context": ("completions", {"prompt": "word " * 3000}, 400,
-                                         "prompt", "context_length_exceeded"),
-    "temperature < 0": ("chat", {"messages": HI, "temperature": -0.5}, 400, "temperature",
-                        "decimal_below_min_value"),
-    "max_tokens a string": ("completions", {"prompt": "a", "max_tokens": "5"}, 400,
-                            "max_tokens", "invalid_type"),
-    "a token id outside the vocabulary": ("completions", {"prompt": [1, 10**9]}, 400,
-                                          "prompt", "invalid_value"),
+    "a message without content": (
+        "chat",
+        {"messages": [{"role": "user"}]},
+        400,
+        "messages[0].content",
+        "missing_required_parameter",
+    ),
+    "max_tokens 0": (
+        "chat",
+        {"messages": HI, "max_tokens": 0},
+        400,
+        "max_tokens",
+        "integer_below_min_value",
+    ),
+    "max_tokens -3": (
+        "completions",
+        {"prompt": "a", "max_tokens": -3},
+        400,
+        "max_tokens",
+        "integer_below_min_value",
+    ),
+    "max_tokens above the context": (
+        "chat",
+        {"messages": HI, "max_tokens": 5000},
+        400,
+        "messages",
+        "context_length_exceeded",
+    ),
+    "a prompt longer than the context": (
+        "completions",
+        {"prompt": "word " * 3000},
+        400,
+        "prompt",
+        "context_length_exceeded",
+    ),
+    "temperature < 0": (
+        "chat",
+        {"messages": HI, "temperature": -0.5},
+        400,
+        "temperature",
+        "decimal_below_min_value",
+    ),
+    "max_tokens a string": (
+        "completions",
+        {"prompt": "a", "max_tokens": "5"},
+        400,
+        "max_tokens",
+        "invalid_type",
+    ),
+    "a token id outside the vocabulary": (
+        "completions",
+        {"prompt": [1, 10**9]},
+        400,
+        "prompt",
+        "invalid_value",
+    ),
     "n > 1": ("completions", {"prompt": "a", "n": 2}, 400, "n", "unsupported_parameter"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", list(BAD_REQUESTS))
@@ -194,10 +249,15 @@ def _wait_for(condition, seconds: float = 30) -> bool:
 def test_a_client_that_disconnects_mid_answer_frees_its_blocks(server, stream):
     engine = server.served.engine
     connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    body = {"messages": [{"role": "user", "content": "Tell me a long story."}],
-            "max_tokens": 400, "temperature": 0, "stream": stream}  # fmt: skip
-    connection.request("POST", "/v1/chat/completions", json.dumps(body),
-                       {"Content-Type": "application/json"})  # fmt: skip
+    body = {
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": stream,
+    }
+    connection.request(
+        "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
+    )
     if stream:
         response = connection.getresponse()
         assert response.status == 200

@@ -33,12 +33,20 @@ COLUMNS = {"query": "queries", "key": "keys"}  # the page's token columns
 # ---------------------------------------------------------------- helpers
 
 
-def make_gpt(out: Path, *, layers: int = 2, heads: int = 3, d_model: int = 24,
-             max_len: int = 64, sharpen: float = 8.0) -> GPT:  # fmt: skip
+def make_gpt(
+    out: Path,
+    *,
+    layers: int = 2,
+    heads: int = 3,
+    d_model: int = 24,
+    max_len: int = 64,
+    sharpen: float = 8.0,
+) -> GPT:
     """A random GPT saved as a `mhsa train gpt` checkpoint in out; its queries scaled by
     `sharpen` so that its heads look at a few keys, not evenly at all."""
-    config = GPTConfig(vocab_size=256, n_layer=layers, n_head=heads, d_model=d_model,
-                       max_len=max_len)  # fmt: skip
+    config = GPTConfig(
+        vocab_size=256, n_layer=layers, n_head=heads, d_model=d_model, max_len=max_len
+    )
     model = GPT(config).eval()
     with torch.no_grad():
         for block in model.blocks:
@@ -51,8 +59,10 @@ def make_gpt(out: Path, *, layers: int = 2, heads: int = 3, d_model: int = 24,
 def layer_inputs(modules: list, run) -> list[tuple[tuple, dict]]:
     """Each module's (args, kwargs) when run() calls it (a plain forward-pre-hook)."""
     seen: list[tuple[tuple, dict]] = []
-    hooks = [m.register_forward_pre_hook(lambda _, a, kw: seen.append((a, kw)), with_kwargs=True)
-             for m in modules]  # fmt: skip
+    hooks = [
+        m.register_forward_pre_hook(lambda _, a, kw: seen.append((a, kw)), with_kwargs=True)
+        for m in modules
+    ]
     try:
         with torch.no_grad():
             run()
@@ -112,8 +122,13 @@ def browser():
     needs_program("chromium")
     driver_path = needs_program("chromedriver")
     options = webdriver.ChromeOptions()
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                 "--window-size=1400,900"):  # fmt: skip
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--window-size=1400,900",
+    ):
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     service = webdriver.chrome.service.Service(driver_path)
@@ -301,8 +316,18 @@ def test_gpt_checkpoint_in_the_browser(browser, tmp_path, capsys):
 def test_rows_left_out_by_max_tokens_say_so(browser, tmp_path):
     make_gpt(tmp_path / "run")
     html = tmp_path / "gpt.html"
-    args = ["viz", str(tmp_path / "run"), "--text", TEXT, "--html", str(html), "--heads", "0:1",
-            "--max-tokens", "5"]  # fmt: skip
+    args = [
+        "viz",
+        str(tmp_path / "run"),
+        "--text",
+        TEXT,
+        "--html",
+        str(html),
+        "--heads",
+        "0:1",
+        "--max-tokens",
+        "5",
+    ]
     assert main(args) == 0
     page = Page(browser, html)
     assert page.view() == {"kind": "head", "layer": "0", "head": "1"}  # the first stored
@@ -449,8 +474,9 @@ def test_bad_input_is_a_one_line_error(tmp_path, capsys):
     html = str(tmp_path / "out.html")
     err = one_line_error(capsys, ["viz", "--model", "bert", "--text", "x", "--html", html])
     assert err == "mhsa viz: unknown --model 'bert': pass one of gpt, chat, minilm, whisper"
-    vit = ViTConfig(image_size=8, patch_size=4, channels=1, num_classes=2, d_model=16, n_layer=1,
-                    n_head=2)  # fmt: skip
+    vit = ViTConfig(
+        image_size=8, patch_size=4, channels=1, num_classes=2, d_model=16, n_layer=1, n_head=2
+    )
     save_checkpoint(tmp_path / "vit", 1, ViT(vit), {"model": "vit", "config": vit.to_dict()}, {})
     err = one_line_error(capsys, ["viz", str(tmp_path / "vit"), "--text", "x", "--html", html])
     assert "holds a 'vit' model; this command takes gpt checkpoints (mhsa train gpt)" in err

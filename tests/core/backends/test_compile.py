@@ -35,8 +35,15 @@ def _vit():
 
 
 def _bert():
-    config = BertConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
-                        intermediate_size=64, max_position=64, dropout=0.0)  # fmt: skip
+    config = BertConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        intermediate_size=64,
+        max_position=64,
+        dropout=0.0,
+    )
     padding = torch.ones(2, 24, dtype=torch.long)
     padding[1, 15:] = 0  # the second sentence is 15 tokens, padded
     return Bert(config), (torch.randint(1, 64, (2, 24)), padding)
@@ -44,8 +51,9 @@ def _bert():
 
 def _scored_gpt(position: str):
     def build():
-        config = GPTConfig(vocab_size=64, max_len=1024, d_model=32, n_head=4, n_layer=2,
-                           position=position)  # fmt: skip
+        config = GPTConfig(
+            vocab_size=64, max_len=1024, d_model=32, n_head=4, n_layer=2, position=position
+        )
         return GPT(config), (torch.randint(0, 64, (2, 24)),)
 
     return build
@@ -181,8 +189,10 @@ def _op_inputs(dtype=torch.float64, padded=True):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pattern,causal,dropout", [("", True, 0.0), ("SlidingWindow(2, 1)",
-                         False, 0.0), ("", True, 0.3)])  # fmt: skip
+@pytest.mark.parametrize(
+    "pattern,causal,dropout",
+    [("", True, 0.0), ("SlidingWindow(2, 1)", False, 0.0), ("", True, 0.3)],
+)
 def test_the_flash_op_passes_opcheck_and_gradcheck(pattern, causal, dropout):
     """With dropout the seed input fixes the dropped entries, forward and backward."""
     from mhsa.core.backends.flash_op import flash_attention_op
@@ -193,8 +203,9 @@ def test_the_flash_op_passes_opcheck_and_gradcheck(pattern, causal, dropout):
     torch.library.opcheck(flash_attention_op, args)
 
     def out_and_lse(q, k, v, bias):
-        return flash_attention_op(q, k, v, mask, bias, pattern, causal, 0.3, dropout, seed,
-                                  "", [], None)  # fmt: skip
+        return flash_attention_op(
+            q, k, v, mask, bias, pattern, causal, 0.3, dropout, seed, "", [], None
+        )
 
     assert torch.autograd.gradcheck(out_and_lse, (q, k, v, bias))
 
@@ -206,8 +217,9 @@ def test_the_flash_op_equals_the_reference_with_patterns_padding_and_bias():
     q, k, v, _, bias = _op_inputs(padded=False)
     for mask, causal in ((SlidingWindow(3, 0), False), (KeyPadding([9, 5]), True), (None, True)):
         got, _ = traced_flash_attention(q, k, v, mask, bias, causal, 0.3, 0.0)
-        want = mhsa.attention(q, k, v, mask, bias=bias, causal=causal, scale=0.3,
-                              backend="reference")  # fmt: skip
+        want = mhsa.attention(
+            q, k, v, mask, bias=bias, causal=causal, scale=0.3, backend="reference"
+        )
         assert max_error(got, want) <= 1e-12
 
 
@@ -246,13 +258,15 @@ def test_the_flash_op_takes_score_functions_and_sinks(name, causal):
     torch.library.opcheck(flash_attention_op, args)
 
     def out_and_lse(q, k, v, bias, table, sinks):
-        return flash_attention_op(q, k, v, None, bias, "", causal, 0.3, 0.0, seed, text,
-                                  [table], sinks)  # fmt: skip
+        return flash_attention_op(
+            q, k, v, None, bias, "", causal, 0.3, 0.0, seed, text, [table], sinks
+        )
 
     assert torch.autograd.gradcheck(out_and_lse, (q, k, v, bias, tensors[0], sinks))
     got, _ = traced_flash_attention(q, k, v, None, bias, causal, 0.3, 0.0, score, sinks)
-    want = mhsa.attention(q, k, v, bias=bias, causal=causal, scale=0.3, score=score,
-                          sinks=sinks, backend="reference")  # fmt: skip
+    want = mhsa.attention(
+        q, k, v, bias=bias, causal=causal, scale=0.3, score=score, sinks=sinks, backend="reference"
+    )
     assert max_error(got, want) <= 1e-12
 
 
@@ -281,7 +295,8 @@ def test_a_score_mod_is_checked_while_compiling():
     bad = ScoreMod(lambda s, b, h, qi, ki: s - s.amax(-1, keepdim=True))
     q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))
     torch._dynamo.reset()
-    compiled = torch.compile(lambda q, k, v: mhsa.attention(q, k, v, score=bad),
-                             backend="eager", fullgraph=True)  # fmt: skip
+    compiled = torch.compile(
+        lambda q, k, v: mhsa.attention(q, k, v, score=bad), backend="eager", fullgraph=True
+    )
     with mhsa.use_backend("flash"), pytest.raises(Exception, match="is not elementwise"):
         compiled(q, k, v)

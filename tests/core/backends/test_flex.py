@@ -45,8 +45,9 @@ def test_flex_equals_the_reference(name, mask, causal):
     elif mask == "padding":
         mask = KeyPadding(torch.tensor([[True] * 30 + [False] * 15, [False] * 45]))
     out, lse = flex_forward(q, k, v, mask=mask, causal=causal, scale=0.25, compiled=False)
-    ref, ref_lse = mhsa.attention(q, k, v, mask, causal=causal, scale=0.25, return_lse=True,
-                                  backend="reference")  # fmt: skip
+    ref, ref_lse = mhsa.attention(
+        q, k, v, mask, causal=causal, scale=0.25, return_lse=True, backend="reference"
+    )
     assert torch.isfinite(out).all()
     assert max_error(out, ref) < 1e-5
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
@@ -64,8 +65,9 @@ def test_pattern_block_masks_are_cached_per_shape():
     assert int(first.kv_num_blocks.sum() + first.full_kv_num_blocks.sum()) < 64
     causal = block_mask_for(None, True, (1, 1, 1000, 1300), "cpu")  # closed form, cached
     assert block_mask_for(None, True, (1, 1, 1000, 1300), "cpu") is causal
-    dense = block_mask_for(torch.ones(1000, 1300, dtype=torch.bool).tril(300), False,
-                           (1, 1, 1000, 1300), "cpu")  # fmt: skip
+    dense = block_mask_for(
+        torch.ones(1000, 1300, dtype=torch.bool).tril(300), False, (1, 1, 1000, 1300), "cpu"
+    )
     assert torch.equal(causal.to_dense(), dense.to_dense())
 
 
@@ -95,16 +97,18 @@ def test_flex_serves_cuda_only_and_refuses_what_it_cannot_do():
     assert "CUDA only" in flex.supports(AttentionSpec.example())
     cuda = AttentionSpec.example(device=torch.device("cuda"), has_mask=True)
     assert flex.supports(cuda) is None
-    assert "bias" in flex.supports(AttentionSpec.example(device=torch.device("cuda"),
-                                                        has_bias=True))  # fmt: skip
+    assert "bias" in flex.supports(
+        AttentionSpec.example(device=torch.device("cuda"), has_bias=True)
+    )
     assert (
         flex.supports(
             AttentionSpec.example(device=torch.device("cuda"), has_sinks=True, has_score=True)
         )
         is None
     )
-    assert "dropout" in flex.supports(AttentionSpec.example(device=torch.device("cuda"),
-                                                           dropout_p=0.1))  # fmt: skip
+    assert "dropout" in flex.supports(
+        AttentionSpec.example(device=torch.device("cuda"), dropout_p=0.1)
+    )
     with pytest.raises(ValueError, match="flex"):
         mhsa.attention(*torch.randn(3, 1, 2, 8, 4), backend="flex")
 
@@ -132,10 +136,20 @@ def test_patterns_and_scores_reach_flex_as_rules_never_dense(pattern, causal, mo
     for score in (None, ALiBi(slopes), RelativeBias(table).then(Softcap(2.0))):
         with monkeypatch.context() as patched:
             patched.setattr(Pattern, "dense", lambda *_: pytest.fail("Pattern.dense called"))
-            out, lse = flex_forward(q, k, v, mask=mask, causal=causal, scale=0.25,
-                                    compiled=False, score=score)  # fmt: skip
-        ref, ref_lse = mhsa.attention(q, k, v, mask, causal=causal, scale=0.25, score=score,
-                                      return_lse=True, backend="reference")  # fmt: skip
+            out, lse = flex_forward(
+                q, k, v, mask=mask, causal=causal, scale=0.25, compiled=False, score=score
+            )
+        ref, ref_lse = mhsa.attention(
+            q,
+            k,
+            v,
+            mask,
+            causal=causal,
+            scale=0.25,
+            score=score,
+            return_lse=True,
+            backend="reference",
+        )
         assert max_error(out, ref) < 1e-5
         assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
         finite = torch.isfinite(ref_lse)
@@ -151,11 +165,29 @@ def test_sinks_join_flex_through_its_lse(causal):
     q, k, v = torch.randn(2, 4, 37, 16), torch.randn(2, 2, 45, 16), torch.randn(2, 2, 45, 16)
     mask = KeyPadding(torch.tensor([[True] * 30 + [False] * 15, [False] * 45]))
     sinks = torch.randn(4)
-    out, lse = flex_forward(q, k, v, mask=mask, causal=causal, scale=0.25, compiled=False,
-                            score=ALiBi(alibi_slopes(4)), sinks=sinks)  # fmt: skip
-    ref, ref_lse = mhsa.attention(q, k, v, mask, causal=causal, scale=0.25, sinks=sinks,
-                                  score=ALiBi(alibi_slopes(4)), return_lse=True,
-                                  backend="reference")  # fmt: skip
+    out, lse = flex_forward(
+        q,
+        k,
+        v,
+        mask=mask,
+        causal=causal,
+        scale=0.25,
+        compiled=False,
+        score=ALiBi(alibi_slopes(4)),
+        sinks=sinks,
+    )
+    ref, ref_lse = mhsa.attention(
+        q,
+        k,
+        v,
+        mask,
+        causal=causal,
+        scale=0.25,
+        sinks=sinks,
+        score=ALiBi(alibi_slopes(4)),
+        return_lse=True,
+        backend="reference",
+    )
     assert max_error(out, ref) < 1e-5
     assert max_error(lse, ref_lse) < 1e-5
     assert out[1].abs().max() == 0

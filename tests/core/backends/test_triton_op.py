@@ -32,18 +32,30 @@ CASES = {
     "causal, padded": ("", True, "padded", None),
     "window": ("SlidingWindow(2, 1)", False, None, None),
     "alibi, sinks": ("", True, None, lambda: [ALiBi(torch.rand(4, dtype=torch.float64))]),
-    "t5 then softcap": ("", False, None, lambda: [
-        RelativeBias(torch.randn(8, 4, dtype=torch.float64), 8, 16, False), Softcap(2.0)]),
-}  # fmt: skip
+    "t5 then softcap": (
+        "",
+        False,
+        None,
+        lambda: [RelativeBias(torch.randn(8, 4, dtype=torch.float64), 8, 16, False), Softcap(2.0)],
+    ),
+}
 
 
-def _reference(q, k, v, mask, bias, pattern, causal, scale, dropout_p, seed, text, tensors,
-               sinks):  # fmt: skip
+def _reference(q, k, v, mask, bias, pattern, causal, scale, dropout_p, seed, text, tensors, sinks):
     """The reference backend on the op's arguments: (out, lse)."""
-    return mhsa.attention(q, k, v, mask if mask is not None else rebuild_pattern(pattern),
-                          bias=bias, causal=causal, scale=scale, backend="reference",
-                          score=rebuild_score(text, tensors), sinks=sinks,
-                          return_lse=True)  # fmt: skip
+    return mhsa.attention(
+        q,
+        k,
+        v,
+        mask if mask is not None else rebuild_pattern(pattern),
+        bias=bias,
+        causal=causal,
+        scale=scale,
+        backend="reference",
+        score=rebuild_score(text, tensors),
+        sinks=sinks,
+        return_lse=True,
+    )
 
 
 @pytest.mark.slow
@@ -81,8 +93,21 @@ def test_the_triton_op_without_keys_gives_zeros_and_the_sinks_logit():
     zero gradients; opcheck passes."""
     q, k, v, _ = _inputs()
     sinks = torch.randn(4, dtype=torch.float64, requires_grad=True)
-    args = (q, k[:, :, :0], v[:, :, :0], None, None, "", False, 0.3, 0.0, torch.tensor(0), "",
-            [], sinks)  # fmt: skip
+    args = (
+        q,
+        k[:, :, :0],
+        v[:, :, :0],
+        None,
+        None,
+        "",
+        False,
+        0.3,
+        0.0,
+        torch.tensor(0),
+        "",
+        [],
+        sinks,
+    )
     torch.library.opcheck(triton_attention_op, args)
     out, lse = triton_attention_op(*args)
     assert torch.equal(out, torch.zeros(2, 4, 9, 8, dtype=torch.float64))
@@ -95,8 +120,9 @@ def test_the_triton_op_without_keys_gives_zeros_and_the_sinks_logit():
 @pytest.mark.slow
 def test_a_compiled_gpt_on_triton_is_one_graph_equal_to_eager():
     torch.manual_seed(0)
-    config = GPTConfig(vocab_size=64, max_len=64, d_model=32, n_head=2, n_layer=2, dropout=0.0,
-                       position="alibi")  # fmt: skip
+    config = GPTConfig(
+        vocab_size=64, max_len=64, d_model=32, n_head=2, n_layer=2, dropout=0.0, position="alibi"
+    )
     model = GPT(config)
     idx = torch.randint(0, 64, (1, 20))
     torch._dynamo.reset()

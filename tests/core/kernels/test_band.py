@@ -68,8 +68,9 @@ def test_band_gqa_noncontiguous_and_float64(band_calls):
 
 def test_band_gradcheck():
     pattern = masks.SlidingWindow(3, 2)
-    q, k, v = make_qkv(1, 2, q_len=600, kv_len=600, head_dim=3, dtype=torch.float64,
-                       requires_grad=True)  # fmt: skip
+    q, k, v = make_qkv(
+        1, 2, q_len=600, kv_len=600, head_dim=3, dtype=torch.float64, requires_grad=True
+    )
     plan = plan_for(pattern, False, 600, 600, q.device, fused=True)
     assert flash._band_interior(plan, None, None, True) == (256, 512)
 

@@ -22,15 +22,31 @@ from mhsa.core.masks import EMPTY, FULL, PARTIAL, BoolMask, Causal, with_causal
 KERNELS = ["fused", "gather", "plain"]
 
 
-def run_flash(q, k, v, mask=None, *, causal=False, bias=None, kernel="fused", block=32,
-              dropout=None, scale=None):  # fmt: skip
+def run_flash(
+    q,
+    k,
+    v,
+    mask=None,
+    *,
+    causal=False,
+    bias=None,
+    kernel="fused",
+    block=32,
+    dropout=None,
+    scale=None,
+):
     """The engine on small tiles, so that many tiles, runs and merges are exercised."""
     source = with_causal(mask, causal)
     plan = build_plan(
-        source, q.shape[2], k.shape[2], block_q=block, block_k=block // 2,
+        source,
+        q.shape[2],
+        k.shape[2],
+        block_q=block,
+        block_k=block // 2,
         max_run_keys=3 * block // 2 if kernel == "plain" else None,
-        merge_rows=kernel != "plain", gather=kernel == "gather",
-    )  # fmt: skip
+        merge_rows=kernel != "plain",
+        gather=kernel == "gather",
+    )
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return flash_attention(
         q, k, v, plan, bias=bias, scale=scale, dropout=dropout, fused=kernel != "plain"
@@ -51,8 +67,7 @@ CASES = {
 
 def make_case(name, dtype=torch.float32):
     heads, kv_heads, q_len, kv_len, head_dim, mask_kind, causal, with_bias = CASES[name]
-    q, k, v = make_qkv(2, heads, kv_heads, q_len, kv_len, head_dim, dtype=dtype,
-                       requires_grad=True)  # fmt: skip
+    q, k, v = make_qkv(2, heads, kv_heads, q_len, kv_len, head_dim, dtype=dtype, requires_grad=True)
     mask = None
     if mask_kind == "dense":
         mask = torch.rand(2, heads, q_len, kv_len) > 0.4
@@ -210,15 +225,13 @@ def test_plan_visits_only_allowed_blocks_and_merges_full_rows():
     assert abs(blocks.visited_fraction - (0.5 + 0.5 / 1024)) < 1e-9
     whole = build_plan(source, 1024, 1024, block_q=64, block_k=64)
     assert len(whole.rows) == 1 and whole.rows[0].runs[0].triangle == "lower"  # one causal call
-    shifted = build_plan(with_causal(None, True), 1000, 1024,
-                         block_q=64, block_k=64)  # fmt: skip
+    shifted = build_plan(with_causal(None, True), 1000, 1024, block_q=64, block_k=64)
     assert len(shifted.rows) == 16  # bottom-right with L != S: not top-left triangular
     dense = build_plan(None, 1000, 700, block_q=64, block_k=64)
     assert len(dense.rows) == 1 and len(dense.rows[0].runs) == 1  # one fused call
     mask = torch.zeros(256, 256, dtype=torch.bool)
     mask[:128, :128] = mask[128:, 128:] = True  # block diagonal
-    plan = build_plan(with_causal(mask, False), 256, 256,
-                      block_q=64, block_k=64)  # fmt: skip
+    plan = build_plan(with_causal(mask, False), 256, 256, block_q=64, block_k=64)
     assert plan.visited_fraction == 0.5
 
 
@@ -230,8 +243,9 @@ def test_attention_weights_selected_heads_and_rows():
     full = mhsa.attention_weights(q, k, mask, bias=bias, causal=True)
     heads, rows = [1, 6, 7], [0, 5, 50, 112]
     for backend in ("flash", "reference"):
-        part = mhsa.attention_weights(q, k, mask, bias=bias, causal=True, heads=heads,
-                                      rows=rows, backend=backend)  # fmt: skip
+        part = mhsa.attention_weights(
+            q, k, mask, bias=bias, causal=True, heads=heads, rows=rows, backend=backend
+        )
         assert part.shape == (2, 3, 4, 203)
         assert max_error(part, full[:, heads][:, :, rows]) < 1e-6
     assert (full[:, :, 5] == 0).all()

@@ -18,8 +18,17 @@ from mhsa.core.scores import ALiBi, RelativeBias, Softcap
 from mhsa.nn.positional import alibi_slopes
 
 
-def _paged(lengths, block_size, num_heads=4, num_kv_heads=2, q_len=1, head_dim=7, value_dim=5,
-           dtype=torch.float64, num_blocks=None):  # fmt: skip
+def _paged(
+    lengths,
+    block_size,
+    num_heads=4,
+    num_kv_heads=2,
+    q_len=1,
+    head_dim=7,
+    value_dim=5,
+    dtype=torch.float64,
+    num_blocks=None,
+):
     """Random q (N, H, T, D), pools whose unused blocks hold NaN, a shuffled block
     table padded with -1, and each sequence's keys and values (1, H_kv, len, D) gathered
     by hand."""
@@ -52,8 +61,11 @@ def _golden(q, keys, values, lengths, window=None, modify=None, scale=None):
         if window is not None:
             rows = torch.arange(length - q_len, length).view(-1, 1)
             mask = torch.arange(length).view(1, -1) >= rows - window
-        outs.append(golden_attention(q[n : n + 1], keys[n], values[n], mask, causal=True,
-                                     modify=modify, scale=scale)[0])  # fmt: skip
+        outs.append(
+            golden_attention(
+                q[n : n + 1], keys[n], values[n], mask, causal=True, modify=modify, scale=scale
+            )[0]
+        )
     return torch.cat(outs)
 
 
@@ -70,8 +82,7 @@ def paged(q, k_pool, v_pool, table, lengths, window=None, **options):
     """mhsa.attention over the pages, causal, within SlidingWindow(window, 0) if given."""
     mask = None if window is None else SlidingWindow(window, 0)
     options = {"causal": True, **options}
-    return mhsa.attention(q, k_pool, v_pool, mask, block_table=table, seq_lens=lengths,
-                          **options)  # fmt: skip
+    return mhsa.attention(q, k_pool, v_pool, mask, block_table=table, seq_lens=lengths, **options)
 
 
 @pytest.mark.parametrize("backend", ["reference", "flash"])
@@ -79,8 +90,9 @@ def paged(q, k_pool, v_pool, table, lengths, window=None, **options):
 @pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
 def test_equals_dense_causal_attention(backend, case, num_kv_heads, monkeypatch):
     block_size, lengths, q_len = CASES[case]
-    q, k_pool, v_pool, table, keys, values = _paged(lengths, block_size, q_len=q_len,
-                                                    num_kv_heads=num_kv_heads)  # fmt: skip
+    q, k_pool, v_pool, table, keys, values = _paged(
+        lengths, block_size, q_len=q_len, num_kv_heads=num_kv_heads
+    )
     for tile_size in (256, 16):  # one tile and many (whole pages: 16 keys, or 15 of 5)
         monkeypatch.setattr(paged_kernels, "TILE_SIZE", tile_size)
         out = paged(q, k_pool, v_pool, table, torch.tensor(lengths), backend=backend)
@@ -111,8 +123,9 @@ def test_window_scale_and_score_functions_at_each_sequences_positions(backend, m
 
     for score, modify in ((alibi, alibi_softcap), (t5, t5_bias)):
         for window in (None, 0, 6):
-            out = paged(q, k_pool, v_pool, table, lengths, window, scale=0.3, score=score,
-                        backend=backend)  # fmt: skip
+            out = paged(
+                q, k_pool, v_pool, table, lengths, window, scale=0.3, score=score, backend=backend
+            )
             want = _golden(q, keys, values, lengths, window, modify, scale=0.3)
             assert max_error(out, want) < 1e-12
 
@@ -180,17 +193,21 @@ def test_bad_inputs_raise_clear_errors(monkeypatch):
     for args, error, message in cases:
         with pytest.raises(error, match=message):
             call(*args)
-    for kwargs, message in (({"backend": "sdpa"}, "backend 'sdpa' cannot serve.*paged"),
-                            ({"backend": "tiled"}, "backend must be 'auto' or one of"),
-                            ({"window": -1}, "left must be"),
-                            ({"scale": -1.0}, "scale must be"),
-                            ({"bias": torch.zeros(1)}, "takes no bias"),
-                            ({"return_lse": True}, "got return_lse")):  # fmt: skip
+    for kwargs, message in (
+        ({"backend": "sdpa"}, "backend 'sdpa' cannot serve.*paged"),
+        ({"backend": "tiled"}, "backend must be 'auto' or one of"),
+        ({"window": -1}, "left must be"),
+        ({"scale": -1.0}, "scale must be"),
+        ({"bias": torch.zeros(1)}, "takes no bias"),
+        ({"return_lse": True}, "got return_lse"),
+    ):
         with pytest.raises(ValueError, match=message):
             call(q, k_pool, v_pool, table, lengths, **kwargs)
     # one query sees every key causal or not; two must be causal
-    assert torch.equal(call(q, k_pool, v_pool, table, lengths, causal=False),
-                       call(q, k_pool, v_pool, table, lengths))  # fmt: skip
+    assert torch.equal(
+        call(q, k_pool, v_pool, table, lengths, causal=False),
+        call(q, k_pool, v_pool, table, lengths),
+    )
     with pytest.raises(ValueError, match="attends causally"):
         call(torch.cat([q, q], dim=2), k_pool, v_pool, table, lengths, causal=False)
     with pytest.raises(ValueError, match="attends causally"):  # a pattern other than a window

@@ -52,8 +52,9 @@ def test_dense_agrees_with_block_layout(q_len, kv_len, block):
         assert layout.shape == (-(-q_len // block_q), -(-kv_len // block_k)), name
         for (qi, kj), kind in zip(
             torch.cartesian_prod(torch.arange(layout.shape[0]), torch.arange(layout.shape[1])),
-            layout.flatten(), strict=True,
-        ):  # fmt: skip
+            layout.flatten(),
+            strict=True,
+        ):
             tile = dense[:, qi * block_q : (qi + 1) * block_q, kj * block_k : (kj + 1) * block_k]
             if kind == EMPTY:
                 assert not tile.any(), (name, qi, kj)
@@ -172,8 +173,11 @@ def test_attention_weights_with_pattern_rows():
     assert max_error(part, full[:, [3]][:, :, [0, 50, 112]]) < 1e-6
 
 
-@pytest.mark.parametrize("pattern", [masks.SlidingWindow(32, 32), masks.SlidingWindow(40, 0)],
-                         ids=["band", "local-causal"])  # fmt: skip
+@pytest.mark.parametrize(
+    "pattern",
+    [masks.SlidingWindow(32, 32), masks.SlidingWindow(40, 0)],
+    ids=["band", "local-causal"],
+)
 def test_triangular_window_tiles_run_unmasked_in_causal_mode(pattern):
     from mhsa.core.kernels.flash import flash_attention
     from mhsa.core.kernels.plan import build_plan
@@ -211,8 +215,13 @@ def test_fingerprint_compares_content_not_repr():
 
 @pytest.mark.parametrize(("q_len", "kv_len"), [(40, 40), (1, 1), (5, 9), (9, 5), (33, 70)])
 def test_presets_work_on_sequences_shorter_than_their_blocks(q_len, kv_len):
-    patterns = [masks.bigbird(32), masks.bigbird(64, 1, 1, 1), masks.BlockBand(64, 1),
-                masks.RandomBlocks(2, 64), masks.Dilated(3, 50)]  # fmt: skip
+    patterns = [
+        masks.bigbird(32),
+        masks.bigbird(64, 1, 1, 1),
+        masks.BlockBand(64, 1),
+        masks.RandomBlocks(2, 64),
+        masks.Dilated(3, 50),
+    ]
     q, k, v = make_qkv(1, 2, q_len=q_len, kv_len=kv_len, head_dim=8)
     for pattern in patterns:
         want = mhsa.attention(q, k, v, pattern, backend="reference")

@@ -39,7 +39,11 @@ def test_classes_allow_exactly_the_dilated_mask(causal):
         if causal:
             want = want & torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
         assert torch.equal(classes_as_dense(classes, dilation, q_len, kv_len), want), (
-            window, dilation, q_len, kv_len)  # fmt: skip
+            window,
+            dilation,
+            q_len,
+            kv_len,
+        )
     assert used > 100  # most shapes decompose; the others go through the block plan
 
 
@@ -72,8 +76,16 @@ def test_dilated_flash_matches_reference(
     residue_calls, q_len, kv_len, window, dilation, causal, kv_heads
 ):
     pattern = masks.Dilated(window, dilation)
-    q, k, v = make_qkv(2, 3, kv_heads, q_len=q_len, kv_len=kv_len, head_dim=8,
-                       noncontiguous=True, requires_grad=True)  # fmt: skip
+    q, k, v = make_qkv(
+        2,
+        3,
+        kv_heads,
+        q_len=q_len,
+        kv_len=kv_len,
+        head_dim=8,
+        noncontiguous=True,
+        requires_grad=True,
+    )
     grad_out = torch.randn(2, 3, q_len, 8)
     out, lse = mhsa.attention(q, k, v, pattern, causal=causal, backend="flash", return_lse=True)
     out.backward(grad_out)

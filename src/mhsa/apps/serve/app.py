@@ -23,8 +23,9 @@ try:
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 except ImportError as error:  # pragma: no cover - the serve extra is missing
-    raise ImportError(f"mhsa serve needs starlette and uvicorn ({error}): "
-                      "pip install 'mhsa[serve]'") from error  # fmt: skip
+    raise ImportError(
+        f"mhsa serve needs starlette and uvicorn ({error}): pip install 'mhsa[serve]'"
+    ) from error
 
 from . import errors, responses
 from .generation import Generation
@@ -46,8 +47,14 @@ def build_app(served: ServedModel) -> Starlette:
     async def health(request: Request) -> Response:
         stats = served.engine.stats()
         keys = ("running", "waiting", "used_blocks", "num_blocks")
-        return JSONResponse({"status": "ok", "model": served.name,
-                             **{key: stats[key] for key in keys}, "cache": stats})  # fmt: skip
+        return JSONResponse(
+            {
+                "status": "ok",
+                "model": served.name,
+                **{key: stats[key] for key in keys},
+                "cache": stats,
+            }
+        )
 
     async def models(request: Request) -> Response:
         return JSONResponse(
@@ -66,10 +73,13 @@ def build_app(served: ServedModel) -> Starlette:
     async def completions(request: Request) -> Response:
         return await _complete(request, parse_completion(await _json(request), served), served)
 
-    routes = [Route("/health", health), Route("/v1/models", models),
-              Route("/v1/models/{name:path}", model),
-              Route("/v1/chat/completions", chat, methods=["POST"]),
-              Route("/v1/completions", completions, methods=["POST"])]  # fmt: skip
+    routes = [
+        Route("/health", health),
+        Route("/v1/models", models),
+        Route("/v1/models/{name:path}", model),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+    ]
     handlers = {errors.APIError: _api_error, HTTPException: _http_error, Exception: _crash}
     return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
 
@@ -89,9 +99,11 @@ async def _complete(request: Request, job: Job, served: ServedModel) -> Response
     reply = responses.Reply(job.kind, served.name)
     watcher = asyncio.ensure_future(_cancel_on_disconnect(request, generation))
     if job.stream:
-        return StreamingResponse(_stream(generation, reply, job, watcher),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})  # fmt: skip
+        return StreamingResponse(
+            _stream(generation, reply, job, watcher),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
     try:
         texts = [[] for _ in generation.choices]
         async for choice, text in generation.events():
@@ -103,8 +115,9 @@ async def _complete(request: Request, job: Job, served: ServedModel) -> Response
     return JSONResponse(reply.whole(choices, _usage(generation)))
 
 
-async def _stream(generation: Generation, reply: responses.Reply, job: Job,
-                  watcher: asyncio.Future) -> AsyncIterator[str]:  # fmt: skip
+async def _stream(
+    generation: Generation, reply: responses.Reply, job: Job, watcher: asyncio.Future
+) -> AsyncIterator[str]:
     """The server-sent events of a streamed completion, ending with `data: [DONE]`."""
     usage = job.include_usage
     try:
@@ -134,8 +147,9 @@ async def _cancel_on_disconnect(request: Request, generation: Generation) -> Non
 
 
 def _usage(generation: Generation) -> dict[str, Any]:
-    return responses.usage(generation.prompt_tokens, generation.completion_tokens,
-                           generation.cached_tokens)  # fmt: skip
+    return responses.usage(
+        generation.prompt_tokens, generation.completion_tokens, generation.cached_tokens
+    )
 
 
 async def _api_error(request: Request, error: Exception) -> Response:
@@ -156,5 +170,6 @@ async def _http_error(request: Request, error: Exception) -> Response:
 
 async def _crash(request: Request, error: Exception) -> Response:
     """A bug: 500 in OpenAI's shape (starlette re-raises it after, for the log)."""
-    return JSONResponse(errors.error_body(f"The server failed: {error}", kind="server_error"),
-                        status_code=500)  # fmt: skip
+    return JSONResponse(
+        errors.error_body(f"The server failed: {error}", kind="server_error"), status_code=500
+    )

@@ -37,27 +37,47 @@ class Engine:
     prompt tokens computed per step; admission "reserve" or "optimistic" (preempting
     when blocks run out; see mhsa.apps.serve.scheduler)."""
 
-    def __init__(self, model: nn.Module, *, context_length: int, num_blocks: int,
-                 block_size: int = 16, max_batch: int = 16, prefill_chunk: int = 128,
-                 stop_ids: Sequence[int] = (), admission: str = "reserve") -> None:  # fmt: skip
-        for name, value in (("context_length", context_length), ("max_batch", max_batch),
-                            ("prefill_chunk", prefill_chunk)):  # fmt: skip
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        context_length: int,
+        num_blocks: int,
+        block_size: int = 16,
+        max_batch: int = 16,
+        prefill_chunk: int = 128,
+        stop_ids: Sequence[int] = (),
+        admission: str = "reserve",
+    ) -> None:
+        for name, value in (
+            ("context_length", context_length),
+            ("max_batch", max_batch),
+            ("prefill_chunk", prefill_chunk),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         config = model.config
         if context_length > config.max_len:
-            raise ValueError(f"context_length {context_length} exceeds the model's max_len "
-                             f"{config.max_len}")  # fmt: skip
+            raise ValueError(
+                f"context_length {context_length} exceeds the model's max_len {config.max_len}"
+            )
         layout = model.cache_layout
-        self.cache = PagedKVCache(layout.num_layers, layout.num_kv_heads, layout.head_dim,
-                                  num_blocks=num_blocks, block_size=block_size,
-                                  dtype=layout.dtype, device=layout.device)  # fmt: skip
+        self.cache = PagedKVCache(
+            layout.num_layers,
+            layout.num_kv_heads,
+            layout.head_dim,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            dtype=layout.dtype,
+            device=layout.device,
+        )
         self.model = model.eval()
         self.device = layout.device
         self.context_length, self.max_batch = context_length, max_batch
         self.prefill_chunk, self.stop_ids = prefill_chunk, frozenset(stop_ids)
-        self.scheduler = Scheduler(self.cache, max_batch=max_batch, prefill_chunk=prefill_chunk,
-                                   admission=admission)  # fmt: skip
+        self.scheduler = Scheduler(
+            self.cache, max_batch=max_batch, prefill_chunk=prefill_chunk, admission=admission
+        )
         self.runner = Runner(self.model, self.cache, sorted(self.stop_ids))
         self._lock = threading.Condition()
         self._next_id = 0
@@ -68,9 +88,16 @@ class Engine:
 
     # -- requests (any thread) --
 
-    def submit(self, prompt: Sequence[int], max_tokens: int, *, temperature: float = 0.0,
-               top_p: float | None = None, seed: int | None = None,
-               on_token: OnToken | None = None) -> Request:  # fmt: skip
+    def submit(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int,
+        *,
+        temperature: float = 0.0,
+        top_p: float | None = None,
+        seed: int | None = None,
+        on_token: OnToken | None = None,
+    ) -> Request:
         """Queue a request; raises ValueError (a message fit for an API error) when it
         can never be served."""
         prompt = [int(t) for t in prompt]
@@ -83,11 +110,14 @@ class Engine:
             raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
         check_sampling(temperature, None, top_p)
         if len(prompt) + max_tokens > self.context_length:
-            raise ValueError(f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) "
-                             f"exceeds the context length {self.context_length}")  # fmt: skip
+            raise ValueError(
+                f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) "
+                f"exceeds the context length {self.context_length}"
+            )
         with self._lock:
-            request = Request(self._next_id, prompt, max_tokens, float(temperature), top_p,
-                              on_token)  # fmt: skip
+            request = Request(
+                self._next_id, prompt, max_tokens, float(temperature), top_p, on_token
+            )
             self.scheduler.add(request)  # (raises when the pool can never hold it)
             self.runner.add(request, seed)
             self._next_id += 1
@@ -167,14 +197,19 @@ class Engine:
         token_bytes = block_bytes // cache.block_size
         with self._lock:
             waiting, running = len(self.scheduler.waiting), len(self.scheduler.running)
-        return {"num_blocks": cache.num_blocks, "block_size": cache.block_size,
-                "block_bytes": block_bytes, "used_blocks": cache.used_blocks,
-                "waiting": waiting, "running": running,
-                "peak_used_blocks": peak["used_blocks"], "peak_running": peak["running"],
-                "peak_bytes": peak["used_blocks"] * block_bytes,
-                "longest_request": peak["longest_request"],
-                "contiguous_bytes": peak["longest_request"] * token_bytes
-                * peak["running"]}  # fmt: skip
+        return {
+            "num_blocks": cache.num_blocks,
+            "block_size": cache.block_size,
+            "block_bytes": block_bytes,
+            "used_blocks": cache.used_blocks,
+            "waiting": waiting,
+            "running": running,
+            "peak_used_blocks": peak["used_blocks"],
+            "peak_running": peak["running"],
+            "peak_bytes": peak["used_blocks"] * block_bytes,
+            "longest_request": peak["longest_request"],
+            "contiguous_bytes": peak["longest_request"] * token_bytes * peak["running"],
+        }
 
     # -- running it --
 
@@ -214,8 +249,9 @@ class Engine:
                 for request in self._in_step:
                     self._finish(request, "error")
 
-    def run(self, prompts: Sequence[Sequence[int]],
-            max_tokens: int | Sequence[int]) -> list[list[int]]:  # fmt: skip
+    def run(
+        self, prompts: Sequence[Sequence[int]], max_tokens: int | Sequence[int]
+    ) -> list[list[int]]:
         """Greedy outputs of prompts decoded together (no thread: steps until done)."""
         counts = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else max_tokens
         requests = [self.submit(p, n) for p, n in zip(prompts, counts, strict=True)]

@@ -13,35 +13,63 @@ class APIError(Exception):
     """An error reported to the client: HTTP status, message, the parameter at fault
     (or None) and OpenAI's machine-readable code (or None)."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, kind: str = "invalid_request_error") -> None:  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = (
-            status, message, param, code, kind)  # fmt: skip
+            status,
+            message,
+            param,
+            code,
+            kind,
+        )
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, param=self.param, code=self.code, kind=self.kind)
 
 
-def error_body(message: str, *, param: str | None = None, code: str | None = None,
-               kind: str = "invalid_request_error") -> dict[str, Any]:  # fmt: skip
+def error_body(
+    message: str,
+    *,
+    param: str | None = None,
+    code: str | None = None,
+    kind: str = "invalid_request_error",
+) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def invalid_json(detail: str) -> APIError:
-    return APIError(400, "We could not parse the JSON body of your request: "
-                    f"{detail}. Send a JSON object (Content-Type: application/json).",
-                    code="invalid_json")  # fmt: skip
+    return APIError(
+        400,
+        "We could not parse the JSON body of your request: "
+        f"{detail}. Send a JSON object (Content-Type: application/json).",
+        code="invalid_json",
+    )
 
 
 def missing(param: str) -> APIError:
-    return APIError(400, f"Missing required parameter: '{param}'.", param=param,
-                    code="missing_required_parameter")  # fmt: skip
+    return APIError(
+        400,
+        f"Missing required parameter: '{param}'.",
+        param=param,
+        code="missing_required_parameter",
+    )
 
 
 def invalid_type(param: str, expected: str, value: Any) -> APIError:
-    return APIError(400, f"Invalid type for '{param}': expected {expected}, but got "
-                    f"{_kind(value)} instead.", param=param, code="invalid_type")  # fmt: skip
+    return APIError(
+        400,
+        f"Invalid type for '{param}': expected {expected}, but got {_kind(value)} instead.",
+        param=param,
+        code="invalid_type",
+    )
 
 
 def invalid_value(param: str, message: str) -> APIError:
@@ -50,39 +78,66 @@ def invalid_value(param: str, message: str) -> APIError:
 
 def below_minimum(param: str, minimum: float, value: Any) -> APIError:
     kind = "integer" if isinstance(minimum, int) else "decimal"
-    return APIError(400, f"Invalid '{param}': {kind} below minimum value. Expected a value "
-                    f">= {minimum}, but got {value} instead.", param=param,
-                    code=f"{kind}_below_min_value")  # fmt: skip
+    return APIError(
+        400,
+        f"Invalid '{param}': {kind} below minimum value. Expected a value "
+        f">= {minimum}, but got {value} instead.",
+        param=param,
+        code=f"{kind}_below_min_value",
+    )
 
 
 def above_maximum(param: str, maximum: float, value: Any) -> APIError:
     kind = "integer" if isinstance(maximum, int) else "decimal"
-    return APIError(400, f"Invalid '{param}': {kind} above maximum value. Expected a value "
-                    f"<= {maximum}, but got {value} instead.", param=param,
-                    code=f"{kind}_above_max_value")  # fmt: skip
+    return APIError(
+        400,
+        f"Invalid '{param}': {kind} above maximum value. Expected a value "
+        f"<= {maximum}, but got {value} instead.",
+        param=param,
+        code=f"{kind}_above_max_value",
+    )
 
 
 def unsupported(param: str, why: str = "") -> APIError:
-    return APIError(400, f"'{param}' is not supported by this server{why}; leave it out.",
-                    param=param, code="unsupported_parameter")  # fmt: skip
+    return APIError(
+        400,
+        f"'{param}' is not supported by this server{why}; leave it out.",
+        param=param,
+        code="unsupported_parameter",
+    )
 
 
 def unknown_model(name: str, served: str) -> APIError:
-    return APIError(404, f"The model `{name}` does not exist: this server serves "
-                    f"`{served}` (GET /v1/models lists it).", param="model",
-                    code="model_not_found")  # fmt: skip
+    return APIError(
+        404,
+        f"The model `{name}` does not exist: this server serves "
+        f"`{served}` (GET /v1/models lists it).",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def context_exceeded(param: str, context: int, prompt: int, new: int | None) -> APIError:
     asked = prompt + (new or 0)
     detail = f" ({prompt} in the {param}, {new} in the completion)" if new else ""
-    return APIError(400, f"This model's maximum context length is {context} tokens. However, "
-                    f"you requested {asked} tokens{detail}. Please reduce the length of the "
-                    f"{param} or the completion (max_tokens).", param=param,
-                    code="context_length_exceeded")  # fmt: skip
+    return APIError(
+        400,
+        f"This model's maximum context length is {context} tokens. However, "
+        f"you requested {asked} tokens{detail}. Please reduce the length of the "
+        f"{param} or the completion (max_tokens).",
+        param=param,
+        code="context_length_exceeded",
+    )
 
 
 def _kind(value: Any) -> str:
-    names = {bool: "a boolean", int: "an integer", float: "a decimal", str: "a string",
-             list: "an array", dict: "an object", type(None): "null"}  # fmt: skip
+    names = {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a decimal",
+        str: "a string",
+        list: "an array",
+        dict: "an object",
+        type(None): "null",
+    }
     return names.get(type(value), type(value).__name__)

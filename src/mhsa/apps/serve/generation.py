@@ -36,14 +36,17 @@ class Generation:
         self.queue: asyncio.Queue[tuple[int, int | None]] = asyncio.Queue()
         self.choices: list[Choice] = []
         try:
-            for index, (prompt, limit) in enumerate(zip(job.prompts, job.max_tokens,
-                                                        strict=True)):  # fmt: skip
+            for index, (prompt, limit) in enumerate(zip(job.prompts, job.max_tokens, strict=True)):
                 seed = None if job.seed is None else job.seed + index
-                request = self.engine.submit(prompt, limit, temperature=job.temperature,
-                                             top_p=job.top_p, seed=seed,
-                                             on_token=self._deliver)  # fmt: skip
-                self.choices.append(Choice(index, request, StoppingText(served.stream(),
-                                                                        job.stop)))  # fmt: skip
+                request = self.engine.submit(
+                    prompt,
+                    limit,
+                    temperature=job.temperature,
+                    top_p=job.top_p,
+                    seed=seed,
+                    on_token=self._deliver,
+                )
+                self.choices.append(Choice(index, request, StoppingText(served.stream(), job.stop)))
         except ValueError as error:  # what the checks before could not foresee
             self.cancel()
             raise errors.APIError(400, str(error)) from error
@@ -99,7 +102,12 @@ def _finish_reason(request: Request) -> str:
     if reason in ("stop", "length"):
         return reason
     if reason == "cancelled":
-        raise errors.APIError(503, "The request was cancelled: the server is shutting down.",
-                              kind="server_error")  # fmt: skip
-    raise errors.APIError(500, f"The model failed while generating (finish_reason {reason!r}); "
-                          "the server log has the traceback.", kind="server_error")  # fmt: skip
+        raise errors.APIError(
+            503, "The request was cancelled: the server is shutting down.", kind="server_error"
+        )
+    raise errors.APIError(
+        500,
+        f"The model failed while generating (finish_reason {reason!r}); "
+        "the server log has the traceback.",
+        kind="server_error",
+    )

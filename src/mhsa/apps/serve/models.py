@@ -46,8 +46,13 @@ class ServedModel:
         return self.engine.context_length
 
     @classmethod
-    def from_chat(cls, chat_model: Any, *, name: str | None = None, **engine_options: Any,
-                  ) -> ServedModel:  # fmt: skip
+    def from_chat(
+        cls,
+        chat_model: Any,
+        *,
+        name: str | None = None,
+        **engine_options: Any,
+    ) -> ServedModel:
         """Serve an mhsa.apps.chat.ChatModel (its Llama, tokenizer, template and stop tokens);
         engine_options go to make_engine."""
         tokenizer = chat_model.tokenizer
@@ -60,23 +65,40 @@ class ServedModel:
                 ids = [bos, *ids]
             return ids
 
-        return cls(name or chat_model.name.removesuffix(".gguf"), engine, encode,
-                   tokenizer.stream, chat_model.model.config.vocab_size,
-                   chat=chat_model.prompt_ids)  # fmt: skip
+        return cls(
+            name or chat_model.name.removesuffix(".gguf"),
+            engine,
+            encode,
+            tokenizer.stream,
+            chat_model.model.config.vocab_size,
+            chat=chat_model.prompt_ids,
+        )
 
     @classmethod
     def from_gpt(cls, model: nn.Module, name: str, **engine_options: Any) -> ServedModel:
         """Serve a GPT trained on UTF-8 bytes (`mhsa train gpt`): no chat template, no stop
         token; engine_options go to make_engine."""
         engine = make_engine(model, **engine_options)
-        return cls(name, engine, lambda text: list(text.encode("utf-8")), ByteStream,
-                   model.config.vocab_size)  # fmt: skip
+        return cls(
+            name,
+            engine,
+            lambda text: list(text.encode("utf-8")),
+            ByteStream,
+            model.config.vocab_size,
+        )
 
 
-def make_engine(model: nn.Module, *, num_blocks: int = 512, block_size: int = 16,
-                context_length: int | None = None, max_batch: int = 16,
-                prefill_chunk: int = 128, stop_ids: Any = (),
-                admission: str = "reserve") -> Engine:  # fmt: skip
+def make_engine(
+    model: nn.Module,
+    *,
+    num_blocks: int = 512,
+    block_size: int = 16,
+    context_length: int | None = None,
+    max_batch: int = 16,
+    prefill_chunk: int = 128,
+    stop_ids: Any = (),
+    admission: str = "reserve",
+) -> Engine:
     """An Engine for model whose context (default: the model's max_len, at most what the
     pool holds) always fits the pool, so no request is refused for the pool's size;
     admission: see mhsa.apps.serve.scheduler."""
@@ -84,12 +106,21 @@ def make_engine(model: nn.Module, *, num_blocks: int = 512, block_size: int = 16
     if context_length is None:
         context_length = min(model.config.max_len, pool)
     elif context_length > pool:
-        raise ValueError(f"context_length {context_length} is more than the pool holds "
-                         f"({num_blocks} blocks of {block_size} = {pool} tokens): raise "
-                         "num_blocks or lower context_length")  # fmt: skip
-    return Engine(model, context_length=context_length, num_blocks=num_blocks,
-                  block_size=block_size, max_batch=max_batch, prefill_chunk=prefill_chunk,
-                  stop_ids=stop_ids, admission=admission)  # fmt: skip
+        raise ValueError(
+            f"context_length {context_length} is more than the pool holds "
+            f"({num_blocks} blocks of {block_size} = {pool} tokens): raise "
+            "num_blocks or lower context_length"
+        )
+    return Engine(
+        model,
+        context_length=context_length,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_batch=max_batch,
+        prefill_chunk=prefill_chunk,
+        stop_ids=stop_ids,
+        admission=admission,
+    )
 
 
 class ByteStream:

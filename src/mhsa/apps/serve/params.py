@@ -13,11 +13,20 @@ from .models import ServedModel
 ROLES = ("system", "developer", "user", "assistant", "tool")
 DEFAULT_MAX_TOKENS = {"chat": 256, "completion": 16}  # (OpenAI's completions default: 16)
 # parameters this server does not implement, and the values that mean "not used"
-UNUSED = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False),
-          "logprobs": (None, False, 0), "top_logprobs": (None, 0), "suffix": (None, ""),
-          "tools": (None, []), "functions": (None, []), "logit_bias": (None, {}),
-          "frequency_penalty": (None, 0), "presence_penalty": (None, 0),
-          "response_format": (None, {"type": "text"})}  # fmt: skip
+UNUSED = {
+    "n": (None, 1),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "functions": (None, []),
+    "logit_bias": (None, {}),
+    "frequency_penalty": (None, 0),
+    "presence_penalty": (None, 0),
+    "response_format": (None, {"type": "text"}),
+}
 
 
 @dataclass
@@ -40,9 +49,13 @@ def parse_chat(body: dict[str, Any], served: ServedModel) -> Job:
     """The Job of a chat completion request (body: the parsed JSON object)."""
     _check_common(body, served)
     if served.chat is None:
-        raise errors.APIError(400, f"The model `{served.name}` has no chat template: send "
-                              "the text to continue to /v1/completions instead.",
-                              param="messages", code="chat_not_supported")  # fmt: skip
+        raise errors.APIError(
+            400,
+            f"The model `{served.name}` has no chat template: send "
+            "the text to continue to /v1/completions instead.",
+            param="messages",
+            code="chat_not_supported",
+        )
     messages = body.get("messages")
     if messages is None:
         raise errors.missing("messages")
@@ -54,8 +67,9 @@ def parse_chat(body: dict[str, Any], served: ServedModel) -> Job:
     try:
         prompt = served.chat(rendered)
     except Exception as error:  # the template's own complaint (roles out of order...)
-        raise errors.invalid_value("messages", f"the chat template refused them: {error}"
-                                   ) from error  # fmt: skip
+        raise errors.invalid_value(
+            "messages", f"the chat template refused them: {error}"
+        ) from error
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     return _job("chat", body, [prompt], limit, param, "messages", served)
@@ -68,8 +82,7 @@ def parse_completion(body: dict[str, Any], served: ServedModel) -> Job:
     if "prompt" not in body:
         raise errors.missing("prompt")
     prompts = [_prompt(p, served) for p in _prompt_list(body["prompt"])]
-    return _job("completion", body, prompts, body.get("max_tokens"), "max_tokens", "prompt",
-                served)  # fmt: skip
+    return _job("completion", body, prompts, body.get("max_tokens"), "max_tokens", "prompt", served)
 
 
 def _check_common(body: dict[str, Any], served: ServedModel) -> None:
@@ -90,8 +103,15 @@ def _same(value: Any, unused: Any) -> bool:
     return value == unused
 
 
-def _job(kind: str, body: dict[str, Any], prompts: list[list[int]], limit: Any,
-         limit_param: str, prompt_param: str, served: ServedModel) -> Job:  # fmt: skip
+def _job(
+    kind: str,
+    body: dict[str, Any],
+    prompts: list[list[int]],
+    limit: Any,
+    limit_param: str,
+    prompt_param: str,
+    served: ServedModel,
+) -> Job:
     context = served.context_length
     if limit is not None:
         limit = _integer(limit_param, limit, minimum=1)
@@ -118,8 +138,17 @@ def _job(kind: str, body: dict[str, Any], prompts: list[list[int]], limit: Any,
     include_usage = (options or {}).get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise errors.invalid_type("stream_options.include_usage", "a boolean", include_usage)
-    return Job(kind, prompts, counts, temperature, None if top_p in (0.0, 1.0) else top_p,
-               seed, _stop(body.get("stop")), stream, include_usage)  # fmt: skip
+    return Job(
+        kind,
+        prompts,
+        counts,
+        temperature,
+        None if top_p in (0.0, 1.0) else top_p,
+        seed,
+        _stop(body.get("stop")),
+        stream,
+        include_usage,
+    )
 
 
 def _message(index: int, message: Any) -> dict[str, Any]:
@@ -130,8 +159,9 @@ def _message(index: int, message: Any) -> dict[str, Any]:
     if role is None:
         raise errors.missing(f"{param}.role")
     if role not in ROLES:
-        raise errors.invalid_value(f"{param}.role", f"{role!r}. Supported values are: "
-                                   f"{', '.join(repr(r) for r in ROLES)}.")  # fmt: skip
+        raise errors.invalid_value(
+            f"{param}.role", f"{role!r}. Supported values are: {', '.join(repr(r) for r in ROLES)}."
+        )
     content = message.get("content")
     if isinstance(content, list):  # content parts: text only
         texts = []
@@ -146,19 +176,22 @@ def _message(index: int, message: Any) -> dict[str, Any]:
     if content is None and role != "assistant":
         raise errors.missing(f"{param}.content")
     if content is not None and not isinstance(content, str):
-        raise errors.invalid_type(f"{param}.content", "a string or an array of text parts",
-                                  content)  # fmt: skip
+        raise errors.invalid_type(f"{param}.content", "a string or an array of text parts", content)
     return {**message, "content": content or ""}
 
 
 def _prompt_list(prompt: Any) -> list[Any]:
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
-                                   and all(isinstance(t, int) for t in prompt)):  # fmt: skip
+    if isinstance(prompt, str) or (
+        isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)
+    ):
         return [prompt]
     if isinstance(prompt, list) and prompt:
         return prompt
-    raise errors.invalid_value("prompt", "expected a string, an array of strings, an array of "
-                               "token ids or an array of such arrays, not empty.")  # fmt: skip
+    raise errors.invalid_value(
+        "prompt",
+        "expected a string, an array of strings, an array of "
+        "token ids or an array of such arrays, not empty.",
+    )
 
 
 def _prompt(prompt: Any, served: ServedModel) -> list[int]:

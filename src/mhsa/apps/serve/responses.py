@@ -17,27 +17,49 @@ class Reply:
         self.id = f"{prefix}-{uuid.uuid4().hex}"
 
     def _head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "system_fingerprint": None}  # fmt: skip
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+        }
 
-    def whole(self, choices: list[tuple[str, str | None]], usage: dict[str, Any],
-              ) -> dict[str, Any]:  # fmt: skip
+    def whole(
+        self,
+        choices: list[tuple[str, str | None]],
+        usage: dict[str, Any],
+    ) -> dict[str, Any]:
         """The non-streamed response of choices [(text, finish_reason)]."""
         if self.kind == "chat":
             body = self._head("chat.completion")
-            body["choices"] = [{"index": i, "logprobs": None, "finish_reason": finish,
-                                "message": {"role": "assistant", "content": text}}
-                               for i, (text, finish) in enumerate(choices)]  # fmt: skip
+            body["choices"] = [
+                {
+                    "index": i,
+                    "logprobs": None,
+                    "finish_reason": finish,
+                    "message": {"role": "assistant", "content": text},
+                }
+                for i, (text, finish) in enumerate(choices)
+            ]
         else:
             body = self._head("text_completion")
-            body["choices"] = [{"index": i, "text": text, "logprobs": None,
-                                "finish_reason": finish}
-                               for i, (text, finish) in enumerate(choices)]  # fmt: skip
+            body["choices"] = [
+                {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+                for i, (text, finish) in enumerate(choices)
+            ]
         body["usage"] = usage
         return body
 
-    def chunk(self, index: int, text: str | None, finish: str | None = None, *,
-              role: bool = False, usage: bool = False) -> dict[str, Any]:  # fmt: skip
+    def chunk(
+        self,
+        index: int,
+        text: str | None,
+        finish: str | None = None,
+        *,
+        role: bool = False,
+        usage: bool = False,
+    ) -> dict[str, Any]:
         """One streamed chunk of choice index: its new text (None: none, as in the
         chunk that only says finish_reason), role=True for a chat's first chunk."""
         if self.kind == "chat":
@@ -48,8 +70,7 @@ class Reply:
             choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
         else:
             body = self._head("text_completion")
-            choice = {"index": index, "text": text or "", "logprobs": None,
-                      "finish_reason": finish}  # fmt: skip
+            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
         body["choices"] = [choice]
         if usage:
             body["usage"] = None
@@ -62,9 +83,12 @@ class Reply:
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}  # fmt: skip
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
 def model_card(name: str, created: int) -> dict[str, Any]:

@@ -70,9 +70,13 @@ class Runner:
         chosen = []
         for row, request in enumerate(requests):
             sampling, stop, generator = self._choosing[request.id]
-            choice = sample_and_stop(logits[row : row + 1], sampling, stop,
-                                     generated=len(request.output),
-                                     generator=generator)  # fmt: skip
+            choice = sample_and_stop(
+                logits[row : row + 1],
+                sampling,
+                stop,
+                generated=len(request.output),
+                generator=generator,
+            )
             chosen.append((request, choice))
         return chosen
 

@@ -142,8 +142,9 @@ class Scheduler:
     """Decides each step's Plan over a BlockPool (see the module docstring); max_batch
     requests run at once, prefill_chunk tokens of a context are fed per step."""
 
-    def __init__(self, pool: BlockPool, *, max_batch: int, prefill_chunk: int,
-                 admission: str = "reserve") -> None:  # fmt: skip
+    def __init__(
+        self, pool: BlockPool, *, max_batch: int, prefill_chunk: int, admission: str = "reserve"
+    ) -> None:
         for name, value in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -166,9 +167,11 @@ class Scheduler:
         """Queue a request (its worst_blocks set); it runs once admitted."""
         request.worst_blocks = self.worst_blocks(len(request.prompt) + request.max_tokens)
         if request.worst_blocks > self.pool.num_blocks:
-            raise ValueError(f"the request needs {request.worst_blocks} cache blocks, the pool "
-                             f"has {self.pool.num_blocks}: shorten it or serve with more "
-                             "blocks")  # fmt: skip
+            raise ValueError(
+                f"the request needs {request.worst_blocks} cache blocks, the pool "
+                f"has {self.pool.num_blocks}: shorten it or serve with more "
+                "blocks"
+            )
         self.waiting.append(request)
 
     def schedule(self) -> Plan:
@@ -192,8 +195,9 @@ class Scheduler:
 
     def _prefill_chunk(self, request: Request) -> Chunk:
         stop = min(request.computed + self.prefill_chunk, request.context_length)
-        return Chunk(request, request.context(request.computed, stop),
-                     stop == request.context_length)  # fmt: skip
+        return Chunk(
+            request, request.context(request.computed, stop), stop == request.context_length
+        )
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_batch:
@@ -211,8 +215,9 @@ class Scheduler:
         """Free blocks the running requests may take first: all they may still grow by
         ("reserve"), or what their next decoding token takes ("optimistic")."""
         if self.admission == "reserve":
-            return sum(max(r.worst_blocks - len(self.pool.block_table(r.seq)), 0)
-                       for r in self.running)  # fmt: skip
+            return sum(
+                max(r.worst_blocks - len(self.pool.block_table(r.seq)), 0) for r in self.running
+            )
         return sum(self.pool.blocks_needed(r.seq, 1) for r in self.running if r.decoding)
 
     def _blocks_to_admit(self, request: Request) -> int:

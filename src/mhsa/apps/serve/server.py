@@ -14,8 +14,9 @@ from types import TracebackType
 try:
     import uvicorn
 except ImportError as error:  # pragma: no cover - the serve extra is missing
-    raise ImportError(f"mhsa serve needs starlette and uvicorn ({error}): "
-                      "pip install 'mhsa[serve]'") from error  # fmt: skip
+    raise ImportError(
+        f"mhsa serve needs starlette and uvicorn ({error}): pip install 'mhsa[serve]'"
+    ) from error
 
 from .app import build_app
 from .models import ServedModel
@@ -25,10 +26,22 @@ class Server:
     """The HTTP server on host:port (port 0: the system picks a free one); start() runs it
     in a daemon thread and returns once it accepts connections, stop() ends it."""
 
-    def __init__(self, served: ServedModel, *, host: str = "127.0.0.1", port: int = 8000,
-                 log_level: str = "warning") -> None:  # fmt: skip
-        config = uvicorn.Config(build_app(served), host=host, port=port, log_level=log_level,
-                                lifespan="on", timeout_graceful_shutdown=5)  # fmt: skip
+    def __init__(
+        self,
+        served: ServedModel,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        log_level: str = "warning",
+    ) -> None:
+        config = uvicorn.Config(
+            build_app(served),
+            host=host,
+            port=port,
+            log_level=log_level,
+            lifespan="on",
+            timeout_graceful_shutdown=5,
+        )
         self.served, self.host = served, host
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
@@ -57,9 +70,11 @@ class Server:
         while not self._server.started:
             if self._ended.is_set():
                 self._thread = None
-                raise OSError(f"the server could not start on {self.host}:"
-                              f"{self._server.config.port} (see the log above: a port in "
-                              "use? pass another --port)")  # fmt: skip
+                raise OSError(
+                    f"the server could not start on {self.host}:"
+                    f"{self._server.config.port} (see the log above: a port in "
+                    "use? pass another --port)"
+                )
             if time.monotonic() > deadline:
                 self.stop()
                 raise TimeoutError(f"the server did not start within {timeout} s")
@@ -95,6 +110,10 @@ class Server:
     def __enter__(self) -> Server:
         return self.start()
 
-    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
-                 traceback: TracebackType | None) -> None:  # fmt: skip
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
         self.stop()

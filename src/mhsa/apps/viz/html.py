@@ -45,14 +45,16 @@ def _sections(parts: list[tuple[str, Tensor | None, str]]) -> tuple[dict, bytes]
 
 def page_data(rec: Recording) -> dict:
     """The JSON the page reads: everything but the arrays, and the arrays' blob."""
-    sections, blob = _sections([
-        ("map_scales", rec.map_scales, "<f4"),
-        ("rollout_scales", rec.rollout_scales, "<f4"),
-        ("map_rest", rec.map_rest, "<f4"),
-        ("thumbs", rec.thumbs, "u1"),
-        ("maps", rec.maps, "u1"),
-        ("rollout", rec.rollout, "u1"),
-    ])  # fmt: skip
+    sections, blob = _sections(
+        [
+            ("map_scales", rec.map_scales, "<f4"),
+            ("rollout_scales", rec.rollout_scales, "<f4"),
+            ("map_rest", rec.map_rest, "<f4"),
+            ("thumbs", rec.thumbs, "u1"),
+            ("maps", rec.maps, "u1"),
+            ("rollout", rec.rollout, "u1"),
+        ]
+    )
     return {
         "title": rec.title,
         "note": rec.note,

@@ -33,8 +33,7 @@ def plot_maps(
     for layer, probs in enumerate(maps):
         for head in range(heads):
             ax = axes[layer][head]
-            ax.imshow(probs[0, head].float().cpu().numpy(), cmap="viridis", vmin=0.0,
-                      aspect="auto")  # fmt: skip
+            ax.imshow(probs[0, head].float().cpu().numpy(), cmap="viridis", vmin=0.0, aspect="auto")
             ax.set_xticks([]), ax.set_yticks([])
             if show_keys and layer == layers - 1:
                 ax.set_xticks(range(len(key_labels)), key_labels, rotation=90, fontsize=6)

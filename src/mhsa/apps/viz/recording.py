@@ -81,11 +81,15 @@ def select_heads(
     chosen = set()
     for layer, head in pairs:
         if not 0 <= head < heads:
-            raise ValueError(f"--heads: head {head} is out of range; the model has {heads} "
-                             f"heads per layer (0..{heads - 1})")  # fmt: skip
+            raise ValueError(
+                f"--heads: head {head} is out of range; the model has {heads} "
+                f"heads per layer (0..{heads - 1})"
+            )
         if layer is not None and not 0 <= layer < layers:
-            raise ValueError(f"--heads: layer {layer} is out of range; the model has {layers} "
-                             f"attention layers (0..{layers - 1})")  # fmt: skip
+            raise ValueError(
+                f"--heads: layer {layer} is out of range; the model has {layers} "
+                f"attention layers (0..{layers - 1})"
+            )
         chosen.update((i, head) for i in range(layers) if layer is None or i == layer)
     return sorted(chosen)
 
@@ -103,8 +107,9 @@ class _Layer:
         if q_len != kv_len:  # rollout chains square maps only
             rec.rollout = None
         self.mean = torch.zeros(q_len, kv_len) if rec.rollout is not None else None
-        self.heads = [(slot, head) for slot, (layer, head) in enumerate(rec.stored)
-                      if layer == index]  # fmt: skip
+        self.heads = [
+            (slot, head) for slot, (layer, head) in enumerate(rec.stored) if layer == index
+        ]
 
     def update(self, probs: Tensor, rows: Tensor) -> None:
         """probs (H, r, S) of query rows `rows`."""
@@ -195,10 +200,22 @@ def record(source: Source, heads: str | None = None, max_rows: int = 256) -> Rec
     if rec.rollout is not None:
         rollout, scales = quantize_rows(rec.rollout[rec.rows])
     return Recording(
-        title=source.title, note=source.note, layer_names=[n for n, _ in source.layers],
-        num_heads=source.num_heads, queries=source.queries, keys=rec.keys,
-        self_attention=source.self_attention, rows=rec.rows, stored=stored, maps=rec.maps,
-        map_scales=rec.map_scales, thumbs=torch.stack(rec.thumbs),
-        thumb_scales=torch.stack(rec.thumb_scales), stats=rec.stats, rollout=rollout,
-        rollout_scales=scales, rest_label=rec.rest_label, map_rest=rec.map_rest,
-    )  # fmt: skip
+        title=source.title,
+        note=source.note,
+        layer_names=[n for n, _ in source.layers],
+        num_heads=source.num_heads,
+        queries=source.queries,
+        keys=rec.keys,
+        self_attention=source.self_attention,
+        rows=rec.rows,
+        stored=stored,
+        maps=rec.maps,
+        map_scales=rec.map_scales,
+        thumbs=torch.stack(rec.thumbs),
+        thumb_scales=torch.stack(rec.thumb_scales),
+        stats=rec.stats,
+        rollout=rollout,
+        rollout_scales=scales,
+        rest_label=rec.rest_label,
+        map_rest=rec.map_rest,
+    )

@@ -77,9 +77,12 @@ def gpt_source(model, text: str, name: str = "GPT") -> Source:
         raise ValueError(f"--text must be 1..{model.config.max_len} bytes, got {tokens.numel()}")
     labels = [_visible(chr(t)) if t < 128 else f"\\x{t:02x}" for t in tokens.tolist()]
     return Source(
-        name, _attention_layers(model), lambda: model(tokens.view(1, -1)), labels,
+        name,
+        _attention_layers(model),
+        lambda: model(tokens.view(1, -1)),
+        labels,
         note=f"{len(labels)} bytes",
-    )  # fmt: skip
+    )
 
 
 def chat_source(chat, text: str) -> Source:
@@ -93,9 +96,12 @@ def chat_source(chat, text: str) -> Source:
     labels = [_visible(chat.tokenizer.decode([i], skip_special_tokens=False)) for i in ids]
     tokens = torch.tensor([ids])
     return Source(
-        chat.name, _attention_layers(chat.model), lambda: chat.model(tokens), labels,
+        chat.name,
+        _attention_layers(chat.model),
+        lambda: chat.model(tokens),
+        labels,
         note=f"{len(ids)} tokens",
-    )  # fmt: skip
+    )
 
 
 def minilm_source(encoder, text: str) -> Source:
@@ -107,9 +113,12 @@ def minilm_source(encoder, text: str) -> Source:
     truncated = encoder.tokenizer.encode(text).overflowing
     note = f"{len(labels)} tokens" + (" (truncated)" if truncated else "")
     return Source(
-        "all-MiniLM-L6-v2", _attention_layers(encoder.model),
-        lambda: encoder.model(ids, mask), labels, note=note,
-    )  # fmt: skip
+        "all-MiniLM-L6-v2",
+        _attention_layers(encoder.model),
+        lambda: encoder.model(ids, mask),
+        labels,
+        note=note,
+    )
 
 
 def whisper_source(model, audio: str | Path, text: str | None = None) -> Source:
@@ -137,16 +146,23 @@ def whisper_source(model, audio: str | Path, text: str | None = None) -> Source:
     if len(tokens) > limit:
         raise ValueError(f"--text is {len(tokens)} tokens with the prompt; Whisper takes {limit}")
     tokenizer = model.tokenizer
-    labels = [_visible(tokenizer.decode([i]) if i < config.eot_id else tokenizer.id_to_token(i))
-              for i in tokens]  # fmt: skip
+    labels = [
+        _visible(tokenizer.decode([i]) if i < config.eot_id else tokenizer.id_to_token(i))
+        for i in tokens
+    ]
     frames = min(config.n_audio_ctx, math.ceil(waveform.numel() / SAMPLE_RATE / FRAME_SECONDS))
     keys = [f"{j * FRAME_SECONDS:.2f}s" for j in range(config.n_audio_ctx)]
-    layers = [(f"decoder {i} cross", layer.cross_attn) for i, layer in
-              enumerate(model.decoder.layers)]  # fmt: skip
+    layers = [
+        (f"decoder {i} cross", layer.cross_attn) for i, layer in enumerate(model.decoder.layers)
+    ]
     ids_tensor = torch.tensor([tokens])
     seconds = waveform.numel() / SAMPLE_RATE
     return Source(
-        f"Whisper: {Path(audio).name}", layers, lambda: model.logits(ids_tensor, memory),
-        labels, keys=keys, key_limit=frames,
+        f"Whisper: {Path(audio).name}",
+        layers,
+        lambda: model.logits(ids_tensor, memory),
+        labels,
+        keys=keys,
+        key_limit=frames,
         note=f"{len(tokens)} text tokens against {frames} audio frames ({seconds:.2f} s)",
-    )  # fmt: skip
+    )

@@ -19,12 +19,15 @@ from torch import Tensor
 class HeadStats:
     """Accumulates one layer's rows, chunk by chunk, for each of its heads."""
 
-    def __init__(self, num_heads: int, q_len: int, kv_len: int, self_attention: bool,
-                 shown: int) -> None:  # fmt: skip
+    def __init__(
+        self, num_heads: int, q_len: int, kv_len: int, self_attention: bool, shown: int
+    ) -> None:
         self.self_attention, self.shown, self.kv_len = self_attention, shown, kv_len
         self.rows = torch.zeros(num_heads)  # rows with any probability
-        self.sums = {name: torch.zeros(num_heads, dtype=torch.float64) for name in
-                     ("entropy", "distance", "first", "shown")}  # fmt: skip
+        self.sums = {
+            name: torch.zeros(num_heads, dtype=torch.float64)
+            for name in ("entropy", "distance", "first", "shown")
+        }
         self.offsets = torch.zeros(num_heads, q_len + kv_len - 1, dtype=torch.long)
 
     def update(self, probs: Tensor, rows: Tensor) -> None:
@@ -52,8 +55,9 @@ class HeadStats:
             name: (self.sums[name] / rows).tolist() for name in ("entropy", "first")
         }
         heads = len(rows)
-        out["shown"] = (self.sums["shown"] / rows).tolist() if self.shown < self.kv_len \
-            else [None] * heads  # fmt: skip
+        out["shown"] = (
+            (self.sums["shown"] / rows).tolist() if self.shown < self.kv_len else [None] * heads
+        )
         if self.self_attention:
             out["distance"] = (self.sums["distance"] / rows).tolist()
             share, best = self.offsets.max(dim=-1)

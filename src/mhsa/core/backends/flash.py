@@ -25,20 +25,33 @@ class FlashBackend(Backend):
 
     def supports(self, spec: AttentionSpec) -> str | None:
         if spec.paged and spec.needs_grad:
-            return ("paged keys with gradients: its tiled paged engine is for inference; "
-                    "reference is differentiable, or run under torch.no_grad()")  # fmt: skip
+            return (
+                "paged keys with gradients: its tiled paged engine is for inference; "
+                "reference is differentiable, or run under torch.no_grad()"
+            )
         return None
 
     def preference(self, spec: AttentionSpec) -> float:
         return 2.0 if spec.device.type == "cpu" else 0.5
 
-    def forward_paged(self, q, k_pool, v_pool, *, block_table, seq_lens, scale, score=None,
-                      window=None):  # fmt: skip
-        return paged.paged_tiled(q, k_pool, v_pool, block_table, seq_lens, scale=scale,
-                                 score=score, window=window, tile_size=paged.TILE_SIZE)  # fmt: skip
+    def forward_paged(
+        self, q, k_pool, v_pool, *, block_table, seq_lens, scale, score=None, window=None
+    ):
+        return paged.paged_tiled(
+            q,
+            k_pool,
+            v_pool,
+            block_table,
+            seq_lens,
+            scale=scale,
+            score=score,
+            window=window,
+            tile_size=paged.TILE_SIZE,
+        )
 
-    def forward(self, q, k, v, *, mask, bias, causal, scale, dropout_p, return_lse,
-                score=None, sinks=None):  # fmt: skip
+    def forward(
+        self, q, k, v, *, mask, bias, causal, scale, dropout_p, return_lse, score=None, sinks=None
+    ):
         band = band_of(mask)
         plain = bias is None and score is None and sinks is None
         if band is not None and band.dilation == 1:
@@ -50,15 +63,26 @@ class FlashBackend(Backend):
                 out, lse = self._by_residue(q, k, v, classes, band.dilation, scale)
                 return out, (lse if return_lse else None)
         if tracing() and traceable(score):  # one custom op in the graph
-            out, lse = traced_flash_attention(q, k, v, mask, bias, causal, scale, dropout_p,
-                                              score, sinks)  # fmt: skip
+            out, lse = traced_flash_attention(
+                q, k, v, mask, bias, causal, scale, dropout_p, score, sinks
+            )
             return out, (lse if return_lse else None)
         # the fused kernel adds a float mask per tile: additive score functions only
         fused = fused_available(q, v, dropout_p) and (score is None or score.additive)
         plan = plan_for(mask, causal, q.shape[2], k.shape[2], q.device, fused, score)
         dropout = (dropout_p, draw_seed()) if dropout_p > 0 else None
-        out, lse = flash_attention(q, k, v, plan, bias=bias, scale=scale, dropout=dropout,
-                                   fused=fused, score=score, sinks=sinks)  # fmt: skip
+        out, lse = flash_attention(
+            q,
+            k,
+            v,
+            plan,
+            bias=bias,
+            scale=scale,
+            dropout=dropout,
+            fused=fused,
+            score=score,
+            sinks=sinks,
+        )
         return out, (lse if return_lse else None)
 
     def _by_residue(self, q, k, v, classes, dilation: int, scale: float):
@@ -70,9 +94,16 @@ class FlashBackend(Backend):
             rows = slice(c.q_start, None, dilation)
             keys = slice(c.k_start, None, dilation)
             out_c, lse_c = self.forward(
-                q[:, :, rows], k[:, :, keys], v[:, :, keys], mask=c.window, bias=None,
-                causal=False, scale=scale, dropout_p=0.0, return_lse=True,
-            )  # fmt: skip
+                q[:, :, rows],
+                k[:, :, keys],
+                v[:, :, keys],
+                mask=c.window,
+                bias=None,
+                causal=False,
+                scale=scale,
+                dropout_p=0.0,
+                return_lse=True,
+            )
             if lse is None:
                 lse = lse_c.new_empty(batch, heads, q_len)
             out[:, :, rows] = out_c

@@ -22,17 +22,29 @@ FUSED_SCORED_MAX_RUN = 2048
 SEPARABLE_BLOCK = 1024
 
 
-def plan_for(mask, causal: bool, q_len: int, kv_len: int, device, fused: bool,
-             score=None):  # fmt: skip
+def plan_for(mask, causal: bool, q_len: int, kv_len: int, device, fused: bool, score=None):
     """The block plan the flash backend uses for a call with an mhsa.core.scores function or
     None."""
     pattern = with_causal(mask, causal)
     if fused and score is not None and score.separable and causal and mask is None:
-        return build_plan(pattern, q_len, kv_len, block_q=SEPARABLE_BLOCK,
-                          block_k=SEPARABLE_BLOCK, merge_rows=False)  # fmt: skip
+        return build_plan(
+            pattern,
+            q_len,
+            kv_len,
+            block_q=SEPARABLE_BLOCK,
+            block_k=SEPARABLE_BLOCK,
+            merge_rows=False,
+        )
     if fused and score is not None:
-        return build_plan(pattern, q_len, kv_len, block_q=FUSED_BLOCK, block_k=FUSED_BLOCK,
-                          max_run_keys=FUSED_SCORED_MAX_RUN, merge_rows=False)  # fmt: skip
+        return build_plan(
+            pattern,
+            q_len,
+            kv_len,
+            block_q=FUSED_BLOCK,
+            block_k=FUSED_BLOCK,
+            max_run_keys=FUSED_SCORED_MAX_RUN,
+            merge_rows=False,
+        )
     if fused:
         block = getattr(mask, "block_size", None) or FUSED_BLOCK
         plan = build_plan(pattern, q_len, kv_len, block_q=block, block_k=block, gather=True)

@@ -119,9 +119,14 @@ def _pattern_block_mask(pattern: Pattern, causal: bool, shape: tuple, device):
         return allowed & causal_allows(q_idx + shift, kv_idx) if causal else allowed
 
     return _flex_module().create_block_mask(
-        mask_mod, batch if per_batch else None, None, q_len, kv_len, device=device,
+        mask_mod,
+        batch if per_batch else None,
+        None,
+        q_len,
+        kv_len,
+        device=device,
         BLOCK_SIZE=BLOCK,
-    )  # fmt: skip
+    )
 
 
 def _score_mod(score, q_len: int, kv_len: int):
@@ -196,8 +201,10 @@ class FlexBackend(Backend):
         # On CUDA: the choice for patterns (sdpa wins plain and aligned-causal calls)
         return 2.5 if spec.has_mask or spec.causal else 0.5
 
-    def forward(self, q, k, v, *, mask, bias, causal, scale, dropout_p, return_lse,
-                score=None, sinks=None):  # fmt: skip
-        out, lse = flex_forward(q, k, v, mask=mask, causal=causal, scale=scale, score=score,
-                                sinks=sinks)  # fmt: skip
+    def forward(
+        self, q, k, v, *, mask, bias, causal, scale, dropout_p, return_lse, score=None, sinks=None
+    ):
+        out, lse = flex_forward(
+            q, k, v, mask=mask, causal=causal, scale=scale, score=score, sinks=sinks
+        )
         return out, (lse if return_lse else None)

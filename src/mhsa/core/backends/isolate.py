@@ -90,8 +90,16 @@ def _attends_bad_key(
     indicator = bad.to(v.dtype).unsqueeze(-1).expand(v.shape).contiguous()
     with torch.no_grad():
         share, _ = backend.forward(
-            torch.zeros_like(q), torch.zeros_like(k), indicator,
-            **{**call, "bias": bias, "dropout_p": 0.0, "return_lse": False, "score": None,
-               "sinks": None},
-        )  # fmt: skip
+            torch.zeros_like(q),
+            torch.zeros_like(k),
+            indicator,
+            **{
+                **call,
+                "bias": bias,
+                "dropout_p": 0.0,
+                "return_lse": False,
+                "score": None,
+                "sinks": None,
+            },
+        )
     return share[..., 0] > 0

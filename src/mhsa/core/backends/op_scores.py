@@ -74,8 +74,9 @@ def score_mod_text(score: ScoreMod) -> str:
     if score not in _SCORE_MOD_TEXTS:
         text = f"ScoreMod({getattr(score.fn, '__qualname__', '')!r}, {next(_NUMBERS)})"
         tensors = score.tensors()
-        _SCORE_MODS[text] = _Registered(weakref.ref(score), len(tensors),
-                                        _places(score.fn, tensors))  # fmt: skip
+        _SCORE_MODS[text] = _Registered(
+            weakref.ref(score), len(tensors), _places(score.fn, tensors)
+        )
         weakref.finalize(score, _SCORE_MODS.pop, text, None)
         _SCORE_MOD_TEXTS[score] = text
     return _SCORE_MOD_TEXTS[score]
@@ -86,10 +87,12 @@ def _places(fn, tensors: tuple[Tensor, ...]) -> tuple[dict[int, int], dict[str, 
     if not isinstance(fn, types.FunctionType):
         return None
     index = {id(t): i for i, t in enumerate(tensors)}
-    cells = {c: index[id(value)] for c, value in enumerate(_cell_values(fn))
-             if id(value) in index}  # fmt: skip
-    names = {name: index[id(fn.__globals__[name])] for name in fn.__code__.co_names
-             if id(fn.__globals__.get(name)) in index}  # fmt: skip
+    cells = {c: index[id(value)] for c, value in enumerate(_cell_values(fn)) if id(value) in index}
+    names = {
+        name: index[id(fn.__globals__[name])]
+        for name in fn.__code__.co_names
+        if id(fn.__globals__.get(name)) in index
+    }
     found = set(cells.values()) | set(names.values())
     return (cells, names) if len(found) == len(tensors) else None
 
@@ -110,16 +113,21 @@ def _rebuild_score_mod(text: str, tensors: list[Tensor]) -> ScoreMod:
     entry = _SCORE_MODS.get(text)
     score = None if entry is None else entry.score()
     if score is None:
-        raise ValueError(f"the score function {text} is gone: a graph traced with a ScoreMod "
-                         "runs only while that ScoreMod lives")  # fmt: skip
+        raise ValueError(
+            f"the score function {text} is gone: a graph traced with a ScoreMod "
+            "runs only while that ScoreMod lives"
+        )
     if entry.places is None:
         return score
     cells, names = entry.places
     fn = score.fn
-    closure = tuple(types.CellType(tensors[cells[c]]) if c in cells else cell
-                    for c, cell in enumerate(fn.__closure__ or ()))  # fmt: skip
-    scope = {**fn.__globals__, **{n: tensors[i] for n, i in names.items()}} if names \
-        else fn.__globals__  # fmt: skip
+    closure = tuple(
+        types.CellType(tensors[cells[c]]) if c in cells else cell
+        for c, cell in enumerate(fn.__closure__ or ())
+    )
+    scope = (
+        {**fn.__globals__, **{n: tensors[i] for n, i in names.items()}} if names else fn.__globals__
+    )
     rebuilt = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, closure)
     rebuilt.__kwdefaults__ = fn.__kwdefaults__
     return ScoreMod(rebuilt, tensors)
@@ -156,14 +164,15 @@ def differentiable_score(
     backward: the function reads fresh leaves in place of `tensors`, or, where it reads
     its tensors itself, those that require grad (each once)."""
     score = rebuild_score(text, [t.detach().requires_grad_() for t in tensors])
-    functions = () if score is None else score.functions if isinstance(score, Compose) \
-        else (score,)  # fmt: skip
+    functions = () if score is None else score.functions if isinstance(score, Compose) else (score,)
     targets: list[Tensor | None] = []
     seen: set[int] = set()
     for t in (t for f in functions for t in f.tensors()):
         targets.append(t if t.requires_grad and id(t) not in seen else None)
         seen.add(id(t))
     if len(targets) != len(tensors):
-        raise ValueError(f"{text} read {len(targets)} tensors, {len(tensors)} given: a "
-                         "ScoreMod's tensors changed after it was traced")  # fmt: skip
+        raise ValueError(
+            f"{text} read {len(targets)} tensors, {len(tensors)} given: a "
+            "ScoreMod's tensors changed after it was traced"
+        )
     return score, targets

@@ -17,8 +17,9 @@ from ..masks import Pattern
 from ..scores import ScoreFunction
 from .op_scores import score_spec
 
-_PATTERN_CLASSES = {name: getattr(masks, name) for name in masks.__all__
-                    if isinstance(getattr(masks, name), type)}  # fmt: skip
+_PATTERN_CLASSES = {
+    name: getattr(masks, name) for name in masks.__all__ if isinstance(getattr(masks, name), type)
+}
 _REBUILT: dict[str, Pattern] = {}
 
 
@@ -48,15 +49,38 @@ def traced_seed(dropout_p: float) -> Tensor:
     return torch.zeros((), dtype=torch.int64)
 
 
-def traced_call(op, q, k, v, mask, bias, causal: bool, scale: float, dropout_p: float,
-                score: ScoreFunction | None = None,
-                sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
+def traced_call(
+    op,
+    q,
+    k,
+    v,
+    mask,
+    bias,
+    causal: bool,
+    scale: float,
+    dropout_p: float,
+    score: ScoreFunction | None = None,
+    sinks: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """op's call for a traced graph, from a backend's forward arguments: patterns by
     repr, those holding tensors dense, score functions by text and tensors."""
     pattern, mask = traced_mask(mask, q.shape[2], k.shape[2], q.device)
     text, tensors = score_spec(score)
-    return op(q, k, v, mask, bias, pattern, causal, scale, dropout_p, traced_seed(dropout_p),
-              text, tensors, sinks)  # fmt: skip
+    return op(
+        q,
+        k,
+        v,
+        mask,
+        bias,
+        pattern,
+        causal,
+        scale,
+        dropout_p,
+        traced_seed(dropout_p),
+        text,
+        tensors,
+        sinks,
+    )
 
 
 def register_attention_op(op, backward_op) -> None:
@@ -81,20 +105,53 @@ def register_attention_op(op, backward_op) -> None:
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         dq, dk, dv, dbias, dsinks, dscore = backward_op(
-            grad_out, grad_lse, q, k, v, mask, bias, out, lse, *ctx.constants, seed,
-            ctx.score, tensors, sinks, bias_grad, score_grad,
-        )  # fmt: skip
-        return (dq, dk, dv, None, dbias if bias_grad else None, None, None, None, None, None,
-                None, dscore if score_grad else [None] * len(tensors),
-                dsinks if sinks is not None else None)  # fmt: skip
+            grad_out,
+            grad_lse,
+            q,
+            k,
+            v,
+            mask,
+            bias,
+            out,
+            lse,
+            *ctx.constants,
+            seed,
+            ctx.score,
+            tensors,
+            sinks,
+            bias_grad,
+            score_grad,
+        )
+        return (
+            dq,
+            dk,
+            dv,
+            None,
+            dbias if bias_grad else None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            dscore if score_grad else [None] * len(tensors),
+            dsinks if sinks is not None else None,
+        )
 
     op.register_autograd(backward, setup_context=setup_context)
     op.register_fake(_fake_forward)
     backward_op.register_fake(_fake_backward)
 
 
-def backward_outputs(q: Tensor, dq: Tensor, dk: Tensor, dv: Tensor, dbias: Tensor | None,
-                     dsinks: Tensor | None, dscore: list[Tensor]) -> tuple:  # fmt: skip
+def backward_outputs(
+    q: Tensor,
+    dq: Tensor,
+    dk: Tensor,
+    dv: Tensor,
+    dbias: Tensor | None,
+    dsinks: Tensor | None,
+    dscore: list[Tensor],
+) -> tuple:
     """A backward op's (dq, dk, dv, dbias, dsinks, dscore), contiguous; an op returns no
     None, so an absent dbias or dsinks is an empty tensor."""
     dbias = q.new_empty(0) if dbias is None else dbias.contiguous()
@@ -102,16 +159,35 @@ def backward_outputs(q: Tensor, dq: Tensor, dk: Tensor, dv: Tensor, dbias: Tenso
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), dbias, dsinks, dscore
 
 
-def _fake_forward(q, k, v, mask, bias, pattern, causal, scale, dropout_p, seed, score,
-                  score_tensors, sinks):  # fmt: skip
+def _fake_forward(
+    q, k, v, mask, bias, pattern, causal, scale, dropout_p, seed, score, score_tensors, sinks
+):
     batch, heads, q_len, _ = q.shape
     out = q.new_empty(batch, heads, q_len, v.shape[-1])
     return out, q.new_empty(batch, heads, q_len, dtype=stats_dtype(q.dtype))
 
 
-def _fake_backward(grad_out, grad_lse, q, k, v, mask, bias, out, lse, pattern, causal,
-                   scale, dropout_p, seed, score, score_tensors, sinks, bias_grad,
-                   score_grad):  # fmt: skip
+def _fake_backward(
+    grad_out,
+    grad_lse,
+    q,
+    k,
+    v,
+    mask,
+    bias,
+    out,
+    lse,
+    pattern,
+    causal,
+    scale,
+    dropout_p,
+    seed,
+    score,
+    score_tensors,
+    sinks,
+    bias_grad,
+    score_grad,
+):
     # contiguous, as the real ops' (empty_like would copy q's strides, and a graph
     # traced on those would misread the real gradients)
     dbias = bias.new_empty(bias.shape) if bias_grad else q.new_empty(0)

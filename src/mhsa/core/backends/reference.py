@@ -55,20 +55,24 @@ def attention_probs(
 class ReferenceBackend(Backend):
     name = "reference"
 
-    def forward(self, q, k, v, *, mask, bias, causal, scale, dropout_p, return_lse,
-                score=None, sinks=None):  # fmt: skip
-        probs, lse = attention_probs(q, k, mask=mask, bias=bias, causal=causal, scale=scale,
-                                     score=score, sinks=sinks)  # fmt: skip
+    def forward(
+        self, q, k, v, *, mask, bias, causal, scale, dropout_p, return_lse, score=None, sinks=None
+    ):
+        probs, lse = attention_probs(
+            q, k, mask=mask, bias=bias, causal=causal, scale=scale, score=score, sinks=sinks
+        )
         if dropout_p > 0:
             probs = apply_dropout(probs, dropout_p, draw_seed())
         out = probs_times_v(probs, v).to(q.dtype)
         return out, (lse if return_lse else None)
 
-    def forward_paged(self, q, k_pool, v_pool, *, block_table, seq_lens, scale, score=None,
-                      window=None):  # fmt: skip
+    def forward_paged(
+        self, q, k_pool, v_pool, *, block_table, seq_lens, scale, score=None, window=None
+    ):
         """Every sequence's pages gathered, then dense attention (differentiable)."""
-        return paged_reference(q, k_pool, v_pool, block_table, seq_lens, scale=scale,
-                               score=score, window=window)  # fmt: skip
+        return paged_reference(
+            q, k_pool, v_pool, block_table, seq_lens, scale=scale, score=score, window=window
+        )
 
     def supports(self, spec: AttentionSpec) -> str | None:
         return None

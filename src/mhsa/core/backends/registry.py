@@ -49,10 +49,21 @@ class AttentionSpec:
     def example(cls, **changes) -> AttentionSpec:
         """A typical call (B=1, H=8, H_kv=2, L=S=1024, D=64, float32, CPU), with changes."""
         fields = dict(
-            batch=1, num_heads=8, num_kv_heads=2, q_len=1024, kv_len=1024, head_dim=64,
-            value_dim=64, dtype=torch.float32, device=torch.device("cpu"), has_mask=False,
-            has_bias=False, causal=False, dropout_p=0.0, return_lse=False,
-        )  # fmt: skip
+            batch=1,
+            num_heads=8,
+            num_kv_heads=2,
+            q_len=1024,
+            kv_len=1024,
+            head_dim=64,
+            value_dim=64,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+            has_mask=False,
+            has_bias=False,
+            causal=False,
+            dropout_p=0.0,
+            return_lse=False,
+        )
         fields.update(changes)
         return cls(**fields)
 
@@ -173,8 +184,10 @@ def select(spec: AttentionSpec, requested: str) -> Backend:
     if torch.compiler.is_compiling():
         sizes = {name: _traced_size(getattr(spec, name)) for name in ("batch", "q_len", "kv_len")}
         # heads and widths are the model's: specialised (int() of a symbolic one guards it)
-        widths = {name: int(getattr(spec, name))
-                  for name in ("num_heads", "num_kv_heads", "head_dim", "value_dim")}  # fmt: skip
+        widths = {
+            name: int(getattr(spec, name))
+            for name in ("num_heads", "num_kv_heads", "head_dim", "value_dim")
+        }
         fixed = sizes | widths
         fields = tuple(fixed.get(f.name, getattr(spec, f.name)) for f in dataclasses.fields(spec))
         return get(_select_when_traced(fields, requested, _forced_generation))

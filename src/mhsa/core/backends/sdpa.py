@@ -76,8 +76,9 @@ class SdpaBackend(Backend):
             fused = True
         return 3.0 if plain and aligned and fused else 1.0
 
-    def forward(self, q, k, v, *, mask, bias, causal, scale, dropout_p, return_lse,
-                score=None, sinks=None):  # fmt: skip
+    def forward(
+        self, q, k, v, *, mask, bias, causal, scale, dropout_p, return_lse, score=None, sinks=None
+    ):
         q_len, kv_len = q.shape[2], k.shape[2]
         is_causal = causal and q_len == kv_len and mask is None and bias is None
         if not is_causal:  # patterns and bottom-right causal masks are materialised

@@ -46,11 +46,14 @@ def score_reason(kinds: tuple[str, ...]) -> str | None:
         return "the call's score function is not named in its spec (score_kinds)"
     for kind in kinds:
         if kind not in KERNEL_SCORES:
-            return (f"its kernels evaluate ALiBi, RelativeBias and Softcap, not {kind} "
-                    "(flash and reference take any score function)")  # fmt: skip
+            return (
+                f"its kernels evaluate ALiBi, RelativeBias and Softcap, not {kind} "
+                "(flash and reference take any score function)"
+            )
         if kinds.count(kind) > 1:
-            return (f"a composition may hold each of {', '.join(KERNEL_SCORES)} once, got "
-                    f"{kind} twice")  # fmt: skip
+            return (
+                f"a composition may hold each of {', '.join(KERNEL_SCORES)} once, got {kind} twice"
+            )
     return None
 
 
@@ -92,19 +95,30 @@ class TritonBackend(Backend):
             return 4.0
         return 0.8  # below sdpa (1.0 / 3.0), above the plain-torch flash engine (0.5)
 
-    def forward(self, q, k, v, *, mask, bias, causal, scale, dropout_p, return_lse,
-                score=None, sinks=None):  # fmt: skip
+    def forward(
+        self, q, k, v, *, mask, bias, causal, scale, dropout_p, return_lse, score=None, sinks=None
+    ):
         if tracing():  # one custom op in the graph
             from .triton_op import traced_triton_attention  # imports triton
 
-            out, lse = traced_triton_attention(q, k, v, mask, bias, causal, scale, dropout_p,
-                                               score, sinks)  # fmt: skip
+            out, lse = traced_triton_attention(
+                q, k, v, mask, bias, causal, scale, dropout_p, score, sinks
+            )
             return out, (lse if return_lse else None)
         from ..kernels.triton import triton_attention  # imports triton
 
         seed = draw_seed() if dropout_p > 0 else None
         out, lse = triton_attention(
-            q, k, v, mask, bias=bias, causal=causal, scale=scale, dropout_p=dropout_p,
-            seed=seed, score=score, sinks=sinks,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            mask,
+            bias=bias,
+            causal=causal,
+            scale=scale,
+            dropout_p=dropout_p,
+            seed=seed,
+            score=score,
+            sinks=sinks,
+        )
         return out, (lse if return_lse else None)

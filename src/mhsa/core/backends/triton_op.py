@@ -19,8 +19,9 @@ from .op_scores import rebuild_score
 from .op_values import backward_outputs, rebuild_pattern, register_attention_op, traced_call
 
 
-def _launch_inputs(q, k, v, mask, bias, pattern, causal, scale, dropout_p, seed, score,
-                   score_tensors):  # fmt: skip
+def _launch_inputs(
+    q, k, v, mask, bias, pattern, causal, scale, dropout_p, seed, score, score_tensors
+):
     """(tiles, scale, dropout, kernel score, slopes, table) of a call, as triton_attention
     makes them eagerly."""
     score_fn = rebuild_score(score, score_tensors)
@@ -33,10 +34,20 @@ def _launch_inputs(q, k, v, mask, bias, pattern, causal, scale, dropout_p, seed,
 
 @torch.library.custom_op("mhsa::triton_attention", mutates_args=())
 def triton_attention_op(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, pattern: str,
-    causal: bool, scale: float, dropout_p: float, seed: Tensor, score: str,
-    score_tensors: list[Tensor], sinks: Tensor | None,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    bias: Tensor | None,
+    pattern: str,
+    causal: bool,
+    scale: float,
+    dropout_p: float,
+    seed: Tensor,
+    score: str,
+    score_tensors: list[Tensor],
+    sinks: Tensor | None,
+) -> tuple[Tensor, Tensor]:
     """(out (B, H, L, D_v), lse (B, H, L)) of the Triton kernels; arguments as
     mhsa::flash_attention's."""
     if q.shape[2] == 0 or k.shape[2] == 0:
@@ -50,11 +61,26 @@ def triton_attention_op(
 
 @torch.library.custom_op("mhsa::triton_attention_backward", mutates_args=())
 def triton_attention_backward_op(
-    grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
-    mask: Tensor | None, bias: Tensor | None, out: Tensor, lse: Tensor, pattern: str,
-    causal: bool, scale: float, dropout_p: float, seed: Tensor, score: str,
-    score_tensors: list[Tensor], sinks: Tensor | None, bias_grad: bool, score_grad: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, list[Tensor]]:  # fmt: skip
+    grad_out: Tensor,
+    grad_lse: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    bias: Tensor | None,
+    out: Tensor,
+    lse: Tensor,
+    pattern: str,
+    causal: bool,
+    scale: float,
+    dropout_p: float,
+    seed: Tensor,
+    score: str,
+    score_tensors: list[Tensor],
+    sinks: Tensor | None,
+    bias_grad: bool,
+    score_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, list[Tensor]]:
     """(dq, dk, dv, dbias, dsinks, d score_tensors), as mhsa::flash_attention_backward."""
     dscore = [torch.zeros_like(t) for t in score_tensors] if score_grad else []
     if q.shape[2] == 0 or k.shape[2] == 0:
@@ -64,12 +90,28 @@ def triton_attention_backward_op(
     tiles, scale, dropout, kernel, slopes, table = _launch_inputs(
         q, k, v, mask, bias, pattern, causal, scale, dropout_p, seed, score, score_tensors
     )
-    wanted = (sinks is not None, score_grad and slopes is not None,
-              score_grad and table is not None)  # fmt: skip
+    wanted = (
+        sinks is not None,
+        score_grad and slopes is not None,
+        score_grad and table is not None,
+    )
     dq, dk, dv, dbias, dsinks, dslopes, dtable = _backward(
-        grad_out, grad_lse, q, k, v, bias, out, lse, tiles, scale, dropout, bias_grad, kernel,
-        (slopes, table, sinks), wanted,
-    )  # fmt: skip
+        grad_out,
+        grad_lse,
+        q,
+        k,
+        v,
+        bias,
+        out,
+        lse,
+        tiles,
+        scale,
+        dropout,
+        bias_grad,
+        kernel,
+        (slopes, table, sinks),
+        wanted,
+    )
     for i, t in enumerate(score_tensors if score_grad else ()):  # (in score_spec's order)
         found = dslopes if t is slopes else dtable if t is table else None
         if found is not None:
@@ -80,9 +122,19 @@ def triton_attention_backward_op(
 register_attention_op(triton_attention_op, triton_attention_backward_op)
 
 
-def traced_triton_attention(q, k, v, mask, bias, causal: bool, scale: float, dropout_p: float,
-                            score: ScoreFunction | None = None,
-                            sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
+def traced_triton_attention(
+    q,
+    k,
+    v,
+    mask,
+    bias,
+    causal: bool,
+    scale: float,
+    dropout_p: float,
+    score: ScoreFunction | None = None,
+    sinks: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """The op's call for a traced graph (op_values.traced_call)."""
-    return traced_call(triton_attention_op, q, k, v, mask, bias, causal, scale, dropout_p,
-                       score, sinks)  # fmt: skip
+    return traced_call(
+        triton_attention_op, q, k, v, mask, bias, causal, scale, dropout_p, score, sinks
+    )

@@ -64,9 +64,17 @@ def band_mask(left: int, right: int, dtype: torch.dtype, device) -> Tensor:
 
 
 def band_forward(
-    q: Tensor, k: Tensor, v: Tensor, left: int, right: int, scale: float,
-    first: int, end: int, out: Tensor, lse: Tensor,
-) -> None:  # fmt: skip
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    left: int,
+    right: int,
+    scale: float,
+    first: int,
+    end: int,
+    out: Tensor,
+    lse: Tensor,
+) -> None:
     """Write rows first..end-1 of out (B, H, L, D_v) and lse (B, H, L) for the sliding
     window (left, right); (first, end) comes from interior_rows. q, k, v must have a
     unit stride in their last dimension (as flash_forward ensures); one call per batch
@@ -84,9 +92,11 @@ def band_forward(
         for c0 in range(0, count, chunk):
             n = min(chunk, count - c0)
             r0 = first + c0 * BAND_ROWS
-            views = [_blocks(q[i], r0, n, BAND_ROWS, BAND_ROWS),
-                     _blocks(k[i], start + c0 * BAND_ROWS, n, BAND_ROWS, span),
-                     _blocks(v[i], start + c0 * BAND_ROWS, n, BAND_ROWS, span)]  # fmt: skip
+            views = [
+                _blocks(q[i], r0, n, BAND_ROWS, BAND_ROWS),
+                _blocks(k[i], start + c0 * BAND_ROWS, n, BAND_ROWS, span),
+                _blocks(v[i], start + c0 * BAND_ROWS, n, BAND_ROWS, span),
+            ]
             if grouped:
                 views = [t.transpose(0, 1) for t in views]
             out_c, lse_c = _FUSED_FORWARD(*views, 0.0, False, attn_mask=mask, scale=scale)

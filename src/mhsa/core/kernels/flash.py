@@ -58,9 +58,14 @@ def _fused_run(q_blk, k_run, v_run, attn, scale, triangle, masked) -> tuple[Tens
     and score values, without -inf) added."""
     if triangle == "upper":  # c >= r is c' <= r' on reversed rows and keys
         out_r, lse_r = _FUSED_FORWARD(
-            q_blk.flip(2), k_run.flip(2), v_run.flip(2), 0.0, True, attn_mask=_flipped(attn),
+            q_blk.flip(2),
+            k_run.flip(2),
+            v_run.flip(2),
+            0.0,
+            True,
+            attn_mask=_flipped(attn),
             scale=scale,
-        )  # fmt: skip
+        )
         return out_r.flip(2), lse_r.flip(-1)
     causal = triangle == "lower"
     out_r, lse_r = _FUSED_FORWARD(q_blk, k_run, v_run, 0.0, causal, attn_mask=attn, scale=scale)
@@ -73,14 +78,30 @@ def _fused_run(q_blk, k_run, v_run, attn, scale, triangle, masked) -> tuple[Tens
 def _fused_run_backward(go_blk, q_blk, k_run, v_run, out_blk, lse_blk, attn, scale, triangle):
     if triangle == "upper":
         grads = _FUSED_BACKWARD(
-            go_blk.flip(2), q_blk.flip(2), k_run.flip(2), v_run.flip(2), out_blk.flip(2),
-            lse_blk.flip(-1), 0.0, True, attn_mask=_flipped(attn), scale=scale,
-        )  # fmt: skip
+            go_blk.flip(2),
+            q_blk.flip(2),
+            k_run.flip(2),
+            v_run.flip(2),
+            out_blk.flip(2),
+            lse_blk.flip(-1),
+            0.0,
+            True,
+            attn_mask=_flipped(attn),
+            scale=scale,
+        )
         return tuple(g.flip(2) for g in grads)
     return _FUSED_BACKWARD(
-        go_blk, q_blk, k_run, v_run, out_blk, lse_blk, 0.0, triangle == "lower",
-        attn_mask=attn, scale=scale,
-    )  # fmt: skip
+        go_blk,
+        q_blk,
+        k_run,
+        v_run,
+        out_blk,
+        lse_blk,
+        0.0,
+        triangle == "lower",
+        attn_mask=attn,
+        scale=scale,
+    )
 
 
 def flash_forward(
@@ -131,8 +152,9 @@ def _forward_runs(q, k, v, bias, plan, scale, dropout, fused, score):
             cols, index, k_run, v_run = run_keys(k, v, run, plan)
             if fused:
                 triangle = run.triangle
-                attn, row_term = _fused_bias(plan, bias, q0, q1, run, cols, q.dtype, score,
-                                             (batch, num_heads))  # fmt: skip
+                attn, row_term = _fused_bias(
+                    plan, bias, q0, q1, run, cols, q.dtype, score, (batch, num_heads)
+                )
                 # attn may hold -inf: the mask's, or a bias's
                 masked = bias is not None or (not run.full and triangle is None)
                 out_r, lse_r = _fused_run(q_blk, k_run, v_run, attn, scale, triangle, masked)
@@ -140,8 +162,9 @@ def _forward_runs(q, k, v, bias, plan, scale, dropout, fused, score):
                     lse_r = lse_r + row_term
             else:
                 attn = tile_bias(plan, bias, q0, q1, run, cols, dtype)
-                out_r, lse_r = run_forward(q_blk, k_run, v_run, attn, scale, dropout, q0, cols,
-                                           score, shift, dtype)  # fmt: skip
+                out_r, lse_r = run_forward(
+                    q_blk, k_run, v_run, attn, scale, dropout, q0, cols, score, shift, dtype
+                )
             partials.append((out_r, lse_r))
         if not partials:  # no allowed key in these rows
             out[:, :, q0:q1] = 0
@@ -154,8 +177,17 @@ def _forward_runs(q, k, v, bias, plan, scale, dropout, fused, score):
     return out, lse
 
 
-def _fused_bias(plan: BlockPlan, bias, q0: int, q1: int, run, cols: Tensor, dtype: torch.dtype,
-                score, heads: tuple[int, int]) -> tuple[Tensor | None, Tensor | None]:  # fmt: skip
+def _fused_bias(
+    plan: BlockPlan,
+    bias,
+    q0: int,
+    q1: int,
+    run,
+    cols: Tensor,
+    dtype: torch.dtype,
+    score,
+    heads: tuple[int, int],
+) -> tuple[Tensor | None, Tensor | None]:
     """(attn, row term) that the fused kernel adds to run's scores of rows q0..q1 for
     heads (batch, num_heads): a separable score function's key term with its row term
     (which enters the run's lse, runs.key_row_bias), else the tile's bias, mask and
@@ -176,8 +208,10 @@ def _band_interior(plan: BlockPlan, bias, dropout, fused: bool) -> tuple[int, in
     # the interior is aligned to the plan's rows (not to BAND_ROWS) so that the plan's
     # other rows are exactly the edges; only merged rows could straddle it
     first, end = band
-    if any(rows.q0 < end and rows.q1 > first and not (first <= rows.q0 and rows.q1 <= end)
-           for rows in plan.rows):  # fmt: skip
+    if any(
+        rows.q0 < end and rows.q1 > first and not (first <= rows.q0 and rows.q1 <= end)
+        for rows in plan.rows
+    ):
         return None
     return band
 
@@ -224,24 +258,40 @@ def flash_backward(
         for run in rows.runs:
             if not fused:
                 grads = (dq, dk, dv, dbias, param_grads)
-                plain_backward(grad_out, q, k, v, bias4, lse_inv, delta, plan, run, q0, q1,
-                                scale, dropout, score, score_params, grads)  # fmt: skip
+                plain_backward(
+                    grad_out,
+                    q,
+                    k,
+                    v,
+                    bias4,
+                    lse_inv,
+                    delta,
+                    plan,
+                    run,
+                    q0,
+                    q1,
+                    scale,
+                    dropout,
+                    score,
+                    score_params,
+                    grads,
+                )
                 continue
             cols, index, k_run, v_run = run_keys(k, v, run, plan)
-            attn, row_term = _fused_bias(plan, bias4, q0, q1, run, cols, q.dtype, score,
-                                         (batch, num_heads))  # fmt: skip
+            attn, row_term = _fused_bias(
+                plan, bias4, q0, q1, run, cols, q.dtype, score, (batch, num_heads)
+            )
             lse_blk = lse_inv[:, :, q0:q1]
             lse_blk = (lse_blk - row_term if row_term is not None else lse_blk).contiguous()
             dq_r, dk_r, dv_r = _fused_run_backward(
                 go_blk, q_blk, k_run, v_run, out[:, :, q0:q1], lse_blk, attn, scale, run.triangle
-            )  # fmt: skip
+            )
             dq[:, :, q0:q1] += dq_r
             add_keys(dk, run, index, dk_r)
             add_keys(dv, run, index, dv_r)
     grad_bias = None if dbias is None else dbias.view(bias.shape).to(bias.dtype)
     grad_sinks = None if sinks is None else sink_grad(sinks, lse, delta)
-    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), grad_bias, grad_sinks,
-            param_grads)  # fmt: skip
+    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), grad_bias, grad_sinks, param_grads)
 
 
 class FlashAttention(torch.autograd.Function):
@@ -268,9 +318,23 @@ class FlashAttention(torch.autograd.Function):
         # the fused kernel takes no lse gradient and returns no bias or score gradient
         fused = ctx.fused and grad_lse is None and not bias_grad and not params
         dq, dk, dv, dbias, dsinks, found = flash_backward(
-            grad_out, grad_lse, q, k, v, bias, out, lse, ctx.plan, ctx.scale, ctx.dropout,
-            fused, bias_grad, ctx.score, sinks, params,
-        )  # fmt: skip
+            grad_out,
+            grad_lse,
+            q,
+            k,
+            v,
+            bias,
+            out,
+            lse,
+            ctx.plan,
+            ctx.scale,
+            ctx.dropout,
+            fused,
+            bias_grad,
+            ctx.score,
+            sinks,
+            params,
+        )
         found = iter(found)
         param_grads = [next(found) if want else None for want in wanted]
         return (dq, dk, dv, dbias, dsinks, None, None, None, None, None, *param_grads)
@@ -298,9 +362,12 @@ def flash_attention(
     can_fuse = fused_available(q, v, dropout[0] if dropout else 0.0)
     can_fuse = can_fuse and (score is None or score.additive)
     if fused and not can_fuse:
-        raise ValueError("the fused kernel needs a CPU tensor, no dropout, D == D_v and no "
-                         "score function other than additive ones")  # fmt: skip
+        raise ValueError(
+            "the fused kernel needs a CPU tensor, no dropout, D == D_v and no "
+            "score function other than additive ones"
+        )
     use_fused = can_fuse if fused is None else fused
     params = () if score is None else score.tensors()
-    return FlashAttention.apply(q, k, v, bias, sinks, plan, scale, dropout, use_fused, score,
-                                *params)  # fmt: skip
+    return FlashAttention.apply(
+        q, k, v, bias, sinks, plan, scale, dropout, use_fused, score, *params
+    )

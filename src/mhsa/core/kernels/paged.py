@@ -59,8 +59,9 @@ def _allowed(q_pos: Tensor, k_pos: Tensor, window: int | None) -> Tensor:
     return allowed if window is None else allowed & (k_pos >= q_pos - window)
 
 
-def _scored(score: ScoreFunction | None, scores: Tensor, batch: Tensor, q_pos: Tensor,
-            k_pos: Tensor) -> Tensor:  # fmt: skip
+def _scored(
+    score: ScoreFunction | None, scores: Tensor, batch: Tensor, q_pos: Tensor, k_pos: Tensor
+) -> Tensor:
     if score is None:
         return scores
     head = torch.arange(scores.shape[1], device=scores.device).view(1, -1, 1, 1)
@@ -116,8 +117,18 @@ def paged_tiled(
     if order != sorted(order):
         index = torch.tensor(order, device=q.device)
         q, table = q.index_select(0, index), block_table.index_select(0, index)
-        out = _tiled(q, k_pool, v_pool, table, [lengths[n] for n in order], index, scale,
-                     score, window, tile_size)  # fmt: skip
+        out = _tiled(
+            q,
+            k_pool,
+            v_pool,
+            table,
+            [lengths[n] for n in order],
+            index,
+            scale,
+            score,
+            window,
+            tile_size,
+        )
         return out.index_select(0, torch.argsort(index))
     index = torch.arange(len(lengths), device=q.device)
     return _tiled(q, k_pool, v_pool, block_table, lengths, index, scale, score, window, tile_size)
@@ -134,9 +145,23 @@ def _tiled(q, k_pool, v_pool, table, lengths, batch_ids, scale, score, window, t
         r1 = min(q_len, r0 + QUERY_CHUNK)
         ends = [length - q_len + r1 for length in lengths]  # keys the chunk's rows can see
         starts = [max(0, end - (r1 - r0) - window) for end in ends] if window is not None else [0]
-        chunks.append(_tiled_rows(q[:, :, r0:r1], q_pos[:, :, r0:r1], k_pool, v_pool, table,
-                                  lens, ends, min(starts), batch_ids, scale, score, window,
-                                  tile_size))  # fmt: skip
+        chunks.append(
+            _tiled_rows(
+                q[:, :, r0:r1],
+                q_pos[:, :, r0:r1],
+                k_pool,
+                v_pool,
+                table,
+                lens,
+                ends,
+                min(starts),
+                batch_ids,
+                scale,
+                score,
+                window,
+                tile_size,
+            )
+        )
     return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=2)
 
 
@@ -163,14 +188,32 @@ def _page_tiles(k_pool, v_pool, table, lens, ends, first_key, rows, window, tile
         yield active, keys, values, k_pos, masked
 
 
-def _tiled_rows(q, q_pos, k_pool, v_pool, table, lens, ends, first_key, batch_ids, scale,
-                score, window, tile_size) -> Tensor:  # fmt: skip
+def _tiled_rows(
+    q,
+    q_pos,
+    k_pool,
+    v_pool,
+    table,
+    lens,
+    ends,
+    first_key,
+    batch_ids,
+    scale,
+    score,
+    window,
+    tile_size,
+) -> Tensor:
     """Online softmax over key tiles for query rows q (N, H, R, D) at q_pos (N, 1, R, 1);
     sequence n's rows see keys below ends[n] (ends descending) from first_key on."""
-    if score is None and _FUSED is not None and q.device.type == "cpu" \
-            and q.shape[-1] == v_pool.shape[-1]:  # fmt: skip
-        return _fused_rows(q, q_pos, k_pool, v_pool, table, lens, ends, first_key, scale,
-                           window, tile_size)  # fmt: skip
+    if (
+        score is None
+        and _FUSED is not None
+        and q.device.type == "cpu"
+        and q.shape[-1] == v_pool.shape[-1]
+    ):
+        return _fused_rows(
+            q, q_pos, k_pool, v_pool, table, lens, ends, first_key, scale, window, tile_size
+        )
     batch, num_heads, rows, head_dim = q.shape
     num_kv_heads = k_pool.shape[2]
     dtype = stats_dtype(q.dtype)
@@ -193,8 +236,9 @@ def _tiled_rows(q, q_pos, k_pool, v_pool, table, lens, ends, first_key, batch_id
     return out.to(q.dtype)
 
 
-def _fused_rows(q, q_pos, k_pool, v_pool, table, lens, ends, first_key, scale, window,
-                tile_size) -> Tensor:  # fmt: skip
+def _fused_rows(
+    q, q_pos, k_pool, v_pool, table, lens, ends, first_key, scale, window, tile_size
+) -> Tensor:
     """_tiled_rows without a score function, each tile on the fused CPU kernel: query
     rows (g, r) of kv head h are query head h * G + g's row r."""
     batch, num_heads, rows, head_dim = q.shape
@@ -211,8 +255,9 @@ def _fused_rows(q, q_pos, k_pool, v_pool, table, lens, ends, first_key, scale, w
             allowed = _allowed(row_pos[:active], k_pos, window)  # (a, 1, G*R, K)
             mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
             mask.masked_fill_(~allowed, -torch.inf)
-        out_t, lse_t = _FUSED(grouped[:active], keys, values, 0.0, False, attn_mask=mask,
-                              scale=scale)  # fmt: skip
+        out_t, lse_t = _FUSED(
+            grouped[:active], keys, values, 0.0, False, attn_mask=mask, scale=scale
+        )
         if mask is not None:  # the kernel reports lse 0 for rows with no allowed key
             lse_t = lse_t.masked_fill(~allowed.any(dim=-1).view(active, 1, -1), -torch.inf)
         if out is None:

@@ -52,8 +52,9 @@ def run_forward(q_blk, k_run, v_run, attn, scale, dropout, q0, cols, score, shif
     key run (keys cols); attn: an additive float tile or None; shift = S - L."""
     scores = grouped_scores(q_blk, k_run, scale, dtype)
     if score is not None:
-        scores = score_tile(score, scores, *scores.shape[:2], q0 + shift, scores.shape[2],
-                            cols, in_place=True)  # fmt: skip
+        scores = score_tile(
+            score, scores, *scores.shape[:2], q0 + shift, scores.shape[2], cols, in_place=True
+        )
     if attn is not None:
         scores = scores.add_(attn)
     exp, total, lse = _exp_rows_(scores)
@@ -63,11 +64,23 @@ def run_forward(q_blk, k_run, v_run, attn, scale, dropout, q0, cols, score, shif
 
 
 def run_backward(
-    q_blk: Tensor, go_blk: Tensor, k_run: Tensor, v_run: Tensor, attn: Tensor | None,
-    lse_rows: Tensor, delta_rows: Tensor, scale: float, dropout, q0: int, cols: Tensor,
-    score, shift: int, params: tuple[Tensor, ...], param_grads: list,
+    q_blk: Tensor,
+    go_blk: Tensor,
+    k_run: Tensor,
+    v_run: Tensor,
+    attn: Tensor | None,
+    lse_rows: Tensor,
+    delta_rows: Tensor,
+    scale: float,
+    dropout,
+    q0: int,
+    cols: Tensor,
+    score,
+    shift: int,
+    params: tuple[Tensor, ...],
+    param_grads: list,
     on_grad_scores: Callable[[Tensor], None] | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+) -> tuple[Tensor, Tensor, Tensor]:
     """(dq (B, H, rows, D), dk, dv (B, H_kv, keys, D or D_v)) in lse's dtype of one run,
     recomputed from the rows' final lse (+inf on rows with no allowed key) and delta =
     rowsum(dO * O) - dlse (B, H, rows). Gradients of params are added to param_grads;
@@ -81,8 +94,9 @@ def run_backward(
     keep_output = score is not None and not score.additive
     modified = raw
     if score is not None:
-        modified = score_tile(score, raw, batch, num_heads, q0 + shift, rows, cols,
-                              in_place=not autograd)  # fmt: skip
+        modified = score_tile(
+            score, raw, batch, num_heads, q0 + shift, rows, cols, in_place=not autograd
+        )
     if attn is not None:
         scores = torch.add(modified, attn) if keep_output else modified.add_(attn)
     else:
@@ -100,8 +114,9 @@ def run_backward(
         on_grad_scores(grad_scores)
     if score is not None:
         if autograd:
-            grad_scores = score_grads(score, raw, q0 + shift, cols, grad_scores, params,
-                                      param_grads)  # fmt: skip
+            grad_scores = score_grads(
+                score, raw, q0 + shift, cols, grad_scores, params, param_grads
+            )
         else:
             grad_scores = score.input_grad(modified, grad_scores)
     grad_scores_f = fold(grad_scores, num_kv_heads)
@@ -115,8 +130,24 @@ def run_backward(
 PLAIN_ROWS, PLAIN_KEYS = 256, 2048
 
 
-def plain_backward(grad_out, q, k, v, bias4, lse_inv, delta, plan, run, q0, q1, scale,
-                    dropout, score, params, grads) -> None:  # fmt: skip
+def plain_backward(
+    grad_out,
+    q,
+    k,
+    v,
+    bias4,
+    lse_inv,
+    delta,
+    plan,
+    run,
+    q0,
+    q1,
+    scale,
+    dropout,
+    score,
+    params,
+    grads,
+) -> None:
     """Add one run's gradients to grads = (dq, dk, dv, dbias or None, param grads),
     piece by piece."""
     dq, dk, dv, dbias, param_grads = grads
@@ -135,10 +166,23 @@ def plain_backward(grad_out, q, k, v, bias4, lse_inv, delta, plan, run, q0, q1, 
                     add_bias_grad(dbias, r0, r1, cols, grad)
 
             dq_r, dk_r, dv_r = run_backward(
-                q[:, :, r0:r1], grad_out[:, :, r0:r1], k_run[:, :, c0:c1], v_run[:, :, c0:c1],
-                attn, lse_inv[:, :, r0:r1], delta[:, :, r0:r1], scale, dropout, r0, cols, score,
-                shift, params, param_grads, on_grad,
-            )  # fmt: skip
+                q[:, :, r0:r1],
+                grad_out[:, :, r0:r1],
+                k_run[:, :, c0:c1],
+                v_run[:, :, c0:c1],
+                attn,
+                lse_inv[:, :, r0:r1],
+                delta[:, :, r0:r1],
+                scale,
+                dropout,
+                r0,
+                cols,
+                score,
+                shift,
+                params,
+                param_grads,
+                on_grad,
+            )
             dq[:, :, r0:r1] += dq_r
             if index is None:
                 dk[:, :, run.k0 + c0 : run.k0 + c1] += dk_r

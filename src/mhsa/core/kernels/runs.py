@@ -39,9 +39,17 @@ def _tile_rows(t: Tensor, q0: int, q1: int, cols: Tensor) -> Tensor:
 
 
 def tile_bias(
-    plan: BlockPlan, bias: Tensor | None, q0: int, q1: int, run: Run, cols: Tensor,
-    dtype: torch.dtype, score=None, shape: tuple = (), triangle: str | None = None,
-) -> Tensor | None:  # fmt: skip
+    plan: BlockPlan,
+    bias: Tensor | None,
+    q0: int,
+    q1: int,
+    run: Run,
+    cols: Tensor,
+    dtype: torch.dtype,
+    score=None,
+    shape: tuple = (),
+    triangle: str | None = None,
+) -> Tensor | None:
     """Additive tile (1 or B, 1 or H, rows, keys): the bias (and an additive score
     function's values, given the call's (B, H)), -inf where the mask forbids, unless
     the run is a triangle that the kernel computes in its causal mode."""
@@ -60,15 +68,31 @@ def tile_bias(
     return attn
 
 
-def key_row_bias(plan: BlockPlan, bias, q0: int, q1: int, run: Run, cols: Tensor,
-                  dtype: torch.dtype, score, heads: int, triangle: str | None):  # fmt: skip
+def key_row_bias(
+    plan: BlockPlan,
+    bias,
+    q0: int,
+    q1: int,
+    run: Run,
+    cols: Tensor,
+    dtype: torch.dtype,
+    score,
+    heads: int,
+    triangle: str | None,
+):
     """(key term (1, H, 1, keys), row term (1, H, rows)) when the run's scores change by
     a separable score function alone and all its keys precede its rows; else None. The
     fused kernel then reads one row of values for the whole tile, and the row term goes
     into the run's lse."""
     shift = causal_shift(plan.q_len, plan.kv_len)
-    if score is None or not score.separable or bias is not None or not run.full \
-            or triangle is not None or not causal_allows(q0 + shift, run.k1 - 1):  # fmt: skip
+    if (
+        score is None
+        or not score.separable
+        or bias is not None
+        or not run.full
+        or triangle is not None
+        or not causal_allows(q0 + shift, run.k1 - 1)
+    ):
         return None
     q_pos = torch.arange(q0 + shift, q1 + shift, device=cols.device)
     rows, keys = score.split_left(torch.arange(heads, device=cols.device), q_pos, cols)

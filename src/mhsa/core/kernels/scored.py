@@ -65,8 +65,7 @@ class Shifted(ScoreFunction):
         return self.score(score, batch, head, q_pos + self.q_offset, k_pos + self.k_offset)
 
     def apply_(self, score, batch, head, q_pos, k_pos):
-        return self.score.apply_(score, batch, head, q_pos + self.q_offset,
-                                 k_pos + self.k_offset)  # fmt: skip
+        return self.score.apply_(score, batch, head, q_pos + self.q_offset, k_pos + self.k_offset)
 
     def bias(self, batch, head, q_pos, k_pos):
         return self.score.bias(batch, head, q_pos + self.q_offset, k_pos + self.k_offset)
@@ -82,9 +81,15 @@ class Shifted(ScoreFunction):
 
 
 def score_tile(
-    score: ScoreFunction, scores: Tensor | None, batch: int, heads: int, q_start: int,
-    rows: int, cols: Tensor, in_place: bool = False,
-) -> Tensor:  # fmt: skip
+    score: ScoreFunction,
+    scores: Tensor | None,
+    batch: int,
+    heads: int,
+    q_start: int,
+    rows: int,
+    cols: Tensor,
+    in_place: bool = False,
+) -> Tensor:
     """score applied to a (B, H, rows, keys) tile whose first row sits at global position
     q_start and whose keys are cols (overwriting the tile where it can when in_place);
     scores None gives an additive function's bias (1 or B, H, rows, keys)."""
@@ -98,9 +103,14 @@ def score_tile(
 
 
 def score_grads(
-    score: ScoreFunction, raw: Tensor, q_start: int, cols: Tensor, grad_scores: Tensor,
-    params: tuple[Tensor, ...], grads: list[Tensor | None],
-) -> Tensor:  # fmt: skip
+    score: ScoreFunction,
+    raw: Tensor,
+    q_start: int,
+    cols: Tensor,
+    grad_scores: Tensor,
+    params: tuple[Tensor, ...],
+    grads: list[Tensor | None],
+) -> Tensor:
     """Gradient of the raw tile scores (B, H, rows, keys) given that of the function's
     output, grad_scores, by autograd on the tile; the gradients of params are added to
     grads (same order)."""

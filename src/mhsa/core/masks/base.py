@@ -122,10 +122,11 @@ class Pattern:
             key = ("id", id(self))
         else:
             parts = tuple(
-                tuple(p.cache_key() for p in value) if isinstance(value, (tuple, list)) and
-                all(isinstance(p, Pattern) for p in value) else repr(value)
+                tuple(p.cache_key() for p in value)
+                if isinstance(value, (tuple, list)) and all(isinstance(p, Pattern) for p in value)
+                else repr(value)
                 for _, value in sorted(fields.items())
-            )  # fmt: skip
+            )
             key = (type(self).__name__, parts)
         self._cache_key = key
         return key

@@ -34,8 +34,9 @@ class Full(Pattern):
         return torch.ones(rows.shape[0], cols.shape[1], dtype=torch.bool, device=rows.device)
 
     def kinds(self, q_len, kv_len, block_q, block_k):
-        return torch.full((num_blocks(q_len, block_q), num_blocks(kv_len, block_k)), FULL,
-                          dtype=torch.int8)  # fmt: skip
+        return torch.full(
+            (num_blocks(q_len, block_q), num_blocks(kv_len, block_k)), FULL, dtype=torch.int8
+        )
 
     def __repr__(self) -> str:
         return "Full()"

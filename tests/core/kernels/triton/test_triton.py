@@ -56,8 +56,18 @@ CASES = {
 
 def make_case(name: str, dtype=torch.float32):
     heads, kv_heads, q_len, kv_len, dim, vdim, mask, causal, bias_shape, blocks = CASES[name]
-    q, k, v = make_qkv(2, heads, kv_heads, q_len, kv_len, dim, vdim, dtype=dtype,
-                       noncontiguous=name == "causal-LneS-gqa", requires_grad=True)  # fmt: skip
+    q, k, v = make_qkv(
+        2,
+        heads,
+        kv_heads,
+        q_len,
+        kv_len,
+        dim,
+        vdim,
+        dtype=dtype,
+        noncontiguous=name == "causal-LneS-gqa",
+        requires_grad=True,
+    )
     if mask == "dense":
         mask = torch.rand(2, heads, q_len, kv_len) > 0.4
         mask[:, :, 3] = False  # a fully masked row
@@ -145,11 +155,13 @@ def test_dropout_with_pattern_matches_reference_given_the_same_mask():
 def test_dropout_through_the_backend_uses_torch_seed():
     q, k, v = make_qkv(1, 2, 1, 20, 24, 16)
     torch.manual_seed(7)
-    out, _ = TritonBackend().forward(q, k, v, mask=None, bias=None, causal=True, scale=0.25,
-                                     dropout_p=0.2, return_lse=False)  # fmt: skip
+    out, _ = TritonBackend().forward(
+        q, k, v, mask=None, bias=None, causal=True, scale=0.25, dropout_p=0.2, return_lse=False
+    )
     torch.manual_seed(7)
-    ref = mhsa.attention(q.double(), k.double(), v.double(), causal=True, dropout_p=0.2,
-                         backend="reference")  # fmt: skip
+    ref = mhsa.attention(
+        q.double(), k.double(), v.double(), causal=True, dropout_p=0.2, backend="reference"
+    )
     assert max_error(out, ref) < 2e-5
 
 
@@ -186,8 +198,9 @@ def test_attention_weights_from_lse():
     bias = torch.randn(4, 30, 37)
     _, lse = triton_attention(q, k, v, mask, bias=bias, causal=True)
     probs = triton_attention_weights(q, k, mask, bias=bias, causal=True, lse=lse)
-    want = mhsa.attention_weights(q.double(), k.double(), mask, bias=bias.double(), causal=True,
-                                  backend="reference")  # fmt: skip
+    want = mhsa.attention_weights(
+        q.double(), k.double(), mask, bias=bias.double(), causal=True, backend="reference"
+    )
     assert probs.shape == (2, 4, 30, 37) and max_error(probs, want) < 1e-6
     pattern = triton_attention_weights(q, k, SlidingWindow(5, 0))  # lse from its own forward
     want = mhsa.attention_weights(q.double(), k.double(), SlidingWindow(5, 0).dense(30, 37))
@@ -200,8 +213,9 @@ def test_mhsa_attention_weights_with_the_triton_backend():
     for pattern in (mask, SlidingWindow(5, 2)):
         options = {"causal": True, "heads": [1, 3], "rows": [0, 7, 29]}
         got = mhsa.attention_weights(q, k, pattern, backend="triton", **options)
-        want = mhsa.attention_weights(q.double(), k.double(), pattern, backend="reference",
-                                      **options)  # fmt: skip
+        want = mhsa.attention_weights(
+            q.double(), k.double(), pattern, backend="reference", **options
+        )
         assert got.shape == (2, 2, 3, 37) and max_error(got, want) < 1e-6
 
 
@@ -231,8 +245,9 @@ def test_backend_dispatch(monkeypatch):
     assert registry.select(spec, "triton") is backend
     q, k, v = make_qkv(1, 2, 1, 9, 11, 16)
     out = mhsa.attention(q, k, v, SlidingWindow(3, 0), backend="triton")
-    want = mhsa.attention(q.double(), k.double(), v.double(), SlidingWindow(3, 0),
-                          backend="reference")  # fmt: skip
+    want = mhsa.attention(
+        q.double(), k.double(), v.double(), SlidingWindow(3, 0), backend="reference"
+    )
     assert max_error(out, want) < 2e-5
 
 
@@ -295,8 +310,13 @@ def test_kernels_compile_for_a_gpu():
     triton; no GPU needed): catches what the interpreter accepts but the compiler does not."""
     needs("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", COMPILE_FOR_GPU], capture_output=True,
-                            text=True, timeout=600, env=env)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", COMPILE_FOR_GPU],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert "compiled" in result.stdout, result.stderr[-3000:]
 
 

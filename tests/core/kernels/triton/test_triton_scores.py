@@ -62,25 +62,41 @@ def make_score(name: str, dtype=torch.float32):
         "relative": (RelativeBias(table), None, relative, [table]),
         "softcap": (Softcap(2.0), None, lambda s, i, j: softcap(s, 2.0), []),
         "sinks": (None, sinks, None, [sinks]),
-        "alibi-then-softcap": ([ALiBi(slopes), Softcap(1.5)], None,
-                               lambda s, i, j: softcap(alibi(s, i, j), 1.5), [slopes]),
-        "relative-softcap-sinks": (RelativeBias(table).then(Softcap(3.0)), sinks,
-                                   lambda s, i, j: softcap(relative(s, i, j), 3.0),
-                                   [table, sinks]),
+        "alibi-then-softcap": (
+            [ALiBi(slopes), Softcap(1.5)],
+            None,
+            lambda s, i, j: softcap(alibi(s, i, j), 1.5),
+            [slopes],
+        ),
+        "relative-softcap-sinks": (
+            RelativeBias(table).then(Softcap(3.0)),
+            sinks,
+            lambda s, i, j: softcap(relative(s, i, j), 3.0),
+            [table, sinks],
+        ),
         "softcap-alibi-short-relative-sinks": (
             [Softcap(2.5), ALiBi(slopes), RelativeBias(short, 8, 20, bidirectional=False)],
-            sinks, lambda s, i, j: causal_short(alibi(softcap(s, 2.5), i, j), i, j),
-            [slopes, short, sinks]),
-    }  # fmt: skip
+            sinks,
+            lambda s, i, j: causal_short(alibi(softcap(s, 2.5), i, j), i, j),
+            [slopes, short, sinks],
+        ),
+    }
     return cases[name]
 
 
 # every score on the dead-rows shape; each shape with at least two compositions
 RUNS = [
     *[(case, "tall-dead-rows-mqa") for case in ("alibi", "relative", "softcap", "sinks")],
-    *[(case, shape) for case in ("alibi-then-softcap", "relative-softcap-sinks",
-                                 "softcap-alibi-short-relative-sinks") for shape in SHAPES],
-]  # fmt: skip
+    *[
+        (case, shape)
+        for case in (
+            "alibi-then-softcap",
+            "relative-softcap-sinks",
+            "softcap-alibi-short-relative-sinks",
+        )
+        for shape in SHAPES
+    ],
+]
 
 
 def make_inputs(shape: str):
@@ -106,15 +122,18 @@ def loss_of(out, lse, grad_out, grad_lse):
 def test_scores_and_sinks_match_the_golden_formula(case, shape):
     q, k, v, mask, causal, blocks = make_inputs(shape)
     score, sinks, modify, learned = make_score(case)
-    out, lse = triton_attention(q, k, v, mask, causal=causal, score=as_score(score),
-                                sinks=sinks, blocks=blocks)  # fmt: skip
+    out, lse = triton_attention(
+        q, k, v, mask, causal=causal, score=as_score(score), sinks=sinks, blocks=blocks
+    )
     grad_out, grad_lse = torch.randn_like(out), torch.randn_like(lse)
     got = torch.autograd.grad(loss_of(out, lse, grad_out, grad_lse), [q, k, v, *learned])
     ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref_out, ref_lse = golden_attention(*ref_inputs, mask, causal=causal, modify=modify,
-                                        sinks=sinks)  # fmt: skip
-    want = torch.autograd.grad(loss_of(ref_out, ref_lse, grad_out, grad_lse),
-                               [*ref_inputs, *learned])  # fmt: skip
+    ref_out, ref_lse = golden_attention(
+        *ref_inputs, mask, causal=causal, modify=modify, sinks=sinks
+    )
+    want = torch.autograd.grad(
+        loss_of(ref_out, ref_lse, grad_out, grad_lse), [*ref_inputs, *learned]
+    )
     assert out.dtype == torch.float32 and lse.dtype == torch.float32
     names = ["q", "k", "v"] + [f"learned {i}" for i in range(len(learned))]
     assert_matches_golden(out, lse, got, ref_out, ref_lse, want, names)
@@ -137,8 +156,9 @@ def test_triton_equals_flash_on_a_composed_case():
     score, sinks, _, learned = make_score("relative-softcap-sinks")
     results = []
     for backend in ("triton", "flash"):
-        out, lse = mhsa.attention(q, k, v, mask, causal=True, score=score, sinks=sinks,
-                                  backend=backend, return_lse=True)  # fmt: skip
+        out, lse = mhsa.attention(
+            q, k, v, mask, causal=True, score=score, sinks=sinks, backend=backend, return_lse=True
+        )
         grads = torch.autograd.grad(
             loss_of(out, lse, torch.ones_like(out), 0.5), [q, k, v, *learned]
         )
@@ -157,22 +177,39 @@ def test_bucket_lookup_equals_t5_bucket():
                 continue  # check_t5_buckets refuses it
             lookup = bucket_lookup(buckets, distance, bidirectional, "cpu")
             clamped = offsets.clamp(-distance, distance) + distance
-            assert torch.equal(lookup[clamped].long(),
-                               t5_bucket(offsets, buckets, distance, bidirectional))  # fmt: skip
+            assert torch.equal(
+                lookup[clamped].long(), t5_bucket(offsets, buckets, distance, bidirectional)
+            )
 
 
 def test_dropout_with_scores_equals_the_reference_given_the_same_keep_mask():
     q, k, v = (torch.randn(2, HEADS, 40, 16, requires_grad=True) for _ in range(3))
     score, sinks, _, learned = make_score("relative-softcap-sinks")
     p, seed = 0.3, 1234
-    out, _ = triton_attention(q, k, v, SlidingWindow(12, 3), causal=True,
-                              score=as_score(score), sinks=sinks,
-                              dropout_p=p, seed=seed, blocks=(32, 32))  # fmt: skip
+    out, _ = triton_attention(
+        q,
+        k,
+        v,
+        SlidingWindow(12, 3),
+        causal=True,
+        score=as_score(score),
+        sinks=sinks,
+        dropout_p=p,
+        seed=seed,
+        blocks=(32, 32),
+    )
     got = torch.autograd.grad(out.square().sum(), [q, k, v, *learned])
     t64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    probs, _ = attention_probs(t64[0], t64[1], mask=SlidingWindow(12, 3), bias=None,
-                               causal=True, scale=0.25, score=as_score(score),
-                               sinks=sinks)  # fmt: skip
+    probs, _ = attention_probs(
+        t64[0],
+        t64[1],
+        mask=SlidingWindow(12, 3),
+        bias=None,
+        causal=True,
+        scale=0.25,
+        score=as_score(score),
+        sinks=sinks,
+    )
     ref = probs_times_v(apply_dropout(probs, p, seed), t64[2])
     want = torch.autograd.grad(ref.square().sum(), [*t64, *learned])
     assert max_error(out, ref) < 2e-5
@@ -203,8 +240,15 @@ def test_low_precision_within_twice_attention_in_that_dtype():
     q, k, v = (torch.randn(1, HEADS, 48, 32) for _ in range(3))
     slopes = alibi_slopes(HEADS)
     score = as_score([ALiBi(slopes), Softcap(5.0)])
-    expected, _ = golden_attention(q, k, v, causal=True, modify=lambda s, i, j: 5.0 * torch.tanh(
-        (s - slopes.double().view(1, -1, 1, 1) * (i - j).abs()) / 5.0))  # fmt: skip
+    expected, _ = golden_attention(
+        q,
+        k,
+        v,
+        causal=True,
+        modify=lambda s, i, j: (
+            5.0 * torch.tanh((s - slopes.double().view(1, -1, 1, 1) * (i - j).abs()) / 5.0)
+        ),
+    )
     for dtype in (torch.float16, torch.bfloat16):
         low = [t.to(dtype) for t in (q, k, v)]
         out, _ = triton_attention(*low, causal=True, score=score, blocks=(32, 32))
@@ -222,8 +266,16 @@ def test_attention_weights_with_scores_and_sinks():
     q, k = torch.randn(2, HEADS, 9, 8), torch.randn(2, 2, 12, 8)
     score, sinks, modify, _ = make_score("relative-softcap-sinks")
     heads, rows = [1, 3], [0, 4, 8]
-    probs = mhsa.attention_weights(q, k, causal=True, score=score, sinks=sinks.detach(),
-                                   heads=heads, rows=rows, backend="triton")  # fmt: skip
+    probs = mhsa.attention_weights(
+        q,
+        k,
+        causal=True,
+        score=score,
+        sinks=sinks.detach(),
+        heads=heads,
+        rows=rows,
+        backend="triton",
+    )
     eye = torch.eye(12).expand(2, 2, 12, 12)
     expected, _ = golden_attention(q, k, eye, causal=True, modify=modify, sinks=sinks.detach())
     assert max_error(probs, expected[:, heads][:, :, rows]) < 1e-6
@@ -236,11 +288,14 @@ def test_backend_serves_kernel_scores_and_declines_the_rest():
         spec = AttentionSpec.example(
             has_score=score is not None, score_kinds=kinds(as_score(score)), **changes
         )
-        return backend.supports(spec)  # fmt: skip
+        return backend.supports(spec)
 
     slopes, table = alibi_slopes(8), torch.zeros(32, 8)
-    for score in (ALiBi(slopes), [RelativeBias(table), Softcap(3.0)],
-                  [Softcap(2.0), ALiBi(slopes), RelativeBias(table)]):  # fmt: skip
+    for score in (
+        ALiBi(slopes),
+        [RelativeBias(table), Softcap(3.0)],
+        [Softcap(2.0), ALiBi(slopes), RelativeBias(table)],
+    ):
         assert reason(score) is None
     assert reason(None, has_sinks=True) is None
     mod = ScoreMod(lambda s, b, h, qi, ki: s)

@@ -77,5 +77,7 @@ def check_score(score, sinks: Tensor | None, q: Tensor) -> None:
         got = sinks.dtype if isinstance(sinks, Tensor) else type(sinks).__name__
         raise TypeError(f"sinks must be a float tensor of shape (H,), got {got}")
     if tuple(sinks.shape) != (num_heads,) or sinks.device.type != q.device.type:
-        raise ValueError(f"sinks must be one logit per query head, shape ({num_heads},) on "
-                         f"{q.device}, got {tuple(sinks.shape)} on {sinks.device}")  # fmt: skip
+        raise ValueError(
+            f"sinks must be one logit per query head, shape ({num_heads},) on "
+            f"{q.device}, got {tuple(sinks.shape)} on {sinks.device}"
+        )

@@ -83,8 +83,17 @@ def _block_dim(dim: int) -> int:
     return max(16, triton.next_power_of_2(dim))
 
 
-def _forward(q, k, v, bias, tiles: TileLists, scale, dropout, score: KernelScore = NO_SCORE,
-             tensors: tuple = NO_TENSORS) -> tuple[Tensor, Tensor]:  # fmt: skip
+def _forward(
+    q,
+    k,
+    v,
+    bias,
+    tiles: TileLists,
+    scale,
+    dropout,
+    score: KernelScore = NO_SCORE,
+    tensors: tuple = NO_TENSORS,
+) -> tuple[Tensor, Tensor]:
     """(out, lse); score and tensors (slopes, table, sinks) as in TritonAttention."""
     batch, num_heads, q_len, head_dim = q.shape
     num_kv_heads, kv_len, value_dim = k.shape[1], k.shape[2], v.shape[3]
@@ -92,22 +101,65 @@ def _forward(q, k, v, bias, tiles: TileLists, scale, dropout, score: KernelScore
     lse = torch.empty(batch, num_heads, q_len, dtype=stats_dtype(q.dtype), device=q.device)
     masks = _mask_args(tiles, bias, q, (batch, num_heads, q_len, kv_len))
     _attn_fwd[(tiles.num_q_blocks, batch * num_heads)](
-        q, k, v, out, lse, *masks[:3], tiles.row_ptr, tiles.row_blk, tiles.row_kind,
-        tiles.row_tile, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *masks[3:],
-        num_heads, num_heads // num_kv_heads, q_len, kv_len, head_dim, value_dim,
-        scale, tiles.shift, *_dropout_args(dropout), *score.args(*tensors, like=q),
-        HAS_BIAS=bias is not None, MASK_MODE=tiles.mask_mode, CAUSAL=tiles.causal,
-        **score.constants(), HAS_SINKS=tensors[2] is not None,
-        DROPOUT=dropout is not None, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        BLOCK_D=_block_dim(head_dim), BLOCK_DV=_block_dim(value_dim), **_dot_options(q.dtype),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        out,
+        lse,
+        *masks[:3],
+        tiles.row_ptr,
+        tiles.row_blk,
+        tiles.row_kind,
+        tiles.row_tile,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *out.stride(),
+        *masks[3:],
+        num_heads,
+        num_heads // num_kv_heads,
+        q_len,
+        kv_len,
+        head_dim,
+        value_dim,
+        scale,
+        tiles.shift,
+        *_dropout_args(dropout),
+        *score.args(*tensors, like=q),
+        HAS_BIAS=bias is not None,
+        MASK_MODE=tiles.mask_mode,
+        CAUSAL=tiles.causal,
+        **score.constants(),
+        HAS_SINKS=tensors[2] is not None,
+        DROPOUT=dropout is not None,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_D=_block_dim(head_dim),
+        BLOCK_DV=_block_dim(value_dim),
+        **_dot_options(q.dtype),
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
     return out, lse
 
 
-def _backward(grad_out, grad_lse, q, k, v, bias, out, lse, tiles: TileLists, scale, dropout,
-              bias_grad: bool, score: KernelScore = NO_SCORE, tensors: tuple = NO_TENSORS,
-              wanted: tuple = (False, False, False)):  # fmt: skip
+def _backward(
+    grad_out,
+    grad_lse,
+    q,
+    k,
+    v,
+    bias,
+    out,
+    lse,
+    tiles: TileLists,
+    scale,
+    dropout,
+    bias_grad: bool,
+    score: KernelScore = NO_SCORE,
+    tensors: tuple = NO_TENSORS,
+    wanted: tuple = (False, False, False),
+):
     """(dq, dk, dv, dbias, dsinks, dslopes, dtable), each in its input's dtype; dbias
     when bias_grad, the others where wanted (sinks, slopes, table) says so, else None."""
     batch, num_heads, q_len, head_dim = q.shape
@@ -131,26 +183,76 @@ def _backward(grad_out, grad_lse, q, k, v, bias, out, lse, tiles: TileLists, sca
     masks = _mask_args(tiles, bias, q, shape)
     common = dict(
         **score.constants(),
-        HAS_BIAS=bias is not None, MASK_MODE=tiles.mask_mode, CAUSAL=tiles.causal,
-        DROPOUT=dropout is not None, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        BLOCK_D=_block_dim(head_dim), BLOCK_DV=_block_dim(value_dim), **_dot_options(q.dtype),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-    )  # fmt: skip
+        HAS_BIAS=bias is not None,
+        MASK_MODE=tiles.mask_mode,
+        CAUSAL=tiles.causal,
+        DROPOUT=dropout is not None,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_D=_block_dim(head_dim),
+        BLOCK_DV=_block_dim(value_dim),
+        **_dot_options(q.dtype),
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
     strides = [*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *masks[3:]]
-    sizes = [q_len, kv_len, head_dim, value_dim, scale, tiles.shift, *_dropout_args(dropout),
-             *score.args(*tensors, like=q)]  # fmt: skip
+    sizes = [
+        q_len,
+        kv_len,
+        head_dim,
+        value_dim,
+        scale,
+        tiles.shift,
+        *_dropout_args(dropout),
+        *score.args(*tensors, like=q),
+    ]
     _attn_bwd_dq[(tiles.num_q_blocks, batch * num_heads)](
-        q, k, v, grad_out, lse, delta, dq, dbias, *masks[:3],
-        tiles.row_ptr, tiles.row_blk, tiles.row_kind, tiles.row_tile,
-        *strides, num_heads, num_heads // num_kv_heads, *sizes, d_slope, d_table,
-        BIAS_GRAD=bias_grad, SLOPE_GRAD=slope_grad, TABLE_GRAD=table_grad, BLOCK_NB=block_nb,
+        q,
+        k,
+        v,
+        grad_out,
+        lse,
+        delta,
+        dq,
+        dbias,
+        *masks[:3],
+        tiles.row_ptr,
+        tiles.row_blk,
+        tiles.row_kind,
+        tiles.row_tile,
+        *strides,
+        num_heads,
+        num_heads // num_kv_heads,
+        *sizes,
+        d_slope,
+        d_table,
+        BIAS_GRAD=bias_grad,
+        SLOPE_GRAD=slope_grad,
+        TABLE_GRAD=table_grad,
+        BLOCK_NB=block_nb,
         **common,
-    )  # fmt: skip
+    )
     _attn_bwd_dkv[(tiles.num_k_blocks, batch * num_kv_heads)](
-        q, k, v, grad_out, lse, delta, dk, dv, *masks[:3],
-        tiles.col_ptr, tiles.col_blk, tiles.col_kind, tiles.col_tile,
-        *strides, num_heads, num_kv_heads, num_heads // num_kv_heads, *sizes, **common,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        grad_out,
+        lse,
+        delta,
+        dk,
+        dv,
+        *masks[:3],
+        tiles.col_ptr,
+        tiles.col_blk,
+        tiles.col_kind,
+        tiles.col_tile,
+        *strides,
+        num_heads,
+        num_kv_heads,
+        num_heads // num_kv_heads,
+        *sizes,
+        **common,
+    )
     grad_bias = None
     if bias_grad:
         bias4 = bias.view((1,) * (4 - bias.dim()) + tuple(bias.shape))
@@ -161,9 +263,15 @@ def _backward(grad_out, grad_lse, q, k, v, bias, out, lse, tiles: TileLists, sca
     grads = [
         sink_grad(sinks, lse, delta) if wanted[0] else None,
         d_slope.view(batch, num_heads, -1).sum(dim=(0, 2)).to(slopes.dtype) if slope_grad else None,
-        (d_table.view(batch, num_heads, -1, block_nb).sum(dim=(0, 2))[:, : score.num_buckets]
-         .t().to(table.dtype) if table_grad else None),
-    ]  # fmt: skip
+        (
+            d_table.view(batch, num_heads, -1, block_nb)
+            .sum(dim=(0, 2))[:, : score.num_buckets]
+            .t()
+            .to(table.dtype)
+            if table_grad
+            else None
+        ),
+    ]
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), grad_bias, *grads
 
 
@@ -192,9 +300,22 @@ class TritonAttention(torch.autograd.Function):
             t is not None and need for t, need in zip((sinks, slopes, table), needs, strict=True)
         )
         grads = _backward(
-            grad_out, grad_lse, q, k, v, bias, out, lse, ctx.tiles, ctx.scale, ctx.dropout,
-            bias_grad, ctx.score, (slopes, table, sinks), wanted,
-        )  # fmt: skip
+            grad_out,
+            grad_lse,
+            q,
+            k,
+            v,
+            bias,
+            out,
+            lse,
+            ctx.tiles,
+            ctx.scale,
+            ctx.dropout,
+            bias_grad,
+            ctx.score,
+            (slopes, table, sinks),
+            wanted,
+        )
         return (*grads, None, None, None, None)
 
 
@@ -266,8 +387,7 @@ def triton_attention(
     dropout = None
     if dropout_p > 0:
         dropout = (float(dropout_p), draw_seed() if seed is None else int(seed))
-    return TritonAttention.apply(q, k, v, bias, sinks, slopes, table, tiles, scale, dropout,
-                                 kernel)  # fmt: skip
+    return TritonAttention.apply(q, k, v, bias, sinks, slopes, table, tiles, scale, dropout, kernel)
 
 
 @torch.no_grad()
@@ -303,14 +423,37 @@ def triton_attention_weights(
     probs = torch.zeros(shape, dtype=stats_dtype(q.dtype), device=q.device)
     masks = _mask_args(tiles, bias, q, shape)
     _attn_probs[(tiles.num_q_blocks, batch * num_heads)](
-        q, k, lse, probs, *masks[:3], tiles.row_ptr, tiles.row_blk, tiles.row_kind,
-        tiles.row_tile, *q.stride(), *k.stride(), *masks[3:],
-        num_heads, num_heads // k.shape[1], q_len, k.shape[2], head_dim, scale, tiles.shift,
-        *kernel.args(slopes, table, None, like=q), **kernel.constants(),
-        HAS_BIAS=bias is not None, MASK_MODE=tiles.mask_mode, CAUSAL=tiles.causal,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=_block_dim(head_dim),
-        **_dot_options(q.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-    )  # fmt: skip
+        q,
+        k,
+        lse,
+        probs,
+        *masks[:3],
+        tiles.row_ptr,
+        tiles.row_blk,
+        tiles.row_kind,
+        tiles.row_tile,
+        *q.stride(),
+        *k.stride(),
+        *masks[3:],
+        num_heads,
+        num_heads // k.shape[1],
+        q_len,
+        k.shape[2],
+        head_dim,
+        scale,
+        tiles.shift,
+        *kernel.args(slopes, table, None, like=q),
+        **kernel.constants(),
+        HAS_BIAS=bias is not None,
+        MASK_MODE=tiles.mask_mode,
+        CAUSAL=tiles.causal,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_D=_block_dim(head_dim),
+        **_dot_options(q.dtype),
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
     return probs
 
 

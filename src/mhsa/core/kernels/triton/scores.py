@@ -152,13 +152,15 @@ class KernelScore:
         """The kernels' constexpr arguments."""
         return {"ALIBI": self.alibi, "RELATIVE": self.relative, "SOFTCAP": self.cap > 0}
 
-    def args(self, slopes: Tensor | None, table: Tensor | None, sinks: Tensor | None,
-             like: Tensor) -> list:  # fmt: skip
+    def args(
+        self, slopes: Tensor | None, table: Tensor | None, sinks: Tensor | None, like: Tensor
+    ) -> list:
         """Slopes, Table, Buckets, Sinks, stn, sth, span, cap (dummies where absent)."""
         buckets = like
         if self.relative:
-            buckets = bucket_lookup(self.num_buckets, self.max_distance, self.bidirectional,
-                                    str(like.device))  # fmt: skip
+            buckets = bucket_lookup(
+                self.num_buckets, self.max_distance, self.bidirectional, str(like.device)
+            )
         strides = (0, 0) if table is None else table.stride()
         slopes, table, sinks = (like if t is None else t for t in (slopes, table, sinks))
         return [slopes, table, buckets, sinks, *strides, self.max_distance, self.cap]
@@ -172,14 +174,20 @@ def kernel_score(score: ScoreFunction | None) -> tuple[KernelScore, Tensor | Non
     fields, slopes, table = {}, None, None
     for f in functions:
         if type(f) not in KERNEL_SCORES or kinds.count(type(f)) > 1:
-            raise ValueError(f"the triton kernels evaluate ALiBi, RelativeBias and Softcap, each "
-                             f"at most once, got {score!r}; use backend='flash'")  # fmt: skip
+            raise ValueError(
+                f"the triton kernels evaluate ALiBi, RelativeBias and Softcap, each "
+                f"at most once, got {score!r}; use backend='flash'"
+            )
         stage = 2 if "cap" in fields else 1
         if isinstance(f, ALiBi):
             fields["alibi"], slopes = stage, f.slopes
         elif isinstance(f, RelativeBias):
-            fields.update(relative=stage, num_buckets=f.num_buckets,
-                          max_distance=f.max_distance, bidirectional=f.bidirectional)  # fmt: skip
+            fields.update(
+                relative=stage,
+                num_buckets=f.num_buckets,
+                max_distance=f.max_distance,
+                bidirectional=f.bidirectional,
+            )
             table = f.table
         else:
             fields["cap"] = f.cap
@@ -211,7 +219,8 @@ def score_of_heads(score: ScoreFunction | None, index: Tensor) -> ScoreFunction 
         if isinstance(f, ALiBi):
             f = ALiBi(f.slopes.index_select(0, index))
         elif isinstance(f, RelativeBias):
-            f = RelativeBias(f.table.index_select(1, index), f.num_buckets, f.max_distance,
-                             f.bidirectional)  # fmt: skip
+            f = RelativeBias(
+                f.table.index_select(1, index), f.num_buckets, f.max_distance, f.bidirectional
+            )
         selected.append(f)
     return Compose(*selected)

@@ -89,8 +89,9 @@ def _plan_entries(plan, block_m: int, block_n: int) -> tuple[Tensor, Tensor, Ten
     return qi.repeat_interleave(counts), kj, kind.repeat_interleave(counts)
 
 
-def _pattern_tiles(pattern, qi: Tensor, kj: Tensor, q_len: int, kv_len: int,
-                   block_m: int, block_n: int, device) -> Tensor:  # fmt: skip
+def _pattern_tiles(
+    pattern, qi: Tensor, kj: Tensor, q_len: int, kv_len: int, block_m: int, block_n: int, device
+) -> Tensor:
     """(1 or B, tiles, BLOCK_M, BLOCK_N) uint8: the pattern's element mask on each tile
     (query block qi, key block kj) in order (sorted by qi), one evaluation per query block."""
     pieces = []
@@ -117,9 +118,12 @@ def broadcast4d(t: Tensor, shape: tuple[int, ...]) -> Tensor:
 
 
 def build_tiles(
-    mask, causal: bool, shape: tuple[int, int, int, int], device,
+    mask,
+    causal: bool,
+    shape: tuple[int, int, int, int],
+    device,
     blocks: tuple[int, int, int, int],
-) -> TileLists:  # fmt: skip
+) -> TileLists:
     """Tile lists for a call: mask (None, bool tensor or pattern), causal, shape
     (B, H, L, S), blocks (BLOCK_M, BLOCK_N, num_warps, num_stages). Cached for patterns
     and no mask (building them runs the plan in Python and copies to the device);
@@ -148,8 +152,9 @@ def _build_tiles(mask, causal: bool, shape: tuple, device, blocks: tuple) -> Til
     elif mask is not None:
         mask_mode = MASK_TILES
         tile[partial] = torch.arange(int(partial.sum()))
-        tiles = _pattern_tiles(mask, qi[partial], kj[partial], q_len, kv_len, block_m, block_n,
-                               device)  # fmt: skip
+        tiles = _pattern_tiles(
+            mask, qi[partial], kj[partial], q_len, kv_len, block_m, block_n, device
+        )
     num_q, num_k = -(-q_len // block_m), -(-kv_len // block_n)
     order = torch.argsort(kj * num_q + qi)
 
@@ -157,8 +162,21 @@ def _build_tiles(mask, causal: bool, shape: tuple, device, blocks: tuple) -> Til
         return t.to(device=device, dtype=torch.int32)
 
     return TileLists(
-        block_m, block_n, blocks[2], blocks[3], causal, causal_shift(q_len, kv_len),
-        _pointers(qi, num_q, device), on_device(kj), on_device(kind), on_device(tile),
-        _pointers(kj[order], num_k, device), on_device(qi[order]), on_device(kind[order]),
-        on_device(tile[order]), mask_mode, dense, tiles,
-    )  # fmt: skip
+        block_m,
+        block_n,
+        blocks[2],
+        blocks[3],
+        causal,
+        causal_shift(q_len, kv_len),
+        _pointers(qi, num_q, device),
+        on_device(kj),
+        on_device(kind),
+        on_device(tile),
+        _pointers(kj[order], num_k, device),
+        on_device(qi[order]),
+        on_device(kind[order]),
+        on_device(tile[order]),
+        mask_mode,
+        dense,
+        tiles,
+    )
