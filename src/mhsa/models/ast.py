@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..nn import encoder_layers
 from .config import ModelConfig
+from .vit import vit_blocks
 
 
 @dataclass
@@ -44,15 +44,7 @@ class AST(nn.Module):
         rows, cols = config.grid()
         self.cls_token = nn.Parameter(torch.zeros(1, 1, d))
         self.pos_emb = nn.Parameter(torch.randn(1, 1 + rows * cols, d) * 0.02)
-        self.blocks = encoder_layers(
-            config.n_layer,
-            d,
-            config.n_head,
-            dim_feedforward=4 * d,
-            dropout=config.dropout,
-            activation="gelu",
-            norm_first=True,
-        )
+        self.blocks = vit_blocks(config.n_layer, d, config.n_head, 4 * d, config.dropout)
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, config.num_classes)
 

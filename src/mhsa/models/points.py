@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..nn import MultiHeadAttention, encoder_layers
+from ..nn import MultiHeadAttention
 from .config import ModelConfig
+from .vit import vit_blocks
 
 POOLINGS = ("attention", "mean", "max")
 
@@ -46,14 +47,8 @@ class PointCloudTransformer(nn.Module):
         self.config = config
         d = config.d_model
         self.embed = nn.Sequential(nn.Linear(4, d), nn.GELU(), nn.Linear(d, d))
-        self.blocks = encoder_layers(
-            config.n_layer,
-            d,
-            config.n_head,
-            dim_feedforward=config.d_ff or 2 * d,
-            dropout=config.dropout,
-            activation="gelu",
-            norm_first=True,
+        self.blocks = vit_blocks(
+            config.n_layer, d, config.n_head, config.d_ff or 2 * d, config.dropout
         )
         self.norm = nn.LayerNorm(d)
         self.seed = nn.Parameter(torch.randn(1, 1, d) * 0.02)

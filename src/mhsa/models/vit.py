@@ -40,6 +40,20 @@ class ViTConfig(ModelConfig):
             )
 
 
+def vit_blocks(n_layer: int, d_model: int, n_head: int, d_ff: int, dropout: float) -> nn.ModuleList:
+    """ViT's encoder blocks: pre-norm self-attention and a GELU feed-forward of width
+    d_ff, each block initialised on its own (AST and the point-cloud model use them too)."""
+    return encoder_layers(
+        n_layer,
+        d_model,
+        n_head,
+        dim_feedforward=d_ff,
+        dropout=dropout,
+        activation="gelu",
+        norm_first=True,
+    )
+
+
 class ViT(nn.Module):
     def __init__(self, config: ViTConfig) -> None:
         super().__init__()
@@ -50,14 +64,8 @@ class ViT(nn.Module):
         self.cls_token = nn.Parameter(torch.zeros(1, 1, d))
         self.pos_emb = nn.Parameter(torch.randn(1, 1 + grid * grid, d) * 0.02)
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = encoder_layers(
-            config.n_layer,
-            d,
-            config.n_head,
-            dim_feedforward=config.d_ff or 4 * d,
-            dropout=config.dropout,
-            activation="gelu",
-            norm_first=True,
+        self.blocks = vit_blocks(
+            config.n_layer, d, config.n_head, config.d_ff or 4 * d, config.dropout
         )
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, config.num_classes)

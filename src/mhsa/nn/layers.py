@@ -5,6 +5,8 @@ masks are bool, True = may attend. The stacks of them are in nn/stacks.py.
 
 from __future__ import annotations
 
+from typing import Self
+
 from torch import Tensor, nn
 
 from ..cache import KVCache, MemoryCache
@@ -14,8 +16,13 @@ from .feedforward import FeedForward, Residual
 from .positional import AttentionPosition
 
 
-class TransformerEncoderLayer(nn.Module):
-    """Self-attention then feed-forward, each with a residual connection and layer norm."""
+class _TransformerLayer(nn.Module):
+    """What both layers share: the constructor, with torch.nn.Transformer*Layer's options,
+    and from_torch. A layer holds self_attn, cross_attn (decoder only) and feed_forward,
+    and one Residual (norm and dropout) per sublayer, named in `blocks`."""
+
+    blocks: tuple[str, ...]  # the Residual of each sublayer, in order
+    has_cross_attention: bool
 
     def __init__(
         self,
@@ -32,19 +39,67 @@ class TransformerEncoderLayer(nn.Module):
         backend: str = "auto",
     ) -> None:
         super().__init__()
-        self.self_attn = MultiHeadAttention(
-            d_model,
-            num_heads,
-            num_kv_heads=num_kv_heads,
-            bias=bias,
-            dropout=dropout,
-            backend=backend,
-        )
+
+        def attention() -> MultiHeadAttention:
+            return MultiHeadAttention(
+                d_model,
+                num_heads,
+                num_kv_heads=num_kv_heads,
+                bias=bias,
+                dropout=dropout,
+                backend=backend,
+            )
+
+        self.self_attn = attention()
+        if self.has_cross_attention:
+            self.cross_attn = attention()
         self.feed_forward = FeedForward(
             d_model, dim_feedforward, dropout=dropout, activation=activation, bias=bias
         )
-        self.attn_block = Residual(d_model, dropout, layer_norm_eps, norm_first)
-        self.ff_block = Residual(d_model, dropout, layer_norm_eps, norm_first)
+        for name in self.blocks:
+            self.add_module(name, Residual(d_model, dropout, layer_norm_eps, norm_first))
+
+    @classmethod
+    def from_torch(cls, layer: nn.Module) -> Self:
+        """Copy a torch.nn.TransformerEncoderLayer or TransformerDecoderLayer (to the
+        matching class; batch-first or not)."""
+        ours = layer_from_torch(cls, layer)
+        if cls.has_cross_attention:
+            ours.cross_attn = MultiHeadAttention.from_torch(layer.multihead_attn)
+        norms = [getattr(layer, f"norm{i}") for i in range(1, len(cls.blocks) + 1)]
+        copy_norms(tuple(getattr(ours, name) for name in cls.blocks), tuple(norms))
+        return ours
+
+    def _self_attention(
+        self,
+        x: Tensor,
+        mask: Tensor | None,
+        key_padding_mask: Tensor | None,
+        causal: bool,
+        position: AttentionPosition | None,
+        cache: KVCache | None,
+    ) -> Tensor:
+        """The self-attention sublayer: x (B, L, d_model) through its Residual (the first
+        block) around self_attn with these masks, positions and cache."""
+
+        def attend(h: Tensor) -> Tensor:
+            return self.self_attn(
+                h,
+                mask=mask,
+                key_padding_mask=key_padding_mask,
+                causal=causal,
+                position=position,
+                cache=cache,
+            )
+
+        return getattr(self, self.blocks[0])(x, attend)
+
+
+class TransformerEncoderLayer(_TransformerLayer):
+    """Self-attention then feed-forward, each with a residual connection and layer norm."""
+
+    blocks = ("attn_block", "ff_block")
+    has_cross_attention = False
 
     def forward(
         self,
@@ -57,51 +112,15 @@ class TransformerEncoderLayer(nn.Module):
         cache: KVCache | None = None,
     ) -> Tensor:
         """x (B, L, d_model) -> (B, L, d_model)."""
-        x = _self_attention(
-            self.self_attn, self.attn_block, x, mask, key_padding_mask, causal, position, cache
-        )
+        x = self._self_attention(x, mask, key_padding_mask, causal, position, cache)
         return self.ff_block(x, self.feed_forward)
 
-    @classmethod
-    def from_torch(cls, layer: nn.TransformerEncoderLayer) -> TransformerEncoderLayer:
-        """Copy a torch.nn.TransformerEncoderLayer (batch-first or not)."""
-        ours = layer_from_torch(cls, layer)
-        copy_norms((ours.attn_block, ours.ff_block), (layer.norm1, layer.norm2))
-        return ours
 
-
-class TransformerDecoderLayer(nn.Module):
+class TransformerDecoderLayer(_TransformerLayer):
     """Self-attention, cross-attention to the encoder output, then feed-forward."""
 
-    def __init__(
-        self,
-        d_model: int,
-        num_heads: int,
-        *,
-        dim_feedforward: int = 2048,
-        dropout: float = 0.1,
-        activation: str = "relu",
-        norm_first: bool = False,
-        layer_norm_eps: float = 1e-5,
-        num_kv_heads: int | None = None,
-        bias: bool = True,
-        backend: str = "auto",
-    ) -> None:
-        super().__init__()
-        attn_options = {
-            "num_kv_heads": num_kv_heads,
-            "bias": bias,
-            "dropout": dropout,
-            "backend": backend,
-        }
-        self.self_attn = MultiHeadAttention(d_model, num_heads, **attn_options)
-        self.cross_attn = MultiHeadAttention(d_model, num_heads, **attn_options)
-        self.feed_forward = FeedForward(
-            d_model, dim_feedforward, dropout=dropout, activation=activation, bias=bias
-        )
-        self.self_block = Residual(d_model, dropout, layer_norm_eps, norm_first)
-        self.cross_block = Residual(d_model, dropout, layer_norm_eps, norm_first)
-        self.ff_block = Residual(d_model, dropout, layer_norm_eps, norm_first)
+    blocks = ("self_block", "cross_block", "ff_block")
+    has_cross_attention = True
 
     def forward(
         self,
@@ -131,48 +150,9 @@ class TransformerDecoderLayer(nn.Module):
                 cache=memory_cache,
             )
 
-        x = _self_attention(
-            self.self_attn, self.self_block, x, mask, key_padding_mask, causal, position, cache
-        )
+        x = self._self_attention(x, mask, key_padding_mask, causal, position, cache)
         x = self.cross_block(x, cross_attend)
         return self.ff_block(x, self.feed_forward)
-
-    @classmethod
-    def from_torch(cls, layer: nn.TransformerDecoderLayer) -> TransformerDecoderLayer:
-        """Copy a torch.nn.TransformerDecoderLayer (batch-first or not)."""
-        ours = layer_from_torch(cls, layer)
-        ours.cross_attn = MultiHeadAttention.from_torch(layer.multihead_attn)
-        copy_norms(
-            (ours.self_block, ours.cross_block, ours.ff_block),
-            (layer.norm1, layer.norm2, layer.norm3),
-        )
-        return ours
-
-
-def _self_attention(
-    attn: MultiHeadAttention,
-    block: Residual,
-    x: Tensor,
-    mask: Tensor | None,
-    key_padding_mask: Tensor | None,
-    causal: bool,
-    position: AttentionPosition | None,
-    cache: KVCache | None,
-) -> Tensor:
-    """The self-attention sublayer of either layer: x (B, L, d_model) through `block`
-    (residual and norm) around `attn` with these masks, positions and cache."""
-
-    def attend(h: Tensor) -> Tensor:
-        return attn(
-            h,
-            mask=mask,
-            key_padding_mask=key_padding_mask,
-            causal=causal,
-            position=position,
-            cache=cache,
-        )
-
-    return block(x, attend)
 
 
 __all__ = ["TransformerDecoderLayer", "TransformerEncoderLayer"]
