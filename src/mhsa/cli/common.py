@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 
 TRAIN_COMMANDS = {"seq2seq": "translate"}  # model kinds trained by another command's name
 # a chat model's weights: --dtype's names, --quantize's modes (mhsa.apps.chat.QUANTIZE,
@@ -27,6 +28,18 @@ def torch_threads(count: int | None) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def with_threads(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """A command's run(args) with torch's thread count set to --threads while it runs
+    (see torch_threads)."""
+
+    @functools.wraps(run)
+    def run_with_threads(args: argparse.Namespace) -> int:
+        with torch_threads(args.threads):
+            return run(args)
+
+    return run_with_threads
 
 
 def load_model(path: str, kinds: dict[str, tuple]) -> tuple:
@@ -122,10 +135,8 @@ def common_train_options(
         "stopping (still stops after 10 in a row)",
     )
     add_option(parser, "--seed", 0, "random seed", type=int)
-    parser.add_argument(
-        "--compile",
-        action="store_true",
-        help="compile the training step with torch.compile (the first step then takes a while)",
+    compile_option(
+        parser, "compile the training step with torch.compile (the first step then takes a while)"
     )
 
 
@@ -160,6 +171,11 @@ def size_options(
     add_option(parser, "--heads", heads, "attention heads", type=positive_int)
     add_option(parser, "--d-model", d_model, "model width", type=positive_int)
     add_option(parser, "--lr", lr, "peak learning rate", type=float)
+
+
+def compile_option(parser: argparse.ArgumentParser, help: str) -> None:
+    """--compile: the command's step through torch.compile (help says which, and the wait)."""
+    parser.add_argument("--compile", action="store_true", help=help)
 
 
 def threads_option(
