@@ -6,43 +6,29 @@ and the server carries on."""
 
 from __future__ import annotations
 
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 
+@dataclass(eq=False)
 class APIError(Exception):
     """An error reported to the client: HTTP status, message, the parameter at fault
-    (or None) and OpenAI's machine-readable code (or None)."""
+    (or None), OpenAI's machine-readable code (or None) and its type."""
 
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        kind: str = "invalid_request_error",
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = (
-            status,
-            message,
-            param,
-            code,
-            kind,
-        )
+    status: int
+    message: str
+    _: KW_ONLY
+    param: str | None = None
+    code: str | None = None
+    kind: str = "invalid_request_error"
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)  # str(error) is the message
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.message, param=self.param, code=self.code, kind=self.kind)
-
-
-def error_body(
-    message: str,
-    *,
-    param: str | None = None,
-    code: str | None = None,
-    kind: str = "invalid_request_error",
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+        """The JSON body of the response (or of the stream's error event)."""
+        error = {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}
+        return {"error": error}
 
 
 def invalid_json(detail: str) -> APIError:
