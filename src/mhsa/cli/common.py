@@ -1,5 +1,6 @@
 """What several commands share: loading a checkpoint, the training options, the options
-of the commands that run a chat model."""
+of the commands that run a chat model, and the helpers that add one option the same way
+everywhere (add_option, compile_option, threads_option with with_threads)."""
 
 from __future__ import annotations
 
@@ -94,7 +95,9 @@ positive_int = _whole_number(1)
 non_negative_int = _whole_number(0)
 
 
-def add_option(parser: argparse.ArgumentParser, flag: str, default, what: str, **kwargs) -> None:
+def add_option(
+    parser: argparse.ArgumentParser, flag: str, default: object, what: str, **kwargs
+) -> None:
     """An option whose help is `what (default DEFAULT)`: the default is written once, so
     the help cannot drift from it. kwargs go to add_argument (type, choices, ...)."""
     parser.add_argument(flag, default=default, help=f"{what} (default {default})", **kwargs)
