@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import positive_int, threads_option
+from .common import add_option, positive_int, threads_option
 
 
 def bench(args: argparse.Namespace) -> int:
@@ -91,9 +91,7 @@ def add_parser(commands) -> None:
         help="which benchmark",
     )
     bench_parser.add_argument("--file", help="transcribe: a WAV file (default: espeak-ng speech)")
-    bench_parser.add_argument(
-        "--nproc", type=positive_int, default=2, help="ring: processes (default 2)"
-    )
+    add_option(bench_parser, "--nproc", 2, "ring: processes", type=positive_int)
     bench_parser.add_argument(
         "--model", help="serve: the model `mhsa serve` loads (default the packaged SmolLM2)"
     )
@@ -108,21 +106,12 @@ def add_parser(commands) -> None:
         "--quantize", help="serve: the server's --quantize (default: the file's own weights)"
     )
     bench_parser.add_argument("--json", action="store_true", help="print JSON")
-    bench_parser.add_argument(
-        "--length",
-        type=positive_int,
-        default=4096,
-        help="attention, scores: L = S for timings (default 4096)",
+    add_option(
+        bench_parser, "--length", 4096, "attention, scores: L = S for timings", type=positive_int
     )
-    bench_parser.add_argument(
-        "--heads", type=positive_int, default=8, help="attention: query heads (default 8)"
-    )
-    bench_parser.add_argument(
-        "--head-dim", type=positive_int, default=64, help="attention: D per head (default 64)"
-    )
-    bench_parser.add_argument(
-        "--repeat", type=positive_int, default=5, help="report the best of N runs (default 5)"
-    )
+    add_option(bench_parser, "--heads", 8, "attention: query heads", type=positive_int)
+    add_option(bench_parser, "--head-dim", 64, "attention: D per head", type=positive_int)
+    add_option(bench_parser, "--repeat", 5, "report the best of N runs", type=positive_int)
     bench_parser.add_argument("--plot", metavar="FILE", help="sparse: write a PNG plot")
     bench_parser.add_argument("--quick", action="store_true", help="small smoke run")
     bench_parser.add_argument("--no-memory", action="store_true", help="skip memory cases")

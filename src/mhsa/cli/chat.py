@@ -7,15 +7,19 @@ import sys
 
 import torch
 
-from .common import chat_weight_options, chat_weights, positive_int, threads_option, torch_threads
+from .common import (
+    add_option,
+    chat_weight_options,
+    chat_weights,
+    compile_option,
+    positive_int,
+    threads_option,
+    with_threads,
+)
 
 
+@with_threads
 def chat(args: argparse.Namespace) -> int:
-    with torch_threads(args.threads):
-        return _chat(args)
-
-
-def _chat(args: argparse.Namespace) -> int:
     from ..apps.chat import load_chat_model
 
     if args.prompt is not None and any(not p.strip() for p in args.prompt):
@@ -107,10 +111,8 @@ def add_parser(commands) -> None:
         help="answer this and exit (repeat for more turns of one conversation)",
     )
     cmd.add_argument("--system", default=None, help="a system message to start with")
-    cmd.add_argument(
-        "--compile",
-        action="store_true",
-        help="decode through one torch.compile'd step (the first answer waits for compiling)",
+    compile_option(
+        cmd, "decode through one torch.compile'd step (the first answer waits for compiling)"
     )
     cmd.add_argument(
         "--temperature",
@@ -120,12 +122,9 @@ def add_parser(commands) -> None:
     )
     cmd.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest (0: all)")
     cmd.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold")
-    cmd.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    cmd.add_argument(
-        "--max-new-tokens",
-        type=positive_int,
-        default=256,
-        help="at most this many tokens per answer (default 256)",
+    add_option(cmd, "--seed", 0, "sampling seed", type=int)
+    add_option(
+        cmd, "--max-new-tokens", 256, "at most this many tokens per answer", type=positive_int
     )
     chat_weight_options(cmd)
     threads_option(cmd)

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from .common import load_model, positive_int
+from .common import add_option, load_model, positive_int
 
 
 def _model_and_reader(path: str):
@@ -79,7 +79,5 @@ def add_parser(commands) -> None:
         nargs="+",
         help="images (vit), WAV files (ast), or .npy / x y z text point files (points)",
     )
-    parser.add_argument(
-        "--top", type=positive_int, default=3, help="how many labels to show per file (default 3)"
-    )
+    add_option(parser, "--top", 3, "how many labels to show per file", type=positive_int)
     parser.set_defaults(run=classify)

@@ -1,11 +1,13 @@
 """What several commands share: loading a checkpoint, the training options, the options
-of the commands that run a chat model."""
+of the commands that run a chat model, and the helpers that add one option the same way
+everywhere (add_option, compile_option, threads_option with with_threads)."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 
 TRAIN_COMMANDS = {"seq2seq": "translate"}  # model kinds trained by another command's name
 # a chat model's weights: --dtype's names, --quantize's modes (mhsa.apps.chat.QUANTIZE,
@@ -27,6 +29,18 @@ def torch_threads(count: int | None) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def with_threads(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """A command's run(args) with torch's thread count set to --threads while it runs
+    (see torch_threads)."""
+
+    @functools.wraps(run)
+    def run_with_threads(args: argparse.Namespace) -> int:
+        with torch_threads(args.threads):
+            return run(args)
+
+    return run_with_threads
 
 
 def load_model(path: str, kinds: dict[str, tuple]) -> tuple:
@@ -81,11 +95,19 @@ positive_int = _whole_number(1)
 non_negative_int = _whole_number(0)
 
 
+def add_option(
+    parser: argparse.ArgumentParser, flag: str, default: object, what: str, **kwargs
+) -> None:
+    """An option whose help is `what (default DEFAULT)`: the default is written once, so
+    the help cannot drift from it. kwargs go to add_argument (type, choices, ...)."""
+    parser.add_argument(flag, default=default, help=f"{what} (default {default})", **kwargs)
+
+
 def common_train_options(
     parser: argparse.ArgumentParser, steps: int, out: str, eval_every: int = 100
 ) -> None:
     """The run options every `mhsa train` command has."""
-    parser.add_argument("--out", default=out, help=f"checkpoint folder (default {out})")
+    add_option(parser, "--out", out, "checkpoint folder")
     written = parser.add_mutually_exclusive_group()
     written.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
     written.add_argument(
@@ -93,25 +115,21 @@ def common_train_options(
         action="store_true",
         help="replace the checkpoints in --out (removed once this run has written its first)",
     )
-    parser.add_argument(
-        "--keep",
-        type=positive_int,
-        default=1,
-        help="how many of the run's latest checkpoints to keep (default 1)",
+    add_option(
+        parser, "--keep", 1, "how many of the run's latest checkpoints to keep", type=positive_int
     )
-    parser.add_argument(
-        "--steps", type=positive_int, default=steps, help=f"training steps (default {steps})"
-    )
+    add_option(parser, "--steps", steps, "training steps", type=positive_int)
     parser.add_argument(
         "--stop-after",
         type=positive_int,
         help="stop after N steps (checkpointed); --resume continues",
     )
-    parser.add_argument(
+    add_option(
+        parser,
         "--eval-every",
+        eval_every,
+        "evaluate and checkpoint every N steps",
         type=positive_int,
-        default=eval_every,
-        help=f"evaluate and checkpoint every N steps (default {eval_every})",
     )
     parser.add_argument(
         "--skip-nonfinite",
@@ -119,11 +137,9 @@ def common_train_options(
         help="skip a step whose loss or gradient is nan/inf instead of "
         "stopping (still stops after 10 in a row)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    parser.add_argument(
-        "--compile",
-        action="store_true",
-        help="compile the training step with torch.compile (the first step then takes a while)",
+    add_option(parser, "--seed", 0, "random seed", type=int)
+    compile_option(
+        parser, "compile the training step with torch.compile (the first step then takes a while)"
     )
 
 
@@ -153,22 +169,16 @@ def size_options(
     lr: float,
 ) -> None:
     """The model-size and optimisation options every `mhsa train` command has."""
-    parser.add_argument(
-        "--batch-size",
-        type=positive_int,
-        default=batch_size,
-        help=f"sequences or items per step (default {batch_size})",
-    )
-    parser.add_argument(
-        "--layers", type=positive_int, default=layers, help=f"transformer layers (default {layers})"
-    )
-    parser.add_argument(
-        "--heads", type=positive_int, default=heads, help=f"attention heads (default {heads})"
-    )
-    parser.add_argument(
-        "--d-model", type=positive_int, default=d_model, help=f"model width (default {d_model})"
-    )
-    parser.add_argument("--lr", type=float, default=lr, help=f"peak learning rate (default {lr:g})")
+    add_option(parser, "--batch-size", batch_size, "sequences or items per step", type=positive_int)
+    add_option(parser, "--layers", layers, "transformer layers", type=positive_int)
+    add_option(parser, "--heads", heads, "attention heads", type=positive_int)
+    add_option(parser, "--d-model", d_model, "model width", type=positive_int)
+    add_option(parser, "--lr", lr, "peak learning rate", type=float)
+
+
+def compile_option(parser: argparse.ArgumentParser, help: str) -> None:
+    """--compile: the command's step through torch.compile (help says which, and the wait)."""
+    parser.add_argument("--compile", action="store_true", help=help)
 
 
 def threads_option(

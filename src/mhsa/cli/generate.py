@@ -7,16 +7,18 @@ import sys
 
 import torch
 
-from .common import load_model, non_negative_int, threads_option, torch_threads
+from .common import (
+    add_option,
+    compile_option,
+    load_model,
+    non_negative_int,
+    threads_option,
+    with_threads,
+)
 
 
+@with_threads
 def generate(args: argparse.Namespace) -> int:
-    """Sample with --threads torch threads (restored after: main may run in-process)."""
-    with torch_threads(args.threads):
-        return _generate(args)
-
-
-def _generate(args: argparse.Namespace) -> int:
     """Sample a continuation from a trained checkpoint, with the KV cache."""
     import time
 
@@ -72,20 +74,10 @@ def add_parser(commands) -> None:
     gen = commands.add_parser("generate", help="sample text from a GPT checkpoint")
     gen.add_argument("checkpoint", help="output folder of `mhsa train gpt`, or a step folder")
     gen.add_argument("--prompt", default="def ", help="text to continue (default 'def ')")
-    gen.add_argument(
-        "--max-new-tokens", type=non_negative_int, default=100, help="tokens to add (default 100)"
-    )
-    gen.add_argument(
-        "--temperature",
-        type=float,
-        default=0.8,
-        help="sampling temperature, 0 for greedy (default 0.8)",
-    )
-    gen.add_argument(
-        "--top-k",
-        type=non_negative_int,
-        default=40,
-        help="sample among the k likeliest tokens, 0 for all (default 40)",
+    add_option(gen, "--max-new-tokens", 100, "tokens to add", type=non_negative_int)
+    add_option(gen, "--temperature", 0.8, "sampling temperature, 0 for greedy", type=float)
+    add_option(
+        gen, "--top-k", 40, "sample among the k likeliest tokens, 0 for all", type=non_negative_int
     )
     gen.add_argument(
         "--top-p",
@@ -93,12 +85,8 @@ def add_parser(commands) -> None:
         help="sample among the likeliest tokens whose probability reaches p, "
         "in (0, 1] (default: no limit)",
     )
-    gen.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    gen.add_argument(
-        "--compile",
-        action="store_true",
-        help="decode through one torch.compile'd step (compiling takes a while)",
-    )
+    add_option(gen, "--seed", 0, "random seed", type=int)
+    compile_option(gen, "decode through one torch.compile'd step (compiling takes a while)")
     threads_option(
         gen,
         default=1,

@@ -11,21 +11,18 @@ from pathlib import Path
 import torch
 
 from .common import (
+    add_option,
     chat_weight_options,
     chat_weights,
     non_negative_int,
     positive_int,
     threads_option,
-    torch_threads,
+    with_threads,
 )
 
 
+@with_threads
 def serve(args: argparse.Namespace) -> int:
-    with torch_threads(args.threads):
-        return _serve(args)
-
-
-def _serve(args: argparse.Namespace) -> int:
     try:
         from ..apps.serve.server import Server
     except ImportError as error:
@@ -104,21 +101,9 @@ def add_parser(commands) -> None:
     cmd.add_argument(
         "--port", type=non_negative_int, default=8000, help="port (default 8000; 0: any free one)"
     )
-    cmd.add_argument(
-        "--num-blocks",
-        type=positive_int,
-        default=512,
-        help="KV cache blocks in the pool (default 512)",
-    )
-    cmd.add_argument(
-        "--block-size", type=positive_int, default=16, help="tokens per cache block (default 16)"
-    )
-    cmd.add_argument(
-        "--max-batch",
-        type=positive_int,
-        default=16,
-        help="requests decoded together at most (default 16)",
-    )
+    add_option(cmd, "--num-blocks", 512, "KV cache blocks in the pool", type=positive_int)
+    add_option(cmd, "--block-size", 16, "tokens per cache block", type=positive_int)
+    add_option(cmd, "--max-batch", 16, "requests decoded together at most", type=positive_int)
     cmd.add_argument(
         "--context-length",
         type=positive_int,

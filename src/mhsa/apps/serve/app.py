@@ -165,11 +165,10 @@ async def _http_error(request: Request, error: Exception) -> Response:
         message = f"Method {request.method} is not allowed for {request.url.path}."
     else:
         message = str(error.detail)
-    return JSONResponse(errors.error_body(message), status_code=error.status_code)
+    return await _api_error(request, errors.APIError(error.status_code, message))
 
 
 async def _crash(request: Request, error: Exception) -> Response:
     """A bug: 500 in OpenAI's shape (starlette re-raises it after, for the log)."""
-    return JSONResponse(
-        errors.error_body(f"The server failed: {error}", kind="server_error"), status_code=500
-    )
+    failure = errors.APIError(500, f"The server failed: {error}", kind="server_error")
+    return await _api_error(request, failure)

@@ -6,43 +6,29 @@ and the server carries on."""
 
 from __future__ import annotations
 
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 
+@dataclass(eq=False)
 class APIError(Exception):
     """An error reported to the client: HTTP status, message, the parameter at fault
-    (or None) and OpenAI's machine-readable code (or None)."""
+    (or None), OpenAI's machine-readable code (or None) and its type."""
 
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        kind: str = "invalid_request_error",
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = (
-            status,
-            message,
-            param,
-            code,
-            kind,
-        )
+    status: int
+    message: str
+    _: KW_ONLY
+    param: str | None = None
+    code: str | None = None
+    kind: str = "invalid_request_error"
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)  # str(error) is the message
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.message, param=self.param, code=self.code, kind=self.kind)
-
-
-def error_body(
-    message: str,
-    *,
-    param: str | None = None,
-    code: str | None = None,
-    kind: str = "invalid_request_error",
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+        """The JSON body of the response (or of the stream's error event)."""
+        error = {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}
+        return {"error": error}
 
 
 def invalid_json(detail: str) -> APIError:
@@ -54,57 +40,46 @@ def invalid_json(detail: str) -> APIError:
     )
 
 
+def bad_param(param: str, message: str, code: str) -> APIError:
+    """The 400 error about one request parameter: OpenAI's message and code for it."""
+    return APIError(400, message, param=param, code=code)
+
+
 def missing(param: str) -> APIError:
-    return APIError(
-        400,
-        f"Missing required parameter: '{param}'.",
-        param=param,
-        code="missing_required_parameter",
-    )
+    return bad_param(param, f"Missing required parameter: '{param}'.", "missing_required_parameter")
 
 
 def invalid_type(param: str, expected: str, value: Any) -> APIError:
-    return APIError(
-        400,
-        f"Invalid type for '{param}': expected {expected}, but got {_kind(value)} instead.",
-        param=param,
-        code="invalid_type",
-    )
+    message = f"Invalid type for '{param}': expected {expected}, but got {_kind(value)} instead."
+    return bad_param(param, message, "invalid_type")
 
 
 def invalid_value(param: str, message: str) -> APIError:
-    return APIError(400, f"Invalid '{param}': {message}", param=param, code="invalid_value")
+    return bad_param(param, f"Invalid '{param}': {message}", "invalid_value")
 
 
 def below_minimum(param: str, minimum: float, value: Any) -> APIError:
-    kind = "integer" if isinstance(minimum, int) else "decimal"
-    return APIError(
-        400,
-        f"Invalid '{param}': {kind} below minimum value. Expected a value "
-        f">= {minimum}, but got {value} instead.",
-        param=param,
-        code=f"{kind}_below_min_value",
-    )
+    return _out_of_range(param, value, minimum, "below", "minimum")
 
 
 def above_maximum(param: str, maximum: float, value: Any) -> APIError:
-    kind = "integer" if isinstance(maximum, int) else "decimal"
-    return APIError(
-        400,
-        f"Invalid '{param}': {kind} above maximum value. Expected a value "
-        f"<= {maximum}, but got {value} instead.",
-        param=param,
-        code=f"{kind}_above_max_value",
+    return _out_of_range(param, value, maximum, "above", "maximum")
+
+
+def _out_of_range(param: str, value: Any, bound: float, side: str, limit: str) -> APIError:
+    """below_minimum (side "below", limit "minimum") or above_maximum ("above", "maximum")."""
+    kind = "integer" if isinstance(bound, int) else "decimal"
+    relation = ">=" if side == "below" else "<="
+    message = (
+        f"Invalid '{param}': {kind} {side} {limit} value. Expected a value "
+        f"{relation} {bound}, but got {value} instead."
     )
+    return bad_param(param, message, f"{kind}_{side}_{limit[:3]}_value")
 
 
 def unsupported(param: str, why: str = "") -> APIError:
-    return APIError(
-        400,
-        f"'{param}' is not supported by this server{why}; leave it out.",
-        param=param,
-        code="unsupported_parameter",
-    )
+    message = f"'{param}' is not supported by this server{why}; leave it out."
+    return bad_param(param, message, "unsupported_parameter")
 
 
 def unknown_model(name: str, served: str) -> APIError:
@@ -120,14 +95,12 @@ def unknown_model(name: str, served: str) -> APIError:
 def context_exceeded(param: str, context: int, prompt: int, new: int | None) -> APIError:
     asked = prompt + (new or 0)
     detail = f" ({prompt} in the {param}, {new} in the completion)" if new else ""
-    return APIError(
-        400,
+    message = (
         f"This model's maximum context length is {context} tokens. However, "
         f"you requested {asked} tokens{detail}. Please reduce the length of the "
-        f"{param} or the completion (max_tokens).",
-        param=param,
-        code="context_length_exceeded",
+        f"{param} or the completion (max_tokens)."
     )
+    return bad_param(param, message, "context_length_exceeded")
 
 
 def _kind(value: Any) -> str:
