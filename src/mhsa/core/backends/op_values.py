@@ -1,5 +1,7 @@
-"""What the custom ops (flash_op, triton_op) share: masks as values, the dropout seed,
-the traced call, and the fake implementations and autograd registration.
+"""What the custom ops (flash_op, triton_op) share: their schemas, written once
+(define_attention_ops makes an engine's pair of ops from two functions of OpInputs),
+masks as values, the dropout seed, the traced call, and the fake implementations and
+autograd registration.
 
 A pattern built from plain values reaches an op as its repr (Pattern.plain_values),
 rebuilt inside it; equal patterns give equal texts, so a traced graph never recompiles
@@ -54,7 +56,7 @@ def traced_seed(dropout_p: float) -> Tensor:
 
 
 class OpInputs(NamedTuple):
-    """An attention op's inputs, in its schema's order (INPUTS): q (B, H, L, D), k, v;
+    """An attention op's inputs, in FORWARD_SCHEMA's order: q (B, H, L, D), k, v;
     a bool mask tensor or a pattern's repr; seed an int64 scalar; a score function's
     text and the tensors it reads; sinks (H,) or None."""
 

@@ -122,6 +122,17 @@ def paged_tiled(call: PagedCall, tile_size: int = TILE_SIZE) -> Tensor:
     return _tiled(call._replace(lengths=lengths), index, tile_size)
 
 
+class _Chunk(NamedTuple):
+    """Query rows q (N, H, R, D) at q_pos (N, 1, R, 1) of sequences of lens keys: those
+    of sequence n see keys below ends[n] (ends descending) from first_key on."""
+
+    q: Tensor
+    q_pos: Tensor
+    lens: Tensor
+    ends: list[int]
+    first_key: int
+
+
 def _tiled(call: PagedCall, batch_ids: Tensor, tile_size: int) -> Tensor:
     """paged_tiled on sequences sorted longest first (batch_ids: their indices in the
     caller's batch, for score functions), query rows QUERY_CHUNK at a time."""
@@ -137,17 +148,6 @@ def _tiled(call: PagedCall, batch_ids: Tensor, tile_size: int) -> Tensor:
         chunk = _Chunk(q[:, :, r0:r1], q_pos[:, :, r0:r1], lens, ends, min(starts))
         chunks.append(_tiled_rows(call, chunk, batch_ids, tile_size))
     return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=2)
-
-
-class _Chunk(NamedTuple):
-    """Query rows q (N, H, R, D) at q_pos (N, 1, R, 1) of sequences of lens keys: those
-    of sequence n see keys below ends[n] (ends descending) from first_key on."""
-
-    q: Tensor
-    q_pos: Tensor
-    lens: Tensor
-    ends: list[int]
-    first_key: int
 
 
 def _page_tiles(call: PagedCall, chunk: _Chunk, tile_size: int):
