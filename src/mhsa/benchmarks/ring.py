@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -33,25 +34,31 @@ def _cpus() -> int:
         return os.cpu_count() or 1
 
 
-def _measure(
-    rank: int,
-    world: int,
-    ring: bool,
-    length: int,
-    heads: int,
-    head_dim: int,
-    causal: bool,
-    layout: str,
-    repeat: int,
-) -> dict:
+@dataclass(frozen=True)
+class Case:
+    """One measured configuration: ring attention over the processes (else flash in
+    each), float32 inputs (1, heads, length, head_dim) split into equal shards."""
+
+    ring: bool
+    length: int
+    heads: int
+    head_dim: int
+    causal: bool
+    layout: str
+    repeat: int
+
+
+def _measure(rank: int, world: int, case: Case) -> dict:
     """One process's memory and times (run in a spawned process of a local group)."""
     from mhsa.core.attention import attention
     from mhsa.distributed import ring_attention
 
+    heads, head_dim = case.heads, case.head_dim
+
     def call(q, k, v):
-        if ring:
-            return ring_attention(q, k, v, causal=causal, layout=layout)
-        return attention(q, k, v, causal=causal, backend="flash")
+        if case.ring:
+            return ring_attention(q, k, v, causal=case.causal, layout=case.layout)
+        return attention(q, k, v, causal=case.causal, backend="flash")
 
     def step(tensors):
         for t in tensors:
@@ -60,7 +67,7 @@ def _measure(
 
     # warm up thread pools, the process group and the kernels on a small input first
     step([torch.randn(1, heads, 64, head_dim, requires_grad=True) for _ in range(3)])
-    shard_len = length // world
+    shard_len = case.length // world
     gen = torch.Generator().manual_seed(rank)
     tensors = [
         torch.randn(1, heads, shard_len, head_dim, generator=gen).requires_grad_() for _ in range(3)
@@ -69,7 +76,7 @@ def _measure(
     baseline = rss_bytes()
     reset = reset_peak()
     times = []
-    for i in range(repeat):
+    for i in range(case.repeat):
         dist.barrier()
         start = time.perf_counter()
         step(tensors)
@@ -79,44 +86,23 @@ def _measure(
     return {"extra_bytes": peak - baseline, "times": times, "peak_reset": reset}
 
 
-def _case(
-    nproc: int,
-    ring: bool,
-    length: int,
-    heads: int,
-    head_dim: int,
-    causal: bool,
-    layout: str,
-    repeat: int,
-) -> dict:
+def _case(nproc: int, case: Case) -> dict:
     from mhsa.distributed import run_local
 
     threads = max(1, _cpus() // nproc)
-    ranks = run_local(
-        _measure,
-        nproc,
-        ring,
-        length,
-        heads,
-        head_dim,
-        causal,
-        layout,
-        repeat,
-        timeout=600,
-        threads=threads,
-    )
-    per_call = [max(r["times"][i] for r in ranks) for i in range(repeat)]  # slowest rank
+    ranks = run_local(_measure, nproc, case, timeout=600, threads=threads)
+    per_call = [max(r["times"][i] for r in ranks) for i in range(case.repeat)]  # slowest rank
     return {
-        "mode": "ring" if ring else "single",
+        "mode": "ring" if case.ring else "single",
         "nproc": nproc,
         "threads_per_process": threads,
-        "length": length,
-        "shard_len": length // nproc,
-        "heads": heads,
-        "head_dim": head_dim,
-        "causal": causal,
-        "layout": layout if ring else None,
-        "input_bytes_per_process": 3 * heads * (length // nproc) * head_dim * 4,
+        "length": case.length,
+        "shard_len": case.length // nproc,
+        "heads": case.heads,
+        "head_dim": case.head_dim,
+        "causal": case.causal,
+        "layout": case.layout if case.ring else None,
+        "input_bytes_per_process": 3 * case.heads * (case.length // nproc) * case.head_dim * 4,
         "extra_bytes": max(r["extra_bytes"] for r in ranks),
         "per_rank_extra_bytes": [r["extra_bytes"] for r in ranks],
         "seconds": min(per_call),
@@ -148,8 +134,9 @@ def run(
         raise ValueError(
             f"length {length} must be a multiple of {chunks} for {nproc} ranks, {layout} layout"
         )
-    single = _case(1, False, length, heads, head_dim, causal, layout, repeat)
-    ring = _case(nproc, True, length, heads, head_dim, causal, layout, repeat)
+    case = Case(False, length, heads, head_dim, causal, layout, repeat)
+    single = _case(1, case)
+    ring = _case(nproc, replace(case, ring=True))
     ring["memory_ratio"] = ring["extra_bytes"] / single["extra_bytes"]
     ring["ideal_ratio"] = 1.0 / nproc
     ring["time_ratio"] = ring["seconds"] / single["seconds"]

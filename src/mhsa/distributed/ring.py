@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..core.kernels.dense import stats_dtype
-from ..core.kernels.flash import flash_backward, flash_forward, fused_available
+from ..core.kernels.flash import FlashCall, flash_backward, flash_forward, fused_available
 from ..core.kernels.merge import merge_partials
 from ..core.kernels.scored import add_sinks, sink_grad
 from ..core.masks import FULL, Causal, Pattern
@@ -57,6 +57,12 @@ def _merge_into(out: Tensor, lse: Tensor, rows: slice, part: Tensor, part_lse: T
     lse[:, :, rows] = merged_lse
 
 
+def _block_call(q, k, v, rows, cols, plan, score, scale: float, fused: bool) -> FlashCall:
+    """The flash engine's call on one block: query rows of q against key columns of k, v."""
+    q_b, k_b, v_b = q[:, :, rows], k[:, :, cols], v[:, :, cols]
+    return FlashCall(q_b, k_b, v_b, None, plan, scale, fused=fused, score=score)
+
+
 def _ring_forward(q, k, v, keys, sinks, setup: Setup) -> tuple[Tensor, Tensor]:
     """out (B, H, n, D_v) in q's dtype and lse (B, H, n) in the statistics dtype; the
     sinks (H,) join the merged lse once, after the last step."""
@@ -74,17 +80,8 @@ def _ring_forward(q, k, v, keys, sinks, setup: Setup) -> tuple[Tensor, Tensor]:
         key_cur = shards.current[2] if keys is not None else None
         src = (ring.rank + offset) % ring.world
         for rows, cols, plan, score in setup.blocks(src, key_cur, q.device):
-            part, part_lse = flash_forward(
-                q[:, :, rows],
-                k_cur[:, :, cols],
-                v_cur[:, :, cols],
-                None,
-                plan,
-                setup.scale,
-                None,
-                setup.fused,
-                score,
-            )
+            block = _block_call(q, k_cur, v_cur, rows, cols, plan, score, setup.scale, setup.fused)
+            part, part_lse = flash_forward(block)
             _merge_into(out, lse, rows, part, part_lse)
         if not last:
             shards.receive()
@@ -122,23 +119,10 @@ def _ring_backward(grad_out, q, k, v, keys, out, lse, setup: Setup, params=()):
         dk, dv = grads.current
         src = (ring.rank + offset) % ring.world
         for rows, cols, plan, score in setup.blocks(src, key_cur, q.device):
+            block = _block_call(q, k_cur, v_cur, rows, cols, plan, score, setup.scale, fused)
+            block_out, block_lse = out[:, :, rows], lse[:, :, rows].contiguous()
             dq_b, dk_b, dv_b, _, _, found = flash_backward(
-                grad_out[:, :, rows],
-                None,
-                q[:, :, rows],
-                k_cur[:, :, cols],
-                v_cur[:, :, cols],
-                None,
-                out[:, :, rows],
-                lse[:, :, rows].contiguous(),
-                plan,
-                setup.scale,
-                None,
-                fused,
-                False,
-                score,
-                None,
-                params,
+                block, grad_out[:, :, rows], None, block_out, block_lse, score_params=params
             )
             _accumulate(param_grads, found)
             dq[:, :, rows] += dq_b

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from ..kernels import paged
 from ..kernels.dropout import draw_seed
-from ..kernels.flash import flash_attention, fused_available
+from ..kernels.flash import flash_apply
 from ..masks import SlidingWindow
 from ..masks.residues import residue_classes
 from .common import tracing
 from .flash_op import traceable, traced_flash_attention
-from .flash_plan import band_of, plan_for
+from .flash_plan import band_of, engine_call
 from .registry import AttentionSpec, Backend
 
 
@@ -37,17 +37,8 @@ class FlashBackend(Backend):
     def forward_paged(
         self, q, k_pool, v_pool, *, block_table, seq_lens, scale, score=None, window=None
     ):
-        return paged.paged_tiled(
-            q,
-            k_pool,
-            v_pool,
-            block_table,
-            seq_lens,
-            scale=scale,
-            score=score,
-            window=window,
-            tile_size=paged.TILE_SIZE,
-        )
+        call = paged.PagedCall(q, k_pool, v_pool, block_table, seq_lens, scale, score, window)
+        return paged.paged_tiled(call, tile_size=paged.TILE_SIZE)
 
     def forward(
         self, q, k, v, *, mask, bias, causal, scale, dropout_p, return_lse, score=None, sinks=None
@@ -67,21 +58,9 @@ class FlashBackend(Backend):
                 q, k, v, mask, bias, causal, scale, dropout_p, score, sinks
             )
             return out, (lse if return_lse else None)
-        # the fused kernel adds a float mask per tile: additive score functions only
-        fused = fused_available(q, v, dropout_p) and (score is None or score.additive)
-        plan = plan_for(mask, causal, q.shape[2], k.shape[2], q.device, fused, score)
         dropout = (dropout_p, draw_seed()) if dropout_p > 0 else None
-        out, lse = flash_attention(
-            q,
-            k,
-            v,
-            plan,
-            bias=bias,
-            scale=scale,
-            dropout=dropout,
-            fused=fused,
-            score=score,
-            sinks=sinks,
+        out, lse = flash_apply(
+            engine_call(q, k, v, mask, bias, causal, scale, dropout, score, sinks)
         )
         return out, (lse if return_lse else None)
 

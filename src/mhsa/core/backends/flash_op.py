@@ -20,28 +20,25 @@ import contextlib
 import torch
 from torch import Tensor
 
-from ..kernels.flash import flash_backward, flash_forward, fused_available
+from ..kernels.flash import FlashCall, flash_backward, flash_forward
 from ..scores import ScoreFunction
-from .flash_plan import plan_for
+from .flash_plan import engine_call
 from .op_scores import differentiable_score, rebuild_score, score_spec
-from .op_values import backward_outputs, rebuild_pattern, register_attention_op, traced_call
+from .op_values import (
+    OpInputs,
+    OutputGrads,
+    backward_outputs,
+    define_attention_ops,
+    rebuild_pattern,
+)
 
 
-def _engine_inputs(q, v, mask, pattern, causal, dropout_p, seed, score):
-    """(plan, dropout, fused) of a call, as the flash backend makes them eagerly."""
-    # the fused kernel adds a float mask per tile: additive score functions only
-    fused = fused_available(q, v, dropout_p) and (score is None or score.additive)
-    plan = plan_for(
-        mask if mask is not None else rebuild_pattern(pattern),
-        causal,
-        q.shape[2],
-        v.shape[2],
-        q.device,
-        fused,
-        score,
-    )
+def _engine_call(inputs: OpInputs, score: ScoreFunction | None) -> FlashCall:
+    """The flash engine's call for an op's inputs, as the flash backend makes it eagerly."""
+    q, k, v, mask, bias, pattern, causal, scale, dropout_p, seed, _, _, sinks = inputs
+    mask = mask if mask is not None else rebuild_pattern(pattern)
     dropout = (dropout_p, int(seed)) if dropout_p > 0 else None
-    return plan, dropout, fused
+    return engine_call(q, k, v, mask, bias, causal, scale, dropout, score, sinks)
 
 
 @contextlib.contextmanager
@@ -56,115 +53,48 @@ def _autograd_on():
         yield
 
 
-@torch.library.custom_op("mhsa::flash_attention", mutates_args=())
-def flash_attention_op(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Tensor | None,
-    bias: Tensor | None,
-    pattern: str,
-    causal: bool,
-    scale: float,
-    dropout_p: float,
-    seed: Tensor,
-    score: str,
-    score_tensors: list[Tensor],
-    sinks: Tensor | None,
-) -> tuple[Tensor, Tensor]:
-    """(out (B, H, L, D_v), lse (B, H, L)) of the flash engine; seed: an int64 scalar;
-    score: a score_spec text, reading score_tensors; sinks (H,) or None."""
-    score_fn = rebuild_score(score, score_tensors)
-    plan, dropout, fused = _engine_inputs(q, v, mask, pattern, causal, dropout_p, seed, score_fn)
-    out, lse = flash_forward(q, k, v, bias, plan, scale, dropout, fused, score_fn, sinks)
+def _forward(inputs: OpInputs) -> tuple[Tensor, Tensor]:
+    """(out (B, H, L, D_v), lse (B, H, L)) of the flash engine."""
+    score_fn = rebuild_score(inputs.score, inputs.score_tensors)
+    out, lse = flash_forward(_engine_call(inputs, score_fn))
     return out.contiguous(), lse.contiguous()
 
 
-@torch.library.custom_op("mhsa::flash_attention_backward", mutates_args=())
-def flash_attention_backward_op(
-    grad_out: Tensor,
-    grad_lse: Tensor | None,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Tensor | None,
-    bias: Tensor | None,
-    out: Tensor,
-    lse: Tensor,
-    pattern: str,
-    causal: bool,
-    scale: float,
-    dropout_p: float,
-    seed: Tensor,
-    score: str,
-    score_tensors: list[Tensor],
-    sinks: Tensor | None,
-    bias_grad: bool,
-    score_grad: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, list[Tensor]]:
-    """(dq, dk, dv, dbias, dsinks, d score_tensors); dbias is empty unless bias_grad,
-    dsinks unless sinks are given, d score_tensors unless score_grad."""
+def _backward(inputs: OpInputs, grads: OutputGrads) -> tuple:
+    """(dq, dk, dv, dbias, dsinks, d score_tensors), as AttentionOps.backward_op."""
+    grad_out, grad_lse, out, lse, bias_grad, score_grad = grads
     targets: list[Tensor | None] = []  # what each score tensor's gradient is taken of
     if score_grad:
-        score_fn, targets = differentiable_score(score, score_tensors)
+        score_fn, targets = differentiable_score(inputs.score, inputs.score_tensors)
     else:
-        score_fn = rebuild_score(score, score_tensors)
-    plan, dropout, fused = _engine_inputs(q, v, mask, pattern, causal, dropout_p, seed, score_fn)
+        score_fn = rebuild_score(inputs.score, inputs.score_tensors)
+    call = _engine_call(inputs, score_fn)
     # the fused kernel takes no lse gradient and returns no bias or score gradient
-    fused = fused and grad_lse is None and not bias_grad and not score_grad
+    call = call._replace(fused=call.fused and grad_lse is None and not bias_grad and not score_grad)
+    params = tuple(t for t in targets if t is not None)
     with _autograd_on() if score_grad else contextlib.nullcontext():
         dq, dk, dv, dbias, dsinks, found = flash_backward(
-            grad_out,
-            grad_lse,
-            q,
-            k,
-            v,
-            bias,
-            out,
-            lse,
-            plan,
-            scale,
-            dropout,
-            fused,
-            bias_grad,
-            score_fn,
-            sinks,
-            tuple(t for t in targets if t is not None),
+            call, grad_out, grad_lse, out, lse, bias_grad, params
         )
     found = iter(found)
-    grads = [None if target is None else next(found) for target in targets]
+    param_grads = [None if target is None else next(found) for target in targets]
     dscore = (
         [
             torch.zeros_like(t) if g is None else g.detach()
-            for t, g in zip(score_tensors, grads, strict=True)
+            for t, g in zip(inputs.score_tensors, param_grads, strict=True)
         ]
         if score_grad
         else []
     )
-    return backward_outputs(q, dq, dk, dv, dbias, dsinks, dscore)
+    return backward_outputs(inputs.q, dq, dk, dv, dbias, dsinks, dscore)
 
 
-register_attention_op(flash_attention_op, flash_attention_backward_op)
+FLASH_OPS = define_attention_ops("flash_attention", _forward, _backward)
+flash_attention_op = FLASH_OPS.op  # mhsa::flash_attention
+flash_attention_backward_op = FLASH_OPS.backward_op  # mhsa::flash_attention_backward
+traced_flash_attention = FLASH_OPS.traced_call
 
 
 def traceable(score: ScoreFunction | None) -> bool:
     """Whether the op takes this score function (it has a score_spec text)."""
     return score_spec(score) is not None
-
-
-def traced_flash_attention(
-    q,
-    k,
-    v,
-    mask,
-    bias,
-    causal: bool,
-    scale: float,
-    dropout_p: float,
-    score: ScoreFunction | None = None,
-    sinks: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
-    """The op's call for a traced graph (op_values.traced_call)."""
-    return traced_call(
-        flash_attention_op, q, k, v, mask, bias, causal, scale, dropout_p, score, sinks
-    )

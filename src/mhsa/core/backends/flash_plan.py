@@ -3,6 +3,7 @@ how (tile sizes per segment kernel, the band of a sliding window)."""
 
 from __future__ import annotations
 
+from ..kernels.flash import FlashCall, fused_available
 from ..kernels.plan import build_plan
 from ..masks import Band, Pattern, with_causal
 
@@ -62,6 +63,18 @@ def plan_for(mask, causal: bool, q_len: int, kv_len: int, device, fused: bool, s
         max_run_keys=PLAIN_MAX_RUN,
         merge_rows=False,
     )
+
+
+def engine_call(
+    q, k, v, mask, bias, causal: bool, scale: float, dropout, score, sinks
+) -> FlashCall:
+    """The flash engine's call for a backend's arguments (dropout (p, seed) or None): the
+    fused kernel where it applies (it adds a float mask per tile: additive score
+    functions only), and its block plan."""
+    fused = fused_available(q, v, dropout[0] if dropout else 0.0)
+    fused = fused and (score is None or score.additive)
+    plan = plan_for(mask, causal, q.shape[2], k.shape[2], q.device, fused, score)
+    return FlashCall(q, k, v, bias, plan, scale, dropout, fused, score, sinks)
 
 
 def band_of(mask) -> Band | None:

@@ -1,5 +1,7 @@
-"""What the custom ops (flash_op, triton_op) share: masks as values, the dropout seed,
-the traced call, and the fake implementations and autograd registration.
+"""What the custom ops (flash_op, triton_op) share: their schemas, written once
+(define_attention_ops makes an engine's pair of ops from two functions of OpInputs),
+masks as values, the dropout seed, the traced call, and the fake implementations and
+autograd registration.
 
 A pattern built from plain values reaches an op as its repr (Pattern.plain_values),
 rebuilt inside it; equal patterns give equal texts, so a traced graph never recompiles
@@ -7,6 +9,10 @@ for the same one. Score functions reach it as texts and tensors (backends.op_sco
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -49,47 +55,129 @@ def traced_seed(dropout_p: float) -> Tensor:
     return torch.zeros((), dtype=torch.int64)
 
 
-def traced_call(
-    op,
-    q,
-    k,
-    v,
-    mask,
-    bias,
-    causal: bool,
-    scale: float,
-    dropout_p: float,
-    score: ScoreFunction | None = None,
-    sinks: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
-    """op's call for a traced graph, from a backend's forward arguments: patterns by
-    repr, those holding tensors dense, score functions by text and tensors."""
-    pattern, mask = traced_mask(mask, q.shape[2], k.shape[2], q.device)
-    text, tensors = score_spec(score)
-    return op(
+class OpInputs(NamedTuple):
+    """An attention op's inputs, in FORWARD_SCHEMA's order: q (B, H, L, D), k, v;
+    a bool mask tensor or a pattern's repr; seed an int64 scalar; a score function's
+    text and the tensors it reads; sinks (H,) or None."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    mask: Tensor | None
+    bias: Tensor | None
+    pattern: str
+    causal: bool
+    scale: float
+    dropout_p: float
+    seed: Tensor
+    score: str
+    score_tensors: list[Tensor]
+    sinks: Tensor | None
+
+
+class OutputGrads(NamedTuple):
+    """What a backward op takes besides the inputs: the forward's outputs, their
+    gradients (grad_lse None when lse is unused), and whether dbias and d score_tensors
+    are wanted."""
+
+    grad_out: Tensor
+    grad_lse: Tensor | None
+    out: Tensor
+    lse: Tensor
+    bias_grad: bool
+    score_grad: bool
+
+
+# the ops' schemas; the backward op takes (grad_out, grad_lse, q, k, v, mask, bias, out,
+# lse, the other inputs, bias_grad, score_grad)
+_TENSORS = "Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias"
+_CONSTANTS = (
+    "str pattern, bool causal, float scale, float dropout_p, Tensor seed, str score, "
+    "Tensor[] score_tensors, Tensor? sinks"
+)
+FORWARD_SCHEMA = f"({_TENSORS}, {_CONSTANTS}) -> (Tensor, Tensor)"
+BACKWARD_SCHEMA = (
+    f"(Tensor grad_out, Tensor? grad_lse, {_TENSORS}, Tensor out, Tensor lse, {_CONSTANTS}, "
+    "bool bias_grad, bool score_grad) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor[])"
+)
+
+
+def _join_backward_args(inputs: OpInputs, grads: OutputGrads) -> tuple:
+    """A backward op's arguments, in BACKWARD_SCHEMA's order."""
+    q, k, v, mask, bias, *constants = inputs
+    grad_out, grad_lse, out, lse, bias_grad, score_grad = grads
+    return (grad_out, grad_lse, q, k, v, mask, bias, out, lse, *constants, bias_grad, score_grad)
+
+
+def _split_backward_args(args: tuple) -> tuple[OpInputs, OutputGrads]:
+    """A backward op's arguments (BACKWARD_SCHEMA's order) as (inputs, output grads)."""
+    grad_out, grad_lse, q, k, v, mask, bias, out, lse, *constants, bias_grad, score_grad = args
+    inputs = OpInputs(q, k, v, mask, bias, *constants)
+    return inputs, OutputGrads(grad_out, grad_lse, out, lse, bias_grad, score_grad)
+
+
+@dataclass(frozen=True)
+class AttentionOps:
+    """An engine's pair of custom ops: op(*OpInputs) -> (out (B, H, L, D_v), lse
+    (B, H, L)) and backward_op -> (dq, dk, dv, dbias, dsinks, d score_tensors), dbias
+    empty unless bias_grad, dsinks unless sinks are given, d score_tensors unless
+    score_grad."""
+
+    op: Callable
+    backward_op: Callable
+
+    def traced_call(
+        self,
         q,
         k,
         v,
         mask,
         bias,
-        pattern,
-        causal,
-        scale,
-        dropout_p,
-        traced_seed(dropout_p),
-        text,
-        tensors,
-        sinks,
+        causal: bool,
+        scale: float,
+        dropout_p: float,
+        score: ScoreFunction | None = None,
+        sinks: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """The op's call for a traced graph, from a backend's forward arguments: patterns
+        by repr, those holding tensors dense, score functions by text and tensors."""
+        pattern, mask = traced_mask(mask, q.shape[2], k.shape[2], q.device)
+        text, tensors = score_spec(score)
+        seed = traced_seed(dropout_p)
+        inputs = OpInputs(
+            q, k, v, mask, bias, pattern, causal, scale, dropout_p, seed, text, tensors, sinks
+        )
+        return self.op(*inputs)
+
+
+def define_attention_ops(
+    name: str,
+    forward: Callable[[OpInputs], tuple[Tensor, Tensor]],
+    backward: Callable[[OpInputs, OutputGrads], tuple],
+) -> AttentionOps:
+    """The custom ops mhsa::name (FORWARD_SCHEMA) running forward(inputs) and
+    mhsa::name_backward (BACKWARD_SCHEMA) running backward(inputs, grads), with their
+    fake (shape-only) implementations, the backward op registered as the op's gradient."""
+
+    def run_forward(*args):
+        return forward(OpInputs(*args))
+
+    def run_backward(*args):
+        return backward(*_split_backward_args(args))
+
+    op = torch.library.custom_op(
+        f"mhsa::{name}", run_forward, mutates_args=(), schema=FORWARD_SCHEMA
     )
+    backward_op = torch.library.custom_op(
+        f"mhsa::{name}_backward", run_backward, mutates_args=(), schema=BACKWARD_SCHEMA
+    )
+    _register(op, backward_op)
+    return AttentionOps(op, backward_op)
 
 
-def register_attention_op(op, backward_op) -> None:
+def _register(op, backward_op) -> None:
     """The fake (shape-only) implementations of an attention op and its backward op,
-    and backward_op as op's gradient. The op takes
-    (q, k, v, mask, bias, pattern, causal, scale, dropout_p, seed, score, score_tensors,
-    sinks) -> (out, lse) and a backward op taking (grad_out, grad_lse, q, k, v, mask,
-    bias, out, lse, pattern, causal, scale, dropout_p, seed, score, score_tensors, sinks,
-    bias_grad, score_grad) -> (dq, dk, dv, dbias, dsinks, d score_tensors)."""
+    and backward_op as op's gradient."""
 
     def setup_context(ctx, inputs, output) -> None:
         q, k, v, mask, bias, pattern, causal, scale, dropout_p, seed, score, tensors, sinks = inputs
@@ -104,43 +192,23 @@ def register_attention_op(op, backward_op) -> None:
         score_grad = any(wanted) if isinstance(wanted, list | tuple) else bool(wanted)
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        dq, dk, dv, dbias, dsinks, dscore = backward_op(
-            grad_out,
-            grad_lse,
-            q,
-            k,
-            v,
-            mask,
-            bias,
-            out,
-            lse,
-            *ctx.constants,
-            seed,
-            ctx.score,
-            tensors,
-            sinks,
-            bias_grad,
-            score_grad,
+        inputs = OpInputs(q, k, v, mask, bias, *ctx.constants, seed, ctx.score, tensors, sinks)
+        grads = OutputGrads(grad_out, grad_lse, out, lse, bias_grad, score_grad)
+        dq, dk, dv, dbias, dsinks, dscore = backward_op(*_join_backward_args(inputs, grads))
+        input_grads = dict.fromkeys(OpInputs._fields)  # None for the constants
+        input_grads.update(
+            q=dq,
+            k=dk,
+            v=dv,
+            bias=dbias if bias_grad else None,
+            score_tensors=dscore if score_grad else [None] * len(tensors),
+            sinks=dsinks if sinks is not None else None,
         )
-        return (
-            dq,
-            dk,
-            dv,
-            None,
-            dbias if bias_grad else None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            dscore if score_grad else [None] * len(tensors),
-            dsinks if sinks is not None else None,
-        )
+        return tuple(input_grads.values())
 
     op.register_autograd(backward, setup_context=setup_context)
-    op.register_fake(_fake_forward)
-    backward_op.register_fake(_fake_backward)
+    op.register_fake(lambda *args: _fake_forward(OpInputs(*args)))
+    backward_op.register_fake(lambda *args: _fake_backward(*_split_backward_args(args)))
 
 
 def backward_outputs(
@@ -159,39 +227,19 @@ def backward_outputs(
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), dbias, dsinks, dscore
 
 
-def _fake_forward(
-    q, k, v, mask, bias, pattern, causal, scale, dropout_p, seed, score, score_tensors, sinks
-):
+def _fake_forward(inputs: OpInputs) -> tuple[Tensor, Tensor]:
+    q = inputs.q
     batch, heads, q_len, _ = q.shape
-    out = q.new_empty(batch, heads, q_len, v.shape[-1])
+    out = q.new_empty(batch, heads, q_len, inputs.v.shape[-1])
     return out, q.new_empty(batch, heads, q_len, dtype=stats_dtype(q.dtype))
 
 
-def _fake_backward(
-    grad_out,
-    grad_lse,
-    q,
-    k,
-    v,
-    mask,
-    bias,
-    out,
-    lse,
-    pattern,
-    causal,
-    scale,
-    dropout_p,
-    seed,
-    score,
-    score_tensors,
-    sinks,
-    bias_grad,
-    score_grad,
-):
+def _fake_backward(inputs: OpInputs, grads: OutputGrads) -> tuple:
     # contiguous, as the real ops' (empty_like would copy q's strides, and a graph
     # traced on those would misread the real gradients)
-    dbias = bias.new_empty(bias.shape) if bias_grad else q.new_empty(0)
+    q, k, v, _, bias, *_, score_tensors, sinks = inputs
+    dbias = bias.new_empty(bias.shape) if grads.bias_grad else q.new_empty(0)
     dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty(0)
-    dscore = [t.new_empty(t.shape) for t in score_tensors] if score_grad else []
+    dscore = [t.new_empty(t.shape) for t in score_tensors] if grads.score_grad else []
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     return dq, dk, dv, dbias, dsinks, dscore

@@ -15,14 +15,17 @@ Each run is computed by one of two segment kernels:
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
 from ..masks.causal import causal_shift
+from ..scores import ScoreFunction
 from .band import band_forward, interior_rows
 from .dense import stats_dtype
 from .merge import merge_partials
-from .plain import plain_backward, run_forward
+from .plain import PlainBackward, RunGrads, plain_backward, run_forward
 from .plan import BlockPlan
 from .runs import add_keys, key_row_bias, run_keys, tile_bias
 from .scored import add_sinks, sink_grad
@@ -104,28 +107,33 @@ def _fused_run_backward(go_blk, q_blk, k_run, v_run, out_blk, lse_blk, attn, sca
     )
 
 
-def flash_forward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    bias: Tensor | None,
-    plan: BlockPlan,
-    scale: float,
-    dropout: tuple[float, int] | None,
-    fused: bool,
-    score=None,
-    sinks: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
-    """out (B, H, L, D_v) in q's dtype and lse (B, H, L) in the statistics dtype.
+class FlashCall(NamedTuple):
+    """One call of the engine: q (B, H, L, D), k (B, H_kv, S, D), v (B, H_kv, S, D_v),
+    bias (broadcastable to (B, H, L, S)) or None, the block plan, scale; dropout (p, seed)
+    or None; fused selects the fused CPU segment kernel (then a score function must be
+    additive); score an mhsa.core.scores function or None; sinks (H,), logits of a key
+    without a value, or None."""
 
-    dropout is (p, seed) or None; fused selects the fused CPU segment kernel (then a
-    score function must be additive); sinks (H,) are logits of a key without a value.
-    """
-    out, lse = _forward_runs(q, k, v, bias, plan, scale, dropout, fused, score)
-    return (out, lse) if sinks is None else add_sinks(out, lse, sinks)
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    bias: Tensor | None
+    plan: BlockPlan
+    scale: float
+    dropout: tuple[float, int] | None = None
+    fused: bool = False
+    score: ScoreFunction | None = None
+    sinks: Tensor | None = None
 
 
-def _forward_runs(q, k, v, bias, plan, scale, dropout, fused, score):
+def flash_forward(call: FlashCall) -> tuple[Tensor, Tensor]:
+    """out (B, H, L, D_v) in q's dtype and lse (B, H, L) in the statistics dtype."""
+    out, lse = _forward_runs(call)
+    return (out, lse) if call.sinks is None else add_sinks(out, lse, call.sinks)
+
+
+def _forward_runs(call: FlashCall) -> tuple[Tensor, Tensor]:
+    q, k, v, bias, plan, scale, dropout, fused, score, _ = call
     batch, num_heads, q_len, _ = q.shape
     dtype = stats_dtype(q.dtype)
     shift = causal_shift(plan.q_len, plan.kv_len)
@@ -217,25 +225,18 @@ def _band_interior(plan: BlockPlan, bias, dropout, fused: bool) -> tuple[int, in
 
 
 def flash_backward(
+    call: FlashCall,
     grad_out: Tensor,
     grad_lse: Tensor | None,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    bias: Tensor | None,
     out: Tensor,
     lse: Tensor,
-    plan: BlockPlan,
-    scale: float,
-    dropout: tuple[float, int] | None,
-    fused: bool,
-    bias_grad: bool,
-    score=None,
-    sinks: Tensor | None = None,
+    bias_grad: bool = False,
     score_params: tuple[Tensor, ...] = (),
 ) -> tuple:
-    """Gradients (dq, dk, dv, dbias or None, dsinks or None, [d score_params]),
-    recomputing each run's tile; dbias when bias_grad, dsinks when sinks are given."""
+    """Gradients (dq, dk, dv, dbias or None, dsinks or None, [d score_params]) of call
+    given those of its out and lse, recomputing each run's tile; dbias when bias_grad,
+    dsinks when sinks are given."""
+    q, k, v, bias, plan, scale, dropout, fused, score, sinks = call
     dtype = stats_dtype(q.dtype)
     batch, num_heads = q.shape[:2]
     param_grads: list[Tensor | None] = [None] * len(score_params)
@@ -252,30 +253,29 @@ def flash_backward(
         delta = (grad_out.to(dtype) * out.to(dtype)).sum(dim=-1)
         if grad_lse is not None:
             delta = delta - grad_lse.to(dtype)
+    if not fused:
+        grads = RunGrads(dq, dk, dv, dbias, param_grads)
+        plain = PlainBackward(
+            grad_out,
+            q,
+            k,
+            v,
+            bias4,
+            lse_inv,
+            delta,
+            plan,
+            scale,
+            dropout,
+            score,
+            score_params,
+            grads,
+        )
     for rows in plan.rows:
         q0, q1 = rows.q0, rows.q1
         q_blk, go_blk = q[:, :, q0:q1], grad_out[:, :, q0:q1]
         for run in rows.runs:
             if not fused:
-                grads = (dq, dk, dv, dbias, param_grads)
-                plain_backward(
-                    grad_out,
-                    q,
-                    k,
-                    v,
-                    bias4,
-                    lse_inv,
-                    delta,
-                    plan,
-                    run,
-                    q0,
-                    q1,
-                    scale,
-                    dropout,
-                    score,
-                    score_params,
-                    grads,
-                )
+                plain_backward(plain, run, q0, q1)
                 continue
             cols, index, k_run, v_run = run_keys(k, v, run, plan)
             attn, row_term = _fused_bias(
@@ -300,7 +300,9 @@ class FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, bias, sinks, plan, scale, dropout, fused, score, *score_params):
-        out, lse = flash_forward(q, k, v, bias, plan, scale, dropout, fused, score, sinks)
+        out, lse = flash_forward(
+            FlashCall(q, k, v, bias, plan, scale, dropout, fused, score, sinks)
+        )
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None
         ctx.save_for_backward(q, k, v, bias, sinks, out, lse, *score_params)
         ctx.plan, ctx.scale, ctx.dropout, ctx.fused = plan, scale, dropout, fused
@@ -317,23 +319,9 @@ class FlashAttention(torch.autograd.Function):
         params = tuple(p for p, want in zip(saved_params, wanted, strict=True) if want)
         # the fused kernel takes no lse gradient and returns no bias or score gradient
         fused = ctx.fused and grad_lse is None and not bias_grad and not params
+        call = FlashCall(q, k, v, bias, ctx.plan, ctx.scale, ctx.dropout, fused, ctx.score, sinks)
         dq, dk, dv, dbias, dsinks, found = flash_backward(
-            grad_out,
-            grad_lse,
-            q,
-            k,
-            v,
-            bias,
-            out,
-            lse,
-            ctx.plan,
-            ctx.scale,
-            ctx.dropout,
-            fused,
-            bias_grad,
-            ctx.score,
-            sinks,
-            params,
+            call, grad_out, grad_lse, out, lse, bias_grad, params
         )
         found = iter(found)
         param_grads = [next(found) if want else None for want in wanted]
@@ -367,7 +355,12 @@ def flash_attention(
             "score function other than additive ones"
         )
     use_fused = can_fuse if fused is None else fused
+    return flash_apply(FlashCall(q, k, v, bias, plan, scale, dropout, use_fused, score, sinks))
+
+
+def flash_apply(call: FlashCall) -> tuple[Tensor, Tensor]:
+    """The engine on call, differentiable in q, k, v, bias, sinks and the score
+    function's tensors: (out (B, H, L, D_v), lse (B, H, L))."""
+    q, k, v, bias, plan, scale, dropout, fused, score, sinks = call
     params = () if score is None else score.tensors()
-    return FlashAttention.apply(
-        q, k, v, bias, sinks, plan, scale, dropout, use_fused, score, *params
-    )
+    return FlashAttention.apply(q, k, v, bias, sinks, plan, scale, dropout, fused, score, *params)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -69,18 +70,23 @@ def _scored(
     return out.expand(scores.shape).contiguous()  # (a tile the engine then overwrites)
 
 
-def paged_reference(
-    q: Tensor,
-    k_pool: Tensor,
-    v_pool: Tensor,
-    block_table: Tensor,
-    lengths: Sequence[int],
-    *,
-    scale: float,
-    score: ScoreFunction | None = None,
-    window: int | None = None,
-) -> Tensor:
+class PagedCall(NamedTuple):
+    """One attention call on paged keys (shapes above): q, k_pool, v_pool, block_table,
+    lengths, the scale, and optionally a score function and a window."""
+
+    q: Tensor
+    k_pool: Tensor
+    v_pool: Tensor
+    block_table: Tensor
+    lengths: Sequence[int]
+    scale: float
+    score: ScoreFunction | None = None
+    window: int | None = None
+
+
+def paged_reference(call: PagedCall) -> Tensor:
     """(N, H, T, D_v): every sequence's pages gathered, then dense attention."""
+    q, k_pool, v_pool, block_table, lengths, scale, score, window = call
     batch, _, q_len, _ = q.shape
     keys, values = gather_pages(k_pool, block_table), gather_pages(v_pool, block_table)
     dtype = stats_dtype(q.dtype)
@@ -96,47 +102,41 @@ def paged_reference(
     return probs_times_v(probs, values).to(q.dtype)
 
 
-def paged_tiled(
-    q: Tensor,
-    k_pool: Tensor,
-    v_pool: Tensor,
-    block_table: Tensor,
-    lengths: Sequence[int],
-    *,
-    scale: float,
-    score: ScoreFunction | None = None,
-    window: int | None = None,
-    tile_size: int = TILE_SIZE,
-) -> Tensor:
+def paged_tiled(call: PagedCall, tile_size: int = TILE_SIZE) -> Tensor:
     """(N, H, T, D_v) by an online softmax over tiles of about tile_size keys (whole
     pages), gathered one at a time. Inference only (it updates its state in place)."""
     if isinstance(tile_size, bool) or not isinstance(tile_size, int) or tile_size < 1:
         raise ValueError(f"tile_size must be an int >= 1, got {tile_size!r}")
-    lengths = list(lengths)
+    q, lengths = call.q, list(call.lengths)
     order = sorted(range(len(lengths)), key=lambda n: -lengths[n])  # longest first
     if order != sorted(order):
         index = torch.tensor(order, device=q.device)
-        q, table = q.index_select(0, index), block_table.index_select(0, index)
-        out = _tiled(
-            q,
-            k_pool,
-            v_pool,
-            table,
-            [lengths[n] for n in order],
-            index,
-            scale,
-            score,
-            window,
-            tile_size,
+        ordered = call._replace(
+            q=q.index_select(0, index),
+            block_table=call.block_table.index_select(0, index),
+            lengths=[lengths[n] for n in order],
         )
+        out = _tiled(ordered, index, tile_size)
         return out.index_select(0, torch.argsort(index))
     index = torch.arange(len(lengths), device=q.device)
-    return _tiled(q, k_pool, v_pool, block_table, lengths, index, scale, score, window, tile_size)
+    return _tiled(call._replace(lengths=lengths), index, tile_size)
 
 
-def _tiled(q, k_pool, v_pool, table, lengths, batch_ids, scale, score, window, tile_size):
+class _Chunk(NamedTuple):
+    """Query rows q (N, H, R, D) at q_pos (N, 1, R, 1) of sequences of lens keys: those
+    of sequence n see keys below ends[n] (ends descending) from first_key on."""
+
+    q: Tensor
+    q_pos: Tensor
+    lens: Tensor
+    ends: list[int]
+    first_key: int
+
+
+def _tiled(call: PagedCall, batch_ids: Tensor, tile_size: int) -> Tensor:
     """paged_tiled on sequences sorted longest first (batch_ids: their indices in the
     caller's batch, for score functions), query rows QUERY_CHUNK at a time."""
+    q, lengths, window = call.q, call.lengths, call.window
     q_len = q.shape[2]
     lens = torch.tensor(lengths, device=q.device)
     q_pos = query_positions(lens, q_len)
@@ -145,32 +145,19 @@ def _tiled(q, k_pool, v_pool, table, lengths, batch_ids, scale, score, window, t
         r1 = min(q_len, r0 + QUERY_CHUNK)
         ends = [length - q_len + r1 for length in lengths]  # keys the chunk's rows can see
         starts = [max(0, end - (r1 - r0) - window) for end in ends] if window is not None else [0]
-        chunks.append(
-            _tiled_rows(
-                q[:, :, r0:r1],
-                q_pos[:, :, r0:r1],
-                k_pool,
-                v_pool,
-                table,
-                lens,
-                ends,
-                min(starts),
-                batch_ids,
-                scale,
-                score,
-                window,
-                tile_size,
-            )
-        )
+        chunk = _Chunk(q[:, :, r0:r1], q_pos[:, :, r0:r1], lens, ends, min(starts))
+        chunks.append(_tiled_rows(call, chunk, batch_ids, tile_size))
     return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=2)
 
 
-def _page_tiles(k_pool, v_pool, table, lens, ends, first_key, rows, window, tile_size):
+def _page_tiles(call: PagedCall, chunk: _Chunk, tile_size: int):
     """The key tiles of _tiled_rows and _fused_rows, whole pages of about tile_size keys
-    from first_key on: (active, keys (a, H_kv, K, D), values (a, H_kv, K, D_v), k_pos
-    (1, 1, 1, K), masked) per tile, for the a = active first sequences (ends descending)
-    that reach it; unwritten slots' values are zeroed; masked: some of the tile's R = rows
-    query rows must not see some of its keys (else each sees each)."""
+    from chunk.first_key on: (active, keys (a, H_kv, K, D), values (a, H_kv, K, D_v),
+    k_pos (1, 1, 1, K), masked) per tile, for the a = active first sequences (ends
+    descending) that reach it; unwritten slots' values are zeroed; masked: some of the
+    tile's query rows must not see some of its keys (else each sees each)."""
+    k_pool, v_pool, table, window = call.k_pool, call.v_pool, call.block_table, call.window
+    lens, ends, first_key, rows = chunk.lens, chunk.ends, chunk.first_key, chunk.q.shape[2]
     block_size = k_pool.shape[1]
     pages = max(1, tile_size // block_size)
     span = pages * block_size
@@ -188,40 +175,24 @@ def _page_tiles(k_pool, v_pool, table, lens, ends, first_key, rows, window, tile
         yield active, keys, values, k_pos, masked
 
 
-def _tiled_rows(
-    q,
-    q_pos,
-    k_pool,
-    v_pool,
-    table,
-    lens,
-    ends,
-    first_key,
-    batch_ids,
-    scale,
-    score,
-    window,
-    tile_size,
-) -> Tensor:
-    """Online softmax over key tiles for query rows q (N, H, R, D) at q_pos (N, 1, R, 1);
-    sequence n's rows see keys below ends[n] (ends descending) from first_key on."""
+def _tiled_rows(call: PagedCall, chunk: _Chunk, batch_ids: Tensor, tile_size: int) -> Tensor:
+    """Online softmax over key tiles for a chunk of query rows."""
+    q, q_pos, v_pool = chunk.q, chunk.q_pos, call.v_pool
     if (
-        score is None
+        call.score is None
         and _FUSED is not None
         and q.device.type == "cpu"
         and q.shape[-1] == v_pool.shape[-1]
     ):
-        return _fused_rows(
-            q, q_pos, k_pool, v_pool, table, lens, ends, first_key, scale, window, tile_size
-        )
+        return _fused_rows(call, chunk, tile_size)
+    scale, score, window = call.scale, call.score, call.window
     batch, num_heads, rows, head_dim = q.shape
-    num_kv_heads = k_pool.shape[2]
+    num_kv_heads = call.k_pool.shape[2]
     dtype = stats_dtype(q.dtype)
     grouped = q.to(dtype).reshape(batch, num_kv_heads, -1, head_dim)  # (N, H_kv, G*R, D)
     out = q.new_zeros((batch, num_heads, rows, v_pool.shape[3]), dtype=dtype)
     lse = q.new_full((batch, num_heads, rows), -torch.inf, dtype=dtype)
-    tiles = _page_tiles(k_pool, v_pool, table, lens, ends, first_key, rows, window, tile_size)
-    for active, keys, values, k_pos, masked in tiles:
+    for active, keys, values, k_pos, masked in _page_tiles(call, chunk, tile_size):
         keys, values = keys.to(dtype), values.to(dtype)
         scores = (grouped[:active] @ keys.transpose(-1, -2)).mul_(scale)
         scores = scores.view(active, num_heads, rows, -1)
@@ -236,27 +207,25 @@ def _tiled_rows(
     return out.to(q.dtype)
 
 
-def _fused_rows(
-    q, q_pos, k_pool, v_pool, table, lens, ends, first_key, scale, window, tile_size
-) -> Tensor:
+def _fused_rows(call: PagedCall, chunk: _Chunk, tile_size: int) -> Tensor:
     """_tiled_rows without a score function, each tile on the fused CPU kernel: query
     rows (g, r) of kv head h are query head h * G + g's row r."""
+    q, q_pos, window = chunk.q, chunk.q_pos, call.window
     batch, num_heads, rows, head_dim = q.shape
-    num_kv_heads = k_pool.shape[2]
+    num_kv_heads = call.k_pool.shape[2]
     group = num_heads // num_kv_heads
     grouped = q.reshape(batch, num_kv_heads, group * rows, head_dim)
     row_pos = q_pos.view(batch, 1, 1, rows).expand(batch, 1, group, rows)
     row_pos = row_pos.reshape(batch, 1, group * rows, 1)
     out = lse = None
-    tiles = _page_tiles(k_pool, v_pool, table, lens, ends, first_key, rows, window, tile_size)
-    for active, keys, values, k_pos, masked in tiles:
+    for active, keys, values, k_pos, masked in _page_tiles(call, chunk, tile_size):
         mask = None
         if masked:
             allowed = _allowed(row_pos[:active], k_pos, window)  # (a, 1, G*R, K)
             mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
             mask.masked_fill_(~allowed, -torch.inf)
         out_t, lse_t = _FUSED(
-            grouped[:active], keys, values, 0.0, False, attn_mask=mask, scale=scale
+            grouped[:active], keys, values, 0.0, False, attn_mask=mask, scale=call.scale
         )
         if mask is not None:  # the kernel reports lse 0 for rows with no allowed key
             lse_t = lse_t.masked_fill(~allowed.any(dim=-1).view(active, 1, -1), -torch.inf)

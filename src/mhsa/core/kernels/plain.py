@@ -10,13 +10,16 @@ per step: fewer passes over memory, the same arithmetic.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from ..masks.causal import causal_shift
+from ..scores import ScoreFunction
 from .dense import grouped_scores, probs_times_v
 from .dropout import keep_mask
+from .plan import BlockPlan
 from .runs import add_bias_grad, run_keys, tile_bias
 from .scored import score_grads, score_tile
 
@@ -130,26 +133,42 @@ def run_backward(
 PLAIN_ROWS, PLAIN_KEYS = 256, 2048
 
 
-def plain_backward(
-    grad_out,
-    q,
-    k,
-    v,
-    bias4,
-    lse_inv,
-    delta,
-    plan,
-    run,
-    q0,
-    q1,
-    scale,
-    dropout,
-    score,
-    params,
-    grads,
-) -> None:
-    """Add one run's gradients to grads = (dq, dk, dv, dbias or None, param grads),
-    piece by piece."""
+class RunGrads(NamedTuple):
+    """The float accumulators the runs' gradients are added to: dq (B, H, L, D), dk,
+    dv (B, H_kv, S, D or D_v), dbias (bias's shape as 4-d) or None, and the score
+    function's param grads (a list, None where none arrived yet)."""
+
+    dq: Tensor
+    dk: Tensor
+    dv: Tensor
+    dbias: Tensor | None
+    param_grads: list
+
+
+class PlainBackward(NamedTuple):
+    """What every run's plain backward of one call reads, built once per call: grad_out,
+    q, k, v, the bias as 4-d (or None), the final lse (+inf on rows with no allowed key)
+    and delta = rowsum(dO * O) - dlse (B, H, L), the call's plan, scale, dropout (p,
+    seed) or None, score function, its params, and the accumulators."""
+
+    grad_out: Tensor
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    bias4: Tensor | None
+    lse_inv: Tensor
+    delta: Tensor
+    plan: BlockPlan
+    scale: float
+    dropout: tuple[float, int] | None
+    score: ScoreFunction | None
+    params: tuple[Tensor, ...]
+    grads: RunGrads
+
+
+def plain_backward(call: PlainBackward, run, q0: int, q1: int) -> None:
+    """Add the gradients of run for rows q0..q1 to call.grads, piece by piece."""
+    grad_out, q, k, v, bias4, lse_inv, delta, plan, scale, dropout, score, params, grads = call
     dq, dk, dv, dbias, param_grads = grads
     dtype, shift = dq.dtype, causal_shift(plan.q_len, plan.kv_len)
     cols_all, index, k_run, v_run = run_keys(k, v, run, plan)

@@ -12,6 +12,7 @@ partial sums of the dQ programs (see .scores); sinks from lse and delta in torch
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -83,18 +84,51 @@ def _block_dim(dim: int) -> int:
     return max(16, triton.next_power_of_2(dim))
 
 
-def _forward(
-    q,
-    k,
-    v,
-    bias,
-    tiles: TileLists,
-    scale,
-    dropout,
-    score: KernelScore = NO_SCORE,
-    tensors: tuple = NO_TENSORS,
-) -> tuple[Tensor, Tensor]:
-    """(out, lse); score and tensors (slopes, table, sinks) as in TritonAttention."""
+class LaunchCall(NamedTuple):
+    """One call of the kernels: q (B, H, L, D), k (B, H_kv, S, D), v (B, H_kv, S, D_v),
+    bias (broadcastable to (B, H, L, S)) or None, the tile lists, scale, dropout (p, seed)
+    or None, the kernel score function and its tensors (slopes, table, sinks), None where
+    absent."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    bias: Tensor | None
+    tiles: TileLists
+    scale: float
+    dropout: tuple[float, int] | None
+    score: KernelScore = NO_SCORE
+    tensors: tuple = NO_TENSORS
+
+
+def _row_lists(tiles: TileLists) -> list[Tensor]:
+    """The tile lists by query block, as the forward and dQ kernels take them."""
+    return [tiles.row_ptr, tiles.row_blk, tiles.row_kind, tiles.row_tile]
+
+
+def _options(tiles: TileLists, bias, score: KernelScore, q: Tensor, value_dim=None) -> dict:
+    """The constexprs and launch options that every kernel takes (BLOCK_DV with
+    value_dim)."""
+    options = dict(
+        **score.constants(),
+        HAS_BIAS=bias is not None,
+        MASK_MODE=tiles.mask_mode,
+        CAUSAL=tiles.causal,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_D=_block_dim(q.shape[3]),
+        **_dot_options(q.dtype),
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+    if value_dim is not None:
+        options["BLOCK_DV"] = _block_dim(value_dim)
+    return options
+
+
+def launch_forward(call: LaunchCall) -> tuple[Tensor, Tensor]:
+    """(out (B, H, L, D_v), lse (B, H, L))."""
+    q, k, v, bias, tiles, scale, dropout, score, tensors = call
     batch, num_heads, q_len, head_dim = q.shape
     num_kv_heads, kv_len, value_dim = k.shape[1], k.shape[2], v.shape[3]
     out = q.new_empty(batch, num_heads, q_len, value_dim)
@@ -107,10 +141,7 @@ def _forward(
         out,
         lse,
         *masks[:3],
-        tiles.row_ptr,
-        tiles.row_blk,
-        tiles.row_kind,
-        tiles.row_tile,
+        *_row_lists(tiles),
         *q.stride(),
         *k.stride(),
         *v.stride(),
@@ -126,42 +157,26 @@ def _forward(
         tiles.shift,
         *_dropout_args(dropout),
         *score.args(*tensors, like=q),
-        HAS_BIAS=bias is not None,
-        MASK_MODE=tiles.mask_mode,
-        CAUSAL=tiles.causal,
-        **score.constants(),
         HAS_SINKS=tensors[2] is not None,
         DROPOUT=dropout is not None,
-        BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n,
-        BLOCK_D=_block_dim(head_dim),
-        BLOCK_DV=_block_dim(value_dim),
-        **_dot_options(q.dtype),
-        num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
+        **_options(tiles, bias, score, q, value_dim),
     )
     return out, lse
 
 
-def _backward(
-    grad_out,
-    grad_lse,
-    q,
-    k,
-    v,
-    bias,
-    out,
-    lse,
-    tiles: TileLists,
-    scale,
-    dropout,
+def launch_backward(
+    call: LaunchCall,
+    grad_out: Tensor,
+    grad_lse: Tensor | None,
+    out: Tensor,
+    lse: Tensor,
     bias_grad: bool,
-    score: KernelScore = NO_SCORE,
-    tensors: tuple = NO_TENSORS,
     wanted: tuple = (False, False, False),
 ):
-    """(dq, dk, dv, dbias, dsinks, dslopes, dtable), each in its input's dtype; dbias
-    when bias_grad, the others where wanted (sinks, slopes, table) says so, else None."""
+    """(dq, dk, dv, dbias, dsinks, dslopes, dtable) of call given the gradients of its
+    out and lse, each in its input's dtype; dbias when bias_grad, the others where wanted
+    (sinks, slopes, table) says so, else None."""
+    q, k, v, bias, tiles, scale, dropout, score, tensors = call
     batch, num_heads, q_len, head_dim = q.shape
     num_kv_heads, kv_len, value_dim = k.shape[1], k.shape[2], v.shape[3]
     shape = (batch, num_heads, q_len, kv_len)
@@ -181,20 +196,7 @@ def _backward(
     d_slope = torch.empty(partial, dtype=acc, device=q.device) if slope_grad else q
     d_table = torch.empty(*partial, block_nb, dtype=acc, device=q.device) if table_grad else q
     masks = _mask_args(tiles, bias, q, shape)
-    common = dict(
-        **score.constants(),
-        HAS_BIAS=bias is not None,
-        MASK_MODE=tiles.mask_mode,
-        CAUSAL=tiles.causal,
-        DROPOUT=dropout is not None,
-        BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n,
-        BLOCK_D=_block_dim(head_dim),
-        BLOCK_DV=_block_dim(value_dim),
-        **_dot_options(q.dtype),
-        num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
-    )
+    common = dict(DROPOUT=dropout is not None, **_options(tiles, bias, score, q, value_dim))
     strides = [*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *masks[3:]]
     sizes = [
         q_len,
@@ -216,10 +218,7 @@ def _backward(
         dq,
         dbias,
         *masks[:3],
-        tiles.row_ptr,
-        tiles.row_blk,
-        tiles.row_kind,
-        tiles.row_tile,
+        *_row_lists(tiles),
         *strides,
         num_heads,
         num_heads // num_kv_heads,
@@ -283,7 +282,7 @@ class TritonAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, sinks, slopes, table, tiles, scale, dropout, score):
         tensors = (slopes, table, sinks)
-        out, lse = _forward(q, k, v, bias, tiles, scale, dropout, score, tensors)
+        out, lse = launch_forward(LaunchCall(q, k, v, bias, tiles, scale, dropout, score, tensors))
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None
         ctx.save_for_backward(q, k, v, bias, sinks, slopes, table, out, lse)
         ctx.tiles, ctx.scale, ctx.dropout, ctx.score = tiles, scale, dropout, score
@@ -299,23 +298,9 @@ class TritonAttention(torch.autograd.Function):
         wanted = tuple(
             t is not None and need for t, need in zip((sinks, slopes, table), needs, strict=True)
         )
-        grads = _backward(
-            grad_out,
-            grad_lse,
-            q,
-            k,
-            v,
-            bias,
-            out,
-            lse,
-            ctx.tiles,
-            ctx.scale,
-            ctx.dropout,
-            bias_grad,
-            ctx.score,
-            (slopes, table, sinks),
-            wanted,
-        )
+        tensors = (slopes, table, sinks)
+        call = LaunchCall(q, k, v, bias, ctx.tiles, ctx.scale, ctx.dropout, ctx.score, tensors)
+        grads = launch_backward(call, grad_out, grad_lse, out, lse, bias_grad, wanted)
         return (*grads, None, None, None, None)
 
 
@@ -330,6 +315,8 @@ def _no_keys(q: Tensor, v: Tensor, sinks: Tensor | None) -> tuple[Tensor, Tensor
 
 
 def _prepare(q, k, v, mask, bias, causal, scale, blocks, score=None, sinks=None):
+    """(tiles, scale, kernel score, slopes, table) of a checked call (v None: no values)."""
+    kernel, slopes, table = kernel_score(score)
     check_inputs(q, k, v, mask, bias)
     check_score(score, sinks, q)
     value_dim = q.shape[3] if v is None else v.shape[3]
@@ -345,7 +332,8 @@ def _prepare(q, k, v, mask, bias, causal, scale, blocks, score=None, sinks=None)
         launch = blocks + launch[len(blocks) :]
     shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     tiles = build_tiles(mask, causal, shape, q.device, launch)
-    return tiles, 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
+    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
+    return tiles, scale, kernel, slopes, table
 
 
 def triton_attention(
@@ -382,8 +370,8 @@ def triton_attention(
     """
     if q.shape[2] == 0 or k.shape[2] == 0:
         return _no_keys(q, v, sinks)
-    kernel, slopes, table = kernel_score(score)
-    tiles, scale = _prepare(q, k, v, mask, bias, causal, scale, blocks, score, sinks)
+    prepared = _prepare(q, k, v, mask, bias, causal, scale, blocks, score, sinks)
+    tiles, scale, kernel, slopes, table = prepared
     dropout = None
     if dropout_p > 0:
         dropout = (float(dropout_p), draw_seed() if seed is None else int(seed))
@@ -411,10 +399,11 @@ def triton_attention_weights(
     dropout is applied."""
     if q.shape[2] == 0 or k.shape[2] == 0:
         return q.new_zeros(*q.shape[:3], k.shape[2], dtype=stats_dtype(q.dtype))
-    kernel, slopes, table = kernel_score(score)
-    tiles, scale = _prepare(q, k, None, mask, bias, causal, scale, blocks, score, sinks)
+    prepared = _prepare(q, k, None, mask, bias, causal, scale, blocks, score, sinks)
+    tiles, scale, kernel, slopes, table = prepared
     if lse is None:
-        lse = _forward(q, k, k, bias, tiles, scale, None, kernel, (slopes, table, sinks))[1]
+        call = LaunchCall(q, k, k, bias, tiles, scale, None, kernel, (slopes, table, sinks))
+        lse = launch_forward(call)[1]
     batch, num_heads, q_len, head_dim = q.shape
     shape = (batch, num_heads, q_len, k.shape[2])
     if lse.shape != shape[:3]:
@@ -428,10 +417,7 @@ def triton_attention_weights(
         lse,
         probs,
         *masks[:3],
-        tiles.row_ptr,
-        tiles.row_blk,
-        tiles.row_kind,
-        tiles.row_tile,
+        *_row_lists(tiles),
         *q.stride(),
         *k.stride(),
         *masks[3:],
@@ -443,16 +429,7 @@ def triton_attention_weights(
         scale,
         tiles.shift,
         *kernel.args(slopes, table, None, like=q),
-        **kernel.constants(),
-        HAS_BIAS=bias is not None,
-        MASK_MODE=tiles.mask_mode,
-        CAUSAL=tiles.causal,
-        BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n,
-        BLOCK_D=_block_dim(head_dim),
-        **_dot_options(q.dtype),
-        num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
+        **_options(tiles, bias, kernel, q),
     )
     return probs
 
