@@ -29,7 +29,7 @@ LAYERS = [
     ["core.backends"],
     ["core.kernels"],
     ["core.masks"],
-    ["core.scores", "core.checks"],
+    ["core.scores", "core.checks", "core.tracing"],
     ["checkpoint"],
     ["formats", "data", "packaged", "launch", "version"],
 ]

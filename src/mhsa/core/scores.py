@@ -25,6 +25,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
+from .tracing import constant_when_traced
+
 
 class ScoreFunction:
     """Base class. Arguments of __call__ broadcast to (B, H, rows, keys): score is
@@ -369,7 +371,7 @@ def apply_score(
     return score_fn(scores, *index).expand(scores.shape)
 
 
-@torch.compiler.assume_constant_result  # a traced graph probes once, eagerly, unbroken
+@constant_when_traced  # a traced graph probes once, eagerly, unbroken
 def _probe_once(fn: ScoreMod, num_heads: int, device: torch.device, dtype: torch.dtype) -> bool:
     """_check_elementwise once per (num_heads, device, dtype) of fn."""
     key = (num_heads, str(device), dtype)

@@ -4,6 +4,8 @@ CUDA only), and its dispatch rules."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -192,3 +194,15 @@ def test_sinks_join_flex_through_its_lse(causal):
     assert max_error(lse, ref_lse) < 1e-5
     assert out[1].abs().max() == 0
     assert torch.equal(lse[1], sinks.view(4, 1).expand(4, 37))
+
+
+def test_asking_flex_for_the_lse_raises_no_deprecation_warning():
+    """torch 2.13 deprecates return_lse=True (a FutureWarning in every run); where
+    AuxRequest exists the engine asks for the lse through return_aux."""
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        out, lse = flex_forward(q, k, v, mask=None, causal=False, scale=None, compiled=False)
+    want, want_lse = mhsa.attention(q, k, v, backend="reference", return_lse=True)
+    assert max_error(out, want) < 1e-5 and max_error(lse, want_lse) < 1e-5

@@ -170,10 +170,18 @@ def flex_forward(
             block_mask=block_mask,
             scale=scale,
             enable_gqa=k.shape[1] != heads,
-            return_lse=True,
+            **_lse_request(),
         )
-    lse = lse.float()
+    lse = getattr(lse, "lse", lse).float()  # an AuxOutput where return_aux was used
     return (out, lse) if sinks is None else add_sinks(out, lse, sinks)
+
+
+def _lse_request() -> dict:
+    """How this torch asks flex_attention for the logsumexp: `return_aux=AuxRequest(lse=
+    True)` where it exists (`return_lse` is deprecated there, with a warning per call),
+    `return_lse=True` in older torch."""
+    aux_request = getattr(_flex_module(), "AuxRequest", None)
+    return {"return_lse": True} if aux_request is None else {"return_aux": aux_request(lse=True)}
 
 
 class FlexBackend(Backend):

@@ -21,10 +21,10 @@ import types
 import weakref
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from ..scores import ALiBi, Compose, RelativeBias, ScoreFunction, ScoreMod, Softcap
+from ..tracing import constant_when_traced
 
 
 def score_spec(score: ScoreFunction | None) -> tuple[str, list[Tensor]] | None:
@@ -68,7 +68,7 @@ _SCORE_MOD_TEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _NUMBERS = itertools.count()
 
 
-@torch.compiler.assume_constant_result  # a traced graph holds the text, guarded on score
+@constant_when_traced  # a traced graph holds the text, guarded on score
 def score_mod_text(score: ScoreMod) -> str:
     """score's name for the ops, "ScoreMod('qualname', n)", registered on first sight."""
     if score not in _SCORE_MOD_TEXTS:

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..tracing import constant_when_traced
+
 
 @dataclass(frozen=True)
 class AttentionSpec:
@@ -204,7 +206,7 @@ def _traced_size(size: int) -> int:
     return 1 if size == 1 else TRACED_SIZE
 
 
-@torch.compiler.assume_constant_result
+@constant_when_traced
 def _select_when_traced(fields: tuple, requested: str, generation: int) -> str:
     """select() while torch.compile traces, run once: its answer is a constant of the
     graph, which is guarded on `generation` (use_backend changes it). `auto` then takes
