@@ -39,9 +39,15 @@ def info(_: argparse.Namespace) -> int:
         if reason is not None:
             print(f"  {name:<10} unusable here: {reason}")
             continue
+        limits = {
+            probe: backend.supports(AttentionSpec.example(device=device, **changes))
+            for probe, changes in {"plain": {}, **_PROBES}.items()
+        }
+        if len(set(limits.values())) == 1 and limits["plain"] is not None:
+            print(f"  {name:<10} not used here: {limits['plain']}")  # one reason for every call
+            continue
         print(f"  {name:<10} usable")
-        for probe, changes in _PROBES.items():
-            limit = backend.supports(AttentionSpec.example(device=device, **changes))
+        for probe, limit in limits.items():
             if limit is not None:
                 print(f"  {'':<10} not for {probe}: {limit}")
     print(f"auto picks on {device.type} (B=1, H=8, H_kv=2, L=S=1024, D=64, float32):")
