@@ -63,10 +63,19 @@ def train_gpt(args: argparse.Namespace) -> int:
     final = result["history"][-1]["val_loss"] if result["history"] else float("nan")
     print(f"validation loss {describe_loss(final)}; unigram baseline {describe_loss(baseline)}")
     print(
-        f"{result['step']} steps in {result['seconds']:.0f} s "
+        f"{steps_made(result)} in {result['seconds']:.0f} s "
         f"({result['tokens_per_second'] / 1e3:.1f}k tokens/s); checkpoint: {args.out}"
     )
     return 0
+
+
+def steps_made(result: dict) -> str:
+    """The steps this run made, of train()'s result: "600 steps", or after a resume
+    "500 steps (101 to 600)" (its seconds and tokens/s count those alone)."""
+    made, last = result["steps_this_run"], result["step"]
+    if made == last:
+        return f"{made} steps"
+    return f"{made} steps ({last - made + 1} to {last})" if made else "0 steps (already done)"
 
 
 def fit(model, task, args: argparse.Namespace, kind: str, **info) -> dict:
@@ -89,7 +98,7 @@ def fit(model, task, args: argparse.Namespace, kind: str, **info) -> dict:
     last = result["history"][-1] if result["history"] else {}
     accuracy = f", test accuracy {last['test_acc']:.2%}" if "test_acc" in last else ""
     print(
-        f"{result['step']} steps in {result['seconds']:.0f} s; validation loss "
+        f"{steps_made(result)} in {result['seconds']:.0f} s; validation loss "
         f"{last.get('val_loss', float('nan')):.4f}{accuracy}; checkpoint: {args.out}"
     )
     return result
@@ -282,9 +291,10 @@ def _run_as_rank(rank: int, world_size: int, args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     """Train in this process, or in --nproc local processes (data or context parallel).
     A diverged run or Ctrl-C ends with a one-line message naming the latest checkpoint."""
-    from ..apps.train import TrainingDiverged
+    from ..apps.train import TrainingDiverged, check_out_dir
     from ..checkpoint import latest_checkpoint
 
+    check_out_dir(args.out, args.resume, args.overwrite)  # before loading data and model
     try:
         if getattr(args, "data_parallel", False) and args.nproc > 1:
             return _spawn_data_parallel(args, args.nproc)
