@@ -13,7 +13,7 @@ from .common import (
     chat_weights,
     compile_option,
     positive_int,
-    threads_option,
+    spare_core_threads_option,
     with_threads,
 )
 
@@ -127,5 +127,5 @@ def add_parser(commands) -> None:
         cmd, "--max-new-tokens", 256, "at most this many tokens per answer", type=positive_int
     )
     chat_weight_options(cmd)
-    threads_option(cmd)
+    spare_core_threads_option(cmd)
     cmd.set_defaults(run=chat)

@@ -7,7 +7,14 @@ import sys
 
 import torch
 
-from .common import add_option, common_train_options, positive_int, size_options, train_config
+from .common import (
+    add_option,
+    common_train_options,
+    positive_int,
+    size_options,
+    train_config,
+    with_threads,
+)
 
 
 def train_gpt(args: argparse.Namespace) -> int:
@@ -280,7 +287,7 @@ def _spawn_data_parallel(args: argparse.Namespace, nproc: int) -> int:
             "process trains on an equal share of every batch"
         )
     args.nproc = 1  # inside the group each worker trains as one rank of it
-    threads = max(1, torch.get_num_threads() // nproc)
+    threads = args.threads = max(1, args.threads // nproc)  # --threads is for them all
     return run_local(_run_as_rank, nproc, args, timeout=None, threads=threads, quiet=True)[0]
 
 
@@ -288,6 +295,7 @@ def _run_as_rank(rank: int, world_size: int, args: argparse.Namespace) -> int:
     return args.run(args)
 
 
+@with_threads
 def run(args: argparse.Namespace) -> int:
     """Train in this process, or in --nproc local processes (data or context parallel).
     A diverged run or Ctrl-C ends with a one-line message naming the latest checkpoint."""
