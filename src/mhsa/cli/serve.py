@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -17,16 +18,34 @@ from .common import (
     non_negative_int,
     positive_int,
     threads_option,
+    to_load,
     with_threads,
 )
+
+DESCRIPTION = """Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions,
+/v1/completions, /v1/models) on this machine: the packaged SmolLM2-135M-Instruct by
+default, a Llama-family .gguf file or transformers directory, or a `mhsa train gpt`
+checkpoint. Requests are decoded together (continuous batching over a paged KV cache).
+It says what it loads, then prints the address once it is ready; Ctrl-C stops it."""
+
+
+def say(line: str) -> None:
+    """A status line on stderr, at once (stdout holds the address once ready)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 @with_threads
 def serve(args: argparse.Namespace) -> int:
+    say(f"loading {to_load(args.model)} ...")
+    started = time.perf_counter()
     try:
         from ..apps.serve.server import Server
-    except ImportError as error:
-        print(f"mhsa serve: {error}", file=sys.stderr)
+    except ImportError as error:  # the serve extra: its message names mhsa serve
+        message = str(error)
+        print(
+            message if message.startswith("mhsa serve") else f"mhsa serve: {message}",
+            file=sys.stderr,
+        )
         return 2
     served = load_served(
         args.model,
@@ -37,6 +56,7 @@ def serve(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         context_length=args.context_length,
     )
+    say(f"loaded {served.name} in {time.perf_counter() - started:.1f} s; starting the server ...")
     server = Server(served, host=args.host, port=args.port, log_level=args.log_level)
     server.start()
     engine = served.engine
@@ -80,7 +100,11 @@ def load_served(model: str | None, weights: dict, *, name: str | None = None, **
 
 
 def add_parser(commands) -> None:
-    cmd = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (chat, completions)")
+    cmd = commands.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server (chat, completions)",
+        description=DESCRIPTION,
+    )
     cmd.add_argument(
         "--model",
         default=None,
