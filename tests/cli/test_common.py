@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from mhsa.cli.common import (
     add_option,
     compile_option,
     positive_int,
+    progress_bar,
     spare_core_threads,
     usable_cores,
     with_threads,
@@ -132,3 +134,21 @@ def test_train_runs_with_its_threads_and_restores_them(tmp_path):
     parsed.train = record
     assert parsed.run(parsed) == 0
     assert seen == [wanted] and torch.get_num_threads() == before
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_redraws_in_place_on_a_terminal_and_stays_silent_elsewhere():
+    screen = Terminal()
+    show = progress_bar("reading weights", screen)
+    for done in range(1, 4):
+        show(done, 3)
+    assert screen.getvalue() == (
+        "\rreading weights [" + "#" * 8 + "-" * 16 + "] 1/3"
+        "\rreading weights [" + "#" * 16 + "-" * 8 + "] 2/3"
+        "\rreading weights [" + "#" * 24 + "] 3/3\n"
+    )
+    assert progress_bar("reading weights", io.StringIO()) is None  # a pipe or a log

@@ -14,6 +14,7 @@ from .common import (
     chat_weights,
     compile_option,
     positive_int,
+    progress_bar,
     spare_core_threads_option,
     to_load,
     with_threads,
@@ -41,7 +42,8 @@ def chat(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     from ..apps.chat import load_chat_model
 
-    model = load_chat_model(args.model, **chat_weights(args))
+    bar = progress_bar("reading weights")
+    model = load_chat_model(args.model, **chat_weights(args), progress=bar)
     say(f"loaded {model.name} in {time.perf_counter() - started:.1f} s")
     if args.compile:
         say("the first answer waits for compiling the decoding step (torch.compile)")

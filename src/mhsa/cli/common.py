@@ -9,7 +9,9 @@ import argparse
 import contextlib
 import functools
 import os
+import sys
 from collections.abc import Callable, Iterator
+from typing import TextIO
 
 TRAIN_COMMANDS = {"seq2seq": "translate"}  # model kinds trained by another command's name
 # a chat model's weights: --dtype's names, --quantize's modes (mhsa.apps.chat.QUANTIZE,
@@ -43,6 +45,23 @@ def with_threads(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse
             return run(args)
 
     return run_with_threads
+
+
+def progress_bar(what: str, stream: TextIO | None = None) -> Callable[[int, int], None] | None:
+    """A progress(done, total) callback that redraws `what [#####---] done/total` in place
+    on stream (default stderr), or None where stream is not a terminal (a log or a pipe
+    gets the commands' start and end lines alone)."""
+    stream = sys.stderr if stream is None else stream
+    if not stream.isatty():
+        return None
+
+    def show(done: int, total: int) -> None:
+        filled = 24 * done // max(total, 1)
+        stream.write(f"\r{what} [{'#' * filled}{'-' * (24 - filled)}] {done}/{total}")
+        stream.write("\n" if done >= total else "")
+        stream.flush()
+
+    return show
 
 
 def to_load(model: str | None) -> str:

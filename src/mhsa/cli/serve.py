@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ from .common import (
     chat_weights,
     non_negative_int,
     positive_int,
+    progress_bar,
     threads_option,
     to_load,
     with_threads,
@@ -55,6 +57,7 @@ def serve(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         max_batch=args.max_batch,
         context_length=args.context_length,
+        progress=progress_bar("reading weights"),
     )
     say(f"loaded {served.name} in {time.perf_counter() - started:.1f} s; starting the server ...")
     server = Server(served, host=args.host, port=args.port, log_level=args.log_level)
@@ -70,15 +73,23 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_served(model: str | None, weights: dict, *, name: str | None = None, **engine_options):
+def load_served(
+    model: str | None,
+    weights: dict,
+    *,
+    name: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    **engine_options,
+):
     """The ServedModel of --model: None or "chat" (the packaged SmolLM2), a .gguf file, a
     transformers directory (it has tokenizer.json), or a `mhsa train gpt` checkpoint;
-    weights: load_chat_model's dtype and quantize."""
+    weights: load_chat_model's dtype and quantize; progress: load_chat_model's."""
     from ..apps.chat import load_chat_model
     from ..apps.serve.models import ServedModel
 
     if model in (None, "chat"):
-        return ServedModel.from_chat(load_chat_model(**weights), name=name, **engine_options)
+        chat = load_chat_model(**weights, progress=progress)
+        return ServedModel.from_chat(chat, name=name, **engine_options)
     path = Path(model)
     if not path.exists():
         raise FileNotFoundError(
@@ -86,7 +97,8 @@ def load_served(model: str | None, weights: dict, *, name: str | None = None, **
             ".gguf file, a transformers directory or a GPT checkpoint"
         )
     if path.is_file() or (path / "tokenizer.json").is_file():
-        return ServedModel.from_chat(load_chat_model(path, **weights), name=name, **engine_options)
+        chat = load_chat_model(path, **weights, progress=progress)
+        return ServedModel.from_chat(chat, name=name, **engine_options)
     if weights["quantize"] is not None or weights["dtype"] != torch.float32:
         raise ValueError(
             "--quantize and --dtype are for chat models; a GPT checkpoint is "
