@@ -388,8 +388,8 @@ def test_a_run_equals_its_written_out_optimisation_and_reports_it(tmp_path, caps
     for name, want in expected.named_parameters():
         torch.testing.assert_close(getattr(model, name), want, rtol=1e-5, atol=1e-6, msg=name)
     assert torch.equal(model.frozen, torch.ones(2, 2)) and model.training
-    assert list(result) == ["step", "seconds", "history", "tokens_per_second"]
-    assert result["step"] == 7 and result["seconds"] == 0.9375
+    assert list(result) == ["step", "seconds", "history", "tokens_per_second", "steps_this_run"]
+    assert result["step"] == 7 and result["seconds"] == 0.9375 and result["steps_this_run"] == 7
     assert result["tokens_per_second"] == pytest.approx(7 * 525 / 0.9375)
     assert [r["step"] for r in result["history"]] == [3, 6, 7]
     for got, want in zip(result["history"], history, strict=True):
@@ -457,6 +457,24 @@ def test_a_resumed_run_equals_a_straight_one_and_rotates_the_checkpoints_it_foun
     refusal = r"step-000007/model.safetensors: tensor 'weight' has shape \(1, 3\), but its "
     with pytest.raises(ValueError, match=refusal + r"config.json implies \(1, 4\)"):
         train_line(out, TrainConfig(**{**LINE, "steps": 9}), model=Line(inputs=4), resume=True)
+
+
+def test_a_resumed_run_reports_only_its_own_steps_and_time(tmp_path, capsys, monkeypatch):
+    """Stopped after step 4 of 7 and resumed: the resumed run made 3 steps, its seconds and
+    tokens/s are those 3 steps' (1/2 s each here), and its time left is at its own mean
+    time per step (issue 35: the summary said 7 steps for a run of 3)."""
+    config = TrainConfig(**LINE)
+    out = tmp_path / "split"
+    _, _, first, _ = train_line(out, config, stop_after=4)
+    assert (first["step"], first["steps_this_run"]) == (4, 4)
+    times = iter([100.0, 100.5, 101.0, 101.5, 101.5])  # start, each step, the end
+    monkeypatch.setattr(train_module, "time", SimpleNamespace(perf_counter=lambda: next(times)))
+    capsys.readouterr()
+    _, _, second, _ = train_line(out, config, resume=True)
+    assert (second["step"], second["steps_this_run"], second["seconds"]) == (7, 3, 1.5)
+    assert second["tokens_per_second"] == pytest.approx(3 * 525 / 1.5)
+    etas = re.findall(r"step (\d)/7 .*? eta +(\d+)s ", capsys.readouterr().err)
+    assert etas == [("5", "1"), ("6", "0"), ("7", "0")]  # 0.5 s per step: 1 s, 0.5 s, 0 s left
 
 
 def test_skipped_steps_are_counted_in_a_row_and_the_messages_say_where_to_go_on(tmp_path):

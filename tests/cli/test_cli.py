@@ -181,6 +181,41 @@ def test_train_refuses_a_folder_with_a_checkpoint(tmp_path, capsys):
     assert sorted(p.name for p in out.glob("step-*")) == ["step-000004"]
 
 
+def test_a_resumed_train_summary_counts_only_its_own_steps(tmp_path, capsys):
+    """--stop-after 1 then --resume of a 4-step run: the summary says 3 steps, not 4
+    (issue 35: "600 steps in 1225 s" for a run of 500)."""
+    out = tmp_path / "run"
+    assert main(tiny_train(out, "--steps", "4", "--stop-after", "1")) == 0
+    assert "\n1 steps in " in capsys.readouterr().out
+    assert main(tiny_train(out, "--steps", "4", "--resume")) == 0
+    assert "\n3 steps (2 to 4) in " in capsys.readouterr().out
+
+
+def test_a_taken_folder_is_refused_before_the_data_and_model_load(tmp_path, capsys, monkeypatch):
+    """A second run into the same --out is refused before the data is read (here a
+    missing --data file, which would fail first otherwise) and before any model is built
+    (issue 35); the repository ignores runs/, the commands' default output folders."""
+    from pathlib import Path
+
+    out = tmp_path / "run"
+    assert main(tiny_train(out)) == 0
+    capsys.readouterr()
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was built")
+
+    monkeypatch.setattr("mhsa.models.GPT", no_model)
+    monkeypatch.setattr("mhsa.models.vit.ViT", no_model)
+    assert main(tiny_train(out, "--data", str(tmp_path / "missing.txt"))) == 2
+    err = capsys.readouterr().err
+    assert "already holds a checkpoint (step-000002)" in err and "missing.txt" not in err
+    assert main(["train", "vit", "--out", str(out), "--data", str(tmp_path / "no-dir")]) == 2
+    err = capsys.readouterr().err
+    assert "already holds a checkpoint (step-000002)" in err and "no-dir" not in err
+    ignored = (Path(__file__).resolve().parents[2] / ".gitignore").read_text().split()
+    assert "runs/" in ignored
+
+
 @pytest.mark.slow
 def test_train_resume_into_another_model_kind_is_a_clear_error(tmp_path, capsys):
     out = tmp_path / "run"

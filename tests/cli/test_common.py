@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import io
 
 import pytest
 import torch
 
-from mhsa.cli.common import add_option, compile_option, positive_int, with_threads
+from mhsa.cli import build_parser
+from mhsa.cli.common import (
+    add_option,
+    compile_option,
+    positive_int,
+    progress_bar,
+    spare_core_threads,
+    usable_cores,
+    with_threads,
+)
 
 
 def test_add_option_writes_the_default_into_the_help():
@@ -48,3 +58,97 @@ def test_with_threads_sets_the_count_while_running_and_restores_it():
         run(argparse.Namespace(threads=wanted))
     assert seen == [wanted] and torch.get_num_threads() == before
     assert (run.__name__, run.__doc__) == ("run", "A command.")
+
+
+def test_spare_core_threads_leaves_a_core_free_between_1_and_8():
+    assert [spare_core_threads(cores) for cores in (1, 2, 3, 4, 9, 64)] == [1, 1, 2, 3, 8, 8]
+    assert spare_core_threads() == spare_core_threads(usable_cores())
+
+
+def _leaves(parser: argparse.ArgumentParser, path: str = "mhsa"):
+    """(command path, parser) of every command that runs something."""
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        yield path, parser
+    for action in subs:
+        for name, sub in action.choices.items():
+            yield from _leaves(sub, f"{path} {name}")
+
+
+# bench chat and ring start their own processes, each with its own thread count
+NO_THREADS = {"mhsa info", "mhsa bench chat", "mhsa bench ring"}
+
+
+def test_every_compute_command_has_threads_and_says_its_default():
+    """Issue 35: `mhsa train` had no --threads; chat and train took every core."""
+    leaves = dict(_leaves(build_parser()))
+    assert len(leaves) >= 24 and set(leaves) >= NO_THREADS
+    for path, parser in leaves.items():
+        threads = [a for a in parser._actions if "--threads" in a.option_strings]
+        if path in NO_THREADS:
+            assert not threads, path
+            continue
+        assert threads, f"{path} has no --threads"
+        assert "default" in threads[0].help, path
+    spare = spare_core_threads()
+    for path in ("mhsa chat", *(p for p in leaves if p.startswith("mhsa train "))):
+        (threads,) = [a for a in leaves[path]._actions if "--threads" in a.option_strings]
+        assert threads.default == spare, path
+        help_text = leaves[path].format_help()
+        assert f"(default {spare} here: one fewer than the {usable_cores()} usable" in " ".join(
+            help_text.split()
+        ), path
+
+
+def test_train_runs_with_its_threads_and_restores_them(tmp_path):
+    before = torch.get_num_threads()
+    wanted = 2 if before == 1 else 1
+    seen = []
+    args = [
+        "train",
+        "gpt",
+        "--out",
+        str(tmp_path / "run"),
+        "--steps",
+        "1",
+        "--layers",
+        "1",
+        "--d-model",
+        "16",
+        "--heads",
+        "2",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "2",
+        "--threads",
+        str(wanted),
+    ]
+    parsed = build_parser().parse_args(args)
+    train = parsed.train
+
+    def record(namespace):
+        seen.append(torch.get_num_threads())
+        return train(namespace)
+
+    parsed.train = record
+    assert parsed.run(parsed) == 0
+    assert seen == [wanted] and torch.get_num_threads() == before
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_redraws_in_place_on_a_terminal_and_stays_silent_elsewhere():
+    screen = Terminal()
+    show = progress_bar("reading weights", screen)
+    for done in range(1, 4):
+        show(done, 3)
+    assert screen.getvalue() == (
+        "\rreading weights [" + "#" * 8 + "-" * 16 + "] 1/3"
+        "\rreading weights [" + "#" * 16 + "-" * 8 + "] 2/3"
+        "\rreading weights [" + "#" * 24 + "] 3/3\n"
+    )
+    assert progress_bar("reading weights", io.StringIO()) is None  # a pipe or a log

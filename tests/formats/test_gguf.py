@@ -197,6 +197,15 @@ def test_written_file_round_trips(tmp_path, qtype):
             assert np.abs(got.numpy() - expected).max() <= tolerance * np.abs(expected).max(), name
 
 
+def test_progress_follows_every_tensor_read(tmp_path):
+    """read_gguf's progress(done, total): once per stored tensor, in order, to the end
+    (what `mhsa chat` and `mhsa serve` draw while the weights load)."""
+    calls = []
+    model = read_gguf(write_gguf(tmp_path / "m.gguf"), progress=lambda *c: calls.append(c))
+    total = len(model.state_dict)  # every stored tensor is one parameter here
+    assert calls == [(done, total) for done in range(1, total + 1)] and total >= 10
+
+
 def test_bfloat16_raw_and_config(tmp_path):
     model = read_gguf(write_gguf(tmp_path / "m.gguf", qtype=Q.F16), dtype=torch.bfloat16)
     assert all(t.dtype == torch.bfloat16 for t in model.state_dict.values())

@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -136,10 +136,12 @@ def load_chat_model(
     *,
     dtype: torch.dtype = torch.float32,
     quantize: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> ChatModel:
     """The packaged SmolLM2 (source None), a GGUF file or a transformers directory;
     quantize: one of QUANTIZE, default "file" for a float32 GGUF and "none" otherwise
-    (dtype is then the dequantised weights' dtype)."""
+    (dtype is then the dequantised weights' dtype); progress(done, total) follows a GGUF
+    file's tensors as they are read."""
     if quantize is not None and quantize not in QUANTIZE:
         raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
     path = smollm2_path() if source is None else Path(source)
@@ -157,7 +159,7 @@ def load_chat_model(
                 "quantize='none' (or leave it out) for another dtype"
             )
         default = "file" if dtype == torch.float32 else "none"
-        return _from_gguf(path, dtype, quantize or default)
+        return _from_gguf(path, dtype, quantize or default, progress)
     else:
         raise FileNotFoundError(
             f"no model at {path}: pass a .gguf file or a transformers model directory"
@@ -166,10 +168,10 @@ def load_chat_model(
     return chat
 
 
-def _from_gguf(path: Path, dtype: torch.dtype, quantize: str) -> ChatModel:
+def _from_gguf(path: Path, dtype: torch.dtype, quantize: str, progress=None) -> ChatModel:
     from ..formats.gguf import read_gguf
 
-    gguf = read_gguf(path, dtype=torch.float32 if quantize == "file" else dtype)
+    gguf = read_gguf(path, dtype=torch.float32 if quantize == "file" else dtype, progress=progress)
     weights = TensorDict(gguf.state_dict, str(path))
     model = Llama.from_hf(weights, LlamaConfig.from_hf_config(gguf.config))
     tokenizer = gguf.tokenizer()

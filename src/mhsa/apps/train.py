@@ -42,6 +42,7 @@ from ..core.checks import int_at_least
 __all__ = [
     "TrainConfig",
     "TrainingDiverged",
+    "check_out_dir",
     "check_resumable",
     "evaluate",
     "load_checkpoint",
@@ -139,6 +140,10 @@ def train(
     e.g. "zigzag") each rank takes its shard of every sequence instead - batches are
     (tokens, targets) (B, T) and model.loss takes `positions` - attention runs as ring
     attention, and gradients are averaged over ranks after backward.
+
+    Returns {"step": the last step, "seconds": this run's time, "history": every
+    evaluation (a resumed run's too), "tokens_per_second": this run's,
+    "steps_this_run": the steps this run made (step minus where it resumed)}.
     """
     out_dir = Path(out_dir)
     torch.manual_seed(config.seed)
@@ -162,7 +167,7 @@ def train(
     compute_loss, rank, world = _data_parallel(model, context_parallel)
     if config.compile:
         compute_loss = torch.compile(compute_loss)
-    start, tokens_done, skipped = time.perf_counter(), 0, 0
+    start, tokens_done, skipped, first_step = time.perf_counter(), 0, 0, step
     end = config.steps if stop_after is None else min(config.steps, step + stop_after)
     while step < end:
         for group in optimizer.param_groups:
@@ -192,7 +197,7 @@ def train(
             if step % config.checkpoint_every == 0 or step == end:
                 dist.barrier()
             continue
-        _progress(step, config.steps, loss.item(), tokens_done / elapsed, elapsed)
+        _progress(step, first_step, config.steps, loss.item(), tokens_done / elapsed, elapsed)
         if step % config.eval_every == 0 or step == config.steps:
             val = evaluate(model, task)
             record = {"step": step, "train_loss": loss.item(), "val_loss": val}
@@ -231,24 +236,30 @@ def train(
         "seconds": seconds,
         "history": history,
         "tokens_per_second": tokens_done / max(seconds, 1e-9),
+        "steps_this_run": step - first_step,  # seconds and tokens/s are this run's too
     }
+
+
+def check_out_dir(out_dir: str | Path, resume: bool, overwrite: bool) -> None:
+    """Refuse (ValueError) an out_dir that holds a checkpoint, unless resuming it or
+    overwriting it; cheap, so a command checks it before loading data and model."""
+    if resume and overwrite:
+        raise ValueError("resume and overwrite exclude each other: choose one")
+    existing = checkpoints_in(out_dir)
+    if existing and not (resume or overwrite):
+        raise ValueError(
+            f"{out_dir} already holds a checkpoint ({existing[-1].name}): pass --resume to "
+            "continue it, --overwrite to replace it, or choose another --out"
+        )
 
 
 def _checkpoints_to_manage(out_dir: Path, resume: bool, overwrite: bool) -> tuple[list, list]:
     """(this run's own checkpoints, old ones to remove after its first write). Refuses an
     out_dir that holds a checkpoint, unless resuming it or overwriting it."""
-    if resume and overwrite:
-        raise ValueError("resume and overwrite exclude each other: choose one")
+    check_out_dir(out_dir, resume, overwrite)
     clean_leftovers(out_dir)
     existing = checkpoints_in(out_dir)
-    if resume:
-        return existing, []
-    if existing and not overwrite:
-        raise ValueError(
-            f"{out_dir} already holds a checkpoint ({existing[-1].name}): pass --resume to "
-            "continue it, --overwrite to replace it, or choose another --out"
-        )
-    return [], existing
+    return (existing, []) if resume else ([], existing)
 
 
 def check_resumable(state: dict, want: str | None) -> None:
@@ -357,10 +368,14 @@ def _mean_over_ranks(value: Tensor, world: int) -> Tensor:
     return value
 
 
-def _progress(step: int, total: int, loss: float, tokens_per_s: float, elapsed: float) -> None:
+def _progress(
+    step: int, first_step: int, total: int, loss: float, tokens_per_s: float, elapsed: float
+) -> None:
+    """The progress line; the time left is at this run's mean time per step (a resumed
+    run's elapsed time covers only the steps after first_step)."""
     done = step / total
     bar = "#" * int(24 * done) + "-" * (24 - int(24 * done))
-    eta = elapsed / max(step, 1) * (total - step)
+    eta = elapsed / max(step - first_step, 1) * (total - step)
     sys.stderr.write(
         f"\r[{bar}] step {step}/{total}  loss {loss:.4f}  "
         f"{tokens_per_s / 1e3:.1f}k tok/s  eta {eta:4.0f}s "

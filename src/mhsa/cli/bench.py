@@ -1,124 +1,256 @@
-"""`mhsa bench SUITE`: the benchmarks, as ratios against peers measured in the same run."""
+"""`mhsa bench SUITE`: the benchmarks, as ratios against peers measured in the same run.
+
+Each suite is a sub-command with only its own options, so that another suite's option
+is an error (argparse's, exit 2) rather than silently ignored."""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
-from .common import add_option, positive_int, threads_option
+from .common import add_option, positive_int, threads_option, with_threads
 
 
-def bench(args: argparse.Namespace) -> int:
-    """Run a benchmark suite; print its table, or JSON with --json."""
+def _show(args: argparse.Namespace, result, text: str) -> int:
+    """Print the suite's table, or its result as JSON with --json."""
     import json
 
-    from ..benchmarks import attention, generate, sparse
-
-    if args.suite == "attention":
-        result = attention.run(
-            length=args.length,
-            heads=args.heads,
-            head_dim=args.head_dim,
-            repeat=args.repeat,
-            memory=not args.no_memory,
-            long=args.long,
-        )
-        text = attention.report(result)
-    elif args.suite == "generate":
-        result = generate.run(repeat=args.repeat, quick=args.quick)
-        text = generate.report(result)
-    elif args.suite == "transcribe":
-        from ..benchmarks import transcribe as transcribe_bench
-
-        try:
-            result = transcribe_bench.run(args.file, repeat=args.repeat, quick=args.quick)
-        except RuntimeError as error:  # ctranslate2 or the weights missing
-            raise SystemExit(str(error)) from error
-        text = transcribe_bench.report(result)
-    elif args.suite == "scores":
-        from ..benchmarks import scores
-
-        length = 1024 if args.quick else args.length
-        result = scores.run(length=length, repeat=min(args.repeat, 3), memory=not args.no_memory)
-        text = scores.report(result)
-    elif args.suite == "chat":
-        from ..benchmarks import chat
-
-        result = chat.run(
-            prompt=128 if args.quick else 512,
-            new=16 if args.quick else 128,
-            repeat=1 if args.quick else min(args.repeat, 2),
-        )
-        text = chat.report(result)
-    elif args.suite == "serve":
-        from ..benchmarks import serve
-
-        try:
-            result = serve.run(
-                model=args.model, quick=args.quick, threads=args.threads, quantize=args.quantize
-            )
-        except RuntimeError as error:  # the server did not start
-            raise SystemExit(str(error)) from error
-        text = serve.report(result)
-    elif args.suite == "ring":
-        from ..benchmarks import ring
-
-        result = ring.run(nproc=args.nproc, repeat=min(args.repeat, 2), quick=args.quick)
-        text = ring.report(result)
-    else:
-        result = sparse.run(repeat=args.repeat, quick=args.quick)
-        text = sparse.report(result)
-        if args.plot:
-            sparse.plot(result, args.plot)
-            text += f"\nplot written to {args.plot}"
     print(json.dumps(result, indent=2, default=str) if args.json else text)
     return 0
 
 
+@with_threads
+def bench_attention(args: argparse.Namespace) -> int:
+    from ..benchmarks import attention
+
+    result = attention.run(
+        length=args.length or (512 if args.quick else 4096),
+        heads=args.heads,
+        head_dim=args.head_dim,
+        repeat=args.repeat or (1 if args.quick else 5),
+        memory=not (args.no_memory or args.quick),
+        long=args.long,
+    )
+    return _show(args, result, attention.report(result))
+
+
+@with_threads
+def bench_sparse(args: argparse.Namespace) -> int:
+    from ..benchmarks import sparse
+
+    result = sparse.run(repeat=args.repeat, quick=args.quick)
+    text = sparse.report(result)
+    if args.plot:
+        sparse.plot(result, args.plot)
+        text += f"\nplot written to {args.plot}"
+    return _show(args, result, text)
+
+
+@with_threads
+def bench_generate(args: argparse.Namespace) -> int:
+    from ..benchmarks import generate
+
+    result = generate.run(repeat=args.repeat, quick=args.quick)
+    return _show(args, result, generate.report(result))
+
+
+@with_threads
+def bench_scores(args: argparse.Namespace) -> int:
+    from ..benchmarks import scores
+
+    length = args.length or (1024 if args.quick else 4096)
+    result = scores.run(length=length, repeat=args.repeat, memory=not args.no_memory)
+    return _show(args, result, scores.report(result))
+
+
+def bench_ring(args: argparse.Namespace) -> int:
+    from ..benchmarks import ring
+
+    result = ring.run(nproc=args.nproc, repeat=args.repeat, quick=args.quick)
+    return _show(args, result, ring.report(result))
+
+
+def bench_transcribe(args: argparse.Namespace) -> int:
+    from ..benchmarks import transcribe
+
+    try:
+        result = transcribe.run(
+            args.file, repeat=args.repeat, threads=args.threads, quick=args.quick
+        )
+    except RuntimeError as error:  # ctranslate2 or the weights missing
+        raise SystemExit(str(error)) from error
+    return _show(args, result, transcribe.report(result))
+
+
+def bench_chat(args: argparse.Namespace) -> int:
+    from ..benchmarks import chat
+
+    result = chat.run(
+        prompt=128 if args.quick else 512,
+        new=16 if args.quick else 128,
+        repeat=1 if args.quick else args.repeat,
+    )
+    return _show(args, result, chat.report(result))
+
+
+def bench_serve(args: argparse.Namespace) -> int:
+    from ..benchmarks import serve
+
+    try:
+        result = serve.run(
+            model=args.model,
+            quick=args.quick,
+            threads=args.threads,
+            quantize=args.quantize,
+            load=args.load,
+        )
+    except RuntimeError as error:  # the server did not start
+        raise SystemExit(str(error)) from error
+    return _show(args, result, serve.report(result))
+
+
+def _suite(
+    suites, name: str, what: str, run: Callable, repeat: int | None, quick: str
+) -> argparse.ArgumentParser:
+    """A suite's sub-parser with the options every suite has: --json, --quick (quick says
+    what it does) and, unless repeat is None, --repeat (best of N)."""
+    parser = suites.add_parser(name, help=what, description=f"mhsa bench {name}: {what}.")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument("--quick", action="store_true", help=f"a small smoke run: {quick}")
+    if repeat is not None:
+        add_option(parser, "--repeat", repeat, "report the best of N runs", type=positive_int)
+    parser.set_defaults(run=run)
+    return parser
+
+
+def _in_process_threads(parser: argparse.ArgumentParser) -> None:
+    threads_option(
+        parser,
+        help="torch threads of the timings run in this process (default: torch's own, "
+        "one per core; the memory cases' fresh processes keep theirs)",
+    )
+
+
 def add_parser(commands) -> None:
-    bench_parser = commands.add_parser("bench", help="benchmarks: ratios against peers")
-    bench_parser.add_argument(
-        "suite",
-        choices=[
-            "attention",
-            "sparse",
-            "generate",
-            "ring",
-            "transcribe",
-            "scores",
-            "chat",
-            "serve",
-        ],
-        help="which benchmark",
+    bench_parser = commands.add_parser(
+        "bench",
+        help="benchmarks: ratios against peers",
+        description="Benchmarks, as ratios against peers measured in the same run. "
+        "`mhsa bench SUITE --help` lists a suite's options.",
     )
-    bench_parser.add_argument("--file", help="transcribe: a WAV file (default: espeak-ng speech)")
-    add_option(bench_parser, "--nproc", 2, "ring: processes", type=positive_int)
-    bench_parser.add_argument(
-        "--model", help="serve: the model `mhsa serve` loads (default the packaged SmolLM2)"
+    suites = bench_parser.add_subparsers(dest="suite", required=True, metavar="SUITE")
+
+    attention = _suite(
+        suites,
+        "attention",
+        "time of each backend against SDPA; peak memory of forward+backward",
+        bench_attention,
+        None,
+        "L=S=512, best of 1, no memory cases (seconds)",
     )
-    threads_option(bench_parser, help="serve: torch threads of the server")
-    bench_parser.add_argument(
+    attention.add_argument(
+        "--length", type=positive_int, help="L = S for timings (default 4096; 512 with --quick)"
+    )
+    attention.add_argument(
+        "--repeat", type=positive_int, help="report the best of N runs (default 5; 1 with --quick)"
+    )
+    add_option(attention, "--heads", 8, "query heads", type=positive_int)
+    add_option(attention, "--head-dim", 64, "D per head", type=positive_int)
+    attention.add_argument("--no-memory", action="store_true", help="skip the memory cases")
+    attention.add_argument(
+        "--long",
+        action="store_true",
+        help="add the L=S=16384 memory cases (the reference needs ~12 GiB) and "
+        "causal L=S=65536 (minutes)",
+    )
+    _in_process_threads(attention)
+
+    sparse = _suite(
+        suites,
+        "sparse",
+        "sliding windows, BigBird, dilated windows against SDPA's dense mask and FlexAttention",
+        bench_sparse,
+        5,
+        "every case at small sizes",
+    )
+    sparse.add_argument("--plot", metavar="FILE", help="write a PNG plot")
+    _in_process_threads(sparse)
+
+    generate = _suite(
+        suites,
+        "generate",
+        "tokens/s of a GPT with a KV cache against transformers and CTranslate2",
+        bench_generate,
+        5,
+        "short sequences, one run",
+    )
+    _in_process_threads(generate)
+
+    scores = _suite(
+        suites,
+        "scores",
+        "ALiBi and softcapping against no score function and FlexAttention",
+        bench_scores,
+        3,
+        "L=S=1024",
+    )
+    scores.add_argument(
+        "--length", type=positive_int, help="L = S for timings (default 4096; 1024 with --quick)"
+    )
+    scores.add_argument("--no-memory", action="store_true", help="skip the memory cases")
+    _in_process_threads(scores)
+
+    ring = _suite(
+        suites,
+        "ring",
+        "ring attention's memory per process and time against one process",
+        bench_ring,
+        2,
+        "L=2048, one run",
+    )
+    add_option(ring, "--nproc", 2, "processes", type=positive_int)
+
+    transcribe = _suite(
+        suites,
+        "transcribe",
+        "Whisper tiny.en against CTranslate2",
+        bench_transcribe,
+        5,
+        "a short sentence, one run",
+    )
+    transcribe.add_argument("--file", help="a WAV file (default: espeak-ng speech)")
+    threads_option(
+        transcribe,
+        help="threads of each engine's process (default: torch's own, one per core)",
+    )
+
+    _suite(  # chat: no options beyond every suite's
+        suites,
+        "chat",
+        "SmolLM2 prefill and decode against transformers and the weight-streaming bound",
+        bench_chat,
+        2,
+        "128 prompt tokens, 16 new, one run",
+    )
+
+    serve = _suite(
+        suites,
+        "serve",
+        "the server under 16 concurrent clients against one at a time",
+        bench_serve,
+        None,
+        "a few short requests (instead of --load)",
+    )
+    serve.add_argument(
+        "--model", help="the model `mhsa serve` loads (default the packaged SmolLM2)"
+    )
+    threads_option(serve, help="torch threads of the server (default: the server's own)")
+    serve.add_argument(
         "--load",
         default="chat",
         choices=["chat", "long-prompts"],
-        help="serve: chat (short prompts, longer answers; default) or long-prompts",
+        help="chat (short prompts, longer answers; default) or long-prompts",
     )
-    bench_parser.add_argument(
-        "--quantize", help="serve: the server's --quantize (default: the file's own weights)"
+    serve.add_argument(
+        "--quantize", help="the server's --quantize (default: the file's own weights)"
     )
-    bench_parser.add_argument("--json", action="store_true", help="print JSON")
-    add_option(
-        bench_parser, "--length", 4096, "attention, scores: L = S for timings", type=positive_int
-    )
-    add_option(bench_parser, "--heads", 8, "attention: query heads", type=positive_int)
-    add_option(bench_parser, "--head-dim", 64, "attention: D per head", type=positive_int)
-    add_option(bench_parser, "--repeat", 5, "report the best of N runs", type=positive_int)
-    bench_parser.add_argument("--plot", metavar="FILE", help="sparse: write a PNG plot")
-    bench_parser.add_argument("--quick", action="store_true", help="small smoke run")
-    bench_parser.add_argument("--no-memory", action="store_true", help="skip memory cases")
-    bench_parser.add_argument(
-        "--long",
-        action="store_true",
-        help="attention: add the L=S=16384 memory cases (the reference needs ~12 GiB) and "
-        "causal L=S=65536 (minutes)",
-    )
-    bench_parser.set_defaults(run=bench)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import torch
 
@@ -13,18 +14,39 @@ from .common import (
     chat_weights,
     compile_option,
     positive_int,
-    threads_option,
+    progress_bar,
+    spare_core_threads_option,
+    to_load,
     with_threads,
 )
+
+DESCRIPTION = """Chat with an instruction-tuned model on this machine: the packaged
+SmolLM2-135M-Instruct by default, or a Llama-family .gguf file or transformers directory.
+Type a message and press Enter; the answer streams as it is written. In the chat:
+Ctrl-C stops an answer, /reset forgets the conversation (a --system message stays),
+/exit or Ctrl-D leaves. With --prompt it answers and exits instead."""
+
+
+def say(line: str) -> None:
+    """A status line on stderr, at once (stdout holds only the answers)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 @with_threads
 def chat(args: argparse.Namespace) -> int:
-    from ..apps.chat import load_chat_model
-
+    """Say what loads before the model's modules are imported, load it, then answer the
+    --prompt turns or chat until /exit or Ctrl-D."""
     if args.prompt is not None and any(not p.strip() for p in args.prompt):
         raise ValueError("--prompt must not be empty")
-    model = load_chat_model(args.model, **chat_weights(args))
+    say(f"loading {to_load(args.model)} ...")
+    started = time.perf_counter()
+    from ..apps.chat import load_chat_model
+
+    bar = progress_bar("reading weights")
+    model = load_chat_model(args.model, **chat_weights(args), progress=bar)
+    say(f"loaded {model.name} in {time.perf_counter() - started:.1f} s")
+    if args.compile:
+        say("the first answer waits for compiling the decoding step (torch.compile)")
     generator = torch.Generator().manual_seed(args.seed)
     history = [{"role": "system", "content": args.system}] if args.system else []
     options = {
@@ -54,6 +76,8 @@ def chat(args: argparse.Namespace) -> int:
             return 0
         if prompt.strip() == "/reset":
             history = history[:1] if args.system else []
+            kept = " (the --system message stays)" if args.system else ""
+            print(f"[conversation forgotten{kept}]", file=sys.stderr)
             continue
         if prompt.strip():
             _answer(model, history, prompt, options)
@@ -97,7 +121,9 @@ def _report_compile(model) -> None:
 
 
 def add_parser(commands) -> None:
-    cmd = commands.add_parser("chat", help="chat with an instruction-tuned model (SmolLM2)")
+    cmd = commands.add_parser(
+        "chat", help="chat with an instruction-tuned model (SmolLM2)", description=DESCRIPTION
+    )
     cmd.add_argument(
         "--model",
         default=None,
@@ -127,5 +153,5 @@ def add_parser(commands) -> None:
         cmd, "--max-new-tokens", 256, "at most this many tokens per answer", type=positive_int
     )
     chat_weight_options(cmd)
-    threads_option(cmd)
+    spare_core_threads_option(cmd)
     cmd.set_defaults(run=chat)

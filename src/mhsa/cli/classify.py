@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from .common import add_option, load_model, positive_int
+from .common import add_option, load_model, positive_int, threads_option, with_threads
 
 
 def _model_and_reader(path: str):
@@ -44,6 +44,7 @@ def _model_and_reader(path: str):
     return model, state, read
 
 
+@with_threads
 def classify(args: argparse.Namespace) -> int:
     """Print each file's most likely labels; a bad file is reported and the others go on."""
     model, state, read = _model_and_reader(args.checkpoint)
@@ -80,4 +81,5 @@ def add_parser(commands) -> None:
         help="images (vit), WAV files (ast), or .npy / x y z text point files (points)",
     )
     add_option(parser, "--top", 3, "how many labels to show per file", type=positive_int)
+    threads_option(parser)
     parser.set_defaults(run=classify)

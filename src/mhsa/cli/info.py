@@ -68,6 +68,12 @@ def info(_: argparse.Namespace) -> int:
 
 
 def add_parser(commands) -> None:
-    commands.add_parser("info", help="versions, device and attention backends").set_defaults(
-        run=info
+    description = (
+        "Show the versions of mhsa, Python and torch, the device, and for each attention "
+        "backend whether it runs here and which calls it cannot serve (with the reason), "
+        "then which backend `auto` picks for typical calls."
     )
+    parser = commands.add_parser(
+        "info", help="versions, device and attention backends", description=description
+    )
+    parser.set_defaults(run=info)

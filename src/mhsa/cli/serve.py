@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -16,17 +18,36 @@ from .common import (
     chat_weights,
     non_negative_int,
     positive_int,
+    progress_bar,
     threads_option,
+    to_load,
     with_threads,
 )
+
+DESCRIPTION = """Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions,
+/v1/completions, /v1/models) on this machine: the packaged SmolLM2-135M-Instruct by
+default, a Llama-family .gguf file or transformers directory, or a `mhsa train gpt`
+checkpoint. Requests are decoded together (continuous batching over a paged KV cache).
+It says what it loads, then prints the address once it is ready; Ctrl-C stops it."""
+
+
+def say(line: str) -> None:
+    """A status line on stderr, at once (stdout holds the address once ready)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 @with_threads
 def serve(args: argparse.Namespace) -> int:
+    say(f"loading {to_load(args.model)} ...")
+    started = time.perf_counter()
     try:
         from ..apps.serve.server import Server
-    except ImportError as error:
-        print(f"mhsa serve: {error}", file=sys.stderr)
+    except ImportError as error:  # the serve extra: its message names mhsa serve
+        message = str(error)
+        print(
+            message if message.startswith("mhsa serve") else f"mhsa serve: {message}",
+            file=sys.stderr,
+        )
         return 2
     served = load_served(
         args.model,
@@ -36,7 +57,9 @@ def serve(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         max_batch=args.max_batch,
         context_length=args.context_length,
+        progress=progress_bar("reading weights"),
     )
+    say(f"loaded {served.name} in {time.perf_counter() - started:.1f} s; starting the server ...")
     server = Server(served, host=args.host, port=args.port, log_level=args.log_level)
     server.start()
     engine = served.engine
@@ -50,15 +73,23 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_served(model: str | None, weights: dict, *, name: str | None = None, **engine_options):
+def load_served(
+    model: str | None,
+    weights: dict,
+    *,
+    name: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    **engine_options,
+):
     """The ServedModel of --model: None or "chat" (the packaged SmolLM2), a .gguf file, a
     transformers directory (it has tokenizer.json), or a `mhsa train gpt` checkpoint;
-    weights: load_chat_model's dtype and quantize."""
+    weights: load_chat_model's dtype and quantize; progress: load_chat_model's."""
     from ..apps.chat import load_chat_model
     from ..apps.serve.models import ServedModel
 
     if model in (None, "chat"):
-        return ServedModel.from_chat(load_chat_model(**weights), name=name, **engine_options)
+        chat = load_chat_model(**weights, progress=progress)
+        return ServedModel.from_chat(chat, name=name, **engine_options)
     path = Path(model)
     if not path.exists():
         raise FileNotFoundError(
@@ -66,7 +97,8 @@ def load_served(model: str | None, weights: dict, *, name: str | None = None, **
             ".gguf file, a transformers directory or a GPT checkpoint"
         )
     if path.is_file() or (path / "tokenizer.json").is_file():
-        return ServedModel.from_chat(load_chat_model(path, **weights), name=name, **engine_options)
+        chat = load_chat_model(path, **weights, progress=progress)
+        return ServedModel.from_chat(chat, name=name, **engine_options)
     if weights["quantize"] is not None or weights["dtype"] != torch.float32:
         raise ValueError(
             "--quantize and --dtype are for chat models; a GPT checkpoint is "
@@ -80,7 +112,11 @@ def load_served(model: str | None, weights: dict, *, name: str | None = None, **
 
 
 def add_parser(commands) -> None:
-    cmd = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (chat, completions)")
+    cmd = commands.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server (chat, completions)",
+        description=DESCRIPTION,
+    )
     cmd.add_argument(
         "--model",
         default=None,

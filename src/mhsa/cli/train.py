@@ -7,7 +7,14 @@ import sys
 
 import torch
 
-from .common import add_option, common_train_options, positive_int, size_options, train_config
+from .common import (
+    add_option,
+    common_train_options,
+    positive_int,
+    size_options,
+    train_config,
+    with_threads,
+)
 
 
 def train_gpt(args: argparse.Namespace) -> int:
@@ -63,10 +70,19 @@ def train_gpt(args: argparse.Namespace) -> int:
     final = result["history"][-1]["val_loss"] if result["history"] else float("nan")
     print(f"validation loss {describe_loss(final)}; unigram baseline {describe_loss(baseline)}")
     print(
-        f"{result['step']} steps in {result['seconds']:.0f} s "
+        f"{steps_made(result)} in {result['seconds']:.0f} s "
         f"({result['tokens_per_second'] / 1e3:.1f}k tokens/s); checkpoint: {args.out}"
     )
     return 0
+
+
+def steps_made(result: dict) -> str:
+    """The steps this run made, of train()'s result: "600 steps", or after a resume
+    "500 steps (101 to 600)" (its seconds and tokens/s count those alone)."""
+    made, last = result["steps_this_run"], result["step"]
+    if made == last:
+        return f"{made} steps"
+    return f"{made} steps ({last - made + 1} to {last})" if made else "0 steps (already done)"
 
 
 def fit(model, task, args: argparse.Namespace, kind: str, **info) -> dict:
@@ -89,7 +105,7 @@ def fit(model, task, args: argparse.Namespace, kind: str, **info) -> dict:
     last = result["history"][-1] if result["history"] else {}
     accuracy = f", test accuracy {last['test_acc']:.2%}" if "test_acc" in last else ""
     print(
-        f"{result['step']} steps in {result['seconds']:.0f} s; validation loss "
+        f"{steps_made(result)} in {result['seconds']:.0f} s; validation loss "
         f"{last.get('val_loss', float('nan')):.4f}{accuracy}; checkpoint: {args.out}"
     )
     return result
@@ -271,7 +287,7 @@ def _spawn_data_parallel(args: argparse.Namespace, nproc: int) -> int:
             "process trains on an equal share of every batch"
         )
     args.nproc = 1  # inside the group each worker trains as one rank of it
-    threads = max(1, torch.get_num_threads() // nproc)
+    threads = args.threads = max(1, args.threads // nproc)  # --threads is for them all
     return run_local(_run_as_rank, nproc, args, timeout=None, threads=threads, quiet=True)[0]
 
 
@@ -279,12 +295,14 @@ def _run_as_rank(rank: int, world_size: int, args: argparse.Namespace) -> int:
     return args.run(args)
 
 
+@with_threads
 def run(args: argparse.Namespace) -> int:
     """Train in this process, or in --nproc local processes (data or context parallel).
     A diverged run or Ctrl-C ends with a one-line message naming the latest checkpoint."""
-    from ..apps.train import TrainingDiverged
+    from ..apps.train import TrainingDiverged, check_out_dir
     from ..checkpoint import latest_checkpoint
 
+    check_out_dir(args.out, args.resume, args.overwrite)  # before loading data and model
     try:
         if getattr(args, "data_parallel", False) and args.nproc > 1:
             return _spawn_data_parallel(args, args.nproc)

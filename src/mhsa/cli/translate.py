@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-from .common import add_option, load_model, positive_int
+from .common import add_option, load_model, positive_int, threads_option, with_threads
 
 
+@with_threads
 def translate(args: argparse.Namespace) -> int:
     """Translate English number words with a `mhsa train translate` checkpoint."""
     from ..data.numbers import Vocabulary, pad_batch
@@ -50,4 +51,5 @@ def add_parser(commands) -> None:
         "beams are ranked by log-probability / length ** this",
         type=float,
     )
+    threads_option(translate_parser)
     translate_parser.set_defaults(run=translate)

@@ -6,13 +6,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .common import add_option, positive_int
+from .common import add_option, positive_int, threads_option, with_threads
 
 MODELS = ("gpt", "chat", "minilm", "whisper")
 MB = 1 << 20
 LARGE = 20 * MB  # past this the command suggests --heads / --max-tokens
 
 
+@with_threads
 def viz(args: argparse.Namespace) -> int:
     """Record the attention of the chosen model for one input; write the PNG (--out)
     and/or the HTML explorer (--html); maps.png when neither is given."""
@@ -167,4 +168,5 @@ def add_parser(commands) -> None:
         "evenly spread, first and last included",
         type=positive_int,
     )
+    threads_option(cmd)
     cmd.set_defaults(run=viz)

@@ -19,6 +19,7 @@ of a head's dimensions pairs with the second) to "interleaved" pairs (GGUF: dime
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -293,13 +294,18 @@ def _dequantize(tensor, source: str) -> np.ndarray:
         ) from None
 
 
-def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFModel:
+def read_gguf(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    progress: Callable[[int, int], None] | None = None,
+) -> GGUFModel:
     """Read a GGUF model file into a transformers-style config and state dict.
 
     Every tensor is dequantised by the gguf package to float32, then cast to `dtype` (a
     floating dtype: float32, bfloat16 or float16). Names and shapes are checked against the
-    config before anything is dequantised. Raises ValueError for a file that is not GGUF,
-    is truncated, or holds an architecture, tensor or quantisation type we do not support.
+    config before anything is dequantised; progress(done, total) follows the tensors
+    read. Raises ValueError for a file that is not GGUF, is truncated, or holds an
+    architecture, tensor or quantisation type we do not support.
     """
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(
@@ -318,7 +324,13 @@ def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFModel
     expected = {name: _expected_shape(name, config) for name in _possible_names(config)}
     fix = f"a damaged or inconsistent GGUF file, or a {arch} variant we do not support"
     state_dict = read_tensors(
-        source, GGUF_NAMES, expected, dtype=dtype, expected_by="the metadata", fix=fix
+        source,
+        GGUF_NAMES,
+        expected,
+        dtype=dtype,
+        expected_by="the metadata",
+        fix=fix,
+        progress=progress,
     )
     by_name = {GGUF_NAMES.param_names(t.name)[0]: t for t in reader.tensors if t.name != ROPE_FREQS}
     return GGUFModel(path, arch, config, state_dict, metadata, rope_freqs, by_name)

@@ -25,7 +25,7 @@ A source of named tensors is anything with a `name` (the file, for messages), `s
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -309,17 +309,21 @@ def read_tensors(
     expected_by: str = "the model",
     fix: str = "check that the file was written for this model",
     ignore: Iterable[str] = (),
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Tensor]:
     """{our name: tensor} for every name of `expected` ({our name: shape}) that the file
     stores (all but the table's optional ones), checked first (see the module docstring);
     names None: the file uses our names. Tensors are taken as read (no copy), cast to
     dtype if given. expected_by names what implies the shapes ("the metadata"); fix is
-    what a message ends with; ignore: stored names to pass over besides the table's."""
+    what a message ends with; ignore: stored names to pass over besides the table's;
+    progress(done, total) is called after each stored tensor is read."""
     plan = _plan(source, names, expected, expected_by=expected_by, fix=fix, ignore=ignore)
     out = {}
-    for entry in plan:
+    for done, entry in enumerate(plan, start=1):
         for param, part in zip(entry.params, _split(entry, source.read(entry.raw)), strict=True):
             out[param] = part if dtype is None else part.to(dtype)
+        if progress is not None:
+            progress(done, len(plan))
     return out
 
 

@@ -1,0 +1,124 @@
+"""`mhsa bench SUITE`: each suite takes only its own options, and passes them on."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from mhsa.cli import build_parser, main
+
+
+def _suites() -> dict[str, argparse.ArgumentParser]:
+    bench = next(
+        action.choices["bench"]
+        for action in build_parser()._actions
+        if isinstance(action, argparse._SubParsersAction)
+    )
+    return next(
+        action.choices
+        for action in bench._actions
+        if isinstance(action, argparse._SubParsersAction)
+    )
+
+
+def _options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {flag: action for action in parser._actions for flag in action.option_strings}
+
+
+def _other_options() -> list[tuple[str, str, list[str]]]:
+    """(suite, another suite's option it lacks, that option with a valid value)."""
+    suites = {name: _options(parser) for name, parser in _suites().items()}
+    cases = {}
+    for name, own in suites.items():
+        for other in suites.values():
+            for flag, action in other.items():
+                if flag in own or (name, flag) in cases:
+                    continue
+                value = [] if action.nargs == 0 else [str((action.choices or ["1"])[-1])]
+                cases[(name, flag)] = [flag, *value]
+    return [(name, flag, argv) for (name, flag), argv in cases.items()]
+
+
+def test_every_suite_has_its_own_options():
+    suites = {name: set(_options(parser)) for name, parser in _suites().items()}
+    assert set(suites) == {
+        "attention",
+        "sparse",
+        "generate",
+        "ring",
+        "transcribe",
+        "scores",
+        "chat",
+        "serve",
+    }
+    assert {"--nproc", "--load", "--quantize", "--plot"} <= set().union(*suites.values())
+    assert len(_other_options()) >= 40
+
+
+@pytest.mark.parametrize(("suite", "flag", "argv"), _other_options())
+def test_every_suite_rejects_another_suites_option(suite, flag, argv, capsys):
+    """`mhsa bench ring --load chat` is argparse's error (exit 2), not silently ignored."""
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["bench", suite, *argv])
+    assert exit_info.value.code == 2
+    assert f"unrecognized arguments: {' '.join(argv)}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["ring", "--nproc", "4"],
+        ["sparse", "--plot", "out.png", "--quick", "--json"],
+        ["serve", "--load", "long-prompts", "--threads", "2", "--quantize", "int8"],
+        ["scores", "--length", "16384", "--repeat", "2"],
+        ["attention", "--long", "--heads", "4", "--head-dim", "32", "--no-memory"],
+        ["transcribe", "--file", "a.wav", "--repeat", "1", "--threads", "2"],
+        ["chat", "--quick", "--repeat", "1"],
+        ["generate", "--threads", "1", "--repeat", "2"],
+    ],
+)
+def test_each_suites_own_options_parse(argv):
+    args = build_parser().parse_args(["bench", *argv])
+    assert args.suite == argv[0] and callable(args.run)
+
+
+def test_bench_needs_a_suite(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["bench"])
+    assert exit_info.value.code == 2
+    assert "the following arguments are required: SUITE" in capsys.readouterr().err
+
+
+def test_attention_quick_is_a_small_run_without_memory_cases(capsys, monkeypatch):
+    """--quick reaches the benchmark (issue 35: it was ignored, and a "smoke run" took 6
+    minutes and 3.4 GiB): L=S=512 and no memory case (each would start a process)."""
+
+    def no_memory_case(*args, **kwargs):
+        raise AssertionError("--quick measured a memory case")
+
+    monkeypatch.setattr("mhsa.benchmarks.attention.measure_in_subprocess", no_memory_case)
+    assert main(["bench", "attention", "--quick", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert {row["shape"] for row in result["timing"]} == {"B=1 H=8 L=S=512 D=64"}
+    assert result["memory"] == []
+
+
+def test_serve_passes_load_to_the_benchmark(capsys, monkeypatch):
+    """--load reaches serve.run (issue 35: it never did, so `--load long-prompts` measured
+    the chat load). The server is not started: the benchmark's run is replaced by one
+    that records its arguments and fails as a server that did not start."""
+    seen = []
+
+    def no_server(**options):
+        seen.append(options)
+        raise RuntimeError("the server did not start")
+
+    monkeypatch.setattr("mhsa.benchmarks.serve.run", no_server)
+    argv = ["bench", "serve", "--load", "long-prompts", "--threads", "1", "--quantize", "int8"]
+    with pytest.raises(SystemExit, match="the server did not start"):
+        main(argv)
+    assert seen == [
+        {"model": None, "quick": False, "threads": 1, "quantize": "int8", "load": "long-prompts"}
+    ]
