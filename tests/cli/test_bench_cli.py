@@ -122,3 +122,28 @@ def test_serve_passes_load_to_the_benchmark(capsys, monkeypatch):
     assert seen == [
         {"model": None, "quick": False, "threads": 1, "quantize": "int8", "load": "long-prompts"}
     ]
+
+
+def test_every_suite_takes_threads_and_chat_and_ring_pass_them_on(capsys, monkeypatch):
+    assert all("--threads" in _options(parser) for parser in _suites().values())
+    seen = {}
+
+    def record(name):
+        def run(**kwargs):
+            seen[name] = kwargs
+            return {}
+
+        return run
+
+    monkeypatch.setattr("mhsa.benchmarks.chat.run", record("chat"))
+    monkeypatch.setattr("mhsa.benchmarks.ring.run", record("ring"))
+    for name in ("chat", "ring"):
+        monkeypatch.setattr(f"mhsa.benchmarks.{name}.report", lambda result: "")
+    assert main(["bench", "chat", "--threads", "1", "--json"]) == 0
+    assert main(["bench", "ring", "--threads", "2", "--nproc", "2", "--json"]) == 0
+    assert seen["chat"]["threads"] == 1 and seen["ring"] == {
+        "nproc": 2,
+        "repeat": 2,
+        "quick": False,
+        "threads": 2,
+    }

@@ -173,11 +173,15 @@ def measure(mode: str, prompt: int, new: int, repeat: int) -> dict:
     return result
 
 
-def run(prompt: int = 512, new: int = 128, repeat: int = 2) -> dict:
-    results = {"prompt": prompt, "new": new, "threads": torch.get_num_threads(), "modes": {}}
+def run(prompt: int = 512, new: int = 128, repeat: int = 2, threads: int | None = None) -> dict:
+    """Each mode measured in a fresh process with `threads` torch threads (default: this
+    process's count), then the weight-streaming bound in this process."""
+    threads = torch.get_num_threads() if threads is None else threads
+    results = {"prompt": prompt, "new": new, "threads": threads, "modes": {}}
     for mode in MODES:
         code = (
-            "import json, sys; from mhsa.benchmarks.chat import measure; "
+            "import json, sys, torch; from mhsa.benchmarks.chat import measure; "
+            f"torch.set_num_threads({threads}); "
             f"print(json.dumps(measure({mode!r}, {prompt}, {new}, {repeat})))"
         )
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

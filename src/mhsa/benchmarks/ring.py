@@ -86,10 +86,10 @@ def _measure(rank: int, world: int, case: Case) -> dict:
     return {"extra_bytes": peak - baseline, "times": times, "peak_reset": reset}
 
 
-def _case(nproc: int, case: Case) -> dict:
+def _case(nproc: int, case: Case, cores: int) -> dict:
     from mhsa.distributed import run_local
 
-    threads = max(1, _cpus() // nproc)
+    threads = max(1, cores // nproc)
     ranks = run_local(_measure, nproc, case, timeout=600, threads=threads)
     per_call = [max(r["times"][i] for r in ranks) for i in range(case.repeat)]  # slowest rank
     return {
@@ -119,10 +119,13 @@ def run(
     layout: str = "zigzag",
     repeat: int = 2,
     quick: bool = False,
+    threads: int | None = None,
 ) -> list[dict]:
     """Two rows: the single-process baseline, then ring attention over nproc processes
     (with memory_ratio = ring / single per process, ideal_ratio = 1 / nproc, and
-    time_ratio = ring / single). quick: a smoke run at length 2048, repeat 1."""
+    time_ratio = ring / single). quick: a smoke run at length 2048, repeat 1. threads: the
+    cores the benchmark may use (default: all this process may use); the baseline gets
+    them all, each of the nproc processes an equal share."""
     if quick:
         length, repeat = 2048, 1
     if nproc < 1:
@@ -135,8 +138,9 @@ def run(
             f"length {length} must be a multiple of {chunks} for {nproc} ranks, {layout} layout"
         )
     case = Case(False, length, heads, head_dim, causal, layout, repeat)
-    single = _case(1, case)
-    ring = _case(nproc, replace(case, ring=True))
+    cores = _cpus() if threads is None else threads
+    single = _case(1, case, cores)
+    ring = _case(nproc, replace(case, ring=True), cores)
     ring["memory_ratio"] = ring["extra_bytes"] / single["extra_bytes"]
     ring["ideal_ratio"] = 1.0 / nproc
     ring["time_ratio"] = ring["seconds"] / single["seconds"]

@@ -66,7 +66,7 @@ def bench_scores(args: argparse.Namespace) -> int:
 def bench_ring(args: argparse.Namespace) -> int:
     from ..benchmarks import ring
 
-    result = ring.run(nproc=args.nproc, repeat=args.repeat, quick=args.quick)
+    result = ring.run(nproc=args.nproc, repeat=args.repeat, quick=args.quick, threads=args.threads)
     return _show(args, result, ring.report(result))
 
 
@@ -82,6 +82,7 @@ def bench_transcribe(args: argparse.Namespace) -> int:
     return _show(args, result, transcribe.report(result))
 
 
+@with_threads
 def bench_chat(args: argparse.Namespace) -> int:
     from ..benchmarks import chat
 
@@ -89,6 +90,7 @@ def bench_chat(args: argparse.Namespace) -> int:
         prompt=128 if args.quick else 512,
         new=16 if args.quick else 128,
         repeat=1 if args.quick else args.repeat,
+        threads=args.threads,
     )
     return _show(args, result, chat.report(result))
 
@@ -209,6 +211,11 @@ def add_parser(commands) -> None:
         "L=2048, one run",
     )
     add_option(ring, "--nproc", 2, "processes", type=positive_int)
+    threads_option(
+        ring,
+        help="cores the benchmark may use (default: all usable): the one-process baseline "
+        "gets them all, each ring process an equal share",
+    )
 
     transcribe = _suite(
         suites,
@@ -224,13 +231,18 @@ def add_parser(commands) -> None:
         help="threads of each engine's process (default: torch's own, one per core)",
     )
 
-    _suite(  # chat: no options beyond every suite's
+    chat = _suite(
         suites,
         "chat",
         "SmolLM2 prefill and decode against transformers and the weight-streaming bound",
         bench_chat,
         2,
         "128 prompt tokens, 16 new, one run",
+    )
+    threads_option(
+        chat,
+        help="torch threads of every measured process and of the bound "
+        "(default: torch's own, one per core)",
     )
 
     serve = _suite(
