@@ -129,6 +129,9 @@ def _local_worker(rank, world_size, port, fn, args, results, threads, timeout, q
         # plain pickle sends tensors by value; the queue's own pickler would share their
         # memory with this process, which is gone by the time the parent reads them
         results.put((rank, True, pickle.dumps(value)))
+        # every rank done before any tears the group down: a peer still using it
+        # when another destroys it can abort (seen once: SIGABRT in test_ddp's resume)
+        dist.barrier()
     except BaseException:
         results.put((rank, False, (time.time(), traceback.format_exc())))
         raise
