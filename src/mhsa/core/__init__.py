@@ -8,4 +8,5 @@ masks/         patterns: what may attend, and the one causal rule
 scores.py      score functions applied inside the engines (ALiBi, softcap, ...)
 cluster.py     content-based (clustered) sparse attention
 checks.py      small argument checkers
+tracing.py     what the engines tell torch.compile, without importing torch._dynamo
 """
