@@ -21,6 +21,7 @@ def _show(args: argparse.Namespace, result, text: str) -> int:
 
 @with_threads
 def bench_attention(args: argparse.Namespace) -> int:
+    """time of each backend against SDPA; peak memory of forward+backward"""
     from ..benchmarks import attention
 
     result = attention.run(
@@ -36,6 +37,7 @@ def bench_attention(args: argparse.Namespace) -> int:
 
 @with_threads
 def bench_sparse(args: argparse.Namespace) -> int:
+    """sliding windows, BigBird, dilated windows against SDPA's dense mask and FlexAttention"""
     from ..benchmarks import sparse
 
     result = sparse.run(repeat=args.repeat, quick=args.quick)
@@ -48,6 +50,7 @@ def bench_sparse(args: argparse.Namespace) -> int:
 
 @with_threads
 def bench_generate(args: argparse.Namespace) -> int:
+    """tokens/s of a GPT with a KV cache against transformers and CTranslate2"""
     from ..benchmarks import generate
 
     result = generate.run(repeat=args.repeat, quick=args.quick)
@@ -56,6 +59,7 @@ def bench_generate(args: argparse.Namespace) -> int:
 
 @with_threads
 def bench_scores(args: argparse.Namespace) -> int:
+    """ALiBi and softcapping against no score function and FlexAttention"""
     from ..benchmarks import scores
 
     length = args.length or (1024 if args.quick else 4096)
@@ -64,6 +68,7 @@ def bench_scores(args: argparse.Namespace) -> int:
 
 
 def bench_ring(args: argparse.Namespace) -> int:
+    """ring attention's memory per process and time against one process"""
     from ..benchmarks import ring
 
     result = ring.run(nproc=args.nproc, repeat=args.repeat, quick=args.quick, threads=args.threads)
@@ -71,6 +76,7 @@ def bench_ring(args: argparse.Namespace) -> int:
 
 
 def bench_transcribe(args: argparse.Namespace) -> int:
+    """Whisper tiny.en against CTranslate2"""
     from ..benchmarks import transcribe
 
     try:
@@ -84,6 +90,7 @@ def bench_transcribe(args: argparse.Namespace) -> int:
 
 @with_threads
 def bench_chat(args: argparse.Namespace) -> int:
+    """SmolLM2 prefill and decode against transformers and the weight-streaming bound"""
     from ..benchmarks import chat
 
     result = chat.run(
@@ -96,6 +103,7 @@ def bench_chat(args: argparse.Namespace) -> int:
 
 
 def bench_serve(args: argparse.Namespace) -> int:
+    """the server under 16 concurrent clients against one at a time"""
     from ..benchmarks import serve
 
     try:
@@ -112,10 +120,11 @@ def bench_serve(args: argparse.Namespace) -> int:
 
 
 def _suite(
-    suites, name: str, what: str, run: Callable, repeat: int | None, quick: str
+    suites, name: str, run: Callable, repeat: int | None, quick: str
 ) -> argparse.ArgumentParser:
     """A suite's sub-parser with the options every suite has: --json, --quick (quick says
     what it does) and, unless repeat is None, --repeat (best of N)."""
+    what = run.__doc__
     parser = suites.add_parser(name, help=what, description=f"mhsa bench {name}: {what}.")
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.add_argument("--quick", action="store_true", help=f"a small smoke run: {quick}")
@@ -133,6 +142,20 @@ def _in_process_threads(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# each suite: its name, its runner (whose docstring says what it measures), --repeat's
+# default (None: the suite adds its own) and what --quick does
+SUITES = (
+    ("attention", bench_attention, None, "L=S=512, best of 1, no memory cases (seconds)"),
+    ("sparse", bench_sparse, 5, "every case at small sizes"),
+    ("generate", bench_generate, 5, "short sequences, one run"),
+    ("scores", bench_scores, 3, "L=S=1024"),
+    ("ring", bench_ring, 2, "L=2048, one run"),
+    ("transcribe", bench_transcribe, 5, "a short sentence, one run"),
+    ("chat", bench_chat, 2, "128 prompt tokens, 16 new, one run"),
+    ("serve", bench_serve, None, "a few short requests (instead of --load)"),
+)
+
+
 def add_parser(commands) -> None:
     bench_parser = commands.add_parser(
         "bench",
@@ -141,15 +164,9 @@ def add_parser(commands) -> None:
         "`mhsa bench SUITE --help` lists a suite's options.",
     )
     suites = bench_parser.add_subparsers(dest="suite", required=True, metavar="SUITE")
+    parsers = {row[0]: _suite(suites, *row) for row in SUITES}
 
-    attention = _suite(
-        suites,
-        "attention",
-        "time of each backend against SDPA; peak memory of forward+backward",
-        bench_attention,
-        None,
-        "L=S=512, best of 1, no memory cases (seconds)",
-    )
+    attention = parsers["attention"]
     attention.add_argument(
         "--length", type=positive_int, help="L = S for timings (default 4096; 512 with --quick)"
     )
@@ -167,49 +184,21 @@ def add_parser(commands) -> None:
     )
     _in_process_threads(attention)
 
-    sparse = _suite(
-        suites,
-        "sparse",
-        "sliding windows, BigBird, dilated windows against SDPA's dense mask and FlexAttention",
-        bench_sparse,
-        5,
-        "every case at small sizes",
-    )
+    sparse = parsers["sparse"]
     sparse.add_argument("--plot", metavar="FILE", help="write a PNG plot")
     _in_process_threads(sparse)
 
-    generate = _suite(
-        suites,
-        "generate",
-        "tokens/s of a GPT with a KV cache against transformers and CTranslate2",
-        bench_generate,
-        5,
-        "short sequences, one run",
-    )
+    generate = parsers["generate"]
     _in_process_threads(generate)
 
-    scores = _suite(
-        suites,
-        "scores",
-        "ALiBi and softcapping against no score function and FlexAttention",
-        bench_scores,
-        3,
-        "L=S=1024",
-    )
+    scores = parsers["scores"]
     scores.add_argument(
         "--length", type=positive_int, help="L = S for timings (default 4096; 1024 with --quick)"
     )
     scores.add_argument("--no-memory", action="store_true", help="skip the memory cases")
     _in_process_threads(scores)
 
-    ring = _suite(
-        suites,
-        "ring",
-        "ring attention's memory per process and time against one process",
-        bench_ring,
-        2,
-        "L=2048, one run",
-    )
+    ring = parsers["ring"]
     add_option(ring, "--nproc", 2, "processes", type=positive_int)
     threads_option(
         ring,
@@ -217,42 +206,21 @@ def add_parser(commands) -> None:
         "gets them all, each ring process an equal share",
     )
 
-    transcribe = _suite(
-        suites,
-        "transcribe",
-        "Whisper tiny.en against CTranslate2",
-        bench_transcribe,
-        5,
-        "a short sentence, one run",
-    )
+    transcribe = parsers["transcribe"]
     transcribe.add_argument("--file", help="a WAV file (default: espeak-ng speech)")
     threads_option(
         transcribe,
         help="threads of each engine's process (default: torch's own, one per core)",
     )
 
-    chat = _suite(
-        suites,
-        "chat",
-        "SmolLM2 prefill and decode against transformers and the weight-streaming bound",
-        bench_chat,
-        2,
-        "128 prompt tokens, 16 new, one run",
-    )
+    chat = parsers["chat"]
     threads_option(
         chat,
         help="torch threads of every measured process and of the bound "
         "(default: torch's own, one per core)",
     )
 
-    serve = _suite(
-        suites,
-        "serve",
-        "the server under 16 concurrent clients against one at a time",
-        bench_serve,
-        None,
-        "a few short requests (instead of --load)",
-    )
+    serve = parsers["serve"]
     serve.add_argument(
         "--model", help="the model `mhsa serve` loads (default the packaged SmolLM2)"
     )

@@ -12,21 +12,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .config import ModelConfig
+from .config import EncoderClassifierConfig
 from .vit import vit_blocks
 
 
 @dataclass
-class ASTConfig(ModelConfig):
+class ASTConfig(EncoderClassifierConfig):
     n_mels: int = 64
     frames: int = 101
     patch: int = 16
     stride: int = 10  # < patch: patches overlap, as in AST
-    num_classes: int = 10
     d_model: int = 96
-    n_layer: int = 4
-    n_head: int = 4
-    dropout: float = 0.1
 
     def grid(self) -> tuple[int, int]:
         return (
@@ -44,7 +40,7 @@ class AST(nn.Module):
         rows, cols = config.grid()
         self.cls_token = nn.Parameter(torch.zeros(1, 1, d))
         self.pos_emb = nn.Parameter(torch.randn(1, 1 + rows * cols, d) * 0.02)
-        self.blocks = vit_blocks(config.n_layer, d, config.n_head, 4 * d, config.dropout)
+        self.blocks = vit_blocks(config)
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, config.num_classes)
 

@@ -35,3 +35,22 @@ class CausalLMConfig(ModelConfig):
             raise ValueError(
                 f"n_kv_head must divide n_head ({self.n_head}) or be None, got {self.n_kv_head!r}"
             )
+
+
+@dataclass
+class EncoderClassifierConfig(ModelConfig):
+    """What the pre-norm encoder classifiers (ViT, AST, the point-cloud model) share:
+    the classes, width, depth and heads, the feed-forward width (None: ff_ratio *
+    d_model) and dropout; subclasses add their input's fields."""
+
+    ff_ratio = 4  # a class constant, not a field
+
+    num_classes: int = 10
+    d_model: int = 64
+    n_layer: int = 4
+    n_head: int = 4
+    d_ff: int | None = None
+    dropout: float = 0.1
+
+    def feed_forward_width(self) -> int:
+        return self.d_ff or self.ff_ratio * self.d_model

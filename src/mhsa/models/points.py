@@ -20,19 +20,19 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..nn import MultiHeadAttention
-from .config import ModelConfig
+from .config import EncoderClassifierConfig
 from .vit import vit_blocks
 
 POOLINGS = ("attention", "mean", "max")
 
 
 @dataclass
-class PointCloudConfig(ModelConfig):
+class PointCloudConfig(EncoderClassifierConfig):
+    ff_ratio = 2
+
     num_classes: int = 6
     d_model: int = 96
     n_layer: int = 3
-    n_head: int = 4
-    d_ff: int | None = None
     dropout: float = 0.0
     pooling: str = "attention"
 
@@ -47,9 +47,7 @@ class PointCloudTransformer(nn.Module):
         self.config = config
         d = config.d_model
         self.embed = nn.Sequential(nn.Linear(4, d), nn.GELU(), nn.Linear(d, d))
-        self.blocks = vit_blocks(
-            config.n_layer, d, config.n_head, config.d_ff or 2 * d, config.dropout
-        )
+        self.blocks = vit_blocks(config)
         self.norm = nn.LayerNorm(d)
         self.seed = nn.Parameter(torch.randn(1, 1, d) * 0.02)
         self.pool_attn = MultiHeadAttention(d, config.n_head)

@@ -17,20 +17,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..nn import encoder_layers
-from .config import ModelConfig
+from .config import EncoderClassifierConfig
 
 
 @dataclass
-class ViTConfig(ModelConfig):
+class ViTConfig(EncoderClassifierConfig):
     image_size: int = 8
     patch_size: int = 2
     channels: int = 1
-    num_classes: int = 10
-    d_model: int = 64
-    n_layer: int = 4
-    n_head: int = 4
-    d_ff: int | None = None
-    dropout: float = 0.1
 
     def __post_init__(self) -> None:
         if self.image_size % self.patch_size:
@@ -40,15 +34,15 @@ class ViTConfig(ModelConfig):
             )
 
 
-def vit_blocks(n_layer: int, d_model: int, n_head: int, d_ff: int, dropout: float) -> nn.ModuleList:
-    """ViT's encoder blocks: pre-norm self-attention and a GELU feed-forward of width
-    d_ff, each block initialised on its own (AST and the point-cloud model use them too)."""
+def vit_blocks(config: EncoderClassifierConfig) -> nn.ModuleList:
+    """ViT's encoder blocks: pre-norm self-attention and a GELU feed-forward, each block
+    initialised on its own (AST and the point-cloud model use them too)."""
     return encoder_layers(
-        n_layer,
-        d_model,
-        n_head,
-        dim_feedforward=d_ff,
-        dropout=dropout,
+        config.n_layer,
+        config.d_model,
+        config.n_head,
+        dim_feedforward=config.feed_forward_width(),
+        dropout=config.dropout,
         activation="gelu",
         norm_first=True,
     )
@@ -64,9 +58,7 @@ class ViT(nn.Module):
         self.cls_token = nn.Parameter(torch.zeros(1, 1, d))
         self.pos_emb = nn.Parameter(torch.randn(1, 1 + grid * grid, d) * 0.02)
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = vit_blocks(
-            config.n_layer, d, config.n_head, config.d_ff or 4 * d, config.dropout
-        )
+        self.blocks = vit_blocks(config)
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, config.num_classes)
 

@@ -5,15 +5,32 @@ masks are bool, True = may attend. The stacks of them are in nn/stacks.py.
 
 from __future__ import annotations
 
-from typing import Self
+from typing import TypedDict
 
 from torch import Tensor, nn
+from typing_extensions import Self
 
 from ..cache import KVCache, MemoryCache
 from .attention import MultiHeadAttention
 from .convert import copy_norms, layer_from_torch
 from .feedforward import FeedForward, Residual
 from .positional import AttentionPosition
+
+
+class SelfAttentionMasks(TypedDict, total=False):
+    """The self-attention keywords of a layer's forward; a stack gives them to every layer."""
+
+    mask: Tensor | None
+    key_padding_mask: Tensor | None
+    causal: bool
+    position: AttentionPosition | None
+
+
+class DecoderMasks(SelfAttentionMasks, total=False):
+    """SelfAttentionMasks and the decoder layer's cross-attention keywords."""
+
+    memory_mask: Tensor | None
+    memory_key_padding_mask: Tensor | None
 
 
 class _TransformerLayer(nn.Module):
@@ -155,4 +172,9 @@ class TransformerDecoderLayer(_TransformerLayer):
         return self.ff_block(x, self.feed_forward)
 
 
-__all__ = ["TransformerDecoderLayer", "TransformerEncoderLayer"]
+__all__ = [
+    "DecoderMasks",
+    "SelfAttentionMasks",
+    "TransformerDecoderLayer",
+    "TransformerEncoderLayer",
+]

@@ -5,13 +5,20 @@ All You Need" (without embeddings). Inputs are batch-first (B, L, d_model).
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
 
 from ..cache import DecoderCache
-from .layers import TransformerDecoderLayer, TransformerEncoderLayer
-from .positional import AttentionPosition
+from .layers import (
+    DecoderMasks,
+    SelfAttentionMasks,
+    TransformerDecoderLayer,
+    TransformerEncoderLayer,
+)
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 class _LayerStack(nn.Module):
@@ -49,20 +56,11 @@ class TransformerEncoder(_LayerStack):
 
     layer_type = TransformerEncoderLayer
 
-    def forward(
-        self,
-        x: Tensor,
-        *,
-        mask: Tensor | None = None,
-        key_padding_mask: Tensor | None = None,
-        causal: bool = False,
-        position: AttentionPosition | None = None,
-    ) -> Tensor:
-        """x (B, L, d_model) -> (B, L, d_model)."""
+    def forward(self, x: Tensor, **masks: Unpack[SelfAttentionMasks]) -> Tensor:
+        """x (B, L, d_model) -> (B, L, d_model). masks: TransformerEncoderLayer.forward's
+        mask, key_padding_mask, causal and position, given to every layer."""
         for layer in self.layers:
-            x = layer(
-                x, mask=mask, key_padding_mask=key_padding_mask, causal=causal, position=position
-            )
+            x = layer(x, **masks)
         return self._final_norm(x)
 
 
@@ -76,30 +74,17 @@ class TransformerDecoder(_LayerStack):
         x: Tensor,
         memory: Tensor,
         *,
-        mask: Tensor | None = None,
-        key_padding_mask: Tensor | None = None,
-        causal: bool = False,
-        memory_mask: Tensor | None = None,
-        memory_key_padding_mask: Tensor | None = None,
-        position: AttentionPosition | None = None,
         cache: DecoderCache | None = None,
+        **masks: Unpack[DecoderMasks],
     ) -> Tensor:
-        """x (B, L, d_model), memory (B, S, d_model) -> (B, L, d_model).
+        """x (B, L, d_model), memory (B, S, d_model) -> (B, L, d_model). masks:
+        TransformerDecoderLayer.forward's mask keywords, given to every layer.
 
         With a cache, x holds only the new tokens (causal is aligned bottom-right)."""
         for i, layer in enumerate(self.layers):
-            x = layer(
-                x,
-                memory,
-                mask=mask,
-                key_padding_mask=key_padding_mask,
-                causal=causal,
-                memory_mask=memory_mask,
-                memory_key_padding_mask=memory_key_padding_mask,
-                position=position,
-                cache=None if cache is None else cache.self_attn[i],
-                memory_cache=None if cache is None else cache.cross_attn[i],
-            )
+            self_cache = None if cache is None else cache.self_attn[i]
+            memory_cache = None if cache is None else cache.cross_attn[i]
+            x = layer(x, memory, cache=self_cache, memory_cache=memory_cache, **masks)
         return self._final_norm(x)
 
 
