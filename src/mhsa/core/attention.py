@@ -205,14 +205,14 @@ def _paged_attention(
     """attention() over paged keys: validate, then the chosen backend's forward_paged."""
     if block_table is None:
         raise ValueError("seq_lens goes with block_table (paged keys); pass both or neither")
-    seq_lens = validate.check_paged(q, k_pool, v_pool, block_table, seq_lens)
-    unserved = {
-        "bias": bias is not None,
-        "dropout_p": bool(dropout_p),
-        "return_lse": return_lse,
-        "sinks": sinks is not None,
-    }
-    if any(unserved.values()):
+    seq_lens, table = validate.check_paged(q, k_pool, v_pool, block_table, seq_lens)
+    if bias is not None or dropout_p or return_lse or sinks is not None:
+        unserved = {
+            "bias": bias is not None,
+            "dropout_p": bool(dropout_p),
+            "return_lse": return_lse,
+            "sinks": sinks is not None,
+        }
         names = ", ".join(name for name, given in unserved.items() if given)
         raise ValueError(
             f"attention over paged keys (block_table=) takes no bias, dropout_p, "
@@ -253,7 +253,6 @@ def _paged_attention(
     chosen = select(spec, backend)
     if batch == 0 or q_len == 0:
         return q.new_zeros(batch, num_heads, q_len, v_pool.shape[3])
-    table = block_table.long().clamp(0, k_pool.shape[0] - 1)  # unused entries: any value
     resolved_scale = _resolved_scale(q, scale)
     return chosen.forward_paged(
         q,

@@ -7,6 +7,7 @@ with a message that names the argument, says what it got, and how to fix it.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 from torch import Tensor
@@ -181,9 +182,12 @@ def paged_window(mask, causal: bool, q_len: int) -> int | None:
     )
 
 
-def check_paged(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table, seq_lens) -> list[int]:
+def check_paged(
+    q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table, seq_lens
+) -> tuple[list[int], Tensor]:
     """Check q (N, H, T, D), the pools (num_blocks, block_size, H_kv, D) / (..., D_v),
-    block_table (N, max_blocks) and seq_lens (N,); return seq_lens as a list of ints."""
+    block_table (N, max_blocks) and seq_lens (N,); return seq_lens as a list of ints and
+    the table as int64, its entries past each sequence's keys clamped to blocks."""
     for name, t in (("q", q), ("k_pool", k_pool), ("v_pool", v_pool)):
         if not isinstance(t, Tensor) or t.dim() != 4 or not t.is_floating_point():
             got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
@@ -238,18 +242,52 @@ def check_paged(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table, seq_lens
     if block_table.device != q.device:
         raise ValueError(f"block_table is on {block_table.device} but q is on {q.device}")
     seq_lens = _seq_lens(seq_lens, batch, block_table.shape[1] * block_size)
+    return seq_lens, _checked_table(block_table, seq_lens, num_blocks, block_size)
+
+
+class _LastTable:
+    """The block table checked last and its answer: every layer of a decoding step
+    passes the same table, so only the first pays for the check. Another table object
+    is another key, and a table changed in place has a new _version, except an
+    inference tensor, which has none (index_select still refuses a block id out of
+    range there, with torch's message)."""
+
+    table: weakref.ref | None = None
+    key: tuple = ()
+    checked: Tensor | None = None
+
+
+def _checked_table(block_table: Tensor, seq_lens: list[int], num_blocks: int, block_size: int):
+    """block_table as int64 with the entries past each sequence's keys clamped into
+    0..num_blocks-1 (they are read, never used); raises ValueError where an entry that
+    holds keys is not a block."""
+    version = None if block_table.is_inference() else block_table._version
+    key = (version, num_blocks, block_size, tuple(seq_lens))
+    last = _LastTable.table() if _LastTable.table is not None else None
+    if last is block_table and _LastTable.key == key:
+        return _LastTable.checked
     ids = block_table
     low, high = [int(x) for x in torch.aminmax(ids)] if ids.numel() else (0, 0)
-    if low < 0 or high >= num_blocks:  # only the entries that hold keys must be blocks
-        used = torch.arange(block_table.shape[1], device=q.device).view(1, -1) * block_size
-        ids = block_table[used < torch.tensor(seq_lens, device=q.device).view(-1, 1)]
+    in_range = low >= 0 and high < num_blocks
+    if not in_range:  # only the entries that hold keys must be blocks
+        used = torch.arange(block_table.shape[1], device=block_table.device) * block_size
+        ids = block_table[used.view(1, -1) < torch.tensor(seq_lens, device=ids.device).view(-1, 1)]
         low, high = [int(x) for x in torch.aminmax(ids)] if ids.numel() else (0, 0)
     if low < 0 or high >= num_blocks:
         raise ValueError(
             f"block_table's blocks holding keys must be in 0..{num_blocks - 1} "
             f"(the pools' num_blocks), got {low}..{high}"
         )
-    return seq_lens
+    checked = block_table.long()
+    if not in_range:
+        checked = checked.clamp(0, num_blocks - 1)
+    if not torch.compiler.is_compiling():
+        _LastTable.table, _LastTable.key, _LastTable.checked = (
+            weakref.ref(block_table),
+            key,
+            checked,
+        )
+    return checked
 
 
 def _seq_lens(seq_lens, batch: int, capacity: int) -> list[int]:

@@ -233,3 +233,28 @@ def test_each_backend_says_whether_it_serves_paged_keys():
             assert backend.available() or backend.supports(spec)
     assert "paged" in get("sdpa").supports(spec)
     assert get("sdpa").supports(AttentionSpec.example()) is None  # (unpaged: unchanged)
+
+
+def test_a_block_table_changed_in_place_is_checked_again():
+    """Each layer of a decoding step passes the same table, checked once; a table changed
+    in place (a new version) or another table with the same values is checked again."""
+    q, k_pool, v_pool, table, _, _ = _paged([5, 9], 4)
+    lengths = [5, 9]
+    first = paged(q, k_pool, v_pool, table, lengths)
+    assert torch.equal(paged(q, k_pool, v_pool, table, lengths), first)
+    table[1, 0] = k_pool.shape[0]  # a block holding keys that is no block
+    with pytest.raises(ValueError, match="block_table's blocks"):
+        paged(q, k_pool, v_pool, table, lengths)
+    with pytest.raises(ValueError, match="block_table's blocks"):
+        paged(q, k_pool, v_pool, table.clone(), lengths)
+
+
+def test_the_registry_refuses_paged_keys_for_backends_without_forward_paged():
+    from mhsa.core.backends.registry import PAGED_REASON, reason_unusable, serves_paged
+
+    spec = AttentionSpec.example(paged=True, causal=True)
+    for name in names():
+        backend = get(name)
+        assert serves_paged(backend) == (name in ("reference", "flash"))
+        if not serves_paged(backend):
+            assert reason_unusable(backend, spec) == PAGED_REASON

@@ -177,7 +177,14 @@ def use_backend(name: str) -> Iterator[None]:
         _forced_generation += 1
 
 
+def serves_paged(backend: Backend) -> bool:
+    """Whether the backend has a forward_paged (reads keys through a block table)."""
+    return type(backend).forward_paged is not Backend.forward_paged
+
+
 def reason_unusable(backend: Backend, spec: AttentionSpec) -> str | None:
+    if spec.paged and not serves_paged(backend):  # (first: decoding asks once per layer)
+        return PAGED_REASON
     return backend.available() or backend.supports(spec)
 
 
