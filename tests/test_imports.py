@@ -21,7 +21,7 @@ LAYERS = [
     ["benchmarks"],
     ["apps.serve", "apps.export", "apps.viz"],
     ["apps.chat", "apps.embed", "apps.transcribe", "apps.train"],
-    ["integrations", "flex"],
+    ["integrations"],
     ["models"],
     ["nn"],
     ["cache", "distributed"],
@@ -182,3 +182,24 @@ def test_mhsa_imports_without_triton():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert "not installed" in result.stdout
+
+
+def test_the_root_names_load_on_first_use():
+    """`import mhsa` is light; every name of mhsa.__all__ loads on first use, and the
+    ring backend is registered with the first."""
+    code = (
+        "import sys, mhsa\n"
+        "assert 'torch' not in sys.modules\n"
+        "for name in mhsa.__all__:\n"
+        "    getattr(mhsa, name)\n"
+        "from mhsa import attention, masks\n"
+        "assert 'ring' in mhsa.backends(), mhsa.backends()\n"
+        "assert set(mhsa.__all__) <= set(dir(mhsa))\n"
+        "try:\n"
+        "    mhsa.no_such_name\n"
+        "except AttributeError as error:\n"
+        "    print(error)\n"
+    )
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.strip() == "module 'mhsa' has no attribute 'no_such_name'"

@@ -27,6 +27,7 @@ def test_a_fresh_interpreter_importing_mhsa_and_its_command_has_no_dynamo():
     code = (
         "import sys\n"
         "import mhsa\n"
+        "mhsa.attention, mhsa.backends()  # every public name loaded\n"
         "from mhsa.cli import build_parser\n"
         "build_parser().format_help()\n"
         "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))\n"

@@ -6,8 +6,6 @@ import argparse
 import sys
 import time
 
-import torch
-
 from .common import (
     add_option,
     chat_weight_options,
@@ -17,7 +15,7 @@ from .common import (
     progress_bar,
     spare_core_threads_option,
     to_load,
-    with_threads,
+    torch_threads,
 )
 
 DESCRIPTION = """Chat with an instruction-tuned model on this machine: the packaged
@@ -32,14 +30,20 @@ def say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-@with_threads
 def chat(args: argparse.Namespace) -> int:
-    """Say what loads before the model's modules are imported, load it, then answer the
-    --prompt turns or chat until /exit or Ctrl-D."""
+    """Say what loads before torch and the model's modules are imported, then load it
+    and answer the --prompt turns or chat until /exit or Ctrl-D."""
     if args.prompt is not None and any(not p.strip() for p in args.prompt):
         raise ValueError("--prompt must not be empty")
     say(f"loading {to_load(args.model)} ...")
     started = time.perf_counter()
+    with torch_threads(args.threads):
+        return _chat(args, started)
+
+
+def _chat(args: argparse.Namespace, started: float) -> int:
+    import torch
+
     from ..apps.chat import load_chat_model
 
     bar = progress_bar("reading weights")

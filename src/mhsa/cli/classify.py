@@ -6,8 +6,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
-
 from .common import add_option, load_model, positive_int, threads_option, with_threads
 
 
@@ -47,6 +45,8 @@ def _model_and_reader(path: str):
 @with_threads
 def classify(args: argparse.Namespace) -> int:
     """Print each file's most likely labels; a bad file is reported and the others go on."""
+    import torch
+
     model, state, read = _model_and_reader(args.checkpoint)
     classes = state["info"].get("classes") or [
         f"class {i}" for i in range(model.config.num_classes)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
-
 from .common import (
     add_option,
     compile_option,
@@ -21,6 +19,8 @@ from .common import (
 def generate(args: argparse.Namespace) -> int:
     """Sample a continuation from a trained checkpoint, with the KV cache."""
     import time
+
+    import torch
 
     from ..data.text import ByteTokenizer
     from ..models import GPT, GPTConfig

@@ -5,9 +5,6 @@ from __future__ import annotations
 import argparse
 import platform
 
-import torch
-
-from ..core.backends import AttentionSpec, get, names, select
 from ..version import __version__
 
 # Typical calls (float32, GQA 8/2) that show what each backend can and cannot serve.
@@ -25,6 +22,10 @@ _PROBES = {
 
 def info(_: argparse.Namespace) -> int:
     """Print versions, the device, and each backend's status."""
+    import torch
+
+    from ..core.backends import AttentionSpec, get, names, select
+
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     print(f"mhsa {__version__}")
     print(f"python {platform.python_version()}, torch {torch.__version__}")

@@ -10,8 +10,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 from .common import (
     add_option,
     chat_weight_options,
@@ -21,7 +19,7 @@ from .common import (
     progress_bar,
     threads_option,
     to_load,
-    with_threads,
+    torch_threads,
 )
 
 DESCRIPTION = """Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions,
@@ -36,10 +34,16 @@ def say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-@with_threads
 def serve(args: argparse.Namespace) -> int:
+    """Say what loads before torch and the model's modules are imported, load it, then
+    serve until Ctrl-C."""
     say(f"loading {to_load(args.model)} ...")
     started = time.perf_counter()
+    with torch_threads(args.threads):
+        return _serve(args, started)
+
+
+def _serve(args: argparse.Namespace, started: float) -> int:
     try:
         from ..apps.serve.server import Server
     except ImportError as error:  # the serve extra: its message names mhsa serve
@@ -84,6 +88,8 @@ def load_served(
     """The ServedModel of --model: None or "chat" (the packaged SmolLM2), a .gguf file, a
     transformers directory (it has tokenizer.json), or a `mhsa train gpt` checkpoint;
     weights: load_chat_model's dtype and quantize; progress: load_chat_model's."""
+    import torch
+
     from ..apps.chat import load_chat_model
     from ..apps.serve.models import ServedModel
 

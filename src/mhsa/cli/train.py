@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
-
 from .common import (
     add_option,
     common_train_options,
@@ -149,6 +147,8 @@ def train_vit(args: argparse.Namespace) -> int:
 
 def train_bert(args: argparse.Namespace) -> int:
     """Masked-language-model pretraining of a small BERT on the standard library's source."""
+    import torch
+
     from ..apps.train import evaluate
     from ..data.text import MaskedLMTask, read_text, stdlib_corpus
     from ..models.bert import Bert, BertConfig
@@ -180,6 +180,8 @@ def train_bert(args: argparse.Namespace) -> int:
 
 def train_ast(args: argparse.Namespace) -> int:
     """An Audio Spectrogram Transformer on spoken digits synthesised with espeak-ng."""
+    import torch
+
     from ..data.classify import ClassificationTask
     from ..data.speech import WORDS, log_mel, normalise_clips, synthesize, voices
     from ..models.ast import AST, ASTConfig
@@ -299,6 +301,8 @@ def _run_as_rank(rank: int, world_size: int, args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     """Train in this process, or in --nproc local processes (data or context parallel).
     A diverged run or Ctrl-C ends with a one-line message naming the latest checkpoint."""
+    import torch
+
     from ..apps.train import TrainingDiverged, check_out_dir
     from ..checkpoint import latest_checkpoint
 
