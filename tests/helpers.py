@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import io
+import re
 import tokenize
 from pathlib import Path
 
@@ -228,3 +229,16 @@ def source_code() -> dict[str, str]:
         return " ".join(kept)
 
     return {str(path.relative_to(SOURCE)): code_of(path) for path in SOURCE.rglob("*.py")}
+
+
+# a docs block another test runs: <!-- skip: next "runs with NAME: TEST FILE" -->
+SKIP = re.compile(r'^<!-- skip: next "runs with (\w+): (tests/\S+\.py)" -->$', re.M)
+
+
+def skipped_block(page: Path, name: str) -> str:
+    """The python block after the page's `runs with NAME` skip directive, for the test
+    that runs it where Sybil cannot."""
+    text = page.read_text()
+    marker = next(m for m in SKIP.finditer(text) if m.group(1) == name)
+    start = text.index("```python\n", marker.end()) + len("```python\n")
+    return text[start : text.index("\n```", start)]

@@ -1,7 +1,9 @@
 """Every code block of README.md and docs/ is checked, so no example can rot.
 
 - ```python blocks run (Sybil parses them): a page's blocks in order, in one namespace,
-  as a reader would paste them, in a fresh working directory.
+  as a reader would paste them, in a fresh working directory. A block that needs what
+  this interpreter cannot have follows `<!-- skip: next "runs with NAME: TEST FILE" -->`,
+  and that test file runs it (timm: tests/integrations/test_timm.py).
 - ```bash blocks are shell commands, not run here (they install, train or start
   servers): every `mhsa ...` command in them must parse with the command's own parser.
 - ```text blocks are what a command printed; nothing to run.
@@ -12,13 +14,15 @@ from __future__ import annotations
 
 import re
 import shlex
+import unittest
 from pathlib import Path
 
 import pytest
 import torch
 from sybil.document import Document
-from sybil.parsers.markdown import PythonCodeBlockParser
+from sybil.parsers.markdown import PythonCodeBlockParser, SkipParser
 
+from helpers import SKIP
 from mhsa.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +52,8 @@ def fenced_blocks(page: Path) -> list[tuple[int, str, list[str]]]:
 
 
 def python_examples(page: Path) -> list:
-    return list(Document.parse(str(page), PythonCodeBlockParser()))
+    """The page's python blocks and skip directives, in order, as Sybil runs them."""
+    return list(Document.parse(str(page), PythonCodeBlockParser(), SkipParser()))
 
 
 PYTHON_PAGES = [page for page in PAGES if any(b[1] == "python" for b in fenced_blocks(page))]
@@ -63,6 +68,11 @@ def test_python_blocks_run(page, tmp_path, monkeypatch):
         for example in examples:
             try:
                 example.evaluate()
+            except unittest.SkipTest as skip:  # a block that another test runs
+                runner = re.fullmatch(r"runs with \w+: (tests/\S+\.py)", str(skip))
+                assert runner and (ROOT / runner.group(1)).exists(), (
+                    f"skip without a runner: {skip}"
+                )
             except Exception as error:
                 where = f"{page_id(page)}:{example.line}"
                 raise AssertionError(f"{where}: the example fails: {error!r}") from error
@@ -74,8 +84,9 @@ def test_sybil_runs_every_python_block():
     """The parser Sybil runs sees each ```python block the pages have (the count is the
     suite's number of executed examples)."""
     fenced = sum(lang == "python" for page in PAGES for _, lang, _ in fenced_blocks(page))
+    skips = sum(len(SKIP.findall(page.read_text())) for page in PAGES)
     parsed = sum(len(python_examples(page)) for page in PAGES)
-    assert parsed == fenced and fenced >= 10, (parsed, fenced)
+    assert parsed == fenced + skips and fenced >= 10, (parsed, fenced, skips)
 
 
 @pytest.mark.parametrize("page", PAGES, ids=page_id)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import skipped_block
 from mhsa.integrations import timm as timm_integration
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,22 +27,33 @@ def timm_python() -> str | None:
     return os.environ.get("MHSA_TIMM_PYTHON") or (sys.executable if has_timm else None)
 
 
-@pytest.mark.slow
-def test_timm_cases_pass_where_timm_is():
+def run_with_timm(*args: str) -> subprocess.CompletedProcess:
     python = timm_python()
     if python is None:
         _, why = timm_integration.available()
         pytest.skip(f"{why}; set MHSA_TIMM_PYTHON to an interpreter that has timm")
-    ran = subprocess.run(
-        [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(CASES)],
+    return subprocess.run(
+        [python, *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=900,
         env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
     )
+
+
+@pytest.mark.slow
+def test_timm_cases_pass_where_timm_is():
+    ran = run_with_timm("-m", "pytest", "-q", "-p", "no:cacheprovider", str(CASES))
     assert ran.returncode == 0, ran.stdout[-4000:] + ran.stderr[-2000:]
     assert " passed" in ran.stdout and "skipped" not in ran.stdout, ran.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_the_readme_timm_example_runs_where_timm_is():
+    example = skipped_block(ROOT / "README.md", "timm")
+    ran = run_with_timm("-c", example)
+    assert ran.returncode == 0, ran.stderr[-3000:]
 
 
 def test_without_timm_the_layer_says_what_is_missing(monkeypatch):
