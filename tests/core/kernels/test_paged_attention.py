@@ -258,3 +258,17 @@ def test_the_registry_refuses_paged_keys_for_backends_without_forward_paged():
         assert serves_paged(backend) == (name in ("reference", "flash"))
         if not serves_paged(backend):
             assert reason_unusable(backend, spec) == PAGED_REASON
+
+
+def test_the_last_paged_choice_follows_use_backend_and_the_registry(monkeypatch):
+    """select remembers the last paged call's backend; a forced backend or a changed
+    registry is another key."""
+    from mhsa.core.backends import registry
+
+    spec = AttentionSpec.example(paged=True, causal=True)
+    assert registry.select(spec, "auto").name == "flash"
+    with mhsa.use_backend("reference"):
+        assert registry.select(spec, "auto").name == "reference"
+    assert registry.select(spec, "auto").name == "flash"
+    monkeypatch.delitem(registry._BACKENDS, "flash")
+    assert registry.select(spec, "auto").name == "reference"

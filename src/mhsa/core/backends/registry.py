@@ -200,7 +200,18 @@ def select(spec: AttentionSpec, requested: str) -> Backend:
         fixed = sizes | widths
         fields = tuple(fixed.get(f.name, getattr(spec, f.name)) for f in dataclasses.fields(spec))
         return get(_select_when_traced(fields, requested, _forced_generation))
+    if spec.paged:  # decoding asks once per layer with the same spec
+        key = (spec, requested, _forced.get(), tuple(_BACKENDS.values()))
+        if _last_paged[0] != key:
+            _last_paged[:] = [key, _select(spec, requested)]
+        return _last_paged[1]
     return _select(spec, requested)
+
+
+# the last paged call's (spec, requested, forced, backends) and its backend: a paged call
+# is served by a backend with forward_paged (flash, reference), whose answers depend on
+# the spec alone
+_last_paged: list = [None, None]
 
 
 # While torch.compile traces, one graph may serve every size (dynamic shapes), so the
