@@ -647,6 +647,36 @@ def test_transformers_without_the_interfaces_is_an_import_error(monkeypatch):
     )
 
 
+def test_transformers_with_other_mask_arguments_is_an_import_error(monkeypatch):
+    """transformers 4.5x had both interfaces but built masks from cache_position: its
+    mask functions would be misread, so it is refused by name."""
+
+    def sdpa_mask(batch_size, cache_position, kv_length, kv_offset=0, mask_function=None):
+        pass
+
+    old = types.ModuleType("transformers")
+    old.__version__ = "4.55.0"
+    old.AttentionInterface = old.AttentionMaskInterface = object
+    old.masking_utils = types.SimpleNamespace(sdpa_mask=sdpa_mask)
+    monkeypatch.setitem(sys.modules, "transformers", old)
+    usable, why = mhsa_hf.available()
+    assert not usable and "4.55.0" in why and "q_length, q_offset" in why
+    with pytest.raises(ImportError, match="4.55.0"):
+        mhsa_hf.register()
+
+
+def test_masks_it_cannot_read_are_errors():
+    module = torch.nn.Module()  # its class names the layer in errors
+    q, k, v = (torch.randn(2, 4, 6, 8) for _ in range(3))
+    with pytest.raises(TypeError, match="Module .* cannot read: a torch.bool tensor"):
+        mhsa_hf.attention_forward(module, q, k, v, torch.ones(2, 6, dtype=torch.bool))
+    with pytest.raises(ValueError, match="sliding_window=4 but no mask"):
+        mhsa_hf.attention_forward(module, q, k, v, None, sliding_window=4)
+    lowered = mhsa_hf.build_mask(batch_size=2, q_length=5, kv_length=5)
+    with pytest.raises(ValueError, match="built for L=5 queries and S=5 keys"):
+        mhsa_hf.attention_forward(module, q, k, v, lowered)
+
+
 def test_available_here():
     usable, why = mhsa_hf.available()
     assert usable and transformers.__version__ in why
