@@ -262,6 +262,24 @@ def test_from_pretrained_with_attn_implementation(name, tmp_path):
     assert max_error(got, expected) <= LOGITS_TOLERANCE
 
 
+def test_cross_attention_with_encoder_padding_equals_eager():
+    """A BERT decoder: causal self-attention, and cross-attention (L != S) to padded
+    encoder states, a mask lowered to KeyPadding although its keys are another sequence."""
+    config = bert().config
+    config.is_decoder = config.add_cross_attention = True
+    model = transformers.BertLMHeadModel(config).eval()
+    generator = torch.Generator().manual_seed(12)
+    encoder_mask = torch.ones(2, 9, dtype=torch.long)
+    encoder_mask[0, 6:] = 0
+    inputs = {
+        "input_ids": torch.randint(3, 64, (2, 5), generator=generator),
+        "attention_mask": torch.ones(2, 5, dtype=torch.long),
+        "encoder_hidden_states": torch.randn(2, 9, 32, generator=generator),
+        "encoder_attention_mask": encoder_mask,
+    }
+    assert_same_run(model, inputs)
+
+
 def greedy(model, implementation: str, inputs: dict, new_tokens: int = 10) -> torch.Tensor:
     model.set_attn_implementation(implementation)
     with torch.no_grad():
@@ -446,6 +464,12 @@ def mask_cases():
                 m.packed_sequence_mask_function(packed),
             ),
             dict(q_length=12, kv_length=12),
+        ),
+        # cross-attention: 5 queries, the 12 keys of another sequence and its padding
+        (
+            "cross",
+            lambda: m.bidirectional_mask_function,
+            dict(q_length=5, kv_length=12, attention_mask=PADDING),
         ),
         (
             "or",

@@ -4,8 +4,8 @@
     mhsa_hf.register()
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="mhsa")
     model.set_attn_implementation("mhsa")                # or switch a loaded model
-    model(ids, mhsa_pattern=SlidingWindow(512, 0))       # a pattern for one call
-    mhsa_hf.set_pattern(model, bigbird(64), layers=[0])  # or per layer
+    model(ids, mhsa_pattern=SlidingWindow(512, 0))       # a pattern for one forward
+    mhsa_hf.set_pattern(model, bigbird(64), layers=[0])  # or per layer (and generate())
 
 `register()` installs two functions in transformers: `attention_forward` in its
 AttentionInterface (the attention call) and `build_mask` in its AttentionMaskInterface,

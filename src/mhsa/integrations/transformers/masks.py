@@ -95,10 +95,11 @@ def build_mask(
     utils = library.masking_utils()
     mask_function = utils.causal_mask_function if mask_function is None else mask_function
     q_offset = int(q_offset)  # a StaticCache gives a 0-d tensor
-    sizes = _Sizes(batch_size, q_length, kv_length, kv_offset)
+    # queries at the last key positions, as mhsa's patterns place them: not so for a
+    # StaticCache (free slots after the keys) or cross-attention (other keys)
+    aligned = q_offset - kv_offset == kv_length - q_length
+    sizes = _Sizes(batch_size, q_length, kv_length, kv_offset, aligned)
     try:
-        if q_offset - kv_offset != kv_length - q_length:
-            raise _CannotLower  # keys not aligned bottom-right (a StaticCache's free slots)
         terms = _lower(mask_function, sizes, _pieces(utils))
         padding = _padding(attention_mask, sizes)
         if padding is not None:
@@ -132,6 +133,7 @@ class _Sizes:
     q_len: int
     kv_len: int
     kv_offset: int
+    aligned: bool  # query i at position i + S - L in key-index coordinates
 
 
 @dataclass(frozen=True)
@@ -219,6 +221,8 @@ def _lower(fn: Callable, sizes: _Sizes, pieces: _Pieces, remapped: bool = False)
     """fn as terms, in key-index coordinates (query i at i + S - L). remapped: inside
     remap_positions_for_packed_sequence, where only offsets within one document count."""
     kind = pieces.kind(fn)
+    if not sizes.aligned and kind not in ("and", "or", "bidirectional", "padding"):
+        raise _CannotLower  # a piece that compares query and key positions
     if kind == "causal":
         return _Terms(None, 0)
     if kind == "sliding":  # kv > q - w: offsets down to -(w - 1)
