@@ -178,6 +178,22 @@ def whisper():
     return transformers.WhisperForConditionalGeneration(config)
 
 
+def t5():
+    config = transformers.T5Config(
+        vocab_size=64,
+        d_model=32,
+        d_kv=8,
+        d_ff=48,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    return transformers.T5ForConditionalGeneration(config)
+
+
 DECODERS = {
     "llama": llama,
     "qwen2": qwen2,
@@ -186,7 +202,7 @@ DECODERS = {
     "gemma2": gemma2,
     "gpt_oss": gpt_oss,
 }
-MODELS = {**DECODERS, "bert": bert, "vit": vit, "whisper": whisper}
+MODELS = {**DECODERS, "bert": bert, "vit": vit, "whisper": whisper, "t5": t5}
 
 
 def inputs_for(name: str, model) -> dict:
@@ -202,6 +218,10 @@ def inputs_for(name: str, model) -> dict:
         }
     ids = torch.randint(3, 64, (2, 11), generator=generator)
     mask = torch.ones_like(ids)
+    if name == "t5":  # relative positions as a dense position_bias, a padded encoder
+        mask[0, -3:] = 0
+        decoder_ids = torch.randint(3, 64, (2, 6), generator=generator)
+        return {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": decoder_ids}
     if name == "bert":
         mask[0, -3:] = 0
     else:
@@ -214,7 +234,9 @@ def real_positions(inputs: dict, logits: torch.Tensor) -> torch.Tensor:
     """The logits at real tokens (padding's outputs are free: a pad query that may see no
     key is 0 in mhsa and uniform in eager)."""
     mask = inputs.get("attention_mask")
-    return logits if mask is None else logits[mask.bool()]
+    if mask is None or "decoder_input_ids" in inputs:  # the logits are the decoder's
+        return logits
+    return logits[mask.bool()]
 
 
 def run(model, implementation: str, inputs: dict, probe: torch.Tensor | None = None):
@@ -302,13 +324,13 @@ def test_generate_with_transformers_caches_gives_eager_tokens(name):
         assert any(getattr(layer, "is_sliding", False) for layer in cache.layers)
 
 
-def test_whisper_generate_gives_eager_tokens():
-    model = whisper().eval()
-    inputs = inputs_for("whisper", model)
-    inputs = {
-        "input_features": inputs["input_features"],
-        "decoder_input_ids": inputs["decoder_input_ids"][:, :2],
-    }
+@pytest.mark.parametrize("name", ["whisper", "t5"])
+def test_encoder_decoder_generate_gives_eager_tokens(name):
+    """An EncoderDecoderCache: cached self-attention, cross-attention to the encoder (a
+    padded one for T5, whose relative positions come as position_bias)."""
+    model = MODELS[name]().eval()
+    inputs = {**inputs_for(name, model)}
+    inputs["decoder_input_ids"] = inputs["decoder_input_ids"][:, :2]
 
     def tokens(implementation):
         model.set_attn_implementation(implementation)

@@ -45,6 +45,7 @@ def attention_forward(
     sliding_window: int | None = None,
     softcap: float | None = None,
     s_aux: Tensor | None = None,
+    position_bias: Tensor | None = None,
     output_attentions: bool = False,
     mhsa_pattern: Pattern | None = None,
     **kwargs,
@@ -64,6 +65,8 @@ def attention_forward(
         sliding_window: the layer's window; its mask already holds it, as for "eager".
         softcap: Gemma 2's cap * tanh(score / cap), as mhsa.scores.Softcap.
         s_aux: (H,) sink logits (GPT-OSS), as mhsa.attention's sinks.
+        position_bias: float, broadcastable to (B, H, L, S), added to the scores (T5's
+            relative positions), as mhsa.attention's bias.
         output_attentions: also return the probabilities (B, H, L, S).
         mhsa_pattern: an mhsa pattern that narrows what the model's mask allows.
 
@@ -90,6 +93,8 @@ def attention_forward(
                 "sliding layers, or no cache"
             )
         mask, causal = _narrowed(mask, causal, pattern)
+    if position_bias is not None:
+        bias = position_bias if bias is None else position_bias + bias
     call = dict(
         bias=bias,
         causal=causal,
