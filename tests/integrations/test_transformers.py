@@ -302,6 +302,31 @@ def test_cross_attention_with_encoder_padding_equals_eager():
     assert_same_run(model, inputs)
 
 
+def test_decoder_made_bidirectional_equals_eager():
+    """config.is_causal = False turns transformers' causal masks bidirectional (padding
+    kept): the mask function then sees bidirectional_mask_function."""
+    model = llama().eval()
+    model.config.is_causal = False
+    inputs = inputs_for("llama", model)
+    assert_same_run(model, inputs)
+    model.config.is_causal = True
+    causal, _, _ = run(model, "mhsa", inputs)
+    model.config.is_causal = False
+    assert max_error(run(model, "mhsa", inputs)[0], causal) > 1e-3
+
+
+def test_is_causal_decides_when_there_is_no_mask():
+    import mhsa
+
+    module = torch.nn.Module()
+    module.is_causal = True
+    q, k, v = (torch.randn(2, 4, 6, 8) for _ in range(3))
+    causal = mhsa.attention(q, k, v, causal=True).transpose(1, 2)
+    full = mhsa.attention(q, k, v).transpose(1, 2)
+    assert torch.equal(mhsa_hf.attention_forward(module, q, k, v, None)[0], causal)
+    assert torch.equal(mhsa_hf.attention_forward(module, q, k, v, None, is_causal=False)[0], full)
+
+
 def greedy(model, implementation: str, inputs: dict, new_tokens: int = 10) -> torch.Tensor:
     model.set_attn_implementation(implementation)
     with torch.no_grad():
