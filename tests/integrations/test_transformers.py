@@ -655,6 +655,32 @@ def test_set_pattern_per_layer_equals_eager_with_that_layer_masked():
     assert max_error(model(input_ids=ids).logits, got) > 1e-3
 
 
+def test_pattern_on_whisper_encoder_layers_equals_eager():
+    """A pattern for every attention would reach Whisper's cross-attention too, whose
+    queries and keys are different sequences: refused; set_pattern picks the encoder's
+    self-attention layers instead."""
+    model = whisper().eval()
+    inputs = inputs_for("whisper", model)
+    window = SlidingWindow(1, 1)
+    encoder = [layer.self_attn for layer in model.model.encoder.layers]
+    model.set_attn_implementation("eager")
+    dense_window = float_mask(window.dense(8, 8).expand(2, 1, 8, 8))
+
+    def masked(module, args, kwargs):
+        return args, {**kwargs, "attention_mask": dense_window}
+
+    handles = [m.register_forward_pre_hook(masked, with_kwargs=True) for m in encoder]
+    expected = model(**inputs).logits
+    for handle in handles:
+        handle.remove()
+    model.set_attn_implementation("mhsa")
+    with pytest.raises(ValueError, match="WhisperAttention.*7 queries, 8 keys"):
+        model(**inputs, mhsa_pattern=window)
+    modules = mhsa_hf.attention_modules(model)
+    mhsa_hf.set_pattern(model, window, layers=[modules.index(m) for m in encoder])
+    assert max_error(model(**inputs).logits, expected) <= LOGITS_TOLERANCE
+
+
 def test_set_pattern_checks_its_arguments():
     model = llama().eval()
     model.set_attn_implementation("eager")

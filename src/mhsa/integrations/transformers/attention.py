@@ -84,14 +84,7 @@ def attention_forward(
             "pass mhsa_pattern=SlidingWindow(...) or run it with attn_implementation='sdpa'"
         )
     if pattern is not None:
-        if isinstance(attention_mask, LoweredMask) and not attention_mask.from_zero:
-            raise ValueError(
-                f"{where}: mhsa_pattern needs key j at position j and the queries at the "
-                f"last positions, but this layer's cache holds keys from position "
-                f"{attention_mask.kv_offset} and queries from {attention_mask.q_offset} "
-                "(a sliding-window cache or a StaticCache); use a DynamicCache without "
-                "sliding layers, or no cache"
-            )
+        _check_placed(where, attention_mask, query.shape[2], key.shape[2])
         mask, causal = _narrowed(mask, causal, pattern)
     if position_bias is not None:
         bias = position_bias if bias is None else position_bias + bias
@@ -114,6 +107,28 @@ def attention_forward(
     else:
         out, weights = attention(query, key, value, mask, **call), None
     return out.transpose(1, 2).contiguous(), weights
+
+
+def _check_placed(where: str, attention_mask, q_len: int, kv_len: int) -> None:
+    """A pattern places key j at position j and query i at i + S - L: raise where the
+    layer's keys and queries sit elsewhere."""
+    if isinstance(attention_mask, LoweredMask):
+        if attention_mask.from_zero:
+            return
+        sits = (
+            f"its keys start at position {attention_mask.kv_offset} and its queries at "
+            f"{attention_mask.q_offset}"
+        )
+    elif q_len == kv_len:
+        return
+    else:
+        sits = f"it has {q_len} queries, {kv_len} keys and no mask that places them"
+    raise ValueError(
+        f"{where}: mhsa_pattern needs key j at position j and the queries at the last "
+        f"positions, but {sits} (a sliding-window cache, a StaticCache, or cross-attention "
+        "to another sequence); set the pattern on other layers with set_pattern(model, "
+        "pattern, layers=...), or decode with a DynamicCache without sliding layers"
+    )
 
 
 def _narrowed(
