@@ -433,15 +433,17 @@ def test_without_the_mask_function_padding_would_be_dropped(monkeypatch):
 
 
 def dense(lowered: mhsa_hf.LoweredMask) -> torch.Tensor:
-    """The (B, 1, L, S) bool mask a LoweredMask stands for."""
+    """The (B, 1, L, S) bool mask a LoweredMask stands for (the keys after keys_used:
+    never)."""
     b, _, length, keys = lowered.shape
-    allowed = torch.ones(b, 1, length, keys, dtype=torch.bool)
+    used = lowered.keys_used
+    allowed = torch.ones(b, 1, length, used, dtype=torch.bool)
     if lowered.mask is not None:
         mask = lowered.mask
-        allowed = allowed & (mask if isinstance(mask, torch.Tensor) else mask.dense(length, keys))
+        allowed = allowed & (mask if isinstance(mask, torch.Tensor) else mask.dense(length, used))
     if lowered.causal:
-        allowed = allowed & Causal().dense(length, keys)
-    return allowed
+        allowed = allowed & Causal().dense(length, used)
+    return torch.nn.functional.pad(allowed, (0, keys - used), value=False)
 
 
 PADDING = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1], [1] * 12]).bool()
@@ -512,6 +514,17 @@ def mask_cases():
             ),
             dict(q_length=12, kv_length=12),
         ),
+        # a StaticCache: 16 slots, the keys after the last query's position are free
+        (
+            "static prefill",
+            lambda: m.causal_mask_function,
+            dict(q_length=5, kv_length=16, attention_mask=PADDING),
+        ),
+        (
+            "static decode",
+            lambda: m.sliding_window_causal_mask_function(4),
+            dict(q_length=1, kv_length=16, q_offset=9, attention_mask=PADDING),
+        ),
         # cross-attention: 5 queries, the 12 keys of another sequence and its padding
         (
             "cross",
@@ -536,8 +549,8 @@ def test_mask_function_lowers_to_patterns_exactly(name, make, sizes):
 
 
 def test_mask_function_falls_back_to_transformers_dense_mask():
-    """A model's own overlay (here an image-token-like prefix) or keys that are not aligned
-    bottom-right (a StaticCache's free slots) have no pattern: transformers' own dense mask,
+    """A model's own overlay (here an image-token-like prefix), or a window that looks
+    ahead over a StaticCache's free slots, have no pattern: transformers' own dense mask,
     exact, not a dropped mask."""
 
     def prefix(batch, head, q, kv):
@@ -547,7 +560,10 @@ def test_mask_function_falls_back_to_transformers_dense_mask():
     for arguments in (
         dict(q_length=12, kv_length=12, mask_function=overlay, use_vmap=True),
         dict(
-            q_length=1, kv_length=16, q_offset=5, mask_function=masking_utils.causal_mask_function
+            q_length=3,
+            kv_length=16,
+            q_offset=5,
+            mask_function=masking_utils.sliding_window_bidirectional_mask_function(2),
         ),
     ):
         arguments = dict(batch_size=2, attention_mask=None, **arguments)
@@ -555,6 +571,28 @@ def test_mask_function_falls_back_to_transformers_dense_mask():
         expected = masking_utils.sdpa_mask(**arguments, allow_is_causal_skip=False)
         assert isinstance(lowered.mask, torch.Tensor)
         assert torch.equal(dense(lowered), expected)
+
+
+def test_static_cache_leaves_its_free_slots_out():
+    """A StaticCache hands every layer all its slots; the queries never reach those after
+    their positions, so mhsa attends only the keys before (the weights stay (B, H, L, S))."""
+    model = llama().eval()
+    ids = torch.randint(3, 64, (2, 5), generator=torch.Generator().manual_seed(13))
+    outputs = {}
+    for implementation in ("eager", "mhsa"):
+        model.set_attn_implementation(implementation)
+        cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+        with torch.no_grad():
+            out = model(input_ids=ids, cache=cache, use_cache=True, output_attentions=True)
+            step = model(input_ids=ids[:, :1], cache=cache, use_cache=True).logits
+        outputs[implementation] = (out.logits, out.attentions, step)
+    logits, weights, step = outputs["mhsa"]
+    eager_logits, eager_weights, eager_step = outputs["eager"]
+    assert max_error(logits, eager_logits) <= LOGITS_TOLERANCE
+    assert max_error(step, eager_step) <= LOGITS_TOLERANCE
+    for ours, theirs in zip(weights, eager_weights, strict=True):
+        assert ours.shape == theirs.shape == (2, 4, 5, 16)
+        assert max_error(ours, theirs) <= LOGITS_TOLERANCE
 
 
 def test_static_cache_generate_gives_eager_tokens():

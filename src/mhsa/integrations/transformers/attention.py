@@ -77,6 +77,10 @@ def attention_forward(
     _check_arguments(where, kwargs)
     pattern = _pattern(where, module, mhsa_pattern)
     mask, bias, causal = _masks(where, module, attention_mask, query, key, is_causal)
+    kv_len = key.shape[2]
+    if isinstance(attention_mask, LoweredMask) and attention_mask.keys_used < kv_len:
+        used = attention_mask.keys_used  # a StaticCache's free slots are never attended
+        key, value = key[:, :, :used], value[:, :, :used]
     if attention_mask is None and sliding_window is not None:
         raise ValueError(
             f"{where} got sliding_window={sliding_window} but no mask: mhsa (as 'eager') "
@@ -104,6 +108,7 @@ def attention_forward(
                 "(or ask mhsa.attention_weights for selected rows)"
             )
         out, weights = attention_and_weights(query, key, value, mask, **call)
+        weights = nn.functional.pad(weights, (0, kv_len - key.shape[2]))  # the unused keys
     else:
         out, weights = attention(query, key, value, mask, **call), None
     return out.transpose(1, 2).contiguous(), weights
@@ -125,7 +130,7 @@ def _check_placed(where: str, attention_mask, q_len: int, kv_len: int) -> None:
         sits = f"it has {q_len} queries, {kv_len} keys and no mask that places them"
     raise ValueError(
         f"{where}: mhsa_pattern needs key j at position j and the queries at the last "
-        f"positions, but {sits} (a sliding-window cache, a StaticCache, or cross-attention "
+        f"positions, but {sits} (a sliding-window cache, or cross-attention "
         "to another sequence); set the pattern on other layers with set_pattern(model, "
         "pattern, layers=...), or decode with a DynamicCache without sliding layers"
     )

@@ -6,10 +6,11 @@ padding_mask_function, packed_sequence_mask_function, joined by and_masks / or_m
 and hands it to the mask interface of the attn_implementation together with the sizes:
 query i sits at position q_offset + i, key j at kv_offset + j. `build_mask` recognises
 those pieces (by the code object of each factory's closure) and returns a `LoweredMask`:
-Causal, SlidingWindow, KeyPadding and Document patterns, never an L x S tensor. What it
-cannot lower exactly (a model's own overlay, a StaticCache whose keys are not aligned
-bottom-right) becomes the dense bool mask of transformers' own sdpa_mask: slower, still
-exact. The model passes the LoweredMask to the attention function as its attention_mask.
+Causal, SlidingWindow, KeyPadding and Document patterns, never an L x S tensor (a
+StaticCache's free slots after the last query are left out of the attention). What it
+cannot lower exactly (a model's own overlay) becomes the dense bool mask of
+transformers' own sdpa_mask: slower, still exact. The model passes the LoweredMask to
+the attention function as its attention_mask.
 """
 
 from __future__ import annotations
@@ -32,12 +33,15 @@ class LoweredMask:
     """transformers' attention mask of one forward, as mhsa data.
 
     Attributes:
-        mask: a pattern (queries aligned bottom-right), a bool tensor (B, 1, L, S) where no
-            pattern says the mask exactly, or None (every key, or causal alone).
-        causal: and-ed with mask: query i sees keys j <= i + S - L.
+        mask: for the first keys_used keys: a pattern (queries aligned bottom-right), a
+            bool tensor (B, 1, L, keys_used) where no pattern says the mask exactly, or
+            None (every key, or causal alone).
+        causal: and-ed with mask: query i sees keys j <= i + keys_used - L.
         batch_size, q_len, kv_len: the sizes the mask was built for.
         q_offset, kv_offset: the positions of query 0 and key 0 (a sliding-window cache
             keeps only the last keys; a StaticCache has free slots after them).
+        keys_used: the keys that may be attended come first: a StaticCache's free slots
+            after the last query's position are left out of the attention.
     """
 
     mask: Pattern | Tensor | None
@@ -47,12 +51,13 @@ class LoweredMask:
     kv_len: int
     q_offset: int
     kv_offset: int
+    keys_used: int
 
     @property
     def from_zero(self) -> bool:
-        """Whether key j sits at position j and the queries at the last positions, as
-        mhsa's patterns assume."""
-        return self.kv_offset == 0 and self.q_offset == self.kv_len - self.q_len
+        """Whether key j sits at position j and the queries at the last used positions,
+        as mhsa's patterns assume."""
+        return self.kv_offset == 0 and self.q_offset == self.keys_used - self.q_len
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -95,32 +100,41 @@ def build_mask(
     utils = library.masking_utils()
     mask_function = utils.causal_mask_function if mask_function is None else mask_function
     q_offset = int(q_offset)  # a StaticCache gives a 0-d tensor
-    # queries at the last key positions, as mhsa's patterns place them: not so for a
-    # StaticCache (free slots after the keys) or cross-attention (other keys)
-    aligned = q_offset - kv_offset == kv_length - q_length
-    sizes = _Sizes(batch_size, q_length, kv_length, kv_offset, aligned)
-    try:
-        terms = _lower(mask_function, sizes, _pieces(utils))
-        padding = _padding(attention_mask, sizes)
-        if padding is not None:
-            terms = _and(terms, padding)
-        mask, causal = terms.as_mask(sizes)
-    except _CannotLower:
-        mask = utils.sdpa_mask(
-            batch_size=batch_size,
-            q_length=q_length,
-            kv_length=kv_length,
-            q_offset=q_offset,
-            kv_offset=kv_offset,
-            mask_function=mask_function,
-            attention_mask=attention_mask,
-            allow_is_causal_skip=False,
-            allow_is_bidirectional_skip=False,
-            use_vmap=use_vmap,
-            device=device,
+    # the keys up to the last query's position: all of them, but for a StaticCache
+    # (free slots after its keys) and cross-attention (another sequence)
+    reached = q_offset - kv_offset + q_length
+    tries = [reached] if q_length <= reached < kv_length else []
+    for keys_used in [*tries, kv_length]:
+        # queries at the last positions of the keys used, as mhsa's patterns place them
+        aligned = keys_used == reached
+        sizes = _Sizes(batch_size, q_length, keys_used, kv_offset, aligned)
+        try:
+            terms = _lower(mask_function, sizes, _pieces(utils))
+            if keys_used < kv_length and (terms.right is None or terms.right > 0):
+                raise _CannotLower  # the keys left out might be attended
+            padding = _padding(attention_mask, sizes)
+            if padding is not None:
+                terms = _and(terms, padding)
+            mask, causal = terms.as_mask(sizes)
+        except _CannotLower:
+            continue
+        return LoweredMask(
+            mask, causal, batch_size, q_length, kv_length, q_offset, kv_offset, keys_used
         )
-        causal = False
-    return LoweredMask(mask, causal, batch_size, q_length, kv_length, q_offset, kv_offset)
+    mask = utils.sdpa_mask(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=mask_function,
+        attention_mask=attention_mask,
+        allow_is_causal_skip=False,
+        allow_is_bidirectional_skip=False,
+        use_vmap=use_vmap,
+        device=device,
+    )
+    return LoweredMask(mask, False, batch_size, q_length, kv_length, q_offset, kv_offset, kv_length)
 
 
 class _CannotLower(Exception):
