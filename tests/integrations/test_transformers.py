@@ -566,16 +566,25 @@ def test_mask_function_lowers_to_patterns_exactly(name, make, sizes):
 
 
 def test_mask_function_falls_back_to_transformers_dense_mask():
-    """A model's own overlay (here an image-token-like prefix), or a window that looks
-    ahead over a StaticCache's free slots, have no pattern: transformers' own dense mask,
-    exact, not a dropped mask."""
+    """A model's own overlay (here an image-token-like prefix), packed positions that
+    skip, or a window that looks ahead over a StaticCache's free slots have no pattern:
+    transformers' own dense mask, exact, not a dropped mask."""
 
     def prefix(batch, head, q, kv):
         return kv < 3
 
     overlay = masking_utils.or_masks(masking_utils.causal_mask_function, prefix)
+    # documents whose positions skip: offsets of positions are not offsets of indices
+    skipping = masking_utils.and_masks(
+        masking_utils.remap_positions_for_packed_sequence(
+            masking_utils.sliding_window_causal_mask_function(3),
+            torch.arange(0, 24, 2).expand(2, 12),
+        ),
+        masking_utils.packed_sequence_mask_function(torch.zeros(2, 12, dtype=torch.long)),
+    )
     for arguments in (
         dict(q_length=12, kv_length=12, mask_function=overlay, use_vmap=True),
+        dict(q_length=12, kv_length=12, mask_function=skipping),
         dict(
             q_length=3,
             kv_length=16,

@@ -274,8 +274,12 @@ def _lower_and(parts, sizes: _Sizes, pieces: _Pieces, remapped: bool) -> _Terms:
     # within one document positions step by one with the index, so f's offsets are the
     # indices' offsets there, and the documents come from the packed part
     kinds = [pieces.kind(part) for part in parts]
-    if "remap" in kinds and "packed" not in kinds:
-        raise _CannotLower
+    if "remap" in kinds:
+        held = list(zip(kinds, parts, strict=True))
+        documents = [_cells(part, "packed_sequence_mask")[0] for k, part in held if k == "packed"]
+        positions = [_cells(part, "position_ids")[0] for k, part in held if k == "remap"]
+        if not documents or not all(_steps_by_one(p, d) for p in positions for d in documents):
+            raise _CannotLower
     terms = _Terms()
     for part, kind in zip(parts, kinds, strict=True):
         if kind == "remap":
@@ -284,6 +288,14 @@ def _lower_and(parts, sizes: _Sizes, pieces: _Pieces, remapped: bool) -> _Terms:
         else:
             terms = _and(terms, _lower(part, sizes, pieces, remapped))
     return terms
+
+
+def _steps_by_one(positions: Tensor, documents: Tensor) -> bool:
+    """Whether, within each document, the positions step by one with the index."""
+    if positions.shape != documents.shape:
+        return False
+    same = documents[:, 1:] == documents[:, :-1]
+    return bool(((positions[:, 1:] - positions[:, :-1] == 1) | ~same).all())
 
 
 def _lower_or(parts, sizes: _Sizes, pieces: _Pieces) -> _Terms:
