@@ -371,17 +371,19 @@ def test_generate_with_transformers_caches_gives_eager_tokens(name):
         assert any(getattr(layer, "is_sliding", False) for layer in cache.layers)
 
 
-@pytest.mark.parametrize("name", ["whisper", "t5"])
-def test_encoder_decoder_generate_gives_eager_tokens(name):
+@pytest.mark.parametrize(
+    "name, cache", [("whisper", "dynamic"), ("t5", "dynamic"), ("t5", "static")]
+)
+def test_encoder_decoder_generate_gives_eager_tokens(name, cache):
     """An EncoderDecoderCache: cached self-attention, cross-attention to the encoder (a
-    padded one for T5, whose relative positions come as position_bias)."""
+    padded one for T5, whose relative positions come as position_bias, cut to the used
+    keys of a StaticCache)."""
     model = MODELS[name]().eval()
     inputs = {**inputs_for(name, model)}
     inputs["decoder_input_ids"] = inputs["decoder_input_ids"][:, :2]
-
     # the generic loop: Whisper's own needs a tokenizer's ids
     generate = functools.partial(transformers.GenerationMixin.generate, model)
-    assert_eager_tokens(model, generate, **inputs, max_new_tokens=8)
+    assert_eager_tokens(model, generate, **inputs, max_new_tokens=8, cache_implementation=cache)
 
 
 def test_cached_decoding_equals_full_recompute():

@@ -81,6 +81,8 @@ def attention_forward(
     if isinstance(attention_mask, LoweredMask) and attention_mask.keys_used < kv_len:
         used = attention_mask.keys_used  # a StaticCache's free slots are never attended
         key, value = key[:, :, :used], value[:, :, :used]
+        if position_bias is not None and position_bias.shape[-1] == kv_len:
+            position_bias = position_bias[..., :used]
     if attention_mask is None and sliding_window is not None:
         raise ValueError(
             f"{where} got sliding_window={sliding_window} but no mask: mhsa (as 'eager') "
