@@ -466,6 +466,7 @@ def dense(lowered: mhsa_hf.LoweredMask) -> torch.Tensor:
 
 
 PADDING = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1], [1] * 12]).bool()
+BLOCKS = torch.tensor([[-1, -1, 0, 0, 0, -1, -1, 1, 1, 1, 1, -1], [0, 0, -1, -1] * 3])
 
 
 def mask_cases():
@@ -532,6 +533,19 @@ def mask_cases():
                 m.packed_sequence_mask_function(packed),
             ),
             dict(q_length=12, kv_length=12),
+        ),
+        # image tokens (blocks 0 and 1) see their whole block, text (-1) stays causal
+        (
+            "blockwise",
+            lambda: m.or_masks(m.causal_mask_function, m.blockwise_overlay(BLOCKS)),
+            dict(q_length=12, kv_length=12, attention_mask=PADDING),
+        ),
+        (
+            "blockwise cached",
+            lambda: m.or_masks(
+                m.sliding_window_causal_mask_function(5), m.blockwise_overlay(BLOCKS)
+            ),
+            dict(q_length=4, kv_length=12, q_offset=8, attention_mask=PADDING),
         ),
         # a StaticCache: 16 slots, the keys after the last query's position are free
         (

@@ -2,7 +2,8 @@
 
 transformers builds every mask from a `mask_function(batch, head, q_idx, kv_idx)` made of
 its own pieces (causal_mask_function, sliding_window_overlay, chunked_overlay,
-padding_mask_function, packed_sequence_mask_function, joined by and_masks / or_masks),
+padding_mask_function, packed_sequence_mask_function, blockwise_overlay, joined by
+and_masks / or_masks),
 and hands it to the mask interface of the attn_implementation together with the sizes:
 query i sits at position q_offset + i, key j at kv_offset + j. `build_mask` recognises
 those pieces (by the code object of each factory's closure) and returns a `LoweredMask`:
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mhsa.core.masks import Causal, Document, KeyPadding, Pattern, SlidingWindow
+from mhsa.core.masks import Causal, Document, Full, KeyPadding, Pattern, SlidingWindow
 
 from . import library
 
@@ -210,6 +211,7 @@ class _Pieces:
             "padding": lambda: utils.padding_mask_function(ids.bool()),
             "packed": lambda: utils.packed_sequence_mask_function(ids),
             "remap": lambda: utils.remap_positions_for_packed_sequence(mask, ids),
+            "blockwise": lambda: utils.blockwise_overlay(ids),
         }
         for name, make in makers.items():
             with contextlib.suppress(AttributeError):  # a factory this transformers lacks
@@ -299,6 +301,9 @@ def _steps_by_one(positions: Tensor, documents: Tensor) -> bool:
 
 
 def _lower_or(parts, sizes: _Sizes, pieces: _Pieces) -> _Terms:
+    kinds = [pieces.kind(part) for part in parts]
+    if "blockwise" in kinds:
+        return _lower_blockwise(parts, kinds, sizes, pieces)
     patterns = []
     for part in parts:
         pattern, causal = _lower(part, sizes, pieces).as_mask(sizes)
@@ -311,6 +316,38 @@ def _lower_or(parts, sizes: _Sizes, pieces: _Pieces) -> _Terms:
     for pattern in patterns[1:]:
         union = union | pattern
     return _Terms(patterns=(union,))
+
+
+def _lower_blockwise(parts, kinds: list, sizes: _Sizes, pieces: _Pieces) -> _Terms:
+    """or_masks(f, blockwise_overlay(ids)): a query also sees its own block (ids >= 0,
+    multimodal models' image tokens). As Document(ids) with each -1 made a block of its
+    own, it adds each query's own position, which f must hold already."""
+    if not sizes.aligned:
+        raise _CannotLower
+    others = [part for part, kind in zip(parts, kinds, strict=True) if kind != "blockwise"]
+    if len(others) != 1:
+        raise _CannotLower
+    terms = _lower(others[0], sizes, pieces)
+    if terms.patterns or (terms.left or 0) < 0 or (terms.right or 0) < 0:
+        raise _CannotLower  # f is not a band holding the diagonal
+    union = _as_pattern(terms, sizes)
+    for part, kind in zip(parts, kinds, strict=True):
+        if kind == "blockwise":
+            (ids,) = _cells(part, "block_sequence_ids")
+            start, end = sizes.kv_offset, sizes.kv_offset + sizes.kv_len
+            if ids.dim() != 2 or ids.shape[-1] < end:
+                raise _CannotLower
+            ids = ids[:, start:end].long()
+            alone = -1 - torch.arange(start, end, device=ids.device)  # negative, one each
+            union = union | Document(torch.where(ids >= 0, ids, alone))
+    return _Terms(patterns=(union,))
+
+
+def _as_pattern(terms: _Terms, sizes: _Sizes) -> Pattern:
+    pattern, causal = terms.as_mask(sizes)
+    if causal:
+        return Causal() if pattern is None else pattern & Causal()
+    return Full() if pattern is None else pattern
 
 
 def _padding(padding: Tensor | None, sizes: _Sizes) -> _Terms | None:
