@@ -3,10 +3,10 @@
 transformers builds every mask from a `mask_function(batch, head, q_idx, kv_idx)` made of
 its own pieces (causal_mask_function, sliding_window_overlay, chunked_overlay,
 padding_mask_function, packed_sequence_mask_function, blockwise_overlay, joined by
-and_masks / or_masks),
-and hands it to the mask interface of the attn_implementation together with the sizes:
-query i sits at position q_offset + i, key j at kv_offset + j. `build_mask` recognises
-those pieces (by the code object of each factory's closure) and returns a `LoweredMask`:
+and_masks / or_masks), and hands it to the mask interface of the attn_implementation
+with the sizes: query i sits at position q_offset + i, key j at kv_offset + j.
+`build_mask` recognises those pieces (by the code object of each factory's closure) and
+returns a `LoweredMask`:
 Causal, SlidingWindow, KeyPadding and Document patterns, never an L x S tensor (a
 StaticCache's free slots after the last query are left out of the attention). What it
 cannot lower exactly (a model's own overlay) becomes the dense bool mask of
