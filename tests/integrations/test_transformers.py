@@ -581,6 +581,23 @@ def test_mask_function_lowers_to_patterns_exactly(name, make, sizes):
     assert torch.equal(dense(lowered), expected.expand_as(dense(lowered))), name
 
 
+def test_mask_function_never_builds_an_l_by_s_mask():
+    """A million tokens, padded, with a window: 10^12 entries dense; lowered, the patterns
+    hold the (B, S) padding only."""
+    million = 10**6
+    padding = torch.ones(2, million, dtype=torch.bool)
+    padding[0, :5] = False
+    lowered = mhsa_hf.build_mask(
+        batch_size=2,
+        q_length=million,
+        kv_length=million,
+        mask_function=masking_utils.sliding_window_causal_mask_function(512),
+        attention_mask=padding,
+    )
+    assert repr(lowered.mask) == "(SlidingWindow(511, 0)) & (KeyPadding(...))"
+    assert lowered.shape == (2, 1, million, million) and not lowered.causal
+
+
 def test_mask_function_falls_back_to_transformers_dense_mask():
     """A model's own overlay (here an image-token-like prefix), packed positions that
     skip, or a window that looks ahead over a StaticCache's free slots have no pattern:
