@@ -143,6 +143,18 @@ BUGS = {
         "    return 0 * kv_len",
         "tests/core/masks/test_causal.py",
     ),
+    "transformers window one too wide": (
+        "integrations/transformers/masks.py",
+        "return _Terms(int(window) - 1, None)",
+        "return _Terms(int(window), None)",
+        "tests/integrations/test_transformers.py",
+    ),
+    "transformers padding read from key 0 of a sliding cache": (
+        "integrations/transformers/masks.py",
+        "real = padding[:, sizes.kv_offset : sizes.kv_offset + sizes.kv_len].bool()",
+        "real = padding[:, : sizes.kv_len].bool()",
+        "tests/integrations/test_transformers.py",
+    ),
 }
 
 

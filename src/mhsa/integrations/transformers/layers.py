@@ -1,0 +1,68 @@
+"""Patterns per layer: which modules of a transformers model attend, and setting theirs."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable
+
+from torch import nn
+
+from mhsa.core.masks import Pattern
+
+from .attention import PATTERN_ATTRIBUTE
+
+_CALLS_INTERFACE: dict[type, bool] = {}
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of `model` that call transformers' attention interface (each layer's
+    self-attention, and cross-attention where the model has it), in model order: the
+    order `set_pattern`'s layers count in."""
+    return [module for module in model.modules() if _calls_interface(type(module))]
+
+
+def _calls_interface(cls: type) -> bool:
+    # transformers' own test of the same thing (_can_set_attn_implementation) reads the
+    # source too: an attention module is one whose forward asks ALL_ATTENTION_FUNCTIONS
+    if cls not in _CALLS_INTERFACE:
+        try:
+            source = inspect.getsource(cls.forward)
+        except (OSError, TypeError):
+            source = ""
+        _CALLS_INTERFACE[cls] = "ALL_ATTENTION_FUNCTIONS" in source
+    return _CALLS_INTERFACE[cls]
+
+
+def set_pattern(
+    model: nn.Module, pattern: Pattern | None, layers: Iterable[int] | None = None
+) -> list[nn.Module]:
+    """Give attention layers an mhsa pattern that narrows what the model's own mask
+    allows (causality and padding stay); None clears it. Returns the modules set.
+
+    layers: indices into attention_modules(model) (negative ones count from the end),
+    default all. The model must run with attn_implementation="mhsa".
+    """
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if implementation != "mhsa":
+        raise ValueError(
+            f"{type(model).__name__} runs attn_implementation={implementation!r}, which would "
+            "ignore the pattern; call register() and model.set_attn_implementation('mhsa') first"
+        )
+    if pattern is not None and not isinstance(pattern, Pattern):
+        raise TypeError(
+            f"pattern must be an mhsa.masks pattern or None, got {type(pattern).__name__}"
+        )
+    modules = attention_modules(model)
+    if not modules:
+        raise ValueError(f"{type(model).__name__} has no module that calls AttentionInterface")
+    chosen = range(len(modules)) if layers is None else list(layers)
+    for index in chosen:
+        if not isinstance(index, int) or not -len(modules) <= index < len(modules):
+            raise ValueError(
+                f"layers must hold ints in [-{len(modules)}, {len(modules)}) (the model has "
+                f"{len(modules)} attention modules), got {index!r}"
+            )
+    selected = [modules[index] for index in chosen]
+    for module in selected:
+        setattr(module, PATTERN_ATTRIBUTE, pattern)
+    return selected
