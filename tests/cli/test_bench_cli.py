@@ -52,6 +52,7 @@ def test_every_suite_has_its_own_options():
         "scores",
         "chat",
         "serve",
+        "hf",
     }
     assert {"--nproc", "--load", "--quantize", "--plot"} <= set().union(*suites.values())
     assert len(_other_options()) >= 40
@@ -147,3 +148,17 @@ def test_every_suite_takes_threads_and_chat_and_ring_pass_them_on(capsys, monkey
         "quick": False,
         "threads": 2,
     }
+
+
+def test_hf_passes_its_options_to_the_benchmark(capsys, monkeypatch):
+    seen = []
+
+    def record(**options):
+        seen.append(options)
+        return {}
+
+    monkeypatch.setattr("mhsa.benchmarks.hf.run", record)
+    monkeypatch.setattr("mhsa.benchmarks.hf.report", lambda result: "report")
+    assert main(["bench", "hf", "--quick", "--repeat", "3"]) == 0
+    assert main(["bench", "hf", "--json"]) == 0
+    assert seen == [{"quick": True, "repeat": 3}, {"quick": False, "repeat": 2}]

@@ -67,9 +67,10 @@ def speed(lengths=(512, 4096), new: int = 32, repeat: int = 2) -> dict:
 
     def decode() -> None:
         out = model(prompt, use_cache=True, logits_to_keep=1)
-        cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        name = "cache" if "cache" in out else "past_key_values"  # (transformers 5 / 4)
+        cache, token = out[name], out.logits[:, -1].argmax(-1, keepdim=True)
         for _ in range(new):
-            out = model(token, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = model(token, use_cache=True, logits_to_keep=1, **{name: cache})
             token = out.logits[:, -1].argmax(-1, keepdim=True)
 
     decoding = best_times({n: use(n)(decode) for n in IMPLEMENTATIONS}, repeat)
@@ -140,7 +141,7 @@ def window_in_subprocess(implementation: str, length: int, window: int) -> dict:
 def run(quick: bool = False, repeat: int = 2) -> dict:
     lengths, new, window_length = ((128, 512), 8, 2048) if quick else ((512, 4096), 32, 16384)
     return {
-        "speed": speed(lengths, new, 1 if quick else repeat),
+        "speed": speed(lengths, new, repeat),
         "window": [window_in_subprocess(name, window_length, 512) for name in ("mhsa", "sdpa")],
     }
 

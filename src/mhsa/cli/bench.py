@@ -67,6 +67,15 @@ def bench_scores(args: argparse.Namespace) -> int:
     return _show(args, result, scores.report(result))
 
 
+@with_threads
+def bench_hf(args: argparse.Namespace) -> int:
+    """transformers models with attn_implementation="mhsa" against their sdpa and eager"""
+    from ..benchmarks import hf
+
+    result = hf.run(quick=args.quick, repeat=args.repeat)
+    return _show(args, result, hf.report(result))
+
+
 def bench_ring(args: argparse.Namespace) -> int:
     """ring attention's memory per process and time against one process"""
     from ..benchmarks import ring
@@ -149,6 +158,7 @@ SUITES = (
     ("sparse", bench_sparse, 5, "every case at small sizes"),
     ("generate", bench_generate, 5, "short sequences, one run"),
     ("scores", bench_scores, 3, "L=S=1024"),
+    ("hf", bench_hf, 2, "prefill L=128 and 512, 8 new tokens, the window case at L=2048"),
     ("ring", bench_ring, 2, "L=2048, one run"),
     ("transcribe", bench_transcribe, 5, "a short sentence, one run"),
     ("chat", bench_chat, 2, "128 prompt tokens, 16 new, one run"),
@@ -197,6 +207,8 @@ def add_parser(commands) -> None:
     )
     scores.add_argument("--no-memory", action="store_true", help="skip the memory cases")
     _in_process_threads(scores)
+
+    _in_process_threads(parsers["hf"])
 
     ring = parsers["ring"]
     add_option(ring, "--nproc", 2, "processes", type=positive_int)
