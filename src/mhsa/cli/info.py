@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import platform
 
 from ..version import __version__
@@ -19,11 +20,18 @@ _PROBES = {
     "paged+grad": {"paged": True, "causal": True, "needs_grad": True},
 }
 
+# mhsa inside other libraries: module of mhsa.integrations -> how it is used
+INTEGRATIONS = {
+    "transformers": 'register(), then attn_implementation="mhsa"',
+    "timm": "convert(model): timm's Attention layers on mhsa.attention",
+}
+
 
 def info(_: argparse.Namespace) -> int:
     """Print versions, the device, and each backend's status."""
     import torch
 
+    from .. import distributed  # noqa: F401  (registers the ring backend)
     from ..core.backends import AttentionSpec, get, names, select
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -65,6 +73,10 @@ def info(_: argparse.Namespace) -> int:
                 (get(n).preference(spec), n) for n in names() if get(n).supports(spec) is None
             )
             print(f"  {probe:<16} " + " > ".join(f"{n} ({p:g})" for p, n in ranked[::-1]))
+    print("integrations (mhsa.integrations):")
+    for name, use in INTEGRATIONS.items():
+        usable, why = importlib.import_module(f"mhsa.integrations.{name}").available()
+        print(f"  {name:<12} {'usable: ' + use if usable else 'unusable here: ' + why}")
     return 0
 
 
@@ -72,7 +84,8 @@ def add_parser(commands) -> None:
     description = (
         "Show the versions of mhsa, Python and torch, the device, and for each attention "
         "backend whether it runs here and which calls it cannot serve (with the reason), "
-        "then which backend `auto` picks for typical calls."
+        "then which backend `auto` picks for typical calls, and which integrations "
+        "(transformers, timm, FlexAttention's API) can be used here."
     )
     parser = commands.add_parser(
         "info", help="versions, device and attention backends", description=description
