@@ -52,6 +52,7 @@ def test_every_suite_has_its_own_options():
         "scores",
         "chat",
         "serve",
+        "flex",
     }
     assert {"--nproc", "--load", "--quantize", "--plot"} <= set().union(*suites.values())
     assert len(_other_options()) >= 40
@@ -77,6 +78,7 @@ def test_every_suite_rejects_another_suites_option(suite, flag, argv, capsys):
         ["transcribe", "--file", "a.wav", "--repeat", "1", "--threads", "2"],
         ["chat", "--quick", "--repeat", "1"],
         ["generate", "--threads", "1", "--repeat", "2"],
+        ["flex", "--length", "512", "--heads", "4", "--repeat", "1", "--quick"],
     ],
 )
 def test_each_suites_own_options_parse(argv):
@@ -147,3 +149,20 @@ def test_every_suite_takes_threads_and_chat_and_ring_pass_them_on(capsys, monkey
         "quick": False,
         "threads": 2,
     }
+
+
+def test_flex_passes_its_options_to_the_benchmark(capsys, monkeypatch):
+    seen = []
+
+    def record(**options):
+        seen.append(options)
+        return {"cases": []}
+
+    monkeypatch.setattr("mhsa.benchmarks.flex.run", record)
+    assert main(["bench", "flex", "--length", "512", "--heads", "4", "--repeat", "2"]) == 0
+    assert main(["bench", "flex", "--quick", "--json"]) == 0
+    assert seen == [
+        {"length": 512, "heads": 4, "repeat": 2, "quick": False},
+        {"length": 2048, "heads": 8, "repeat": 3, "quick": True},
+    ]
+    assert "mhsa.flex.flex_attention vs torch's flex_attention" in capsys.readouterr().out
