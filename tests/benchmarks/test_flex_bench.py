@@ -8,6 +8,7 @@ import pytest
 from mhsa.benchmarks import flex
 
 pytest.importorskip("torch.nn.attention.flex_attention")
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # torch: eager flex is slow
 
 
 def test_cases_run_small_without_compiling(monkeypatch):

@@ -47,7 +47,8 @@ class FlexScore(Shifted):
         self.q_len, self.kv_len = q_len, kv_len
 
     def check(self, num_heads, device, dtype):
-        if self.q_len >= _PROBE_ROWS and self.kv_len >= _PROBE_KEYS:
+        short = self.q_len < _PROBE_ROWS or self.kv_len < _PROBE_KEYS
+        if not (short and isinstance(self.score, ScoreMod)):  # the probe would index past L, S
             self.score.check(num_heads, device, dtype)
 
     def __repr__(self) -> str:

@@ -306,6 +306,16 @@ class BlockMaskPattern(Pattern):
         kinds[full] = FULL
         return kinds
 
+    def lower_triangular(self, q0, q1, k0, k1, q_len, kv_len):
+        """Whether the tile's mask is exactly local key c <= local row r (the fused
+        kernel then runs it in its causal mode, without a mask tile): checked by
+        evaluating it, on tiles of the main diagonal no larger than one block."""
+        if k0 != q0 or q1 - q0 > self.block_q or k1 - k0 > self.block_k:
+            return False
+        rows, cols = torch.arange(q0, q1).view(-1, 1), torch.arange(k0, k1).view(1, -1)
+        allowed = self.allowed(rows, cols, q_len, kv_len)
+        return bool((allowed == (cols - k0 <= rows - q0)).all())
+
     def allowed(self, rows, cols, q_len, kv_len):
         """(B or 1, H or 1, R, C): FULL blocks allowed, PARTIAL ones by mask_mod."""
         rows, cols = rows.flatten(), cols.flatten()
