@@ -165,3 +165,33 @@ def test_the_pattern_is_the_block_mask_semantics():
 def test_bad_input_names_the_argument(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+def test_a_causal_block_mask_is_one_triangle_and_a_near_causal_one_is_not():
+    """Flex's causal mask makes the whole call one lower triangle (the fused kernel's
+    causal mode, no mask tile); a causal mask missing one entry, on or below the
+    diagonal blocks, does not."""
+    from mhsa.core.kernels.plan import build_plan
+
+    def missing(q0, k0):
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & ~((q_idx == q0) & (kv_idx == k0))
+
+        return mask_mod
+
+    for q_len, kv_len in ((100, 100), (70, 100), (100, 70)):
+        mask = create_block_mask(causal, None, None, q_len, kv_len, "cpu", 32)
+        pattern = BlockMaskPattern(mask, 1, 1, q_len, kv_len)
+        assert pattern.lower_triangular(0, q_len, 0, kv_len, q_len, kv_len)
+        plan = build_plan(pattern, q_len, kv_len, block_q=32, block_k=32, gather=True)
+        assert [
+            (r.q0, r.q1, [(run.k0, run.k1, run.triangle) for run in r.runs]) for r in plan.rows
+        ] == [(0, q_len, [(0, kv_len, "lower")])]
+    for hole in ((40, 35), (90, 10)):  # in a diagonal block, below the diagonal
+        mask = create_block_mask(missing(*hole), None, None, 100, 100, "cpu", 32)
+        pattern = BlockMaskPattern(mask, 1, 1, 100, 100)
+        assert not pattern.lower_triangular(0, 100, 0, 100, 100, 100)
+        dense = pattern.dense(100, 100)[0, 0]
+        expected = torch.ones(100, 100, dtype=torch.bool).tril()
+        expected[hole] = False
+        assert torch.equal(dense, expected)

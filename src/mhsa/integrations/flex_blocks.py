@@ -283,6 +283,7 @@ class BlockMaskPattern(Pattern):
         # the engine tiles by this block when both sides agree: tiles then align with
         # the BlockMask's, so a full block needs no mask
         self.block_size = self.block_q if self.block_q == self.block_k else None
+        self._triangles: dict[tuple[int, int, int, int], bool] = {}  # lower_triangular's
 
     def check_lengths(self, q_len, kv_len):
         if (q_len, kv_len) != (self.q_len, self.kv_len):
@@ -308,13 +309,48 @@ class BlockMaskPattern(Pattern):
 
     def lower_triangular(self, q0, q1, k0, k1, q_len, kv_len):
         """Whether the tile's mask is exactly local key c <= local row r (the fused
-        kernel then runs it in its causal mode, without a mask tile): checked by
-        evaluating it, on tiles of the main diagonal no larger than one block."""
+        kernel then runs it in its causal mode, without a mask tile). Checked by
+        evaluating tiles of the main diagonal no larger than one block; the whole
+        (L, S) call is one such triangle (Flex's causal mask) when the blocks below
+        the diagonal are full, those above empty and the diagonal ones triangles."""
+        if (q0, q1, k0, k1) == (0, q_len, 0, kv_len) and (
+            q1 - q0 > self.block_q or k1 - k0 > self.block_k
+        ):
+            return self._causal_call()
         if k0 != q0 or q1 - q0 > self.block_q or k1 - k0 > self.block_k:
             return False
-        rows, cols = torch.arange(q0, q1).view(-1, 1), torch.arange(k0, k1).view(1, -1)
-        allowed = self.allowed(rows, cols, q_len, kv_len)
-        return bool((allowed == (cols - k0 <= rows - q0)).all())
+        known = self._triangles
+        if (q0, q1, k0, k1) not in known:
+            rows, cols = torch.arange(q0, q1).view(-1, 1), torch.arange(k0, k1).view(1, -1)
+            allowed = self.allowed(rows, cols, q_len, kv_len)
+            known[q0, q1, k0, k1] = bool((allowed == (cols - k0 <= rows - q0)).all())
+        return known[q0, q1, k0, k1]
+
+    def _causal_call(self) -> bool:
+        """Whether the whole mask is c <= r (see lower_triangular). Blocks past the
+        lengths' last multiple of the block are partial in a BlockMask (FlexAttention
+        counts the padding as masked): below the diagonal those are evaluated."""
+        if self.block_q != self.block_k:
+            return False
+        block, q_len, kv_len = self.block_q, self.q_len, self.kv_len
+        kinds = self.kinds(q_len, kv_len, block, block)
+        i = torch.arange(kinds.shape[0]).view(-1, 1)
+        j = torch.arange(kinds.shape[1]).view(1, -1)
+        below = (j < i) & (kinds != FULL)  # must be all allowed: tail blocks may be
+        tail = (i == kinds.shape[0] - 1) & (q_len % block != 0)
+        tail = tail | ((j == kinds.shape[1] - 1) & (kv_len % block != 0))
+        if bool(((j > i) & (kinds != EMPTY)).any() | (below & (~tail | (kinds == EMPTY))).any()):
+            return False
+        for qi, kj in below.nonzero().tolist():
+            rows = torch.arange(qi * block, min(q_len, (qi + 1) * block)).view(-1, 1)
+            cols = torch.arange(kj * block, min(kv_len, (kj + 1) * block)).view(1, -1)
+            if not bool(self.allowed(rows, cols, q_len, kv_len).all()):
+                return False
+        for d in range(min(kinds.shape)):
+            q0, q1, k1 = d * block, min(q_len, (d + 1) * block), min(kv_len, (d + 1) * block)
+            if not self.lower_triangular(q0, q1, q0, k1, q_len, kv_len):
+                return False
+        return True
 
     def allowed(self, rows, cols, q_len, kv_len):
         """(B or 1, H or 1, R, C): FULL blocks allowed, PARTIAL ones by mask_mod."""
