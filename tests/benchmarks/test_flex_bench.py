@@ -17,6 +17,8 @@ def test_cases_run_small_without_compiling(monkeypatch):
     for row in result["cases"]:
         assert row["forward"]["mhsa"] > 0 and row["forward_backward"]["mhsa"] > 0
         assert row["max_difference"]["torch eager"] < 1e-5
+        assert row["max_difference"][flex.NATIVE] < 1e-5  # the same call, mhsa's own API
+        assert row["forward_backward"][flex.NATIVE] > 0
         # torch runs a CPU backward, or its error is reported (pytorch#148752)
         assert ("torch eager" in row["forward_backward"]) != bool(row["torch_backward_unavailable"])
     text = flex.report(result)

@@ -399,3 +399,23 @@ def test_bad_input_names_the_argument(call, error, match):
     q, k, v = (torch.randn(2, 4, 12, 8) for _ in range(3))
     with pytest.raises(error, match=match):
         call(q, k, v)
+
+
+def test_a_block_mask_changed_after_use_is_lowered_again():
+    """Lowered BlockMasks are reused across calls, but not after an in-place edit of its
+    tensors or a new mask_mod."""
+    q, k, v = (torch.randn(1, 2, 48, 8) for _ in range(3))
+    mask = create_block_mask(causal, None, None, 48, 48, "cpu", 16)
+    assert torch.equal(
+        flex_attention(q, k, v, block_mask=mask), flex_attention(q, k, v, block_mask=mask)
+    )
+    mask.full_kv_num_blocks.zero_()  # only the diagonal blocks are left
+
+    def diagonal_blocks(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx // 16 == kv_idx // 16)
+
+    expected = formula(q, k, v, None, diagonal_blocks)[0]
+    assert (flex_attention(q, k, v, block_mask=mask).double() - expected).abs().max() < 2e-5
+    mask.mask_mod = lambda b, h, q_idx, kv_idx: q_idx == kv_idx
+    expected = formula(q, k, v, None, lambda b, h, q_idx, kv_idx: q_idx == kv_idx)[0]
+    assert (flex_attention(q, k, v, block_mask=mask).double() - expected).abs().max() < 2e-5

@@ -15,11 +15,14 @@ import warnings
 
 import torch
 
+from mhsa.core.attention import attention
+from mhsa.core.scores import ScoreMod
 from mhsa.flex import create_block_mask, flex_attention
 
 from .timing import best_times
 
 CASES = ("causal", "causal + relative bias table")
+NATIVE = "mhsa.attention"  # the same call through mhsa's own API, for the Flex layer's cost
 
 
 def _causal(b, h, q_idx, kv_idx):
@@ -84,12 +87,27 @@ def run_case(case: str, length: int, heads: int, head_dim: int, repeat: int) -> 
     q, k, v = (torch.randn(1, heads, length, head_dim, requires_grad=True) for _ in range(3))
     params = [q, k, v] + ([table] if table is not None else [])
 
-    def mhsa_step() -> None:
-        for t in params:
-            t.grad = None
-        flex_attention(q, k, v, score_mod, block_mask).sum().backward()
+    # the same call through mhsa's own API (L = S: Flex's indices are its positions)
+    score = None if score_mod is None else ScoreMod(score_mod)
 
-    backward = {"mhsa": best_times({"mhsa": mhsa_step}, repeat)["mhsa"]}
+    def native(q, k, v):
+        return attention(q, k, v, causal=True, score=score)
+
+    def step(fn):
+        def run() -> None:
+            for t in params:
+                t.grad = None
+            fn().sum().backward()
+
+        return run
+
+    backward = best_times(
+        {
+            "mhsa": step(lambda: flex_attention(q, k, v, score_mod, block_mask)),
+            NATIVE: step(lambda: native(q, k, v)),
+        },
+        repeat,
+    )
     torch_backward = _torch_backward(score_mod, block_mask, q, k, v)
     if torch_backward is None:
 
@@ -103,6 +121,7 @@ def run_case(case: str, length: int, heads: int, head_dim: int, repeat: int) -> 
     compiled, setup = _compiled(score_mod, block_mask, *inputs)
     forward_fns = {
         "mhsa": lambda: flex_attention(*inputs, score_mod, block_mask),
+        NATIVE: lambda: native(*inputs),
         "torch eager": lambda: _torch_flex()(*inputs, score_mod=score_mod, block_mask=block_mask),
     }
     if compiled is not None:
@@ -140,33 +159,35 @@ def run(
     return {"cases": cases}
 
 
+def _versus(mine: float, theirs: float) -> str:
+    ratio = theirs / mine
+    return f"mhsa is {ratio:.2f}x faster" if ratio >= 1 else f"mhsa is {1 / ratio:.2f}x slower"
+
+
 def report(result: dict) -> str:
     lines = [
         "mhsa.flex.flex_attention vs torch's flex_attention, CPU float32, the same "
-        "BlockMask (causal, 128-blocks) and score_mod; best-of-N, interleaved"
+        "BlockMask (causal, 128-blocks) and score_mod; best-of-N, interleaved; "
+        f"{NATIVE}: the same call through mhsa's own API"
     ]
     for row in result["cases"]:
         lines.append(f"{row['case']} ({row['shape']}):")
-        back = row["forward_backward"]
-        lines.append(f"  forward+backward  mhsa           {back['mhsa'] * 1e3:9.1f} ms")
-        if "torch eager" in back:
-            ratio = back["torch eager"] / back["mhsa"]
-            lines.append(
-                f"                    torch eager    {back['torch eager'] * 1e3:9.1f} ms"
-                f"  mhsa is {ratio:.2f}x faster"
-            )
-        else:
-            lines.append(
-                f"                    torch          cannot: {row['torch_backward_unavailable']}"
-            )
-        forward = row["forward"]
-        lines.append(f"  forward           mhsa           {forward['mhsa'] * 1e3:9.1f} ms")
-        for name in ("torch compiled", "torch eager"):
-            if name in forward:
-                ratio = forward[name] / forward["mhsa"]
+        for label, times in (
+            ("forward+backward", row["forward_backward"]),
+            ("forward", row["forward"]),
+        ):
+            lines.append(f"  {label:<17} mhsa.flex      {times['mhsa'] * 1e3:9.1f} ms")
+            for name in (NATIVE, "torch compiled", "torch eager"):
+                if name not in times:
+                    continue
+                text = f"  {'':<17} {name:<14} {times[name] * 1e3:9.1f} ms  "
+                text += _versus(times["mhsa"], times[name])
+                if label == "forward" and name in row["max_difference"]:
+                    text += f" (max |difference| {row['max_difference'][name]:.1e})"
+                lines.append(text)
+            if label == "forward+backward" and "torch eager" not in times:
                 lines.append(
-                    f"                    {name:<14} {forward[name] * 1e3:9.1f} ms  mhsa is "
-                    f"{ratio:.2f}x faster (max |difference| {row['max_difference'][name]:.1e})"
+                    f"  {'':<17} torch          cannot: {row['torch_backward_unavailable']}"
                 )
         if row["compile_seconds"] is not None:
             lines.append(f"  (torch.compile took {row['compile_seconds']:.1f} s, excluded)")

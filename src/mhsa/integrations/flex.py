@@ -23,6 +23,7 @@ from collections.abc import Callable
 from torch import Tensor
 
 from ..core.attention import attention
+from ..core.kernels.memo import PatternCache
 from ..core.kernels.scored import Shifted
 from ..core.scores import ScoreFunction, ScoreMod
 from .flex_blocks import BlockMaskPattern, create_block_mask, flex_module, is_noop
@@ -84,6 +85,12 @@ def _check_tensors(query, key, value, enable_gqa: bool, block_mask) -> None:
         )
 
 
+# lowered BlockMasks, so that a model calling one BlockMask in every layer lowers it (and
+# checks its diagonal tiles) once
+_LOWERED = PatternCache(size=16)
+_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
+
+
 def _lowered(block_mask, batch: int, heads: int, q_len: int, kv_len: int, device):
     """block_mask as the engine's pattern, or None when everything may attend."""
     if block_mask is None:
@@ -107,7 +114,22 @@ def _lowered(block_mask, batch: int, heads: int, q_len: int, kv_len: int, device
             f"block_mask is on {block_mask.kv_num_blocks.device} but query is on {device}: "
             f"move it with block_mask.to({str(device)!r}) or build it with device="
         )
-    return BlockMaskPattern(block_mask, batch, heads, q_len, kv_len)
+    fields = (getattr(block_mask, name) for name in _FIELDS)
+    key = (
+        id(block_mask),
+        id(block_mask.mask_mod),
+        tuple(block_mask.BLOCK_SIZE),
+        *((id(t), t._version) for t in fields if t is not None),  # in-place edits too
+        batch,
+        heads,
+        q_len,
+        kv_len,
+    )
+
+    def build():  # the entry holds block_mask: its id is not reused while cached
+        return block_mask, BlockMaskPattern(block_mask, batch, heads, q_len, kv_len)
+
+    return _LOWERED.get(None, key, build)[1]
 
 
 def flex_attention(

@@ -64,9 +64,9 @@ def _block_sizes(block_size) -> tuple[int, int]:
 
 
 def evaluate_mask_mod(mask_mod: MaskMod, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor):
-    """mask_mod on broadcastable index tensors, as a bool tensor of the broadcast shape
-    (at most (B, H, rows, keys)); ValueError naming mask_mod when it fails or returns
-    something else."""
+    """mask_mod on index tensors b (B,1,1,1), h (1,H,1,1), q_idx (1,1,rows,1) and kv_idx
+    (1,1,1,keys), as a 4-d bool tensor broadcastable to (B, H, rows, keys); ValueError
+    naming mask_mod when it fails or returns something else."""
     if getattr(mask_mod, "__name__", "") == "_sliced_mask_mod_error":
         raise ValueError(
             "block_mask was sliced (block_mask[...]), which resets its mask_mod: set "
@@ -81,18 +81,18 @@ def evaluate_mask_mod(mask_mod: MaskMod, b: Tensor, h: Tensor, q_idx: Tensor, kv
             "broadcast ((B,1,1,1), (1,H,1,1), (1,1,rows,1), (1,1,1,keys)), not under vmap: "
             "write it with torch ops (&, |, torch.where), not Python `and`, `or` or `if`"
         ) from error
-    shape = torch.broadcast_shapes(b.shape, h.shape, q_idx.shape, kv_idx.shape)
+    shape = (b.shape[0], h.shape[1], q_idx.shape[2], kv_idx.shape[3])  # what they span
     if not isinstance(allowed, Tensor) or allowed.dtype != torch.bool:
         got = allowed.dtype if isinstance(allowed, Tensor) else type(allowed).__name__
         raise ValueError(f"mask_mod must return a bool tensor (True = may attend), got {got}")
-    try:
-        if torch.broadcast_shapes(allowed.shape, shape) != shape:
-            raise RuntimeError
-    except RuntimeError:
+    if allowed.dim() > 4 or any(
+        size not in (1, want)
+        for size, want in zip(reversed(allowed.shape), reversed(shape), strict=False)
+    ):
         raise ValueError(
             f"mask_mod returned shape {tuple(allowed.shape)}, which does not broadcast to "
-            f"its indices' {tuple(shape)}: it must be elementwise in (b, h, q_idx, kv_idx)"
-        ) from None
+            f"its indices' {shape}: it must be elementwise in (b, h, q_idx, kv_idx)"
+        )
     return allowed.view((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
 
 
@@ -283,7 +283,7 @@ class BlockMaskPattern(Pattern):
         # the engine tiles by this block when both sides agree: tiles then align with
         # the BlockMask's, so a full block needs no mask
         self.block_size = self.block_q if self.block_q == self.block_k else None
-        self._triangles: dict[tuple[int, int, int, int], bool] = {}  # lower_triangular's
+        self._triangles: dict = {}  # lower_triangular's answers, by tile (or "whole")
 
     def check_lengths(self, q_len, kv_len):
         if (q_len, kv_len) != (self.q_len, self.kv_len):
@@ -316,7 +316,9 @@ class BlockMaskPattern(Pattern):
         if (q0, q1, k0, k1) == (0, q_len, 0, kv_len) and (
             q1 - q0 > self.block_q or k1 - k0 > self.block_k
         ):
-            return self._causal_call()
+            if "whole" not in self._triangles:
+                self._triangles["whole"] = self._causal_call()
+            return self._triangles["whole"]
         if k0 != q0 or q1 - q0 > self.block_q or k1 - k0 > self.block_k:
             return False
         known = self._triangles
