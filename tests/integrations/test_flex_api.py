@@ -419,3 +419,21 @@ def test_a_block_mask_changed_after_use_is_lowered_again():
     mask.mask_mod = lambda b, h, q_idx, kv_idx: q_idx == kv_idx
     expected = formula(q, k, v, None, lambda b, h, q_idx, kv_idx: q_idx == kv_idx)[0]
     assert (flex_attention(q, k, v, block_mask=mask).double() - expected).abs().max() < 2e-5
+
+
+def test_bfloat16_within_twice_the_naive_error():
+    """Low precision: the error against float64 is at most twice that of the same
+    formula computed in bfloat16, plus a small floor (the house rule)."""
+    q, k, v = (torch.randn(1, 4, 150, 32, dtype=torch.bfloat16) for _ in range(3))
+    block_mask = create_block_mask(window, None, None, 150, 150, "cpu", 32)
+    expected = formula(q, k, v, alibi, window)[0]
+    scores = (q @ k.transpose(-1, -2)) * 32**-0.5
+    index = [torch.arange(n).view(shape) for n, shape in ((150, (-1, 1)), (150, (1, -1)))]
+    scores = alibi(scores, 0, torch.arange(4).view(-1, 1, 1), *index)
+    scores = scores.masked_fill(~window(0, 0, *index), -torch.inf).to(torch.bfloat16)
+    naive = torch.softmax(scores, dim=-1) @ v
+    for score_mod in (alibi, ALiBi(SLOPES)):  # plain tiles and the fused kernel
+        out = flex_attention(q, k, v, score_mod, block_mask)
+        assert out.dtype == torch.bfloat16
+        error = (out.double() - expected).abs().max()
+        assert error <= 2 * (naive.double() - expected).abs().max() + 1e-3
