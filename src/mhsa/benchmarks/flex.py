@@ -46,10 +46,14 @@ def _error(error: Exception) -> str:
     return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 
 
-def _torch_flex():
-    from torch.nn.attention.flex_attention import flex_attention as torch_flex_attention
+def _torch_api():
+    from torch.nn.attention import flex_attention
 
-    return torch_flex_attention
+    return flex_attention
+
+
+def _torch_flex():
+    return _torch_api().flex_attention
 
 
 def _compiled(score_mod, block_mask, q, k, v):
@@ -134,8 +138,17 @@ def run_case(case: str, length: int, heads: int, head_dim: int, repeat: int) -> 
             for name, fn in forward_fns.items()
             if name != "mhsa"
         }
+    mask_args = (_causal, None, None, length, length, "cpu")
+    masks = best_times(
+        {
+            "mhsa": lambda: create_block_mask(*mask_args),
+            "torch eager": lambda: _torch_api().create_block_mask(*mask_args),
+        },
+        repeat,
+    )
     return {
         "case": case,
+        "create_block_mask": masks,
         "shape": f"B=1 H={heads} L=S={length} D={head_dim}",
         "forward_backward": backward,
         "torch_backward_unavailable": torch_backward,
@@ -189,6 +202,12 @@ def report(result: dict) -> str:
                 lines.append(
                     f"  {'':<17} torch          cannot: {row['torch_backward_unavailable']}"
                 )
+        masks = row["create_block_mask"]
+        lines.append(
+            f"  create_block_mask mhsa.flex      {masks['mhsa'] * 1e3:9.1f} ms\n"
+            f"  {'':<17} torch          {masks['torch eager'] * 1e3:9.1f} ms  "
+            + _versus(masks["mhsa"], masks["torch eager"])
+        )
         if row["compile_seconds"] is not None:
             lines.append(f"  (torch.compile took {row['compile_seconds']:.1f} s, excluded)")
         else:
