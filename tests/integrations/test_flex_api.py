@@ -437,3 +437,22 @@ def test_bfloat16_within_twice_the_naive_error():
         assert out.dtype == torch.bfloat16
         error = (out.double() - expected).abs().max()
         assert error <= 2 * (naive.double() - expected).abs().max() + 1e-3
+
+
+@pytest.mark.parametrize("block", [(32, 16), (16, 48), (256, 256)])
+def test_any_block_shape(block):
+    """BlockMasks whose blocks differ from the engine's tiles (non-square, or larger
+    than the sequence) give the same result."""
+    q, k, v = (torch.randn(2, 2, n, 16, requires_grad=True) for n in (113, 203, 203))
+    mask = create_block_mask(documents, None, None, 113, 203, "cpu", block)
+    for score_mod in (None, softcap):
+        out = flex_attention(q, k, v, score_mod, mask)
+        ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        ref = formula(*ref_inputs, score_mod, documents)[0]
+        assert (out.double() - ref).abs().max() < 2e-5
+        for t in (q, k, v):
+            t.grad = None
+        out.sum().backward()
+        ref.sum().backward()
+        for mine, expected in zip((q, k, v), ref_inputs, strict=True):
+            assert (mine.grad.double() - expected.grad).abs().max() < 1e-4
