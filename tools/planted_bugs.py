@@ -143,6 +143,24 @@ BUGS = {
         "    return 0 * kv_len",
         "tests/core/masks/test_causal.py",
     ),
+    "flex score_mod sees mhsa's bottom-right positions": (
+        "integrations/flex.py",
+        "q_offset=q_len - kv_len",
+        "q_offset=0",
+        "tests/integrations/test_flex_api.py",
+    ),
+    "flex full blocks ignored": (
+        "integrations/flex_blocks.py",
+        "return full | (partial & allowed)",
+        "return partial & allowed",
+        "tests/integrations/test_flex_api.py",
+    ),
+    "flex tail blocks counted as full": (
+        "integrations/flex_blocks.py",
+        "padded = F.pad(allowed, pad, value=False)",
+        "padded = F.pad(allowed, pad, value=True)",
+        "tests/integrations/test_flex_blocks.py",
+    ),
 }
 
 
