@@ -9,3 +9,14 @@ count from 0 in the query and the key). See mhsa.integrations.flex and docs/flex
 from .integrations.flex import available, create_block_mask, flex_attention
 
 __all__ = ["available", "create_block_mask", "flex_attention"]
+# torch's own helpers (BlockMask, and_masks, ...) are served too, so that only the import
+# line of FlexAttention code changes; imported when first asked for
+_FROM_TORCH = {"AuxOutput", "AuxRequest", "BlockMask", "and_masks", "noop_mask", "or_masks"}
+
+
+def __getattr__(name: str):
+    if name in _FROM_TORCH:
+        from torch.nn.attention import flex_attention as torch_flex
+
+        return getattr(torch_flex, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

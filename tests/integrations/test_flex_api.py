@@ -456,3 +456,31 @@ def test_any_block_shape(block):
         ref.sum().backward()
         for mine, expected in zip((q, k, v), ref_inputs, strict=True):
             assert (mine.grad.double() - expected.grad).abs().max() < 1e-4
+
+
+def test_torchs_helpers_and_return_aux_make_it_a_drop_in():
+    """`from mhsa.flex import ...` serves what FlexAttention code imports: and_masks,
+    or_masks, noop_mask, BlockMask, AuxRequest; return_aux and kernel_options are taken."""
+    from mhsa import flex
+
+    assert flex.BlockMask is flex_api.BlockMask and flex.noop_mask is flex_api.noop_mask
+    sliding = flex.and_masks(causal, lambda b, h, q_idx, kv_idx: q_idx - kv_idx <= 20)
+    mask = create_block_mask(flex.or_masks(sliding, prefix_lm), None, None, 100, 100, "cpu", 32)
+    q, k, v = (torch.randn(1, 2, 100, 8) for _ in range(3))
+
+    def expected_mask(b, h, q_idx, kv_idx):
+        return ((q_idx >= kv_idx) & (q_idx - kv_idx <= 20)) | prefix_lm(b, h, q_idx, kv_idx)
+
+    expected, expected_lse = formula(q, k, v, None, expected_mask)
+    out = flex_attention(q, k, v, block_mask=mask, kernel_options={"BLOCK_M": 64})
+    assert (out.double() - expected).abs().max() < 2e-5
+    if hasattr(flex_api, "AuxRequest"):
+        out, aux = flex_attention(q, k, v, block_mask=mask, return_aux=flex.AuxRequest(lse=True))
+        assert isinstance(aux, flex_api.AuxOutput) and aux.max_scores is None
+        assert (aux.lse.double() - expected_lse).abs().max() < 1e-5
+        with pytest.raises(ValueError, match="max_scores"):
+            flex_attention(q, k, v, return_aux=flex.AuxRequest(lse=True, max_scores=True))
+        with pytest.raises(ValueError, match="not both"):
+            flex_attention(q, k, v, return_lse=True, return_aux=flex.AuxRequest(lse=True))
+    with pytest.raises(AttributeError, match="no attribute 'create_mask_of'"):
+        flex.create_mask_of  # noqa: B018

@@ -141,7 +141,10 @@ def flex_attention(
     scale: float | None = None,
     enable_gqa: bool = False,
     return_lse: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
+    kernel_options: dict | None = None,
+    *,
+    return_aux=None,
+):
     """torch.nn.attention.flex_attention.flex_attention on mhsa's flash engine,
     differentiable on any device (CPU included) without compiling.
 
@@ -163,13 +166,29 @@ def flex_attention(
         enable_gqa: allow Hkv < Hq (Hq % Hkv == 0): query head h uses kv head
             h // (Hq // Hkv).
         return_lse: also return the logsumexp of each row's scores.
+        kernel_options: tuning of torch's Triton kernels; accepted and ignored (mhsa's
+            results do not depend on it).
+        return_aux: torch's newer form of return_lse, an AuxRequest(lse=True): then
+            (out, AuxOutput(lse=lse)) is returned. max_scores is not served.
 
     Returns:
         out (B, Hq, L, Ev) in query's dtype; with return_lse, (out, lse (B, Hq, L)) with
         lse float32 (float64 for float64 inputs). A row with no allowed key gets output
         0 and lse -inf, and zero gradients.
     """
+    if return_aux is not None:
+        if return_lse:
+            raise ValueError("pass return_lse=True or return_aux, not both")
+        if getattr(return_aux, "max_scores", False):
+            raise ValueError(
+                "return_aux=AuxRequest(max_scores=True) is not served by mhsa.flex: request "
+                "lse only"
+            )
     _check_tensors(query, key, value, enable_gqa, block_mask)
+    if kernel_options is not None and not isinstance(kernel_options, dict):
+        raise TypeError(
+            f"kernel_options must be a dict or None, got {type(kernel_options).__name__}"
+        )
     if score_mod is not None and not callable(score_mod):
         raise TypeError(
             "score_mod must be a callable score_mod(score, b, h, q_idx, kv_idx) or an "
@@ -192,6 +211,8 @@ def flex_attention(
         return_lse=True,
         backend="flash",
     )
+    if return_aux is not None:
+        return out, flex_module().AuxOutput(lse=lse if return_aux.lse else None)
     return (out, lse) if return_lse else out
 
 
