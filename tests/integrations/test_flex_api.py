@@ -484,3 +484,20 @@ def test_torchs_helpers_and_return_aux_make_it_a_drop_in():
             flex_attention(q, k, v, return_lse=True, return_aux=flex.AuxRequest(lse=True))
     with pytest.raises(AttributeError, match="no attribute 'create_mask_of'"):
         flex.create_mask_of  # noqa: B018
+
+
+@pytest.mark.parametrize("with_score_mod", [False, True])
+def test_gradcheck_in_float64(with_score_mod):
+    """torch.autograd.gradcheck through flex_attention, the captured table included."""
+    table = torch.randn(2, 13, dtype=torch.float64, requires_grad=True)
+
+    def relative(score, b, h, q_idx, kv_idx):
+        return 3 * torch.tanh(score / 3) + table[h, kv_idx - q_idx + 5]
+
+    mask = create_block_mask(prefix_lm, None, None, 6, 8, "cpu", 4)
+    inputs = [torch.randn(1, 2, n, 4, dtype=torch.float64, requires_grad=True) for n in (6, 8, 8)]
+
+    def fn(q, k, v, table):
+        return flex_attention(q, k, v, relative if with_score_mod else None, mask)
+
+    assert torch.autograd.gradcheck(fn, (*inputs, table))
