@@ -205,17 +205,20 @@ def test_grouped_query_attention_with_a_per_head_mask():
     q = torch.randn(2, 4, 150, 16, requires_grad=True)
     k, v = (torch.randn(2, 2, 150, 16, requires_grad=True) for _ in range(2))
     block_mask = create_block_mask(per_head, None, 4, 150, 150, "cpu", 32)
-    out, lse = flex_attention(q, k, v, alibi, block_mask, enable_gqa=True, return_lse=True)
-    theirs, their_lse = torch_flex(
-        q.detach(), k.detach(), v.detach(), alibi, block_mask, enable_gqa=True
-    )
-    assert (out - theirs).abs().max() < 1e-5 and (lse - their_lse).abs().max() < 1e-5
-    out.sum().backward()
-    ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref, _ = formula(*ref_inputs, alibi, per_head)
-    ref.sum().backward()
-    for mine, expected in zip((q, k, v), ref_inputs, strict=True):
-        assert (mine.grad.double() - expected.grad).abs().max() < 1e-4
+    for score_mod in (alibi, None):  # plain tiles and the fused kernel
+        out, lse = flex_attention(q, k, v, score_mod, block_mask, enable_gqa=True, return_lse=True)
+        theirs, their_lse = torch_flex(
+            q.detach(), k.detach(), v.detach(), score_mod, block_mask, enable_gqa=True
+        )
+        assert (out - theirs).abs().max() < 1e-5 and (lse - their_lse).abs().max() < 1e-5
+        for t in (q, k, v):
+            t.grad = None
+        out.sum().backward()
+        ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        ref, _ = formula(*ref_inputs, score_mod, per_head)
+        ref.sum().backward()
+        for mine, expected in zip((q, k, v), ref_inputs, strict=True):
+            assert (mine.grad.double() - expected.grad).abs().max() < 1e-4
 
 
 def test_per_sequence_documents_with_a_batch_mask():
