@@ -88,6 +88,10 @@ def softcap(score, b, h, q_idx, kv_idx):
     return 5.0 * torch.tanh(score / 5.0)
 
 
+def causal_by_score(score, b, h, q_idx, kv_idx):  # masking inside a score_mod, -inf
+    return torch.where(q_idx >= kv_idx, score, -torch.inf)
+
+
 # (name, score_mod, mask_mod, L, S)
 RECIPES = [
     ("causal", None, causal, 203, 203),
@@ -99,6 +103,7 @@ RECIPES = [
     ("ALiBi, causal, L > S", alibi, causal, 150, 97),
     ("softcap, causal", softcap, causal, 203, 203),
     ("softcap, window", softcap, window, 113, 203),
+    ("causal as a score_mod", causal_by_score, None, 113, 203),
 ]
 
 
