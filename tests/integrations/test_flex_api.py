@@ -509,3 +509,30 @@ def test_gradcheck_in_float64(with_score_mod):
         return flex_attention(q, k, v, relative if with_score_mod else None, mask)
 
     assert torch.autograd.gradcheck(fn, (*inputs, table))
+
+
+def test_a_tensor_whose_gradient_would_be_lost_is_an_error():
+    """A table reached through functools.partial is not found in the closure: rather
+    than drop its gradient, flex_attention says so. A table computed from a parameter
+    (not a leaf) closed over directly passes its gradient on."""
+    import functools
+
+    base = torch.randn(2, 2 * 40 - 1, requires_grad=True)
+
+    def relative(score, b, h, q_idx, kv_idx, table):
+        return score + table[h, kv_idx - q_idx + 39]
+
+    q, k, v = (torch.randn(1, 2, 40, 8) for _ in range(3))
+    with pytest.raises(ValueError, match="requires grad but is not one it closes over"):
+        flex_attention(q, k, v, functools.partial(relative, table=base))
+    with torch.no_grad():  # no gradient wanted: nothing to lose
+        flex_attention(q, k, v, functools.partial(relative, table=base))
+    doubled = base * 2
+
+    def closed_over(score, b, h, q_idx, kv_idx):
+        return relative(score, b, h, q_idx, kv_idx, doubled)
+
+    flex_attention(q, k, v, closed_over).sum().backward()
+    base64 = base.detach().double().requires_grad_()
+    formula(q, k, v, lambda *args: relative(*args, base64 * 2))[0].sum().backward()
+    assert (base.grad.double() - base64.grad).abs().max() < 1e-4
