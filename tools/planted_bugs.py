@@ -144,7 +144,7 @@ BUGS = {
         "tests/core/masks/test_causal.py",
     ),
     "flex score_mod sees mhsa's bottom-right positions": (
-        "integrations/flex.py",
+        "integrations/flex_scores.py",
         "q_offset=q_len - kv_len",
         "q_offset=0",
         "tests/integrations/test_flex_api.py",
