@@ -536,3 +536,21 @@ def test_a_tensor_whose_gradient_would_be_lost_is_an_error():
     base64 = base.detach().double().requires_grad_()
     formula(q, k, v, lambda *args: relative(*args, base64 * 2))[0].sum().backward()
     assert (base.grad.double() - base64.grad).abs().max() < 1e-4
+
+
+def test_a_sliced_block_mask_needs_its_mask_mod_back():
+    """torch's BlockMask[...] resets mask_mod; using it says how to fix that, and with
+    the mask_mod set again the slice works."""
+    mask = create_block_mask(causal, 2, None, 64, 64, "cpu", 16)[1:2]
+    q, k, v = (torch.randn(1, 2, 64, 8) for _ in range(3))
+    with pytest.raises(ValueError, match="sliced.mask_mod to the original"):
+        flex_attention(q, k, v, block_mask=mask)
+    mask.mask_mod = causal
+    expected = formula(q, k, v, None, causal)[0]
+    assert (flex_attention(q, k, v, block_mask=mask).double() - expected).abs().max() < 2e-5
+
+
+def test_create_block_mask_defaults_to_flexattentions_device():
+    mask = create_block_mask(causal, None, None, 8, 8)
+    expected = flex_api.create_block_mask(causal, None, None, 8, 8)
+    assert mask.kv_num_blocks.device == expected.kv_num_blocks.device
