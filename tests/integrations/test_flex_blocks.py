@@ -195,3 +195,39 @@ def test_a_causal_block_mask_is_one_triangle_and_a_near_causal_one_is_not():
         expected = torch.ones(100, 100, dtype=torch.bool).tril()
         expected[hole] = False
         assert torch.equal(dense, expected)
+
+
+def test_a_sliding_window_block_mask_is_the_engines_band():
+    """A BlockMask that is exactly a sliding window (every batch and head alike, L = S)
+    says so, and the engine runs its band fast path; anything else is not a band."""
+    from mhsa.core.masks import Band
+
+    def window(left, right):
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx - q_idx >= -left) & (kv_idx - q_idx <= right)
+
+        return mask_mod
+
+    def band_of(mask_mod, q_len=200, kv_len=200, heads=None, block=32):
+        mask = create_block_mask(mask_mod, None, heads, q_len, kv_len, "cpu", block)
+        return BlockMaskPattern(mask, 1, heads or 1, q_len, kv_len).band()
+
+    assert band_of(window(40, 0)) == Band(40, 0)
+    assert band_of(window(3, 70), block=16) == Band(3, 70)
+    assert band_of(window(300, 0)) is None  # wider than the middle row sees: causal-like
+    assert band_of(causal) is None
+    assert band_of(window(40, 0), 150, 200) is None  # L != S: Flex indices differ
+    assert band_of(per_head_window, heads=2) is None  # differs per head
+
+    def with_hole(b, h, q_idx, kv_idx):
+        return window(40, 0)(b, h, q_idx, kv_idx) & ~((q_idx == 150) & (kv_idx == 130))
+
+    assert band_of(with_hole) is None
+    # and flex_attention on it is not the window's
+    from mhsa.flex import flex_attention
+
+    q, k, v = (torch.randn(1, 2, 200, 8) for _ in range(3))
+    mask = create_block_mask(with_hole, None, None, 200, 200, "cpu", 32)
+    dense = flex_api.create_mask(with_hole, 1, 1, 200, 200, "cpu")
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+    assert (flex_attention(q, k, v, block_mask=mask) - expected).abs().max() < 1e-5

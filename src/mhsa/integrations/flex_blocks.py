@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..core.checks import int_at_least
-from ..core.masks import EMPTY, FULL, PARTIAL, Pattern
+from ..core.masks import EMPTY, FULL, PARTIAL, Band, Pattern, SlidingWindow
 from ..core.masks.base import block_ranges
 from ..core.masks.blocks import num_blocks
 
@@ -284,6 +284,7 @@ class BlockMaskPattern(Pattern):
         # the BlockMask's, so a full block needs no mask
         self.block_size = self.block_q if self.block_q == self.block_k else None
         self._triangles: dict = {}  # lower_triangular's answers, by tile (or "whole")
+        self._band: list[Band | None] = []  # band()'s answer, once found
 
     def check_lengths(self, q_len, kv_len):
         if (q_len, kv_len) != (self.q_len, self.kv_len):
@@ -353,6 +354,48 @@ class BlockMaskPattern(Pattern):
             if not self.lower_triangular(q0, q1, q0, k1, q_len, kv_len):
                 return False
         return True
+
+    def band(self) -> Band | None:
+        """The sliding window this BlockMask is exactly, for every batch and head, or
+        None; L = S only (where Flex's indices are mhsa's positions). The engine then
+        runs it as SlidingWindow(left, right), with its band fast path."""
+        if not self._band:
+            self._band.append(self._find_band())
+        return self._band[0]
+
+    def _find_band(self) -> Band | None:
+        """A window guessed from the middle query's allowed keys, then checked: every
+        block's kind against the window's, and every partial block entry by entry
+        (at most a few blocks per block row for a window: the check stops at the first
+        difference)."""
+        if self.q_len != self.kv_len or self.block_q != self.block_k:
+            return None
+        middle, block = self.q_len // 2, self.block_q
+        # the middle query's keys in batch 0, head 0, evaluating partial blocks only
+        blocks = self.kinds_grid[0, 0, middle // block].repeat_interleave(block)[: self.kv_len]
+        row = blocks == FULL
+        cols = (blocks == PARTIAL).nonzero().flatten()
+        if len(cols):
+            tile = self.allowed(torch.tensor([[middle]]), cols.view(1, -1), self.q_len, self.kv_len)
+            row[cols] = tile[0, 0, 0]
+        keys = row.nonzero().flatten()
+        if len(keys) == 0 or len(keys) != keys[-1] - keys[0] + 1:
+            return None  # nothing allowed, or not one contiguous range
+        left, right = middle - int(keys[0]), int(keys[-1]) - middle
+        if left < 0 or right < 0:
+            return None
+        window, length = SlidingWindow(left, right), self.q_len
+        expected = window.kinds(length, length, block, block).view(1, 1, *self.kinds_grid.shape[2:])
+        grid = self.kinds_grid
+        if bool(((grid != PARTIAL) & (grid != expected)).any()):
+            return None
+        for qi, kj in (grid == PARTIAL).any(dim=1).any(dim=0).nonzero().tolist():
+            rows = torch.arange(qi * block, min(length, (qi + 1) * block)).view(-1, 1)
+            cols = torch.arange(kj * block, min(length, (kj + 1) * block)).view(1, -1)
+            mine = self.allowed(rows, cols, length, length)
+            if not bool((mine == window.allowed(rows, cols, length, length)).all()):
+                return None
+        return window.band()
 
     def allowed(self, rows, cols, q_len, kv_len):
         """(B or 1, H or 1, R, C): FULL blocks allowed, PARTIAL ones by mask_mod."""
