@@ -23,6 +23,7 @@ def test_cases_run_small_without_compiling(monkeypatch):
         assert ("torch eager" in row["forward_backward"]) != bool(row["torch_backward_unavailable"])
     text = flex.report(result)
     assert "B=1 H=2 L=S=64 D=16" in text and "causal + relative bias table" in text
+    assert "sliding window of 256" in text
     assert "torch compiled unavailable: not compiled in this test" in text
     assert "mhsa is" in text and "create_block_mask" in text
 

@@ -16,12 +16,14 @@ import warnings
 import torch
 
 from mhsa.core.attention import attention
+from mhsa.core.masks import SlidingWindow
 from mhsa.core.scores import ScoreMod
 from mhsa.flex import create_block_mask, flex_attention
 
 from .timing import best_times
 
-CASES = ("causal", "causal + relative bias table")
+CASES = ("causal", "causal + relative bias table", "sliding window of 256")
+WINDOW = 256
 NATIVE = "mhsa.attention"  # the same call through mhsa's own API, for the Flex layer's cost
 
 
@@ -29,10 +31,18 @@ def _causal(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
 
+def _window(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & (q_idx - kv_idx <= WINDOW)
+
+
+def _mask_mod(case: str):
+    return _window if case.startswith("sliding window") else _causal
+
+
 def _score_mod(case: str, heads: int, length: int):
     """None, or a tensor-indexed score_mod (a learned (H, 2L - 1) table of relative
     biases, as a FlexAttention user writes one) and its table."""
-    if case == "causal":
+    if case != "causal + relative bias table":
         return None, None
     table = (0.1 * torch.randn(heads, 2 * length - 1)).requires_grad_()
 
@@ -87,15 +97,16 @@ def run_case(case: str, length: int, heads: int, head_dim: int, repeat: int) -> 
     """Seconds of each implementation on one case, the compile time, what could not
     run, and the largest output difference against mhsa's."""
     score_mod, table = _score_mod(case, heads, length)
-    block_mask = create_block_mask(_causal, None, None, length, length, "cpu")
+    block_mask = create_block_mask(_mask_mod(case), None, None, length, length, "cpu")
     q, k, v = (torch.randn(1, heads, length, head_dim, requires_grad=True) for _ in range(3))
     params = [q, k, v] + ([table] if table is not None else [])
 
     # the same call through mhsa's own API (L = S: Flex's indices are its positions)
     score = None if score_mod is None else ScoreMod(score_mod)
+    window = SlidingWindow(WINDOW, 0) if _mask_mod(case) is _window else None
 
     def native(q, k, v):
-        return attention(q, k, v, causal=True, score=score)
+        return attention(q, k, v, window, causal=window is None, score=score)
 
     def step(fn):
         def run() -> None:
@@ -138,7 +149,7 @@ def run_case(case: str, length: int, heads: int, head_dim: int, repeat: int) -> 
             for name, fn in forward_fns.items()
             if name != "mhsa"
         }
-    mask_args = (_causal, None, None, length, length, "cpu")
+    mask_args = (_mask_mod(case), None, None, length, length, "cpu")
     masks = best_times(
         {
             "mhsa": lambda: create_block_mask(*mask_args),
@@ -180,7 +191,7 @@ def _versus(mine: float, theirs: float) -> str:
 def report(result: dict) -> str:
     lines = [
         "mhsa.flex.flex_attention vs torch's flex_attention, CPU float32, the same "
-        "BlockMask (causal, 128-blocks) and score_mod; best-of-N, interleaved; "
+        "BlockMask (128-blocks) and score_mod; best-of-N, interleaved; "
         f"{NATIVE}: the same call through mhsa's own API"
     ]
     for row in result["cases"]:
