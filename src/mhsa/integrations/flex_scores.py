@@ -44,7 +44,8 @@ class FlexScore(Shifted):
         if not isinstance(self.score, ScoreMod):
             return  # mhsa's own score functions name their tensors
         declared = self.tensors()
-        rows, keys = torch.arange(min(self.q_len, 3)), torch.arange(min(self.kv_len, 4))
+        rows = torch.arange(min(self.q_len, _PROBE_ROWS))
+        keys = torch.arange(min(self.kv_len, _PROBE_KEYS))
         with torch.enable_grad():
             score = torch.zeros(1, min(num_heads, 2), len(rows), len(keys), dtype=dtype)
             score = score.to(device).requires_grad_()
