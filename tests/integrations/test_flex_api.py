@@ -350,9 +350,18 @@ def test_a_key_batch_of_one_is_shared_with_a_block_mask():
     assert (out.double() - expected).abs().max() < 2e-5
 
 
-def test_available():
+def test_available(monkeypatch):
     usable, why = available()
     assert usable is True and "backward" in why
+
+    def missing():
+        raise ImportError("no flex_attention")
+
+    monkeypatch.setattr("mhsa.integrations.flex.flex_module", missing)
+    assert available() == (
+        False,
+        "needs torch.nn.attention.flex_attention (torch >= 2.5) for its BlockMask",
+    )
 
 
 @pytest.mark.parametrize(
@@ -554,3 +563,20 @@ def test_create_block_mask_defaults_to_flexattentions_device():
     mask = create_block_mask(causal, None, None, 8, 8)
     expected = flex_api.create_block_mask(causal, None, None, 8, 8)
     assert mask.kv_num_blocks.device == expected.kv_num_blocks.device
+
+
+def test_decoding_with_a_sliced_block_mask_as_gpt_fast_does():
+    """One query at position p against a cache of S slots: the causal BlockMask's row
+    of p's block, with mask_mod shifted by p and seq_lengths (1, S)."""
+    slots, position = 300, 211
+    full = create_block_mask(causal, None, None, slots, slots, "cpu")
+    step = full[:, :, position // 128 : position // 128 + 1]
+
+    def shifted(b, h, q_idx, kv_idx):
+        return causal(b, h, q_idx + position, kv_idx)
+
+    step.mask_mod, step.seq_lengths = shifted, (1, slots)
+    q = torch.randn(1, 2, 1, 16)
+    k, v = (torch.randn(1, 2, slots, 16) for _ in range(2))
+    expected = formula(q, k, v, None, shifted)[0]
+    assert (flex_attention(q, k, v, block_mask=step).double() - expected).abs().max() < 2e-5
