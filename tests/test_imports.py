@@ -21,7 +21,7 @@ LAYERS = [
     ["benchmarks"],
     ["apps.serve", "apps.export", "apps.viz"],
     ["apps.chat", "apps.embed", "apps.transcribe", "apps.train"],
-    ["integrations"],
+    ["integrations", "flex"],
     ["models"],
     ["nn"],
     ["cache", "distributed"],

@@ -155,6 +155,30 @@ BUGS = {
         "real = padding[:, : sizes.kv_len].bool()",
         "tests/integrations/test_transformers.py",
     ),
+    "flex score_mod sees mhsa's bottom-right positions": (
+        "integrations/flex_scores.py",
+        "q_offset=q_len - kv_len",
+        "q_offset=0",
+        "tests/integrations/test_flex_api.py",
+    ),
+    "flex full blocks ignored": (
+        "integrations/flex_blocks.py",
+        "return full | (partial & allowed)",
+        "return partial & allowed",
+        "tests/integrations/test_flex_api.py",
+    ),
+    "flex tail blocks counted as full": (
+        "integrations/flex_blocks.py",
+        "padded = F.pad(allowed, pad, value=False)",
+        "padded = F.pad(allowed, pad, value=True)",
+        "tests/integrations/test_flex_blocks.py",
+    ),
+    "flex band taken without checking its partial blocks": (
+        "integrations/flex_blocks.py",
+        "if not bool((mine == window.allowed(rows, cols, length, length)).all()):",
+        "if False:",
+        "tests/integrations/test_flex_blocks.py",
+    ),
 }
 
 

@@ -53,6 +53,7 @@ def test_every_suite_has_its_own_options():
         "chat",
         "serve",
         "hf",
+        "flex",
     }
     assert {"--nproc", "--load", "--quantize", "--plot"} <= set().union(*suites.values())
     assert len(_other_options()) >= 40
@@ -78,6 +79,7 @@ def test_every_suite_rejects_another_suites_option(suite, flag, argv, capsys):
         ["transcribe", "--file", "a.wav", "--repeat", "1", "--threads", "2"],
         ["chat", "--quick", "--repeat", "1"],
         ["generate", "--threads", "1", "--repeat", "2"],
+        ["flex", "--length", "512", "--heads", "4", "--repeat", "1", "--quick"],
     ],
 )
 def test_each_suites_own_options_parse(argv):
@@ -162,3 +164,20 @@ def test_hf_passes_its_options_to_the_benchmark(capsys, monkeypatch):
     assert main(["bench", "hf", "--quick", "--repeat", "3"]) == 0
     assert main(["bench", "hf", "--json"]) == 0
     assert seen == [{"quick": True, "repeat": 3}, {"quick": False, "repeat": 2}]
+
+
+def test_flex_passes_its_options_to_the_benchmark(capsys, monkeypatch):
+    seen = []
+
+    def record(**options):
+        seen.append(options)
+        return {"cases": []}
+
+    monkeypatch.setattr("mhsa.benchmarks.flex.run", record)
+    assert main(["bench", "flex", "--length", "512", "--heads", "4", "--repeat", "2"]) == 0
+    assert main(["bench", "flex", "--quick", "--json"]) == 0
+    assert seen == [
+        {"length": 512, "heads": 4, "repeat": 2, "quick": False},
+        {"length": 2048, "heads": 8, "repeat": 3, "quick": True},
+    ]
+    assert "mhsa.flex.flex_attention vs torch's flex_attention" in capsys.readouterr().out

@@ -76,6 +76,16 @@ def bench_hf(args: argparse.Namespace) -> int:
     return _show(args, result, hf.report(result))
 
 
+def bench_flex(args: argparse.Namespace) -> int:
+    """mhsa.flex.flex_attention against torch's flex_attention, eager and compiled"""
+    from ..benchmarks import flex
+
+    result = flex.run(
+        length=args.length or 2048, heads=args.heads, repeat=args.repeat, quick=args.quick
+    )
+    return _show(args, result, flex.report(result))
+
+
 def bench_ring(args: argparse.Namespace) -> int:
     """ring attention's memory per process and time against one process"""
     from ..benchmarks import ring
@@ -159,6 +169,7 @@ SUITES = (
     ("generate", bench_generate, 5, "short sequences, one run"),
     ("scores", bench_scores, 3, "L=S=1024"),
     ("hf", bench_hf, 2, "prefill L=128 and 512, 8 new tokens, the window case at L=2048"),
+    ("flex", bench_flex, 3, "L=S=256, one run"),
     ("ring", bench_ring, 2, "L=2048, one run"),
     ("transcribe", bench_transcribe, 5, "a short sentence, one run"),
     ("chat", bench_chat, 2, "128 prompt tokens, 16 new, one run"),
@@ -209,6 +220,10 @@ def add_parser(commands) -> None:
     _in_process_threads(scores)
 
     _in_process_threads(parsers["hf"])
+    flex = parsers["flex"]
+    flex.add_argument("--length", type=positive_int, help="L = S (default 2048; 256 with --quick)")
+    add_option(flex, "--heads", 8, "query heads", type=positive_int)
+    _in_process_threads(flex)
 
     ring = parsers["ring"]
     add_option(ring, "--nproc", 2, "processes", type=positive_int)

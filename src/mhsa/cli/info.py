@@ -24,6 +24,7 @@ _PROBES = {
 INTEGRATIONS = {
     "transformers": 'register(), then attn_implementation="mhsa"',
     "timm": "convert(model): timm's Attention layers on mhsa.attention",
+    "flex": "mhsa.flex: FlexAttention's flex_attention and create_block_mask, CPU backward",
 }
 
 
