@@ -5,6 +5,7 @@ or a GPT checkpoint of `mhsa train gpt`."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -61,10 +62,20 @@ def _serve(args: argparse.Namespace, started: float) -> int:
         block_size=args.block_size,
         max_batch=args.max_batch,
         context_length=args.context_length,
+        max_share=args.max_request_share,
+        max_wait=args.max_wait,
         progress=progress_bar("reading weights"),
     )
     say(f"loaded {served.name} in {time.perf_counter() - started:.1f} s; starting the server ...")
-    server = Server(served, host=args.host, port=args.port, log_level=args.log_level)
+    limits, access = _limits(args), _access(args)
+    server = Server(
+        served,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        limits=limits,
+        access=access,
+    )
     server.start()
     engine = served.engine
     print(
@@ -75,6 +86,35 @@ def _serve(args: argparse.Namespace, started: float) -> int:
     )
     server.wait()
     return 0
+
+
+def _limits(args: argparse.Namespace):
+    from ..apps.serve.limits import Limits
+
+    return Limits(
+        max_body_bytes=args.max_body_bytes,
+        max_prompts=args.max_prompts,
+        max_queued=args.max_queued,
+        template_seconds=args.template_seconds,
+        template_chars=args.template_chars,
+        drain_timeout=args.drain_timeout,
+    )
+
+
+def _access(args: argparse.Namespace):
+    """The API key and allowed hosts; a warning when the server is reachable beyond this
+    machine without a key."""
+    from ..apps.serve.limits import Access, exposed
+
+    key = args.api_key or os.environ.get("MHSA_API_KEY") or None
+    if exposed(args.host) and key is None:
+        say(
+            f"warning: serving on {args.host} (beyond this machine) without an API key: "
+            "anyone who reaches the port can use the model; pass --api-key KEY or set "
+            "MHSA_API_KEY"
+        )
+    extra = [h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip()]
+    return Access.for_host(args.host, key, extra)
 
 
 def load_served(
@@ -117,6 +157,26 @@ def load_served(
     return ServedModel.from_gpt(gpt, name or path.resolve().name, **engine_options)
 
 
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return value
+
+
 def add_parser(commands) -> None:
     cmd = commands.add_parser(
         "serve",
@@ -151,7 +211,70 @@ def add_parser(commands) -> None:
         type=positive_int,
         default=None,
         help="prompt + new tokens per request at most (default: the model's, "
-        "at most what the pool holds)",
+        "at most --max-request-share of what the pool holds)",
+    )
+    add_option(
+        cmd,
+        "--max-request-share",
+        0.5,
+        "the share of the cache pool one request may hold at most (0 < share <= 1)",
+        type=_share,
+    )
+    add_option(
+        cmd,
+        "--max-wait",
+        10.0,
+        "seconds a request that does not fit the pool yet is passed over by smaller ones "
+        "that do; then it goes next",
+        type=_seconds,
+    )
+    limits = cmd.add_argument_group("limits (each request)")
+    add_option(
+        limits, "--max-body-bytes", 4 * 2**20, "request body size (413 beyond)", type=positive_int
+    )
+    add_option(
+        limits,
+        "--max-prompts",
+        64,
+        "prompts in one /v1/completions request (an array of them)",
+        type=positive_int,
+    )
+    add_option(
+        limits,
+        "--max-queued",
+        256,
+        "requests waiting for room in the pool (429 with Retry-After beyond)",
+        type=positive_int,
+    )
+    add_option(
+        limits, "--template-seconds", 2.0, "time a chat template may render for", type=_seconds
+    )
+    add_option(
+        limits,
+        "--template-chars",
+        1_000_000,
+        "characters a chat template may render",
+        type=positive_int,
+    )
+    add_option(
+        limits,
+        "--drain-timeout",
+        10.0,
+        "seconds running streams get to finish on SIGINT or SIGTERM (a second signal: at once)",
+        type=_seconds,
+    )
+    access = cmd.add_argument_group("access")
+    access.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every /v1 route (default: the "
+        "MHSA_API_KEY environment variable; none: open to whoever reaches the port)",
+    )
+    access.add_argument(
+        "--allowed-hosts",
+        default=None,
+        help="comma-separated Host header names to answer besides localhost, 127.0.0.1, "
+        "::1 and --host ('*': any; against DNS rebinding)",
     )
     chat_weight_options(
         cmd,

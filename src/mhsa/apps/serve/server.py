@@ -19,6 +19,7 @@ except ImportError as error:  # pragma: no cover - the serve extra is missing
     ) from error
 
 from .app import build_app
+from .limits import Access, Limits
 from .models import ServedModel
 
 
@@ -33,9 +34,12 @@ class Server:
         host: str = "127.0.0.1",
         port: int = 8000,
         log_level: str = "warning",
+        limits: Limits | None = None,
+        access: Access | None = None,
     ) -> None:
+        self.limits = limits or Limits()
         config = uvicorn.Config(
-            build_app(served),
+            build_app(served, self.limits, access or Access.for_host(host)),
             host=host,
             port=port,
             log_level=log_level,
