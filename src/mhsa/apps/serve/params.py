@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ...formats.chat_template import TemplateLimitError, render_limits
 from . import errors
 from .limits import Limits
 from .models import ServedModel
@@ -68,10 +69,19 @@ def parse_chat(body: dict[str, Any], served: ServedModel, limits: Limits | None 
     if not messages:
         raise errors.invalid_value("messages", "empty array. Expected at least one message.")
     rendered = [_message(i, message) for i, message in enumerate(messages)]
+    limits = limits or Limits()
     try:
-        prompt = served.chat(rendered)
-    except errors.APIError:
-        raise
+        with render_limits(limits.template_seconds, limits.template_chars):
+            prompt = served.chat(rendered)
+    except TemplateLimitError as error:
+        option = "--template-seconds" if error.limit == "seconds" else "--template-chars"
+        raise errors.APIError(
+            400,
+            f"Invalid 'messages': {error} (mhsa serve {option}); the model's chat template "
+            "cannot render this conversation within the server's limits.",
+            param="messages",
+            code="template_limit_exceeded",
+        ) from None
     except Exception as error:  # the template's own complaint (roles out of order...)
         raise errors.invalid_value(
             "messages", f"the chat template refused them: {error}"
