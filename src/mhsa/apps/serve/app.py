@@ -31,17 +31,21 @@ except ImportError as error:  # pragma: no cover - the serve extra is missing
 
 from . import errors, responses
 from .generation import Generation
-from .guard import Guard
+from .guard import Gate, Guard
 from .limits import Access, Limits
 from .models import ServedModel
 from .params import Job, parse_chat, parse_completion
 
 
 def build_app(
-    served: ServedModel, limits: Limits | None = None, access: Access | None = None
+    served: ServedModel,
+    limits: Limits | None = None,
+    access: Access | None = None,
+    gate: Gate | None = None,
 ) -> Starlette:
     """The app; its lifespan starts the engine's thread and stops it at shutdown.
-    limits and access: see mhsa.apps.serve.limits (None: the defaults)."""
+    limits and access: see mhsa.apps.serve.limits (None: the defaults); gate: closed,
+    new requests get 503 (the server is shutting down)."""
     limits = limits or Limits()
 
     @contextlib.asynccontextmanager
@@ -94,7 +98,7 @@ def build_app(
     ]
     handlers = {errors.APIError: _api_error, HTTPException: _http_error, Exception: _crash}
     app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
-    app.add_middleware(Guard, access=access or Access())
+    app.add_middleware(Guard, access=access or Access(), gate=gate)
     return app
 
 
