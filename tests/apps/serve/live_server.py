@@ -46,3 +46,16 @@ def request(
 def openai_client(server, api_key: str = "unused"):
     openai = needs("openai")
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=api_key, max_retries=0, timeout=60)
+
+
+def chat_served(template: str):
+    """A ServedModel of tiny_gpt whose chat renders template (bytes in, bytes out)."""
+    from mhsa.apps.serve.models import ByteStream, ServedModel, make_engine
+    from mhsa.formats.chat_template import render_chat
+
+    engine = make_engine(tiny_gpt(), num_blocks=32, block_size=16)
+
+    def chat(messages: list[dict]) -> list[int]:
+        return list(render_chat(template, messages).encode())
+
+    return ServedModel("tiny", engine, lambda t: list(t.encode()), ByteStream, 256, chat=chat)

@@ -7,11 +7,9 @@ from __future__ import annotations
 import threading
 
 import pytest
-from live_server import openai_client, request, tiny_gpt
+from live_server import chat_served, openai_client, request
 
 from mhsa.apps.serve.limits import Limits
-from mhsa.apps.serve.models import ByteStream, ServedModel, make_engine
-from mhsa.formats.chat_template import render_chat
 
 PLAIN = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
 BOMBS = {
@@ -22,17 +20,8 @@ BOMBS = {
 }
 
 
-def _served(template: str) -> ServedModel:
-    engine = make_engine(tiny_gpt(), num_blocks=32, block_size=16)
-
-    def chat(messages: list[dict]) -> list[int]:
-        return list(render_chat(template, messages).encode())
-
-    return ServedModel("tiny", engine, lambda t: list(t.encode()), ByteStream, 256, chat=chat)
-
-
 def test_a_plain_template_renders(start_server):
-    server = start_server(served=_served(PLAIN))
+    server = start_server(served=chat_served(PLAIN))
     answer = openai_client(server).chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3
     )
@@ -43,7 +32,7 @@ def test_a_plain_template_renders(start_server):
 def test_a_template_bomb_gets_400_and_health_answers_meanwhile(start_server, bomb):
     openai = pytest.importorskip("openai")
     limits = Limits(template_seconds=2.0, template_chars=100_000)
-    server = start_server(served=_served(BOMBS[bomb]), limits=limits)
+    server = start_server(served=chat_served(BOMBS[bomb]), limits=limits)
     client = openai_client(server)
     outcome = {}
 
