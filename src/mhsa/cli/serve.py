@@ -54,18 +54,22 @@ def _serve(args: argparse.Namespace, started: float) -> int:
             file=sys.stderr,
         )
         return 2
-    served = load_served(
-        args.model,
-        chat_weights(args),
-        name=args.name,
-        num_blocks=args.num_blocks,
-        block_size=args.block_size,
-        max_batch=args.max_batch,
-        context_length=args.context_length,
-        max_share=args.max_request_share,
-        max_wait=args.max_wait,
-        progress=progress_bar("reading weights"),
-    )
+    try:
+        served = load_served(
+            args.model,
+            chat_weights(args),
+            name=args.name,
+            num_blocks=args.num_blocks,
+            block_size=args.block_size,
+            max_batch=args.max_batch,
+            context_length=args.context_length,
+            max_share=args.max_request_share,
+            max_wait=args.max_wait,
+            progress=progress_bar("reading weights"),
+        )
+    except (OSError, ValueError, KeyError, IndexError, UnicodeError) as error:
+        # a file that cannot be loaded: one line naming it (main prints ValueErrors so)
+        raise ValueError(_load_error(args.model, error)) from None
     say(f"loaded {served.name} in {time.perf_counter() - started:.1f} s; starting the server ...")
     limits, access = _limits(args), _access(args)
     server = Server(
@@ -86,6 +90,15 @@ def _serve(args: argparse.Namespace, started: float) -> int:
     )
     server.wait()
     return 0
+
+
+def _load_error(model: str | None, error: Exception) -> str:
+    """The one-line message of a load error, naming the file."""
+    message = str(error) or type(error).__name__
+    if isinstance(error, KeyError | IndexError):
+        message = f"a damaged or unsupported model file ({type(error).__name__}: {message})"
+    name = "the packaged SmolLM2" if model in (None, "chat") else model
+    return message if str(name) in message else f"{name}: {message}"
 
 
 def _limits(args: argparse.Namespace):
