@@ -108,6 +108,7 @@ def _limits(args: argparse.Namespace):
         max_body_bytes=args.max_body_bytes,
         max_prompts=args.max_prompts,
         max_queued=args.max_queued,
+        body_seconds=args.body_seconds,
         template_seconds=args.template_seconds,
         template_chars=args.template_chars,
         drain_timeout=args.drain_timeout,
@@ -258,6 +259,13 @@ def add_parser(commands) -> None:
         256,
         "requests waiting for room in the pool (429 with Retry-After beyond)",
         type=positive_int,
+    )
+    add_option(
+        limits,
+        "--body-seconds",
+        30.0,
+        "time a client may take to send a request body (408 beyond)",
+        type=_seconds,
     )
     add_option(
         limits, "--template-seconds", 2.0, "time a chat template may render for", type=_seconds

@@ -130,3 +130,16 @@ def test_max_share_is_checked():
         make_engine(tiny_gpt(), num_blocks=8, max_share=1.5)
     with pytest.raises(ValueError, match="max_share 0.5"):
         make_engine(tiny_gpt(), num_blocks=8, block_size=16, max_share=0.5, context_length=100)
+
+
+def test_a_body_sent_too_slowly_gets_408(start_server):
+    server = start_server(limits=Limits(body_seconds=0.5))
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b'Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"prompt": '
+    )  # ... and the rest never comes
+    reply = sock.recv(4096)
+    sock.close()
+    assert reply.split(b" ")[1] == b"408" and b"--body-seconds" in reply
+    assert request(server.port, "GET", "/health")[0] == 200

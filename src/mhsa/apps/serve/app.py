@@ -104,18 +104,27 @@ def build_app(
 
 async def _json(request: Request, limits: Limits) -> dict[str, Any]:
     """The body's JSON object, read no further than limits.max_body_bytes (413 beyond:
-    from Content-Length before a byte is read, else as the body arrives); parsed in a
-    worker thread, so a large body does not hold up the event loop."""
+    from Content-Length before a byte is read, else as the body arrives) and within
+    limits.body_seconds (408); parsed in a worker thread, so a large body does not hold
+    up the event loop."""
     limit = limits.max_body_bytes
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > limit):
         raise errors.body_too_large(limit, declared)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise errors.body_too_large(limit, None)
-        chunks.append(chunk)
+    chunks = []
+
+    async def read() -> None:
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise errors.body_too_large(limit, None)
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(read(), limits.body_seconds)
+    except asyncio.TimeoutError:
+        raise errors.body_timeout(limits.body_seconds) from None
     return await run_in_threadpool(_parse_json, b"".join(chunks))
 
 

@@ -114,6 +114,16 @@ def body_too_large(limit: int, declared: str | None) -> APIError:
     )
 
 
+def body_timeout(seconds: float) -> APIError:
+    return APIError(
+        408,
+        f"The request body did not arrive within {seconds:g} s (mhsa serve --body-seconds). "
+        "Send it whole, promptly.",
+        code="request_timeout",
+        headers={"Connection": "close"},
+    )
+
+
 def too_many_prompts(count: int, limit: int) -> APIError:
     return bad_param(
         "prompt",
