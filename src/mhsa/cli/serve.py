@@ -128,7 +128,13 @@ def _access(args: argparse.Namespace):
             "MHSA_API_KEY"
         )
     extra = [h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip()]
-    return Access.for_host(args.host, key, extra)
+    access = Access.for_host(args.host, key, extra)
+    if exposed(args.host) and not extra:
+        say(
+            f"note: requests must name the server as one of {', '.join(access.allowed_hosts)} "
+            "in their Host header; add the names clients use with --allowed-hosts (or '*')"
+        )
+    return access
 
 
 def load_served(

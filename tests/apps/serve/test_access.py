@@ -82,6 +82,10 @@ def test_binding_beyond_loopback_without_a_key_warns(capsys, monkeypatch):
         "b.example",
     )
     assert _access(_args("0.0.0.0", "k")).api_key == "k"
+    assert capsys.readouterr().err == ""  # (a key, and --allowed-hosts names the hosts)
+    bare = argparse.Namespace(host="0.0.0.0", api_key="k", allowed_hosts=None)
+    assert _access(bare).allowed_hosts == ("localhost", "127.0.0.1", "::1", "0.0.0.0")
+    assert "--allowed-hosts" in capsys.readouterr().err
     assert _access(_args("127.0.0.1")).api_key is None
     assert capsys.readouterr().err == ""
     monkeypatch.setenv("MHSA_API_KEY", "from-env")
