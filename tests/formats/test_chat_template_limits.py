@@ -48,3 +48,10 @@ def test_templates_within_the_limits_render_as_before():
     with render_limits(0.5, 100):
         assert render_chat(template, MESSAGES) == "USER=hi  |"
     assert render_chat("{{ 'ab' * 3 }}{{ 2 ** 10 }}", MESSAGES) == "ababab1024"
+
+
+def test_raise_exception_is_a_template_error_and_a_value_error():
+    jinja2 = needs("jinja2")
+    with pytest.raises(jinja2.exceptions.TemplateError, match="no system") as caught:
+        render_chat("{{ raise_exception('no system') }}", MESSAGES)
+    assert isinstance(caught.value, ValueError)  # (a command prints it in one line)

@@ -74,3 +74,10 @@ def test_chat_and_serve_report_a_damaged_file_in_one_line(tmp_path, capsys, comm
         last = err.strip().splitlines()[-1]
         assert "Traceback" not in err and last.startswith(f"mhsa {command}: ")
         assert str(path) in last, last
+
+
+def test_chat_reports_a_template_that_refuses_every_conversation_in_one_line(tmp_path, capsys):
+    path = write_gguf(tmp_path / "t.gguf", chat_template="{{ raise_exception('no') }}")
+    assert main(["chat", "--model", str(path), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "mhsa chat: no"

@@ -34,10 +34,19 @@ from typing import Any
 INSTALL_HINT = "pip install jinja2 (or pip install 'mhsa[chat]')"
 
 
-def _raise_exception(message: str) -> None:
+@lru_cache(maxsize=1)
+def _refusal_class() -> type:
     import jinja2
 
-    raise jinja2.exceptions.TemplateError(message)
+    class TemplateRefusal(jinja2.exceptions.TemplateError, ValueError):
+        """The template's raise_exception(message): jinja2's TemplateError, and a ValueError
+        so that a command reports it in one line."""
+
+    return TemplateRefusal
+
+
+def _raise_exception(message: str) -> None:
+    raise _refusal_class()(message)
 
 
 def _tojson(
