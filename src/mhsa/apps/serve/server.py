@@ -114,7 +114,8 @@ class Server:
             self.stop()
         finally:
             for number, handler in previous.items():
-                signal.signal(number, handler)
+                if handler is not None:  # (None: a handler not set from Python)
+                    signal.signal(number, handler)
 
     def _install_handlers(self) -> dict:
         if threading.current_thread() is not threading.main_thread():
