@@ -100,17 +100,24 @@ def write_gguf(
     pre="gpt2",
     chat_template=None,
     metadata=None,
+    sizes=None,
 ):
     """A GGUF file of a one-layer model with `weights` (HF names, HF row order) stored as
-    `qtype` (norms always F32), and a byte-level tokenizer, the way llama.cpp writes one."""
+    `qtype` (norms always F32), and a byte-level tokenizer, the way llama.cpp writes one;
+    sizes: metadata sizes to write instead ({"block_count": 10**8}: a damaged file)."""
     weights = hf_weights(arch) if weights is None else weights
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_uint32(f"{arch}.block_count", 1)
-    writer.add_uint32(f"{arch}.context_length", 256)
-    writer.add_uint32(f"{arch}.embedding_length", HIDDEN)
-    writer.add_uint32(f"{arch}.feed_forward_length", INNER)
-    writer.add_uint32(f"{arch}.attention.head_count", HEADS)
-    writer.add_uint32(f"{arch}.attention.head_count_kv", KV_HEADS)
+    sizes = {
+        "block_count": 1,
+        "context_length": 256,
+        "embedding_length": HIDDEN,
+        "feed_forward_length": INNER,
+        "attention.head_count": HEADS,
+        "attention.head_count_kv": KV_HEADS,
+        **(sizes or {}),
+    }
+    for key, value in sizes.items():
+        writer.add_uint32(f"{arch}.{key}", value)
     writer.add_float32(f"{arch}.rope.freq_base", 10000.0)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
     writer.add_uint32(f"{arch}.attention.key_length", HEAD_DIM)

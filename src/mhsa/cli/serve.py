@@ -5,6 +5,7 @@ or a GPT checkpoint of `mhsa train gpt`."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -53,18 +54,32 @@ def _serve(args: argparse.Namespace, started: float) -> int:
             file=sys.stderr,
         )
         return 2
-    served = load_served(
-        args.model,
-        chat_weights(args),
-        name=args.name,
-        num_blocks=args.num_blocks,
-        block_size=args.block_size,
-        max_batch=args.max_batch,
-        context_length=args.context_length,
-        progress=progress_bar("reading weights"),
-    )
+    try:
+        served = load_served(
+            args.model,
+            chat_weights(args),
+            name=args.name,
+            num_blocks=args.num_blocks,
+            block_size=args.block_size,
+            max_batch=args.max_batch,
+            context_length=args.context_length,
+            max_share=args.max_request_share,
+            max_wait=args.max_wait,
+            progress=progress_bar("reading weights"),
+        )
+    except (OSError, ValueError, KeyError, IndexError, UnicodeError) as error:
+        # a file that cannot be loaded: one line naming it (main prints ValueErrors so)
+        raise ValueError(_load_error(args.model, error)) from None
     say(f"loaded {served.name} in {time.perf_counter() - started:.1f} s; starting the server ...")
-    server = Server(served, host=args.host, port=args.port, log_level=args.log_level)
+    limits, access = _limits(args), _access(args)
+    server = Server(
+        served,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        limits=limits,
+        access=access,
+    )
     server.start()
     engine = served.engine
     print(
@@ -75,6 +90,51 @@ def _serve(args: argparse.Namespace, started: float) -> int:
     )
     server.wait()
     return 0
+
+
+def _load_error(model: str | None, error: Exception) -> str:
+    """The one-line message of a load error, naming the file."""
+    message = str(error) or type(error).__name__
+    if isinstance(error, KeyError | IndexError):
+        message = f"a damaged or unsupported model file ({type(error).__name__}: {message})"
+    name = "the packaged SmolLM2" if model in (None, "chat") else model
+    return message if str(name) in message else f"{name}: {message}"
+
+
+def _limits(args: argparse.Namespace):
+    from ..apps.serve.limits import Limits
+
+    return Limits(
+        max_body_bytes=args.max_body_bytes,
+        max_prompts=args.max_prompts,
+        max_queued=args.max_queued,
+        body_seconds=args.body_seconds,
+        template_seconds=args.template_seconds,
+        template_chars=args.template_chars,
+        drain_timeout=args.drain_timeout,
+    )
+
+
+def _access(args: argparse.Namespace):
+    """The API key and allowed hosts; a warning when the server is reachable beyond this
+    machine without a key."""
+    from ..apps.serve.limits import Access, exposed
+
+    key = args.api_key or os.environ.get("MHSA_API_KEY") or None
+    if exposed(args.host) and key is None:
+        say(
+            f"warning: serving on {args.host} (beyond this machine) without an API key: "
+            "anyone who reaches the port can use the model; pass --api-key KEY or set "
+            "MHSA_API_KEY"
+        )
+    extra = [h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip()]
+    access = Access.for_host(args.host, key, extra)
+    if exposed(args.host) and not extra:
+        say(
+            f"note: requests must name the server as one of {', '.join(access.allowed_hosts)} "
+            "in their Host header; add the names clients use with --allowed-hosts (or '*')"
+        )
+    return access
 
 
 def load_served(
@@ -117,6 +177,26 @@ def load_served(
     return ServedModel.from_gpt(gpt, name or path.resolve().name, **engine_options)
 
 
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return value
+
+
 def add_parser(commands) -> None:
     cmd = commands.add_parser(
         "serve",
@@ -151,7 +231,77 @@ def add_parser(commands) -> None:
         type=positive_int,
         default=None,
         help="prompt + new tokens per request at most (default: the model's, "
-        "at most what the pool holds)",
+        "at most --max-request-share of what the pool holds)",
+    )
+    add_option(
+        cmd,
+        "--max-request-share",
+        0.5,
+        "the share of the cache pool one request may hold at most (0 < share <= 1)",
+        type=_share,
+    )
+    add_option(
+        cmd,
+        "--max-wait",
+        10.0,
+        "seconds a request that does not fit the pool yet is passed over by smaller ones "
+        "that do; then it goes next",
+        type=_seconds,
+    )
+    limits = cmd.add_argument_group("limits (each request)")
+    add_option(
+        limits, "--max-body-bytes", 4 * 2**20, "request body size (413 beyond)", type=positive_int
+    )
+    add_option(
+        limits,
+        "--max-prompts",
+        64,
+        "prompts in one /v1/completions request (an array of them)",
+        type=positive_int,
+    )
+    add_option(
+        limits,
+        "--max-queued",
+        256,
+        "requests waiting for room in the pool (429 with Retry-After beyond)",
+        type=positive_int,
+    )
+    add_option(
+        limits,
+        "--body-seconds",
+        30.0,
+        "time a client may take to send a request body (408 beyond)",
+        type=_seconds,
+    )
+    add_option(
+        limits, "--template-seconds", 2.0, "time a chat template may render for", type=_seconds
+    )
+    add_option(
+        limits,
+        "--template-chars",
+        1_000_000,
+        "characters a chat template may render",
+        type=positive_int,
+    )
+    add_option(
+        limits,
+        "--drain-timeout",
+        10.0,
+        "seconds running streams get to finish on SIGINT or SIGTERM (a second signal: at once)",
+        type=_seconds,
+    )
+    access = cmd.add_argument_group("access")
+    access.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every /v1 route (default: the "
+        "MHSA_API_KEY environment variable; none: open to whoever reaches the port)",
+    )
+    access.add_argument(
+        "--allowed-hosts",
+        default=None,
+        help="comma-separated Host header names to answer besides localhost, 127.0.0.1, "
+        "::1 and --host ('*': any; against DNS rebinding)",
     )
     chat_weight_options(
         cmd,

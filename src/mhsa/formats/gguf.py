@@ -62,6 +62,8 @@ GGUF_NAMES = NameTable(
 )
 # llama.cpp stores Llama 3's scaled rotary frequencies as a tensor; not a model weight
 ROPE_FREQS = "rope_freqs.weight"
+# the longest context_length a file may declare (no tensor says it; caches follow it)
+MAX_CONTEXT = 2**24
 
 
 def _gguf():
@@ -179,6 +181,19 @@ def hf_config(metadata: dict[str, Any], tensor_names: set[str], source: str = "G
         return value
 
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    kv_heads = int(get("attention.head_count_kv", heads))
+    if heads < 1 or kv_heads < 1 or heads % kv_heads:
+        raise ValueError(
+            f"{source}: metadata {arch}.attention.head_count {heads} and head_count_kv "
+            f"{kv_heads} do not make attention heads (both >= 1, the first a multiple of the "
+            "second): a damaged GGUF file"
+        )
+    context = int(get("context_length"))
+    if not 1 <= context <= MAX_CONTEXT:
+        raise ValueError(
+            f"{source}: metadata {arch}.context_length is {context}, outside 1..{MAX_CONTEXT}: "
+            "a damaged GGUF file"
+        )
     head_dim = metadata.get(f"{arch}.attention.key_length")
     if head_dim is None and arch == "llama":
         head_dim = metadata.get(f"{arch}.rope.dimension_count")
@@ -194,10 +209,10 @@ def hf_config(metadata: dict[str, Any], tensor_names: set[str], source: str = "G
         "intermediate_size": int(get("feed_forward_length")),
         "num_hidden_layers": int(get("block_count")),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "num_key_value_heads": kv_heads,
         "head_dim": int(head_dim) if head_dim is not None else hidden // heads,
         "hidden_act": "silu",
-        "max_position_embeddings": int(get("context_length")),
+        "max_position_embeddings": context,
         "rms_norm_eps": _decimal(get("attention.layer_norm_rms_epsilon")),
         "rope_theta": _decimal(get("rope.freq_base", 10000.0)),
         "rope_scaling": _rope_scaling(metadata, arch),
@@ -212,6 +227,42 @@ def hf_config(metadata: dict[str, Any], tensor_names: set[str], source: str = "G
     if arch in ("qwen2", "qwen3"):
         config["use_sliding_window"] = False  # llama.cpp runs every layer with full attention
     return config
+
+
+def check_sizes(
+    config: dict[str, Any], shapes: dict[str, tuple[int, ...]], arch: str, source: str
+) -> None:
+    """Check the sizes the metadata gives (config) against the tensors present (shapes in
+    torch order, under llama.cpp's names): the blocks, the embedding and vocabulary and the
+    attention heads, which shape everything else (every tensor's shape is checked against
+    the config by read_tensors before any is read). Raises ValueError naming the key."""
+    blocks = {int(name.split(".")[1]) for name in shapes if name.startswith("blk.")}
+    layers = config["num_hidden_layers"]
+    if len(blocks) != layers or blocks != set(range(layers)):  # (len first: layers may be huge)
+        held = f"blk.0 .. blk.{max(blocks)}" if blocks else "none"
+        raise ValueError(
+            f"{source}: metadata {arch}.block_count is {layers}, but the file holds tensors of "
+            f"{len(blocks)} blocks ({held}): a damaged or inconsistent GGUF file"
+        )
+    head_dim = config["head_dim"]
+    checks = [
+        ("token_embd.weight", 0, "vocab_size", config["vocab_size"]),
+        ("token_embd.weight", 1, "embedding_length", config["hidden_size"]),
+        ("blk.0.attn_q.weight", 0, "attention.head_count", config["num_attention_heads"]),
+        ("blk.0.attn_k.weight", 0, "attention.head_count_kv", config["num_key_value_heads"]),
+    ]
+    for tensor, axis, key, value in checks:
+        shape = shapes.get(tensor)
+        if shape is None or len(shape) <= axis:
+            continue  # (a missing tensor is reported with the others when they are read)
+        wanted = value * head_dim if key.startswith("attention.") else value
+        if shape[axis] != wanted:
+            per_head = f" heads of {head_dim}" if key.startswith("attention.") else ""
+            raise ValueError(
+                f"{source}: metadata {arch}.{key} is {value}{per_head}, but tensor {tensor} "
+                f"has shape {shape} (dimension {axis} would be {wanted}): a damaged or "
+                "inconsistent GGUF file"
+            )
 
 
 def _decimal(value: float) -> float:
@@ -318,6 +369,7 @@ def read_gguf(
     config = hf_config(metadata, names, source=str(path))
     arch = metadata["general.architecture"]
     source = _GGUFTensors(reader, path, config, arch)
+    check_sizes(config, source.shapes(), arch, str(path))  # (before a size drives a loop)
     rope_freqs = None
     if ROPE_FREQS in names:
         rope_freqs = torch.from_numpy(np.array(source.dequantised(ROPE_FREQS))).float()
@@ -352,7 +404,13 @@ class _GGUFTensors:
         }
 
     def dequantised(self, name: str) -> np.ndarray:
-        return _dequantize(self.tensors[name], self.name)
+        values = _dequantize(self.tensors[name], self.name)
+        if not np.isfinite(values).all():
+            raise ValueError(
+                f"{self.name}: tensor {name!r} holds NaN or infinite values: a damaged GGUF "
+                "file; download or convert it again"
+            )
+        return values
 
     def read(self, name: str) -> Tensor:
         (hf,) = GGUF_NAMES.param_names(name)

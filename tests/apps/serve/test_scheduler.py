@@ -254,3 +254,79 @@ def test_a_request_larger_than_the_pool_is_refused():
     with pytest.raises(ValueError, match="needs 3 cache blocks, the pool has 2"):
         scheduler.add(_request(0, 40, 8))
     assert scheduler.idle
+
+
+class _Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_small_request_passes_one_that_does_not_fit_until_that_one_has_waited_max_wait():
+    """Admission by fit: a 1-block request passes a 3-block one that waits for room, but
+    once the 3-block one has waited max_wait nothing passes it, and it runs next."""
+    pool = _Pool(num_blocks=4, block_size=4)
+    clock = _Clock()
+    scheduler = Scheduler(pool, max_batch=4, prefill_chunk=8, max_wait=5.0, clock=clock)
+    first, large = _request(0, 5, 6), _request(1, 7, 4)  # 3 blocks each
+    scheduler.add(first)
+    scheduler.add(large)
+    scheduler.schedule()
+    assert scheduler.running == [first] and list(scheduler.waiting) == [large]
+    small = _request(2, 2, 2)  # 1 block: fits beside first
+    scheduler.add(small)
+    _run(scheduler, scheduler.schedule())
+    assert scheduler.running == [first, small] and list(scheduler.waiting) == [large]
+    while small in scheduler.running:
+        _run(scheduler, scheduler.schedule())
+    clock.now = 5.0  # large has waited max_wait: another small one no longer passes it
+    later = _request(3, 2, 2)
+    scheduler.add(later)
+    admitted = []
+    while not scheduler.idle:
+        plan = scheduler.schedule()
+        admitted.extend(r.id for r in scheduler.running if r.id not in admitted)
+        _run(scheduler, plan)
+    assert admitted.index(1) < admitted.index(3)
+    for request in (first, large, small, later):
+        assert request.finish_reason == "length" and request.output == _alone(request)
+    assert pool.free_blocks == 4
+
+
+def test_first_come_first_served_when_max_wait_is_0():
+    pool = _Pool(num_blocks=4, block_size=4)
+    scheduler = Scheduler(pool, max_batch=4, prefill_chunk=8)  # (max_wait 0: the default)
+    for request in (_request(0, 5, 6), _request(1, 7, 4), _request(2, 2, 2)):
+        scheduler.add(request)
+    scheduler.schedule()
+    assert [r.id for r in scheduler.running] == [0]
+    assert [r.id for r in scheduler.waiting] == [1, 2]
+
+
+def test_no_request_holds_more_than_max_share_of_the_pool():
+    scheduler = Scheduler(_Pool(num_blocks=8, block_size=4), max_batch=2, prefill_chunk=4)
+    scheduler.add(_request(0, 20, 12))  # 8 blocks: the whole pool
+    shared = Scheduler(
+        _Pool(num_blocks=8, block_size=4), max_batch=2, prefill_chunk=4, max_share=0.5
+    )
+    with pytest.raises(ValueError, match="needs 8 cache blocks, the pool has 4 a request may"):
+        shared.add(_request(0, 20, 12))
+    shared.add(_request(1, 10, 6))  # 4 blocks
+    assert len(shared.waiting) == 1
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"max_share": 0}, "max_share must be in"),
+        ({"max_share": 1.5}, "max_share must be in"),
+        ({"max_wait": -1}, "max_wait must be a number of seconds >= 0"),
+    ],
+)
+def test_bad_share_or_wait_say_what_to_fix(options, message):
+    with pytest.raises(ValueError, match=message):
+        Scheduler(_Pool(4), max_batch=1, prefill_chunk=4, **options)

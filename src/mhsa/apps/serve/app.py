@@ -6,7 +6,8 @@
     GET  /health                 200 while the server runs
 
 A bad request gets a 4xx error in OpenAI's shape; a client that disconnects has its
-requests cancelled, which frees their cache blocks."""
+requests cancelled, which frees their cache blocks. The Limits bound what one request may
+ask (body size, prompts, the queue); the Access rules say who may ask (guard.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Any
 
 try:
     from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -29,12 +31,22 @@ except ImportError as error:  # pragma: no cover - the serve extra is missing
 
 from . import errors, responses
 from .generation import Generation
+from .guard import Gate, Guard
+from .limits import Access, Limits
 from .models import ServedModel
 from .params import Job, parse_chat, parse_completion
 
 
-def build_app(served: ServedModel) -> Starlette:
-    """The app; its lifespan starts the engine's thread and stops it at shutdown."""
+def build_app(
+    served: ServedModel,
+    limits: Limits | None = None,
+    access: Access | None = None,
+    gate: Gate | None = None,
+) -> Starlette:
+    """The app; its lifespan starts the engine's thread and stops it at shutdown.
+    limits and access: see mhsa.apps.serve.limits (None: the defaults); gate: closed,
+    new requests get 503 (the server is shutting down)."""
+    limits = limits or Limits()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -68,10 +80,14 @@ def build_app(served: ServedModel) -> Starlette:
         return JSONResponse(responses.model_card(served.name, served.created))
 
     async def chat(request: Request) -> Response:
-        return await _complete(request, parse_chat(await _json(request), served), served)
+        body = await _json(request, limits)
+        job = await run_in_threadpool(parse_chat, body, served, limits)
+        return await _complete(request, job, served, limits)
 
     async def completions(request: Request) -> Response:
-        return await _complete(request, parse_completion(await _json(request), served), served)
+        body = await _json(request, limits)
+        job = await run_in_threadpool(parse_completion, body, served, limits)
+        return await _complete(request, job, served, limits)
 
     routes = [
         Route("/health", health),
@@ -81,20 +97,53 @@ def build_app(served: ServedModel) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
     ]
     handlers = {errors.APIError: _api_error, HTTPException: _http_error, Exception: _crash}
-    return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+    app.add_middleware(Guard, access=access or Access(), gate=gate)
+    return app
 
 
-async def _json(request: Request) -> dict[str, Any]:
+async def _json(request: Request, limits: Limits) -> dict[str, Any]:
+    """The body's JSON object, read no further than limits.max_body_bytes (413 beyond:
+    from Content-Length before a byte is read, else as the body arrives) and within
+    limits.body_seconds (408); parsed in a worker thread, so a large body does not hold
+    up the event loop."""
+    limit = limits.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        raise errors.body_too_large(limit, declared)
+    chunks = []
+
+    async def read() -> None:
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise errors.body_too_large(limit, None)
+            chunks.append(chunk)
+
     try:
-        body = json.loads(await request.body())
+        await asyncio.wait_for(read(), limits.body_seconds)
+    except asyncio.TimeoutError:
+        raise errors.body_timeout(limits.body_seconds) from None
+    return await run_in_threadpool(_parse_json, b"".join(chunks))
+
+
+def _parse_json(data: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise errors.invalid_json(str(error)) from None
+    except RecursionError:
+        raise errors.invalid_json("it nests arrays or objects too deeply") from None
     if not isinstance(body, dict):
         raise errors.invalid_json(f"expected an object, got {type(body).__name__}")
     return body
 
 
-async def _complete(request: Request, job: Job, served: ServedModel) -> Response:
+async def _complete(request: Request, job: Job, served: ServedModel, limits: Limits) -> Response:
+    queued = served.engine.queued
+    if queued + len(job.prompts) > limits.max_queued:
+        raise errors.queue_full(queued, limits.max_queued, limits.retry_after)
     generation = Generation(served, job)
     reply = responses.Reply(job.kind, served.name)
     watcher = asyncio.ensure_future(_cancel_on_disconnect(request, generation))
@@ -134,6 +183,7 @@ async def _stream(
         yield responses.sse("[DONE]")
     except errors.APIError as error:  # the status line has gone: the error is an event
         yield responses.sse(error.body())
+        yield responses.sse("[DONE]")
     finally:  # also when the client disconnects (starlette cancels this generator)
         watcher.cancel()
         generation.cancel()
@@ -154,7 +204,7 @@ def _usage(generation: Generation) -> dict[str, Any]:
 
 async def _api_error(request: Request, error: Exception) -> Response:
     assert isinstance(error, errors.APIError)
-    return JSONResponse(error.body(), status_code=error.status)
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
 async def _http_error(request: Request, error: Exception) -> Response:

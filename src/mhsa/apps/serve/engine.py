@@ -35,7 +35,9 @@ class Engine:
     PagedKVCache of num_blocks blocks of block_size tokens. context_length bounds
     prompt + new tokens; max_batch the requests running at once; prefill_chunk the
     prompt tokens computed per step; admission "reserve" or "optimistic" (preempting
-    when blocks run out; see mhsa.apps.serve.scheduler)."""
+    when blocks run out), max_share the share of the pool one request may hold and
+    max_wait the seconds a request that does not fit is passed over by ones that do
+    (see mhsa.apps.serve.scheduler)."""
 
     def __init__(
         self,
@@ -48,6 +50,8 @@ class Engine:
         prefill_chunk: int = 128,
         stop_ids: Sequence[int] = (),
         admission: str = "reserve",
+        max_share: float = 1.0,
+        max_wait: float = 0.0,
     ) -> None:
         for name, value in (
             ("context_length", context_length),
@@ -76,7 +80,12 @@ class Engine:
         self.context_length, self.max_batch = context_length, max_batch
         self.prefill_chunk, self.stop_ids = prefill_chunk, frozenset(stop_ids)
         self.scheduler = Scheduler(
-            self.cache, max_batch=max_batch, prefill_chunk=prefill_chunk, admission=admission
+            self.cache,
+            max_batch=max_batch,
+            prefill_chunk=prefill_chunk,
+            admission=admission,
+            max_share=max_share,
+            max_wait=max_wait,
         )
         self.runner = Runner(self.model, self.cache, sorted(self.stop_ids))
         self._lock = threading.Condition()
@@ -134,6 +143,12 @@ class Engine:
     def idle(self) -> bool:
         with self._lock:
             return self.scheduler.idle
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting to be admitted."""
+        with self._lock:
+            return len(self.scheduler.waiting)
 
     # -- one step --
 

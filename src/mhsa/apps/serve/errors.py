@@ -21,6 +21,7 @@ class APIError(Exception):
     param: str | None = None
     code: str | None = None
     kind: str = "invalid_request_error"
+    headers: dict[str, str] | None = None  # extra response headers (Retry-After...)
 
     def __post_init__(self) -> None:
         super().__init__(self.message)  # str(error) is the message
@@ -101,6 +102,56 @@ def context_exceeded(param: str, context: int, prompt: int, new: int | None) -> 
         f"{param} or the completion (max_tokens)."
     )
     return bad_param(param, message, "context_length_exceeded")
+
+
+def body_too_large(limit: int, declared: str | None) -> APIError:
+    got = f" (Content-Length {declared})" if declared is not None else ""
+    return APIError(
+        413,
+        f"The request body is larger than this server accepts{got}: at most {limit} bytes "
+        "(mhsa serve --max-body-bytes). Send a shorter request.",
+        code="request_too_large",
+    )
+
+
+def body_timeout(seconds: float) -> APIError:
+    return APIError(
+        408,
+        f"The request body did not arrive within {seconds:g} s (mhsa serve --body-seconds). "
+        "Send it whole, promptly.",
+        code="request_timeout",
+        headers={"Connection": "close"},
+    )
+
+
+def too_many_prompts(count: int, limit: int) -> APIError:
+    return bad_param(
+        "prompt",
+        f"Invalid 'prompt': {count} prompts in one request, this server takes at most "
+        f"{limit} (mhsa serve --max-prompts). Split them over several requests.",
+        "too_many_prompts",
+    )
+
+
+def queue_full(queued: int, limit: int, retry_after: int) -> APIError:
+    return APIError(
+        429,
+        f"The server is busy: {queued} requests are waiting and it queues at most {limit} "
+        f"(mhsa serve --max-queued). Retry in {retry_after} s.",
+        code="queue_full",
+        kind="rate_limit_error",
+        headers={"Retry-After": str(retry_after)},
+    )
+
+
+def shutting_down() -> APIError:
+    return APIError(
+        503,
+        "The server is shutting down and takes no new requests.",
+        code="shutting_down",
+        kind="server_error",
+        headers={"Retry-After": "10", "Connection": "close"},
+    )
 
 
 def _kind(value: Any) -> str:

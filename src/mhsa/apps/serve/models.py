@@ -98,18 +98,26 @@ def make_engine(
     prefill_chunk: int = 128,
     stop_ids: Any = (),
     admission: str = "reserve",
+    max_share: float = 1.0,
+    max_wait: float = 10.0,
 ) -> Engine:
-    """An Engine for model whose context (default: the model's max_len, at most what the
-    pool holds) always fits the pool, so no request is refused for the pool's size;
-    admission: see mhsa.apps.serve.scheduler."""
-    pool = num_blocks * block_size
+    """An Engine for model whose context (prompt + completion tokens of one request;
+    default: the model's max_len, at most max_share of what the pool holds) always fits
+    that share, so no request is refused for the pool's size; admission, max_share and
+    max_wait: see mhsa.apps.serve.scheduler."""
+    if isinstance(max_share, bool) or not isinstance(max_share, int | float):
+        raise TypeError(f"max_share must be a number in (0, 1], got {max_share!r}")
+    if not 0 < max_share <= 1:
+        raise ValueError(f"max_share must be in (0, 1] (a share of the pool), got {max_share}")
+    pool = max(1, int(max_share * num_blocks)) * block_size
     if context_length is None:
         context_length = min(model.config.max_len, pool)
     elif context_length > pool:
+        share = "" if max_share == 1 else f" (max_share {max_share} of it)"
         raise ValueError(
-            f"context_length {context_length} is more than the pool holds "
-            f"({num_blocks} blocks of {block_size} = {pool} tokens): raise "
-            "num_blocks or lower context_length"
+            f"context_length {context_length} is more than the pool holds for one request"
+            f"{share}: {pool} tokens of {num_blocks} blocks of {block_size}; raise "
+            "num_blocks or max_share, or lower context_length"
         )
     return Engine(
         model,
@@ -120,6 +128,8 @@ def make_engine(
         prefill_chunk=prefill_chunk,
         stop_ids=stop_ids,
         admission=admission,
+        max_share=max_share,
+        max_wait=max_wait,
     )
 
 

@@ -7,8 +7,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ...formats.chat_template import TemplateLimitError, render_limits
 from . import errors
+from .limits import Limits
 from .models import ServedModel
+
+MAX_SEED = 2**64 - 1
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 DEFAULT_MAX_TOKENS = {"chat": 256, "completion": 16}  # (OpenAI's completions default: 16)
@@ -45,8 +49,9 @@ class Job:
     include_usage: bool = False
 
 
-def parse_chat(body: dict[str, Any], served: ServedModel) -> Job:
-    """The Job of a chat completion request (body: the parsed JSON object)."""
+def parse_chat(body: dict[str, Any], served: ServedModel, limits: Limits | None = None) -> Job:
+    """The Job of a chat completion request (body: the parsed JSON object); it renders
+    the chat template and tokenises, so the server calls it in a worker thread."""
     _check_common(body, served)
     if served.chat is None:
         raise errors.APIError(
@@ -64,8 +69,19 @@ def parse_chat(body: dict[str, Any], served: ServedModel) -> Job:
     if not messages:
         raise errors.invalid_value("messages", "empty array. Expected at least one message.")
     rendered = [_message(i, message) for i, message in enumerate(messages)]
+    limits = limits or Limits()
     try:
-        prompt = served.chat(rendered)
+        with render_limits(limits.template_seconds, limits.template_chars):
+            prompt = served.chat(rendered)
+    except TemplateLimitError as error:
+        option = "--template-seconds" if error.limit == "seconds" else "--template-chars"
+        raise errors.APIError(
+            400,
+            f"Invalid 'messages': {error} (mhsa serve {option}); the model's chat template "
+            "cannot render this conversation within the server's limits.",
+            param="messages",
+            code="template_limit_exceeded",
+        ) from None
     except Exception as error:  # the template's own complaint (roles out of order...)
         raise errors.invalid_value(
             "messages", f"the chat template refused them: {error}"
@@ -75,13 +91,20 @@ def parse_chat(body: dict[str, Any], served: ServedModel) -> Job:
     return _job("chat", body, [prompt], limit, param, "messages", served)
 
 
-def parse_completion(body: dict[str, Any], served: ServedModel) -> Job:
+def parse_completion(
+    body: dict[str, Any], served: ServedModel, limits: Limits | None = None
+) -> Job:
     """The Job of a (legacy) completion request: prompt is a string, an array of
-    strings, an array of token ids or an array of such arrays (one choice each)."""
+    strings, an array of token ids or an array of such arrays (one choice each), at most
+    limits.max_prompts of them. It tokenises: the server calls it in a worker thread."""
     _check_common(body, served)
     if "prompt" not in body:
         raise errors.missing("prompt")
-    prompts = [_prompt(p, served) for p in _prompt_list(body["prompt"])]
+    listed = _prompt_list(body["prompt"])
+    max_prompts = (limits or Limits()).max_prompts
+    if len(listed) > max_prompts:
+        raise errors.too_many_prompts(len(listed), max_prompts)
+    prompts = [_prompt(p, served) for p in listed]
     return _job("completion", body, prompts, body.get("max_tokens"), "max_tokens", "prompt", served)
 
 
@@ -127,6 +150,8 @@ def _job(
     seed = body.get("seed")
     if seed is not None:
         seed = _integer("seed", seed, minimum=0)
+        if seed > MAX_SEED:
+            raise errors.above_maximum("seed", MAX_SEED, seed)
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
         raise errors.invalid_type("stream", "a boolean", stream)
@@ -177,6 +202,7 @@ def _message(index: int, message: Any) -> dict[str, Any]:
         raise errors.missing(f"{param}.content")
     if content is not None and not isinstance(content, str):
         raise errors.invalid_type(f"{param}.content", "a string or an array of text parts", content)
+    _check_unicode(f"{param}.content", content or "")
     return {**message, "content": content or ""}
 
 
@@ -196,6 +222,7 @@ def _prompt_list(prompt: Any) -> list[Any]:
 
 def _prompt(prompt: Any, served: ServedModel) -> list[int]:
     if isinstance(prompt, str):
+        _check_unicode("prompt", prompt)
         ids = served.encode(prompt)
     elif isinstance(prompt, list) and all(type(t) is int for t in prompt):
         ids = prompt
@@ -207,6 +234,18 @@ def _prompt(prompt: Any, served: ServedModel) -> list[int]:
     if not ids:
         raise errors.invalid_value("prompt", "it is empty: give at least one token of text.")
     return ids
+
+
+def _check_unicode(param: str, text: str) -> None:
+    """A JSON string may hold a lone surrogate ("\\ud800"), which is no text to encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise errors.invalid_value(
+            param,
+            f"it holds a lone surrogate ({text[error.start]!r} at {error.start}), which is not "
+            "text: send valid UTF-8 (pair surrogates as JSON escapes, or send the character).",
+        ) from None
 
 
 def _stop(stop: Any) -> tuple[str, ...]:

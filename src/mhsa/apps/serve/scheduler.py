@@ -4,8 +4,14 @@ its plans, and the pool it counts blocks in is a PagedKVCache's bookkeeping.
 
 A step decodes one token for every running request that has generated one, and feeds
 at most one chunk of one other request's context (prefill), so a long prompt is
-prefilled a chunk per step while the others keep decoding. Requests are admitted first
-come, first served, at most max_batch at once, by one of two rules:
+prefilled a chunk per step while the others keep decoding. Requests are admitted by
+fit, at most max_batch at once: in arrival order, a request that does not fit yet is
+passed over by later ones that do, until it has waited max_wait seconds; from then on
+nothing passes it, so the blocks freed by requests that end go to it (no request waits
+forever behind a large one, and a large one waits no longer than max_wait plus the time
+the running requests take to end; max_wait 0, the default here, is first come, first
+served). No request may hold more than max_share of the pool.
+Whether a request fits is one of two rules:
 
 - "reserve" (the default): only when the pool can hold the request's prompt and all
   its new tokens on top of what the running requests may still take, so no running
@@ -76,6 +82,7 @@ class Request:
     finish_reason: str | None = None
     cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
     submitted: float = field(default_factory=time.perf_counter)
+    queued_at: float = 0.0  # the scheduler's clock when it was added
     first_token_at: float | None = None
     token_times: list[float] = field(default_factory=list)
     # the scheduler's state
@@ -140,18 +147,35 @@ class Plan:
 
 class Scheduler:
     """Decides each step's Plan over a BlockPool (see the module docstring); max_batch
-    requests run at once, prefill_chunk tokens of a context are fed per step."""
+    requests run at once, prefill_chunk tokens of a context are fed per step; a request
+    may hold max_share of the pool's blocks at most, and is passed over by later requests
+    that fit for max_wait seconds of clock() at most."""
 
     def __init__(
-        self, pool: BlockPool, *, max_batch: int, prefill_chunk: int, admission: str = "reserve"
+        self,
+        pool: BlockPool,
+        *,
+        max_batch: int,
+        prefill_chunk: int,
+        admission: str = "reserve",
+        max_share: float = 1.0,
+        max_wait: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         for name, value in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if admission not in ADMISSION:
             raise ValueError(f"admission must be one of {ADMISSION}, got {admission!r}")
+        if isinstance(max_share, bool) or not isinstance(max_share, int | float):
+            raise TypeError(f"max_share must be a number in (0, 1], got {max_share!r}")
+        if not 0 < max_share <= 1:
+            raise ValueError(f"max_share must be in (0, 1] (a share of the pool), got {max_share}")
+        if isinstance(max_wait, bool) or not isinstance(max_wait, int | float) or max_wait < 0:
+            raise ValueError(f"max_wait must be a number of seconds >= 0, got {max_wait!r}")
         self.pool, self.max_batch, self.prefill_chunk = pool, max_batch, prefill_chunk
-        self.admission = admission
+        self.admission, self.max_wait, self.clock = admission, max_wait, clock
+        self.max_blocks = max(1, math.floor(max_share * pool.num_blocks))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -166,12 +190,14 @@ class Scheduler:
     def add(self, request: Request) -> None:
         """Queue a request (its worst_blocks set); it runs once admitted."""
         request.worst_blocks = self.worst_blocks(len(request.prompt) + request.max_tokens)
-        if request.worst_blocks > self.pool.num_blocks:
+        if request.worst_blocks > self.max_blocks:
+            share = "" if self.max_blocks == self.pool.num_blocks else " a request may hold"
             raise ValueError(
                 f"the request needs {request.worst_blocks} cache blocks, the pool "
-                f"has {self.pool.num_blocks}: shorten it or serve with more "
-                "blocks"
+                f"has {self.max_blocks}{share}: shorten it (prompt + max_tokens) or serve "
+                "with more blocks"
             )
+        request.queued_at = self.clock()
         self.waiting.append(request)
 
     def schedule(self) -> Plan:
@@ -200,11 +226,17 @@ class Scheduler:
         )
 
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_batch:
-            request = self.waiting[0]
+        """Admit by fit in arrival order; one that does not fit is passed over until it
+        has waited max_wait (then it keeps the blocks that free up)."""
+        now = self.clock()
+        for request in list(self.waiting):
+            if len(self.running) >= self.max_batch:
+                return
             if self.pool.free_blocks - self._spoken_for() < self._blocks_to_admit(request):
-                return  # wait for a running request to end (or to run further)
-            self.waiting.popleft()
+                if now - request.queued_at >= self.max_wait:
+                    return  # it has waited long enough: nothing passes it now
+                continue  # wait for a running request to end (or to run further)
+            self.waiting.remove(request)
             request.seq = self.pool.add_sequence(request.prompt + request.output)
             request.computed = self.pool.length(request.seq)
             if not request.preemptions:
@@ -231,6 +263,7 @@ class Scheduler:
         self.running.remove(request)
         self.pool.free(request.seq)
         request.seq, request.computed = None, 0
+        request.queued_at = -math.inf  # nothing passes a preempted request
         request.preemptions += 1
         self.waiting.appendleft(request)
         return request

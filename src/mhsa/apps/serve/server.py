@@ -3,10 +3,13 @@
     with Server(served, port=0) as server:      port 0: a free port, server.port says which
         openai.OpenAI(base_url=server.url + "/v1", api_key="none")...
 
-(`mhsa serve` runs it so, and waits.)"""
+(`mhsa serve` runs it so, and waits: on SIGINT or SIGTERM it stops taking requests,
+lets running ones finish within limits.drain_timeout, then ends the rest with an error
+event and `[DONE]`; a second signal ends them at once.)"""
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from types import TracebackType
@@ -19,6 +22,8 @@ except ImportError as error:  # pragma: no cover - the serve extra is missing
     ) from error
 
 from .app import build_app
+from .guard import Gate
+from .limits import Access, Limits
 from .models import ServedModel
 
 
@@ -33,9 +38,13 @@ class Server:
         host: str = "127.0.0.1",
         port: int = 8000,
         log_level: str = "warning",
+        limits: Limits | None = None,
+        access: Access | None = None,
     ) -> None:
+        self.limits = limits or Limits()
+        self.gate = Gate()
         config = uvicorn.Config(
-            build_app(served),
+            build_app(served, self.limits, access or Access.for_host(host), self.gate),
             host=host,
             port=port,
             log_level=log_level,
@@ -49,6 +58,7 @@ class Server:
         # 3.11 a join that Ctrl-C interrupts marks the still-running thread as stopped, so
         # a later join returns at once and the interpreter would exit mid-shutdown.
         self._ended = threading.Event()
+        self._signals = 0  # SIGINT / SIGTERM received while waiting
 
     @property
     def port(self) -> int:
@@ -64,6 +74,7 @@ class Server:
         if self._thread is not None:
             raise RuntimeError("the server is already running")
         self._ended.clear()
+        self.gate.open, self._signals = True, 0
         self._thread = threading.Thread(target=self._run, name="mhsa-serve", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout
@@ -88,20 +99,57 @@ class Server:
             self._ended.set()
 
     def wait(self) -> None:
-        """Block until the server ends (Ctrl-C: stop it)."""
+        """Block until SIGINT or SIGTERM (or the server ends), then shut down: drain, then
+        stop. A second signal cuts the drain short. (Signal handlers are installed only
+        from the main thread; elsewhere Ctrl-C's KeyboardInterrupt still stops it.)"""
         if self._thread is None:
             return
+        previous = self._install_handlers()
         try:
-            while not self._ended.wait(0.5):
-                pass
-        except KeyboardInterrupt:
-            pass
-        self.stop()
+            try:
+                while not self._signals and not self._ended.wait(0.2):
+                    pass
+            except KeyboardInterrupt:
+                self._signals += 1
+            self.stop()
+        finally:
+            for number, handler in previous.items():
+                if handler is not None:  # (None: a handler not set from Python)
+                    signal.signal(number, handler)
 
-    def stop(self) -> None:
-        """End the server: open requests finish (5 s at most), then the engine stops."""
+    def _install_handlers(self) -> dict:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        previous = {}
+        for number in (signal.SIGINT, signal.SIGTERM):
+            previous[number] = signal.signal(number, self._on_signal)
+        return previous
+
+    def _on_signal(self, number: int, frame: object) -> None:
+        self._signals += 1  # (the second cuts the drain short)
+
+    def drain(self, timeout: float) -> bool:
+        """Take no new requests (503) and wait up to timeout seconds, or until a second
+        signal, for the running and waiting ones to end; True if they all did."""
+        self.gate.open = False
+        engine = self.served.engine
+        deadline = time.monotonic() + timeout
+        while not engine.idle:
+            if time.monotonic() >= deadline or self._signals > 1:
+                return False
+            time.sleep(0.02)
+        return True
+
+    def stop(self, drain_timeout: float | None = None) -> None:
+        """End the server: no new requests; open ones get drain_timeout seconds
+        (default: limits.drain_timeout) to finish, the rest end with an error (a stream:
+        an error event and `[DONE]`); then the engine and uvicorn stop."""
         if self._thread is None:
             return
+        timeout = self.limits.drain_timeout if drain_timeout is None else drain_timeout
+        if not self._ended.is_set():
+            self.drain(timeout)
+        self.served.engine.stop()  # (cancels what is left: each stream gets its error event)
         self._server.should_exit = True
         self._ended.wait()
         self._thread.join()

@@ -1,0 +1,82 @@
+"""The checks every request passes before a route sees it (an ASGI middleware): the Host
+header is one the server answers to (against DNS rebinding), /v1 routes carry the API key
+when there is one, a POST is sent as application/json (so no web page can send it as a
+cross-origin "simple" request), and no new request starts while the server shuts down."""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+from starlette.datastructures import Headers
+from starlette.responses import JSONResponse
+
+from . import errors
+from .limits import Access
+
+
+class Gate:
+    """Whether the server takes new requests (closed at shutdown)."""
+
+    def __init__(self) -> None:
+        self.open = True
+
+
+class Guard:
+    """ASGI middleware: refuse a request that fails access's rules or comes once gate is
+    closed, with an error in OpenAI's shape; pass the rest to app."""
+
+    def __init__(self, app: Any, *, access: Access, gate: Gate | None = None) -> None:
+        self.app, self.access, self.gate = app, access, gate or Gate()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            error = self.check(scope)
+            if error is not None:
+                response = JSONResponse(error.body(), error.status, headers=error.headers)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def check(self, scope: dict) -> errors.APIError | None:
+        """The error to answer the request with, or None to serve it."""
+        headers = Headers(scope=scope)
+        host = _hostname(headers.get("host", ""))
+        if "*" not in self.access.allowed_hosts and host not in self.access.allowed_hosts:
+            return errors.APIError(
+                400,
+                f"Invalid Host header {host!r}: this server answers to "
+                f"{', '.join(self.access.allowed_hosts)} (mhsa serve --allowed-hosts).",
+                code="invalid_host",
+            )
+        path = scope["path"]
+        if path.startswith("/v1") and self.access.api_key is not None:
+            given = headers.get("authorization", "")
+            wanted = f"Bearer {self.access.api_key}"
+            if not hmac.compare_digest(given.encode(), wanted.encode()):
+                what = "an incorrect" if given else "no"
+                return errors.APIError(
+                    401,
+                    f"You provided {what} API key. Send it as 'Authorization: Bearer KEY' "
+                    "(the key mhsa serve was started with: --api-key or MHSA_API_KEY).",
+                    code="invalid_api_key",
+                )
+        if scope["method"] == "POST":
+            media = headers.get("content-type", "").split(";")[0].strip().lower()
+            if media != "application/json":
+                return errors.APIError(
+                    415,
+                    f"Unsupported Content-Type {media or 'none'!r}: send the body as JSON "
+                    "with 'Content-Type: application/json'.",
+                    code="unsupported_media_type",
+                )
+        if path != "/health" and not self.gate.open:
+            return errors.shutting_down()
+        return None
+
+
+def _hostname(host: str) -> str:
+    """The name in a Host header, without its port ("[::1]:8000" -> "::1")."""
+    if host.startswith("["):
+        return host[1 : host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
