@@ -25,6 +25,7 @@ LAYERS = [
     ["models"],
     ["nn"],
     ["cache", "distributed"],
+    ["core.varlen"],
     ["core.attention", "core.cluster"],
     ["core.validate"],
     ["core.backends"],
