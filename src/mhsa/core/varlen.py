@@ -24,7 +24,7 @@ from torch import Tensor
 from .attention import attention
 from .kernels.scored import AtPositions
 from .masks.causal import causal_shift
-from .masks.segments import Segments, check_cu_seqlens
+from .masks.segments import Segments, check_cu_seqlens, check_segment_counts
 from .scores import ScoreFunction, as_score
 
 PACKED = "(total, num_heads, head_dim)"
@@ -82,6 +82,7 @@ def attention_varlen(
     _check_packed(q, k, v)
     cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0])
     cu_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0])
+    check_segment_counts(cu_q, cu_k)
     _check_max_seqlen("max_seqlen_q", max_seqlen_q, cu_q)
     _check_max_seqlen("max_seqlen_k", max_seqlen_k, cu_k)
     pattern = Segments(cu_q, cu_k, causal=causal, window=window)

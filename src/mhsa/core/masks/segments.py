@@ -56,6 +56,15 @@ def check_cu_seqlens(name: str, cu_seqlens, total: int | None = None) -> Tensor:
     return offsets
 
 
+def check_segment_counts(cu_q: Tensor, cu_k: Tensor) -> None:
+    """One key segment per query segment."""
+    if cu_k.numel() != cu_q.numel():
+        raise ValueError(
+            f"cu_seqlens_q has {cu_q.numel() - 1} segments but cu_seqlens_k has "
+            f"{cu_k.numel() - 1}: give one key segment per query segment"
+        )
+
+
 def check_window(window) -> tuple[int, int] | None:
     """None, an int w (the same as (w, w)) or (left, right) ints >= 0, as (left, right)."""
     if window is None:
@@ -94,11 +103,7 @@ class Segments(Pattern):
     ) -> None:
         cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q)
         cu_k = cu_q if cu_seqlens_k is None else check_cu_seqlens("cu_seqlens_k", cu_seqlens_k)
-        if cu_k.numel() != cu_q.numel():
-            raise ValueError(
-                f"cu_seqlens_q has {cu_q.numel() - 1} segments but cu_seqlens_k has "
-                f"{cu_k.numel() - 1}: give one key segment per query segment"
-            )
+        check_segment_counts(cu_q, cu_k)
         if not isinstance(causal, bool):
             raise TypeError(f"causal must be True or False, got {type(causal).__name__}")
         self.cu_seqlens_q, self.cu_seqlens_k = cu_q, cu_k
