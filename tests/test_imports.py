@@ -24,7 +24,7 @@ LAYERS = [
     ["integrations"],
     ["models"],
     ["nn"],
-    ["cache", "distributed"],
+    ["cache", "distributed", "testing"],
     ["core.varlen"],
     ["core.attention", "core.cluster"],
     ["core.validate"],
