@@ -336,10 +336,20 @@ def test_planning_a_thousand_sequences_follows_the_blocks():
 
     for causal in (False, True):
         pattern = NoGrid(cu, causal=causal)
-        plan = build_plan(pattern, total, total, block_q=128, block_k=128, max_run_keys=1024)
+        # the block plan of the plain and triton engines
+        plan = build_plan(
+            pattern, total, total, block_q=128, block_k=128, max_run_keys=1024, merge_rows=False
+        )
         num_q = -(-total // 128)
         assert len(plan.rows) == num_q
         tiles = sum(-(-(run.k1 - run.k0) // 128) for rows in plan.rows for run in rows.runs)
         # each query block reaches its own sequences' keys: a few blocks each
         assert tiles <= num_q * (2 + max(lengths) // 128 + 1)
         assert plan.visited_fraction < 0.01
+        # the fused engine's: one piece per sequence, no element mask anywhere
+        plan = build_plan(pattern, total, total, block_q=128, block_k=128, gather=True)
+        assert [(rows.q0, rows.q1) for rows in plan.rows] == list(
+            zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)
+        )
+        kinds = {(run.full, run.triangle) for rows in plan.rows for run in rows.runs}
+        assert kinds == ({(False, "lower")} if causal else {(True, None)})

@@ -57,6 +57,16 @@ def test_mask_kinds_and_triangles(seed):
         q_len, kv_len = sum(q_lengths), sum(k_lengths)
         want = written_out(q_lengths, k_lengths, causal, window)
         assert torch.equal(pattern.dense(q_len, kv_len), want)
+        pieces = pattern.diagonal_pieces(q_len, kv_len)
+        assert (pieces is None) == (window is not None)
+        if pieces is not None:  # the pieces, drawn, are the mask
+            drawn = torch.zeros_like(want)
+            for q0, q1, runs in pieces:
+                for k0, k1, kind in runs:
+                    rows, cols = torch.arange(q1 - q0).view(-1, 1), torch.arange(k1 - k0)
+                    tile = cols.view(1, -1) <= rows if kind == "lower" else True
+                    drawn[q0:q1, k0:k1] = tile
+            assert torch.equal(drawn, want)
         if q_len == 0 or kv_len == 0:
             continue
         block_q, block_k = rng.choice([1, 2, 4, 8, 16]), rng.choice([1, 3, 4, 8, 16])

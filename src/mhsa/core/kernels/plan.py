@@ -105,6 +105,9 @@ class BlockPlan:
         return area / max(1, self.q_len * self.kv_len)
 
 
+_PIECE_TRIANGLE = {"full": None, "lower": "lower"}  # a diagonal piece's kind as a Run's
+
+
 def build_plan(
     pattern,
     q_len: int,
@@ -119,8 +122,9 @@ def build_plan(
     """Turn a pattern (or None for full attention) into a BlockPlan.
 
     max_run_keys caps a run's length (bounds the scores a plain tile materialises);
-    merge_rows joins adjacent query blocks whose runs are identical and all full, and
-    makes a wholly lower-triangular mask a single causal run; gather puts all of a
+    merge_rows joins adjacent query blocks whose runs are identical and all full, makes
+    a wholly lower-triangular mask a single causal run and a pattern's diagonal pieces
+    (packed sequences) one run each; gather puts all of a
     row's blocks into one run. The last two suit kernels that tile internally and pay
     per call.
     """
@@ -131,6 +135,17 @@ def build_plan(
         # the whole matrix is one lower-triangular tile: one call in causal mode
         whole = [RowRange(0, q_len, [Run(0, kv_len, False, "lower")])]
         return BlockPlan(q_len, kv_len, block_q, block_k, whole, pattern)
+    pieces = pattern.diagonal_pieces(q_len, kv_len) if merge_rows and pattern else None
+    if pieces is not None:  # one call per piece, none with an element mask
+        rows = [
+            RowRange(
+                q0,
+                q1,
+                [Run(k0, k1, kind == "full", _PIECE_TRIANGLE[kind]) for k0, k1, kind in runs],
+            )
+            for q0, q1, runs in pieces
+        ]
+        return BlockPlan(q_len, kv_len, block_q, block_k, rows, pattern)
     cap_blocks = max(1, max_run_keys // block_k) if max_run_keys else num_k
     rows: list[RowRange] = []
     for qi, row in enumerate(_row_entries(pattern, q_len, kv_len, block_q, block_k)):

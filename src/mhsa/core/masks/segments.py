@@ -233,6 +233,29 @@ class Segments(Pattern):
         grid[qi, kj] = kind.to(torch.int8)
         return grid
 
+    def diagonal_pieces(self, q_len, kv_len):
+        # without a window each sequence is one piece: all its keys, or (causal) those
+        # before its first query's position and the square triangle of the rest
+        if self.window is not None:
+            return None
+        self.check_lengths(q_len, kv_len)
+        pieces = []
+        starts_q, starts_k = self._starts_q, self._starts_k
+        for s in range(self.num_segments):
+            q0, q1, k0, k1 = starts_q[s], starts_q[s + 1], starts_k[s], starts_k[s + 1]
+            if q1 == q0 or k1 == k0:
+                continue
+            if not self.causal:
+                pieces.append((q0, q1, [(k0, k1, "full")]))
+                continue
+            shift = causal_shift(q1 - q0, k1 - k0)  # first query's position
+            if shift >= 0:
+                before = [(k0, k0 + shift, "full")] if shift else []
+                pieces.append((q0, q1, [*before, (k0 + shift, k1, "lower")]))
+            else:  # the first -shift queries see no key
+                pieces.append((q0 - shift, q1, [(k0, k1, "lower")]))
+        return pieces
+
     def lower_triangular(self, q0, q1, k0, k1, q_len, kv_len):
         # inside one segment, keys starting at the first row's position, the right edge
         # at the query (causal or right = 0) and the left edge never cutting in
