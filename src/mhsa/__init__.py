@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from .core.backends import names as backends
     from .core.backends import use_backend
     from .core.cluster import cluster_attention
+    from .core.varlen import attention_varlen
     from .nn import positional
 
 # name -> (module, attribute in it; None: the module itself)
@@ -33,6 +34,7 @@ _EXPORTS = {
     "PagedKVCache": (".cache", "PagedKVCache"),
     "attention": (".core.attention", "attention"),
     "attention_weights": (".core.attention", "attention_weights"),
+    "attention_varlen": (".core.varlen", "attention_varlen"),
     "cluster_attention": (".core.cluster", "cluster_attention"),
     "backends": (".core.backends", "names"),
     "use_backend": (".core.backends", "use_backend"),
@@ -69,6 +71,7 @@ __all__ = [
     "PagedKVCache",
     "attention",
     "attention_weights",
+    "attention_varlen",
     "cluster_attention",
     "backends",
     "distributed",

@@ -72,6 +72,10 @@ class ScoreFunction:
     # input_grad knows the score's gradient without autograd
     grad_from_output: bool = False
 
+    # the function reads positions only through k_pos - q_pos (or not at all): moving
+    # every query and key by one amount changes nothing (packed sequences rely on it)
+    relative: bool = False
+
     def input_grad(self, out: Tensor, grad_out: Tensor) -> Tensor:
         """The gradient of the score given the function's output `out` and its gradient
         (where grad_from_output); it may overwrite both arguments."""
@@ -94,7 +98,7 @@ class ALiBi(ScoreFunction):
     slopes (H,): one per query head (mhsa.nn.positional.alibi_slopes(H) gives the
     paper's); a tensor that requires grad is learned."""
 
-    additive = grad_from_output = True
+    additive = grad_from_output = relative = True
 
     def __init__(self, slopes: Tensor) -> None:
         if not isinstance(slopes, Tensor) or slopes.dim() != 1 or not slopes.is_floating_point():
@@ -170,7 +174,7 @@ class RelativeBias(ScoreFunction):
 
     table (num_buckets, H), usually an nn.Embedding's weight (learned)."""
 
-    additive = grad_from_output = True
+    additive = grad_from_output = relative = True
 
     def __init__(
         self,
@@ -212,6 +216,8 @@ class RelativeBias(ScoreFunction):
 
 class Softcap(ScoreFunction):
     """Logit softcapping (Gemma 2): cap * tanh(score / cap)."""
+
+    relative = True  # reads no position
 
     def __init__(self, cap: float) -> None:
         if (
@@ -284,6 +290,7 @@ class Compose(ScoreFunction):
         self.functions = tuple(flat)
         self.additive = all(f.additive for f in flat)
         self.separable = all(f.separable for f in flat)
+        self.relative = all(f.relative for f in flat)
         # additive functions pass the gradient through unchanged, so only the last
         # function's derivative (from the final output) counts
         last = flat[-1] if flat else None

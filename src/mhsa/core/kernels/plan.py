@@ -3,9 +3,12 @@
 A plan is built from what may attend: an mhsa.core.masks pattern (the call's mask and
 causality as one, masks.with_causal), or None when everything may. The plan asks the
 pattern, whatever its kind:
-    kinds(L, S, block_q, block_k) -> (num_q_blocks, num_k_blocks) int8
-        EMPTY (never visited), PARTIAL (element mask applied), FULL (no mask applied),
-        conservative over batch and heads (FULL only if full for every batch and head).
+    block_entries(L, S, block_q, block_k) -> (query block, key block, kind) of the
+        blocks that are not EMPTY (never visited): PARTIAL (element mask applied) or
+        FULL (no mask applied), conservative over batch and heads (FULL only if full
+        for every batch and head); by default read from kinds(L, S, block_q, block_k),
+        the (num_q_blocks, num_k_blocks) grid, which packed sequences never build, so
+        planning costs what the visited blocks cost.
     tile(q0, q1, cols, L, S) -> bool (True = may attend) for query rows q0..q1-1 and
         the key indices cols (int64, 1-D), broadcastable to (B, H, q1-q0, len(cols))
     lower_triangular(q0, q1, k0, k1, L, S) -> bool: the tile's mask is exactly c <= r
@@ -27,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..masks.blocks import EMPTY, FULL, PARTIAL, num_blocks
+from ..masks.blocks import FULL, PARTIAL, num_blocks
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,9 @@ class BlockPlan:
         return area / max(1, self.q_len * self.kv_len)
 
 
+_PIECE_TRIANGLE = {"full": None, "lower": "lower"}  # a diagonal piece's kind as a Run's
+
+
 def build_plan(
     pattern,
     q_len: int,
@@ -116,26 +122,33 @@ def build_plan(
     """Turn a pattern (or None for full attention) into a BlockPlan.
 
     max_run_keys caps a run's length (bounds the scores a plain tile materialises);
-    merge_rows joins adjacent query blocks whose runs are identical and all full, and
-    makes a wholly lower-triangular mask a single causal run; gather puts all of a
+    merge_rows joins adjacent query blocks whose runs are identical and all full, makes
+    a wholly lower-triangular mask a single causal run and a pattern's diagonal pieces
+    (packed sequences) one run each; gather puts all of a
     row's blocks into one run. The last two suit kernels that tile internally and pay
     per call.
     """
     if pattern is not None:
         pattern.check_lengths(q_len, kv_len)
-    num_q = num_blocks(q_len, block_q)
     num_k = num_blocks(kv_len, block_k)
     if merge_rows and _triangle(pattern, q_len, kv_len, 0, q_len, 0, kv_len) == "lower":
         # the whole matrix is one lower-triangular tile: one call in causal mode
         whole = [RowRange(0, q_len, [Run(0, kv_len, False, "lower")])]
         return BlockPlan(q_len, kv_len, block_q, block_k, whole, pattern)
-    if pattern is None:  # plain lists: torch.compile traces them without reading a tensor
-        kinds = [[FULL] * num_k for _ in range(num_q)]
-    else:
-        kinds = pattern.kinds(q_len, kv_len, block_q, block_k).tolist()
+    pieces = pattern.diagonal_pieces(q_len, kv_len) if merge_rows and pattern else None
+    if pieces is not None:  # one call per piece, none with an element mask
+        rows = [
+            RowRange(
+                q0,
+                q1,
+                [Run(k0, k1, kind == "full", _PIECE_TRIANGLE[kind]) for k0, k1, kind in runs],
+            )
+            for q0, q1, runs in pieces
+        ]
+        return BlockPlan(q_len, kv_len, block_q, block_k, rows, pattern)
     cap_blocks = max(1, max_run_keys // block_k) if max_run_keys else num_k
     rows: list[RowRange] = []
-    for qi, row in enumerate(kinds):
+    for qi, row in enumerate(_row_entries(pattern, q_len, kv_len, block_q, block_k)):
         q0, q1 = qi * block_q, min(q_len, (qi + 1) * block_q)
         if gather:
             runs = _gathered_runs(pattern, q_len, q0, q1, row, block_k, kv_len)
@@ -157,16 +170,37 @@ def build_plan(
     return BlockPlan(q_len, kv_len, block_q, block_k, rows, pattern)
 
 
-def _runs(row: list[int], block_k: int, kv_len: int, cap_blocks: int) -> list[Run]:
-    """Contiguous key blocks of one kind (EMPTY skipped), at most cap_blocks long."""
+def _row_entries(pattern, q_len: int, kv_len: int, block_q: int, block_k: int):
+    """Per query block, its blocks that are not EMPTY as a list of (key block, kind), in
+    key order; built from the pattern's block_entries, so that the work follows the
+    visited blocks, not the (query blocks x key blocks) grid."""
+    num_q, num_k = num_blocks(q_len, block_q), num_blocks(kv_len, block_k)
+    if pattern is None:  # plain lists: torch.compile traces them without reading a tensor
+        return [[(kj, FULL) for kj in range(num_k)] for _ in range(num_q)]
+    qi, kj, kind = pattern.block_entries(q_len, kv_len, block_q, block_k)
+    counts = torch.bincount(qi, minlength=num_q).tolist() if qi.numel() else [0] * num_q
+    pairs = list(zip(kj.tolist(), kind.tolist(), strict=True))
+    rows, start = [], 0
+    for count in counts:
+        rows.append(pairs[start : start + count])
+        start += count
+    return rows
+
+
+def _runs(row: list[tuple[int, int]], block_k: int, kv_len: int, cap_blocks: int) -> list[Run]:
+    """Runs of adjacent key blocks of one kind, at most cap_blocks long, from a row's
+    (key block, kind) entries (EMPTY blocks are absent)."""
     runs: list[Run] = []
-    start = None
-    for kj, kind in enumerate(row + [EMPTY]):
-        if start is not None and (kind != row[start] or kj - start == cap_blocks):
-            runs.append(Run(start * block_k, min(kv_len, kj * block_k), row[start] == FULL))
+    start = last = kind0 = None
+    for kj, kind in row:
+        if start is not None and (kj != last + 1 or kind != kind0 or kj - start == cap_blocks):
+            runs.append(Run(start * block_k, min(kv_len, (last + 1) * block_k), kind0 == FULL))
             start = None
-        if start is None and kind != EMPTY and kj < len(row):
-            start = kj
+        if start is None:
+            start, kind0 = kj, kind
+        last = kj
+    if start is not None:
+        runs.append(Run(start * block_k, min(kv_len, (last + 1) * block_k), kind0 == FULL))
     return runs
 
 
@@ -189,13 +223,13 @@ def _with_triangle(pattern, q_len: int, kv_len: int, q0: int, q1: int, run: Run)
 
 
 def _gathered_runs(
-    pattern, q_len: int, q0: int, q1: int, row: list[int], block_k: int, kv_len: int
+    pattern, q_len: int, q0: int, q1: int, row: list[tuple[int, int]], block_k: int, kv_len: int
 ):
     """Few runs for the row: its triangular PARTIAL blocks one each (unmasked in causal
     mode), then all its FULL blocks as one run and all other PARTIAL blocks as one
     masked run, gathered when they are not adjacent."""
     runs, full, partial = [], [], []
-    for kj, kind in enumerate(row):
+    for kj, kind in row:
         if kind == FULL:
             full.append(kj)
         elif kind == PARTIAL:

@@ -80,6 +80,44 @@ class Shifted(ScoreFunction):
         self.score.check(num_heads, device, dtype)
 
 
+class AtPositions(ScoreFunction):
+    """`score` seen at per-token positions: the call's query row r, which the engines
+    pass at r + shift (bottom-right, shift = S - L), sits at q_positions[r], and key j
+    at k_positions[j] (packed sequences, whose positions restart at each segment).
+    Engines call it like any score function: one mechanism for all of them."""
+
+    def __init__(
+        self, score: ScoreFunction, q_positions: Tensor, k_positions: Tensor, shift: int
+    ) -> None:
+        self.score, self.shift = score, shift
+        self.q_positions, self.k_positions = q_positions, k_positions
+        self.additive, self.grad_from_output = score.additive, score.grad_from_output
+
+    def _at(self, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor]:
+        return self.q_positions[q_pos - self.shift], self.k_positions[k_pos]
+
+    def __call__(self, score, batch, head, q_pos, k_pos):
+        return self.score(score, batch, head, *self._at(q_pos, k_pos))
+
+    def apply_(self, score, batch, head, q_pos, k_pos):
+        return self.score.apply_(score, batch, head, *self._at(q_pos, k_pos))
+
+    def bias(self, batch, head, q_pos, k_pos):
+        return self.score.bias(batch, head, *self._at(q_pos, k_pos))
+
+    def tensors(self):
+        return self.score.tensors()
+
+    def input_grad(self, out, grad_out):
+        return self.score.input_grad(out, grad_out)
+
+    def check(self, num_heads, device, dtype):
+        self.score.check(num_heads, device, dtype)
+
+    def __repr__(self) -> str:
+        return f"{self.score!r} at per-token positions"
+
+
 def score_tile(
     score: ScoreFunction,
     scores: Tensor | None,

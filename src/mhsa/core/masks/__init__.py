@@ -21,6 +21,7 @@ from .patterns import (
     with_causal,
 )
 from .presets import BlockBand, bigbird, longformer
+from .segments import Segments
 
 __all__ = [
     "EMPTY",
@@ -40,6 +41,7 @@ __all__ = [
     "Pattern",
     "PrefixLM",
     "RandomBlocks",
+    "Segments",
     "SlidingWindow",
     "Union",
     "bigbird",

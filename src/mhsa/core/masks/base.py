@@ -62,6 +62,24 @@ class Pattern:
         """
         return reduce_blocks(self.dense(q_len, kv_len), q_len, kv_len, block_q, block_k)
 
+    def block_entries(
+        self, q_len: int, kv_len: int, block_q: int, block_k: int
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The blocks that are not EMPTY as (query block, key block, kind), int64 (n,)
+        each, sorted by query block then key block: what block plans are built from.
+        The default reads kinds(); a pattern with few such blocks among many (packed
+        sequences) overrides it, so that planning costs what the blocks cost."""
+        kinds = self.kinds(q_len, kv_len, block_q, block_k)
+        rows, cols = (kinds != EMPTY).nonzero(as_tuple=True)
+        return rows, cols, kinds[rows, cols].long()
+
+    def diagonal_pieces(self, q_len: int, kv_len: int) -> list[tuple] | None:
+        """The mask as pieces that need no element mask, or None (the default): row
+        ranges (q0, q1, [(k0, k1, kind), ...]) in order, kind "full" (every key) or
+        "lower" (local key c <= local row r); rows in no range see no key. Kernels that
+        tile internally then make one call per piece (packed sequences)."""
+        return None
+
     def lower_triangular(self, q0: int, q1: int, k0: int, k1: int, q_len: int, kv_len: int) -> bool:
         """Whether the tile's mask is exactly local key c <= local row r."""
         return False
