@@ -157,7 +157,7 @@ BUGS = {
     ),
     "flex score_mod sees mhsa's bottom-right positions": (
         "integrations/flex_scores.py",
-        "q_offset=q_len - kv_len",
+        "q_offset=-causal_shift(q_len, kv_len)",
         "q_offset=0",
         "tests/integrations/test_flex_api.py",
     ),

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from ..core.kernels.scored import Shifted
+from ..core.masks.causal import causal_shift
 from ..core.scores import ScoreFunction, ScoreMod, tile_indices
 
 ScoreModFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -28,7 +29,7 @@ class FlexScore(Shifted):
 
     def __init__(self, score_mod: ScoreModFn | ScoreFunction, q_len: int, kv_len: int) -> None:
         inner = score_mod if isinstance(score_mod, ScoreFunction) else ScoreMod(score_mod)
-        super().__init__(inner, q_offset=q_len - kv_len, k_offset=0)
+        super().__init__(inner, q_offset=-causal_shift(q_len, kv_len), k_offset=0)
         self.q_len, self.kv_len = q_len, kv_len
 
     def check(self, num_heads, device, dtype):
