@@ -102,17 +102,13 @@ def _load_error(model: str | None, error: Exception) -> str:
 
 
 def _limits(args: argparse.Namespace):
+    """The Limits the options give (each option is named as its field)."""
+    from dataclasses import fields
+
     from ..apps.serve.limits import Limits
 
-    return Limits(
-        max_body_bytes=args.max_body_bytes,
-        max_prompts=args.max_prompts,
-        max_queued=args.max_queued,
-        body_seconds=args.body_seconds,
-        template_seconds=args.template_seconds,
-        template_chars=args.template_chars,
-        drain_timeout=args.drain_timeout,
-    )
+    given = {f.name: getattr(args, f.name) for f in fields(Limits) if hasattr(args, f.name)}
+    return Limits(**given)
 
 
 def _access(args: argparse.Namespace):

@@ -20,55 +20,23 @@ from .dense import masked_softmax
 from .merge import merge_partials
 
 
-class SelectedHeads(ScoreFunction):
-    """`score` seen from a call on a selection of query heads: local head h is global
-    head index[h] of num_heads."""
+class _View(ScoreFunction):
+    """`score` seen through a change of indices: the engines' (batch, head, q_pos, k_pos)
+    become _map's before `score` sees them. Subclasses say what the view maps."""
 
-    def __init__(self, score: ScoreFunction, index: Tensor, num_heads: int) -> None:
-        self.score, self.index, self.num_heads = score, index, num_heads
-        self.additive, self.separable = score.additive, score.separable
-        self.grad_from_output = score.grad_from_output
+    score: ScoreFunction
 
-    def __call__(self, score, batch, head, q_pos, k_pos):
-        return self.score(score, batch, self.index[head], q_pos, k_pos)
-
-    def apply_(self, score, batch, head, q_pos, k_pos):
-        return self.score.apply_(score, batch, self.index[head], q_pos, k_pos)
-
-    def split_left(self, head, q_pos, k_pos):
-        return self.score.split_left(self.index[head], q_pos, k_pos)
-
-    def bias(self, batch, head, q_pos, k_pos):
-        return self.score.bias(batch, self.index[head], q_pos, k_pos)
-
-    def tensors(self):
-        return self.score.tensors()
-
-    def input_grad(self, out, grad_out):
-        return self.score.input_grad(out, grad_out)
-
-    def check(self, num_heads, device, dtype):
-        self.score.check(self.num_heads, device, dtype)
-
-
-class Shifted(ScoreFunction):
-    """`score` seen from one block of a longer sequence: the block's query and key
-    positions i, j are the sequence's i + q_offset, j + k_offset (a shard's block in
-    ring attention)."""
-
-    def __init__(self, score: ScoreFunction, q_offset: int, k_offset: int) -> None:
-        self.score, self.q_offset, self.k_offset = score, q_offset, k_offset
-        # not separable: which keys precede which queries is decided in global positions
-        self.additive, self.grad_from_output = score.additive, score.grad_from_output
+    def _map(self, batch, head, q_pos, k_pos) -> tuple:
+        raise NotImplementedError
 
     def __call__(self, score, batch, head, q_pos, k_pos):
-        return self.score(score, batch, head, q_pos + self.q_offset, k_pos + self.k_offset)
+        return self.score(score, *self._map(batch, head, q_pos, k_pos))
 
     def apply_(self, score, batch, head, q_pos, k_pos):
-        return self.score.apply_(score, batch, head, q_pos + self.q_offset, k_pos + self.k_offset)
+        return self.score.apply_(score, *self._map(batch, head, q_pos, k_pos))
 
     def bias(self, batch, head, q_pos, k_pos):
-        return self.score.bias(batch, head, q_pos + self.q_offset, k_pos + self.k_offset)
+        return self.score.bias(*self._map(batch, head, q_pos, k_pos))
 
     def tensors(self):
         return self.score.tensors()
@@ -80,7 +48,40 @@ class Shifted(ScoreFunction):
         self.score.check(num_heads, device, dtype)
 
 
-class AtPositions(ScoreFunction):
+class SelectedHeads(_View):
+    """`score` seen from a call on a selection of query heads: local head h is global
+    head index[h] of num_heads."""
+
+    def __init__(self, score: ScoreFunction, index: Tensor, num_heads: int) -> None:
+        self.score, self.index, self.num_heads = score, index, num_heads
+        self.additive, self.separable = score.additive, score.separable
+        self.grad_from_output = score.grad_from_output
+
+    def _map(self, batch, head, q_pos, k_pos) -> tuple:
+        return batch, self.index[head], q_pos, k_pos
+
+    def split_left(self, head, q_pos, k_pos):
+        return self.score.split_left(self.index[head], q_pos, k_pos)
+
+    def check(self, num_heads, device, dtype):
+        self.score.check(self.num_heads, device, dtype)
+
+
+class Shifted(_View):
+    """`score` seen from one block of a longer sequence: the block's query and key
+    positions i, j are the sequence's i + q_offset, j + k_offset (a shard's block in
+    ring attention)."""
+
+    def __init__(self, score: ScoreFunction, q_offset: int, k_offset: int) -> None:
+        self.score, self.q_offset, self.k_offset = score, q_offset, k_offset
+        # not separable: which keys precede which queries is decided in global positions
+        self.additive, self.grad_from_output = score.additive, score.grad_from_output
+
+    def _map(self, batch, head, q_pos, k_pos) -> tuple:
+        return batch, head, q_pos + self.q_offset, k_pos + self.k_offset
+
+
+class AtPositions(_View):
     """`score` seen at per-token positions: the call's query row r, which the engines
     pass at r + shift (bottom-right, shift = S - L), sits at q_positions[r], and key j
     at k_positions[j] (packed sequences, whose positions restart at each segment).
@@ -93,26 +94,8 @@ class AtPositions(ScoreFunction):
         self.q_positions, self.k_positions = q_positions, k_positions
         self.additive, self.grad_from_output = score.additive, score.grad_from_output
 
-    def _at(self, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor]:
-        return self.q_positions[q_pos - self.shift], self.k_positions[k_pos]
-
-    def __call__(self, score, batch, head, q_pos, k_pos):
-        return self.score(score, batch, head, *self._at(q_pos, k_pos))
-
-    def apply_(self, score, batch, head, q_pos, k_pos):
-        return self.score.apply_(score, batch, head, *self._at(q_pos, k_pos))
-
-    def bias(self, batch, head, q_pos, k_pos):
-        return self.score.bias(batch, head, *self._at(q_pos, k_pos))
-
-    def tensors(self):
-        return self.score.tensors()
-
-    def input_grad(self, out, grad_out):
-        return self.score.input_grad(out, grad_out)
-
-    def check(self, num_heads, device, dtype):
-        self.score.check(num_heads, device, dtype)
+    def _map(self, batch, head, q_pos, k_pos) -> tuple:
+        return batch, head, self.q_positions[q_pos - self.shift], self.k_positions[k_pos]
 
     def __repr__(self) -> str:
         return f"{self.score!r} at per-token positions"
