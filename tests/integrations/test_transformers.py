@@ -30,15 +30,20 @@ def _registered():
 
 # ---------------------------------------------------------------- tiny models
 
+# the sizes every tiny decoder below shares (each adds its own options)
+TINY_DECODER = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
 
 def llama():
     config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_DECODER,
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
@@ -48,12 +53,7 @@ def llama():
 
 def qwen2():
     config = transformers.Qwen2Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_DECODER,
         pad_token_id=0,
         eos_token_id=2,
     )
@@ -62,12 +62,7 @@ def qwen2():
 
 def qwen3():
     config = transformers.Qwen3Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_DECODER,
         head_dim=8,
         pad_token_id=0,
         eos_token_id=2,
@@ -77,12 +72,7 @@ def qwen3():
 
 def mistral():
     config = transformers.MistralConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_DECODER,
         sliding_window=4,
         pad_token_id=0,
         eos_token_id=2,
@@ -92,12 +82,7 @@ def mistral():
 
 def gemma2():
     config = transformers.Gemma2Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_DECODER,
         head_dim=8,
         query_pre_attn_scalar=8,
         sliding_window=4,
