@@ -18,10 +18,11 @@ class PoolExhausted(ValueError):
     says how many beforehand): free a sequence, or build the cache with more blocks."""
 
 
-def chain_hashes(tokens: Sequence[int], block_size: int) -> list[bytes]:
+def chain_hashes(tokens: Sequence[int], block_size: int, salt: bytes = b"") -> list[bytes]:
     """The digest of each full block of tokens, chained: block i's digest covers its
-    own token ids and block i-1's digest, so equal digests mean equal prefixes."""
-    digests, previous = [], b""
+    own token ids and block i-1's digest, so equal digests mean equal prefixes; the
+    first block's also covers salt, so prefixes under different salts never meet."""
+    digests, previous = [], hashlib.sha256(b"salt:" + salt).digest() if salt else b""
     for start in range(0, len(tokens) - block_size + 1, block_size):
         ids = array("q", tokens[start : start + block_size]).tobytes()
         previous = hashlib.sha256(previous + ids).digest()

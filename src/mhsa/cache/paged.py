@@ -101,7 +101,7 @@ class PagedKVCache(MultiLayerCache):
         """Blocks live sequences hold (a shared block once)."""
         return self.num_blocks - self.free_blocks
 
-    def add_sequence(self, tokens: Sequence[int] | Tensor) -> int:
+    def add_sequence(self, tokens: Sequence[int] | Tensor, *, salt: bytes = b"") -> int:
         """Register a sequence whose prompt is `tokens` (token ids); return its id.
 
         Leading full blocks of the prompt whose keys are cached (the same tokens from
@@ -109,10 +109,13 @@ class PagedKVCache(MultiLayerCache):
         the last prompt token is never among them. length(id) tells how many prompt
         tokens are stored: the caller runs the rest, tokens[length(id):]. A block is
         cached once every layer has written it, so a second prompt finds the first's
-        blocks after the first's prefill."""
+        blocks after the first's prefill. salt names the prefix cache's namespace: a
+        prompt finds only blocks cached under the same salt (one per tenant, say)."""
         tokens = _token_ids(tokens)
+        if not isinstance(salt, bytes):
+            raise TypeError(f"salt must be bytes (a namespace of the prefix cache), got {salt!r}")
         size = self.block_size
-        seq = _Sequence(tokens, chain_hashes(tokens, size))
+        seq = _Sequence(tokens, chain_hashes(tokens, size, salt))
         for digest in seq.digests[: (len(tokens) - 1) // size]:
             block = self.allocator.lookup(digest)
             if block is None:

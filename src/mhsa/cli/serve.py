@@ -264,6 +264,14 @@ def add_parser(commands) -> None:
     )
     add_option(
         limits,
+        "--header-seconds",
+        10.0,
+        "time a connection may take to send a request's headers (408 and closed beyond; "
+        "0: no limit)",
+        type=_seconds,
+    )
+    add_option(
+        limits,
         "--body-seconds",
         30.0,
         "time a client may take to send a request body (408 beyond)",

@@ -32,7 +32,7 @@ class _Pool:
     def free_blocks(self) -> int:
         return self.num_blocks - sum(self.blocks.values())
 
-    def add_sequence(self, tokens) -> int:
+    def add_sequence(self, tokens, *, salt: bytes = b"") -> int:
         seq, self._next = self._next, self._next + 1
         self.lengths[seq], self.blocks[seq], self.tokens[seq] = 0, 0, list(tokens)
         return seq

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -144,7 +145,7 @@ async def _complete(request: Request, job: Job, served: ServedModel, limits: Lim
     queued = served.engine.queued
     if queued + len(job.prompts) > limits.max_queued:
         raise errors.queue_full(queued, limits.max_queued, limits.retry_after)
-    generation = Generation(served, job)
+    generation = Generation(served, job, cache_namespace(request, job))
     reply = responses.Reply(job.kind, served.name)
     watcher = asyncio.ensure_future(_cancel_on_disconnect(request, generation))
     if job.stream:
@@ -187,6 +188,16 @@ async def _stream(
     finally:  # also when the client disconnects (starlette cancels this generator)
         watcher.cancel()
         generation.cancel()
+
+
+def cache_namespace(request: Request, job: Job) -> bytes:
+    """The request's namespace in the prefix cache: its bearer token (the API key, or
+    whatever an open server's client sends) and the body's cache_salt. Requests share
+    cached prompt blocks, and learn of them through usage.cached_tokens or a faster
+    first token, only within one namespace."""
+    token = request.headers.get("authorization", "")
+    salt = job.cache_salt or ""
+    return hashlib.sha256(f"{token}\0{salt}".encode("utf-8", "surrogatepass")).digest()
 
 
 async def _cancel_on_disconnect(request: Request, generation: Generation) -> None:

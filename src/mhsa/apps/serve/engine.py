@@ -106,9 +106,11 @@ class Engine:
         top_p: float | None = None,
         seed: int | None = None,
         on_token: OnToken | None = None,
+        cache_salt: bytes = b"",
     ) -> Request:
         """Queue a request; raises ValueError (a message fit for an API error) when it
-        can never be served."""
+        can never be served. cache_salt: its namespace in the prefix cache (it shares
+        cached blocks only with requests of the same salt)."""
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("the prompt is empty: give at least one token")
@@ -127,6 +129,7 @@ class Engine:
             request = Request(
                 self._next_id, prompt, max_tokens, float(temperature), top_p, on_token
             )
+            request.cache_salt = cache_salt
             self.scheduler.add(request)  # (raises when the pool can never hold it)
             self.runner.add(request, seed)
             self._next_id += 1

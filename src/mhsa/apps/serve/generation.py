@@ -30,7 +30,7 @@ class Generation:
     """Submits a Job's prompts to the engine (from the event loop's thread) and yields
     their text as it comes; cancel() ends what is still running (a client gone)."""
 
-    def __init__(self, served: ServedModel, job: Job) -> None:
+    def __init__(self, served: ServedModel, job: Job, cache_salt: bytes = b"") -> None:
         self.engine = served.engine
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[tuple[int, int | None]] = asyncio.Queue()
@@ -45,6 +45,7 @@ class Generation:
                     top_p=job.top_p,
                     seed=seed,
                     on_token=self._deliver,
+                    cache_salt=cache_salt,
                 )
                 self.choices.append(Choice(index, request, StoppingText(served.stream(), job.stop)))
         except ValueError as error:  # what the checks before could not foresee

@@ -14,6 +14,8 @@ class Limits:
     max_prompts: prompts in one /v1/completions request (an array of them);
     max_queued: requests waiting for room (beyond: 429 with Retry-After);
     retry_after: the seconds that 429 asks a client to wait;
+    header_seconds: time a connection may take to send a request's head (request line
+    and headers) after it opens or after its previous response (408 and closed beyond);
     body_seconds: time a client may take to send the body (408 beyond: a slow sender
     holds no connection for ever);
     template_seconds, template_chars: time and output size of a chat template's rendering;
@@ -23,6 +25,7 @@ class Limits:
     max_prompts: int = 64
     max_queued: int = 256
     retry_after: int = 5
+    header_seconds: float = 10.0
     body_seconds: float = 30.0
     template_seconds: float = 2.0
     template_chars: int = 1_000_000
@@ -33,7 +36,7 @@ class Limits:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        for name in ("body_seconds", "template_seconds", "drain_timeout"):
+        for name in ("header_seconds", "body_seconds", "template_seconds", "drain_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
                 raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")

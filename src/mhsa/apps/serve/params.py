@@ -13,6 +13,7 @@ from .limits import Limits
 from .models import ServedModel
 
 MAX_SEED = 2**64 - 1
+MAX_SALT = 256  # characters of a cache_salt
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 DEFAULT_MAX_TOKENS = {"chat": 256, "completion": 16}  # (OpenAI's completions default: 16)
@@ -47,6 +48,7 @@ class Job:
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
+    cache_salt: str | None = None  # a namespace of the prefix cache within the API key's
 
 
 def parse_chat(body: dict[str, Any], served: ServedModel, limits: Limits | None = None) -> Job:
@@ -163,6 +165,9 @@ def _job(
     include_usage = (options or {}).get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise errors.invalid_type("stream_options.include_usage", "a boolean", include_usage)
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not 1 <= len(salt) <= MAX_SALT):
+        raise errors.invalid_type("cache_salt", f"a string of 1..{MAX_SALT} characters", salt)
     return Job(
         kind,
         prompts,
@@ -173,6 +178,7 @@ def _job(
         _stop(body.get("stop")),
         stream,
         include_usage,
+        salt,
     )
 
 

@@ -49,8 +49,8 @@ class BlockPool(Protocol):
     @property
     def free_blocks(self) -> int: ...
 
-    def add_sequence(self, tokens: Sequence[int]) -> int:
-        """Register a sequence; its leading cached blocks count in length(id)."""
+    def add_sequence(self, tokens: Sequence[int], *, salt: bytes = b"") -> int:
+        """Register a sequence; its leading blocks cached under salt count in length(id)."""
         ...
 
     def length(self, seq_id: int) -> int: ...
@@ -81,6 +81,7 @@ class Request:
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
+    cache_salt: bytes = b""  # its prefix cache namespace: it shares blocks only within it
     submitted: float = field(default_factory=time.perf_counter)
     queued_at: float = 0.0  # the scheduler's clock when it was added
     first_token_at: float | None = None
@@ -237,7 +238,9 @@ class Scheduler:
                     return  # it has waited long enough: nothing passes it now
                 continue  # wait for a running request to end (or to run further)
             self.waiting.remove(request)
-            request.seq = self.pool.add_sequence(request.prompt + request.output)
+            request.seq = self.pool.add_sequence(
+                request.prompt + request.output, salt=request.cache_salt
+            )
             request.computed = self.pool.length(request.seq)
             if not request.preemptions:
                 request.cached_tokens = request.computed

@@ -25,6 +25,7 @@ from .app import build_app
 from .guard import Gate
 from .limits import Access, Limits
 from .models import ServedModel
+from .protocol import header_timeout_protocol
 
 
 class Server:
@@ -50,6 +51,7 @@ class Server:
             log_level=log_level,
             lifespan="on",
             timeout_graceful_shutdown=5,
+            http=header_timeout_protocol(self.limits.header_seconds),
         )
         self.served, self.host = served, host
         self._server = uvicorn.Server(config)

@@ -18,7 +18,8 @@ sequence's whole cache, and a tile is computed only for the sequences long enoug
 reach it (longest first).
 Score functions get per-sequence positions: q_pos (N, 1, T, 1), k_pos (1, 1, 1, keys).
 Without one, on CPU, each tile runs on PyTorch's fused flash kernel (the query heads of
-a group as rows of their kv head) and the tiles merge by their logsumexp; with one, the
+a group as rows of their kv head, in blocks that make every row's result independent of
+the call's other rows: see fused_row_blocks) and the tiles merge by their logsumexp; with one, the
 tiles are computed in plain torch. Statistics are float32 (float64 for float64 inputs).
 """
 
@@ -39,6 +40,8 @@ from .merge import merge_partials
 QUERY_CHUNK = 512  # query rows per pass of the tiled loop (bounds a score tile)
 TILE_SIZE = 256  # keys per tile of paged_tiled (whole pages), as the flash backend calls it
 _FUSED = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+KERNEL_BLOCK_ROWS = 32  # query rows per fused call: one of the kernel's blocks (it splits at 32)
+MIN_KERNEL_ROWS = 4  # fewer rows in a block are computed another way (see fused_row_blocks)
 
 
 def gather_pages(pool: Tensor, table: Tensor) -> Tensor:
@@ -207,6 +210,38 @@ def _tiled_rows(call: PagedCall, chunk: _Chunk, batch_ids: Tensor, tile_size: in
     return out.to(q.dtype)
 
 
+def fused_row_blocks(
+    q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, scale: float
+) -> tuple[Tensor, Tensor]:
+    """PyTorch's fused CPU flash kernel on q (N, H, R, D) over keys (N, H, K, D), values
+    (N, H, K, D_v) and an additive mask (N, 1, R, K) or None -> out (N, H, R, D_v), lse
+    (N, H, R), with every row's result independent of the other rows of the call.
+
+    The kernel computes a block of fewer than MIN_KERNEL_ROWS query rows another way
+    (bitwise different), so a row's numbers would depend on how many rows share its
+    block: a decoding step (one query, its G grouped heads as rows) would not equal the
+    same position prefilled with others, nor a prompt prefilled whole equal one prefilled
+    after a cached prefix. So rows go in blocks of at most KERNEL_BLOCK_ROWS (one of the
+    kernel's blocks), and a block of fewer than MIN_KERNEL_ROWS is padded with copies of
+    its last row (whose results are dropped)."""
+    outs, lses = [], []
+    for r0 in range(0, q.shape[2], KERNEL_BLOCK_ROWS):
+        rows = q[:, :, r0 : r0 + KERNEL_BLOCK_ROWS]
+        part = None if mask is None else mask[:, :, r0 : r0 + KERNEL_BLOCK_ROWS]
+        count = rows.shape[2]
+        if count < MIN_KERNEL_ROWS:
+            pad = MIN_KERNEL_ROWS - count
+            rows = torch.cat([rows, rows[:, :, -1:].expand(-1, -1, pad, -1)], dim=2)
+            if part is not None:
+                part = torch.cat([part, part[:, :, -1:].expand(-1, -1, pad, -1)], dim=2)
+        out, lse = _FUSED(rows, keys, values, 0.0, False, attn_mask=part, scale=scale)
+        outs.append(out[:, :, :count])
+        lses.append(lse[:, :, :count])
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
 def _fused_rows(call: PagedCall, chunk: _Chunk, tile_size: int) -> Tensor:
     """_tiled_rows without a score function, each tile on the fused CPU kernel: query
     rows (g, r) of kv head h are query head h * G + g's row r."""
@@ -224,14 +259,12 @@ def _fused_rows(call: PagedCall, chunk: _Chunk, tile_size: int) -> Tensor:
             allowed = _allowed(row_pos[:active], k_pos, window)  # (a, 1, G*R, K)
             mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
             mask.masked_fill_(~allowed, -torch.inf)
-        out_t, lse_t = _FUSED(
-            grouped[:active], keys, values, 0.0, False, attn_mask=mask, scale=call.scale
-        )
+        out_t, lse_t = fused_row_blocks(grouped[:active], keys, values, mask, call.scale)
         if mask is not None:  # the kernel reports lse 0 for rows with no allowed key
             lse_t = lse_t.masked_fill(~allowed.any(dim=-1).view(active, 1, -1), -torch.inf)
         if out is None:
             out, lse = out_t.to(lse_t.dtype), lse_t
             continue
         out[:active], lse[:active] = merge_partials([(out[:active], lse[:active]), (out_t, lse_t)])
-    out = out.view(batch, num_kv_heads, group, rows, -1).view(batch, num_heads, rows, -1)
+    out = out.reshape(batch, num_kv_heads, group, rows, -1).reshape(batch, num_heads, rows, -1)
     return out.to(q.dtype)
