@@ -12,7 +12,6 @@ import socket
 import time
 
 import pytest
-
 from live_server import request
 
 from mhsa.apps.serve.limits import Limits
