@@ -125,6 +125,17 @@ class KVCache(Cache):
         self.length = 0
         self.start.zero_()
 
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` appended tokens (speculative decoding: drop the
+        rejected drafts)."""
+        if (
+            isinstance(length, bool)
+            or not isinstance(length, int)
+            or not 0 <= length <= self.length
+        ):
+            raise ValueError(f"length must be an int in 0..{self.length}, got {length!r}")
+        self.length = length
+
     def reorder(self, index: Tensor) -> None:
         """Keep sequence index[b] as sequence b (beam search: the surviving beams)."""
         batch = self.k.shape[0]

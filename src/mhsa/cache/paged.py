@@ -166,6 +166,28 @@ class PagedKVCache(MultiLayerCache):
             self.allocator.release(block)
         del self.sequences[seq_id]
 
+    def truncate(self, seq_id: int, length: int) -> None:
+        """Keep the sequence's first `length` tokens (speculative decoding: drop the
+        rejected drafts); blocks past them go back to the pool. The prompt blocks in the
+        prefix cache stay: length may not cut into them."""
+        seq = self._sequence(seq_id)
+        floor = seq.remembered * self.block_size
+        if (
+            isinstance(length, bool)
+            or not isinstance(length, int)
+            or not floor <= length <= seq.length
+        ):
+            raise ValueError(
+                f"length must be an int in {floor}..{seq.length} (the sequence's tokens, "
+                f"not cutting into its {floor} cached prompt tokens), got {length!r}"
+            )
+        self._touch(seq_id)
+        keep = math.ceil(length / self.block_size)
+        for block in seq.blocks[keep:]:
+            self.allocator.release(block)
+        del seq.blocks[keep:]
+        seq.length = length
+
     def _touch(self, seq_id: int) -> None:
         """A change to seq_id's blocks: PagedLayers of a pending step holding it go stale."""
         if self._step is not None and seq_id in self._step.seq_ids:

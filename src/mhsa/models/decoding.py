@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -23,6 +23,9 @@ from torch import Tensor, nn
 from ..cache import StaticKVCache
 from .decoder import Decoder
 from .sampling import GREEDY, Sampling, StopRule, check_sampling, sample, sample_and_stop
+
+if TYPE_CHECKING:
+    from .speculative import Speculator
 
 __all__ = [
     "CausalLMDecoding",
@@ -184,6 +187,36 @@ class CausalLMDecoding:
         """Decoder.step: tokens (B, 1) -> logits (B, V)."""
         return self(tokens, caches=caches, last=True)[:, -1]
 
+    def verify(self, tokens: Tensor, caches: Any) -> Tensor:
+        """tokens (B, T) continuing caches -> logits (B, T, V) of every position (the
+        last token and the drafts of speculative decoding)."""
+        return self(tokens, caches=caches)
+
+    def _speculative(self, idx, prompts, sampling, stop, speculate, draft_tokens, generator):
+        """generate's speculative path (mhsa.models.speculative.speculative_decode)."""
+        from .speculative import speculative_decode
+
+        if len(prompts) != 1:
+            raise ValueError(f"speculate decodes one prompt at a time, got {len(prompts)}")
+        max_len, prompt = self.position_limit(), prompts[0]
+        if max_len is not None and prompt.numel() + stop.max_tokens + draft_tokens > max_len:
+            raise ValueError(
+                f"prompt ({prompt.numel()}) + max_new_tokens ({stop.max_tokens}) + "
+                f"draft_tokens ({draft_tokens}) exceeds max_len {max_len} of this model's positions"
+            )
+        choices = speculative_decode(
+            self,
+            prompt.tolist(),
+            sampling,
+            stop,
+            speculate,
+            draft_tokens=draft_tokens,
+            generator=generator,
+        )
+        new = torch.cat([choice.tokens for choice in choices]).to(prompt.device)
+        out = torch.cat([prompt, new])
+        return [out] if isinstance(idx, (list, tuple)) else out.unsqueeze(0)
+
     def position_limit(self) -> int | None:
         """The longest sequence the model can position (None: no limit)."""
         return None
@@ -205,6 +238,8 @@ class CausalLMDecoding:
         use_cache: bool = True,
         generator: torch.Generator | None = None,
         compile: bool = False,
+        speculate: Speculator | None = None,
+        draft_tokens: int = 4,
     ) -> Tensor | list[Tensor]:
         """Continue prompts: a (B, T) tensor, or a list of 1-D prompts of any lengths
         (decoded together, left-padded). temperature 0 is greedy. eos_token: one stop
@@ -213,6 +248,10 @@ class CausalLMDecoding:
         The prompt plus the new tokens must fit the model's position_limit().
         compile: decode through one torch.compile'd step over StaticKVCaches (the prompt
         is prefilled eagerly); compile_seconds(model) then tells what compiling took.
+        speculate: a Speculator (mhsa.models.speculative: PromptLookup(), DraftModel(m))
+        drafting up to draft_tokens tokens a step, verified in one forward pass (one
+        prompt only): the same tokens as without it when greedy, the same distribution
+        when sampling.
         Returns prompts + new tokens in the same form: a tensor (B, T + new) with the
         first stop token repeated after a sequence's end, or a list cut after each one's."""
         eos_token = self.default_stop_tokens() if eos_token is None else eos_token
@@ -234,6 +273,10 @@ class CausalLMDecoding:
         for prompt in prompts:
             check_token_ids(prompt, vocab_size, name="prompt")
         device = next(self.parameters()).device
+        if speculate is not None and max_new_tokens > 0:
+            return self._speculative(
+                idx, prompts, sampling, stop, speculate, draft_tokens, generator
+            )
         tokens, start = _left_padded(prompts, device)
         width = tokens.shape[1]
         if max_len is not None and width + max_new_tokens > max_len:

@@ -4,7 +4,10 @@ makes (generate, chat, greedy and beam search, the server's runner).
     Sampling(temperature, top_k, top_p)      how a token is chosen (temperature 0: greedy)
     StopRule(stop_tokens, max_tokens)        when a sequence ends
     sample_and_stop(logits, sampling, stop, generated=n)   -> Choice(tokens, stopped, last)
+    accept_draft(logits, draft, sampling, stop, generated=n) -> [Choice, ...]  the same
+                                             decision for drafted tokens (speculative decoding)
     sample(logits, temperature=..., ...)     the token choice alone
+    probabilities(logits, sampling)          the distribution sample() draws from
 """
 
 from __future__ import annotations
@@ -91,6 +94,103 @@ def sample_and_stop(
     return Choice(tokens, stop.stopped(tokens), stop.is_last(generated))
 
 
+def accept_draft(
+    logits: Tensor,
+    draft: Sequence[int],
+    sampling: Sampling,
+    stop: StopRule,
+    *,
+    generated: int,
+    generator: torch.Generator | None = None,
+    draft_probs: Tensor | None = None,
+) -> list[Choice]:
+    """sample_and_stop for one sequence given k drafted tokens (speculative decoding):
+    logits (k + 1, V) are the target's at the position before each draft token and after
+    the last. Returns one Choice per token taken, in order: the drafts that stand, then
+    one the target chose; it ends early at a token that stops or is the max_tokens-th.
+
+    Greedy: drafts stand while each is the target's argmax, then the argmax follows, so
+    the tokens are exactly plain greedy decoding's. Sampling: draft x at row i stands
+    with probability min(1, p(x) / q(x)), p = probabilities(logits[i], sampling), q =
+    draft_probs[i] (None: drafts chosen deterministically, q one-hot at x); the first
+    that falls is replaced by a draw from max(0, p - q), normalised; if all stand one is
+    drawn from the last row. The tokens are then distributed as sampling from the target
+    alone (Leviathan et al., 2023)."""
+    k = len(draft)
+    if logits.dim() != 2 or logits.shape[0] != k + 1:
+        raise ValueError(
+            f"logits must be (k + 1, V) = ({k + 1}, V) for {k} draft tokens, "
+            f"got {tuple(logits.shape)}"
+        )
+    taken: list[int] = []
+    final: Choice | None = None
+    if sampling.temperature == 0:
+        best = logits.argmax(dim=-1).tolist()
+        while len(taken) < k and best[len(taken)] == draft[len(taken)]:
+            taken.append(draft[len(taken)])
+    else:
+        p = probabilities(logits, sampling)
+        for i, token in enumerate(draft):
+            q = None if draft_probs is None else draft_probs[i].to(p)
+            q_x = 1.0 if q is None else float(q[token])
+            if float(torch.rand((), generator=generator, device=p.device)) * q_x < float(
+                p[i, token]
+            ):
+                taken.append(token)
+                continue
+            residual = p[i].clone()
+            if q is None:
+                residual[token] = 0.0
+            else:
+                residual = (residual - q).clamp_(min=0.0)
+            if not float(residual.sum()) > 0:  # (p == q: a rejection cannot happen)
+                residual = p[i]
+            drawn = torch.multinomial(residual / residual.sum(), 1, generator=generator)
+            final = Choice(drawn, stop.stopped(drawn), stop.is_last(generated + i))
+            break
+    if final is None:
+        row = len(taken)
+        final = sample_and_stop(
+            logits[row : row + 1],
+            sampling,
+            stop,
+            generated=generated + row,
+            generator=generator,
+        )
+    choices = []
+    for i, token in enumerate(taken):
+        tokens = torch.tensor([token], device=logits.device)
+        choice = Choice(tokens, stop.stopped(tokens), stop.is_last(generated + i))
+        choices.append(choice)
+        if choice.last or (choice.stopped is not None and bool(choice.stopped[0])):
+            return choices
+    return [*choices, final]
+
+
+def probabilities(logits: Tensor, sampling: Sampling) -> Tensor:
+    """(..., V) float32 probabilities that sample() draws from at sampling's temperature
+    (> 0), top_k and top_p."""
+    if sampling.temperature == 0:
+        raise ValueError("greedy decoding (temperature 0) draws from no distribution")
+    return _filtered_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+
+
+def _filtered_probs(
+    logits: Tensor, temperature: float, top_k: int | None, top_p: float | None
+) -> Tensor:
+    shape = logits.shape
+    logits = logits.reshape(-1, shape[-1]).float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, -torch.inf)
+    if top_p is not None:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p  # keep the first
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), -torch.inf)
+    return torch.softmax(logits, dim=-1).view(shape)
+
+
 def sample(
     logits: Tensor,
     *,
@@ -105,16 +205,7 @@ def sample(
     check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, -torch.inf)
-    if top_p is not None:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        sorted_probs = torch.softmax(sorted_logits, dim=-1)
-        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p  # keep the first
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), -torch.inf)
-    probs = torch.softmax(logits, dim=-1)
+    probs = _filtered_probs(logits, temperature, top_k, top_p)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 

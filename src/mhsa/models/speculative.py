@@ -1,0 +1,236 @@
+"""Speculative decoding, exact: cheap drafts of the next tokens, verified by the target
+model in one forward pass over its paged cache, the rejected drafts' slots rolled back.
+
+    PromptLookup(max_ngram=3)        drafts: what followed the latest earlier occurrence
+                                     of the context's last n-gram (copying tasks)
+    DraftModel(small_model)          drafts: a smaller model sharing the tokenizer
+    speculative_decode(model, prompt, sampling, stop, speculator, draft_tokens=4)
+                                     -> the Choices of one sequence, as plain decoding's
+
+Which drafts stand is mhsa.models.sampling.accept_draft's decision: greedy output is
+exactly plain greedy decoding's (the paged attention and the quantised linears give
+every row the same numbers whatever else the call holds), and sampled tokens keep the
+target's distribution. The server's runner verifies many sequences' drafts at once
+(mhsa.apps.serve.runner); this module is the one-sequence loop of generate and chat.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+from ..cache import PagedKVCache
+from .sampling import Choice, Sampling, StopRule, accept_draft, probabilities, sample_and_stop
+
+BLOCK = 16  # tokens per block of the one-sequence pools here
+
+
+class Speculator(Protocol):
+    """Proposes up to k tokens to follow context (prompt + tokens so far) of stream
+    `key`; returns them and the (k', V) probabilities each was drawn from (None: chosen
+    deterministically). forget(key) ends a stream."""
+
+    def propose(
+        self,
+        context: Sequence[int],
+        k: int,
+        sampling: Sampling,
+        generator: torch.Generator | None = None,
+        key: int = 0,
+    ) -> tuple[list[int], Tensor | None]: ...
+
+    def forget(self, key: int) -> None: ...
+
+
+class PromptLookup:
+    """Prompt lookup decoding: the tokens that followed the most recent earlier
+    occurrence of the context's last n tokens (n from max_ngram down to min_ngram),
+    up to k of them. Free: it runs no model, and drafts well where the answer copies
+    its input (rewriting, editing, quoting code)."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(
+                f"need 1 <= min_ngram <= max_ngram, got min_ngram {min_ngram}, max_ngram {max_ngram}"
+            )
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def propose(
+        self,
+        context: Sequence[int],
+        k: int,
+        sampling: Sampling | None = None,
+        generator: torch.Generator | None = None,
+        key: int = 0,
+    ) -> tuple[list[int], None]:
+        context = list(context)
+        end = len(context)
+        for n in range(min(self.max_ngram, end - 1), self.min_ngram - 1, -1):
+            tail = context[end - n :]
+            for start in range(end - n - 1, -1, -1):  # the latest occurrence first
+                if context[start : start + n] == tail:
+                    draft = context[start + n : start + n + k]
+                    if draft:
+                        return draft, None
+        return [], None
+
+    def forget(self, key: int) -> None:
+        pass
+
+
+class DraftModel:
+    """Drafts from a smaller decoder (GPT or Llama) with the target's vocabulary: it
+    follows each stream in its own paged pool of num_blocks blocks, catches up on the
+    tokens the target took, and drops the drafts it rejected. Greedy requests get its
+    argmax tokens; sampled ones a draw from its distribution (returned as q)."""
+
+    def __init__(self, model: nn.Module, num_blocks: int = 256) -> None:
+        layout = model.cache_layout
+        self.model = model.eval()
+        self.pool = PagedKVCache(
+            layout.num_layers,
+            layout.num_kv_heads,
+            layout.head_dim,
+            num_blocks=num_blocks,
+            block_size=BLOCK,
+            dtype=layout.dtype,
+            device=layout.device,
+        )
+        self.device = layout.device
+        self._streams: dict[int, tuple[int, list[int]]] = {}  # key -> (sequence, fed tokens)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        context: Sequence[int],
+        k: int,
+        sampling: Sampling,
+        generator: torch.Generator | None = None,
+        key: int = 0,
+    ) -> tuple[list[int], Tensor | None]:
+        context = list(context)
+        if k < 1:
+            return [], None
+        if key not in self._streams:  # (a prefix another stream left may be cached)
+            seq = self.pool.add_sequence(context)
+        else:  # keep what the target took of the last drafts, drop the rest
+            seq, fed = self._streams[key]
+            held = min(_common_prefix(fed, context), len(context) - 1)
+            self.pool.truncate(seq, held)
+        common = self.pool.length(seq)
+        new = context[common:]
+        logits = self.model.prefill(self._tensor(new), self.pool.batch([seq], len(new)))
+        draft, rows = [], []
+        for i in range(k):
+            if sampling.temperature == 0:
+                token = int(logits[0].argmax())
+            else:
+                q = probabilities(logits[0], sampling)
+                token = int(torch.multinomial(q, 1, generator=generator))
+                rows.append(q)
+            draft.append(token)
+            if i + 1 < k:
+                logits = self.model.step(self._tensor([token]), self.pool.batch([seq], 1))
+        self._streams[key] = (seq, context + draft[:-1])
+        return draft, (torch.stack(rows) if rows else None)
+
+    def forget(self, key: int) -> None:
+        stream = self._streams.pop(key, None)
+        if stream is not None:
+            self.pool.free(stream[0])
+
+    def _tensor(self, tokens: list[int]) -> Tensor:
+        return torch.tensor([tokens], dtype=torch.long, device=self.device)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def check_draft_tokens(draft_tokens: int) -> None:
+    if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or draft_tokens < 1:
+        raise ValueError(f"draft_tokens must be an int >= 1, got {draft_tokens!r}")
+
+
+def check_draft_model(draft: nn.Module, target: nn.Module) -> None:
+    """A draft model must share the target's vocabulary (its tokenizer)."""
+    got, want = draft.config.vocab_size, target.config.vocab_size
+    if got != want:
+        raise ValueError(
+            f"the draft model's vocabulary ({got} tokens) is not the target's ({want}): "
+            "a draft model must share the target's tokenizer"
+        )
+
+
+@torch.inference_mode()
+def speculative_decode(
+    model: nn.Module,
+    prompt: Sequence[int],
+    sampling: Sampling,
+    stop: StopRule,
+    speculator: Speculator,
+    *,
+    draft_tokens: int = 4,
+    generator: torch.Generator | None = None,
+) -> Iterator[Choice]:
+    """One sequence's Choices (one token each, as sample_and_stop gives them), ending
+    with one that stops or is the max_tokens-th: each step the speculator drafts up to
+    draft_tokens tokens, the target (a GPT or Llama) computes the last token and the
+    drafts in one forward pass over a paged cache, accept_draft keeps what stands and
+    adds the target's own next token, and the cache drops the rest."""
+    check_draft_tokens(draft_tokens)
+    if stop.max_tokens is None:
+        raise ValueError("speculative decoding needs a StopRule with max_tokens")
+    layout = model.cache_layout
+    total = len(prompt) + stop.max_tokens + draft_tokens
+    cache = PagedKVCache(
+        layout.num_layers,
+        layout.num_kv_heads,
+        layout.head_dim,
+        num_blocks=math.ceil(total / BLOCK) + 1,
+        block_size=BLOCK,
+        dtype=layout.dtype,
+        device=layout.device,
+    )
+    context = [int(t) for t in prompt]
+    seq = cache.add_sequence(context)
+    tokens = torch.tensor([context], dtype=torch.long, device=layout.device)
+    logits = model.prefill(tokens, cache.batch([seq], len(context)))
+    pending = [sample_and_stop(logits, sampling, stop, generated=0, generator=generator)]
+    try:
+        while True:
+            for choice in pending:
+                yield choice
+                if choice.last or (choice.stopped is not None and bool(choice.stopped[0])):
+                    return
+                context.append(int(choice.tokens[0]))
+            generated = len(context) - len(prompt)
+            room = stop.max_tokens - generated - 1  # drafts beyond it could not be used
+            draft, q = speculator.propose(context, min(draft_tokens, room), sampling, generator)
+            feed = torch.tensor([context[-1:] + draft], dtype=torch.long, device=layout.device)
+            logits = model.verify(feed, cache.batch([seq], feed.shape[1]))[0]
+            pending = accept_draft(
+                logits,
+                draft,
+                sampling,
+                stop,
+                generated=generated,
+                generator=generator,
+                draft_probs=q,
+            )
+            cache.truncate(seq, len(context) + len(pending) - 1)  # the drafts that stood
+    finally:
+        speculator.forget(0)
