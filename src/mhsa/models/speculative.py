@@ -55,7 +55,7 @@ class PromptLookup:
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(
-                f"need 1 <= min_ngram <= max_ngram, got min_ngram {min_ngram}, max_ngram {max_ngram}"
+                f"need 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}"
             )
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
