@@ -29,7 +29,8 @@ from ..formats.ggml_blocks import unpack_q4
 from ..formats.weights import TensorDict
 from ..models.decoding import compiled_decode_step
 from ..models.llama import EMBED, HF_NAMES, Llama, LlamaConfig
-from ..models.sampling import Sampling, StopRule, sample_and_stop
+from ..models.sampling import Choice, Sampling, StopRule, sample_and_stop
+from ..models.speculative import Speculator, speculative_decode
 from ..nn.quantized import Int4Linear, Int8Linear, quantize_linears, replace_linears
 
 if TYPE_CHECKING:
@@ -78,11 +79,17 @@ class ChatModel:
         top_p: float | None = None,
         generator: torch.Generator | None = None,
         compile: bool = False,
+        speculate: Speculator | None = None,
+        draft_tokens: int = 4,
     ) -> Iterator[str]:
         """Yield the answer to messages as text pieces, token by token (KV cache); stops
         at a stop token or after max_new_tokens. last_stats then holds token counts and
         seconds of the prefill and the decoding. compile: decode through one compiled
-        step (mhsa.models.decoding.compiled_decode_step)."""
+        step (mhsa.models.decoding.compiled_decode_step). speculate: a Speculator
+        (mhsa.models.speculative) drafting up to draft_tokens tokens a step, verified in
+        one forward pass over a paged cache (the same answer when greedy)."""
+        if speculate is not None and compile:
+            raise ValueError("speculate and compile do not combine: pass one of them")
         sampling = Sampling(temperature, top_k, top_p)
         if (
             isinstance(max_new_tokens, bool)
@@ -98,21 +105,27 @@ class ChatModel:
                 f"{self.model.config.max_len}: start a new one"
             )
         stop = StopRule(self.stop_ids, min(max_new_tokens, room))
-        caches = self.model.make_caches(1, len(ids) + stop.max_tokens)
         start = time.perf_counter()
-        logits = self.model.prefill(torch.tensor([ids]), caches)
-        step = compiled_decode_step(self.model, caches) if compile else None
-        prefilled = time.perf_counter()
+        if speculate is None:
+            choices = self._choices(ids, sampling, stop, generator, compile)
+        else:
+            choices = speculative_decode(
+                self.model,
+                ids,
+                sampling,
+                stop,
+                speculate,
+                draft_tokens=draft_tokens,
+                generator=generator,
+            )
         decoder = self.tokenizer.stream()
         self.last_stats = {"prompt_tokens": len(ids), "new_tokens": 0}
-        for count in range(stop.max_tokens):
-            choice = sample_and_stop(
-                logits.float(), sampling, stop, generated=count, generator=generator
-            )
+        prefilled = None
+        for count, choice in enumerate(choices):
+            prefilled = prefilled or time.perf_counter()  # (the first token ends the prefill)
             if choice.stopped is not None and bool(choice.stopped):
                 break
-            token = choice.tokens
-            piece = decoder.push(int(token))
+            piece = decoder.push(int(choice.tokens[0]))
             self.last_stats.update(
                 new_tokens=count + 1,
                 prefill_seconds=prefilled - start,
@@ -122,13 +135,24 @@ class ChatModel:
                 yield piece
             if choice.last:
                 break
-            if step is not None:
-                logits = step(token.view(1, 1))
-            else:
-                logits = self.model.step(token.view(1, 1), caches)
         tail = decoder.flush()
         if tail:
             yield tail
+
+    def _choices(self, ids, sampling, stop, generator, compile) -> Iterator[Choice]:
+        """Plain decoding's Choices over contiguous KV caches, one token each."""
+        caches = self.model.make_caches(1, len(ids) + stop.max_tokens)
+        logits = self.model.prefill(torch.tensor([ids]), caches)
+        step = compiled_decode_step(self.model, caches) if compile else None
+        for count in range(stop.max_tokens):
+            choice = sample_and_stop(
+                logits.float(), sampling, stop, generated=count, generator=generator
+            )
+            yield choice
+            if choice.last or (choice.stopped is not None and bool(choice.stopped)):
+                return
+            token = choice.tokens.view(1, 1)
+            logits = step(token) if step is not None else self.model.step(token, caches)
 
 
 def load_chat_model(

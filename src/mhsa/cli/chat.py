@@ -14,6 +14,8 @@ from .common import (
     positive_int,
     progress_bar,
     spare_core_threads_option,
+    speculate_options,
+    speculator,
     to_load,
     torch_threads,
 )
@@ -53,7 +55,12 @@ def _chat(args: argparse.Namespace, started: float) -> int:
         say("the first answer waits for compiling the decoding step (torch.compile)")
     generator = torch.Generator().manual_seed(args.seed)
     history = [{"role": "system", "content": args.system}] if args.system else []
+    draft_weights = chat_weights(args)
     options = {
+        "speculate": speculator(
+            args, model.model, lambda path: load_chat_model(path, **draft_weights).model
+        ),
+        "draft_tokens": args.draft_tokens,
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,
         "top_k": args.top_k or None,
@@ -157,5 +164,6 @@ def add_parser(commands) -> None:
         cmd, "--max-new-tokens", 256, "at most this many tokens per answer", type=positive_int
     )
     chat_weight_options(cmd)
+    speculate_options(cmd, "a .gguf file or transformers directory")
     spare_core_threads_option(cmd)
     cmd.set_defaults(run=chat)

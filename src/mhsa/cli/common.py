@@ -277,3 +277,46 @@ def chat_weights(args: argparse.Namespace) -> dict:
     import torch
 
     return {"dtype": getattr(torch, args.dtype), "quantize": args.quantize}
+
+
+def _speculate_arg(text: str) -> str:
+    """An argparse type: 'prompt-lookup' or 'draft:PATH'."""
+    if text == "prompt-lookup" or (text.startswith("draft:") and len(text) > len("draft:")):
+        return text
+    raise argparse.ArgumentTypeError(f"must be 'prompt-lookup' or 'draft:PATH', got {text!r}")
+
+
+def speculate_options(parser: argparse.ArgumentParser, draft: str) -> None:
+    """--speculate and --draft-tokens (see speculator); draft says what PATH may be."""
+    parser.add_argument(
+        "--speculate",
+        type=_speculate_arg,
+        default=None,
+        metavar="prompt-lookup|draft:PATH",
+        help="speculative decoding, exact (greedy answers unchanged, sampling keeps its "
+        "distribution): 'prompt-lookup' drafts what followed the last words' earlier "
+        f"occurrence (copying tasks), 'draft:PATH' a smaller model ({draft}) sharing the "
+        "tokenizer (default: none)",
+    )
+    add_option(
+        parser,
+        "--draft-tokens",
+        4,
+        "tokens drafted per step with --speculate",
+        type=positive_int,
+    )
+
+
+def speculator(args: argparse.Namespace, target, load_draft: Callable, num_blocks: int = 256):
+    """The Speculator of --speculate for target (None without it): load_draft(PATH) gives
+    a draft model's decoder; its pool has num_blocks blocks of 16 tokens."""
+    from ..models.speculative import DraftModel, PromptLookup, check_draft_model
+
+    if args.speculate is None:
+        return None
+    if args.speculate == "prompt-lookup":
+        return PromptLookup()
+    path = args.speculate.removeprefix("draft:")
+    draft = load_draft(path)
+    check_draft_model(draft, target)
+    return DraftModel(draft, num_blocks)

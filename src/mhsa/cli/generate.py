@@ -10,6 +10,8 @@ from .common import (
     compile_option,
     load_model,
     non_negative_int,
+    speculate_options,
+    speculator,
     threads_option,
     with_threads,
 )
@@ -54,6 +56,10 @@ def generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         generator=generator,
         compile=args.compile,
+        speculate=speculator(
+            args, model, lambda path: load_model(path, {"gpt": (GPT, GPTConfig)})[0]
+        ),
+        draft_tokens=args.draft_tokens,
     )[0]
     seconds = time.perf_counter() - start
     if args.compile:
@@ -87,6 +93,7 @@ def add_parser(commands) -> None:
     )
     add_option(gen, "--seed", 0, "random seed", type=int)
     compile_option(gen, "decode through one torch.compile'd step (compiling takes a while)")
+    speculate_options(gen, "another `mhsa train gpt` checkpoint")
     threads_option(
         gen,
         default=1,

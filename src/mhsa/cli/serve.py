@@ -18,6 +18,8 @@ from .common import (
     non_negative_int,
     positive_int,
     progress_bar,
+    speculate_options,
+    speculator,
     threads_option,
     to_load,
     torch_threads,
@@ -66,6 +68,8 @@ def _serve(args: argparse.Namespace, started: float) -> int:
             max_share=args.max_request_share,
             max_wait=args.max_wait,
             progress=progress_bar("reading weights"),
+            speculate=args.speculate,
+            draft_tokens=args.draft_tokens,
         )
     except (OSError, ValueError, KeyError, IndexError, UnicodeError) as error:
         # a file that cannot be loaded: one line naming it (main prints ValueErrors so)
@@ -139,6 +143,8 @@ def load_served(
     *,
     name: str | None = None,
     progress: Callable[[int, int], None] | None = None,
+    speculate: str | None = None,
+    draft_tokens: int = 4,
     **engine_options,
 ):
     """The ServedModel of --model: None or "chat" (the packaged SmolLM2), a .gguf file, a
@@ -149,9 +155,20 @@ def load_served(
     from ..apps.chat import load_chat_model
     from ..apps.serve.models import ServedModel
 
+    def with_drafts(target, load_draft) -> dict:
+        """engine_options with the speculator of --speculate (its pool as large)."""
+        args = argparse.Namespace(speculate=speculate)
+        blocks = engine_options.get("num_blocks", 512)
+        made = speculator(args, target, load_draft, blocks)
+        return {**engine_options, "speculator": made, "draft_tokens": draft_tokens}
+
+    def load_draft(path: str):
+        return load_chat_model(path, **weights).model
+
     if model in (None, "chat"):
         chat = load_chat_model(**weights, progress=progress)
-        return ServedModel.from_chat(chat, name=name, **engine_options)
+        options = with_drafts(chat.model, load_draft)
+        return ServedModel.from_chat(chat, name=name, **options)
     path = Path(model)
     if not path.exists():
         raise FileNotFoundError(
@@ -160,7 +177,8 @@ def load_served(
         )
     if path.is_file() or (path / "tokenizer.json").is_file():
         chat = load_chat_model(path, **weights, progress=progress)
-        return ServedModel.from_chat(chat, name=name, **engine_options)
+        options = with_drafts(chat.model, load_draft)
+        return ServedModel.from_chat(chat, name=name, **options)
     if weights["quantize"] is not None or weights["dtype"] != torch.float32:
         raise ValueError(
             "--quantize and --dtype are for chat models; a GPT checkpoint is "
@@ -170,7 +188,8 @@ def load_served(
     from .common import load_model
 
     gpt, _ = load_model(str(path), {"gpt": (GPT, GPTConfig)})
-    return ServedModel.from_gpt(gpt, name or path.resolve().name, **engine_options)
+    options = with_drafts(gpt, lambda p: load_model(p, {"gpt": (GPT, GPTConfig)})[0])
+    return ServedModel.from_gpt(gpt, name or path.resolve().name, **options)
 
 
 def _share(text: str) -> float:
@@ -312,6 +331,7 @@ def add_parser(commands) -> None:
         whose="a chat model's ",
         exact=": a request's answer then does not depend on what it is batched with",
     )
+    speculate_options(cmd, "a .gguf file or transformers directory")
     threads_option(cmd)
     cmd.add_argument(
         "--log-level",

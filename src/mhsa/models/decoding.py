@@ -199,10 +199,10 @@ class CausalLMDecoding:
         if len(prompts) != 1:
             raise ValueError(f"speculate decodes one prompt at a time, got {len(prompts)}")
         max_len, prompt = self.position_limit(), prompts[0]
-        if max_len is not None and prompt.numel() + stop.max_tokens + draft_tokens > max_len:
+        if max_len is not None and prompt.numel() + stop.max_tokens > max_len:
             raise ValueError(
-                f"prompt ({prompt.numel()}) + max_new_tokens ({stop.max_tokens}) + "
-                f"draft_tokens ({draft_tokens}) exceeds max_len {max_len} of this model's positions"
+                f"prompt ({prompt.numel()}) + max_new_tokens ({stop.max_tokens}) exceeds "
+                f"max_len {max_len} of this model's positions"
             )
         choices = speculative_decode(
             self,

@@ -54,9 +54,7 @@ class PromptLookup:
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(
-                f"need 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}"
-            )
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def propose(
@@ -195,7 +193,7 @@ def speculative_decode(
     if stop.max_tokens is None:
         raise ValueError("speculative decoding needs a StopRule with max_tokens")
     layout = model.cache_layout
-    total = len(prompt) + stop.max_tokens + draft_tokens
+    total = len(prompt) + stop.max_tokens  # (drafts never reach past max_tokens)
     cache = PagedKVCache(
         layout.num_layers,
         layout.num_kv_heads,

@@ -22,6 +22,7 @@ from torch import nn
 
 from ...cache import PagedKVCache
 from ...models.sampling import Choice, check_sampling
+from ...models.speculative import Speculator, check_draft_tokens
 from .runner import Runner
 from .scheduler import OnToken, Request, Scheduler
 
@@ -37,7 +38,8 @@ class Engine:
     prompt tokens computed per step; admission "reserve" or "optimistic" (preempting
     when blocks run out), max_share the share of the pool one request may hold and
     max_wait the seconds a request that does not fit is passed over by ones that do
-    (see mhsa.apps.serve.scheduler)."""
+    (see mhsa.apps.serve.scheduler); speculator (PromptLookup, DraftModel) drafts up to
+    draft_tokens tokens a step for each decoding request, verified in one pass."""
 
     def __init__(
         self,
@@ -52,6 +54,8 @@ class Engine:
         admission: str = "reserve",
         max_share: float = 1.0,
         max_wait: float = 0.0,
+        speculator: Speculator | None = None,
+        draft_tokens: int = 4,
     ) -> None:
         for name, value in (
             ("context_length", context_length),
@@ -60,6 +64,7 @@ class Engine:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        check_draft_tokens(draft_tokens)
         config = model.config
         if context_length > config.max_len:
             raise ValueError(
@@ -86,8 +91,10 @@ class Engine:
             admission=admission,
             max_share=max_share,
             max_wait=max_wait,
+            lookahead=0 if speculator is None else draft_tokens,
         )
-        self.runner = Runner(self.model, self.cache, sorted(self.stop_ids))
+        self.runner = Runner(self.model, self.cache, sorted(self.stop_ids), speculator)
+        self.speculator, self.draft_tokens = speculator, draft_tokens
         self._lock = threading.Condition()
         self._next_id = 0
         self._thread: threading.Thread | None = None
@@ -172,21 +179,26 @@ class Engine:
         self._note_peaks(self._in_step)
         return True
 
-    def _emit(self, chosen: list[tuple[Request, Choice]]) -> None:
-        """Hand out each request's new token, and end the requests that stop or reach
-        max_tokens."""
+    def _emit(self, chosen: list[tuple[Request, list[Choice]]]) -> None:
+        """Hand out each request's new tokens, and end the requests that stop or reach
+        max_tokens; with drafts, those that stood are counted in the pool."""
         now = time.perf_counter()
-        for request, choice in chosen:
-            if choice.stopped is not None and bool(choice.stopped[0]):
-                self._finish(request, "stop")
-                continue
-            token = int(choice.tokens[0])
-            request.output.append(token)
-            request.token_times.append(now)
-            request.first_token_at = request.first_token_at or now
-            _call(request, token)
-            if choice.last:
-                self._finish(request, "length")
+        for request, choices in chosen:
+            if len(choices) > 1:
+                with self._lock:
+                    self.scheduler.took_drafts(request, len(choices) - 1)
+            for choice in choices:
+                if choice.stopped is not None and bool(choice.stopped[0]):
+                    self._finish(request, "stop")
+                    break
+                token = int(choice.tokens[0])
+                request.output.append(token)
+                request.token_times.append(now)
+                request.first_token_at = request.first_token_at or now
+                _call(request, token)
+                if choice.last:
+                    self._finish(request, "length")
+                    break
 
     def _finish(self, request: Request, reason: str) -> None:
         with self._lock:

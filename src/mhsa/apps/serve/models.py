@@ -100,11 +100,14 @@ def make_engine(
     admission: str = "reserve",
     max_share: float = 1.0,
     max_wait: float = 10.0,
+    speculator: Any = None,
+    draft_tokens: int = 4,
 ) -> Engine:
     """An Engine for model whose context (prompt + completion tokens of one request;
     default: the model's max_len, at most max_share of what the pool holds) always fits
     that share, so no request is refused for the pool's size; admission, max_share and
-    max_wait: see mhsa.apps.serve.scheduler."""
+    max_wait: see mhsa.apps.serve.scheduler; speculator and draft_tokens: speculative
+    decoding (mhsa.models.speculative)."""
     if isinstance(max_share, bool) or not isinstance(max_share, int | float):
         raise TypeError(f"max_share must be a number in (0, 1], got {max_share!r}")
     if not 0 < max_share <= 1:
@@ -130,6 +133,8 @@ def make_engine(
         admission=admission,
         max_share=max_share,
         max_wait=max_wait,
+        speculator=speculator,
+        draft_tokens=draft_tokens,
     )
 
 

@@ -5,26 +5,43 @@ token with mhsa.models.sampling.sample_and_stop.
 A plan runs as two forward passes: every decoding request's newest token together,
 then the prefill chunk. After each, the requests whose context the pass completed get
 a token (a Choice), handed back before the next pass runs.
+
+With a speculator (mhsa.models.speculative: PromptLookup, DraftModel) each decoding
+request's chunk also carries up to its lookahead of draft tokens; requests with as many
+drafts are verified together in one forward pass over the pool, accept_draft gives the
+tokens that stand plus the target's own next one (several Choices), and the pool drops
+the rejected drafts' slots (truncate).
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
 
 from ...cache import PagedKVCache
+from ...cache.blocks import PoolExhausted
 from ...models.decoder import Decoder
-from ...models.sampling import Choice, Sampling, StopRule, sample_and_stop
+from ...models.sampling import Choice, Sampling, StopRule, accept_draft, sample_and_stop
+from ...models.speculative import Speculator
 from .scheduler import Chunk, Plan, Request
+
+Chosen = list[tuple[Request, list[Choice]]]  # each request's new tokens of one pass
 
 
 class Runner:
     """Runs plans for model over cache; stop_ids end a request ("stop")."""
 
-    def __init__(self, model: Decoder, cache: PagedKVCache, stop_ids: Sequence[int] = ()) -> None:
-        self.model, self.cache = model, cache
+    def __init__(
+        self,
+        model: Decoder,
+        cache: PagedKVCache,
+        stop_ids: Sequence[int] = (),
+        speculator: Speculator | None = None,
+    ) -> None:
+        self.model, self.cache, self.speculator = model, cache, speculator
         self.device = model.cache_layout.device
         self.stop_ids = tuple(stop_ids)
         # per request id: how its tokens are chosen, when it stops, its random generator
@@ -44,11 +61,15 @@ class Runner:
     def drop(self, request: Request) -> None:
         """Forget an ended request's sampling state."""
         self._choosing.pop(request.id, None)
+        if self.speculator is not None:
+            self.speculator.forget(request.id)
 
-    def run(self, plan: Plan) -> Iterator[list[tuple[Request, Choice]]]:
-        """Execute plan: after each forward pass, the (request, Choice) of each request
-        whose context it completed."""
-        if plan.decode:
+    def run(self, plan: Plan) -> Iterator[Chosen]:
+        """Execute plan: after each forward pass, the (request, Choices) of each request
+        whose context it completed (one Choice each, or more with drafts that stood)."""
+        if plan.decode and self.speculator is not None:
+            yield from self._speculate(plan.decode)
+        elif plan.decode:
             logits = self.decode(plan.decode)
             yield self._choose([chunk.request for chunk in plan.decode], logits)
         if plan.prefill is not None:
@@ -66,7 +87,54 @@ class Runner:
         caches = self.cache.batch([chunk.request.seq], len(chunk.tokens))
         return self.model.prefill(self._tensor([chunk.tokens]), caches)
 
-    def _choose(self, requests: list[Request], logits: Tensor) -> list[tuple[Request, Choice]]:
+    def _speculate(self, chunks: list[Chunk]) -> Iterator[Chosen]:
+        """Draft for each decoding request, then verify the requests with equally many
+        drafts in one forward pass each."""
+        groups: dict[int, list[tuple[Chunk, list[int], Tensor | None]]] = defaultdict(list)
+        for chunk in chunks:
+            draft, probs = self._draft(chunk)
+            groups[len(draft)].append((chunk, draft, probs))
+        for count, group in sorted(groups.items()):
+            rows = [chunk.tokens + draft for chunk, draft, _ in group]
+            seqs = [chunk.request.seq for chunk, _, _ in group]
+            logits = self.model.verify(self._tensor(rows), self.cache.batch(seqs, count + 1))
+            chosen = []
+            for row, (chunk, draft, probs) in enumerate(group):
+                request = chunk.request
+                sampling, stop, generator = self._choosing[request.id]
+                choices = accept_draft(
+                    logits[row],
+                    draft,
+                    sampling,
+                    stop,
+                    generated=len(request.output),
+                    generator=generator,
+                    draft_probs=probs,
+                )
+                rejected = count - min(len(choices) - 1, count)
+                if rejected:
+                    self.cache.truncate(request.seq, self.cache.length(request.seq) - rejected)
+                chosen.append((request, choices))
+            yield chosen
+
+    def _draft(self, chunk: Chunk) -> tuple[list[int], Tensor | None]:
+        """Up to chunk.lookahead draft tokens for the chunk's request (none when the
+        draft model's own pool is full)."""
+        if chunk.lookahead < 1:
+            return [], None
+        request = chunk.request
+        sampling, _, generator = self._choosing[request.id]
+        context = request.prompt + request.output
+        try:
+            draft, probs = self.speculator.propose(
+                context, chunk.lookahead, sampling, generator, key=request.id
+            )
+        except PoolExhausted:
+            self.speculator.forget(request.id)
+            return [], None
+        return draft[: chunk.lookahead], None if probs is None else probs[: chunk.lookahead]
+
+    def _choose(self, requests: list[Request], logits: Tensor) -> Chosen:
         chosen = []
         for row, request in enumerate(requests):
             sampling, stop, generator = self._choosing[request.id]
@@ -77,7 +145,7 @@ class Runner:
                 generated=len(request.output),
                 generator=generator,
             )
-            chosen.append((request, choice))
+            chosen.append((request, [choice]))
         return chosen
 
     def _tensor(self, rows: list[list[int]]) -> Tensor:

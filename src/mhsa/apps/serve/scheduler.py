@@ -23,6 +23,10 @@ Whether a request fits is one of two rules:
 
 Cancelled requests end at the next step. Prompts that start alike share the cached
 blocks of their common start (the pool's prefix cache).
+
+With lookahead k (speculative decoding) a decoding request's chunk also holds room for
+up to k draft tokens (never past its max_tokens); the runner fills them, and
+took_drafts(request, n) counts the n that stood (the pool keeps only those).
 """
 
 from __future__ import annotations
@@ -122,6 +126,7 @@ class Chunk:
     request: Request
     tokens: list[int]
     samples: bool
+    lookahead: int = 0  # slots held for draft tokens after them (speculative decoding)
 
 
 @dataclass
@@ -161,6 +166,7 @@ class Scheduler:
         admission: str = "reserve",
         max_share: float = 1.0,
         max_wait: float = 0.0,
+        lookahead: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         for name, value in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
@@ -176,6 +182,9 @@ class Scheduler:
             raise ValueError(f"max_wait must be a number of seconds >= 0, got {max_wait!r}")
         self.pool, self.max_batch, self.prefill_chunk = pool, max_batch, prefill_chunk
         self.admission, self.max_wait, self.clock = admission, max_wait, clock
+        if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
+            raise ValueError(f"lookahead must be an int >= 0, got {lookahead!r}")
+        self.lookahead = lookahead
         self.max_blocks = max(1, math.floor(max_share * pool.num_blocks))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -207,11 +216,17 @@ class Scheduler:
         plan = Plan(ended=self.end_cancelled())
         self._admit()
         while True:
-            decode = [Chunk(r, [r.output[-1]], True) for r in self.running if r.decoding]
+            decode = [
+                Chunk(r, [r.output[-1]], True, self._lookahead(r))
+                for r in self.running
+                if r.decoding
+            ]
             prefilling = next((r for r in self.running if not r.decoding), None)
             prefill = None if prefilling is None else self._prefill_chunk(prefilling)
             chunks = decode + ([prefill] if prefill is not None else [])
-            needed = sum(self.pool.blocks_needed(c.request.seq, len(c.tokens)) for c in chunks)
+            needed = sum(
+                self.pool.blocks_needed(c.request.seq, len(c.tokens) + c.lookahead) for c in chunks
+            )
             if needed <= self.pool.free_blocks or len(self.running) < 2:
                 break
             plan.preempted.append(self.preempt(self.running[-1]))
@@ -219,6 +234,14 @@ class Scheduler:
         for chunk in chunks:  # the runner writes them into the pool in this step
             chunk.request.computed += len(chunk.tokens)
         return plan
+
+    def _lookahead(self, request: Request) -> int:
+        """Draft slots for a decoding request: lookahead, but no token past max_tokens."""
+        return max(0, min(self.lookahead, request.max_tokens - len(request.output) - 1))
+
+    def took_drafts(self, request: Request, count: int) -> None:
+        """count draft tokens of request's last chunk stood: they are in the pool."""
+        request.computed += count
 
     def _prefill_chunk(self, request: Request) -> Chunk:
         stop = min(request.computed + self.prefill_chunk, request.context_length)
@@ -253,7 +276,11 @@ class Scheduler:
             return sum(
                 max(r.worst_blocks - len(self.pool.block_table(r.seq)), 0) for r in self.running
             )
-        return sum(self.pool.blocks_needed(r.seq, 1) for r in self.running if r.decoding)
+        return sum(
+            self.pool.blocks_needed(r.seq, 1 + self._lookahead(r))
+            for r in self.running
+            if r.decoding
+        )
 
     def _blocks_to_admit(self, request: Request) -> int:
         if self.admission == "reserve":
