@@ -123,7 +123,14 @@ def test_serve_passes_load_to_the_benchmark(capsys, monkeypatch):
     with pytest.raises(SystemExit, match="the server did not start"):
         main(argv)
     assert seen == [
-        {"model": None, "quick": False, "threads": 1, "quantize": "int8", "load": "long-prompts"}
+        {
+            "model": None,
+            "quick": False,
+            "threads": 1,
+            "quantize": "int8",
+            "load": "long-prompts",
+            "draft_tokens": 4,
+        }
     ]
 
 

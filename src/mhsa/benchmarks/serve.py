@@ -10,7 +10,10 @@ standard library's source (mixed lengths) with a mixed max_tokens. Reported: tot
 output tokens/s of each load and their ratio, time to first token and inter-token
 latency (p50, p95, seen by the clients), and the server's peak cache memory
 (`/health`) against a contiguous cache sized for the longest request per running
-sequence (what a batch of `max_batch` such requests would reserve).
+sequence (what a batch of `max_batch` such requests would reserve). Then speculative
+decoding: a second server with `--speculate prompt-lookup` (started alongside) and the
+plain one answer the same greedy chat requests one at a time, alternately
+(mhsa.benchmarks.speculation: rewriting a paragraph, and free-form chat).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from . import speculation
 
 # "chat": short questions, longer answers; "long-prompts": prompts about twice the
 # answers, where prefilling (the same work in both loads) takes a larger share
@@ -178,6 +183,7 @@ def run(
     threads: int | None = None,
     quantize: str | None = None,
     load: str = "chat",
+    draft_tokens: int = 4,
 ) -> dict:
     """Both runs of a load (one of LOADS) against one server; see the module docstring."""
     name = "quick" if quick else load
@@ -194,16 +200,27 @@ def run(
     if quantize:
         options += ["--quantize", quantize]
     server = _start_server(model, port, options)
+    fast_port = _free_port()
+    fast = _start_server(
+        model,
+        fast_port,
+        [*options, "--speculate", "prompt-lookup", "--draft-tokens", str(draft_tokens)],
+    )
     try:
         health = _wait_ready(port, server)
+        _wait_ready(fast_port, fast)
         name = _get(port, "/v1/models")["data"][0]["id"]
         _load(port, name, requests[:2], 1)  # warm-up
+        _load(fast_port, name, requests[:2], 1)
         concurrent = _load(port, name, requests, load["clients"])
         peak = _get(port, "/health")["cache"]
         serial = _load(port, name, requests, 1)
+        ports = {"plain": port, "speculative": fast_port}
+        speculative = speculation.compare(ports, name, quick=name_is_quick(load))
     finally:
-        server.terminate()
-        server.wait(30)
+        for process in (server, fast):
+            process.terminate()
+            process.wait(30)
     return {
         "model": name,
         "quantize": quantize or "default",
@@ -213,8 +230,14 @@ def run(
         "concurrent": concurrent,
         "one_at_a_time": serial,
         "speedup": concurrent["tokens_per_second"] / serial["tokens_per_second"],
+        "speculative": speculative,
+        "draft_tokens": draft_tokens,
         "cpu": _cpu_name(),
     }
+
+
+def name_is_quick(load: dict) -> bool:
+    return load.get("name") == "quick"
 
 
 def _cpu_name() -> str:
@@ -260,4 +283,6 @@ def report(result: dict) -> str:
         f"({peak['longest_request']} tokens) x {peak['peak_running']} running: "
         f"{peak['peak_bytes'] / contiguous:.2f}x"
     )
+    if "speculative" in result:
+        lines += speculation.report(result["speculative"], result.get("draft_tokens", 4))
     return "\n".join(lines)

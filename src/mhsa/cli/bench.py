@@ -132,6 +132,7 @@ def bench_serve(args: argparse.Namespace) -> int:
             threads=args.threads,
             quantize=args.quantize,
             load=args.load,
+            draft_tokens=args.draft_tokens,
         )
     except RuntimeError as error:  # the server did not start
         raise SystemExit(str(error)) from error
@@ -260,4 +261,10 @@ def add_parser(commands) -> None:
     )
     serve.add_argument(
         "--quantize", help="the server's --quantize (default: the file's own weights)"
+    )
+    serve.add_argument(
+        "--draft-tokens",
+        type=int,
+        default=4,
+        help="--draft-tokens of the server with --speculate prompt-lookup (default 4)",
     )

@@ -100,3 +100,29 @@ def test_a_cache_salt_that_is_not_a_string_gets_a_400(start_server):
             server.port, "POST", "/v1/completions", {"prompt": "hi", "cache_salt": salt}
         )
         assert status == 400 and answer["error"]["param"] == "cache_salt"
+
+
+@pytest.mark.slow
+def test_speculative_serving_gives_the_same_greedy_answers(start_server, smollm2):
+    """--speculate prompt-lookup on the default weights: each answer, batched or alone,
+    equals the plain server's (drafts verified in one pass over the paged cache)."""
+    from mhsa.apps.serve.models import ServedModel
+    from mhsa.models.speculative import PromptLookup
+
+    ids = smollm2.tokenizer.encode(PARAGRAPH, add_special_tokens=False)
+    prompts = [ids[:n] for n in LENGTHS[::2]] + [ids + ids[:20]]  # the last one copies
+    answers = {}
+    for name, options in (("plain", {}), ("lookup", {"speculator": PromptLookup()})):
+        served = ServedModel.from_chat(smollm2, num_blocks=128, max_wait=0.0, **options)
+        client = openai_client(start_server(served=served))
+        together = client.completions.create(
+            model=served.name, prompt=prompts, max_tokens=12, temperature=0
+        )
+        alone = [
+            client.completions.create(model=served.name, prompt=p, max_tokens=12, temperature=0)
+            for p in prompts[-2:]
+        ]
+        answers[name] = [c.text for c in sorted(together.choices, key=lambda c: c.index)] + [
+            a.choices[0].text for a in alone
+        ]
+    assert answers["lookup"] == answers["plain"]
