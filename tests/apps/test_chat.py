@@ -111,10 +111,13 @@ def test_every_backend_gives_the_same_tokens(exact, prompts):
         assert got == want, backend
 
 
-def test_mhsa_chat_prompt_answers_and_reports_speed(capsys, smollm2):
+@pytest.mark.parametrize(
+    "speculate", [[], ["--speculate", "prompt-lookup"]], ids=["plain", "lookup"]
+)
+def test_mhsa_chat_prompt_answers_and_reports_speed(capsys, smollm2, speculate):
     # the exact float path: the quantised kernels' rounding differs between CPUs
     args = ["chat", "--prompt", PROMPTS[0], "--max-new-tokens", "20", "--quantize", "none"]
-    assert main(args) == 0
+    assert main([*args, *speculate]) == 0
     out, err = capsys.readouterr()
     assert out.strip() == "The capital of France is Paris."
     assert "tokens/s" in err

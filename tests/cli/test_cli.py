@@ -370,3 +370,26 @@ def test_bad_text_arguments_are_one_line_errors(tmp_path, capsys):
     assert "mhsa generate: --prompt is not valid text" in capsys.readouterr().err
     assert main(["viz", str(out), "--text", "", "--out", str(tmp_path / "m.png")]) == 2
     assert "mhsa viz: --text must be 1..16 bytes, got 0" in capsys.readouterr().err
+
+
+def test_generate_speculate_gives_the_greedy_text(tmp_path, capsys):
+    """--speculate prompt-lookup and draft:CHECKPOINT (the same tiny model as its own
+    draft) continue a prompt as plain greedy decoding does; a bad value is one line."""
+    out = tmp_path / "run"
+    assert main(tiny_train(out)) == 0
+    capsys.readouterr()
+    base = ["generate", str(out), "--max-new-tokens", "10", "--temperature", "0"]
+    base += ["--prompt", "for i in for i in "]
+    assert main(base) == 0
+    plain = capsys.readouterr().out
+    model, _ = load_model(str(out), {"gpt": (GPT, GPTConfig)})
+    want = ByteTokenizer().encode(plain.rstrip("\n"))
+    for speculate in ("prompt-lookup", f"draft:{out}"):
+        assert main([*base, "--speculate", speculate, "--draft-tokens", "3"]) == 0
+        got = ByteTokenizer().encode(capsys.readouterr().out.rstrip("\n"))
+        assert_same_greedy(
+            got.tolist(), want.tolist(), lambda i: model(want[:i].view(1, -1))[0, -1].detach()
+        )
+    with pytest.raises(SystemExit):
+        main([*base, "--speculate", "lookahead"])
+    assert "must be 'prompt-lookup' or 'draft:PATH'" in capsys.readouterr().err

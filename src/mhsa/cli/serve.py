@@ -326,11 +326,7 @@ def add_parser(commands) -> None:
         help="comma-separated Host header names to answer besides localhost, 127.0.0.1, "
         "::1 and --host ('*': any; against DNS rebinding)",
     )
-    chat_weight_options(
-        cmd,
-        whose="a chat model's ",
-        exact=": a request's answer then does not depend on what it is batched with",
-    )
+    chat_weight_options(cmd, whose="a chat model's ")
     speculate_options(cmd, "a .gguf file or transformers directory")
     threads_option(cmd)
     cmd.add_argument(
