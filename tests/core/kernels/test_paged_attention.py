@@ -273,3 +273,33 @@ def test_the_last_paged_choice_follows_use_backend_and_the_registry(monkeypatch)
     others = {name: b for name, b in registry._BACKENDS.items() if name != "flash"}
     monkeypatch.setattr(registry, "_BACKENDS", others)  # (the order stays the registry's)
     assert registry.select(spec, "auto").name == "reference"
+
+
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (2, 1)], ids=["gqa3", "mha", "mqa2"])
+def test_each_query_rows_result_is_independent_of_the_others_in_the_call(heads):
+    """float32 on the fused CPU kernel: a query row gives bitwise the same output
+    computed alone (a decoding step), in a verification of a few drafts, in a prefill
+    after a cached prefix or in a whole prompt (the kernel computes blocks of fewer than
+    4 rows another way: fused_row_blocks pads them)."""
+    num_heads, num_kv_heads = heads
+    torch.manual_seed(0)
+    length, block_size = 300, 16
+    k_pool = torch.randn(24, block_size, num_kv_heads, 64)
+    v_pool = torch.randn(24, block_size, num_kv_heads, 64)
+    table = torch.randperm(24)[:19].view(1, -1)
+    q = torch.randn(1, num_heads, 80, 64)  # queries at positions 220..299
+
+    def rows(first: int, count: int) -> torch.Tensor:
+        call = paged_kernels.PagedCall(
+            q[:, :, first : first + count],
+            k_pool,
+            v_pool,
+            table,
+            [length - 80 + first + count],
+            0.125,
+        )
+        return paged_kernels.paged_tiled(call)
+
+    alone = torch.cat([rows(i, 1) for i in range(80)], dim=2)
+    for first, count in ((0, 80), (0, 33), (5, 2), (40, 3), (70, 10), (79, 1), (11, 45)):
+        assert torch.equal(rows(first, count), alone[:, :, first : first + count])
