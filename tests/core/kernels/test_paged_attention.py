@@ -275,13 +275,22 @@ def test_the_last_paged_choice_follows_use_backend_and_the_registry(monkeypatch)
     assert registry.select(spec, "auto").name == "reference"
 
 
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("heads", [(9, 3), (4, 4), (2, 1)], ids=["gqa3", "mha", "mqa2"])
-def test_each_query_rows_result_is_independent_of_the_others_in_the_call(heads):
+def test_each_query_rows_result_is_independent_of_the_others_in_the_call(heads, threads):
     """float32 on the fused CPU kernel: a query row gives bitwise the same output
     computed alone (a decoding step), in a verification of a few drafts, in a prefill
     after a cached prefix or in a whole prompt (the kernel computes blocks of fewer than
-    4 rows another way: fused_row_blocks pads them)."""
-    num_heads, num_kv_heads = heads
+    4 rows another way, and splits rows by the thread count: fused_row_blocks pads)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _check_rows_independent(*heads)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _check_rows_independent(num_heads: int, num_kv_heads: int) -> None:
     torch.manual_seed(0)
     length, block_size = 300, 16
     k_pool = torch.randn(24, block_size, num_kv_heads, 64)

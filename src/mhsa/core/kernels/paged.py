@@ -41,7 +41,7 @@ QUERY_CHUNK = 512  # query rows per pass of the tiled loop (bounds a score tile)
 TILE_SIZE = 256  # keys per tile of paged_tiled (whole pages), as the flash backend calls it
 _FUSED = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 KERNEL_BLOCK_ROWS = 32  # query rows per fused call: one of the kernel's blocks (it splits at 32)
-MIN_KERNEL_ROWS = 4  # fewer rows in a block are computed another way (see fused_row_blocks)
+MIN_KERNEL_ROWS = 4  # fewer rows in a kernel block are computed another way (fused_row_blocks)
 
 
 def gather_pages(pool: Tensor, table: Tensor) -> Tensor:
@@ -221,16 +221,18 @@ def fused_row_blocks(
     (bitwise different), so a row's numbers would depend on how many rows share its
     block: a decoding step (one query, its G grouped heads as rows) would not equal the
     same position prefilled with others, nor a prompt prefilled whole equal one prefilled
-    after a cached prefix. So rows go in blocks of at most KERNEL_BLOCK_ROWS (one of the
-    kernel's blocks), and a block of fewer than MIN_KERNEL_ROWS is padded with copies of
-    its last row (whose results are dropped)."""
+    after a cached prefix. With several threads and little work it also splits a call's
+    rows into smaller blocks (multiples of 4 rows, measured on torch 2.13). So rows go
+    in calls of at most KERNEL_BLOCK_ROWS, each padded to a multiple of MIN_KERNEL_ROWS
+    with copies of its last row (whose results are dropped): every block the kernel
+    makes then holds 4 rows or more."""
     outs, lses = [], []
     for r0 in range(0, q.shape[2], KERNEL_BLOCK_ROWS):
         rows = q[:, :, r0 : r0 + KERNEL_BLOCK_ROWS]
         part = None if mask is None else mask[:, :, r0 : r0 + KERNEL_BLOCK_ROWS]
         count = rows.shape[2]
-        if count < MIN_KERNEL_ROWS:
-            pad = MIN_KERNEL_ROWS - count
+        if count % MIN_KERNEL_ROWS:
+            pad = MIN_KERNEL_ROWS - count % MIN_KERNEL_ROWS
             rows = torch.cat([rows, rows[:, :, -1:].expand(-1, -1, pad, -1)], dim=2)
             if part is not None:
                 part = torch.cat([part, part[:, :, -1:].expand(-1, -1, pad, -1)], dim=2)
