@@ -152,3 +152,29 @@ def test_progress_bar_redraws_in_place_on_a_terminal_and_stays_silent_elsewhere(
         "\rreading weights [" + "#" * 24 + "] 3/3\n"
     )
     assert progress_bar("reading weights", io.StringIO()) is None  # a pipe or a log
+
+
+def test_speculate_options_make_the_speculator():
+    from mhsa.cli.common import speculate_options, speculator
+    from mhsa.models.gpt import GPT, GPTConfig
+    from mhsa.models.speculative import DraftModel, PromptLookup
+
+    parser = argparse.ArgumentParser()
+    speculate_options(parser, "a checkpoint")
+    torch.manual_seed(0)
+    target = GPT(GPTConfig(vocab_size=32, max_len=16, d_model=16, n_head=2, n_layer=1))
+    small = GPT(GPTConfig(vocab_size=32, max_len=16, d_model=8, n_head=2, n_layer=1))
+    other = GPT(GPTConfig(vocab_size=40, max_len=16, d_model=8, n_head=2, n_layer=1))
+    args = parser.parse_args([])
+    assert args.draft_tokens == 4 and speculator(args, target, None) is None
+    args = parser.parse_args(["--speculate", "prompt-lookup", "--draft-tokens", "2"])
+    assert isinstance(speculator(args, target, None), PromptLookup) and args.draft_tokens == 2
+    args = parser.parse_args(["--speculate", "draft:small"])
+    made = speculator(args, target, {"small": small, "other": other}.get)
+    assert isinstance(made, DraftModel) and made.model is small
+    args = parser.parse_args(["--speculate", "draft:other"])
+    with pytest.raises(ValueError, match="share the target's tokenizer"):
+        speculator(args, target, {"small": small, "other": other}.get)
+    for bad in ("draft:", "lookup"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--speculate", bad])
