@@ -122,7 +122,7 @@ def bench_chat(args: argparse.Namespace) -> int:
 
 
 def bench_serve(args: argparse.Namespace) -> int:
-    """the server under 16 concurrent clients against one at a time"""
+    """the server under 16 concurrent clients against one at a time; prompt lookup at batch 1"""
     from ..benchmarks import serve
 
     try:
