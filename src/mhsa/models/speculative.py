@@ -179,7 +179,7 @@ def speculative_decode(
     prompt: Sequence[int],
     sampling: Sampling,
     stop: StopRule,
-    speculator: Speculator,
+    speculator: Speculator | None,
     *,
     draft_tokens: int = 4,
     generator: torch.Generator | None = None,
@@ -188,7 +188,9 @@ def speculative_decode(
     with one that stops or is the max_tokens-th: each step the speculator drafts up to
     draft_tokens tokens, the target (a GPT or Llama) computes the last token and the
     drafts in one forward pass over a paged cache, accept_draft keeps what stands and
-    adds the target's own next token, and the cache drops the rest."""
+    adds the target's own next token, and the cache drops the rest. speculator None:
+    plain decoding over the same paged cache (so the same numbers as with drafts, and
+    as `mhsa serve`)."""
     check_draft_tokens(draft_tokens)
     if stop.max_tokens is None:
         raise ValueError("speculative decoding needs a StopRule with max_tokens")
@@ -217,7 +219,9 @@ def speculative_decode(
                 context.append(int(choice.tokens[0]))
             generated = len(context) - len(prompt)
             room = stop.max_tokens - generated - 1  # drafts beyond it could not be used
-            draft, q = speculator.propose(context, min(draft_tokens, room), sampling, generator)
+            draft, q = [], None
+            if speculator is not None and room > 0:
+                draft, q = speculator.propose(context, min(draft_tokens, room), sampling, generator)
             feed = torch.tensor([context[-1:] + draft], dtype=torch.long, device=layout.device)
             logits = model.verify(feed, cache.batch([seq], feed.shape[1]))[0]
             pending = accept_draft(
@@ -231,4 +235,5 @@ def speculative_decode(
             )
             cache.truncate(seq, len(context) + len(pending) - 1)  # the drafts that stood
     finally:
-        speculator.forget(0)
+        if speculator is not None:
+            speculator.forget(0)
