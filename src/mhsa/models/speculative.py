@@ -119,6 +119,7 @@ class DraftModel:
             return [], None
         if key not in self._streams:  # (a prefix another stream left may be cached)
             seq = self.pool.add_sequence(context)
+            self._streams[key] = (seq, context[: self.pool.length(seq)])  # (forget frees it)
         else:  # keep what the target took of the last drafts, drop the rest
             seq, fed = self._streams[key]
             held = min(_common_prefix(fed, context), len(context) - 1)

@@ -110,3 +110,13 @@ def test_sampled_requests_with_drafts_run_to_their_end():
     assert engine.cache.used_blocks == 0
     with pytest.raises(ValueError, match="draft_tokens"):
         _engine(model, speculator=PromptLookup(), draft_tokens=0)
+
+
+def test_a_draft_model_whose_pool_is_full_drafts_nothing_and_the_answers_stand():
+    model = _gpt().double().eval()
+    small = DraftModel(_gpt(16, 1, 1).double(), num_blocks=3)  # 48 tokens: one short prompt
+    prompts, counts = _prompts(), [30, 7, 25, 1, 40]
+    plain = _engine(model).run(prompts, counts)
+    engine = _engine(model, speculator=small, draft_tokens=3)
+    assert engine.run(prompts, counts) == plain
+    assert engine.cache.used_blocks == 0 and small.pool.used_blocks == 0
