@@ -178,6 +178,16 @@ class Pattern:
         return Intersection(self, other)
 
 
+def pattern_or_none(name: str, value: object) -> Pattern | None:
+    """value if it is a Pattern or None; else TypeError naming `name`."""
+    if value is not None and not isinstance(value, Pattern):
+        raise TypeError(
+            f"{name} must be an mhsa.masks pattern (SlidingWindow(...), Causal(), ...) or "
+            f"None, got {type(value).__name__}"
+        )
+    return value
+
+
 def _check_sizes(q_len: int, kv_len: int) -> None:
     int_at_least("q_len", q_len, 0)
     int_at_least("kv_len", kv_len, 0)
