@@ -161,6 +161,11 @@ def check_causal(causal: bool) -> None:
         raise TypeError(f"causal must be True or False, got {type(causal).__name__}")
 
 
+def resolved_scale(q: Tensor, scale: float | None) -> float:
+    """The scale of q k^T: `scale`, or 1 / sqrt(D) by default."""
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+
+
 def paged_window(mask, causal: bool, q_len: int) -> int | None:
     """The window of attention over paged keys (block_table=), which is causal per
     sequence: `left` of a SlidingWindow(left, 0) mask, or None for plain causal (a
