@@ -11,6 +11,7 @@ head_dim, so that each of them shows if it is wrong.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 
 import pytest
@@ -164,6 +165,22 @@ def test_local_layer_caches_hold_only_the_window(models):
         x.nbytes for i, cache in enumerate(caches) if c.windowed(i) for x in (cache.k, cache.v)
     )
     assert local_bytes == 6 * 2 * (2 * 2 * WINDOW * 24 * 4)  # 6 local layers, k and v, float32
+
+
+def test_bfloat16_errs_no_more_than_transformers_and_decoding_layout_is_exact(models):
+    hf, ours = models
+    idx = tokens(2, LENGTH)
+    ours16 = Gemma3.from_hf(hf.state_dict(), ours.config, dtype=torch.bfloat16)
+    with torch.no_grad():
+        exact = hf(idx).logits
+        theirs = max_error(copy.deepcopy(hf).to(torch.bfloat16)(idx).logits, exact)
+        assert max_error(ours16(idx), exact) <= 2 * theirs + 1e-2
+        fast = copy.deepcopy(ours).decoding_layout()  # fused, transposed weights (mhsa chat)
+        assert max_error(fast(idx), ours(idx)) < TOL
+    prompt = idx[:1, :20]
+    assert torch.equal(
+        fast.generate(prompt, 6, temperature=0), ours.generate(prompt, 6, temperature=0)
+    )
 
 
 @pytest.mark.parametrize(

@@ -386,7 +386,7 @@ class Llama(nn.Module, CausalLMDecoding):
         """Build a Llama from weights named as in transformers' LlamaForCausalLM,
         MistralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM (model.embed_tokens,
         model.layers.N.self_attn.q_proj, ..., lm_head): a state dict or a TensorSource.
-        Every name and shape is checked before any weight is used (HF_NAMES); the
+        Every name and shape is checked before any weight is used (hf_names); the
         tensors are taken as they are (no copy), cast to `dtype` if given (float32,
         bfloat16, float16), else to the embedding's. A tied model's lm_head.weight, when
         present, must be the embedding."""
