@@ -156,7 +156,6 @@ class LlamaConfig(CausalLMConfig):
                 f"hidden_act {act!r} is not supported; use one of {sorted(HF_ACTIVATIONS)}"
             )
         bias = d.get("attention_bias", False) if kind in ("llama", "qwen3") else kind == "qwen2"
-        eos = d.get("eos_token_id")
         return cls(
             vocab_size=d["vocab_size"],
             n_layer=n_layer,
@@ -179,8 +178,38 @@ class LlamaConfig(CausalLMConfig):
             mlp_bias=bool(d.get("mlp_bias", False)),
             tie_embeddings=bool(d.get("tie_word_embeddings", False)),
             bos_token=d.get("bos_token_id"),
-            eos_token=() if eos is None else (eos,) if isinstance(eos, int) else tuple(eos),
+            eos_token=hf_stop_tokens(d),
         )
+
+
+def hf_stop_tokens(d: dict) -> tuple[int, ...]:
+    """A Hugging Face config dict's eos_token_id (one id, a list or None) as a tuple."""
+    eos = d.get("eos_token_id")
+    return () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+
+
+EMBED = "model.embed_tokens.weight"
+ATTENTION_AND_FF_NAMES = (  # the same in transformers' Llama, Qwen and Gemma layers
+    ("layers.{i}.attn.q_proj.{p}", "model.layers.{i}.self_attn.q_proj.{p}"),
+    ("layers.{i}.attn.k_proj.{p}", "model.layers.{i}.self_attn.k_proj.{p}"),
+    ("layers.{i}.attn.v_proj.{p}", "model.layers.{i}.self_attn.v_proj.{p}"),
+    ("layers.{i}.attn.out_proj.{p}", "model.layers.{i}.self_attn.o_proj.{p}"),
+    ("layers.{i}.attn.q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight"),
+    ("layers.{i}.attn.k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight"),
+    ("layers.{i}.ff.gate.{p}", "model.layers.{i}.mlp.gate_proj.{p}"),
+    ("layers.{i}.ff.up.{p}", "model.layers.{i}.mlp.up_proj.{p}"),
+    ("layers.{i}.ff.down.{p}", "model.layers.{i}.mlp.down_proj.{p}"),
+)
+ROTARY_BUFFERS = ("model.rotary_emb.inv_freq", "model.layers.{i}.self_attn.rotary_emb.inv_freq")
+HF_NAMES = NameTable(  # our names <-> transformers' (Llama, Mistral, Qwen2, Qwen3)
+    ("embed.weight", EMBED),
+    ("norm.weight", "model.norm.weight"),
+    ("lm_head.weight", "lm_head.weight"),
+    ("layers.{i}.attn_norm.weight", "model.layers.{i}.input_layernorm.weight"),
+    ("layers.{i}.ff_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
+    *ATTENTION_AND_FF_NAMES,
+    ignore=ROTARY_BUFFERS,
+)
 
 
 class LlamaBlock(nn.Module):
@@ -216,23 +245,32 @@ class LlamaBlock(nn.Module):
 
 
 class Llama(nn.Module, CausalLMDecoding):
-    """A Decoder (mhsa.models.decoder): prefill, step, make_caches, cache_layout."""
+    """A Decoder (mhsa.models.decoder): prefill, step, make_caches, cache_layout.
+
+    A family built on it (Gemma 3) names its config class, layer class, final norm's
+    form and weight-name table in the class attributes below."""
+
+    config_class: type[LlamaConfig] = LlamaConfig
+    block_class: type[nn.Module] = LlamaBlock  # (config) -> one layer
+    unit_offset_norm = False  # the final RMSNorm scales by (1 + weight) (Gemma)
+    hf_names = HF_NAMES
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
-        self.layers = nn.ModuleList(LlamaBlock(config) for _ in range(config.n_layer))
-        self.norm = RMSNorm(config.d_model, eps=config.norm_eps)
+        self.layers = nn.ModuleList(self.block_class(config) for _ in range(config.n_layer))
+        self.norm = RMSNorm(config.d_model, eps=config.norm_eps, unit_offset=self.unit_offset_norm)
         self.lm_head = None
         if not config.tie_embeddings:
             self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        self.rotary = self._make_rotary()
+        self._init_rotary()
         self.apply(normal_init)
 
-    def _make_rotary(self) -> RotaryEmbedding:
+    def _init_rotary(self) -> None:
+        """Make the rotary frequencies (again, after a load onto meta-built parameters)."""
         c = self.config
-        return RotaryEmbedding(
+        self.rotary = RotaryEmbedding(
             c.head_width,
             c.rope_theta,
             rotary_dim=c.rotary_width,
@@ -257,21 +295,7 @@ class Llama(nn.Module, CausalLMDecoding):
         (without caches; with caches the caches hold it). Positions count real tokens
         only, so a left-padded sequence gets the same logits as alone.
         """
-        check_token_ids(idx, self.config.vocab_size)
-        batch, length = idx.shape
-        if caches is not None:
-            if len(caches) != len(self.layers):
-                raise ValueError(
-                    f"caches must hold one cache per layer ({len(self.layers)}), got "
-                    f"{len(caches)}; use model.make_caches(batch, max_len)"
-                )
-            positions, padding = caches[0].next_positions(length), None  # caches pad themselves
-        else:
-            index = torch.arange(length, device=idx.device).view(1, -1)
-            begin = torch.zeros(batch, 1, dtype=torch.long, device=idx.device)
-            begin = begin if start is None else start.view(-1, 1).to(idx.device)
-            positions = (index - begin).clamp(min=0).expand(batch, length)
-            padding = None if start is None else index >= begin
+        positions, padding = self._positions(idx, caches, start)
         rotary = self.rotary.at(positions)  # (B, T) positions: cos and sin made once
         window = self.config.sliding_window
         x = self.embed(idx)
@@ -284,7 +308,31 @@ class Llama(nn.Module, CausalLMDecoding):
                 position=rotary,
                 cache=None if caches is None else caches[i],
             )
-        x = self.norm(x[:, -1:] if last else x)
+        return self._head(self.norm(x[:, -1:] if last else x))
+
+    def _positions(
+        self, idx: Tensor, caches: list[KVCache] | None, start: Tensor | None
+    ) -> tuple[Tensor, Tensor | None]:
+        """idx (B, T) checked -> (positions (B, T) of its tokens, key padding (B, T) or
+        None): from the caches when given (they hold the padding), else counted from
+        each row's `start`."""
+        check_token_ids(idx, self.config.vocab_size)
+        batch, length = idx.shape
+        if caches is not None:
+            if len(caches) != len(self.layers):
+                raise ValueError(
+                    f"caches must hold one cache per layer ({len(self.layers)}), got "
+                    f"{len(caches)}; use model.make_caches(batch, max_len)"
+                )
+            return caches[0].next_positions(length), None  # caches pad themselves
+        index = torch.arange(length, device=idx.device).view(1, -1)
+        begin = torch.zeros(batch, 1, dtype=torch.long, device=idx.device)
+        begin = begin if start is None else start.view(-1, 1).to(idx.device)
+        positions = (index - begin).clamp(min=0).expand(batch, length)
+        return positions, None if start is None else index >= begin
+
+    def _head(self, x: Tensor) -> Tensor:
+        """Final hidden states (B, T, d) -> logits (B, T, vocab)."""
         return x @ self.embed.weight.T if self.lm_head is None else self.lm_head(x)
 
     def fuse_projections(self) -> Llama:
@@ -338,7 +386,7 @@ class Llama(nn.Module, CausalLMDecoding):
         """Build a Llama from weights named as in transformers' LlamaForCausalLM,
         MistralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM (model.embed_tokens,
         model.layers.N.self_attn.q_proj, ..., lm_head): a state dict or a TensorSource.
-        Every name and shape is checked before any weight is used (HF_NAMES); the
+        Every name and shape is checked before any weight is used (hf_names); the
         tensors are taken as they are (no copy), cast to `dtype` if given (float32,
         bfloat16, float16), else to the embedding's. A tied model's lm_head.weight, when
         present, must be the embedding."""
@@ -360,7 +408,7 @@ class Llama(nn.Module, CausalLMDecoding):
         load_weights(
             model,
             source,
-            HF_NAMES,
+            cls.hf_names,
             dtype=dtype,
             assign=True,
             expected_by="this config",
@@ -368,7 +416,7 @@ class Llama(nn.Module, CausalLMDecoding):
             ignore=ignore,
         )
         with torch.device(model.embed.weight.device):
-            model.rotary = model._make_rotary()  # its frequencies were made on meta
+            model._init_rotary()  # its frequencies were made on meta
         return model.eval()
 
     @classmethod
@@ -388,25 +436,7 @@ class Llama(nn.Module, CausalLMDecoding):
                 f"{directory} has no *.safetensors weights; convert .bin "
                 "checkpoints with transformers' save_pretrained first"
             )
-        config = LlamaConfig.from_hf_config(json.loads((directory / "config.json").read_text()))
+        config = cls.config_class.from_hf_config(
+            json.loads((directory / "config.json").read_text())
+        )
         return cls.from_hf(SafetensorsFiles(files, device=str(device)), config, dtype=dtype)
-
-
-EMBED = "model.embed_tokens.weight"
-HF_NAMES = NameTable(  # our names <-> transformers' (Llama, Mistral, Qwen2, Qwen3)
-    ("embed.weight", EMBED),
-    ("norm.weight", "model.norm.weight"),
-    ("lm_head.weight", "lm_head.weight"),
-    ("layers.{i}.attn_norm.weight", "model.layers.{i}.input_layernorm.weight"),
-    ("layers.{i}.ff_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
-    ("layers.{i}.attn.q_proj.{p}", "model.layers.{i}.self_attn.q_proj.{p}"),
-    ("layers.{i}.attn.k_proj.{p}", "model.layers.{i}.self_attn.k_proj.{p}"),
-    ("layers.{i}.attn.v_proj.{p}", "model.layers.{i}.self_attn.v_proj.{p}"),
-    ("layers.{i}.attn.out_proj.{p}", "model.layers.{i}.self_attn.o_proj.{p}"),
-    ("layers.{i}.attn.q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight"),
-    ("layers.{i}.attn.k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight"),
-    ("layers.{i}.ff.gate.{p}", "model.layers.{i}.mlp.gate_proj.{p}"),
-    ("layers.{i}.ff.up.{p}", "model.layers.{i}.mlp.up_proj.{p}"),
-    ("layers.{i}.ff.down.{p}", "model.layers.{i}.mlp.down_proj.{p}"),
-    ignore=("model.rotary_emb.inv_freq", "model.layers.{i}.self_attn.rotary_emb.inv_freq"),
-)
