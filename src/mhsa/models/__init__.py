@@ -2,6 +2,7 @@
 
 from .ast import AST, ASTConfig
 from .bert import Bert, BertConfig
+from .deepseek import DeepSeek, DeepSeekConfig
 from .gpt import GPT, GPTConfig
 from .llama import Llama, LlamaConfig
 from .points import PointCloudConfig, PointCloudTransformer
@@ -14,6 +15,8 @@ __all__ = [
     "ASTConfig",
     "Bert",
     "BertConfig",
+    "DeepSeek",
+    "DeepSeekConfig",
     "GPT",
     "GPTConfig",
     "Llama",
