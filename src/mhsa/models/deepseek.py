@@ -75,8 +75,11 @@ class DeepSeekConfig(CausalLMConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("d_ff", "max_len"):
+        widths = ("d_ff", "max_len", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim")
+        for name in (*widths, "v_head_dim"):
             int_at_least(name, getattr(self, name), 1)
+        if self.q_lora_rank is not None:
+            int_at_least("q_lora_rank", self.q_lora_rank, 1, " or None")
         int_at_least("n_routed_experts", self.n_routed_experts, 0)
         int_at_least("first_k_dense_replace", self.first_k_dense_replace, 0)
         if self.n_routed_experts:
