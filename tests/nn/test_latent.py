@@ -264,3 +264,29 @@ def test_routing_matches_transformers():
         order, want_order = index.argsort(-1), want_index.argsort(-1)
         assert torch.equal(index.gather(1, order), want_index.gather(1, want_order))
         assert max_error(weights.gather(1, order), want_weights.gather(1, want_order)) < 1e-6
+
+
+def test_a_gpt_takes_it_in_place_of_multi_head_attention():
+    """How the small GPT can use latent attention (GPT itself is unchanged here): each
+    block's self_attn replaced, rotary positions of qk_rope_head_dim, latent caches."""
+    from mhsa.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(vocab_size=50, n_layer=2, n_head=4, d_model=32, position="rotary"))
+    for block in gpt.blocks:
+        block.self_attn = LatentAttention(
+            32, 4, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8
+        )
+    gpt.attn_position = RotaryEmbedding(4)
+    width = gpt.blocks[0].self_attn.cache_width
+    gpt.make_caches = lambda batch, max_len: [
+        KVCache(batch, 1, max_len, width, 0) for _ in gpt.blocks
+    ]
+    idx = torch.randint(0, 50, (2, 16))
+    gpt.loss(idx[:, :-1], idx[:, 1:]).backward()
+    assert all(p.grad is not None for p in gpt.blocks[0].self_attn.parameters())
+    gpt.eval()
+    prompts = [idx[0, :3], idx[1, :7]]
+    cached = gpt.generate(prompts, 6, temperature=0.0)
+    again = gpt.generate(prompts, 6, temperature=0.0, use_cache=False)
+    assert all(torch.equal(a, b) for a, b in zip(cached, again, strict=True))

@@ -58,6 +58,7 @@ class LatentAttention(nn.Module):
         rope_interleave: the rotary channels of q and k come in interleaved pairs
             (DeepSeek-V3's checkpoints); they are reordered to rotate-half before
             the rotation, which then uses the position as it is.
+        dropout: dropout on attention probabilities while training.
         scale: multiplies q k^T; default (dn + dr) ** -0.5 (YaRN models scale it).
         backend: attention backend name, "auto" by default.
 
@@ -78,6 +79,7 @@ class LatentAttention(nn.Module):
         bias: bool = False,
         norm_eps: float = 1e-6,
         rope_interleave: bool = False,
+        dropout: float = 0.0,
         scale: float | None = None,
         backend: str = "auto",
         device: torch.device | str | None = None,
@@ -99,6 +101,8 @@ class LatentAttention(nn.Module):
             raise ValueError(
                 f"qk_rope_head_dim must be even (rotary pairs), got {qk_rope_head_dim}"
             )
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         if scale is not None and (
             isinstance(scale, bool) or not isinstance(scale, int | float) or not scale > 0
         ):
@@ -106,7 +110,7 @@ class LatentAttention(nn.Module):
         self.embed_dim, self.num_heads = embed_dim, num_heads
         self.kv_lora_rank, self.q_lora_rank = kv_lora_rank, q_lora_rank
         self.rope_dim, self.nope_dim, self.v_dim = qk_rope_head_dim, qk_nope_head_dim, v_head_dim
-        self.rope_interleave = rope_interleave
+        self.rope_interleave, self.dropout = rope_interleave, dropout
         self.scale = (qk_nope_head_dim + qk_rope_head_dim) ** -0.5 if scale is None else scale
         self.backend = backend
         factory = {"device": device, "dtype": dtype}
@@ -175,34 +179,38 @@ class LatentAttention(nn.Module):
         if paged:
             if not absorbed:
                 raise ValueError("a paged cache holds latents that only the absorbed form reads")
-            if key_padding_mask is not None or bias is not None:
-                raise ValueError("a paged cache takes no key_padding_mask or bias")
+            if key_padding_mask is not None or bias is not None or (self.training and self.dropout):
+                raise ValueError("a paged cache takes no key_padding_mask, bias or dropout")
             paged_window(mask, causal, query.shape[1])
         q_nope, q_rope, keys = self._project(query, position, cache)
         if cache is not None:  # [latent | k_rope] as one key head, no values
             keys, _ = cache.update(keys, keys[..., :0])
-            cached_padding = cache.key_padding()
-            if cached_padding is not None:
-                key_padding_mask = (
-                    cached_padding
-                    if key_padding_mask is None
-                    else key_padding_mask & cached_padding
-                )
-        score = None if position is None else position.score()
-        if position is not None and not paged:
-            extra = position.attention_bias(query.shape[1], keys.shape[-2])
-            bias = extra if bias is None else (bias if extra is None else bias + extra)
-        if not paged:
-            mask = MultiHeadAttention._merge_masks(
-                mask, key_padding_mask, query.shape[0], keys.shape[-2]
-            )
-        call = {"bias": bias, "causal": causal, "scale": self.scale, "score": score}
+        call = {"causal": causal, "scale": self.scale}
+        call["score"] = None if position is None else position.score()
         if paged:
-            call = {"causal": causal, "scale": self.scale, "score": score}
             call |= {"block_table": cache.block_table, "seq_lens": cache.seq_lens}
+        else:
+            mask, call["bias"] = self._masks(
+                query, keys, mask, key_padding_mask, bias, position, cache
+            )
+            call["dropout_p"] = self.dropout if self.training else 0.0
         attend = self._absorbed if absorbed else self._expanded
         out = attend(q_nope, q_rope, keys, mask, call)  # (B, H, L, dv)
         return self.out_proj(out.transpose(1, 2).reshape(query.shape[0], query.shape[1], -1))
+
+    @staticmethod
+    def _masks(query, keys, mask, key_padding_mask, bias, position, cache):
+        """The mask (with the cache's and the caller's key padding) and the bias (with
+        the position's) of attention over keys (B, 1, S, *)."""
+        batch, q_len, kv_len = query.shape[0], query.shape[1], keys.shape[-2]
+        cached_padding = None if cache is None else cache.key_padding()
+        if cached_padding is not None:
+            both = key_padding_mask is not None
+            key_padding_mask = cached_padding & key_padding_mask if both else cached_padding
+        extra = None if position is None else position.attention_bias(q_len, kv_len)
+        if extra is not None:
+            bias = extra if bias is None else bias + extra
+        return MultiHeadAttention._merge_masks(mask, key_padding_mask, batch, kv_len), bias
 
     def _project(
         self, x: Tensor, position: AttentionPosition | None, cache: Cache | None
