@@ -256,5 +256,24 @@ class LatentAttention(nn.Module):
         w_uk, w_uv = self._up_weights()
         q = torch.cat((torch.einsum("bhld,hdr->bhlr", q_nope, w_uk), q_rope), dim=-1)
         values = keys[..., : self.kv_lora_rank]  # a view: the cache holds no values
-        out = attention(q, keys, values, mask, backend=self.backend, **call)  # (B, H, L, r)
+        if _heads_as_rows(q, mask, call):  # one query per head sees every key: the same
+            # call with the heads as H query rows of the one key head (no K/V repeat)
+            call = {**call, "causal": False}
+            out = attention(q.transpose(1, 2), keys, values, mask, backend=self.backend, **call)
+            out = out.transpose(1, 2)
+        else:
+            out = attention(q, keys, values, mask, backend=self.backend, **call)  # (B, H, L, r)
         return torch.einsum("bhlr,hvr->bhlv", out, w_uv)
+
+
+def _heads_as_rows(q: Tensor, mask, call: dict) -> bool:
+    """Whether a multi-query call may take its H heads as H rows of one head: one new
+    token (each row then sees every key whatever causal says), no paging, and nothing
+    that depends on the query's row (a pattern, a bias, a score function) beyond key
+    padding, a (B, 1, 1, S) mask."""
+    if q.shape[2] != 1 or "block_table" in call or call.get("bias") is not None:
+        return False
+    if call.get("score") is not None:
+        return False
+    padding = isinstance(mask, Tensor) and mask.dim() == 4 and mask.shape[1] == mask.shape[2] == 1
+    return mask is None or padding
