@@ -60,8 +60,8 @@ class MoEFeedForward(nn.Module):
         expert_dim: hidden width of each expert (moe_intermediate_size).
         num_experts: routed experts E.
         top_k: experts per token.
-        n_group, topk_group: experts are split in n_group groups; each token chooses
-            only within its topk_group best groups (1, 1: no grouping).
+        n_group: experts are split in n_group groups (1: no grouping).
+        topk_group: each token chooses only within its topk_group best groups.
         num_shared: shared experts, run for every token as one feed-forward of
             num_shared * expert_dim hidden width.
         norm_topk_prob: divide the chosen experts' scores by their sum.
