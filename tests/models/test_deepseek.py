@@ -198,3 +198,38 @@ def test_unsupported_configs_are_rejected():
         DeepSeekConfig.from_hf_config(d)
     with pytest.raises(ValueError, match="n_group"):
         DeepSeek(DeepSeekConfig(n_routed_experts=6, moe_d_ff=8, n_group=4))
+
+
+def test_the_serving_engine_runs_it_over_a_paged_pool():
+    """mhsa serve's engine (paged latent caches from cache_layout, chunked prefill,
+    continuous batching) gives each request the tokens it gets alone."""
+    from mhsa.apps.serve import Engine
+
+    torch.manual_seed(0)
+    config = DeepSeekConfig(
+        vocab_size=VOCAB,
+        n_layer=2,
+        n_head=4,
+        d_model=32,
+        d_ff=48,
+        max_len=256,
+        kv_lora_rank=16,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        q_lora_rank=12,
+        n_routed_experts=4,
+        moe_d_ff=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        first_k_dense_replace=1,
+    )
+    model = DeepSeek(config).double().eval()
+    engine = Engine(model, context_length=256, num_blocks=32, block_size=8, prefill_chunk=16)
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in (5, 40, 3)]
+    counts = [6, 4, 9]
+    for prompt, count, output in zip(prompts, counts, engine.run(prompts, counts), strict=True):
+        alone = model.generate(torch.tensor([prompt]), count, temperature=0.0)
+        assert output == alone[0, len(prompt) :].tolist()
+    assert engine.cache.used_blocks == 0
