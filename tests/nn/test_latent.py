@@ -171,7 +171,9 @@ def test_cache_bytes_per_token_match_the_formula():
             dtype=torch.bfloat16,
         )
     assert v3.cache_width == 576
-    assert v3.cache_bytes_per_token() == 576 * 2  # against 2 * 128 * 192 * 2 for MHA
+    assert (
+        v3.cache_bytes_per_token() == 576 * 2
+    )  # against 128 * (192 + 128) * 2 for its heads' k and v
 
 
 def test_gradients_flow_in_both_forms():

@@ -135,12 +135,12 @@ class LatentAttention(nn.Module):
 
     def cache_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
         """Bytes this layer's cache holds per token: (r + dr) values of `dtype` (default:
-        the weights'), against 2 * H * (dn + dr) for a plain multi-head cache."""
+        the weights'), against H * (dn + dr + dv) for the same heads' keys and values."""
         dtype = self.kv_a_proj.weight.dtype if dtype is None else dtype
         return self.cache_width * torch.empty((), dtype=dtype).element_size()
 
     def fuse_projections(self) -> bool:
-        """Nothing to fuse (q and the latent come from different inputs' widths); False.
+        """Fuses nothing (q_a and kv_a could share one matmul; not done): False.
         (Present so that models calling it on every attention module may hold this one.)"""
         return False
 
@@ -234,7 +234,7 @@ class LatentAttention(nn.Module):
 
     def _up_weights(self) -> tuple[Tensor, Tensor]:
         """kv_b_proj's weight split per head: W_UK (H, dn, r) and W_UV (H, dv, r)."""
-        weight = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, -1)
+        weight = self.kv_b_proj.weight.unflatten(0, (self.num_heads, -1))  # (H, dn + dv, r)
         return weight[:, : self.nope_dim], weight[:, self.nope_dim :]
 
     def _expanded(self, q_nope, q_rope, keys, mask, call) -> Tensor:
