@@ -2,6 +2,7 @@
 
 from .ast import AST, ASTConfig
 from .bert import Bert, BertConfig
+from .deepseek import DeepSeek, DeepSeekConfig
 from .gemma3 import Gemma3, Gemma3Config
 from .gpt import GPT, GPTConfig
 from .llama import Llama, LlamaConfig
@@ -15,6 +16,8 @@ __all__ = [
     "ASTConfig",
     "Bert",
     "BertConfig",
+    "DeepSeek",
+    "DeepSeekConfig",
     "Gemma3",
     "Gemma3Config",
     "GPT",
