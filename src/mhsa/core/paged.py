@@ -68,8 +68,11 @@ def paged_attention(
         and not dropout_p
         and not return_lse
         and not torch.is_grad_enabled()
-        and isinstance(block_table, Tensor)
         and isinstance(seq_lens, list)
+        and isinstance(block_table, Tensor)
+        and isinstance(q, Tensor)
+        and isinstance(k_pool, Tensor)
+        and isinstance(v_pool, Tensor)
     )
     key = _key(q, k_pool, v_pool, block_table, seq_lens, causal, scale, backend) if plain else ()
     last = _LastPlan.table() if _LastPlan.table is not None else None
@@ -100,7 +103,18 @@ def _key(q, k_pool, v_pool, block_table, seq_lens, causal, scale, backend) -> tu
     """What a plain call's checks depend on."""
     table_version = None if block_table.is_inference() else block_table._version
     return (
-        *((t.shape, t.dtype, t.device, type(t)) for t in (q, k_pool, v_pool, block_table)),
+        q.shape,
+        q.dtype,
+        q.device,
+        k_pool.shape,
+        k_pool.dtype,
+        k_pool.device,
+        v_pool.shape,
+        v_pool.dtype,
+        v_pool.device,
+        block_table.shape,
+        block_table.dtype,
+        block_table.device,
         table_version,
         tuple(seq_lens),
         causal,
