@@ -4,6 +4,7 @@ from .ast import AST, ASTConfig
 from .bert import Bert, BertConfig
 from .gpt import GPT, GPTConfig
 from .llama import Llama, LlamaConfig
+from .llama4 import Llama4, Llama4Config
 from .points import PointCloudConfig, PointCloudTransformer
 from .seq2seq import Seq2Seq, Seq2SeqConfig
 from .vit import ViT, ViTConfig
@@ -18,6 +19,8 @@ __all__ = [
     "GPTConfig",
     "Llama",
     "LlamaConfig",
+    "Llama4",
+    "Llama4Config",
     "PointCloudConfig",
     "PointCloudTransformer",
     "Seq2Seq",
