@@ -118,7 +118,8 @@ def test_cached_decoding_and_left_padding_equal_the_full_forward():
     idx = tokens(2, 30, seed=3)
     with torch.no_grad():
         full = ours(idx)
-        caches = ours.make_caches(2, 30)
+        caches = ours.make_caches(2, 30)  # chunked layers: a ring of the last chunk
+        assert [cache.k.shape[2] for cache in caches] == [CHUNK, 30, CHUNK, 30]
         steps = [ours(idx[:, :11], caches=caches)]
         steps += [ours(idx[:, i : i + 1], caches=caches) for i in range(11, 30)]
         assert max_error(torch.cat(steps, dim=1), full) < 1e-5

@@ -17,8 +17,9 @@ transformers' Llama4ForCausalLM weights.
 Llama 4 rotates interleaved channel pairs (2i, 2i + 1); mhsa's rotary pairs (i, i + D/2),
 so from_hf permutes each head's q and k rows once (q.k is unchanged by one permutation
 of both). The QK-norm has no weight, so it commutes with the rotation; it is applied
-before it here (after it in transformers), equal up to rounding. Every layer's cache
-holds all keys (the chunked layers' pattern reads only their chunk). The mixture of
+before it here (after it in transformers), equal up to rounding. The chunked layers'
+caches keep only the last chunk_size keys (a ring buffer), the global layers' every
+key. The mixture of
 experts is written plainly (a loop over experts), for parity, not speed.
 
 Positions count each sequence's real tokens (left padding excluded), for rotary, chunks
@@ -36,7 +37,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from ..cache import KVCache
+from ..cache import KVCache, SlidingWindowCache
 from ..core.masks import Chunked, Document, Pattern
 from ..core.validate import int_at_least
 from ..formats.weights import NameTable, SafetensorsFiles, TensorSource, as_source, load_weights
@@ -275,14 +276,24 @@ class Llama4Block(nn.Module):
         return x + self.ff(self.ff_norm(x))
 
 
-def chunk_pattern(size: int, begin: Tensor | None, kv_len: int) -> Pattern:
-    """Chunked(size) over keys 0..kv_len-1 when key j is at position j - begin[b] with
-    one begin for all rows (begin (B,): each row's left padding, None: 0); with
-    different ones, the chunks per row as documents (and causal from the call)."""
+def chunk_pattern(size: int, begin: Tensor | None, kv_len: int, first: int = 0) -> Pattern:
+    """The chunks of `size` over kv_len keys, key j being token first + j of its row
+    and at position first + j - begin[b] (begin (B,): each row's left padding; None:
+    0): Chunked when one begin serves every row, else the chunks per row as documents
+    (causal then comes from the call)."""
     if begin is None or bool((begin == begin.flatten()[0]).all()):
-        return Chunked(size, start=0 if begin is None else -int(begin.flatten()[0]))
-    index = torch.arange(kv_len, device=begin.device).view(1, -1)
+        pad = 0 if begin is None else int(begin.flatten()[0])
+        return Chunked(size, start=first - pad)
+    index = torch.arange(first, first + kv_len, device=begin.device).view(1, -1)
     return Document((index - begin.view(-1, 1)).div(size, rounding_mode="floor"))
+
+
+def kept_from(cache: KVCache) -> int:
+    """The index of the first key the cache's next update returns: 0 for a KVCache,
+    the oldest kept one for a SlidingWindowCache (a chunked layer's)."""
+    if isinstance(cache, SlidingWindowCache):
+        return max(0, cache.length - cache.window)
+    return 0
 
 
 class Llama4(nn.Module, CausalLMDecoding):
@@ -330,19 +341,24 @@ class Llama4(nn.Module, CausalLMDecoding):
                     f"{len(caches)}; use model.make_caches(batch, max_len)"
                 )
             positions, padding = caches[0].next_positions(length), None  # caches pad themselves
-            begin, kv_len = caches[0].start, caches[0].length + length
+            begin = caches[0].start
+            local = caches[next((i for i in range(c.n_layer) if c.rope(i)), 0)]
+            first = kept_from(local)  # chunked layers' caches keep the last chunk only
+            kv_len = local.length + length - first
         else:
             begin = None if start is None else start.view(-1).to(idx.device)
             offset = torch.zeros(batch, 1, dtype=torch.long, device=idx.device)
             offset = offset if begin is None else begin.view(-1, 1)
             positions = (index - offset).clamp(min=0).expand(batch, length)
             padding = None if begin is None else index >= offset
-            kv_len = length
+            kv_len, first = length, 0
         rotary = self.rotary.at(positions)  # cos and sin made once for every rope layer
         temperature = None
         if c.temperature_tuning:
             temperature = Temperature(positions, c.floor_scale, c.attn_scale)
-        chunks = None if c.chunk_size is None else chunk_pattern(c.chunk_size, begin, kv_len)
+        chunks = None
+        if c.chunk_size is not None:
+            chunks = chunk_pattern(c.chunk_size, begin, kv_len, first)
         x = self.embed(idx)
         for i, layer in enumerate(self.layers):
             rope = c.rope(i)
@@ -365,11 +381,17 @@ class Llama4(nn.Module, CausalLMDecoding):
         )
 
     def make_caches(self, batch: int, max_len: int) -> list[KVCache]:
-        """Empty caches for every layer (each holds all keys)."""
+        """Empty caches for every layer: the global layers' hold every key, the chunked
+        layers' only the last chunk_size (what a chunk may need, whatever max_len)."""
         c = self.config
         options = {"dtype": self.embed.weight.dtype, "device": self.embed.weight.device}
         kv_heads = c.n_kv_head or c.n_head
-        return [KVCache(batch, kv_heads, max_len, c.head_width, **options) for _ in self.layers]
+        return [
+            SlidingWindowCache(batch, kv_heads, c.chunk_size, c.head_width, **options)
+            if c.rope(i) and c.chunk_size is not None and c.chunk_size < max_len
+            else KVCache(batch, kv_heads, max_len, c.head_width, **options)
+            for i in range(c.n_layer)
+        ]
 
     def default_stop_tokens(self) -> int | Sequence[int] | None:
         """The config's eos_token(s)."""
