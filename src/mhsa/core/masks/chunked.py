@@ -48,16 +48,16 @@ class Chunked(Pattern):
         """The position of query row 0."""
         return self.start + causal_shift(q_len, kv_len)
 
+    def _chunk(self, positions):
+        return positions.div(self.size, rounding_mode="floor")
+
+    def _chunk_start(self, positions):
+        return self._chunk(positions) * self.size
+
     def allowed(self, rows, cols, q_len, kv_len):
         q_pos = rows + self._query_position(q_len, kv_len)
         k_pos = cols + self.start
-        return causal_allows(q_pos, k_pos) & (
-            q_pos.div(self.size, rounding_mode="floor")
-            == (k_pos.div(self.size, rounding_mode="floor"))
-        )
-
-    def _chunk_start(self, positions):
-        return positions.div(self.size, rounding_mode="floor") * self.size
+        return causal_allows(q_pos, k_pos) & (self._chunk(q_pos) == self._chunk(k_pos))
 
     def kinds(self, q_len, kv_len, block_q, block_k):
         q_first, q_last = block_ranges(q_len, block_q)
@@ -98,11 +98,8 @@ class Chunked(Pattern):
         return pieces
 
     def __repr__(self) -> str:
-        return (
-            f"Chunked({self.size})"
-            if self.start == 0
-            else (f"Chunked({self.size}, start={self.start})")
-        )
+        start = f", start={self.start}" if self.start else ""
+        return f"Chunked({self.size}{start})"
 
 
 __all__ = ["Chunked"]
