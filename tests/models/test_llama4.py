@@ -84,12 +84,18 @@ def test_logits_and_greedy_tokens_equal_transformers():
     assert torch.equal(ours.generate(prompt, 24, temperature=0), want)
 
 
-def test_without_qk_norm_or_temperature_and_all_dense():
-    """The 128E-style switches: no QK-norm, no temperature tuning, MoE off."""
+def test_without_qk_norm_temperature_moe_or_chunks():
+    """The 128E-style switches: no QK-norm, no temperature tuning, MoE off; and no
+    chunks (every layer global)."""
     hf, ours = pair(
-        use_qk_norm=False, attn_temperature_tuning=False, moe_layers=[], num_hidden_layers=3
+        use_qk_norm=False,
+        attn_temperature_tuning=False,
+        moe_layers=[],
+        num_hidden_layers=3,
+        attention_chunk_size=None,
     )
     assert ours.config.moe_layers == () and not ours.config.qk_norm
+    assert ours.config.chunk_size is None
     idx = tokens(1, 27)
     with torch.no_grad():
         assert max_error(ours(idx), hf(idx).logits) < 1e-5
@@ -157,5 +163,14 @@ def test_bad_sizes_are_one_line_errors():
         Llama4Config(n_layer=4, nope_layers=(4,))
     with pytest.raises(ValueError, match="attn_scale must be finite"):
         Llama4Config(attn_scale=float("nan"))
+    mismatched = dict(
+        model_type="llama4_text",
+        num_hidden_layers=2,
+        no_rope_layers=[1, 0],
+        attention_chunk_size=8,
+        layer_types=["full_attention", "chunked_attention"],
+    )
+    with pytest.raises(ValueError, match="layer_types must make the rope layers"):
+        Llama4Config.from_hf_config(mismatched)
     with pytest.raises(ValueError, match="model_type 'llama' is not Llama 4 text"):
         Llama4Config.from_hf_config({"model_type": "llama"})

@@ -138,10 +138,14 @@ class Llama4Config(CausalLMConfig):
         rope_flags = d.get("no_rope_layers") or [
             int((i + 1) % interval != 0) for i in range(n_layer)
         ]  # 1: rope
+        chunk = d.get("attention_chunk_size")
         types = d.get("layer_types") or []
-        chunked = [t == "chunked_attention" for t in types] or [bool(f) for f in rope_flags]
-        if any(c != bool(f) for c, f in zip(chunked, rope_flags, strict=True)):
-            raise ValueError("only configs whose chunked layers are its rope layers are supported")
+        chunked = [t == "chunked_attention" for t in types]
+        if types and chunked != [bool(f) and chunk is not None for f in rope_flags]:
+            raise ValueError(
+                "layer_types must make the rope layers (no_rope_layers 1) the chunked "
+                "ones, as transformers' default does; got " + ", ".join(types)
+            )
         step = d.get("interleave_moe_layer_step", 1)
         moe = d.get("moe_layers")
         moe = list(range(step - 1, n_layer, step)) if moe is None else moe
@@ -165,7 +169,7 @@ class Llama4Config(CausalLMConfig):
             rope_theta=float(theta),
             rope_scaling=rope if rope_type(rope) != "default" else None,
             attention_bias=bool(d.get("attention_bias", False)),
-            chunk_size=d.get("attention_chunk_size"),
+            chunk_size=chunk,
             nope_layers=tuple(i for i, f in enumerate(rope_flags) if not f),
             qk_norm=bool(d.get("use_qk_norm", True)),
             temperature_tuning=bool(d.get("attn_temperature_tuning", True)),
