@@ -6,6 +6,7 @@ from .deepseek import DeepSeek, DeepSeekConfig
 from .gemma3 import Gemma3, Gemma3Config
 from .gpt import GPT, GPTConfig
 from .llama import Llama, LlamaConfig
+from .llama4 import Llama4, Llama4Config
 from .points import PointCloudConfig, PointCloudTransformer
 from .seq2seq import Seq2Seq, Seq2SeqConfig
 from .vit import ViT, ViTConfig
@@ -24,6 +25,8 @@ __all__ = [
     "GPTConfig",
     "Llama",
     "LlamaConfig",
+    "Llama4",
+    "Llama4Config",
     "PointCloudConfig",
     "PointCloudTransformer",
     "Seq2Seq",
