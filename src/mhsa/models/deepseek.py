@@ -18,24 +18,21 @@ sqrt(n_layer)) and the final hidden state (hidden_size / dim_model_base).
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from ..cache import KVCache
 from ..core.checks import int_at_least
-from ..formats.weights import NameTable, SafetensorsFiles, TensorSource, as_source, load_weights
+from ..formats.weights import NameTable, TensorSource, as_source
 from ..nn import GatedFeedForward, LatentAttention, MoEFeedForward, RMSNorm
 from ..nn.positional import RotaryEmbedding, rope_frequencies, rope_type
 from .config import CausalLMConfig
 from .decoder import CacheLayout
-from .decoding import CausalLMDecoding, check_token_ids
-from .init import normal_init
+from .decoder_lm import EMBED, DecoderLM
 
 MODEL_TYPES = ("deepseek_v3", "minicpm3")
 
@@ -184,6 +181,35 @@ class DeepSeekConfig(CausalLMConfig):
         )
 
 
+_LAYER, _ATTN, _MLP = "model.layers.{i}.", "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
+HF_NAMES = NameTable(  # our names <-> transformers' (DeepseekV3ForCausalLM, MiniCPM3ForCausalLM)
+    ("embed.weight", EMBED),
+    ("norm.weight", "model.norm.weight"),
+    ("lm_head.weight", "lm_head.weight"),
+    ("layers.{i}.attn_norm.weight", _LAYER + "input_layernorm.weight"),
+    ("layers.{i}.ff_norm.weight", _LAYER + "post_attention_layernorm.weight"),
+    ("layers.{i}.attn.q_proj.{p}", _ATTN + "q_proj.{p}"),
+    ("layers.{i}.attn.q_a_proj.{p}", _ATTN + "q_a_proj.{p}"),
+    ("layers.{i}.attn.q_a_norm.weight", _ATTN + "q_a_layernorm.weight"),
+    ("layers.{i}.attn.q_b_proj.{p}", _ATTN + "q_b_proj.{p}"),
+    ("layers.{i}.attn.kv_a_proj.{p}", _ATTN + "kv_a_proj_with_mqa.{p}"),
+    ("layers.{i}.attn.kv_norm.weight", _ATTN + "kv_a_layernorm.weight"),
+    ("layers.{i}.attn.kv_b_proj.{p}", _ATTN + "kv_b_proj.{p}"),
+    ("layers.{i}.attn.out_proj.{p}", _ATTN + "o_proj.{p}"),
+    ("layers.{i}.ff.gate.{p}", _MLP + "gate_proj.{p}"),
+    ("layers.{i}.ff.up.{p}", _MLP + "up_proj.{p}"),
+    ("layers.{i}.ff.down.{p}", _MLP + "down_proj.{p}"),
+    ("layers.{i}.ff.router", _MLP + "gate.weight"),
+    ("layers.{i}.ff.score_bias", _MLP + "gate.e_score_correction_bias"),
+    ("layers.{i}.ff.experts_gate_up", _MLP + "experts.gate_up_proj"),
+    ("layers.{i}.ff.experts_down", _MLP + "experts.down_proj"),
+    ("layers.{i}.ff.shared.gate.{p}", _MLP + "shared_experts.gate_proj.{p}"),
+    ("layers.{i}.ff.shared.up.{p}", _MLP + "shared_experts.up_proj.{p}"),
+    ("layers.{i}.ff.shared.down.{p}", _MLP + "shared_experts.down_proj.{p}"),
+    ignore=("model.rotary_emb.inv_freq",),
+)
+
+
 class DeepSeekBlock(nn.Module):
     """Pre-norm decoder layer: x + attn(norm(x)) * s, then x + ffn(norm(x)) * s."""
 
@@ -228,24 +254,24 @@ class DeepSeekBlock(nn.Module):
         return x + self.ff(self.ff_norm(x)) * self.residual_scale
 
 
-class DeepSeek(nn.Module, CausalLMDecoding):
-    """A Decoder (mhsa.models.decoder): prefill, step, make_caches, cache_layout."""
+class DeepSeek(DecoderLM):
+    """A Decoder (mhsa.models.decoder): prefill, step, make_caches, cache_layout; its
+    caches hold one latent key head a token (cache_layout)."""
+
+    config_class = DeepSeekConfig
+    hf_names = HF_NAMES
+    load_fix = (
+        "check that the config (layers, q_lora_rank, ranks and head widths, "
+        "experts, first_k_dense_replace, tie_embeddings) matches it"
+    )
 
     def __init__(self, config: DeepSeekConfig) -> None:
         super().__init__()
-        self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.d_model)
-        self.layers = nn.ModuleList(DeepSeekBlock(config, i) for i in range(config.n_layer))
-        self.norm = RMSNorm(config.d_model, eps=config.norm_eps)
-        self.lm_head = None
-        if not config.tie_embeddings:
-            self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        self.rotary = self._make_rotary()
-        self.apply(normal_init)
+        self._build(config, (DeepSeekBlock(config, i) for i in range(config.n_layer)))
 
-    def _make_rotary(self) -> RotaryEmbedding:
+    def _init_rotary(self) -> None:
         c = self.config
-        return RotaryEmbedding(
+        self.rotary = RotaryEmbedding(
             c.qk_rope_head_dim,
             c.rope_theta,
             scaling=c.rope_scaling,
@@ -266,21 +292,7 @@ class DeepSeek(nn.Module, CausalLMDecoding):
         continue what they hold. start: (B,) each sequence's first real token when
         left-padded (without caches; with caches the caches hold it).
         """
-        check_token_ids(idx, self.config.vocab_size)
-        batch, length = idx.shape
-        if caches is not None:
-            if len(caches) != len(self.layers):
-                raise ValueError(
-                    f"caches must hold one cache per layer ({len(self.layers)}), got "
-                    f"{len(caches)}; use model.make_caches(batch, max_len)"
-                )
-            positions, padding = caches[0].next_positions(length), None
-        else:
-            index = torch.arange(length, device=idx.device).view(1, -1)
-            begin = torch.zeros(batch, 1, dtype=torch.long, device=idx.device)
-            begin = begin if start is None else start.view(-1, 1).to(idx.device)
-            positions = (index - begin).clamp(min=0).expand(batch, length)
-            padding = None if start is None else index >= begin
+        positions, padding = self._positions(idx, caches, start)
         rotary = self.rotary.at(positions)
         x = self.embed(idx)
         if self.config.scale_emb != 1.0:
@@ -291,7 +303,7 @@ class DeepSeek(nn.Module, CausalLMDecoding):
         x = self.norm(x[:, -1:] if last else x)
         if self.config.logits_scale != 1.0:
             x = x / self.config.logits_scale
-        return x @ self.embed.weight.T if self.lm_head is None else self.lm_head(x)
+        return self._head(x)
 
     def cache_bytes_per_token(self) -> int:
         """Bytes the caches hold per token, all layers: n_layer * (kv_lora_rank +
@@ -304,19 +316,6 @@ class DeepSeek(nn.Module, CausalLMDecoding):
         c, param = self.config, self.embed.weight
         width = c.kv_lora_rank + c.qk_rope_head_dim
         return CacheLayout(c.n_layer, 1, width, param.dtype, param.device, value_dim=0)
-
-    def make_caches(self, batch: int, max_len: int) -> list[KVCache]:
-        """Empty latent caches for every layer (see cache_layout)."""
-        layout = self.cache_layout
-        options = {"dtype": layout.dtype, "device": layout.device}
-        return [
-            KVCache(batch, 1, max_len, layout.head_dim, 0, **options)
-            for _ in range(layout.num_layers)
-        ]
-
-    def default_stop_tokens(self) -> int | Sequence[int] | None:
-        """The config's eos_token(s)."""
-        return self.config.eos_token
 
     @classmethod
     def from_hf(
@@ -331,74 +330,7 @@ class DeepSeek(nn.Module, CausalLMDecoding):
         dict or a TensorSource. Every name and shape is checked first (HF_NAMES);
         multi-token-prediction layers past n_layer are ignored. Cast to `dtype` if given,
         else to the embedding's."""
-        source = as_source(state_dict)
-        with torch.device("meta"):
-            model = cls(config)
-        stored = source.shapes()
+        stored = as_source(state_dict).shapes()
         extra = f"model.layers.{config.n_layer}."  # DeepSeek-V3's MTP layer(s)
         ignore = [name for name in stored if name.startswith(extra)]
-        if config.tie_embeddings and "lm_head.weight" in stored:
-            ignore.append("lm_head.weight")
-        if dtype is None and EMBED in stored:
-            dtype = source.read(EMBED).dtype
-        fix = (
-            "check that the config (layers, q_lora_rank, ranks and head widths, "
-            "experts, first_k_dense_replace, tie_embeddings) matches it"
-        )
-        load_weights(
-            model,
-            source,
-            HF_NAMES,
-            dtype=dtype,
-            assign=True,
-            expected_by="this config",
-            fix=fix,
-            ignore=ignore,
-        )
-        with torch.device(model.embed.weight.device):
-            model.rotary = model._make_rotary()  # its frequencies were made on meta
-        return model.eval()
-
-    @classmethod
-    def from_pretrained(
-        cls, directory: str | Path, *, dtype: torch.dtype | None = None, device: str = "cpu"
-    ) -> DeepSeek:
-        """Load a Hugging Face model directory: config.json and *.safetensors files."""
-        directory = Path(directory)
-        if not (directory / "config.json").is_file():
-            raise ValueError(f"{directory} has no config.json; pass a Hugging Face model directory")
-        files = sorted(directory.glob("*.safetensors"))
-        if not files:
-            raise ValueError(f"{directory} has no *.safetensors weights")
-        config = DeepSeekConfig.from_hf_config(json.loads((directory / "config.json").read_text()))
-        return cls.from_hf(SafetensorsFiles(files, device=str(device)), config, dtype=dtype)
-
-
-EMBED = "model.embed_tokens.weight"
-_LAYER, _ATTN, _MLP = "model.layers.{i}.", "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
-HF_NAMES = NameTable(  # our names <-> transformers' (DeepseekV3ForCausalLM, MiniCPM3ForCausalLM)
-    ("embed.weight", EMBED),
-    ("norm.weight", "model.norm.weight"),
-    ("lm_head.weight", "lm_head.weight"),
-    ("layers.{i}.attn_norm.weight", _LAYER + "input_layernorm.weight"),
-    ("layers.{i}.ff_norm.weight", _LAYER + "post_attention_layernorm.weight"),
-    ("layers.{i}.attn.q_proj.{p}", _ATTN + "q_proj.{p}"),
-    ("layers.{i}.attn.q_a_proj.{p}", _ATTN + "q_a_proj.{p}"),
-    ("layers.{i}.attn.q_a_norm.weight", _ATTN + "q_a_layernorm.weight"),
-    ("layers.{i}.attn.q_b_proj.{p}", _ATTN + "q_b_proj.{p}"),
-    ("layers.{i}.attn.kv_a_proj.{p}", _ATTN + "kv_a_proj_with_mqa.{p}"),
-    ("layers.{i}.attn.kv_norm.weight", _ATTN + "kv_a_layernorm.weight"),
-    ("layers.{i}.attn.kv_b_proj.{p}", _ATTN + "kv_b_proj.{p}"),
-    ("layers.{i}.attn.out_proj.{p}", _ATTN + "o_proj.{p}"),
-    ("layers.{i}.ff.gate.{p}", _MLP + "gate_proj.{p}"),
-    ("layers.{i}.ff.up.{p}", _MLP + "up_proj.{p}"),
-    ("layers.{i}.ff.down.{p}", _MLP + "down_proj.{p}"),
-    ("layers.{i}.ff.router", _MLP + "gate.weight"),
-    ("layers.{i}.ff.score_bias", _MLP + "gate.e_score_correction_bias"),
-    ("layers.{i}.ff.experts_gate_up", _MLP + "experts.gate_up_proj"),
-    ("layers.{i}.ff.experts_down", _MLP + "experts.down_proj"),
-    ("layers.{i}.ff.shared.gate.{p}", _MLP + "shared_experts.gate_proj.{p}"),
-    ("layers.{i}.ff.shared.up.{p}", _MLP + "shared_experts.up_proj.{p}"),
-    ("layers.{i}.ff.shared.down.{p}", _MLP + "shared_experts.down_proj.{p}"),
-    ignore=("model.rotary_emb.inv_freq",),
-)
+        return cls._load_hf(state_dict, config, dtype=dtype, ignore=ignore).eval()

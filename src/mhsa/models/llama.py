@@ -17,25 +17,21 @@ yarn) and partial rotary come from mhsa.nn.positional. Load with `Llama.from_pre
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-from ..cache import KVCache, SlidingWindowCache
+from ..cache import KVCache
 from ..core.masks import SlidingWindow
 from ..core.validate import int_at_least
-from ..formats.weights import NameTable, SafetensorsFiles, TensorSource, as_source, load_weights
+from ..formats.weights import NameTable, TensorSource
 from ..nn import GatedFeedForward, MultiHeadAttention, RMSNorm
 from ..nn.layout import decoding_layout
 from ..nn.positional import RotaryEmbedding, rope_frequencies, rope_type
 from .config import CausalLMConfig
-from .decoder import CacheLayout
-from .decoding import CausalLMDecoding, check_token_ids
-from .init import normal_init
+from .decoder_lm import EMBED, DecoderLM
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 HF_ACTIVATIONS = {
@@ -188,7 +184,6 @@ def hf_stop_tokens(d: dict) -> tuple[int, ...]:
     return () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
 
 
-EMBED = "model.embed_tokens.weight"
 ATTENTION_AND_FF_NAMES = (  # the same in transformers' Llama, Qwen and Gemma layers
     ("layers.{i}.attn.q_proj.{p}", "model.layers.{i}.self_attn.q_proj.{p}"),
     ("layers.{i}.attn.k_proj.{p}", "model.layers.{i}.self_attn.k_proj.{p}"),
@@ -244,7 +239,7 @@ class LlamaBlock(nn.Module):
         return x + self.ff(self.ff_norm(x))
 
 
-class Llama(nn.Module, CausalLMDecoding):
+class Llama(DecoderLM):
     """A Decoder (mhsa.models.decoder): prefill, step, make_caches, cache_layout.
 
     A family built on it (Gemma 3) names its config class, layer class, final norm's
@@ -252,20 +247,12 @@ class Llama(nn.Module, CausalLMDecoding):
 
     config_class: type[LlamaConfig] = LlamaConfig
     block_class: type[nn.Module] = LlamaBlock  # (config) -> one layer
-    unit_offset_norm = False  # the final RMSNorm scales by (1 + weight) (Gemma)
     hf_names = HF_NAMES
+    load_fix = "check that the config (layers, attention_bias, qk_norm, tie_embeddings) matches it"
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.d_model)
-        self.layers = nn.ModuleList(self.block_class(config) for _ in range(config.n_layer))
-        self.norm = RMSNorm(config.d_model, eps=config.norm_eps, unit_offset=self.unit_offset_norm)
-        self.lm_head = None
-        if not config.tie_embeddings:
-            self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        self._init_rotary()
-        self.apply(normal_init)
+        self._build(config, (self.block_class(config) for _ in range(config.n_layer)))
 
     def _init_rotary(self) -> None:
         """Make the rotary frequencies (again, after a load onto meta-built parameters)."""
@@ -310,31 +297,6 @@ class Llama(nn.Module, CausalLMDecoding):
             )
         return self._head(self.norm(x[:, -1:] if last else x))
 
-    def _positions(
-        self, idx: Tensor, caches: list[KVCache] | None, start: Tensor | None
-    ) -> tuple[Tensor, Tensor | None]:
-        """idx (B, T) checked -> (positions (B, T) of its tokens, key padding (B, T) or
-        None): from the caches when given (they hold the padding), else counted from
-        each row's `start`."""
-        check_token_ids(idx, self.config.vocab_size)
-        batch, length = idx.shape
-        if caches is not None:
-            if len(caches) != len(self.layers):
-                raise ValueError(
-                    f"caches must hold one cache per layer ({len(self.layers)}), got "
-                    f"{len(caches)}; use model.make_caches(batch, max_len)"
-                )
-            return caches[0].next_positions(length), None  # caches pad themselves
-        index = torch.arange(length, device=idx.device).view(1, -1)
-        begin = torch.zeros(batch, 1, dtype=torch.long, device=idx.device)
-        begin = begin if start is None else start.view(-1, 1).to(idx.device)
-        positions = (index - begin).clamp(min=0).expand(batch, length)
-        return positions, None if start is None else index >= begin
-
-    def _head(self, x: Tensor) -> Tensor:
-        """Final hidden states (B, T, d) -> logits (B, T, vocab)."""
-        return x @ self.embed.weight.T if self.lm_head is None else self.lm_head(x)
-
     def fuse_projections(self) -> Llama:
         """For inference: each layer's q, k, v and its gate, up projections in one
         matmul each (see MultiHeadAttention.fuse_projections); returns self."""
@@ -351,29 +313,9 @@ class Llama(nn.Module, CausalLMDecoding):
         decoding_layout(self.fuse_projections(), tied)
         return self
 
-    @property
-    def cache_layout(self) -> CacheLayout:
-        """The per-token shape of this model's caches (a paged pool's size)."""
-        c, param = self.config, self.embed.weight
-        return CacheLayout(
-            c.n_layer, c.n_kv_head or c.n_head, c.head_width, param.dtype, param.device
-        )
-
-    def make_caches(self, batch: int, max_len: int) -> list[KVCache]:
-        """Empty caches for every layer; windowed layers keep only their window."""
-        c = self.config
-        options = {"dtype": self.embed.weight.dtype, "device": self.embed.weight.device}
-        kv_heads = c.n_kv_head or c.n_head
-        return [
-            SlidingWindowCache(batch, kv_heads, c.sliding_window, c.head_width, **options)
-            if c.windowed(i) and c.sliding_window < max_len
-            else KVCache(batch, kv_heads, max_len, c.head_width, **options)
-            for i in range(c.n_layer)
-        ]
-
-    def default_stop_tokens(self) -> int | Sequence[int] | None:
-        """The config's eos_token(s)."""
-        return self.config.eos_token
+    def cache_window(self, layer: int) -> int | None:
+        """Windowed layers keep only their window."""
+        return self.config.sliding_window if self.config.windowed(layer) else None
 
     @classmethod
     def from_hf(
@@ -390,53 +332,4 @@ class Llama(nn.Module, CausalLMDecoding):
         tensors are taken as they are (no copy), cast to `dtype` if given (float32,
         bfloat16, float16), else to the embedding's. A tied model's lm_head.weight, when
         present, must be the embedding."""
-        source = as_source(state_dict)
-        with torch.device("meta"):
-            model = cls(config)
-        stored, ignore = source.shapes(), []
-        if config.tie_embeddings and "lm_head.weight" in stored:
-            head = source.read("lm_head.weight").cpu()
-            if EMBED in stored and not torch.equal(head, source.read(EMBED).cpu()):
-                raise ValueError(
-                    f"{source.name}: lm_head.weight differs from {EMBED}, so the "
-                    "checkpoint is not tied: set tie_embeddings=False"
-                )
-            ignore.append("lm_head.weight")
-        if dtype is None and EMBED in stored:
-            dtype = source.read(EMBED).dtype
-        fix = "check that the config (layers, attention_bias, qk_norm, tie_embeddings) matches it"
-        load_weights(
-            model,
-            source,
-            cls.hf_names,
-            dtype=dtype,
-            assign=True,
-            expected_by="this config",
-            fix=fix,
-            ignore=ignore,
-        )
-        with torch.device(model.embed.weight.device):
-            model._init_rotary()  # its frequencies were made on meta
-        return model.eval()
-
-    @classmethod
-    def from_pretrained(
-        cls, directory: str | Path, *, dtype: torch.dtype | None = None, device: str = "cpu"
-    ) -> Llama:
-        """Load a Hugging Face model directory: config.json and its *.safetensors files."""
-        directory = Path(directory)
-        if not (directory / "config.json").is_file():
-            raise ValueError(
-                f"{directory} has no config.json; pass a Hugging Face model "
-                "directory (config.json + *.safetensors)"
-            )
-        files = sorted(directory.glob("*.safetensors"))
-        if not files:
-            raise ValueError(
-                f"{directory} has no *.safetensors weights; convert .bin "
-                "checkpoints with transformers' save_pretrained first"
-            )
-        config = cls.config_class.from_hf_config(
-            json.loads((directory / "config.json").read_text())
-        )
-        return cls.from_hf(SafetensorsFiles(files, device=str(device)), config, dtype=dtype)
+        return cls._load_hf(state_dict, config, dtype=dtype).eval()

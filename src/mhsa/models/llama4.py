@@ -28,11 +28,9 @@ and the temperature alike: a left-padded row gets the logits it gets alone.
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -40,14 +38,12 @@ from torch import Tensor, nn
 from ..cache import KVCache, SlidingWindowCache
 from ..core.masks import Chunked, Document, Pattern
 from ..core.validate import int_at_least
-from ..formats.weights import NameTable, SafetensorsFiles, TensorSource, as_source, load_weights
+from ..formats.weights import NameTable, TensorSource
 from ..nn import GatedFeedForward, MultiHeadAttention, RMSNorm
 from ..nn.feedforward import ACTIVATIONS
 from ..nn.positional import AttentionPosition, RotaryEmbedding, rope_frequencies, rope_type
 from .config import CausalLMConfig
-from .decoder import CacheLayout
-from .decoding import CausalLMDecoding, check_token_ids
-from .init import normal_init
+from .decoder_lm import EMBED, DecoderLM
 
 MODEL_TYPES = ("llama4_text", "llama4")
 
@@ -300,172 +296,6 @@ def kept_from(cache: KVCache) -> int:
     return 0
 
 
-class Llama4(nn.Module, CausalLMDecoding):
-    """A Decoder (mhsa.models.decoder): prefill, step, make_caches, cache_layout."""
-
-    def __init__(self, config: Llama4Config) -> None:
-        super().__init__()
-        self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.d_model)
-        self.layers = nn.ModuleList(Llama4Block(config, i) for i in range(config.n_layer))
-        self.norm = RMSNorm(config.d_model, eps=config.norm_eps)
-        self.lm_head = None
-        if not config.tie_embeddings:
-            self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        self.rotary = self._make_rotary()
-        self.apply(normal_init)
-
-    def _make_rotary(self) -> RotaryEmbedding:
-        c = self.config
-        return RotaryEmbedding(
-            c.head_width, c.rope_theta, scaling=c.rope_scaling, max_position_embeddings=c.max_len
-        )
-
-    def forward(
-        self,
-        idx: Tensor,
-        *,
-        caches: list[KVCache] | None = None,
-        start: Tensor | None = None,
-        last: bool = False,
-    ) -> Tensor:
-        """idx (B, T) token ids -> logits (B, T, vocab), or (B, 1, vocab) when last.
-
-        caches: one per layer (make_caches); the tokens continue what they hold.
-        start: (B,) index of each row's first real token when left-padded (without
-        caches; with caches the caches hold it)."""
-        check_token_ids(idx, self.config.vocab_size)
-        c = self.config
-        batch, length = idx.shape
-        index = torch.arange(length, device=idx.device).view(1, -1)
-        if caches is not None:
-            if len(caches) != len(self.layers):
-                raise ValueError(
-                    f"caches must hold one cache per layer ({len(self.layers)}), got "
-                    f"{len(caches)}; use model.make_caches(batch, max_len)"
-                )
-            positions, padding = caches[0].next_positions(length), None  # caches pad themselves
-            begin = caches[0].start
-            local = caches[next((i for i in range(c.n_layer) if c.rope(i)), 0)]
-            first = kept_from(local)  # chunked layers' caches keep the last chunk only
-            kv_len = local.length + length - first
-        else:
-            begin = None if start is None else start.view(-1).to(idx.device)
-            offset = torch.zeros(batch, 1, dtype=torch.long, device=idx.device)
-            offset = offset if begin is None else begin.view(-1, 1)
-            positions = (index - offset).clamp(min=0).expand(batch, length)
-            padding = None if begin is None else index >= offset
-            kv_len, first = length, 0
-        rotary = self.rotary.at(positions)  # cos and sin made once for every rope layer
-        temperature = None
-        if c.temperature_tuning:
-            temperature = Temperature(positions, c.floor_scale, c.attn_scale)
-        chunks = None
-        if c.chunk_size is not None:
-            chunks = chunk_pattern(c.chunk_size, begin, kv_len, first)
-        x = self.embed(idx)
-        for i, layer in enumerate(self.layers):
-            rope = c.rope(i)
-            x = layer(
-                x,
-                mask=chunks if rope else None,
-                padding=padding,
-                position=rotary if rope else temperature,
-                cache=None if caches is None else caches[i],
-            )
-        x = self.norm(x[:, -1:] if last else x)
-        return x @ self.embed.weight.T if self.lm_head is None else self.lm_head(x)
-
-    @property
-    def cache_layout(self) -> CacheLayout:
-        """The per-token shape of this model's caches."""
-        c, param = self.config, self.embed.weight
-        return CacheLayout(
-            c.n_layer, c.n_kv_head or c.n_head, c.head_width, param.dtype, param.device
-        )
-
-    def make_caches(self, batch: int, max_len: int) -> list[KVCache]:
-        """Empty caches for every layer: the global layers' hold every key, the chunked
-        layers' only the last chunk_size (what a chunk may need, whatever max_len)."""
-        c = self.config
-        options = {"dtype": self.embed.weight.dtype, "device": self.embed.weight.device}
-        kv_heads = c.n_kv_head or c.n_head
-        return [
-            SlidingWindowCache(batch, kv_heads, c.chunk_size, c.head_width, **options)
-            if c.rope(i) and c.chunk_size is not None and c.chunk_size < max_len
-            else KVCache(batch, kv_heads, max_len, c.head_width, **options)
-            for i in range(c.n_layer)
-        ]
-
-    def default_stop_tokens(self) -> int | Sequence[int] | None:
-        """The config's eos_token(s)."""
-        return self.config.eos_token
-
-    @classmethod
-    def from_hf(
-        cls,
-        state_dict: Mapping[str, Tensor] | TensorSource,
-        config: Llama4Config,
-        *,
-        dtype: torch.dtype | None = None,
-    ) -> Llama4:
-        """Build from weights named as in transformers' Llama4ForCausalLM (every name
-        and shape checked first, HF_NAMES); each head's q and k rows are permuted from
-        interleaved rotary pairs to mhsa's halves. dtype: cast to it (default: the
-        embedding's)."""
-        source = as_source(state_dict)
-        with torch.device("meta"):
-            model = cls(config)
-        stored, ignore = source.shapes(), []
-        if config.tie_embeddings and "lm_head.weight" in stored:
-            ignore.append("lm_head.weight")
-        if dtype is None and EMBED in stored:
-            dtype = source.read(EMBED).dtype
-        load_weights(
-            model,
-            source,
-            HF_NAMES,
-            dtype=dtype,
-            assign=True,
-            expected_by="this config",
-            fix="check that the config (layers, moe_layers, tie_embeddings) matches it",
-            ignore=ignore,
-        )
-        for block in model.layers:
-            for proj, heads in ((block.attn.q_proj, config.n_head), (block.attn.k_proj, None)):
-                heads = heads or config.n_kv_head or config.n_head
-                for name in ("weight", "bias"):
-                    param = getattr(proj, name)
-                    if param is not None:
-                        setattr(proj, name, nn.Parameter(_halves(param.data, heads)))
-        with torch.device(model.embed.weight.device):
-            model.rotary = model._make_rotary()  # its frequencies were made on meta
-        return model.eval()
-
-    @classmethod
-    def from_pretrained(
-        cls, directory: str | Path, *, dtype: torch.dtype | None = None, device: str = "cpu"
-    ) -> Llama4:
-        """Load a Llama4ForCausalLM directory: config.json and *.safetensors files."""
-        directory = Path(directory)
-        files = sorted(directory.glob("*.safetensors"))
-        if not (directory / "config.json").is_file() or not files:
-            raise ValueError(
-                f"{directory} needs a config.json and *.safetensors weights (a Hugging "
-                "Face Llama4ForCausalLM directory)"
-            )
-        config = Llama4Config.from_hf_config(json.loads((directory / "config.json").read_text()))
-        return cls.from_hf(SafetensorsFiles(files, device=str(device)), config, dtype=dtype)
-
-
-def _halves(rows: Tensor, heads: int) -> Tensor:
-    """(heads * D, ...) rows of a projection with rotary pairs (2i, 2i + 1) -> pairs
-    (i, i + D/2): each head's even rows, then its odd rows."""
-    per_head = rows.reshape(heads, -1, 2, *rows.shape[1:])  # (H, D/2, 2, ...)
-    return per_head.transpose(1, 2).reshape(rows.shape)
-
-
-EMBED = "model.embed_tokens.weight"
 HF_NAMES = NameTable(  # our names <-> transformers' Llama4ForCausalLM
     ("embed.weight", EMBED),
     ("norm.weight", "model.norm.weight"),
@@ -496,3 +326,97 @@ HF_NAMES = NameTable(  # our names <-> transformers' Llama4ForCausalLM
     ),
     ignore=("model.rotary_emb.inv_freq",),
 )
+
+
+class Llama4(DecoderLM):
+    """A Decoder (mhsa.models.decoder): prefill, step, make_caches, cache_layout."""
+
+    config_class = Llama4Config
+    hf_names = HF_NAMES
+    load_fix = "check that the config (layers, moe_layers, tie_embeddings) matches it"
+
+    def __init__(self, config: Llama4Config) -> None:
+        super().__init__()
+        self._build(config, (Llama4Block(config, i) for i in range(config.n_layer)))
+
+    def _init_rotary(self) -> None:
+        c = self.config
+        self.rotary = RotaryEmbedding(
+            c.head_width, c.rope_theta, scaling=c.rope_scaling, max_position_embeddings=c.max_len
+        )
+
+    def forward(
+        self,
+        idx: Tensor,
+        *,
+        caches: list[KVCache] | None = None,
+        start: Tensor | None = None,
+        last: bool = False,
+    ) -> Tensor:
+        """idx (B, T) token ids -> logits (B, T, vocab), or (B, 1, vocab) when last.
+
+        caches: one per layer (make_caches); the tokens continue what they hold.
+        start: (B,) index of each row's first real token when left-padded (without
+        caches; with caches the caches hold it)."""
+        c = self.config
+        length = idx.shape[1]
+        positions, padding = self._positions(idx, caches, start)
+        if caches is not None:
+            begin = caches[0].start
+            local = caches[next((i for i in range(c.n_layer) if c.rope(i)), 0)]
+            first = kept_from(local)  # chunked layers' caches keep the last chunk only
+            kv_len = local.length + length - first
+        else:
+            begin = None if start is None else start.view(-1).to(idx.device)
+            kv_len, first = length, 0
+        rotary = self.rotary.at(positions)  # cos and sin made once for every rope layer
+        temperature = None
+        if c.temperature_tuning:
+            temperature = Temperature(positions, c.floor_scale, c.attn_scale)
+        chunks = None
+        if c.chunk_size is not None:
+            chunks = chunk_pattern(c.chunk_size, begin, kv_len, first)
+        x = self.embed(idx)
+        for i, layer in enumerate(self.layers):
+            rope = c.rope(i)
+            x = layer(
+                x,
+                mask=chunks if rope else None,
+                padding=padding,
+                position=rotary if rope else temperature,
+                cache=None if caches is None else caches[i],
+            )
+        return self._head(self.norm(x[:, -1:] if last else x))
+
+    def cache_window(self, layer: int) -> int | None:
+        """Chunked layers keep only the last chunk_size keys (what a chunk may need)."""
+        return self.config.chunk_size if self.config.rope(layer) else None
+
+    @classmethod
+    def from_hf(
+        cls,
+        state_dict: Mapping[str, Tensor] | TensorSource,
+        config: Llama4Config,
+        *,
+        dtype: torch.dtype | None = None,
+    ) -> Llama4:
+        """Build from weights named as in transformers' Llama4ForCausalLM (every name
+        and shape checked first, HF_NAMES); each head's q and k rows are permuted from
+        interleaved rotary pairs to mhsa's halves. dtype: cast to it (default: the
+        embedding's)."""
+        model = cls._load_hf(state_dict, config, dtype=dtype)
+        for block in model.layers:
+            for proj, heads in ((block.attn.q_proj, config.n_head), (block.attn.k_proj, None)):
+                heads = heads or config.n_kv_head or config.n_head
+                for name in ("weight", "bias"):
+                    param = getattr(proj, name)
+                    if param is not None:
+                        setattr(proj, name, nn.Parameter(_halves(param.data, heads)))
+        return model.eval()
+
+
+def _halves(rows: Tensor, heads: int) -> Tensor:
+    """(heads * D, ...) rows of a projection with rotary pairs (2i, 2i + 1) -> pairs
+    (i, i + D/2): each head's even rows, then its odd rows."""
+    per_head = rows.reshape(heads, -1, 2, *rows.shape[1:])  # (H, D/2, 2, ...)
+    return per_head.transpose(1, 2).reshape(rows.shape)
