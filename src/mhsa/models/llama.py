@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..cache import KVCache, SlidingWindowCache
@@ -36,6 +37,7 @@ from .config import CausalLMConfig
 from .decoder import CacheLayout
 from .decoding import CausalLMDecoding, check_token_ids
 from .init import normal_init
+from .packing import check_not_packed, packed_row
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 HF_ACTIVATIONS = {
@@ -203,12 +205,12 @@ class LlamaBlock(nn.Module):
             config.d_model, config.d_ff, activation=config.activation, bias=config.mlp_bias
         )
 
-    def forward(self, x: Tensor, *, mask, padding, position, cache) -> Tensor:
+    def forward(self, x: Tensor, *, mask, padding, position, cache, causal: bool = True) -> Tensor:
         x = x + self.attn(
             self.attn_norm(x),
             mask=mask,
             key_padding_mask=padding,
-            causal=True,
+            causal=causal,
             position=position,
             cache=cache,
         )
@@ -247,6 +249,8 @@ class Llama(nn.Module, CausalLMDecoding):
         caches: list[KVCache] | None = None,
         start: Tensor | None = None,
         last: bool = False,
+        cu_seqlens: Tensor | None = None,
+        position_ids: Tensor | None = None,
     ) -> Tensor:
         """idx (B, T) token ids -> logits (B, T, vocab), or (B, 1, vocab) of the last
         position when last (what decoding needs: the output head is a fifth of a
@@ -256,10 +260,19 @@ class Llama(nn.Module, CausalLMDecoding):
         start: (B,) index of each sequence's first real token when left-padded
         (without caches; with caches the caches hold it). Positions count real tokens
         only, so a left-padded sequence gets the same logits as alone.
+        cu_seqlens (S+1,) and/or position_ids (T,) restarting at 0: idx (1, T) packs S
+        sequences (mhsa.models.packing); each attends only itself (within its own
+        sliding window), rotated at its own positions. Not with caches or start.
         """
         check_token_ids(idx, self.config.vocab_size)
         batch, length = idx.shape
-        if caches is not None:
+        row = None
+        if cu_seqlens is not None or position_ids is not None:
+            if caches is not None or start is not None:
+                check_not_packed("caches or start", cu_seqlens, position_ids)
+            row = packed_row(idx, cu_seqlens, position_ids)
+            positions, padding = row.positions[0], None
+        elif caches is not None:
             if len(caches) != len(self.layers):
                 raise ValueError(
                     f"caches must hold one cache per layer ({len(self.layers)}), got "
@@ -277,15 +290,32 @@ class Llama(nn.Module, CausalLMDecoding):
         x = self.embed(idx)
         for i, layer in enumerate(self.layers):
             mask = SlidingWindow(window - 1, 0) if self.config.windowed(i) else None
+            if row is not None:
+                mask = row.pattern(causal=True, window=(window - 1, 0) if mask else None)
             x = layer(
                 x,
                 mask=mask,
                 padding=padding,
                 position=rotary,
                 cache=None if caches is None else caches[i],
+                causal=row is None,  # a packed row's pattern is causal within each sequence
             )
         x = self.norm(x[:, -1:] if last else x)
         return x @ self.embed.weight.T if self.lm_head is None else self.lm_head(x)
+
+    def loss(
+        self,
+        idx: Tensor,
+        targets: Tensor,
+        *,
+        cu_seqlens: Tensor | None = None,
+        position_ids: Tensor | None = None,
+    ) -> Tensor:
+        """Mean next-token cross-entropy of the logits for idx (B, T) against targets
+        (B, T), skipping targets of -100; packing as in forward (a packed row's targets:
+        mhsa.models.packing.next_token_targets)."""
+        logits = self(idx, cu_seqlens=cu_seqlens, position_ids=position_ids)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
     def fuse_projections(self) -> Llama:
         """For inference: each layer's q, k, v and its gate, up projections in one
