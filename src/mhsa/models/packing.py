@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from ..core.masks import Segments
 from ..core.varlen import packed_segments
+from ..data.packing import IGNORE, next_token_targets
 
-IGNORE = -100  # the target of a token that predicts nothing (F.cross_entropy's default)
+__all__ = ["IGNORE", "PackedRow", "check_not_packed", "next_token_targets", "packed_row"]
 
 
 @dataclass(frozen=True)
@@ -64,15 +64,3 @@ def check_not_packed(what: str, cu_seqlens, position_ids) -> None:
     """Raise where packed input meets an argument that does not go with it."""
     if cu_seqlens is not None or position_ids is not None:
         raise ValueError(f"packed input (cu_seqlens / position_ids) does not go with {what}")
-
-
-def next_token_targets(tokens: Tensor, cu_seqlens: Tensor) -> Tensor:
-    """Targets (like tokens, (total,) or (1, total)) for next-token prediction in a
-    packed row: each token's successor in its own sequence, IGNORE (-100) at each
-    sequence's last token, so that no loss crosses a boundary."""
-    flat = tokens.reshape(-1)
-    targets = torch.full_like(flat, IGNORE)
-    targets[:-1] = flat[1:]
-    ends = cu_seqlens[1:].long().to(flat.device) - 1
-    targets[ends[ends >= 0]] = IGNORE  # (an empty first sequence ends at -1)
-    return targets.view(tokens.shape)
