@@ -288,10 +288,14 @@ class Llama(nn.Module, CausalLMDecoding):
         rotary = self.rotary.at(positions)  # (B, T) positions: cos and sin made once
         window = self.config.sliding_window
         x = self.embed(idx)
+        packed = {}  # a packed row's pattern per window (None: without)
         for i, layer in enumerate(self.layers):
             mask = SlidingWindow(window - 1, 0) if self.config.windowed(i) else None
             if row is not None:
-                mask = row.pattern(causal=True, window=(window - 1, 0) if mask else None)
+                span = (window - 1, 0) if mask else None
+                if span not in packed:
+                    packed[span] = row.pattern(causal=True, window=span)
+                mask = packed[span]
             x = layer(
                 x,
                 mask=mask,
