@@ -36,7 +36,7 @@ from .config import CausalLMConfig
 from .decoder import CacheLayout
 from .decoding import CausalLMDecoding, check_sampling, check_token_ids, sample
 from .init import normal_init
-from .packing import check_not_packed, packed_row
+from .packing import packed_row, refuse_packed_with
 
 POSITIONS = ("learned", "sinusoidal", "rotary", "alibi", "t5")
 SCORE_POSITIONS = ("alibi", "t5")  # score functions: not yet across processes
@@ -135,7 +135,7 @@ class GPT(nn.Module, CausalLMDecoding):
         causal = window is None
         if cu_seqlens is not None or position_ids is not None:
             if caches is not None or start is not None or positions is not None:
-                check_not_packed("caches, start or positions", cu_seqlens, position_ids)
+                refuse_packed_with("caches, start or positions")
             row = packed_row(idx, cu_seqlens, position_ids)
             mask = row.pattern(causal=True, window=None if window is None else (window - 1, 0))
             positions, padding, causal = row.positions, None, False

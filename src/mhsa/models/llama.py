@@ -37,7 +37,7 @@ from .config import CausalLMConfig
 from .decoder import CacheLayout
 from .decoding import CausalLMDecoding, check_token_ids
 from .init import normal_init
-from .packing import check_not_packed, packed_row
+from .packing import packed_row, refuse_packed_with
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 HF_ACTIVATIONS = {
@@ -269,7 +269,7 @@ class Llama(nn.Module, CausalLMDecoding):
         row = None
         if cu_seqlens is not None or position_ids is not None:
             if caches is not None or start is not None:
-                check_not_packed("caches or start", cu_seqlens, position_ids)
+                refuse_packed_with("caches or start")
             row = packed_row(idx, cu_seqlens, position_ids)
             positions, padding = row.positions[0], None
         elif caches is not None:

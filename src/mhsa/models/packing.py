@@ -21,7 +21,7 @@ from ..core.masks import Segments
 from ..core.varlen import packed_segments
 from ..data.packing import IGNORE, next_token_targets
 
-__all__ = ["IGNORE", "PackedRow", "check_not_packed", "next_token_targets", "packed_row"]
+__all__ = ["IGNORE", "PackedRow", "next_token_targets", "packed_row", "refuse_packed_with"]
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,6 @@ def packed_row(
     return PackedRow(cu, positions.view(1, -1).to(idx.device))
 
 
-def check_not_packed(what: str, cu_seqlens, position_ids) -> None:
-    """Raise where packed input meets an argument that does not go with it."""
-    if cu_seqlens is not None or position_ids is not None:
-        raise ValueError(f"packed input (cu_seqlens / position_ids) does not go with {what}")
+def refuse_packed_with(what: str) -> None:
+    """Raise ValueError: packed input met arguments (`what`) that do not go with it."""
+    raise ValueError(f"packed input (cu_seqlens / position_ids) does not go with {what}")
