@@ -107,13 +107,14 @@ class Bert(nn.Module):
         if cu_seqlens is not None or position_ids is not None:
             row = packed_row(input_ids, cu_seqlens, position_ids, attention_mask)
             mask, positions = row.pattern(causal=False), row.positions
-        else:
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+            longest = int(row.cu_seqlens.diff().max()) if row.cu_seqlens.numel() > 1 else 0
+        else:  # (a static length: export traces this)
+            longest = input_ids.shape[1]
+            positions = torch.arange(longest, device=input_ids.device)
             padding = None if attention_mask is None else attention_mask.bool()
-        if positions.numel() and int(positions.max()) >= self.config.max_position:
+        if longest > self.config.max_position:
             raise ValueError(
-                f"sequence of {int(positions.max()) + 1} tokens exceeds max_position "
-                f"{self.config.max_position}"
+                f"sequence of {longest} tokens exceeds max_position {self.config.max_position}"
             )
         types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
         x = self.word_emb(input_ids) + self.pos_emb(positions) + self.type_emb(types)
