@@ -170,16 +170,35 @@ def test_vit_with_different_patch_counts_packed_equals_each_image_alone(dtype):
     assert_same(packed_grads, alone_grads, dtype, "gradients")
 
 
+def with_embedding_input(model, embedding, call):
+    """model_fn for the leak test: call(batch) with batch["e"] (total, d) added to the
+    token embeddings, a float input whose gradients the leak test also checks."""
+
+    def model_fn(batch):
+        handle = embedding.register_forward_hook(lambda module, args, out: out + batch["e"])
+        try:
+            return call(batch)[0]
+        finally:
+            handle.remove()
+
+    return model_fn
+
+
 def test_no_leak_in_any_model():
-    """The leak test on every model: token ids perturbed (outputs must not move), and
-    for the ViT its packed tokens (outputs and input gradients)."""
+    """The leak test on every model: token ids and a float input added to their
+    embeddings perturbed (outputs, and gradients for the float input, must not move
+    across documents); for the ViT its packed tokens."""
     cu = offsets(LENGTHS)
-    ids = torch.randint(0, VOCAB, (int(cu[-1]),))
-    batch = {"idx": ids, "cu_seqlens": cu}
-    for model in (gpt(position="rotary"), gpt(position="t5", window=4), llama()):
-        assert_no_cross_document_leak(lambda b, m=model: m(b["idx"][None], cu_seqlens=cu)[0], batch)
-    encoder = bert()
-    assert_no_cross_document_leak(lambda b: encoder(b["idx"][None], cu_seqlens=cu)[0], batch)
+    total = int(cu[-1])
+    ids = torch.randint(0, VOCAB, (total,))
+    batch = {"idx": ids, "e": torch.zeros(total, 32, dtype=torch.float64), "cu_seqlens": cu}
+    for model in (gpt(position="rotary"), gpt(position="t5", window=4), gpt(), llama(), bert()):
+        embedding = getattr(model, "tok_emb", None) or getattr(model, "embed", None)
+        embedding = embedding or model.word_emb
+        model_fn = with_embedding_input(
+            model, embedding, lambda b, m=model: m(b["idx"][None], cu_seqlens=cu)
+        )
+        assert_no_cross_document_leak(model_fn, batch)
     model = vit()
     images = [torch.randn(1, h, w, dtype=torch.float64) for h, w in SIZES]
     tokens = torch.cat([model.embed(image.unsqueeze(0))[0] for image in images]).detach()
@@ -188,6 +207,15 @@ def test_no_leak_in_any_model():
         lambda b: model.encode(b["x"][None], b["cu_seqlens"])[0],
         {"x": tokens, "cu_seqlens": cu_images},
     )
+
+
+def test_the_leak_test_catches_a_model_without_packing():
+    """The same check fails where the row is not packed (one sequence over all)."""
+    cu = offsets(LENGTHS)
+    model = gpt(position="rotary")
+    batch = {"idx": torch.randint(0, VOCAB, (int(cu[-1]),)), "cu_seqlens": cu}
+    with pytest.raises(AssertionError, match="crosses document boundaries"):
+        assert_no_cross_document_leak(lambda b: model(b["idx"][None])[0], batch)
 
 
 def test_a_thousand_short_sequences():
