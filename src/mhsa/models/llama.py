@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..cache import KVCache
@@ -32,6 +33,8 @@ from ..nn.layout import decoding_layout
 from ..nn.positional import RotaryEmbedding, rope_frequencies, rope_type
 from .config import CausalLMConfig
 from .decoder_lm import EMBED, DecoderLM
+from .decoding import check_token_ids
+from .packing import packed_row, refuse_packed_with
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 HF_ACTIVATIONS = {
@@ -227,12 +230,12 @@ class LlamaBlock(nn.Module):
             config.d_model, config.d_ff, activation=config.activation, bias=config.mlp_bias
         )
 
-    def forward(self, x: Tensor, *, mask, padding, position, cache) -> Tensor:
+    def forward(self, x: Tensor, *, mask, padding, position, cache, causal: bool = True) -> Tensor:
         x = x + self.attn(
             self.attn_norm(x),
             mask=mask,
             key_padding_mask=padding,
-            causal=True,
+            causal=causal,
             position=position,
             cache=cache,
         )
@@ -272,6 +275,8 @@ class Llama(DecoderLM):
         caches: list[KVCache] | None = None,
         start: Tensor | None = None,
         last: bool = False,
+        cu_seqlens: Tensor | None = None,
+        position_ids: Tensor | None = None,
     ) -> Tensor:
         """idx (B, T) token ids -> logits (B, T, vocab), or (B, 1, vocab) of the last
         position when last (what decoding needs: the output head is a fifth of a
@@ -281,21 +286,53 @@ class Llama(DecoderLM):
         start: (B,) index of each sequence's first real token when left-padded
         (without caches; with caches the caches hold it). Positions count real tokens
         only, so a left-padded sequence gets the same logits as alone.
+        cu_seqlens (S+1,) and/or position_ids (T,) restarting at 0: idx (1, T) packs S
+        sequences (mhsa.models.packing); each attends only itself (within its own
+        sliding window), rotated at its own positions. Not with caches or start.
         """
-        positions, padding = self._positions(idx, caches, start)
+        row = None
+        if cu_seqlens is not None or position_ids is not None:
+            if caches is not None or start is not None:
+                refuse_packed_with("caches or start")
+            check_token_ids(idx, self.config.vocab_size)
+            row = packed_row(idx, cu_seqlens, position_ids)
+            positions, padding = row.positions[0], None
+        else:
+            positions, padding = self._positions(idx, caches, start)
         rotary = self.rotary.at(positions)  # (B, T) positions: cos and sin made once
         window = self.config.sliding_window
         x = self.embed(idx)
+        packed = {}  # a packed row's pattern per window (None: without)
         for i, layer in enumerate(self.layers):
             mask = SlidingWindow(window - 1, 0) if self.config.windowed(i) else None
+            if row is not None:
+                span = (window - 1, 0) if mask else None
+                if span not in packed:
+                    packed[span] = row.pattern(causal=True, window=span)
+                mask = packed[span]
             x = layer(
                 x,
                 mask=mask,
                 padding=padding,
                 position=rotary,
                 cache=None if caches is None else caches[i],
+                causal=row is None,  # a packed row's pattern is causal within each sequence
             )
         return self._head(self.norm(x[:, -1:] if last else x))
+
+    def loss(
+        self,
+        idx: Tensor,
+        targets: Tensor,
+        *,
+        cu_seqlens: Tensor | None = None,
+        position_ids: Tensor | None = None,
+    ) -> Tensor:
+        """Mean next-token cross-entropy of the logits for idx (B, T) against targets
+        (B, T), skipping targets of -100; packing as in forward (a packed row's targets:
+        mhsa.models.packing.next_token_targets)."""
+        logits = self(idx, cu_seqlens=cu_seqlens, position_ids=position_ids)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
     def fuse_projections(self) -> Llama:
         """For inference: each layer's q, k, v and its gate, up projections in one
