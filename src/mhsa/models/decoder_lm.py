@@ -157,9 +157,20 @@ class DecoderLM(nn.Module, CausalLMDecoding):
         *,
         dtype: torch.dtype | None = None,
     ) -> Self:
-        """Build one from weights named as in its transformers model (see hf_names): a
-        state dict or a TensorSource; see _load_hf."""
-        return cls._load_hf(state_dict, config, dtype=dtype).eval()
+        """Build one from weights named as in its transformers model (hf_names: e.g.
+        model.embed_tokens, model.layers.N.self_attn.q_proj, ..., lm_head): a state dict
+        or a TensorSource. Every name and shape is checked before any weight is used;
+        the tensors are taken as they are (no copy), cast to `dtype` if given (float32,
+        bfloat16, float16), else to the embedding's. A tied model's lm_head.weight, when
+        present, must be the embedding. Names that extra_names_ignored gives are
+        skipped."""
+        ignore = cls.extra_names_ignored(as_source(state_dict).shapes(), config)
+        return cls._load_hf(state_dict, config, dtype=dtype, ignore=ignore).eval()
+
+    @classmethod
+    def extra_names_ignored(cls, names: Iterable[str], config) -> list[str]:
+        """Stored tensors the model does not use (none by default)."""
+        return []
 
     @classmethod
     def from_pretrained(

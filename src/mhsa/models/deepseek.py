@@ -19,15 +19,14 @@ sqrt(n_layer)) and the final hidden state (hidden_size / dim_model_base).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-import torch
 from torch import Tensor, nn
 
 from ..cache import KVCache
 from ..core.checks import int_at_least
-from ..formats.weights import NameTable, TensorSource, as_source
+from ..formats.weights import NameTable
 from ..nn import GatedFeedForward, LatentAttention, MoEFeedForward, RMSNorm
 from ..nn.positional import RotaryEmbedding, rope_frequencies, rope_type
 from .config import CausalLMConfig
@@ -318,19 +317,7 @@ class DeepSeek(DecoderLM):
         return CacheLayout(c.n_layer, 1, width, param.dtype, param.device, value_dim=0)
 
     @classmethod
-    def from_hf(
-        cls,
-        state_dict: Mapping[str, Tensor] | TensorSource,
-        config: DeepSeekConfig,
-        *,
-        dtype: torch.dtype | None = None,
-    ) -> DeepSeek:
-        """Build one from weights named as in transformers 5's DeepseekV3ForCausalLM or
-        MiniCPM3ForCausalLM (experts as 3-D gate_up_proj / down_proj tensors): a state
-        dict or a TensorSource. Every name and shape is checked first (HF_NAMES);
-        multi-token-prediction layers past n_layer are ignored. Cast to `dtype` if given,
-        else to the embedding's."""
-        stored = as_source(state_dict).shapes()
-        extra = f"model.layers.{config.n_layer}."  # DeepSeek-V3's MTP layer(s)
-        ignore = [name for name in stored if name.startswith(extra)]
-        return cls._load_hf(state_dict, config, dtype=dtype, ignore=ignore).eval()
+    def extra_names_ignored(cls, names: Iterable[str], config: DeepSeekConfig) -> list[str]:
+        """DeepSeek-V3's multi-token-prediction layer(s), past n_layer."""
+        extra = f"model.layers.{config.n_layer}."
+        return [name for name in names if name.startswith(extra)]

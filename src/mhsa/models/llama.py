@@ -17,17 +17,15 @@ yarn) and partial rotary come from mhsa.nn.positional. Load with `Llama.from_pre
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..cache import KVCache
 from ..core.masks import SlidingWindow
 from ..core.validate import int_at_least
-from ..formats.weights import NameTable, TensorSource
+from ..formats.weights import NameTable
 from ..nn import GatedFeedForward, MultiHeadAttention, RMSNorm
 from ..nn.layout import decoding_layout
 from ..nn.positional import RotaryEmbedding, rope_frequencies, rope_type
@@ -353,20 +351,3 @@ class Llama(DecoderLM):
     def cache_window(self, layer: int) -> int | None:
         """Windowed layers keep only their window."""
         return self.config.sliding_window if self.config.windowed(layer) else None
-
-    @classmethod
-    def from_hf(
-        cls,
-        state_dict: Mapping[str, Tensor] | TensorSource,
-        config: LlamaConfig,
-        *,
-        dtype: torch.dtype | None = None,
-    ) -> Llama:
-        """Build a Llama from weights named as in transformers' LlamaForCausalLM,
-        MistralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM (model.embed_tokens,
-        model.layers.N.self_attn.q_proj, ..., lm_head): a state dict or a TensorSource.
-        Every name and shape is checked before any weight is used (hf_names); the
-        tensors are taken as they are (no copy), cast to `dtype` if given (float32,
-        bfloat16, float16), else to the embedding's. A tied model's lm_head.weight, when
-        present, must be the embedding."""
-        return cls._load_hf(state_dict, config, dtype=dtype).eval()
