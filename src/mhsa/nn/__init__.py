@@ -1,6 +1,8 @@
 """Attention modules and transformer layers built on mhsa.attention.
 
 attention.py     MultiHeadAttention (self/cross, GQA, positions, caches)
+latent.py        LatentAttention (MLA: DeepSeek, MiniCPM3), absorbed decoding
+moe.py           MoEFeedForward: DeepSeek-V3's routed + shared experts, written plainly
 feedforward.py   the feed-forward sublayers (plain, gated) and the residual + norm wrapper
 norm.py          RMSNorm
 layers.py        encoder and decoder layers
@@ -12,13 +14,17 @@ layout.py        the decoding layout: transposed float weights, fused projection
 
 from .attention import MultiHeadAttention, from_torch_masks
 from .feedforward import FeedForward, GatedFeedForward
+from .latent import LatentAttention
 from .layers import TransformerDecoderLayer, TransformerEncoderLayer
+from .moe import MoEFeedForward
 from .norm import RMSNorm
 from .stacks import Transformer, TransformerDecoder, TransformerEncoder, encoder_layers
 
 __all__ = [
     "FeedForward",
     "GatedFeedForward",
+    "LatentAttention",
+    "MoEFeedForward",
     "MultiHeadAttention",
     "RMSNorm",
     "Transformer",
