@@ -39,13 +39,15 @@ def _llama(width: int, layers: int, seed: int) -> Llama:
 
 
 def test_prompt_lookup_drafts_what_followed_the_latest_ngram():
-    lookup = PromptLookup(max_ngram=3)
+    lookup = PromptLookup(max_ngram=3, min_ngram=1)
     context = [1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3]
     assert lookup.propose(context, 2)[0] == [4, 5]  # the longest n-gram first: "1 2 3"
     assert lookup.propose([9, 2, 3, 7, 8, 5, 2, 3], 2)[0] == [7, 8]  # then "2 3"
     assert lookup.propose([2, 3, 1, 2, 3, 6, 0, 3], 5)[0] == [6, 0, 3]  # the latest "3"
     assert lookup.propose([5, 6, 7, 5, 6], 4)[0] == [7, 5, 6]
     assert lookup.propose([1, 2, 3], 4)[0] == []  # nothing repeats
+    assert PromptLookup().propose([2, 3, 1, 2, 3, 6, 0, 3], 5)[0] == []  # default: n >= 2
+    assert PromptLookup().propose([9, 2, 3, 7, 8, 5, 2, 3], 2)[0] == [7, 8]
     with pytest.raises(ValueError, match="min_ngram"):
         PromptLookup(max_ngram=1, min_ngram=2)
 
