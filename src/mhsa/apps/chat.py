@@ -106,9 +106,9 @@ class ChatModel:
             )
         stop = StopRule(self.stop_ids, min(max_new_tokens, room))
         start = time.perf_counter()
-        if compile:
-            choices = self._compiled_choices(ids, sampling, stop, generator)
-        else:  # over a paged cache, as `mhsa serve`: the same tokens with drafts or without
+        if speculate is None:  # contiguous caches: ~20% faster a token than a paged pool
+            choices = self._choices(ids, sampling, stop, generator, compile)
+        else:  # drafts verified over a paged cache, as `mhsa serve`
             choices = speculative_decode(
                 self.model,
                 ids,
@@ -139,11 +139,11 @@ class ChatModel:
         if tail:
             yield tail
 
-    def _compiled_choices(self, ids, sampling, stop, generator) -> Iterator[Choice]:
-        """Decoding's Choices through the compiled step over contiguous KV caches."""
+    def _choices(self, ids, sampling, stop, generator, compile) -> Iterator[Choice]:
+        """Plain decoding's Choices over contiguous KV caches, one token each."""
         caches = self.model.make_caches(1, len(ids) + stop.max_tokens)
         logits = self.model.prefill(torch.tensor([ids]), caches)
-        step = compiled_decode_step(self.model, caches)
+        step = compiled_decode_step(self.model, caches) if compile else None
         for count in range(stop.max_tokens):
             choice = sample_and_stop(
                 logits.float(), sampling, stop, generated=count, generator=generator
@@ -151,7 +151,8 @@ class ChatModel:
             yield choice
             if choice.last or (choice.stopped is not None and bool(choice.stopped)):
                 return
-            logits = step(choice.tokens.view(1, 1))
+            token = choice.tokens.view(1, 1)
+            logits = step(token) if step is not None else self.model.step(token, caches)
 
 
 def load_chat_model(
