@@ -104,3 +104,20 @@ def test_sink_tokens_are_checked_and_refuse_left_padding():
         cache.set_padding(torch.tensor([0, 3]))
     cache.set_padding(torch.tensor([0, 0]))  # no padding is fine
     assert cache.key_padding() is None
+
+
+@pytest.mark.parametrize("sinks", [0, 2])
+def test_kept_from_names_the_first_window_key_the_next_update_returns(sinks):
+    """kept_from() is the cache interface's answer to "where do the returned window keys
+    start" (a chunked model's mask needs it; a KVCache keeps all: 0)."""
+    from mhsa.cache import KVCache
+
+    assert KVCache(1, 1, 16, 4).kept_from() == 0
+    cache = SlidingWindowCache(1, 1, 5, 1, sink_tokens=sinks)
+    for position in range(12):
+        first = cache.kept_from()
+        new = torch.full((1, 1, 1, 1), float(position))  # each key holds its position
+        keys, _ = cache.update(new, new)
+        stored = keys[0, 0, :, 0].tolist()
+        assert first == max(sinks, position - 5)
+        assert stored == list(range(min(sinks, position + 1))) + list(range(first, position + 1))

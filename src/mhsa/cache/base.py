@@ -7,6 +7,8 @@ PagedLayer) is the `cache` of one MultiHeadAttention call. It answers, whatever 
                        return the keys and values to attend over
     next_positions(T)  (B, T) positions of the T new tokens, or None (cross-attention):
                        rotary angles and learned positions of cached decoding come from here
+    kept_from()        the position of the first key the next update returns (0 but for a
+                       ring buffer, which drops the oldest)
     key_padding()      (B, S) bool, True = a real key, for what update returned; or None
     memory()           keys and values kept for good (cross-attention after its first call):
                        attention reuses them and projects no new ones; else None
@@ -39,6 +41,11 @@ class Cache:
         """(B, count) int64 positions of the next `count` tokens, or None where the cache
         gives the queries no positions (cross-attention)."""
         raise NotImplementedError
+
+    def kept_from(self) -> int:
+        """The position of the first key the next update returns: 0, as every key is
+        kept, but for a ring buffer (SlidingWindowCache)."""
+        return 0
 
     def key_padding(self) -> Tensor | None:
         """(B, S) bool, True = a real key, for the keys the last update returned; None:

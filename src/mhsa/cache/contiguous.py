@@ -194,6 +194,11 @@ class SlidingWindowCache(KVCache):
     def window(self) -> int:
         return self.k.shape[2] - self.sink_tokens
 
+    def kept_from(self) -> int:
+        """The position of the first window key the next update returns (its kept
+        sinks, if any, come before it)."""
+        return max(self.sink_tokens, self.length - self.window)
+
     def _last_start(self) -> int | None:
         return None  # starts are absolute positions; the ring buffer wraps past them
 

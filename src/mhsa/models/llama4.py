@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from ..cache import KVCache, SlidingWindowCache
+from ..cache import KVCache
 from ..core.masks import Chunked, Document, Pattern
 from ..core.validate import int_at_least
 from ..formats.weights import NameTable, TensorSource
@@ -288,14 +288,6 @@ def chunk_pattern(size: int, begin: Tensor | None, kv_len: int, first: int = 0) 
     return Document((index - begin.view(-1, 1)).div(size, rounding_mode="floor"))
 
 
-def kept_from(cache: KVCache) -> int:
-    """The index of the first key the cache's next update returns: 0 for a KVCache,
-    the oldest kept one for a SlidingWindowCache (a chunked layer's)."""
-    if isinstance(cache, SlidingWindowCache):
-        return max(0, cache.length - cache.window)
-    return 0
-
-
 HF_NAMES = NameTable(  # our names <-> transformers' Llama4ForCausalLM
     ("embed.weight", EMBED),
     ("norm.weight", "model.norm.weight"),
@@ -364,7 +356,7 @@ class Llama4(DecoderLM):
         if caches is not None:
             begin = caches[0].start
             local = caches[next((i for i in range(c.n_layer) if c.rope(i)), 0)]
-            first = kept_from(local)  # chunked layers' caches keep the last chunk only
+            first = local.kept_from()  # chunked layers' caches keep the last chunk only
             kv_len = local.length + length - first
         else:
             begin = None if start is None else start.view(-1).to(idx.device)
