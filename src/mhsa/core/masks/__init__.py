@@ -22,6 +22,7 @@ from .patterns import (
 )
 from .presets import BlockBand, bigbird, longformer
 from .segments import Segments
+from .selected import SelectedBlocks
 
 __all__ = [
     "EMPTY",
@@ -42,6 +43,7 @@ __all__ = [
     "PrefixLM",
     "RandomBlocks",
     "Segments",
+    "SelectedBlocks",
     "SlidingWindow",
     "Union",
     "bigbird",
