@@ -210,10 +210,11 @@ class GPT(nn.Module, CausalLMDecoding):
     def cache_layout(self) -> CacheLayout:
         """The per-token shape of this model's caches (a paged pool's size)."""
         config, param = self.config, self.tok_emb.weight
+        pairs = 2 if config.attention == "diff" else 1  # differential heads: 2 halves each
         return CacheLayout(
             config.n_layer,
-            config.n_kv_head or config.n_head,
-            config.d_model // config.n_head,
+            pairs * (config.n_kv_head or config.n_head),
+            config.d_model // config.n_head // pairs,
             param.dtype,
             param.device,
         )
@@ -221,11 +222,9 @@ class GPT(nn.Module, CausalLMDecoding):
     def make_caches(self, batch: int, max_len: int) -> list[KVCache]:
         """Empty caches for every layer: ring buffers of `window` with a window."""
         config = self.config
-        if config.attention == "diff":
-            raise ValueError("attention='diff' has no KV cache yet: generate by full recompute")
         param = self.tok_emb.weight
-        kv_heads = config.n_kv_head or config.n_head
-        head_dim = config.d_model // config.n_head
+        layout = self.cache_layout
+        kv_heads, head_dim = layout.num_kv_heads, layout.head_dim
         options = {"dtype": param.dtype, "device": param.device}
         if config.window is not None:
             return [

@@ -18,10 +18,11 @@ import math
 import torch
 from torch import Tensor, nn
 
+from ..cache import Cache
 from ..core.attention import attention
 from ..core.masks import Pattern
 from ..core.validate import int_at_least
-from .attention import MultiHeadAttention
+from .attention import MultiHeadAttention, _rotated
 from .norm import RMSNorm
 from .positional import AttentionPosition
 
@@ -88,8 +89,9 @@ class DiffAttention(nn.Module):
 
     def lambda_full(self) -> Tensor:
         """lambda: exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) + lambda_init."""
-        first = torch.exp((self.lambda_q1 * self.lambda_k1).sum().float())
-        second = torch.exp((self.lambda_q2 * self.lambda_k2).sum().float())
+        dtype = torch.promote_types(self.lambda_q1.dtype, torch.float32)  # at least float32
+        first = torch.exp((self.lambda_q1 * self.lambda_k1).sum().to(dtype))
+        second = torch.exp((self.lambda_q2 * self.lambda_k2).sum().to(dtype))
         return first - second + self.lambda_init
 
     def forward(
@@ -100,14 +102,13 @@ class DiffAttention(nn.Module):
         key_padding_mask: Tensor | None = None,
         causal: bool = False,
         position: AttentionPosition | None = None,
-        cache: object | None = None,
+        cache: Cache | None = None,
     ) -> Tensor:
         """x (B, L, E) -> (B, L, E). mask: a pattern or bool tensor broadcastable to
-        (B, H, L, L), True = may attend; key_padding_mask (B, L) bool, True = a real
-        token; causal is bottom-right; position rotates the d-wide q and k heads. No
-        KV cache (cache must be None)."""
-        if cache is not None:
-            raise ValueError("DiffAttention keeps no KV cache: pass cache=None")
+        (B, H, L, S), True = may attend; key_padding_mask (B, S) bool, True = a real
+        token; causal is bottom-right; position rotates the d-wide q and k heads. With a
+        cache (any mhsa.cache Cache made for 2H heads of width d) the new tokens attend
+        everything cached: it stores the 2H key heads and each value head as two halves."""
         if x.dim() != 3 or x.shape[-1] != self.qkv.in_features:
             raise ValueError(
                 f"x must be (batch, length, {self.qkv.in_features}), got {tuple(x.shape)}"
@@ -115,17 +116,25 @@ class DiffAttention(nn.Module):
         batch, length, width = x.shape
         heads, d = self.num_heads, self.head_dim
         q, k, v = self.qkv(x).chunk(3, dim=-1)
-        # head 2h + 0 / 2h + 1 of q and k is the first / second map of head h
+        # head 2h + 0 / 2h + 1 of q and k is the first / second map of head h; the
+        # values of head h are split into two d-wide halves, 2h + 0 and 2h + 1, alike
         q = q.view(batch, length, 2 * heads, d).transpose(1, 2)  # (B, 2H, L, d)
         k = k.view(batch, length, 2 * heads, d).transpose(1, 2)
-        v = v.view(batch, length, heads, 2 * d).transpose(1, 2)  # (B, H, L, 2d)
-        score = None
-        bias = None
+        v = v.view(batch, length, 2 * heads, d).transpose(1, 2)
         if position is not None:
-            q, k = position.rotate(q, k, 0)
-            score = position.score()
-            bias = position.attention_bias(length, length)
-        mask = MultiHeadAttention._merge_masks(mask, key_padding_mask, batch, length)
+            q, k = _rotated(position, q, k, cache)
+        if cache is not None:
+            k, v = cache.update(k, v)
+            cached = cache.key_padding()
+            if cached is not None:
+                key_padding_mask = cached if key_padding_mask is None else key_padding_mask & cached
+        kv_len = k.shape[2]
+        v = v.reshape(batch, heads, 2, kv_len, d).transpose(2, 3)  # (B, H, S, 2, d)
+        v = v.reshape(batch, heads, kv_len, 2 * d)
+        score = bias = None
+        if position is not None:
+            score, bias = position.score(), position.attention_bias(length, kv_len)
+        mask = MultiHeadAttention._merge_masks(mask, key_padding_mask, batch, kv_len)
         both = attention(
             q,
             k,
