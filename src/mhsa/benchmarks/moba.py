@@ -26,7 +26,7 @@ def computed_fraction(chosen: torch.Tensor, length: int, block_size: int) -> flo
     own = (blocks * (blocks + 1) // 2).sum()
     chosen_pairs = (chosen * (blocks.view(-1, 1) * blocks.view(1, -1))).sum(dim=(-1, -2))
     causal = length * (length + 1) // 2
-    return float(((own + chosen_pairs) / causal).mean())
+    return float(((own + chosen_pairs).double() / causal).mean())
 
 
 def run(
