@@ -27,6 +27,7 @@ LAYERS = [
     ["cache", "distributed", "testing"],
     ["core.varlen"],
     ["core.attention", "core.cluster", "core.moba"],
+    ["core.paged"],
     ["core.validate"],
     ["core.backends"],
     ["core.kernels"],

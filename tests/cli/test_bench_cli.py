@@ -55,6 +55,7 @@ def test_every_suite_has_its_own_options():
         "hf",
         "flex",
         "moba",
+        "varlen",
     }
     assert {"--nproc", "--load", "--quantize", "--plot"} <= set().union(*suites.values())
     assert len(_other_options()) >= 40

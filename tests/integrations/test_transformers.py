@@ -93,6 +93,24 @@ def gemma2():
     return transformers.Gemma2ForCausalLM(config)
 
 
+def llama4():
+    """Chunked rope layers (chunks of 4: transformers' chunked mask, lowered to mhsa's
+    Chunked) and a global NoPE layer with temperature tuning."""
+    config = transformers.Llama4TextConfig(
+        **TINY_DECODER,
+        intermediate_size_mlp=48,
+        head_dim=8,
+        attention_chunk_size=4,
+        no_rope_layer_interval=2,
+        interleave_moe_layer_step=2,
+        num_local_experts=2,
+        floor_scale=4,
+        pad_token_id=0,
+        eos_token_id=2,
+    )
+    return transformers.Llama4ForCausalLM(config)
+
+
 def gpt_oss():
     config = transformers.GptOssConfig(
         vocab_size=64,
@@ -186,6 +204,7 @@ DECODERS = {
     "qwen3": qwen3,
     "mistral": mistral,
     "gemma2": gemma2,
+    "llama4": llama4,
     "gpt_oss": gpt_oss,
 }
 MODELS = {**DECODERS, "bert": bert, "vit": vit, "whisper": whisper, "t5": t5}

@@ -82,6 +82,18 @@ def mask_cases():
             lambda: m.chunked_causal_mask_function(3, left),
             dict(q_length=2, kv_length=12, q_offset=10, attention_mask=PADDING),
         ),
+        # one left padding for all (none): Chunked; a chunked cache layer keeps the last
+        # keys only (transformers' sliding-window layer of chunk_size keys)
+        (
+            "chunked unpadded",
+            lambda: m.chunked_causal_mask_function(3, torch.zeros(2, dtype=torch.long)),
+            dict(q_length=12, kv_length=12),
+        ),
+        (
+            "chunked cache layer",
+            lambda: m.chunked_causal_mask_function(4, torch.zeros(2, dtype=torch.long)),
+            dict(q_length=2, kv_length=5, q_offset=10, kv_offset=7),
+        ),
         (
             "packed",
             lambda: m.and_masks(
@@ -142,6 +154,21 @@ def test_mask_function_lowers_to_patterns_exactly(name, make, sizes):
     expected = masking_utils.sdpa_mask(**arguments, allow_is_causal_skip=False)
     assert lowered.mask is None or isinstance(lowered.mask, Pattern), name  # no L x S tensor
     assert torch.equal(dense(lowered), expected.expand_as(dense(lowered))), name
+
+
+def test_chunked_mask_lowers_to_chunked():
+    """transformers' chunked causal mask (Llama 4) is mhsa's Chunked pattern, with the
+    position of key 0 when a cache layer has dropped the first keys."""
+    unpadded = torch.zeros(2, dtype=torch.long)
+    lowered = mhsa_hf.build_mask(
+        batch_size=2,
+        q_length=2,
+        kv_length=5,
+        q_offset=10,
+        kv_offset=7,
+        mask_function=masking_utils.chunked_causal_mask_function(4, unpadded),
+    )
+    assert repr(lowered.mask) == "Chunked(4, start=7)"
 
 
 def test_mask_function_never_builds_an_l_by_s_mask():

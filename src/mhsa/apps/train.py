@@ -1,6 +1,7 @@
 """The one training loop for every model: progress, evaluation, atomic checkpoints, resume.
 
-A model trains if it has `loss(*batch) -> scalar`; a task supplies batches:
+A model trains if it has `loss(*batch) -> scalar` (or `loss(**batch)` for a batch that
+is a dict, e.g. a packed row with its cu_seqlens); a task supplies batches:
     task.train_batch(generator) -> batch     random, drawn from `generator`
     task.eval_batches() -> list of batches   fixed
     task.tokens_per_batch() -> int           for the tokens/s figure
@@ -98,7 +99,7 @@ def lr_at(step: int, config: TrainConfig) -> float:
 def evaluate(model: nn.Module, task) -> float:
     was_training = model.training
     model.eval()
-    losses = [model.loss(*batch).item() for batch in task.eval_batches()]
+    losses = [call_loss(model.loss, batch).item() for batch in task.eval_batches()]
     model.train(was_training)
     return sum(losses) / len(losses)
 
@@ -175,7 +176,9 @@ def train(
         # every rank draws the same global batch; data parallel: each takes its share of
         # the rows, context parallel: each its shard of every sequence (_SequenceShards)
         batch = task.train_batch(generator)
-        loss = compute_loss(*(batch if context_parallel else _local_rows(batch, rank, world)))
+        loss = call_loss(
+            compute_loss, batch if context_parallel else _local_rows(batch, rank, world)
+        )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if context_parallel and world > 1:
@@ -305,8 +308,8 @@ class _Loss(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, *batch) -> Tensor:
-        return self.model.loss(*batch)
+    def forward(self, *batch, **named) -> Tensor:
+        return self.model.loss(*batch, **named)
 
 
 def _data_parallel(model: nn.Module, context_parallel: str | None) -> tuple:
@@ -344,11 +347,22 @@ def _average_gradients(model: nn.Module, world: int) -> None:
             param.grad /= world
 
 
-def _local_rows(batch: tuple, rank: int, world: int) -> tuple:
+def call_loss(loss_fn, batch: tuple | dict) -> Tensor:
+    """loss_fn(*batch), or loss_fn(**batch) for a dict batch (named inputs)."""
+    return loss_fn(**batch) if isinstance(batch, dict) else loss_fn(*batch)
+
+
+def _local_rows(batch: tuple | dict, rank: int, world: int) -> tuple | dict:
     """This rank's contiguous share of a global batch: every tensor whose first dimension
-    is the batch is cut along it, so the mean of the ranks' losses is the global loss."""
+    is the batch is cut along it, so the mean of the ranks' losses is the global loss.
+    A dict batch (one packed row) is not cut: it trains in one process."""
     if world == 1:
         return batch
+    if isinstance(batch, dict):
+        raise ValueError(
+            "a packed batch (one row of packed sequences) trains in one process; "
+            "drop --pack or --nproc"
+        )
     size = batch[0].shape[0]
     if size % world:
         raise ValueError(

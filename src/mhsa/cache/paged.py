@@ -43,6 +43,7 @@ class _Sequence:
 class PagedKVCache(MultiLayerCache):
     """A pool of num_blocks blocks of block_size tokens per layer: keys
     (num_layers, num_blocks, block_size, H_kv, D) and values (..., H_kv, D_v), zeroed.
+    value_dim 0 keeps no values (latent attention reads them from the keys).
 
     add_sequence registers a prompt and reuses cached blocks of an identical prefix;
     batch(seq_ids, new_tokens) gives the `caches` of one forward pass (layer(i) and
@@ -69,8 +70,9 @@ class PagedKVCache(MultiLayerCache):
             head_dim=head_dim,
             num_blocks=num_blocks,
             block_size=block_size,
-            value_dim=value_dim,
         )
+        if isinstance(value_dim, bool) or not isinstance(value_dim, int) or value_dim < 0:
+            raise ValueError(f"value_dim must be an int >= 0, got {value_dim!r}")
         shape = (num_layers, num_blocks, block_size, num_kv_heads)
         self.k = torch.zeros(*shape, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros(*shape, value_dim, dtype=dtype, device=device)

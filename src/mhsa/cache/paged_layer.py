@@ -84,8 +84,8 @@ class PagedLayer(Cache):
         self._check(k, v)
         flat = (k.shape[0] * k.shape[2], k.shape[1])  # (N * T, H_kv)
         for pool, new in ((step.k, k), (step.v, v)):
-            rows = pool[self.layer].view(-1, *pool.shape[3:])  # (num_blocks * block_size, ...)
-            rows.index_copy_(0, step.slots, new.transpose(1, 2).reshape(*flat, -1))
+            rows = pool[self.layer].flatten(0, 1)  # (num_blocks * block_size, H_kv, D)
+            rows.index_copy_(0, step.slots, new.transpose(1, 2).reshape(*flat, new.shape[-1]))
         step.written.add(self.layer)
         if len(step.written) == step.k.shape[0]:
             step.written_by_all()

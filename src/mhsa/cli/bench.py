@@ -155,6 +155,15 @@ def bench_serve(args: argparse.Namespace) -> int:
     return _show(args, result, serve.report(result))
 
 
+@with_threads
+def bench_varlen(args: argparse.Namespace) -> int:
+    """a GPT training step on packed sequences against a padded batch; packed memory"""
+    from ..benchmarks import varlen
+
+    result = varlen.run(repeat=args.repeat, quick=args.quick)
+    return _show(args, result, varlen.report(result))
+
+
 def _suite(
     suites, name: str, run: Callable, repeat: int | None, quick: str
 ) -> argparse.ArgumentParser:
@@ -192,6 +201,7 @@ SUITES = (
     ("transcribe", bench_transcribe, 5, "a short sentence, one run"),
     ("chat", bench_chat, 2, "128 prompt tokens, 16 new, one run"),
     ("serve", bench_serve, None, "a few short requests (instead of --load)"),
+    ("varlen", bench_varlen, 3, "1024 tokens of lengths 4..256, memory at 4 x 128"),
 )
 
 
@@ -272,6 +282,8 @@ def add_parser(commands) -> None:
         help="torch threads of every measured process and of the bound "
         "(default: torch's own, one per core)",
     )
+
+    _in_process_threads(parsers["varlen"])
 
     serve = parsers["serve"]
     serve.add_argument(

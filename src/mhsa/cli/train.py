@@ -18,7 +18,14 @@ from .common import (
 def train_gpt(args: argparse.Namespace) -> int:
     """Train a byte-level GPT on the standard library's source (or --data FILE)."""
     from ..apps.train import check_resumable, load_checkpoint, train
-    from ..data.text import ByteTokenizer, TextTask, describe_loss, read_text, stdlib_corpus
+    from ..data.text import (
+        ByteTokenizer,
+        PackedTextTask,
+        TextTask,
+        describe_loss,
+        read_text,
+        stdlib_corpus,
+    )
     from ..launch import join_torchrun_group
     from ..models import GPT, GPTConfig
 
@@ -43,14 +50,23 @@ def train_gpt(args: argparse.Namespace) -> int:
         saved = load_checkpoint(args.out, weights=False)
         check_resumable(saved, "gpt")
         config = GPTConfig(**saved["info"]["config"])
-    task = TextTask(tokenizer.encode(text), config.max_len, args.batch_size)
+    tokens = tokenizer.encode(text)
+    stream = TextTask(tokens, config.max_len, args.batch_size)
+    task = (
+        PackedTextTask.from_stream(tokens, config.max_len, args.batch_size) if args.pack else stream
+    )
     model = GPT(config)
     params = sum(p.numel() for p in model.parameters())
-    baseline = task.unigram_loss(tokenizer.vocab_size)
+    baseline = stream.unigram_loss(tokenizer.vocab_size)
     print(
         f"data: {'--data ' + args.data if args.data else 'Python standard library source'}, "
-        f"{len(task.train):,} train / {len(task.val):,} validation tokens ({tokenizer.name})"
+        f"{len(stream.train):,} train / {len(stream.val):,} validation tokens ({tokenizer.name})"
     )
+    if args.pack:
+        print(
+            f"packed: {len(task.train):,} documents (split at blank lines, at most "
+            f"{config.max_len} tokens) in rows of {task.max_tokens} tokens"
+        )
     print(
         f"model: GPT {config.n_layer} layers, d_model {config.d_model}, {config.n_head} heads, "
         f"{config.position} positions, {config.attention} attention, "
@@ -158,7 +174,9 @@ def train_bert(args: argparse.Namespace) -> int:
     from ..models.bert import Bert, BertConfig
 
     text = read_text(args.data) if args.data else stdlib_corpus()
-    task = MaskedLMTask(torch.tensor(list(text.encode("utf-8"))), args.seq_len, args.batch_size)
+    task = MaskedLMTask(
+        torch.tensor(list(text.encode("utf-8"))), args.seq_len, args.batch_size, pack=args.pack
+    )
     config = BertConfig(
         vocab_size=MaskedLMTask.VOCAB,
         hidden_size=args.d_model,
@@ -173,7 +191,8 @@ def train_bert(args: argparse.Namespace) -> int:
     start = evaluate(model, task)
     print(
         f"data: {'--data ' + args.data if args.data else 'Python standard library source'}; "
-        f"15% of tokens selected (80/10/10), key padding; validation MLM loss at start "
+        f"15% of tokens selected (80/10/10), {'packed' if args.pack else 'key padding'}; "
+        "validation MLM loss at start "
         f"{start:.4f}"
     )
     result = fit(model, task, args, "bert")
@@ -276,6 +295,8 @@ def _spawn_data_parallel(args: argparse.Namespace, nproc: int) -> int:
     """Run the command in nproc local processes, one process group (gloo on CPU)."""
     from ..launch import run_local
 
+    if getattr(args, "pack", False):
+        raise ValueError("--pack trains in one process: drop --nproc (or --pack)")
     if args.context_parallel:
         if args.seq_len % (2 * nproc):
             raise ValueError(
@@ -324,6 +345,12 @@ def run(args: argparse.Namespace) -> int:
         where = f"the latest checkpoint is {latest}" if latest else "no checkpoint was written"
         print(f"\nmhsa train: interrupted; {where}", file=sys.stderr)
         return 130
+
+
+PACK_HELP = (
+    "pack sequences of their own lengths into rows of --batch-size x --seq-len tokens "
+    "without padding (each attends only itself; no loss crosses a boundary)"
+)
 
 
 def add_parser(commands) -> None:
@@ -376,6 +403,7 @@ def add_parser(commands) -> None:
         help="with --nproc: shard each sequence across the processes "
         "(zigzag), attend with ring attention",
     )
+    gpt.add_argument("--pack", action="store_true", help=PACK_HELP)
     gpt.set_defaults(run=run, train=train_gpt, data_parallel=True)
 
     bert = train_models.add_parser("bert", help="masked-LM BERT on Python's own source code")
@@ -383,6 +411,7 @@ def add_parser(commands) -> None:
     bert.add_argument("--data", help="a text file to train on instead")
     size_options(bert, batch_size=16, layers=4, heads=4, d_model=192, lr=1e-3)
     add_option(bert, "--seq-len", 128, "tokens per training sequence", type=positive_int)
+    bert.add_argument("--pack", action="store_true", help=PACK_HELP)
     bert.set_defaults(run=run, train=train_bert)
 
     vit = train_models.add_parser("vit", help="ViT on sklearn's digits (or --data DIR)")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 
 import torch
@@ -18,6 +17,7 @@ from .kernels.dropout import draw_seed
 from .kernels.scored import SelectedHeads, softmax_with_sinks
 from .masks import Pattern
 from .masks.causal import causal_allows, causal_shift
+from .paged import paged_attention
 from .scores import ScoreFunction, apply_score, as_score, kinds
 
 
@@ -42,12 +42,7 @@ def _check_common(
         score.check(q.shape[1], q.device, stats_dtype(q.dtype))
     validate.check_causal(causal)
     validate.check_scale(scale)
-    return _resolved_scale(q, scale)
-
-
-def _resolved_scale(q: Tensor, scale: float | None) -> float:
-    """The scale of q k^T: `scale`, or 1 / sqrt(D) by default."""
-    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return validate.resolved_scale(q, scale)
 
 
 def attention(
@@ -108,7 +103,7 @@ def attention(
         key gets output 0, lse -inf (the sink's logit, with sinks) and zero gradients.
     """
     if block_table is not None or seq_lens is not None:
-        return _paged_attention(
+        return paged_attention(
             q,
             k,
             v,
@@ -183,87 +178,6 @@ def attention(
     out, lse = chosen.forward(q, k, v, **call)
     out, lse = isolate_masked_nonfinite(chosen, q, k, v, out, lse, call)
     return (out, lse) if return_lse else out
-
-
-def _paged_attention(
-    q,
-    k_pool,
-    v_pool,
-    mask,
-    block_table,
-    seq_lens,
-    *,
-    bias,
-    causal,
-    scale,
-    dropout_p,
-    backend,
-    return_lse,
-    score,
-    sinks,
-) -> Tensor:
-    """attention() over paged keys: validate, then the chosen backend's forward_paged."""
-    if block_table is None:
-        raise ValueError("seq_lens goes with block_table (paged keys); pass both or neither")
-    seq_lens, table = validate.check_paged(q, k_pool, v_pool, block_table, seq_lens)
-    if bias is not None or dropout_p or return_lse or sinks is not None:
-        unserved = {
-            "bias": bias is not None,
-            "dropout_p": bool(dropout_p),
-            "return_lse": return_lse,
-            "sinks": sinks is not None,
-        }
-        names = ", ".join(name for name, given in unserved.items() if given)
-        raise ValueError(
-            f"attention over paged keys (block_table=) takes no bias, dropout_p, "
-            f"return_lse or sinks; got {names}"
-        )
-    validate.check_causal(causal)
-    window = validate.paged_window(mask, causal, q.shape[2])
-    validate.check_scale(scale)
-    if not isinstance(backend, str):
-        raise TypeError(f"backend must be a str, got {type(backend).__name__}")
-    score = as_score(score)
-    if score is not None:
-        score.check(q.shape[1], q.device, stats_dtype(q.dtype))
-    needs_grad = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (q, k_pool, v_pool, *(score.tensors() if score else ()))
-    )
-    batch, num_heads, q_len, head_dim = q.shape
-    spec = AttentionSpec(
-        batch=batch,
-        num_heads=num_heads,
-        num_kv_heads=k_pool.shape[2],
-        q_len=q_len,
-        kv_len=max(seq_lens, default=0),
-        head_dim=head_dim,
-        value_dim=v_pool.shape[3],
-        dtype=q.dtype,
-        device=q.device,
-        has_mask=window is not None,
-        has_bias=False,
-        causal=True,
-        dropout_p=0.0,
-        return_lse=False,
-        has_score=score is not None,
-        score_kinds=kinds(score),
-        paged=True,
-        needs_grad=needs_grad,
-    )
-    chosen = select(spec, backend)
-    if batch == 0 or q_len == 0:
-        return q.new_zeros(batch, num_heads, q_len, v_pool.shape[3])
-    resolved_scale = _resolved_scale(q, scale)
-    return chosen.forward_paged(
-        q,
-        k_pool,
-        v_pool,
-        block_table=table,
-        seq_lens=seq_lens,
-        scale=resolved_scale,
-        score=score,
-        window=window,
-    )
 
 
 def attention_weights(

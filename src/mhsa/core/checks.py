@@ -27,3 +27,13 @@ def int_list(name: str, value: Tensor | Sequence, shape: str = "") -> list:
             )
         return value.tolist()
     return list(value)
+
+
+def tensors_of_rank(rank: int, layout: str, hint: str = "", **tensors: Tensor) -> None:
+    """TypeError naming the argument for a non-tensor; ValueError naming it, its shape,
+    the expected `layout` and `hint` (how to fix it) for a tensor of another rank."""
+    for name, t in tensors.items():
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != rank:
+            raise ValueError(f"{name} must be {rank}-D {layout}, got shape {tuple(t.shape)}{hint}")

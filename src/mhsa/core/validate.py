@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from .checks import int_at_least as int_at_least  # re-exported for the layers above
-from .checks import int_list
+from .checks import int_list, tensors_of_rank
 from .masks.base import Pattern
 from .masks.patterns import SlidingWindow
 
@@ -22,14 +22,8 @@ LAYOUT = "(batch, num_heads, seq_len, head_dim)"
 
 def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
     """Check q (B, H, L, D), k (B, H_kv, S, D), v (B, H_kv, S, D_v) against each other."""
+    tensors_of_rank(4, LAYOUT, "; for a single head add one with .unsqueeze(1)", q=q, k=k, v=v)
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(
-                f"{name} must be 4-D {LAYOUT}, got shape {tuple(t.shape)}; "
-                "for a single head add one with .unsqueeze(1)"
-            )
         if not t.is_floating_point():
             raise TypeError(
                 f"{name} must be a floating point tensor, got dtype {t.dtype}; "
@@ -165,6 +159,11 @@ def check_dropout(dropout_p: float) -> None:
 def check_causal(causal: bool) -> None:
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False, got {type(causal).__name__}")
+
+
+def resolved_scale(q: Tensor, scale: float | None) -> float:
+    """The scale of q k^T: `scale`, or 1 / sqrt(D) by default."""
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
 
 
 def paged_window(mask, causal: bool, q_len: int) -> int | None:

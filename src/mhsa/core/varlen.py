@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from .attention import attention
+from .checks import tensors_of_rank
 from .kernels.scored import AtPositions
 from .masks.causal import causal_shift
 from .masks.segments import Segments, check_cu_seqlens, check_segment_counts
@@ -126,14 +127,7 @@ def _per_sequence(score, cu_q: Tensor, cu_k: Tensor, device) -> ScoreFunction | 
 
 
 def _check_packed(q: Tensor, k: Tensor, v: Tensor) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 3:
-            raise ValueError(
-                f"{name} must be 3-D {PACKED} (sequences packed along dim 0), got shape "
-                f"{tuple(t.shape)}"
-            )
+    tensors_of_rank(3, f"{PACKED} (sequences packed along dim 0)", q=q, k=k, v=v)
 
 
 def _check_max_seqlen(name: str, value: int, cu: Tensor) -> None:

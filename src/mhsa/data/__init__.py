@@ -1,5 +1,6 @@
 """Built-in datasets and tokenizers for the CLI tasks (nothing is downloaded), and
-`pack`, which packs token sequences into batches without padding (mhsa.data.packing).
+`pack`, which packs token sequences into batches without padding (mhsa.data.packing),
+and `next_token_targets` for them.
 
 Importing this package loads nothing heavy; `pack` and `PackedBatch` load on first use.
 """
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["PackedBatch", "pack"]
+__all__ = ["PackedBatch", "next_token_targets", "pack"]
 
 
 def __getattr__(name: str):

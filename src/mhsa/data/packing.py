@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+IGNORE = -100  # the target of a token that predicts nothing (F.cross_entropy's default)
+
 
 @dataclass
 class PackedBatch:
@@ -58,6 +60,18 @@ def pack(sequences: Sequence[Tensor | Sequence[int]], max_tokens: int) -> list[P
         bins[fits].append(i)
         room[fits] -= size
     return [_batch(sorted(members), tokens) for members in bins]
+
+
+def next_token_targets(tokens: Tensor, cu_seqlens: Tensor) -> Tensor:
+    """Targets (like tokens, (total,) or (1, total)) for next-token prediction in a
+    packed row: each token's successor in its own sequence, IGNORE (-100) at each
+    sequence's last token, so that no loss crosses a boundary."""
+    flat = tokens.reshape(-1)
+    targets = torch.full_like(flat, IGNORE)
+    targets[:-1] = flat[1:]
+    ends = cu_seqlens[1:].long().to(flat.device) - 1
+    targets[ends[ends >= 0]] = IGNORE  # (an empty first sequence ends at -1)
+    return targets.view(tokens.shape)
 
 
 def _batch(members: list[int], tokens: list[Tensor]) -> PackedBatch:

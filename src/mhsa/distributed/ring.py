@@ -212,7 +212,10 @@ def ring_attention(
         group: the process group (default: the default group); P = its size.
         causal: the query at global position p sees keys at positions <= p.
         mask: an mhsa.core.masks pattern (e.g. SlidingWindow(w, 0)) on the whole (L, L)
-            sequence, in global positions; the same on every rank.
+            sequence, in global positions; the same on every rank. Packed sequences:
+            Segments(cu_seqlens, causal=..., window=...) of the whole row (sequences
+            may cross shard edges; a relative score such as ALiBi or T5 then sees
+            the offsets each sequence has alone).
         key_padding_mask: (B, n) bool, True = real key, for this rank's keys.
         scale: multiplies q k^T; defaults to 1 / sqrt(D).
         layout: "contiguous" or "zigzag", as the shards were cut by `shard`.

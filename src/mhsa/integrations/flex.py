@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from ..core.attention import attention
+from ..core.checks import tensors_of_rank
 from ..core.kernels.dense import stats_dtype
 from ..core.kernels.memo import PatternCache
 from ..core.scores import ScoreFunction
@@ -33,14 +34,8 @@ __all__ = ["available", "create_block_mask", "flex_attention"]
 
 def _check_tensors(query, key, value, enable_gqa: bool, block_mask) -> None:
     """FlexAttention's own rules on q, k, v; the rest is checked by mhsa.attention."""
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(
-                f"{name} must be 4-D (batch, heads, length, head_dim), got shape "
-                f"{tuple(t.shape)}; for one head add it with .unsqueeze(1)"
-            )
+    layout, hint = "(batch, heads, length, head_dim)", "; for one head add it with .unsqueeze(1)"
+    tensors_of_rank(4, layout, hint, query=query, key=key, value=value)
     num_heads, num_kv_heads = query.shape[1], key.shape[1]
     if not enable_gqa and num_heads != num_kv_heads:
         raise ValueError(

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from ..core.attention import attention
 from ..core.masks import BoolMask, Pattern
+from ..core.masks.base import pattern_or_none
 from ..core.scores import ScoreFunction
 
 __all__ = ["TimmAttention", "available", "convert"]
@@ -68,10 +69,7 @@ class TimmAttention(nn.Module):
                 f"TimmAttention copies a timm.layers.Attention, got {type(source).__name__}; "
                 "other timm attention layers (rotary, differential, ...) are not supported"
             )
-        if pattern is not None and not isinstance(pattern, Pattern):
-            raise TypeError(
-                f"pattern must be an mhsa.core.masks Pattern or None, got {type(pattern).__name__}"
-            )
+        pattern_or_none("pattern", pattern)
         for name in _PARTS:
             setattr(self, name, getattr(source, name))
         self.gate = getattr(source, "gate", None)

@@ -28,6 +28,7 @@ from ..formats.weights import (
 from ..nn import encoder_layers
 from .config import ModelConfig
 from .init import normal_init
+from .packing import packed_row
 
 
 @dataclass
@@ -92,20 +93,34 @@ class Bert(nn.Module):
         input_ids: Tensor,
         attention_mask: Tensor | None = None,
         token_type_ids: Tensor | None = None,
+        *,
+        cu_seqlens: Tensor | None = None,
+        position_ids: Tensor | None = None,
     ) -> Tensor:
-        """input_ids (B, S); attention_mask (B, S), 1/True = a real token -> (B, S, hidden)."""
-        length = input_ids.shape[1]
-        if length > self.config.max_position:
+        """input_ids (B, S); attention_mask (B, S), 1/True = a real token -> (B, S, hidden).
+
+        cu_seqlens (N+1,) and/or position_ids (S,) restarting at 0: input_ids (1, S)
+        packs N sequences (mhsa.models.packing), each attending only itself, its
+        positions from 0; an attention_mask then must be all ones (padding inside a
+        pack is refused)."""
+        mask, padding = None, None
+        if cu_seqlens is not None or position_ids is not None:
+            row = packed_row(input_ids, cu_seqlens, position_ids, attention_mask)
+            mask, positions = row.pattern(causal=False), row.positions
+            longest = int(row.cu_seqlens.diff().max()) if row.cu_seqlens.numel() > 1 else 0
+        else:  # (a static length: export traces this)
+            longest = input_ids.shape[1]
+            positions = torch.arange(longest, device=input_ids.device)
+            padding = None if attention_mask is None else attention_mask.bool()
+        if longest > self.config.max_position:
             raise ValueError(
-                f"sequence of {length} tokens exceeds max_position {self.config.max_position}"
+                f"sequence of {longest} tokens exceeds max_position {self.config.max_position}"
             )
-        positions = torch.arange(length, device=input_ids.device)
         types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
         x = self.word_emb(input_ids) + self.pos_emb(positions) + self.type_emb(types)
         x = self.drop(self.emb_norm(x))
-        padding = None if attention_mask is None else attention_mask.bool()
         for layer in self.layers:
-            x = layer(x, key_padding_mask=padding)
+            x = layer(x, mask=mask, key_padding_mask=padding)
         return x
 
     def pooled(self, hidden: Tensor) -> Tensor:
@@ -117,10 +132,19 @@ class Bert(nn.Module):
         h = self.mlm_norm(F.gelu(self.mlm_dense(hidden)))
         return h @ self.word_emb.weight.T + self.mlm_bias
 
-    def loss(self, input_ids: Tensor, attention_mask: Tensor, labels: Tensor) -> Tensor:
+    def loss(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None,
+        labels: Tensor,
+        *,
+        cu_seqlens: Tensor | None = None,
+        position_ids: Tensor | None = None,
+    ) -> Tensor:
         """Masked-language-model loss: labels (B, S) hold the original ids at the
-        selected positions and -100 elsewhere."""
-        logits = self.mlm_logits(self(input_ids, attention_mask))
+        selected positions and -100 elsewhere (packing: see forward)."""
+        hidden = self(input_ids, attention_mask, cu_seqlens=cu_seqlens, position_ids=position_ids)
+        logits = self.mlm_logits(hidden)
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
 
     @classmethod

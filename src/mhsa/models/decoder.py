@@ -23,13 +23,15 @@ from torch import Tensor
 @dataclass(frozen=True)
 class CacheLayout:
     """What a decoder's KV cache holds per token: num_layers layers of num_kv_heads
-    heads of head_dim channels, in dtype on device."""
+    heads of head_dim key channels and value_dim value channels (None: head_dim; 0:
+    no values, as latent attention keeps), in dtype on device."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
     device: torch.device
+    value_dim: int | None = None
 
 
 @runtime_checkable

@@ -38,6 +38,7 @@ from .config import CausalLMConfig
 from .decoder import CacheLayout
 from .decoding import CausalLMDecoding, check_sampling, check_token_ids, sample
 from .init import normal_init
+from .packing import packed_row, refuse_packed_with
 
 POSITIONS = ("learned", "sinusoidal", "rotary", "alibi", "t5")
 # the self-attention of every layer; "latent" joins once mhsa.nn.LatentAttention exists
@@ -143,6 +144,8 @@ class GPT(nn.Module, CausalLMDecoding):
         start: Tensor | None = None,
         positions: Tensor | None = None,
         last: bool = False,
+        cu_seqlens: Tensor | None = None,
+        position_ids: Tensor | None = None,
     ) -> Tensor:
         """idx (B, T) token ids -> logits (B, T, vocab), or (B, 1, vocab) of the last
         position when last.
@@ -154,11 +157,25 @@ class GPT(nn.Module, CausalLMDecoding):
         shard of longer sequences (context parallelism; attention then runs under
         mhsa.distributed.context_parallel). Not with ALiBi or T5 positions, caches or
         start.
+        cu_seqlens (S+1,) and/or position_ids (T,) restarting at 0: idx (1, T) packs S
+        sequences (mhsa.models.packing); each attends only itself, at its own positions,
+        and gets the logits it gets alone. Not with caches, start or positions.
         """
         check_token_ids(idx, self.config.vocab_size)
         batch, length = idx.shape
         attn_position = self.attn_position
-        if positions is not None:
+        window = self.config.window
+        mask = None if window is None else SlidingWindow(window - 1, 0)
+        causal = window is None
+        if cu_seqlens is not None or position_ids is not None:
+            if caches is not None or start is not None or positions is not None:
+                refuse_packed_with("caches, start or positions")
+            row = packed_row(idx, cu_seqlens, position_ids)
+            mask = row.pattern(causal=True, window=None if window is None else (window - 1, 0))
+            positions, padding, causal = row.positions, None, False
+            if isinstance(attn_position, RotaryEmbedding):
+                attn_position = attn_position.at(positions[0])
+        elif positions is not None:
             if caches is not None or start is not None or self.config.position in SCORE_POSITIONS:
                 raise ValueError(
                     "positions (a sequence shard) does not go with caches, "
@@ -183,14 +200,12 @@ class GPT(nn.Module, CausalLMDecoding):
         if self.pos_emb is not None:
             x = self.pos_emb(x, positions=positions)
         x = self.drop(x)
-        window = self.config.window
-        mask = None if window is None else SlidingWindow(window - 1, 0)
         for i, block in enumerate(self.blocks):
             x = block(
                 x,
                 mask=mask,
                 key_padding_mask=padding,
-                causal=window is None,
+                causal=causal,
                 position=attn_position,
                 cache=None if caches is None else caches[i],
             )
@@ -249,10 +264,19 @@ class GPT(nn.Module, CausalLMDecoding):
         fix = "check that the GPTConfig (vocab_size, n_layer, d_model, max_len) matches it"
         return load_weights(cls(config), as_source(state_dict), GPT2_NAMES, fix=fix)
 
-    def loss(self, idx: Tensor, targets: Tensor, positions: Tensor | None = None) -> Tensor:
-        """Mean next-token cross-entropy of logits for idx (B, T) against targets (B, T)
-        (positions: see forward)."""
-        logits = self(idx, positions=positions)
+    def loss(
+        self,
+        idx: Tensor,
+        targets: Tensor,
+        positions: Tensor | None = None,
+        *,
+        cu_seqlens: Tensor | None = None,
+        position_ids: Tensor | None = None,
+    ) -> Tensor:
+        """Mean next-token cross-entropy of logits for idx (B, T) against targets (B, T),
+        skipping targets of -100 (positions, packing: see forward; a packed row's
+        targets come from mhsa.models.packing.next_token_targets)."""
+        logits = self(idx, positions=positions, cu_seqlens=cu_seqlens, position_ids=position_ids)
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 

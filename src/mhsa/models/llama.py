@@ -17,25 +17,22 @@ yarn) and partial rotary come from mhsa.nn.positional. Load with `Llama.from_pre
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..cache import KVCache, SlidingWindowCache
+from ..cache import KVCache
 from ..core.masks import SlidingWindow
 from ..core.validate import int_at_least
-from ..formats.weights import NameTable, SafetensorsFiles, TensorSource, as_source, load_weights
+from ..formats.weights import NameTable
 from ..nn import GatedFeedForward, MultiHeadAttention, RMSNorm
 from ..nn.layout import decoding_layout
 from ..nn.positional import RotaryEmbedding, rope_frequencies, rope_type
 from .config import CausalLMConfig
-from .decoder import CacheLayout
-from .decoding import CausalLMDecoding, check_token_ids
-from .init import normal_init
+from .decoder_lm import EMBED, DecoderLM
+from .decoding import check_token_ids
+from .packing import packed_row, refuse_packed_with
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 HF_ACTIVATIONS = {
@@ -156,7 +153,6 @@ class LlamaConfig(CausalLMConfig):
                 f"hidden_act {act!r} is not supported; use one of {sorted(HF_ACTIVATIONS)}"
             )
         bias = d.get("attention_bias", False) if kind in ("llama", "qwen3") else kind == "qwen2"
-        eos = d.get("eos_token_id")
         return cls(
             vocab_size=d["vocab_size"],
             n_layer=n_layer,
@@ -179,8 +175,37 @@ class LlamaConfig(CausalLMConfig):
             mlp_bias=bool(d.get("mlp_bias", False)),
             tie_embeddings=bool(d.get("tie_word_embeddings", False)),
             bos_token=d.get("bos_token_id"),
-            eos_token=() if eos is None else (eos,) if isinstance(eos, int) else tuple(eos),
+            eos_token=hf_stop_tokens(d),
         )
+
+
+def hf_stop_tokens(d: dict) -> tuple[int, ...]:
+    """A Hugging Face config dict's eos_token_id (one id, a list or None) as a tuple."""
+    eos = d.get("eos_token_id")
+    return () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+
+
+ATTENTION_AND_FF_NAMES = (  # the same in transformers' Llama, Qwen and Gemma layers
+    ("layers.{i}.attn.q_proj.{p}", "model.layers.{i}.self_attn.q_proj.{p}"),
+    ("layers.{i}.attn.k_proj.{p}", "model.layers.{i}.self_attn.k_proj.{p}"),
+    ("layers.{i}.attn.v_proj.{p}", "model.layers.{i}.self_attn.v_proj.{p}"),
+    ("layers.{i}.attn.out_proj.{p}", "model.layers.{i}.self_attn.o_proj.{p}"),
+    ("layers.{i}.attn.q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight"),
+    ("layers.{i}.attn.k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight"),
+    ("layers.{i}.ff.gate.{p}", "model.layers.{i}.mlp.gate_proj.{p}"),
+    ("layers.{i}.ff.up.{p}", "model.layers.{i}.mlp.up_proj.{p}"),
+    ("layers.{i}.ff.down.{p}", "model.layers.{i}.mlp.down_proj.{p}"),
+)
+ROTARY_BUFFERS = ("model.rotary_emb.inv_freq", "model.layers.{i}.self_attn.rotary_emb.inv_freq")
+HF_NAMES = NameTable(  # our names <-> transformers' (Llama, Mistral, Qwen2, Qwen3)
+    ("embed.weight", EMBED),
+    ("norm.weight", "model.norm.weight"),
+    ("lm_head.weight", "lm_head.weight"),
+    ("layers.{i}.attn_norm.weight", "model.layers.{i}.input_layernorm.weight"),
+    ("layers.{i}.ff_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
+    *ATTENTION_AND_FF_NAMES,
+    ignore=ROTARY_BUFFERS,
+)
 
 
 class LlamaBlock(nn.Module):
@@ -203,36 +228,37 @@ class LlamaBlock(nn.Module):
             config.d_model, config.d_ff, activation=config.activation, bias=config.mlp_bias
         )
 
-    def forward(self, x: Tensor, *, mask, padding, position, cache) -> Tensor:
+    def forward(self, x: Tensor, *, mask, padding, position, cache, causal: bool = True) -> Tensor:
         x = x + self.attn(
             self.attn_norm(x),
             mask=mask,
             key_padding_mask=padding,
-            causal=True,
+            causal=causal,
             position=position,
             cache=cache,
         )
         return x + self.ff(self.ff_norm(x))
 
 
-class Llama(nn.Module, CausalLMDecoding):
-    """A Decoder (mhsa.models.decoder): prefill, step, make_caches, cache_layout."""
+class Llama(DecoderLM):
+    """A Decoder (mhsa.models.decoder): prefill, step, make_caches, cache_layout.
+
+    A family built on it (Gemma 3) names its config class, layer class, final norm's
+    form and weight-name table in the class attributes below."""
+
+    config_class: type[LlamaConfig] = LlamaConfig
+    block_class: type[nn.Module] = LlamaBlock  # (config) -> one layer
+    hf_names = HF_NAMES
+    load_fix = "check that the config (layers, attention_bias, qk_norm, tie_embeddings) matches it"
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.d_model)
-        self.layers = nn.ModuleList(LlamaBlock(config) for _ in range(config.n_layer))
-        self.norm = RMSNorm(config.d_model, eps=config.norm_eps)
-        self.lm_head = None
-        if not config.tie_embeddings:
-            self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        self.rotary = self._make_rotary()
-        self.apply(normal_init)
+        self._build(config, (self.block_class(config) for _ in range(config.n_layer)))
 
-    def _make_rotary(self) -> RotaryEmbedding:
+    def _init_rotary(self) -> None:
+        """Make the rotary frequencies (again, after a load onto meta-built parameters)."""
         c = self.config
-        return RotaryEmbedding(
+        self.rotary = RotaryEmbedding(
             c.head_width,
             c.rope_theta,
             rotary_dim=c.rotary_width,
@@ -247,6 +273,8 @@ class Llama(nn.Module, CausalLMDecoding):
         caches: list[KVCache] | None = None,
         start: Tensor | None = None,
         last: bool = False,
+        cu_seqlens: Tensor | None = None,
+        position_ids: Tensor | None = None,
     ) -> Tensor:
         """idx (B, T) token ids -> logits (B, T, vocab), or (B, 1, vocab) of the last
         position when last (what decoding needs: the output head is a fifth of a
@@ -256,36 +284,53 @@ class Llama(nn.Module, CausalLMDecoding):
         start: (B,) index of each sequence's first real token when left-padded
         (without caches; with caches the caches hold it). Positions count real tokens
         only, so a left-padded sequence gets the same logits as alone.
+        cu_seqlens (S+1,) and/or position_ids (T,) restarting at 0: idx (1, T) packs S
+        sequences (mhsa.models.packing); each attends only itself (within its own
+        sliding window), rotated at its own positions. Not with caches or start.
         """
-        check_token_ids(idx, self.config.vocab_size)
-        batch, length = idx.shape
-        if caches is not None:
-            if len(caches) != len(self.layers):
-                raise ValueError(
-                    f"caches must hold one cache per layer ({len(self.layers)}), got "
-                    f"{len(caches)}; use model.make_caches(batch, max_len)"
-                )
-            positions, padding = caches[0].next_positions(length), None  # caches pad themselves
+        row = None
+        if cu_seqlens is not None or position_ids is not None:
+            if caches is not None or start is not None:
+                refuse_packed_with("caches or start")
+            check_token_ids(idx, self.config.vocab_size)
+            row = packed_row(idx, cu_seqlens, position_ids)
+            positions, padding = row.positions[0], None
         else:
-            index = torch.arange(length, device=idx.device).view(1, -1)
-            begin = torch.zeros(batch, 1, dtype=torch.long, device=idx.device)
-            begin = begin if start is None else start.view(-1, 1).to(idx.device)
-            positions = (index - begin).clamp(min=0).expand(batch, length)
-            padding = None if start is None else index >= begin
+            positions, padding = self._positions(idx, caches, start)
         rotary = self.rotary.at(positions)  # (B, T) positions: cos and sin made once
         window = self.config.sliding_window
         x = self.embed(idx)
+        packed = {}  # a packed row's pattern per window (None: without)
         for i, layer in enumerate(self.layers):
             mask = SlidingWindow(window - 1, 0) if self.config.windowed(i) else None
+            if row is not None:
+                span = (window - 1, 0) if mask else None
+                if span not in packed:
+                    packed[span] = row.pattern(causal=True, window=span)
+                mask = packed[span]
             x = layer(
                 x,
                 mask=mask,
                 padding=padding,
                 position=rotary,
                 cache=None if caches is None else caches[i],
+                causal=row is None,  # a packed row's pattern is causal within each sequence
             )
-        x = self.norm(x[:, -1:] if last else x)
-        return x @ self.embed.weight.T if self.lm_head is None else self.lm_head(x)
+        return self._head(self.norm(x[:, -1:] if last else x))
+
+    def loss(
+        self,
+        idx: Tensor,
+        targets: Tensor,
+        *,
+        cu_seqlens: Tensor | None = None,
+        position_ids: Tensor | None = None,
+    ) -> Tensor:
+        """Mean next-token cross-entropy of the logits for idx (B, T) against targets
+        (B, T), skipping targets of -100; packing as in forward (a packed row's targets:
+        mhsa.models.packing.next_token_targets)."""
+        logits = self(idx, cu_seqlens=cu_seqlens, position_ids=position_ids)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
     def fuse_projections(self) -> Llama:
         """For inference: each layer's q, k, v and its gate, up projections in one
@@ -303,110 +348,6 @@ class Llama(nn.Module, CausalLMDecoding):
         decoding_layout(self.fuse_projections(), tied)
         return self
 
-    @property
-    def cache_layout(self) -> CacheLayout:
-        """The per-token shape of this model's caches (a paged pool's size)."""
-        c, param = self.config, self.embed.weight
-        return CacheLayout(
-            c.n_layer, c.n_kv_head or c.n_head, c.head_width, param.dtype, param.device
-        )
-
-    def make_caches(self, batch: int, max_len: int) -> list[KVCache]:
-        """Empty caches for every layer; windowed layers keep only their window."""
-        c = self.config
-        options = {"dtype": self.embed.weight.dtype, "device": self.embed.weight.device}
-        kv_heads = c.n_kv_head or c.n_head
-        return [
-            SlidingWindowCache(batch, kv_heads, c.sliding_window, c.head_width, **options)
-            if c.windowed(i) and c.sliding_window < max_len
-            else KVCache(batch, kv_heads, max_len, c.head_width, **options)
-            for i in range(c.n_layer)
-        ]
-
-    def default_stop_tokens(self) -> int | Sequence[int] | None:
-        """The config's eos_token(s)."""
-        return self.config.eos_token
-
-    @classmethod
-    def from_hf(
-        cls,
-        state_dict: Mapping[str, Tensor] | TensorSource,
-        config: LlamaConfig,
-        *,
-        dtype: torch.dtype | None = None,
-    ) -> Llama:
-        """Build a Llama from weights named as in transformers' LlamaForCausalLM,
-        MistralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM (model.embed_tokens,
-        model.layers.N.self_attn.q_proj, ..., lm_head): a state dict or a TensorSource.
-        Every name and shape is checked before any weight is used (HF_NAMES); the
-        tensors are taken as they are (no copy), cast to `dtype` if given (float32,
-        bfloat16, float16), else to the embedding's. A tied model's lm_head.weight, when
-        present, must be the embedding."""
-        source = as_source(state_dict)
-        with torch.device("meta"):
-            model = cls(config)
-        stored, ignore = source.shapes(), []
-        if config.tie_embeddings and "lm_head.weight" in stored:
-            head = source.read("lm_head.weight").cpu()
-            if EMBED in stored and not torch.equal(head, source.read(EMBED).cpu()):
-                raise ValueError(
-                    f"{source.name}: lm_head.weight differs from {EMBED}, so the "
-                    "checkpoint is not tied: set tie_embeddings=False"
-                )
-            ignore.append("lm_head.weight")
-        if dtype is None and EMBED in stored:
-            dtype = source.read(EMBED).dtype
-        fix = "check that the config (layers, attention_bias, qk_norm, tie_embeddings) matches it"
-        load_weights(
-            model,
-            source,
-            HF_NAMES,
-            dtype=dtype,
-            assign=True,
-            expected_by="this config",
-            fix=fix,
-            ignore=ignore,
-        )
-        with torch.device(model.embed.weight.device):
-            model.rotary = model._make_rotary()  # its frequencies were made on meta
-        return model.eval()
-
-    @classmethod
-    def from_pretrained(
-        cls, directory: str | Path, *, dtype: torch.dtype | None = None, device: str = "cpu"
-    ) -> Llama:
-        """Load a Hugging Face model directory: config.json and its *.safetensors files."""
-        directory = Path(directory)
-        if not (directory / "config.json").is_file():
-            raise ValueError(
-                f"{directory} has no config.json; pass a Hugging Face model "
-                "directory (config.json + *.safetensors)"
-            )
-        files = sorted(directory.glob("*.safetensors"))
-        if not files:
-            raise ValueError(
-                f"{directory} has no *.safetensors weights; convert .bin "
-                "checkpoints with transformers' save_pretrained first"
-            )
-        config = LlamaConfig.from_hf_config(json.loads((directory / "config.json").read_text()))
-        return cls.from_hf(SafetensorsFiles(files, device=str(device)), config, dtype=dtype)
-
-
-EMBED = "model.embed_tokens.weight"
-HF_NAMES = NameTable(  # our names <-> transformers' (Llama, Mistral, Qwen2, Qwen3)
-    ("embed.weight", EMBED),
-    ("norm.weight", "model.norm.weight"),
-    ("lm_head.weight", "lm_head.weight"),
-    ("layers.{i}.attn_norm.weight", "model.layers.{i}.input_layernorm.weight"),
-    ("layers.{i}.ff_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
-    ("layers.{i}.attn.q_proj.{p}", "model.layers.{i}.self_attn.q_proj.{p}"),
-    ("layers.{i}.attn.k_proj.{p}", "model.layers.{i}.self_attn.k_proj.{p}"),
-    ("layers.{i}.attn.v_proj.{p}", "model.layers.{i}.self_attn.v_proj.{p}"),
-    ("layers.{i}.attn.out_proj.{p}", "model.layers.{i}.self_attn.o_proj.{p}"),
-    ("layers.{i}.attn.q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight"),
-    ("layers.{i}.attn.k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight"),
-    ("layers.{i}.ff.gate.{p}", "model.layers.{i}.mlp.gate_proj.{p}"),
-    ("layers.{i}.ff.up.{p}", "model.layers.{i}.mlp.up_proj.{p}"),
-    ("layers.{i}.ff.down.{p}", "model.layers.{i}.mlp.down_proj.{p}"),
-    ignore=("model.rotary_emb.inv_freq", "model.layers.{i}.self_attn.rotary_emb.inv_freq"),
-)
+    def cache_window(self, layer: int) -> int | None:
+        """Windowed layers keep only their window."""
+        return self.config.sliding_window if self.config.windowed(layer) else None

@@ -5,17 +5,20 @@
       -> n_layer pre-norm encoder blocks -> layer norm -> linear head on [CLS]
 
 Position embeddings are interpolated (bicubic over the patch grid) when the image
-size differs from the one the model was built for.
+size differs from the one the model was built for. Images of different sizes go in
+one packed row (`packed`): each image's tokens attend only each other, as alone.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..core.masks import Segments
 from ..nn import encoder_layers
 from .config import EncoderClassifierConfig
 
@@ -74,8 +77,9 @@ class ViT(nn.Module):
         )
         return torch.cat([cls_pos, patch_pos.flatten(2).transpose(1, 2)], dim=1)
 
-    def forward(self, images: Tensor) -> Tensor:
-        """images (B, C, H, W), H and W multiples of patch_size -> logits (B, classes)."""
+    def embed(self, images: Tensor) -> Tensor:
+        """images (B, C, H, W), H and W multiples of patch_size -> tokens (B, 1 + N, d):
+        [CLS] and the N patches, with their positions."""
         if images.dim() != 4 or images.shape[1] != self.config.channels:
             raise ValueError(
                 f"images must be (batch, {self.config.channels}, H, W), got {tuple(images.shape)}"
@@ -84,10 +88,31 @@ class ViT(nn.Module):
         grid_h, grid_w = patches.shape[2:]
         x = patches.flatten(2).transpose(1, 2)  # (B, N, d)
         x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
-        x = self.drop(x + self.positions(grid_h, grid_w))
+        return x + self.positions(grid_h, grid_w)
+
+    def encode(self, x: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
+        """tokens (B, T, d) -> normed hidden states (B, T, d); with cu_seqlens (N+1,),
+        x (1, T, d) packs N images' tokens, each image attending only itself."""
+        mask = None if cu_seqlens is None else Segments(cu_seqlens)
+        x = self.drop(x)
         for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x[:, 0]))
+            x = block(x, mask=mask)
+        return self.norm(x)
+
+    def forward(self, images: Tensor) -> Tensor:
+        """images (B, C, H, W), H and W multiples of patch_size -> logits (B, classes)."""
+        return self.head(self.encode(self.embed(images))[:, 0])
+
+    def packed(self, images: Sequence[Tensor]) -> Tensor:
+        """Images of different sizes, each (C, H_i, W_i), in one packed row -> logits
+        (N, classes), each the logits of its image alone."""
+        if not images:
+            raise ValueError("images must hold at least one (C, H, W) image")
+        tokens = [self.embed(image.unsqueeze(0))[0] for image in images]  # (1 + N_i, d)
+        lengths = torch.tensor([0] + [t.shape[0] for t in tokens])
+        cu = lengths.cumsum(0).to(torch.int32)
+        hidden = self.encode(torch.cat(tokens).unsqueeze(0), cu)[0]
+        return self.head(hidden[cu[:-1].long().to(hidden.device)])  # the [CLS] tokens
 
     def loss(self, images: Tensor, labels: Tensor) -> Tensor:
         return F.cross_entropy(self(images), labels)

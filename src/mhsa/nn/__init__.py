@@ -1,6 +1,8 @@
 """Attention modules and transformer layers built on mhsa.attention.
 
 attention.py     MultiHeadAttention (self/cross, GQA, positions, caches)
+latent.py        LatentAttention (MLA: DeepSeek, MiniCPM3), absorbed decoding
+moe.py           MoEFeedForward: DeepSeek-V3's routed + shared experts, written plainly
 feedforward.py   the feed-forward sublayers (plain, gated) and the residual + norm wrapper
 norm.py          RMSNorm
 differential.py  DiffAttention (the Differential Transformer's attention)
@@ -15,8 +17,10 @@ layout.py        the decoding layout: transposed float weights, fused projection
 from .attention import MultiHeadAttention, from_torch_masks
 from .differential import DiffAttention
 from .feedforward import FeedForward, GatedFeedForward
+from .latent import LatentAttention
 from .layers import TransformerDecoderLayer, TransformerEncoderLayer
 from .moba import MoBA
+from .moe import MoEFeedForward
 from .norm import RMSNorm
 from .stacks import Transformer, TransformerDecoder, TransformerEncoder, encoder_layers
 
@@ -24,7 +28,9 @@ __all__ = [
     "DiffAttention",
     "FeedForward",
     "GatedFeedForward",
+    "LatentAttention",
     "MoBA",
+    "MoEFeedForward",
     "MultiHeadAttention",
     "RMSNorm",
     "Transformer",

@@ -77,6 +77,12 @@ class MultiHeadAttention(nn.Module):
         qk_norm_eps: when set, an RMSNorm of this eps over each head's q and k, before
             positions are applied (Qwen3, OLMo 2 style "QK-norm"); q_norm and k_norm
             hold their (head_dim,) weights.
+        qk_norm_unit_offset: the QK-norms scale by (1 + weight), weight from zeros
+            (Qwen3-Next, Gemma 3), instead of by weight.
+        output_gate: gate the attention output per channel before the output
+            projection, out * sigmoid(gate_proj(query)) (Qwen3-Next's full-attention
+            layers); gate_proj maps E to H * D, with `bias`. split_query_gate reads a
+            checkpoint whose q_proj holds query and gate together.
         dropout: dropout on attention probabilities while training.
         scale: multiplies q k^T; default 1 / sqrt(D) (Gemma 2 uses its own scalar).
         score: an mhsa.core.scores function applied to the scaled scores inside the engine,
@@ -97,6 +103,8 @@ class MultiHeadAttention(nn.Module):
         bias: bool = True,
         out_bias: bool | None = None,
         qk_norm_eps: float | None = None,
+        qk_norm_unit_offset: bool = False,
+        output_gate: bool = False,
         dropout: float = 0.0,
         scale: float | None = None,
         score: ScoreFunction | None = None,
@@ -150,8 +158,16 @@ class MultiHeadAttention(nn.Module):
         self.qkv_proj = None  # see fuse_projections
         self.q_norm = self.k_norm = None
         if qk_norm_eps is not None:
-            self.q_norm = RMSNorm(self.head_dim, eps=qk_norm_eps, **factory)
-            self.k_norm = RMSNorm(self.head_dim, eps=qk_norm_eps, **factory)
+            norm = {"eps": qk_norm_eps, "unit_offset": qk_norm_unit_offset, **factory}
+            self.q_norm = RMSNorm(self.head_dim, **norm)
+            self.k_norm = RMSNorm(self.head_dim, **norm)
+        elif qk_norm_unit_offset:
+            raise ValueError("qk_norm_unit_offset needs qk_norm_eps (the QK-norms' eps)")
+        if not isinstance(output_gate, bool):
+            raise TypeError(f"output_gate must be True or False, got {output_gate!r}")
+        self.gate_proj = (
+            nn.Linear(embed_dim, q_width, bias=bias, **factory) if output_gate else None
+        )
 
     def fuse_projections(self) -> bool:
         """For inference: q, k and v of self-attention in one matmul (their weights
@@ -239,7 +255,10 @@ class MultiHeadAttention(nn.Module):
                 score=score,
                 **pages,
             )
-        out = self.out_proj(out.transpose(1, 2).reshape(query.shape[0], query.shape[1], -1))
+        out = out.transpose(1, 2).reshape(query.shape[0], query.shape[1], -1)  # (B, L, H * D)
+        if self.gate_proj is not None:
+            out = out * torch.sigmoid(self.gate_proj(query))
+        out = self.out_proj(out)
         if not need_weights:
             return out
         return out, (weights.mean(dim=1) if average_weights else weights)
@@ -379,6 +398,21 @@ class MultiHeadAttention(nn.Module):
             )
         padding = key_padding_mask[:, None, None, :]  # (B, 1, 1, S)
         return padding if mask is None else mask & padding
+
+    @staticmethod
+    def split_query_gate(projection: Tensor, num_heads: int) -> tuple[Tensor, Tensor]:
+        """A q_proj weight (2 * H * D, E) or bias (2 * H * D,) holding each head's query
+        and gate side by side (Qwen3-Next: [q_0, gate_0, q_1, gate_1, ...], D rows each)
+        as (q_proj's, gate_proj's), (H * D, ...) each."""
+        int_at_least("num_heads", num_heads, 1)
+        if projection.shape[0] % (2 * num_heads):
+            raise ValueError(
+                f"projection's first axis ({projection.shape[0]}) must be 2 * num_heads * "
+                f"head_dim, a multiple of 2 * num_heads = {2 * num_heads}"
+            )
+        heads = projection.reshape(num_heads, 2, -1, *projection.shape[1:])
+        query, gate = heads[:, 0], heads[:, 1]  # (H, D, ...)
+        return query.reshape(-1, *projection.shape[1:]), gate.reshape(-1, *projection.shape[1:])
 
     @classmethod
     def from_torch(cls, module: nn.MultiheadAttention, backend: str = "auto") -> MultiHeadAttention:

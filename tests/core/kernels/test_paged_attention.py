@@ -249,6 +249,32 @@ def test_a_block_table_changed_in_place_is_checked_again():
         paged(q, k_pool, v_pool, table.clone(), lengths)
 
 
+@torch.no_grad()
+def test_the_layers_of_a_step_reuse_one_checked_plan_and_nothing_stale():
+    """Without gradients a call like the last (same shapes, table, lengths and options)
+    skips the checks; whatever differs (the table's content, the lengths, the scale, a
+    forced backend) is checked again, and the answers equal the checked ones."""
+    q, k_pool, v_pool, table, keys, values = _paged([5, 9], 4)
+    lengths = [5, 9]
+    want = _golden(q, keys, values, lengths)
+    for _ in range(3):  # the second and third reuse the first's plan
+        assert max_error(paged(q, k_pool, v_pool, table, lengths), want) < 1e-12
+    with pytest.raises(ValueError, match="seq_lens"):
+        paged(q, k_pool, v_pool, table, [5, table.shape[1] * 4 + 1])
+    paged(q, k_pool, v_pool, table, lengths)
+    other_q = torch.randn_like(q)  # another layer: its own q and pools, the same shapes
+    other_want = _golden(other_q, keys, values, lengths)
+    assert max_error(paged(other_q, k_pool, v_pool, table, lengths), other_want) < 1e-12
+    half = _golden(q, keys, values, lengths, scale=0.5)
+    paged(q, k_pool, v_pool, table, lengths)
+    assert max_error(paged(q, k_pool, v_pool, table, lengths, scale=0.5), half) < 1e-12
+    with pytest.raises(ValueError, match="forward_paged|paged keys"), mhsa.use_backend("sdpa"):
+        paged(q, k_pool, v_pool, table, lengths)
+    table[1, 0] = k_pool.shape[0]  # in place: a new version, checked again
+    with pytest.raises(ValueError, match="block_table's blocks"):
+        paged(q, k_pool, v_pool, table, lengths)
+
+
 def test_the_registry_refuses_paged_keys_for_backends_without_forward_paged():
     from mhsa.core.backends.registry import PAGED_REASON, reason_unusable, serves_paged
 

@@ -72,6 +72,7 @@ class Engine:
             layout.head_dim,
             num_blocks=num_blocks,
             block_size=block_size,
+            value_dim=layout.value_dim,
             dtype=layout.dtype,
             device=layout.device,
         )

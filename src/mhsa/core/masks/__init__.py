@@ -6,6 +6,7 @@ never visits an empty block.
 """
 
 from .base import EMPTY, FULL, PARTIAL, Band, Intersection, Pattern, Union
+from .chunked import Chunked
 from .patterns import (
     BlockSparse,
     BoolMask,
@@ -33,6 +34,7 @@ __all__ = [
     "BlockSparse",
     "BoolMask",
     "Causal",
+    "Chunked",
     "Dilated",
     "Document",
     "Full",

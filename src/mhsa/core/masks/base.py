@@ -49,6 +49,9 @@ class Pattern:
     # built from plain values only, so that repr(pattern) rebuilds it (the flash op of
     # a traced graph takes it so); False for patterns that hold tensors
     plain_values: bool = True
+    # allows nothing that Causal() forbids, so that and-ing Causal() changes nothing
+    # (with_causal then keeps the pattern alone, with its fast paths)
+    within_causal: bool = False
 
     def allowed(self, rows: Tensor, cols: Tensor, q_len: int, kv_len: int) -> Tensor:
         """Element mask for query indices rows (R, 1) and key indices cols (1, C):
@@ -178,6 +181,16 @@ class Pattern:
         return Intersection(self, other)
 
 
+def pattern_or_none(name: str, value: object) -> Pattern | None:
+    """value if it is a Pattern or None; else TypeError naming `name`."""
+    if value is not None and not isinstance(value, Pattern):
+        raise TypeError(
+            f"{name} must be an mhsa.masks pattern (SlidingWindow(...), Causal(), ...) or "
+            f"None, got {type(value).__name__}"
+        )
+    return value
+
+
 def _check_sizes(q_len: int, kv_len: int) -> None:
     int_at_least("q_len", q_len, 0)
     int_at_least("kv_len", kv_len, 0)
@@ -214,10 +227,12 @@ class Union(Pattern):
         blocks = [p.block_size for p in parts if p.block_size]
         self.block_size = math.gcd(*blocks) if blocks else None
         self.plain_values = all(p.plain_values for p in parts)
+        self.within_causal = self._within(p.within_causal for p in parts)
 
     # how parts' element masks join, and which block kind wins (EMPTY < PARTIAL < FULL)
     _join = staticmethod(torch.logical_or)
     _strongest = True
+    _within = staticmethod(all)  # a union stays within causal if every part does
 
     def allowed(self, rows, cols, q_len, kv_len):
         masks = [p.allowed(rows, cols, q_len, kv_len) for p in self.parts]
@@ -245,6 +260,7 @@ class Intersection(Union):
 
     _join = staticmethod(torch.logical_and)
     _strongest = False
+    _within = staticmethod(any)
 
     def __repr__(self) -> str:
         return " & ".join(f"({p!r})" for p in self.parts)

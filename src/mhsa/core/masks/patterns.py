@@ -96,7 +96,7 @@ def with_causal(mask: Tensor | Pattern | None, causal: bool) -> Pattern | None:
     Causal() as one pattern, from which the engines build their block plans; None
     when everything may attend."""
     pattern = BoolMask(mask) if isinstance(mask, Tensor) else mask
-    if not causal:
+    if not causal or (pattern is not None and pattern.within_causal):
         return pattern
     return Causal() if pattern is None else pattern & Causal()
 

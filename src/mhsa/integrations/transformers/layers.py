@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from torch import nn
 
 from mhsa.core.masks import Pattern
+from mhsa.core.masks.base import pattern_or_none
 
 from .attention import PATTERN_ATTRIBUTE
 
@@ -48,10 +49,7 @@ def set_pattern(
             f"{type(model).__name__} runs attn_implementation={implementation!r}, which would "
             "ignore the pattern; call register() and model.set_attn_implementation('mhsa') first"
         )
-    if pattern is not None and not isinstance(pattern, Pattern):
-        raise TypeError(
-            f"pattern must be an mhsa.masks pattern or None, got {type(pattern).__name__}"
-        )
+    pattern_or_none("pattern", pattern)
     modules = attention_modules(model)
     if not modules:
         raise ValueError(f"{type(model).__name__} has no module that calls AttentionInterface")

@@ -7,7 +7,7 @@ and_masks / or_masks), and hands it to the mask interface of the attn_implementa
 with the sizes: query i sits at position q_offset + i, key j at kv_offset + j.
 `build_mask` recognises those pieces (by the code object of each factory's closure) and
 returns a `LoweredMask`:
-Causal, SlidingWindow, KeyPadding and Document patterns, never an L x S tensor (a
+Causal, SlidingWindow, Chunked, KeyPadding and Document patterns, never an L x S tensor (a
 StaticCache's free slots after the last query are left out of the attention). What it
 cannot lower exactly (a model's own overlay) becomes the dense bool mask of
 transformers' own sdpa_mask: slower, still exact. The model passes the LoweredMask to
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mhsa.core.masks import Causal, Document, Full, KeyPadding, Pattern, SlidingWindow
+from mhsa.core.masks import Causal, Chunked, Document, Full, KeyPadding, Pattern, SlidingWindow
 
 from . import library
 
@@ -363,9 +363,13 @@ def _padding(padding: Tensor | None, sizes: _Sizes) -> _Terms | None:
 
 
 def _chunked(fn: Callable, sizes: _Sizes) -> _Terms:
-    """(kv - pad[b]) // c == (q - pad[b]) // c: documents of c positions counted from
-    each sequence's first real token."""
+    """(kv - pad[b]) // c == (q - pad[b]) // c: chunks of c positions counted from each
+    sequence's first real token. One left padding for all: Chunked, key 0 at position
+    kv_offset - pad (causal already); else documents per sequence."""
     chunk, left_padding = _cells(fn, "chunk_size", "left_padding")
+    pads = left_padding.flatten().tolist()
+    if len(set(pads)) <= 1:
+        return _Terms(patterns=(Chunked(int(chunk), start=sizes.kv_offset - int(sum(pads[:1]))),))
     positions = torch.arange(sizes.kv_len, device=left_padding.device) + sizes.kv_offset
     ids = (positions.view(1, -1) - left_padding.view(-1, 1)).div(int(chunk), rounding_mode="floor")
     return _Terms(patterns=(Document(ids.expand(sizes.batch_size, -1)),))

@@ -1,0 +1,195 @@
+"""DecoderLM: what the Hugging Face-style decoder-only language models (Llama and its
+families, Llama 4, DeepSeek) share, said once: embedding -> layers -> RMSNorm -> a head
+tied to the embedding or not; positions from the caches or each row's start; caches per
+layer (a ring buffer for a layer with a window); checked loading of transformers'
+weights and directories. A family gives its layers, its rotary embedding and its weight
+names (hf_names); see models/llama.py for the smallest one."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from typing_extensions import Self
+
+from ..cache import KVCache, SlidingWindowCache
+from ..formats.weights import NameTable, SafetensorsFiles, TensorSource, as_source, load_weights
+from ..nn import RMSNorm
+from .decoder import CacheLayout
+from .decoding import CausalLMDecoding, check_token_ids
+from .init import normal_init
+
+EMBED = "model.embed_tokens.weight"  # transformers' name of the embedding
+
+
+class DecoderLM(nn.Module, CausalLMDecoding):
+    """A Decoder (mhsa.models.decoder): prefill, step, make_caches, cache_layout.
+    Subclasses set config_class and hf_names, call _build from __init__ and define
+    _init_rotary and forward (using _positions and _head)."""
+
+    config_class: type
+    hf_names: NameTable
+    unit_offset_norm = False  # the final RMSNorm scales by (1 + weight) (Gemma)
+    load_fix = "check that the config (layers, widths, tie_embeddings) matches it"
+
+    def _build(self, config, layers: Iterable[nn.Module]) -> None:
+        """Embedding, layers, final norm and head (None when tied), rotary, init."""
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.d_model, eps=config.norm_eps, unit_offset=self.unit_offset_norm)
+        self.lm_head = None
+        if not config.tie_embeddings:
+            self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self._init_rotary()
+        self.apply(normal_init)
+
+    def _init_rotary(self) -> None:
+        """Make the rotary embedding(s) (again, after a load onto meta-built parameters)."""
+        raise NotImplementedError
+
+    def _positions(
+        self, idx: Tensor, caches: list[KVCache] | None, start: Tensor | None
+    ) -> tuple[Tensor, Tensor | None]:
+        """idx (B, T) checked -> (positions (B, T) of its tokens, key padding (B, T) or
+        None): from the caches when given (they hold the padding), else counted from
+        each row's `start` (its first real token), so a left-padded row is positioned
+        as alone."""
+        check_token_ids(idx, self.config.vocab_size)
+        batch, length = idx.shape
+        if caches is not None:
+            if len(caches) != len(self.layers):
+                raise ValueError(
+                    f"caches must hold one cache per layer ({len(self.layers)}), got "
+                    f"{len(caches)}; use model.make_caches(batch, max_len)"
+                )
+            return caches[0].next_positions(length), None  # caches pad themselves
+        index = torch.arange(length, device=idx.device).view(1, -1)
+        begin = torch.zeros(batch, 1, dtype=torch.long, device=idx.device)
+        begin = begin if start is None else start.view(-1, 1).to(idx.device)
+        positions = (index - begin).clamp(min=0).expand(batch, length)
+        return positions, None if start is None else index >= begin
+
+    def _head(self, x: Tensor) -> Tensor:
+        """Final hidden states (B, T, d) -> logits (B, T, vocab)."""
+        return x @ self.embed.weight.T if self.lm_head is None else self.lm_head(x)
+
+    def cache_window(self, layer: int) -> int | None:
+        """The keys layer `layer` ever needs, when bounded (a window); None: all."""
+        return None
+
+    @property
+    def cache_layout(self) -> CacheLayout:
+        """The per-token shape of this model's caches (a paged pool's size)."""
+        c, param = self.config, self.embed.weight
+        return CacheLayout(
+            c.n_layer, c.n_kv_head or c.n_head, c.head_width, param.dtype, param.device
+        )
+
+    def make_caches(self, batch: int, max_len: int) -> list[KVCache]:
+        """Empty caches for every layer; a layer with a window keeps only that many keys
+        (a SlidingWindowCache ring buffer)."""
+        layout = self.cache_layout
+        options = {"dtype": layout.dtype, "device": layout.device}
+        shape = (layout.num_kv_heads, layout.head_dim, layout.value_dim)
+        caches = []
+        for i in range(layout.num_layers):
+            window = self.cache_window(i)
+            if window is not None and window < max_len:
+                caches.append(SlidingWindowCache(batch, shape[0], window, *shape[1:], **options))
+            else:
+                caches.append(KVCache(batch, shape[0], max_len, *shape[1:], **options))
+        return caches
+
+    def default_stop_tokens(self) -> int | Sequence[int] | None:
+        """The config's eos_token(s)."""
+        return self.config.eos_token
+
+    @classmethod
+    def _load_hf(
+        cls,
+        state_dict: Mapping[str, Tensor] | TensorSource,
+        config,
+        *,
+        dtype: torch.dtype | None,
+        ignore: Sequence[str] = (),
+    ) -> Self:
+        """Build on meta and load every weight, each name and shape checked first
+        (hf_names; a miss is one line naming the file and tensor), taken as stored (no
+        copy), cast to `dtype` if given, else to the embedding's. A tied model's
+        lm_head.weight, when present, must be the embedding."""
+        source = as_source(state_dict)
+        with torch.device("meta"):
+            model = cls(config)
+        stored, ignore = source.shapes(), list(ignore)
+        if config.tie_embeddings and "lm_head.weight" in stored:
+            head = source.read("lm_head.weight").cpu()
+            if EMBED in stored and not torch.equal(head, source.read(EMBED).cpu()):
+                raise ValueError(
+                    f"{source.name}: lm_head.weight differs from {EMBED}, so the "
+                    "checkpoint is not tied: set tie_embeddings=False"
+                )
+            ignore.append("lm_head.weight")
+        if dtype is None and EMBED in stored:
+            dtype = source.read(EMBED).dtype
+        load_weights(
+            model,
+            source,
+            cls.hf_names,
+            dtype=dtype,
+            assign=True,
+            expected_by="this config",
+            fix=cls.load_fix,
+            ignore=ignore,
+        )
+        with torch.device(model.embed.weight.device):
+            model._init_rotary()  # its frequencies were made on meta
+        return model
+
+    @classmethod
+    def from_hf(
+        cls,
+        state_dict: Mapping[str, Tensor] | TensorSource,
+        config,
+        *,
+        dtype: torch.dtype | None = None,
+    ) -> Self:
+        """Build one from weights named as in its transformers model (hf_names: e.g.
+        model.embed_tokens, model.layers.N.self_attn.q_proj, ..., lm_head): a state dict
+        or a TensorSource. Every name and shape is checked before any weight is used;
+        the tensors are taken as they are (no copy), cast to `dtype` if given (float32,
+        bfloat16, float16), else to the embedding's. A tied model's lm_head.weight, when
+        present, must be the embedding. Names that extra_names_ignored gives are
+        skipped."""
+        ignore = cls.extra_names_ignored(as_source(state_dict).shapes(), config)
+        return cls._load_hf(state_dict, config, dtype=dtype, ignore=ignore).eval()
+
+    @classmethod
+    def extra_names_ignored(cls, names: Iterable[str], config) -> list[str]:
+        """Stored tensors the model does not use (none by default)."""
+        return []
+
+    @classmethod
+    def from_pretrained(
+        cls, directory: str | Path, *, dtype: torch.dtype | None = None, device: str = "cpu"
+    ) -> Self:
+        """Load a Hugging Face model directory: config.json and its *.safetensors files."""
+        directory = Path(directory)
+        if not (directory / "config.json").is_file():
+            raise ValueError(
+                f"{directory} has no config.json; pass a Hugging Face model "
+                "directory (config.json + *.safetensors)"
+            )
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise ValueError(
+                f"{directory} has no *.safetensors weights; convert .bin "
+                "checkpoints with transformers' save_pretrained first"
+            )
+        config = cls.config_class.from_hf_config(
+            json.loads((directory / "config.json").read_text())
+        )
+        return cls.from_hf(SafetensorsFiles(files, device=str(device)), config, dtype=dtype)

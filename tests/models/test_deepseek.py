@@ -1,0 +1,235 @@
+"""DeepSeek-V3 and MiniCPM3 (mhsa.models.deepseek) against transformers'
+DeepseekV3ForCausalLM and MiniCPM3ForCausalLM with tiny random float32 configs: logits,
+greedy tokens, latent-cached decoding (contiguous and paged) equal to recomputing,
+cache bytes per token, and the checked weight loading."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from helpers import max_error
+from mhsa.cache import PagedKVCache
+from mhsa.models import DeepSeek, DeepSeekConfig
+from optional import needs
+
+VOCAB = 97
+SHARED = dict(  # sizes shared by both tiny configs; no width is a power of two
+    vocab_size=VOCAB,
+    hidden_size=48,
+    intermediate_size=72,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=24,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=10,
+    v_head_dim=12,
+    max_position_embeddings=128,
+    pad_token_id=0,
+    bos_token_id=None,
+    eos_token_id=None,
+)
+DEEPSEEK = dict(
+    q_lora_rank=20,
+    moe_intermediate_size=16,
+    n_routed_experts=8,
+    n_shared_experts=2,
+    num_experts_per_tok=3,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+    first_k_dense_replace=1,  # layer 0 dense, layers 1 and 2 experts
+    rope_interleave=True,
+    num_mtp_layers=0,
+    # YaRN with mscale_all_dim (as DeepSeek-V3 ships): positions past 32 are scaled
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 32,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+)
+MINICPM = dict(q_lora_rank=None, scale_emb=12, scale_depth=1.4, dim_model_base=16)
+
+
+def reference(kind: str):
+    """transformers' model of `kind` with random weights (routers and their score
+    biases spread out, so that routing differs between tokens), in eval mode."""
+    transformers = needs("transformers")
+    torch.manual_seed(0)
+    if kind == "deepseek_v3":
+        config = transformers.DeepseekV3Config(**SHARED, **DEEPSEEK)
+        model = transformers.DeepseekV3ForCausalLM(config)
+    else:
+        config = transformers.MiniCPM3Config(**SHARED, **MINICPM)
+        model = transformers.MiniCPM3ForCausalLM(config)
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith("mlp.gate.weight"):
+                tensor.normal_(0, 0.5)
+            elif name.endswith("e_score_correction_bias"):
+                tensor.normal_(0, 0.1)
+    return model.eval(), config
+
+
+@pytest.fixture(scope="module", params=["deepseek_v3", "minicpm3"])
+def pair(request):
+    theirs, config = reference(request.param)
+    ours = DeepSeek.from_hf(theirs.state_dict(), DeepSeekConfig.from_hf_config(config.to_dict()))
+    return theirs, ours
+
+
+def test_logits_match_transformers(pair):
+    theirs, ours = pair
+    idx = torch.randint(0, VOCAB, (2, 45))  # past YaRN's original 32 positions
+    with torch.no_grad():
+        want, got = theirs(idx).logits, ours(idx)
+    assert max_error(got, want) < 1e-5
+    assert max_error(ours(idx, last=True)[:, -1], want[:, -1]) < 1e-5
+
+
+def test_greedy_tokens_match_transformers(pair):
+    theirs, ours = pair
+    idx = torch.randint(0, VOCAB, (2, 7))
+    want = theirs.generate(idx, max_new_tokens=10, do_sample=False)
+    got = ours.generate(idx, 10, temperature=0.0)
+    assert want.shape == (2, 17)
+    assert torch.equal(got, want)
+
+
+def test_cached_decoding_equals_full_recompute(pair):
+    _, ours = pair
+    prompts = [torch.randint(0, VOCAB, (n,)) for n in (4, 9)]
+    cached = ours.generate(prompts, 8, temperature=0.0, use_cache=True)
+    full = ours.generate(prompts, 8, temperature=0.0, use_cache=False)
+    alone = [ours.generate(p[None], 8, temperature=0.0)[0] for p in prompts]
+    for a, b, c in zip(cached, full, alone, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+@torch.no_grad()
+def test_paged_cache_from_the_layout_equals_full_recompute(pair):
+    _, ours = pair
+    idx = torch.randint(0, VOCAB, (2, 14))
+    layout = ours.cache_layout
+    assert (layout.num_kv_heads, layout.value_dim) == (1, 0)
+    pool = PagedKVCache(
+        layout.num_layers,
+        layout.num_kv_heads,
+        layout.head_dim,
+        value_dim=layout.value_dim,
+        num_blocks=16,
+        block_size=4,
+    )
+    ids = [pool.add_sequence(idx[b, :9].tolist()) for b in range(2)]
+    outs = [ours(idx[:, :9], caches=pool.batch(ids, 9))]
+    for t in range(9, 14):
+        outs.append(ours(idx[:, t : t + 1], caches=pool.batch(ids, 1)))
+    assert max_error(torch.cat(outs, dim=1), ours(idx)) < 1e-5
+
+
+def test_cache_bytes_per_token_match_the_formula(pair):
+    _, ours = pair
+    c = ours.config
+    formula = c.n_layer * (c.kv_lora_rank + c.qk_rope_head_dim) * 4  # float32
+    caches = ours.make_caches(2, 10)
+    held = sum(cache.k.nbytes + cache.v.nbytes for cache in caches) / (2 * 10)
+    assert ours.cache_bytes_per_token() == held == formula
+
+
+def test_configs_read_from_transformers():
+    _, config = reference("minicpm3")
+    ours = DeepSeekConfig.from_hf_config(config.to_dict())
+    assert ours.residual_scale == pytest.approx(1.4 / math.sqrt(3))
+    assert (ours.scale_emb, ours.logits_scale, ours.tie_embeddings) == (12.0, 3.0, True)
+    _, config = reference("deepseek_v3")
+    ours = DeepSeekConfig.from_hf_config(config.to_dict())
+    assert ours.moe(1) and not ours.moe(0) and ours.rope_interleave
+    assert ours.scale == pytest.approx(18**-0.5 * (0.1 * math.log(4.0) + 1) ** 2)
+
+
+def test_weight_loading_is_checked():
+    theirs, config = reference("deepseek_v3")
+    ours = DeepSeekConfig.from_hf_config(config.to_dict())
+    state = theirs.state_dict()
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    missing = {k: v for k, v in state.items() if k != name}
+    unexpected = {**state, "model.layers.0.mlp.extra.weight": torch.zeros(1)}
+    shaped = {**state, name: state[name][:, :-1]}
+    for broken, words in (
+        (missing, "1 tensor missing"),
+        (unexpected, "1 unexpected tensor"),
+        (shaped, "has shape"),
+    ):
+        with pytest.raises(ValueError, match=words) as error:
+            DeepSeek.from_hf(broken, ours)
+        assert "\n" not in str(error.value)
+    # DeepSeek-V3's multi-token-prediction layer (past n_layer) is not ours: ignored
+    mtp = {**state, "model.layers.3.eh_proj.weight": torch.zeros(2, 2)}
+    assert isinstance(DeepSeek.from_hf(mtp, ours), DeepSeek)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("kv_lora_rank", 0),
+        ("qk_rope_head_dim", 0),
+        ("v_head_dim", -1),
+        ("q_lora_rank", 0),
+        ("logits_scale", float("nan")),
+    ],
+)
+def test_bad_config_sizes_are_rejected(field, value):
+    with pytest.raises(ValueError, match=field) as error:
+        DeepSeekConfig(**{field: value})
+    assert "\n" not in str(error.value)
+
+
+def test_unsupported_configs_are_rejected():
+    with pytest.raises(ValueError, match="model_type"):
+        DeepSeekConfig.from_hf_config({"model_type": "llama"})
+    d = {"model_type": "minicpm3", **SHARED, "num_key_value_heads": 2}
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        DeepSeekConfig.from_hf_config(d)
+    with pytest.raises(ValueError, match="n_group"):
+        DeepSeek(DeepSeekConfig(n_routed_experts=6, moe_d_ff=8, n_group=4))
+
+
+def test_the_serving_engine_runs_it_over_a_paged_pool():
+    """mhsa serve's engine (paged latent caches from cache_layout, chunked prefill,
+    continuous batching) gives each request the tokens it gets alone."""
+    from mhsa.apps.serve import Engine
+
+    torch.manual_seed(0)
+    config = DeepSeekConfig(
+        vocab_size=VOCAB,
+        n_layer=2,
+        n_head=4,
+        d_model=32,
+        d_ff=48,
+        max_len=256,
+        kv_lora_rank=16,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        q_lora_rank=12,
+        n_routed_experts=4,
+        moe_d_ff=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        first_k_dense_replace=1,
+    )
+    model = DeepSeek(config).double().eval()
+    engine = Engine(model, context_length=256, num_blocks=32, block_size=8, prefill_chunk=16)
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in (5, 40, 3)]
+    counts = [6, 4, 9]
+    for prompt, count, output in zip(prompts, counts, engine.run(prompts, counts), strict=True):
+        alone = model.generate(torch.tensor([prompt]), count, temperature=0.0)
+        assert output == alone[0, len(prompt) :].tolist()
+    assert engine.cache.used_blocks == 0
