@@ -24,9 +24,13 @@ class MoBA(MultiHeadAttention):
     each call fills whole blocks.
 
     Args:
-        embed_dim, num_heads, num_kv_heads, bias, backend: as MultiHeadAttention's.
+        embed_dim: model width E.
+        num_heads: query heads H.
         block_size: positions per block.
         top_k: earlier blocks each query block attends, >= 1.
+        num_kv_heads: key/value heads (grouped-query when < H); default H.
+        bias: whether the projections have biases.
+        backend: the attention backend; "flash" plans the chosen blocks.
     """
 
     def __init__(
