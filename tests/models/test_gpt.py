@@ -283,3 +283,11 @@ def test_attention_variants_replace_every_layers_self_attention():
     assert model.blocks[0].self_attn.top_k == 3
     lambdas = [block.self_attn.lambda_init for block in small(attention="diff").blocks]
     assert lambdas[0] < lambdas[1]  # lambda_init grows with depth
+
+
+def test_moba_refuses_packed_rows_and_sequence_shards():
+    model = small(attention="moba", moba_block=4)
+    idx = torch.randint(0, 61, (1, 8))
+    for options in ({"cu_seqlens": torch.tensor([0, 3, 8])}, {"positions": torch.arange(8, 16)}):
+        with pytest.raises(ValueError, match="attention='moba' chooses blocks within one"):
+            model(idx, **options)

@@ -162,6 +162,13 @@ class GPT(nn.Module, CausalLMDecoding):
         and gets the logits it gets alone. Not with caches, start or positions.
         """
         check_token_ids(idx, self.config.vocab_size)
+        if self.config.attention == "moba" and (
+            positions is not None or cu_seqlens is not None or position_ids is not None
+        ):
+            raise ValueError(
+                "attention='moba' chooses blocks within one whole sequence: it takes no "
+                "packed rows (cu_seqlens, position_ids) or sequence shards (positions)"
+            )
         batch, length = idx.shape
         attn_position = self.attn_position
         window = self.config.window
