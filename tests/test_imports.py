@@ -26,7 +26,7 @@ LAYERS = [
     ["nn"],
     ["cache", "distributed", "testing"],
     ["core.varlen"],
-    ["core.attention", "core.cluster"],
+    ["core.attention", "core.cluster", "core.moba"],
     ["core.paged"],
     ["core.validate"],
     ["core.backends"],

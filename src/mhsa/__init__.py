@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from .core.backends import names as backends
     from .core.backends import use_backend
     from .core.cluster import cluster_attention
+    from .core.moba import moba_attention
     from .core.varlen import attention_varlen
     from .nn import positional
 
@@ -36,6 +37,7 @@ _EXPORTS = {
     "attention_weights": (".core.attention", "attention_weights"),
     "attention_varlen": (".core.varlen", "attention_varlen"),
     "cluster_attention": (".core.cluster", "cluster_attention"),
+    "moba_attention": (".core.moba", "moba_attention"),
     "backends": (".core.backends", "names"),
     "use_backend": (".core.backends", "use_backend"),
     "distributed": (".distributed", None),
@@ -73,6 +75,7 @@ __all__ = [
     "attention_weights",
     "attention_varlen",
     "cluster_attention",
+    "moba_attention",
     "backends",
     "distributed",
     "masks",

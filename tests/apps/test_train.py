@@ -38,11 +38,21 @@ def run(
     kind="gpt",
     nan_from=None,
     log=lambda *_: None,
+    model_options=None,
     **options,
 ):
-    """Train a tiny GPT; nan_from=N makes the loss nan from the N-th training step on."""
+    """Train a tiny GPT (GPTConfig changed by model_options); nan_from=N makes the loss
+    nan from the N-th training step on."""
     torch.manual_seed(0)
-    config = GPTConfig(vocab_size=256, n_layer=2, n_head=2, d_model=32, max_len=32, dropout=0.1)
+    config = GPTConfig(
+        vocab_size=256,
+        n_layer=2,
+        n_head=2,
+        d_model=32,
+        max_len=32,
+        dropout=0.1,
+        **(model_options or {}),
+    )
     task = TextTask(ByteTokenizer().encode(TEXT), 32, batch_size=4, eval_batches=2)
     model = GPT(config)
     if nan_from is not None:
@@ -93,6 +103,20 @@ def test_training_lowers_the_validation_loss(tmp_path):
     _, result = run(tmp_path / "run", steps=24, lr=1e-2)
     last = result["history"][-1]["val_loss"]
     assert last < 0.5 * math.log(256), result["history"]
+
+
+@pytest.mark.parametrize(
+    "model_options",
+    [{"attention": "diff"}, {"attention": "moba", "moba_block": 8, "moba_top_k": 2}],
+    ids=["diff", "moba"],
+)
+def test_the_attention_variants_train(tmp_path, model_options):
+    """`mhsa train gpt --attention diff|moba` in small: the same 24 steps take the
+    validation loss below half of ln(256) too, and the checkpoint names the variant."""
+    _, result = run(tmp_path / "run", steps=24, lr=1e-2, model_options=model_options)
+    assert result["history"][-1]["val_loss"] < 0.5 * math.log(256), result["history"]
+    saved = load_checkpoint(tmp_path / "run")["info"]["config"]
+    assert saved["attention"] == model_options["attention"]
 
 
 def test_lr_warm_up_and_cosine_end_points():

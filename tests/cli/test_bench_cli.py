@@ -54,6 +54,7 @@ def test_every_suite_has_its_own_options():
         "serve",
         "hf",
         "flex",
+        "moba",
         "varlen",
     }
     assert {"--nproc", "--load", "--quantize", "--plot"} <= set().union(*suites.values())

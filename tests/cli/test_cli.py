@@ -97,6 +97,19 @@ def test_train_gpt_then_generate(tmp_path, capsys):
     assert captured.out.startswith("for ") and "tokens/s" in captured.err
 
 
+@pytest.mark.parametrize("attention", ["diff", "moba"])
+def test_train_gpt_with_another_attention_then_generate(tmp_path, capsys, attention):
+    data = tmp_path / "data.txt"
+    data.write_text("for i in range(10):\n    print(i)\n" * 100)
+    out = tmp_path / "run"
+    sizes = ["--layers", "1", "--d-model", "32", "--seq-len", "32", "--moba-block", "8"]
+    args = ["train", "gpt", "--data", str(data), "--out", str(out), "--steps", "2", *sizes]
+    assert main([*args, "--eval-every", "2", "--attention", attention]) == 0
+    assert f"rotary positions, {attention} attention" in capsys.readouterr().out
+    assert main(["generate", str(out), "--prompt", "for ", "--max-new-tokens", "3"]) == 0
+    assert capsys.readouterr().out.startswith("for ")
+
+
 def test_attention_maps_match_the_modules_and_plot(tmp_path):
     import torch
 

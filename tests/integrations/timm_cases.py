@@ -104,3 +104,54 @@ def test_unsupported_layers_and_arguments_are_clear_errors():
     eva = timm.create_model("eva02_tiny_patch14_224", pretrained=False)
     with pytest.raises(ValueError, match="EvaAttention"):
         timm_integration.convert(eva)
+
+
+def timm_diff_attention(**options):
+    from timm.layers.diff_attention import DiffAttention as TimmDiffAttention
+
+    torch.manual_seed(0)
+    theirs = TimmDiffAttention(48, num_heads=3, **options)
+    with torch.no_grad():  # timm starts the sub-norm at ones; any weight must carry over
+        theirs.sub_norm.weight.uniform_(0.5, 1.5)
+    return theirs
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["sdpa", "manual"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("options", [{}, {"qkv_bias": True, "depth": 5}], ids=["plain", "bias"])
+def test_diff_attention_equals_timms_forward_and_backward(fused, causal, options):
+    """mhsa.nn.DiffAttention with timm's weights: outputs and every weight's gradient
+    within 1e-5 of timm's DiffAttention (float32)."""
+    from mhsa.nn import DiffAttention
+
+    theirs = timm_diff_attention(**options)
+    theirs.fused_attn = fused
+    ours = DiffAttention.from_timm(copy.deepcopy(theirs))
+    assert ours.lambda_init == theirs.lambda_init
+    x = torch.randn(2, 13, 48)
+    got, want = ours(x, causal=causal), theirs(x, is_causal=causal)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    weights = torch.randn_like(want)
+    (got * weights).sum().backward()
+    (want * weights).sum().backward()
+    for (name, a), (_, b) in zip(theirs.named_parameters(), ours.named_parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_diff_attention_takes_timms_bool_mask():
+    from mhsa.nn import DiffAttention
+
+    theirs = timm_diff_attention()
+    ours = DiffAttention.from_timm(copy.deepcopy(theirs))
+    x = torch.randn(2, 9, 48)
+    allowed = torch.rand(2, 1, 9, 9) > 0.3
+    allowed[..., 0] = True
+    torch.testing.assert_close(ours(x, mask=allowed), theirs(x, attn_mask=allowed))
+
+
+def test_diff_attention_from_timm_refuses_what_it_cannot_copy():
+    from mhsa.nn import DiffAttention
+
+    for options, name in (({"qk_norm": True}, "q_norm"), ({"dual_lambda": True}, "dual_lambda")):
+        with pytest.raises(ValueError, match=name):
+            DiffAttention.from_timm(timm_diff_attention(**options))

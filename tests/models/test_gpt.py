@@ -192,6 +192,13 @@ def test_logits_equal_transformers_gpt2():
         ({"dropout": 1.5}, "dropout must be"),
         ({"n_kv_head": True}, "n_kv_head must divide n_head"),
         ({"max_len": 0}, "max_len must be"),
+        ({"attention": "latent"}, "attention must be one of"),
+        ({"attention": "diff", "d_model": 36, "n_head": 4}, "attention='diff' needs d_model"),
+        ({"attention": "diff", "n_kv_head": 2}, "no grouped-query heads"),
+        ({"attention": "moba", "window": 8}, "attention='moba' is causal"),
+        ({"attention": "moba", "position": "alibi"}, "attention='moba' is causal"),
+        ({"attention": "moba", "moba_top_k": 0}, "moba_top_k must be an int >= 1"),
+        ({"attention": "moba", "moba_block": 0}, "moba_block must be an int >= 1"),
     ],
 )
 def test_config_errors_name_the_field(options, message):
@@ -238,3 +245,49 @@ def test_left_padded_generation_with_a_sliding_window_cache_equals_each_prompt_a
     for prompt, out in zip(prompts, together, strict=True):
         alone = model.generate([prompt], 10, temperature=0)[0]
         assert torch.equal(out, alone)
+
+
+@pytest.mark.parametrize(
+    ("attention", "options"),
+    [
+        ("diff", {"position": "rotary"}),
+        ("diff", {"position": "alibi"}),
+        ("diff", {"position": "learned", "window": 5}),
+        ("moba", {"position": "rotary", "moba_block": 4, "moba_top_k": 2, "n_kv_head": 2}),
+    ],
+)
+def test_attention_variants_decode_with_caches_as_full_recompute(attention, options):
+    """Differential attention caches 2H half-width heads; MoBA routes each call's new
+    tokens as a block, so its steps here fill whole blocks of 4."""
+    torch.manual_seed(0)
+    model = small(attention=attention, **options)
+    idx = torch.randint(0, 61, (2, 24))
+    caches = model.make_caches(2, 24)
+    if attention == "diff":
+        steps = [model(idx[:, :9], caches=caches)]
+        steps += [model(idx[:, t : t + 1], caches=caches) for t in range(9, 24)]
+    else:
+        steps = [model(idx[:, t : t + 4], caches=caches) for t in range(0, 24, 4)]
+    assert max_error(torch.cat(steps, dim=1), model(idx)) < 1e-5
+    assert len(model.generate([torch.tensor([1, 2, 3])], 4)[0]) == 7
+
+
+def test_attention_variants_replace_every_layers_self_attention():
+    from mhsa.nn import DiffAttention, MoBA, MultiHeadAttention
+
+    for attention, kind in (("standard", MultiHeadAttention), ("diff", DiffAttention)):
+        model = small(attention=attention)
+        assert all(type(block.self_attn) is kind for block in model.blocks)
+    model = small(attention="moba", moba_block=8, moba_top_k=3)
+    assert all(isinstance(b.self_attn, MoBA) for b in model.blocks)
+    assert model.blocks[0].self_attn.top_k == 3
+    lambdas = [block.self_attn.lambda_init for block in small(attention="diff").blocks]
+    assert lambdas[0] < lambdas[1]  # lambda_init grows with depth
+
+
+def test_moba_refuses_packed_rows_and_sequence_shards():
+    model = small(attention="moba", moba_block=4)
+    idx = torch.randint(0, 61, (1, 8))
+    for options in ({"cu_seqlens": torch.tensor([0, 3, 8])}, {"positions": torch.arange(8, 16)}):
+        with pytest.raises(ValueError, match="attention='moba' chooses blocks within one"):
+            model(idx, **options)

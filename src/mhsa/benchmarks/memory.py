@@ -70,19 +70,33 @@ def measure(
     causal: bool,
     pattern: str | None = None,
     score: str | None = None,
+    moba: tuple[int, int] | None = None,
 ) -> dict:
+    """moba (block_size, top_k): mhsa.moba_attention on `backend` instead of attention."""
     from mhsa.core.attention import attention
+    from mhsa.core.moba import moba_attention
 
     mask = pattern_named(pattern)
     score_fn = score_named(score, heads)
+
+    def call(q, k, v):
+        if moba is not None:
+            return moba_attention(q, k, v, min(moba[0], q.shape[2]), 1, backend=backend)
+        return attention(q, k, v, mask, causal=causal, backend=backend, score=score_fn)
+
     # a small warm-up first, so one-time costs (thread pools, libraries) are not counted
     tiny = [torch.randn(1, heads, 128, head_dim, requires_grad=True) for _ in range(3)]
-    attention(*tiny, mask, causal=causal, backend=backend, score=score_fn).sum().backward()
+    call(*tiny).sum().backward()
+    if moba is not None:
+
+        def call(q, k, v):
+            return moba_attention(q, k, v, *moba, backend=backend)
+
     q, k, v = (torch.randn(1, heads, length, head_dim, requires_grad=True) for _ in range(3))
     baseline = rss_bytes()
     reset_peak()
     start = time.perf_counter()
-    out = attention(q, k, v, mask, causal=causal, backend=backend, score=score_fn)
+    out = call(q, k, v)
     out.sum().backward()
     seconds = time.perf_counter() - start
     peak = peak_bytes()
@@ -94,6 +108,7 @@ def measure(
         "causal": causal,
         "pattern": pattern,
         "score": score,
+        "moba": moba,
         "seconds": seconds,
         "baseline_bytes": baseline,
         "peak_bytes": peak,
@@ -109,6 +124,7 @@ def measure_in_subprocess(
     causal: bool = False,
     pattern: str | None = None,
     score: str | None = None,
+    moba: tuple[int, int] | None = None,
 ) -> dict:
     """Run `measure` in a fresh interpreter so that peaks do not mix."""
     cmd = [
@@ -130,6 +146,8 @@ def measure_in_subprocess(
         cmd += ["--pattern", pattern]
     if score:
         cmd += ["--score", score]
+    if moba:
+        cmd += ["--moba", f"{moba[0]},{moba[1]}"]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         error = (result.stderr.strip().splitlines() or ["killed"])[-1]
@@ -154,9 +172,18 @@ def main() -> None:
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--pattern", choices=["window", "bigbird"])
     parser.add_argument("--score", choices=["alibi", "softcap"])
+    parser.add_argument("--moba", metavar="BLOCK,TOP_K", help="MoBA instead of attention")
     args = parser.parse_args()
+    moba = tuple(int(x) for x in args.moba.split(",")) if args.moba else None
     row = measure(
-        args.backend, args.length, args.heads, args.head_dim, args.causal, args.pattern, args.score
+        args.backend,
+        args.length,
+        args.heads,
+        args.head_dim,
+        args.causal,
+        args.pattern,
+        args.score,
+        moba,
     )
     print(json.dumps(row))
 

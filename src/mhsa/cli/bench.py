@@ -68,6 +68,23 @@ def bench_scores(args: argparse.Namespace) -> int:
 
 
 @with_threads
+def bench_moba(args: argparse.Namespace) -> int:
+    """MoBA's block choice on the flash engine against dense causal attention"""
+    from ..benchmarks import moba
+
+    result = moba.run(
+        length=args.length,
+        block_size=args.block_size,
+        top_k=args.top_k,
+        heads=args.heads,
+        repeat=args.repeat,
+        quick=args.quick,
+        memory=not args.no_memory,
+    )
+    return _show(args, result, moba.report(result))
+
+
+@with_threads
 def bench_hf(args: argparse.Namespace) -> int:
     """transformers models with attn_implementation="mhsa" against their sdpa and eager"""
     from ..benchmarks import hf
@@ -178,6 +195,7 @@ SUITES = (
     ("sparse", bench_sparse, 5, "every case at small sizes"),
     ("generate", bench_generate, 5, "short sequences, one run"),
     ("scores", bench_scores, 3, "L=S=1024"),
+    ("moba", bench_moba, 1, "L=S=1024, blocks of 128, 2 heads"),
     ("hf", bench_hf, 2, "prefill L=128 and 512, 8 new tokens, the window case at L=2048"),
     ("flex", bench_flex, 3, "L=S=256, one run"),
     ("ring", bench_ring, 2, "L=2048, one run"),
@@ -229,6 +247,14 @@ def add_parser(commands) -> None:
     )
     scores.add_argument("--no-memory", action="store_true", help="skip the memory cases")
     _in_process_threads(scores)
+
+    moba = parsers["moba"]
+    add_option(moba, "--length", 32768, "L = S", type=positive_int)
+    add_option(moba, "--block-size", 4096, "positions per block", type=positive_int)
+    add_option(moba, "--top-k", 3, "earlier blocks each query block attends", type=positive_int)
+    add_option(moba, "--heads", 4, "query heads", type=positive_int)
+    moba.add_argument("--no-memory", action="store_true", help="skip the memory cases")
+    _in_process_threads(moba)
 
     _in_process_threads(parsers["hf"])
     flex = parsers["flex"]

@@ -42,6 +42,9 @@ def train_gpt(args: argparse.Namespace) -> int:
         dropout=args.dropout,
         position=args.position,
         window=args.window,
+        attention=args.attention,
+        moba_block=args.moba_block,
+        moba_top_k=args.moba_top_k,
     )
     if args.resume:  # the checkpoint's model, not the command line's
         saved = load_checkpoint(args.out, weights=False)
@@ -66,7 +69,8 @@ def train_gpt(args: argparse.Namespace) -> int:
         )
     print(
         f"model: GPT {config.n_layer} layers, d_model {config.d_model}, {config.n_head} heads, "
-        f"{config.position} positions, {params / 1e6:.2f}M parameters"
+        f"{config.position} positions, {config.attention} attention, "
+        f"{params / 1e6:.2f}M parameters"
     )
     run_config = train_config(args, args.lr)
     info = {"model": "gpt", "config": config.to_dict(), "tokenizer": tokenizer.name}
@@ -377,6 +381,15 @@ def add_parser(commands) -> None:
         choices=["learned", "sinusoidal", "rotary", "alibi", "t5"],
     )
     gpt.add_argument("--window", type=positive_int, help="sliding-window attention span")
+    add_option(
+        gpt,
+        "--attention",
+        "standard",
+        "each layer's self-attention: multi-head, differential (DiffAttention) or MoBA",
+        choices=["standard", "diff", "moba"],  # "latent" joins with mhsa.nn.LatentAttention
+    )
+    add_option(gpt, "--moba-block", 32, "MoBA: positions per block", type=positive_int)
+    add_option(gpt, "--moba-top-k", 2, "MoBA: earlier blocks each block attends", type=positive_int)
     add_option(
         gpt,
         "--nproc",

@@ -24,7 +24,9 @@ from ..core.masks import SlidingWindow
 from ..core.validate import int_at_least
 from ..formats.weights import NameTable, Rule, TensorSource, as_source, load_weights
 from ..nn import encoder_layers
+from ..nn.differential import DiffAttention
 from ..nn.layout import decoding_layout
+from ..nn.moba import MoBA
 from ..nn.positional import (
     ALiBiPosition,
     LearnedPositionalEmbedding,
@@ -39,6 +41,9 @@ from .init import normal_init
 from .packing import packed_row, refuse_packed_with
 
 POSITIONS = ("learned", "sinusoidal", "rotary", "alibi", "t5")
+# the self-attention of every layer; "latent" joins once mhsa.nn.LatentAttention exists
+# (add its module to _attention_layer below)
+ATTENTIONS = ("standard", "diff", "moba")
 SCORE_POSITIONS = ("alibi", "t5")  # score functions: not yet across processes
 __all__ = ["GPT", "GPT2_NAMES", "GPTConfig", "check_sampling", "check_token_ids", "sample"]
 
@@ -53,6 +58,9 @@ class GPTConfig(CausalLMConfig):
     activation: str = "gelu_tanh"
     bias: bool = True
     norm_eps: float = 1e-5
+    attention: str = "standard"  # one of ATTENTIONS
+    moba_block: int = 32  # attention="moba": positions per block
+    moba_top_k: int = 2  # attention="moba": earlier blocks each query block attends
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -67,6 +75,28 @@ class GPTConfig(CausalLMConfig):
             )
         if self.window is not None and self.window < 1:
             raise ValueError(f"window must be >= 1 or None, got {self.window}")
+        self._check_attention()
+
+    def _check_attention(self) -> None:
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
+        int_at_least("moba_block", self.moba_block, 1)
+        int_at_least("moba_top_k", self.moba_top_k, 1)
+        if self.attention == "diff" and (
+            self.d_model % (2 * self.n_head) or self.n_kv_head not in (None, self.n_head)
+        ):
+            raise ValueError(
+                "attention='diff' needs d_model a multiple of 2 * n_head and no grouped-query "
+                f"heads, got d_model {self.d_model}, n_head {self.n_head}, "
+                f"n_kv_head {self.n_kv_head}"
+            )
+        if self.attention == "moba" and (
+            self.window is not None or self.position in SCORE_POSITIONS
+        ):
+            raise ValueError(
+                "attention='moba' is causal over its own block choice: no window, and "
+                f"positions other than {SCORE_POSITIONS}"
+            )
 
 
 class GPT(nn.Module, CausalLMDecoding):
@@ -75,7 +105,9 @@ class GPT(nn.Module, CausalLMDecoding):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        head_dim = config.d_model // config.n_head
+        # differential heads are two query/key heads of half the width each
+        pairs = 2 if config.attention == "diff" else 1
+        head_dim = config.d_model // config.n_head // pairs
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.pos_emb = {
             "learned": lambda: LearnedPositionalEmbedding(config.max_len, config.d_model),
@@ -83,8 +115,8 @@ class GPT(nn.Module, CausalLMDecoding):
         }.get(config.position, lambda: None)()
         self.attn_position = {
             "rotary": lambda: RotaryEmbedding(head_dim),
-            "alibi": lambda: ALiBiPosition(config.n_head),
-            "t5": lambda: RelativeBiasPosition(config.n_head, bidirectional=False),
+            "alibi": lambda: ALiBiPosition(pairs * config.n_head),
+            "t5": lambda: RelativeBiasPosition(pairs * config.n_head, bidirectional=False),
         }.get(config.position, lambda: None)()
         self.drop = nn.Dropout(config.dropout)
         self.blocks = encoder_layers(
@@ -99,6 +131,8 @@ class GPT(nn.Module, CausalLMDecoding):
             num_kv_heads=config.n_kv_head,
             bias=config.bias,
         )
+        for depth, block in enumerate(self.blocks):
+            block.self_attn = _attention_layer(config, depth) or block.self_attn
         self.ln_f = nn.LayerNorm(config.d_model, eps=config.norm_eps)
         self.apply(normal_init)
 
@@ -128,6 +162,13 @@ class GPT(nn.Module, CausalLMDecoding):
         and gets the logits it gets alone. Not with caches, start or positions.
         """
         check_token_ids(idx, self.config.vocab_size)
+        if self.config.attention == "moba" and (
+            positions is not None or cu_seqlens is not None or position_ids is not None
+        ):
+            raise ValueError(
+                "attention='moba' chooses blocks within one whole sequence: it takes no "
+                "packed rows (cu_seqlens, position_ids) or sequence shards (positions)"
+            )
         batch, length = idx.shape
         attn_position = self.attn_position
         window = self.config.window
@@ -182,7 +223,8 @@ class GPT(nn.Module, CausalLMDecoding):
         transposed, the tied embedding too (mhsa.nn.layout; one-row matmuls read them
         faster, several rows slightly slower); returns self. Inference only."""
         for block in self.blocks:
-            block.self_attn.fuse_projections()
+            if hasattr(block.self_attn, "fuse_projections"):
+                block.self_attn.fuse_projections()
         decoding_layout(self, "tok_emb")
         return self
 
@@ -190,10 +232,11 @@ class GPT(nn.Module, CausalLMDecoding):
     def cache_layout(self) -> CacheLayout:
         """The per-token shape of this model's caches (a paged pool's size)."""
         config, param = self.config, self.tok_emb.weight
+        pairs = 2 if config.attention == "diff" else 1  # differential heads: 2 halves each
         return CacheLayout(
             config.n_layer,
-            config.n_kv_head or config.n_head,
-            config.d_model // config.n_head,
+            pairs * (config.n_kv_head or config.n_head),
+            config.d_model // config.n_head // pairs,
             param.dtype,
             param.device,
         )
@@ -202,8 +245,8 @@ class GPT(nn.Module, CausalLMDecoding):
         """Empty caches for every layer: ring buffers of `window` with a window."""
         config = self.config
         param = self.tok_emb.weight
-        kv_heads = config.n_kv_head or config.n_head
-        head_dim = config.d_model // config.n_head
+        layout = self.cache_layout
+        kv_heads, head_dim = layout.num_kv_heads, layout.head_dim
         options = {"dtype": param.dtype, "device": param.device}
         if config.window is not None:
             return [
@@ -242,6 +285,30 @@ class GPT(nn.Module, CausalLMDecoding):
         targets come from mhsa.models.packing.next_token_targets)."""
         logits = self(idx, positions=positions, cu_seqlens=cu_seqlens, position_ids=position_ids)
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _attention_layer(config: GPTConfig, depth: int) -> nn.Module | None:
+    """Layer `depth`'s self-attention for config.attention; None keeps the layer's own
+    MultiHeadAttention ("standard")."""
+    if config.attention == "diff":
+        return DiffAttention(
+            config.d_model,
+            config.n_head,
+            depth=depth,
+            qkv_bias=config.bias,
+            proj_bias=config.bias,
+            dropout=config.dropout,
+        )
+    if config.attention == "moba":
+        return MoBA(
+            config.d_model,
+            config.n_head,
+            block_size=config.moba_block,
+            top_k=config.moba_top_k,
+            num_kv_heads=config.n_kv_head,
+            bias=config.bias,
+        )
+    return None  # "standard" (and the place for "latent": mhsa.nn.LatentAttention)
 
 
 GPT2_NAMES = NameTable(  # our names <-> transformers' GPT2LMHeadModel ("transformer." optional)

@@ -5,6 +5,8 @@ latent.py        LatentAttention (MLA: DeepSeek, MiniCPM3), absorbed decoding
 moe.py           MoEFeedForward: DeepSeek-V3's routed + shared experts, written plainly
 feedforward.py   the feed-forward sublayers (plain, gated) and the residual + norm wrapper
 norm.py          RMSNorm
+differential.py  DiffAttention (the Differential Transformer's attention)
+moba.py          MoBA (Mixture of Block Attention)
 layers.py        encoder and decoder layers
 stacks.py        encoder and decoder stacks, the encoder-decoder Transformer, encoder_layers
 convert.py       copying torch.nn Transformer modules into ours
@@ -13,17 +15,21 @@ layout.py        the decoding layout: transposed float weights, fused projection
 """
 
 from .attention import MultiHeadAttention, from_torch_masks
+from .differential import DiffAttention
 from .feedforward import FeedForward, GatedFeedForward
 from .latent import LatentAttention
 from .layers import TransformerDecoderLayer, TransformerEncoderLayer
+from .moba import MoBA
 from .moe import MoEFeedForward
 from .norm import RMSNorm
 from .stacks import Transformer, TransformerDecoder, TransformerEncoder, encoder_layers
 
 __all__ = [
+    "DiffAttention",
     "FeedForward",
     "GatedFeedForward",
     "LatentAttention",
+    "MoBA",
     "MoEFeedForward",
     "MultiHeadAttention",
     "RMSNorm",

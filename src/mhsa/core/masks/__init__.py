@@ -23,6 +23,7 @@ from .patterns import (
 )
 from .presets import BlockBand, bigbird, longformer
 from .segments import Segments
+from .selected import SelectedBlocks
 
 __all__ = [
     "EMPTY",
@@ -44,6 +45,7 @@ __all__ = [
     "PrefixLM",
     "RandomBlocks",
     "Segments",
+    "SelectedBlocks",
     "SlidingWindow",
     "Union",
     "bigbird",

@@ -1,0 +1,139 @@
+"""MoBA (Mixture of Block Attention): each query block attends its own block causally
+plus the top-k earlier key blocks that its queries score highest.
+
+Keys are cut into blocks of block_size; a block's routing key is the mean of its keys.
+A query block (queries by position, bottom-right aligned) is scored by the mean of its
+queries against every strictly earlier block's routing key, per head, and keeps the
+top_k. The choice is data (masks.SelectedBlocks), so the flash engine's block plan
+visits only the selected tiles (full, unmasked) and the own block (a causal triangle).
+
+The route is per query block, not per token as in the MoBA paper's gate: that keeps
+every selected tile full, at the price that a token's route also depends on the later
+queries of its block (no gradient flows through the choice). (batch, head) pairs that
+chose the same blocks share one engine call and its plan.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import validate
+from .attention import attention
+from .checks import int_at_least
+from .masks.blocks import num_blocks
+from .masks.causal import causal_shift
+from .masks.selected import SelectedBlocks
+
+
+def _block_means(x: Tensor, block: Tensor, n: int) -> Tensor:
+    """x (B, H, T, D) averaged per block index block (T,) -> (B, H, n, D); empty -> 0."""
+    sums = x.new_zeros(*x.shape[:2], n, x.shape[-1]).index_add_(2, block, x)
+    counts = torch.bincount(block, minlength=n).clamp(min=1).to(x.dtype)
+    return sums / counts.view(-1, 1)
+
+
+def moba_select(q: Tensor, k: Tensor, block_size: int, top_k: int) -> Tensor:
+    """The blocks MoBA chooses: bool (B, H, n, n), n = ceil(S / block_size); [b, c] is
+    True when query block b attends key block c < b. q (B, H, L, D), k (B, H_kv, S, D)."""
+    validate.check_qkv(q, k, k)
+    q_len, kv_len = q.shape[2], k.shape[2]
+    n = _check_sizes(q_len, kv_len, block_size, top_k)
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    with torch.no_grad():
+        q, k = q.detach().to(dtype), k.detach().to(dtype)
+        k_block = torch.arange(kv_len, device=k.device) // block_size
+        routing = _block_means(k, k_block, n)  # (B, H_kv, n, D)
+        routing = routing.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        positions = torch.arange(q_len, device=q.device) + causal_shift(q_len, kv_len)
+        q_block = positions // block_size
+        scores = _block_means(q, q_block, n) @ routing.transpose(-1, -2)  # (B, H, n, n)
+        earlier = torch.ones(n, n, dtype=torch.bool, device=q.device).tril(-1)
+        scores = scores.masked_fill(~earlier, -torch.inf)
+        top = scores.topk(min(top_k, n), dim=-1).indices
+        chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top, True)
+        has_queries = torch.bincount(q_block, minlength=n) > 0  # blocks without queries
+        return chosen & earlier & has_queries.view(-1, 1)
+
+
+def _check_sizes(q_len: int, kv_len: int, block_size: int, top_k: int) -> int:
+    int_at_least("block_size", block_size, 1)
+    n = num_blocks(kv_len, block_size)
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= max(n, 1):
+        raise ValueError(
+            f"top_k must be an int in 1..{n} (the number of key blocks: S = {kv_len} in "
+            f"blocks of {block_size}), got {top_k!r}"
+        )
+    if q_len > kv_len:
+        raise ValueError(
+            f"MoBA needs L <= S (queries aligned bottom-right), got L={q_len}, S={kv_len}"
+        )
+    return n
+
+
+def moba_mask(q: Tensor, k: Tensor, block_size: int, top_k: int) -> Tensor:
+    """The element mask MoBA attends with, bool (B, H, L, S), True = may attend: for
+    checks and pictures (it is L x S; moba_attention never builds it)."""
+    selected = moba_select(q, k, block_size, top_k)
+    return SelectedBlocks(selected, block_size).dense(q.shape[2], k.shape[2], device=q.device)
+
+
+def moba_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    block_size: int,
+    top_k: int,
+    *,
+    scale: float | None = None,
+    backend: str = "flash",
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Mixture of Block Attention. q (B, H, L, D), k (B, H_kv, S, D), v (B, H_kv, S, D_v),
+    L <= S (queries aligned bottom-right, as causal).
+
+    Each query block (block_size positions) attends its own block causally and the
+    top_k strictly earlier key blocks whose mean key scores highest against the
+    block's mean query (per head; fewer where fewer exist). top_k must be in 1..number
+    of key blocks; top_k = that number is causal attention. backend: an mhsa backend
+    that plans patterns ("flash" visits only the selected tiles). Returns (B, H, L, D_v)
+    and, with return_lse, the logsumexp (B, H, L). Differentiable in q, k and v.
+    """
+    validate.check_qkv(q, k, v)
+    validate.check_scale(scale)
+    selected = moba_select(q, k, block_size, top_k)  # (B, H, n, n)
+    batch, heads, q_len, head_dim = q.shape
+    kv_heads, kv_len, n = k.shape[1], k.shape[2], selected.shape[-1]
+    # one engine call per distinct selection, its (batch, head) pairs as its batch
+    layouts, group = torch.unique(selected.view(-1, n * n), dim=0, return_inverse=True)
+    order = torch.argsort(group.cpu(), stable=True)
+    sizes = torch.bincount(group.cpu(), minlength=layouts.shape[0]).tolist()
+    pair = torch.arange(batch * heads)
+    kv_pair = (pair // heads) * kv_heads + (pair % heads) // (heads // kv_heads)
+    q_flat = q.reshape(batch * heads, 1, q_len, head_dim)
+    k_flat = k.reshape(batch * kv_heads, 1, kv_len, head_dim)
+    v_flat = v.reshape(batch * kv_heads, 1, kv_len, v.shape[-1])
+    outs, lses = [], []
+    for layout, members in zip(layouts, order.split(sizes), strict=True):
+        kv_members = kv_pair[members].to(q.device)
+        members = members.to(q.device)
+        pattern = SelectedBlocks(layout.view(n, n), block_size)
+        out, lse = attention(
+            q_flat[members],
+            k_flat[kv_members],
+            v_flat[kv_members],
+            pattern,
+            scale=scale,
+            backend=backend,
+            return_lse=True,
+        )
+        outs.append(out)
+        lses.append(lse)
+    back = torch.argsort(order).to(q.device)  # from group order to (batch, head) order
+    out = torch.cat(outs)[back].view(batch, heads, q_len, v.shape[-1])
+    if not return_lse:
+        return out
+    return out, torch.cat(lses)[back].view(batch, heads, q_len)
+
+
+__all__ = ["moba_attention", "moba_mask", "moba_select"]

@@ -1,0 +1,95 @@
+"""MoBA as a module: MultiHeadAttention's projections around mhsa.core.moba's attention."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..cache import Cache
+from ..core.masks.blocks import num_blocks
+from ..core.moba import moba_attention
+from ..core.validate import int_at_least
+from .attention import MultiHeadAttention
+from .positional import AttentionPosition
+
+
+class MoBA(MultiHeadAttention):
+    """Causal Mixture of Block Attention on (B, L, E) inputs, batch-first.
+
+    Each query block of block_size positions attends its own block causally and the
+    top_k earlier key blocks chosen per head (mhsa.core.moba.moba_attention; fewer
+    where fewer exist). Projections, grouped-query heads and rotary positions are
+    MultiHeadAttention's. With a KV cache the new tokens of a call route as one
+    (partial) query block, so cached decoding equals full recomputation only where
+    each call fills whole blocks.
+
+    Args:
+        embed_dim: model width E.
+        num_heads: query heads H.
+        block_size: positions per block.
+        top_k: earlier blocks each query block attends, >= 1.
+        num_kv_heads: key/value heads (grouped-query when < H); default H.
+        bias: whether the projections have biases.
+        backend: the attention backend; "flash" plans the chosen blocks.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        block_size: int,
+        top_k: int,
+        num_kv_heads: int | None = None,
+        bias: bool = True,
+        backend: str = "flash",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(
+            embed_dim,
+            num_heads,
+            num_kv_heads=num_kv_heads,
+            bias=bias,
+            backend=backend,
+            device=device,
+            dtype=dtype,
+        )
+        self.block_size = int_at_least("block_size", block_size, 1)
+        self.top_k = int_at_least("top_k", top_k, 1)
+
+    def forward(
+        self,
+        query: Tensor,
+        *,
+        mask: object | None = None,
+        key_padding_mask: Tensor | None = None,
+        causal: bool = True,
+        position: AttentionPosition | None = None,
+        cache: Cache | None = None,
+    ) -> Tensor:
+        """query (B, L, E) -> (B, L, E), causal. Takes rotary positions and a KV
+        cache; no mask, key padding or score-function positions (ALiBi, T5)."""
+        if mask is not None or key_padding_mask is not None or not causal:
+            raise ValueError(
+                "MoBA is causal attention over its own block selection: pass no mask or "
+                "key_padding_mask, and causal=True"
+            )
+        if position is not None and (
+            position.score() is not None or position.attention_bias(1, 1) is not None
+        ):
+            raise ValueError("MoBA takes rotary positions, not score-function ones (ALiBi, T5)")
+        q, k, v, padding, _ = self._inputs(query, None, None, None, None, None, position, cache)
+        if padding is not None:
+            raise ValueError("MoBA takes no left-padded cache: decode one sequence per cache row")
+        top_k = min(self.top_k, num_blocks(k.shape[2], self.block_size))
+        out = moba_attention(
+            q, k, v, self.block_size, top_k, scale=self.scale, backend=self.backend
+        )
+        return self.out_proj(out.transpose(1, 2).reshape(query.shape[0], query.shape[1], -1))
+
+    def extra_repr(self) -> str:
+        return f"block_size={self.block_size}, top_k={self.top_k}"
+
+
+__all__ = ["MoBA"]
