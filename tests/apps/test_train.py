@@ -107,11 +107,15 @@ def test_training_lowers_the_validation_loss(tmp_path):
 
 @pytest.mark.parametrize(
     "model_options",
-    [{"attention": "diff"}, {"attention": "moba", "moba_block": 8, "moba_top_k": 2}],
-    ids=["diff", "moba"],
+    [
+        {"attention": "diff"},
+        {"attention": "moba", "moba_block": 8, "moba_top_k": 2},
+        {"attention": "latent"},
+    ],
+    ids=["diff", "moba", "latent"],
 )
 def test_the_attention_variants_train(tmp_path, model_options):
-    """`mhsa train gpt --attention diff|moba` in small: the same 24 steps take the
+    """`mhsa train gpt --attention diff|moba|latent` in small: the same 24 steps take the
     validation loss below half of ln(256) too, and the checkpoint names the variant."""
     _, result = run(tmp_path / "run", steps=24, lr=1e-2, model_options=model_options)
     assert result["history"][-1]["val_loss"] < 0.5 * math.log(256), result["history"]

@@ -192,7 +192,8 @@ def test_logits_equal_transformers_gpt2():
         ({"dropout": 1.5}, "dropout must be"),
         ({"n_kv_head": True}, "n_kv_head must divide n_head"),
         ({"max_len": 0}, "max_len must be"),
-        ({"attention": "latent"}, "attention must be one of"),
+        ({"attention": "mla"}, "attention must be one of"),
+        ({"attention": "latent", "n_kv_head": 2}, "attention='latent' shares one latent"),
         ({"attention": "diff", "d_model": 36, "n_head": 4}, "attention='diff' needs d_model"),
         ({"attention": "diff", "n_kv_head": 2}, "no grouped-query heads"),
         ({"attention": "moba", "window": 8}, "attention='moba' is causal"),
@@ -254,6 +255,9 @@ def test_left_padded_generation_with_a_sliding_window_cache_equals_each_prompt_a
         ("diff", {"position": "alibi"}),
         ("diff", {"position": "learned", "window": 5}),
         ("moba", {"position": "rotary", "moba_block": 4, "moba_top_k": 2, "n_kv_head": 2}),
+        ("latent", {"position": "rotary"}),
+        ("latent", {"position": "t5"}),
+        ("latent", {"position": "learned", "window": 5}),
     ],
 )
 def test_attention_variants_decode_with_caches_as_full_recompute(attention, options):
@@ -263,7 +267,7 @@ def test_attention_variants_decode_with_caches_as_full_recompute(attention, opti
     model = small(attention=attention, **options)
     idx = torch.randint(0, 61, (2, 24))
     caches = model.make_caches(2, 24)
-    if attention == "diff":
+    if attention in ("diff", "latent"):
         steps = [model(idx[:, :9], caches=caches)]
         steps += [model(idx[:, t : t + 1], caches=caches) for t in range(9, 24)]
     else:
@@ -273,7 +277,7 @@ def test_attention_variants_decode_with_caches_as_full_recompute(attention, opti
 
 
 def test_attention_variants_replace_every_layers_self_attention():
-    from mhsa.nn import DiffAttention, MoBA, MultiHeadAttention
+    from mhsa.nn import DiffAttention, LatentAttention, MoBA, MultiHeadAttention
 
     for attention, kind in (("standard", MultiHeadAttention), ("diff", DiffAttention)):
         model = small(attention=attention)
@@ -281,6 +285,12 @@ def test_attention_variants_replace_every_layers_self_attention():
     model = small(attention="moba", moba_block=8, moba_top_k=3)
     assert all(isinstance(b.self_attn, MoBA) for b in model.blocks)
     assert model.blocks[0].self_attn.top_k == 3
+    model = small(attention="latent")
+    assert all(isinstance(b.self_attn, LatentAttention) for b in model.blocks)
+    # the cache keeps one head of kv_lora_rank + qk_rope_head_dim per token, no values
+    width = model.blocks[0].self_attn.cache_width
+    assert model.cache_layout.num_kv_heads == 1 and model.cache_layout.value_dim == 0
+    assert tuple(model.make_caches(2, 8)[0].k.shape) == (2, 1, 8, width)
     lambdas = [block.self_attn.lambda_init for block in small(attention="diff").blocks]
     assert lambdas[0] < lambdas[1]  # lambda_init grows with depth
 

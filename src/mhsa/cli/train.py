@@ -385,8 +385,9 @@ def add_parser(commands) -> None:
         gpt,
         "--attention",
         "standard",
-        "each layer's self-attention: multi-head, differential (DiffAttention) or MoBA",
-        choices=["standard", "diff", "moba"],  # "latent" joins with mhsa.nn.LatentAttention
+        "each layer's self-attention: multi-head, differential (DiffAttention), MoBA or "
+        "multi-head latent attention (LatentAttention)",
+        choices=["standard", "diff", "moba", "latent"],
     )
     add_option(gpt, "--moba-block", 32, "MoBA: positions per block", type=positive_int)
     add_option(gpt, "--moba-top-k", 2, "MoBA: earlier blocks each block attends", type=positive_int)

@@ -25,6 +25,7 @@ from ..core.validate import int_at_least
 from ..formats.weights import NameTable, Rule, TensorSource, as_source, load_weights
 from ..nn import encoder_layers
 from ..nn.differential import DiffAttention
+from ..nn.latent import LatentAttention
 from ..nn.layout import decoding_layout
 from ..nn.moba import MoBA
 from ..nn.positional import (
@@ -41,9 +42,8 @@ from .init import normal_init
 from .packing import packed_row, refuse_packed_with
 
 POSITIONS = ("learned", "sinusoidal", "rotary", "alibi", "t5")
-# the self-attention of every layer; "latent" joins once mhsa.nn.LatentAttention exists
-# (add its module to _attention_layer below)
-ATTENTIONS = ("standard", "diff", "moba")
+# the self-attention of every layer (see _attention_layer)
+ATTENTIONS = ("standard", "diff", "moba", "latent")
 SCORE_POSITIONS = ("alibi", "t5")  # score functions: not yet across processes
 __all__ = ["GPT", "GPT2_NAMES", "GPTConfig", "check_sampling", "check_token_ids", "sample"]
 
@@ -90,6 +90,11 @@ class GPTConfig(CausalLMConfig):
                 f"heads, got d_model {self.d_model}, n_head {self.n_head}, "
                 f"n_kv_head {self.n_kv_head}"
             )
+        if self.attention == "latent" and self.n_kv_head not in (None, self.n_head):
+            raise ValueError(
+                "attention='latent' shares one latent key head across all heads: leave "
+                f"n_kv_head unset, got {self.n_kv_head}"
+            )
         if self.attention == "moba" and (
             self.window is not None or self.position in SCORE_POSITIONS
         ):
@@ -113,8 +118,9 @@ class GPT(nn.Module, CausalLMDecoding):
             "learned": lambda: LearnedPositionalEmbedding(config.max_len, config.d_model),
             "sinusoidal": lambda: SinusoidalPositionalEncoding(config.d_model, config.max_len),
         }.get(config.position, lambda: None)()
+        rotary_dim = _latent_widths(config)[1] if config.attention == "latent" else head_dim
         self.attn_position = {
-            "rotary": lambda: RotaryEmbedding(head_dim),
+            "rotary": lambda: RotaryEmbedding(rotary_dim),
             "alibi": lambda: ALiBiPosition(pairs * config.n_head),
             "t5": lambda: RelativeBiasPosition(pairs * config.n_head, bidirectional=False),
         }.get(config.position, lambda: None)()
@@ -230,8 +236,12 @@ class GPT(nn.Module, CausalLMDecoding):
 
     @property
     def cache_layout(self) -> CacheLayout:
-        """The per-token shape of this model's caches (a paged pool's size)."""
+        """The per-token shape of this model's caches (a paged pool's size); latent
+        attention keeps one key head [latent | rotary key] and no values."""
         config, param = self.config, self.tok_emb.weight
+        if config.attention == "latent":
+            width = sum(_latent_widths(config))
+            return CacheLayout(config.n_layer, 1, width, param.dtype, param.device, value_dim=0)
         pairs = 2 if config.attention == "diff" else 1  # differential heads: 2 halves each
         return CacheLayout(
             config.n_layer,
@@ -246,14 +256,14 @@ class GPT(nn.Module, CausalLMDecoding):
         config = self.config
         param = self.tok_emb.weight
         layout = self.cache_layout
-        kv_heads, head_dim = layout.num_kv_heads, layout.head_dim
+        widths = (layout.num_kv_heads, layout.head_dim, layout.value_dim)
         options = {"dtype": param.dtype, "device": param.device}
         if config.window is not None:
             return [
-                SlidingWindowCache(batch, kv_heads, config.window, head_dim, **options)
+                SlidingWindowCache(batch, widths[0], config.window, *widths[1:], **options)
                 for _ in self.blocks
             ]
-        return [KVCache(batch, kv_heads, max_len, head_dim, **options) for _ in self.blocks]
+        return [KVCache(batch, widths[0], max_len, *widths[1:], **options) for _ in self.blocks]
 
     def position_limit(self) -> int | None:
         """Learned positions end at max_len; rotary, ALiBi and T5 positions do not."""
@@ -308,7 +318,26 @@ def _attention_layer(config: GPTConfig, depth: int) -> nn.Module | None:
             num_kv_heads=config.n_kv_head,
             bias=config.bias,
         )
-    return None  # "standard" (and the place for "latent": mhsa.nn.LatentAttention)
+    if config.attention == "latent":
+        rank, rope_dim = _latent_widths(config)
+        head_dim = config.d_model // config.n_head
+        return LatentAttention(
+            config.d_model,
+            config.n_head,
+            kv_lora_rank=rank,
+            qk_rope_head_dim=rope_dim,
+            qk_nope_head_dim=head_dim,
+            v_head_dim=head_dim,
+            dropout=config.dropout,
+            bias=config.bias,
+        )
+    return None  # "standard"
+
+
+def _latent_widths(config: GPTConfig) -> tuple[int, int]:
+    """attention="latent": (kv_lora_rank, qk_rope_head_dim) = (d_model / 2, half a head,
+    even)."""
+    return config.d_model // 2, max(2, config.d_model // config.n_head // 4 * 2)
 
 
 GPT2_NAMES = NameTable(  # our names <-> transformers' GPT2LMHeadModel ("transformer." optional)
