@@ -28,7 +28,7 @@ BUGS = {
         "tests/models/test_gpt.py",
     ),
     "custom scale ignored": (
-        "core/attention.py",
+        "core/validate.py",
         "if scale is None else float(scale)",
         "if scale is None else 1.0 / math.sqrt(q.shape[-1])",
         "tests/core/test_attention.py",
@@ -77,8 +77,8 @@ BUGS = {
     ),
     "sampling multiplies by the temperature": (
         "models/sampling.py",
-        "logits = logits.float() / temperature",
-        "logits = logits.float() * temperature",
+        "logits = logits.reshape(-1, shape[-1]).float() / temperature",
+        "logits = logits.reshape(-1, shape[-1]).float() * temperature",
         "tests/models/test_gpt.py",
     ),
     "paged attention lets a query see its own key late": (

@@ -22,7 +22,7 @@ from . import validate
 from .attention import attention
 from .checks import int_at_least
 from .masks.blocks import num_blocks
-from .masks.causal import causal_shift
+from .masks.causal import causal_shift, strictly_earlier
 from .masks.selected import SelectedBlocks
 
 
@@ -48,7 +48,7 @@ def moba_select(q: Tensor, k: Tensor, block_size: int, top_k: int) -> Tensor:
         positions = torch.arange(q_len, device=q.device) + causal_shift(q_len, kv_len)
         q_block = positions // block_size
         scores = _block_means(q, q_block, n) @ routing.transpose(-1, -2)  # (B, H, n, n)
-        earlier = torch.ones(n, n, dtype=torch.bool, device=q.device).tril(-1)
+        earlier = strictly_earlier(n, q.device)
         scores = scores.masked_fill(~earlier, -torch.inf)
         top = scores.topk(min(top_k, n), dim=-1).indices
         chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top, True)

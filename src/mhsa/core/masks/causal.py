@@ -28,3 +28,10 @@ def causal_mask(q_len: int, kv_len: int, device: torch.device | str | None = Non
     """(L, S) bool, True = may attend: query i sees keys j <= i + S - L."""
     rows = torch.arange(q_len, device=device).unsqueeze(1) + causal_shift(q_len, kv_len)
     return causal_allows(rows, torch.arange(kv_len, device=device).unsqueeze(0))
+
+
+def strictly_earlier(n: int, device: torch.device | str | None = None) -> Tensor:
+    """(n, n) bool: row i sees columns j < i (blocks before a query's own block, as
+    MoBA chooses among)."""
+    rows = torch.arange(n, device=device).unsqueeze(1)
+    return causal_allows(rows - 1, torch.arange(n, device=device).unsqueeze(0))

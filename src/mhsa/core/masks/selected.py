@@ -19,7 +19,7 @@ from torch import Tensor
 from ..checks import int_at_least
 from .base import Pattern
 from .blocks import EMPTY, FULL, PARTIAL, num_blocks
-from .causal import causal_shift
+from .causal import causal_shift, strictly_earlier
 
 
 class SelectedBlocks(Pattern):
@@ -41,7 +41,7 @@ class SelectedBlocks(Pattern):
                 f"got {tuple(selected.shape)}"
             )
         self.block_size = int_at_least("block_size", block_size, 1)
-        lower = torch.ones(selected.shape[-2:], dtype=torch.bool).tril(-1)
+        lower = strictly_earlier(selected.shape[-1])
         selected = selected.cpu() & lower  # only strictly earlier blocks count
         self.selected = selected.view((1,) * (4 - selected.dim()) + tuple(selected.shape))
         self.batch_size = selected.shape[0] if selected.dim() > 2 else None
@@ -89,7 +89,7 @@ class SelectedBlocks(Pattern):
             return False
         first, last = k0 // self.block_size, (k1 - 1) // self.block_size
         span = self.selected[:, :, first : last + 1, first : last + 1]
-        lower = torch.ones(span.shape[-2:], dtype=torch.bool).tril(-1)
+        lower = strictly_earlier(span.shape[-1])
         return bool((span | ~lower).all())
 
     def __repr__(self) -> str:
