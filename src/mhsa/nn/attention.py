@@ -60,6 +60,22 @@ def _rotated(
     return position.at(positions).rotate(q, k, 0)
 
 
+def attention_masks(
+    mask, key_padding_mask, bias, position, cache, batch: int, q_len: int, kv_len: int
+) -> tuple:
+    """The mask and bias of attention over kv_len keys (the cache's, once updated): the
+    caller's mask merged with its key padding and the cache's (which cached keys are left
+    padding), and the caller's bias plus the position's (ALiBi, T5 as a tensor)."""
+    cached_padding = None if cache is None else cache.key_padding()
+    if cached_padding is not None:
+        both = key_padding_mask is not None
+        key_padding_mask = key_padding_mask & cached_padding if both else cached_padding
+    extra = None if position is None else position.attention_bias(q_len, kv_len)
+    if extra is not None:
+        bias = extra if bias is None else bias + extra
+    return MultiHeadAttention._merge_masks(mask, key_padding_mask, batch, kv_len), bias
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head attention with separate Q, K, V projections (batch-first).
 
@@ -335,16 +351,10 @@ class MultiHeadAttention(nn.Module):
             k = rotated if held is None else k  # (kept memory keys were rotated when kept)
         if cache is not None:
             k, v = cache.update(k, v)
-            cached_padding = cache.key_padding()  # which cached keys are left padding
-            if cached_padding is not None and key_padding_mask is not None:
-                key_padding_mask = key_padding_mask & cached_padding
-            elif cached_padding is not None:
-                key_padding_mask = cached_padding
-        if position is not None:
-            position_bias = position.attention_bias(q.shape[2], k.shape[2])
-            if position_bias is not None:
-                bias = position_bias if bias is None else bias + position_bias
-        mask = self._merge_masks(mask, key_padding_mask, query.shape[0], k.shape[2])
+        masks = (mask, key_padding_mask, bias)
+        mask, bias = attention_masks(
+            *masks, position, cache, query.shape[0], q.shape[2], k.shape[2]
+        )
         return q, k, v, mask, bias
 
     @torch.no_grad()

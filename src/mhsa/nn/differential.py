@@ -22,7 +22,7 @@ from ..cache import Cache
 from ..core.attention import attention
 from ..core.masks import Pattern
 from ..core.validate import int_at_least
-from .attention import MultiHeadAttention, _rotated
+from .attention import _rotated, attention_masks
 from .norm import RMSNorm
 from .positional import AttentionPosition
 
@@ -125,16 +125,12 @@ class DiffAttention(nn.Module):
             q, k = _rotated(position, q, k, cache)
         if cache is not None:
             k, v = cache.update(k, v)
-            cached = cache.key_padding()
-            if cached is not None:
-                key_padding_mask = cached if key_padding_mask is None else key_padding_mask & cached
         kv_len = k.shape[2]
         v = v.reshape(batch, heads, 2, kv_len, d).transpose(2, 3)  # (B, H, S, 2, d)
         v = v.reshape(batch, heads, kv_len, 2 * d)
-        score = bias = None
-        if position is not None:
-            score, bias = position.score(), position.attention_bias(length, kv_len)
-        mask = MultiHeadAttention._merge_masks(mask, key_padding_mask, batch, kv_len)
+        score = None if position is None else position.score()
+        masks = (mask, key_padding_mask, None, position, cache)
+        mask, bias = attention_masks(*masks, batch, length, kv_len)
         both = attention(
             q,
             k,

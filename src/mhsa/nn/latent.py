@@ -28,7 +28,7 @@ from ..core.attention import attention
 from ..core.checks import int_at_least
 from ..core.masks import Pattern
 from ..core.validate import paged_window
-from .attention import MultiHeadAttention, _rotated
+from .attention import _rotated, attention_masks
 from .norm import RMSNorm
 from .positional import AttentionPosition
 
@@ -190,27 +190,13 @@ class LatentAttention(nn.Module):
         if paged:
             call |= {"block_table": cache.block_table, "seq_lens": cache.seq_lens}
         else:
-            mask, call["bias"] = self._masks(
-                query, keys, mask, key_padding_mask, bias, position, cache
-            )
+            batch, kv_len = query.shape[0], keys.shape[-2]
+            masks = (mask, key_padding_mask, bias, position, cache)
+            mask, call["bias"] = attention_masks(*masks, batch, query.shape[1], kv_len)
             call["dropout_p"] = self.dropout if self.training else 0.0
         attend = self._absorbed if absorbed else self._expanded
         out = attend(q_nope, q_rope, keys, mask, call)  # (B, H, L, dv)
         return self.out_proj(out.transpose(1, 2).reshape(query.shape[0], query.shape[1], -1))
-
-    @staticmethod
-    def _masks(query, keys, mask, key_padding_mask, bias, position, cache):
-        """The mask (with the cache's and the caller's key padding) and the bias (with
-        the position's) of attention over keys (B, 1, S, *)."""
-        batch, q_len, kv_len = query.shape[0], query.shape[1], keys.shape[-2]
-        cached_padding = None if cache is None else cache.key_padding()
-        if cached_padding is not None:
-            both = key_padding_mask is not None
-            key_padding_mask = cached_padding & key_padding_mask if both else cached_padding
-        extra = None if position is None else position.attention_bias(q_len, kv_len)
-        if extra is not None:
-            bias = extra if bias is None else bias + extra
-        return MultiHeadAttention._merge_masks(mask, key_padding_mask, batch, kv_len), bias
 
     def _project(
         self, x: Tensor, position: AttentionPosition | None, cache: Cache | None
