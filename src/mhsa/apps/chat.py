@@ -84,10 +84,11 @@ class ChatModel:
     ) -> Iterator[str]:
         """Yield the answer to messages as text pieces, token by token (KV cache); stops
         at a stop token or after max_new_tokens. last_stats then holds token counts and
-        seconds of the prefill and the decoding. compile: decode through one compiled
-        step (mhsa.models.decoding.compiled_decode_step). speculate: a Speculator
-        (mhsa.models.speculative) drafting up to draft_tokens tokens a step, verified in
-        one forward pass over a paged cache (the same answer when greedy)."""
+        seconds of the prefill and the decoding. Decoding runs over a paged cache, as
+        `mhsa serve` does, so a greedy answer is the server's and is the same with
+        speculate: a Speculator (mhsa.models.speculative) drafting up to draft_tokens
+        tokens a step, verified in one forward pass. compile: decode through one compiled
+        step over contiguous caches instead (mhsa.models.decoding.compiled_decode_step)."""
         if speculate is not None and compile:
             raise ValueError("speculate and compile do not combine: pass one of them")
         sampling = Sampling(temperature, top_k, top_p)
@@ -106,9 +107,9 @@ class ChatModel:
             )
         stop = StopRule(self.stop_ids, min(max_new_tokens, room))
         start = time.perf_counter()
-        if speculate is None:  # contiguous caches: ~20% faster a token than a paged pool
-            choices = self._choices(ids, sampling, stop, generator, compile)
-        else:  # drafts verified over a paged cache, as `mhsa serve`
+        if compile:  # one compiled step over contiguous caches
+            choices = self._choices(ids, sampling, stop, generator)
+        else:  # over a paged cache, as `mhsa serve`: the same greedy answer with drafts
             choices = speculative_decode(
                 self.model,
                 ids,
@@ -139,11 +140,11 @@ class ChatModel:
         if tail:
             yield tail
 
-    def _choices(self, ids, sampling, stop, generator, compile) -> Iterator[Choice]:
-        """Plain decoding's Choices over contiguous KV caches, one token each."""
+    def _choices(self, ids, sampling, stop, generator) -> Iterator[Choice]:
+        """Compiled decoding's Choices over contiguous KV caches, one token each."""
         caches = self.model.make_caches(1, len(ids) + stop.max_tokens)
         logits = self.model.prefill(torch.tensor([ids]), caches)
-        step = compiled_decode_step(self.model, caches) if compile else None
+        step = compiled_decode_step(self.model, caches)
         for count in range(stop.max_tokens):
             choice = sample_and_stop(
                 logits.float(), sampling, stop, generated=count, generator=generator
@@ -152,7 +153,7 @@ class ChatModel:
             if choice.last or (choice.stopped is not None and bool(choice.stopped)):
                 return
             token = choice.tokens.view(1, 1)
-            logits = step(token) if step is not None else self.model.step(token, caches)
+            logits = step(token)
 
 
 def load_chat_model(
