@@ -10,29 +10,58 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from typing_extensions import Self
 
 from ..cache import KVCache, SlidingWindowCache
+from ..core.masks import Pattern
 from ..formats.weights import NameTable, SafetensorsFiles, TensorSource, as_source, load_weights
 from ..nn import RMSNorm
 from .decoder import CacheLayout
 from .decoding import CausalLMDecoding, check_token_ids
 from .init import normal_init
+from .packing import PackedRow, packed_row, refuse_packed_with
 
 EMBED = "model.embed_tokens.weight"  # transformers' name of the embedding
+LayerInputs = tuple[Pattern | None, Any]  # a layer's mask and its position (rotary, ...)
+
+
+class PreNormBlock(nn.Module):
+    """A decoder layer of attn_norm, attn, ff_norm and ff: x + attn(attn_norm(x)), then
+    x + ff(ff_norm(x)). (B, T, d) -> same. A family with another residual form (sandwich
+    norms, scaled residuals) overrides forward and calls attend."""
+
+    def attend(self, x: Tensor, *, mask, padding, position, cache, causal: bool = True) -> Tensor:
+        """attn over attn_norm(x) (B, T, d): the layer's mask, key padding, position
+        (rotary or a score), cache."""
+        return self.attn(
+            self.attn_norm(x),
+            mask=mask,
+            key_padding_mask=padding,
+            causal=causal,
+            position=position,
+            cache=cache,
+        )
+
+    def forward(self, x: Tensor, **where: Any) -> Tensor:
+        """where: attend's keywords."""
+        x = x + self.attend(x, **where)
+        return x + self.ff(self.ff_norm(x))
 
 
 class DecoderLM(nn.Module, CausalLMDecoding):
     """A Decoder (mhsa.models.decoder): prefill, step, make_caches, cache_layout.
     Subclasses set config_class and hf_names, call _build from __init__ and define
-    _init_rotary and forward (using _positions and _head)."""
+    _init_rotary and _layer_inputs (each layer's mask and position); _embed and _logits
+    when their model scales the embedding or the logits."""
 
     config_class: type
     hf_names: NameTable
     unit_offset_norm = False  # the final RMSNorm scales by (1 + weight) (Gemma)
+    packs = False  # forward takes packed rows (cu_seqlens, position_ids)
     load_fix = "check that the config (layers, widths, tie_embeddings) matches it"
 
     def _build(self, config, layers: Iterable[nn.Module]) -> None:
@@ -50,6 +79,75 @@ class DecoderLM(nn.Module, CausalLMDecoding):
     def _init_rotary(self) -> None:
         """Make the rotary embedding(s) (again, after a load onto meta-built parameters)."""
         raise NotImplementedError
+
+    def forward(
+        self,
+        idx: Tensor,
+        *,
+        caches: list[KVCache] | None = None,
+        start: Tensor | None = None,
+        last: bool = False,
+        cu_seqlens: Tensor | None = None,
+        position_ids: Tensor | None = None,
+    ) -> Tensor:
+        """idx (B, T) token ids -> logits (B, T, vocab), or (B, 1, vocab) of the last
+        position when last (what decoding needs: the output head can be a fifth of a
+        prefill's work).
+
+        caches: one per layer (make_caches, or a PagedKVCache's layers); the tokens
+        continue what they hold. start: (B,) index of each sequence's first real token
+        when left-padded (without caches; with caches the caches hold it). Positions
+        count real tokens only, so a left-padded sequence gets the same logits as alone.
+        cu_seqlens (S+1,) and/or position_ids (T,) restarting at 0, where the model
+        packs: idx (1, T) holds S sequences (mhsa.models.packing); each attends only
+        itself, at its own positions. Not with caches or start.
+        """
+        row = None
+        if cu_seqlens is not None or position_ids is not None:
+            if not self.packs:
+                raise ValueError(
+                    f"{type(self).__name__} takes no packed rows (cu_seqlens, "
+                    "position_ids): pass one sequence a row, left-padded with start"
+                )
+            if caches is not None or start is not None:
+                refuse_packed_with("caches or start")
+            check_token_ids(idx, self.config.vocab_size)
+            row = packed_row(idx, cu_seqlens, position_ids)
+            positions, padding = row.positions[0], None
+        else:
+            positions, padding = self._positions(idx, caches, start)
+        inputs = self._layer_inputs(idx, positions, caches, start, row)
+        x = self._embed(idx)
+        for i, layer in enumerate(self.layers):
+            mask, position = inputs[i]
+            x = layer(
+                x,
+                mask=mask,
+                padding=padding,
+                position=position,
+                cache=None if caches is None else caches[i],
+                causal=row is None,  # a packed row's pattern is causal within each sequence
+            )
+        return self._logits(self.norm(x[:, -1:] if last else x))
+
+    def _layer_inputs(
+        self,
+        idx: Tensor,
+        positions: Tensor,
+        caches: list[KVCache] | None,
+        start: Tensor | None,
+        row: PackedRow | None,
+    ) -> list[LayerInputs]:
+        """Each layer's (mask, position) for tokens idx (B, T) at positions (B, T)."""
+        raise NotImplementedError
+
+    def _embed(self, idx: Tensor) -> Tensor:
+        """Token ids (B, T) -> embeddings (B, T, d)."""
+        return self.embed(idx)
+
+    def _logits(self, x: Tensor) -> Tensor:
+        """Final normed hidden states (B, T, d) -> logits (B, T, vocab)."""
+        return self._head(x)
 
     def _positions(
         self, idx: Tensor, caches: list[KVCache] | None, start: Tensor | None

@@ -22,16 +22,15 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from torch import Tensor, nn
+from torch import Tensor
 
-from ..cache import KVCache
 from ..core.checks import int_at_least
 from ..formats.weights import NameTable
 from ..nn import GatedFeedForward, LatentAttention, MoEFeedForward, RMSNorm
 from ..nn.positional import RotaryEmbedding, rope_frequencies, rope_type
 from .config import CausalLMConfig
 from .decoder import CacheLayout
-from .decoder_lm import EMBED, DecoderLM
+from .decoder_lm import EMBED, DecoderLM, LayerInputs, PreNormBlock
 
 MODEL_TYPES = ("deepseek_v3", "minicpm3")
 
@@ -209,7 +208,7 @@ HF_NAMES = NameTable(  # our names <-> transformers' (DeepseekV3ForCausalLM, Min
 )
 
 
-class DeepSeekBlock(nn.Module):
+class DeepSeekBlock(PreNormBlock):
     """Pre-norm decoder layer: x + attn(norm(x)) * s, then x + ffn(norm(x)) * s."""
 
     def __init__(self, config: DeepSeekConfig, layer: int) -> None:
@@ -245,11 +244,9 @@ class DeepSeekBlock(nn.Module):
         else:
             self.ff = GatedFeedForward(c.d_model, c.d_ff, activation="silu", bias=c.mlp_bias)
 
-    def forward(self, x: Tensor, *, padding, position, cache) -> Tensor:
-        h = self.attn(
-            self.attn_norm(x), key_padding_mask=padding, causal=True, position=position, cache=cache
-        )
-        x = x + h * self.residual_scale
+    def forward(self, x: Tensor, **where) -> Tensor:
+        """where: attend's keywords."""
+        x = x + self.attend(x, **where) * self.residual_scale
         return x + self.ff(self.ff_norm(x)) * self.residual_scale
 
 
@@ -277,32 +274,18 @@ class DeepSeek(DecoderLM):
             max_position_embeddings=c.max_len,
         )
 
-    def forward(
-        self,
-        idx: Tensor,
-        *,
-        caches: list[KVCache] | None = None,
-        start: Tensor | None = None,
-        last: bool = False,
-    ) -> Tensor:
-        """idx (B, T) token ids -> logits (B, T, vocab), or (B, 1, vocab) when last.
-
-        caches: one per layer (make_caches, or a PagedKVCache's layers); the tokens
-        continue what they hold. start: (B,) each sequence's first real token when
-        left-padded (without caches; with caches the caches hold it).
-        """
-        positions, padding = self._positions(idx, caches, start)
+    def _layer_inputs(self, idx, positions, caches, start, row) -> list[LayerInputs]:
+        """No mask (causal only); one rotary cos and sin for all layers."""
         rotary = self.rotary.at(positions)
+        return [(None, rotary)] * len(self.layers)
+
+    def _embed(self, idx: Tensor) -> Tensor:
         x = self.embed(idx)
-        if self.config.scale_emb != 1.0:
-            x = x * self.config.scale_emb
-        for i, layer in enumerate(self.layers):
-            cache = None if caches is None else caches[i]
-            x = layer(x, padding=padding, position=rotary, cache=cache)
-        x = self.norm(x[:, -1:] if last else x)
-        if self.config.logits_scale != 1.0:
-            x = x / self.config.logits_scale
-        return self._head(x)
+        return x if self.config.scale_emb == 1.0 else x * self.config.scale_emb
+
+    def _logits(self, x: Tensor) -> Tensor:
+        scale = self.config.logits_scale
+        return self._head(x if scale == 1.0 else x / scale)
 
     def cache_bytes_per_token(self) -> int:
         """Bytes the caches hold per token, all layers: n_layer * (kv_lora_rank +

@@ -27,14 +27,13 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from ..cache import KVCache
-from ..core.masks import SlidingWindow
 from ..core.scores import Softcap
 from ..formats.weights import NameTable
 from ..nn import GatedFeedForward, MultiHeadAttention, RMSNorm
 from ..nn.positional import RotaryEmbedding, rope_frequencies, rope_type
+from .decoder_lm import LayerInputs, PreNormBlock
 from .llama import (
     ATTENTION_AND_FF_NAMES,
     EMBED,
@@ -209,7 +208,7 @@ GEMMA3_NAMES = NameTable(  # our names <-> transformers' Gemma3ForCausalLM
 )
 
 
-class Gemma3Block(nn.Module):
+class Gemma3Block(PreNormBlock):
     """Sandwich-norm decoder layer: x + post_norm(attn(norm(x))), then
     x + post_ff_norm(ff(ff_norm(x))), every norm (1 + weight). (B, T, d) -> same."""
 
@@ -237,16 +236,9 @@ class Gemma3Block(nn.Module):
             width, config.d_ff, activation=config.activation, bias=config.mlp_bias
         )
 
-    def forward(self, x: Tensor, *, mask, padding, position, cache) -> Tensor:
-        h = self.attn(
-            self.attn_norm(x),
-            mask=mask,
-            key_padding_mask=padding,
-            causal=True,
-            position=position,
-            cache=cache,
-        )
-        x = x + self.post_attn_norm(h)
+    def forward(self, x: Tensor, **where) -> Tensor:
+        """where: attend's keywords."""
+        x = x + self.post_attn_norm(self.attend(x, **where))
         return x + self.post_ff_norm(self.ff(self.ff_norm(x)))
 
 
@@ -259,6 +251,7 @@ class Gemma3(Llama):
     block_class = Gemma3Block
     unit_offset_norm = True
     hf_names = GEMMA3_NAMES  # Gemma3.from_hf: transformers' Gemma3ForCausalLM weights
+    packs = False  # (Llama's packed masks would serve; untested with Gemma's layers)
 
     def _init_rotary(self) -> None:
         """Two rotary embeddings: global layers' (rope_theta, rope_scaling) and local
@@ -273,33 +266,18 @@ class Gemma3(Llama):
             max_position_embeddings=c.max_len,
         )
 
-    def forward(
-        self,
-        idx: Tensor,
-        *,
-        caches: list[KVCache] | None = None,
-        start: Tensor | None = None,
-        last: bool = False,
-    ) -> Tensor:
-        """idx (B, T) token ids -> logits (B, T, vocab), or (B, 1, vocab) when last.
-        caches and start: as Llama.forward (positions count real tokens only)."""
-        positions, padding = self._positions(idx, caches, start)
-        rotary = {  # (B, T) positions: cos and sin made once per kind of layer
-            True: self.local_rotary.at(positions),
-            False: self.rotary.at(positions),
-        }
-        window = self.config.sliding_window
+    def _layer_inputs(self, idx, positions, caches, start, row) -> list[LayerInputs]:
+        """Llama's masks (the window on local layers); local layers rotate with
+        local_rotary, global ones with rotary (cos and sin made once per kind)."""
+        rotary = {True: self.local_rotary.at(positions), False: self.rotary.at(positions)}
+        masks = super()._layer_inputs(idx, positions, caches, start, row)
+        return [(mask, rotary[self.config.windowed(i)]) for i, (mask, _) in enumerate(masks)]
+
+    def _embed(self, idx: Tensor) -> Tensor:
         scale = torch.tensor(self.config.d_model**0.5, dtype=self.embed.weight.dtype)
-        x = self.embed(idx) * scale  # sqrt(d) rounded to the weights' dtype first
-        for i, layer in enumerate(self.layers):
-            local = self.config.windowed(i)
-            x = layer(
-                x,
-                mask=SlidingWindow(window - 1, 0) if local else None,
-                padding=padding,
-                position=rotary[local],
-                cache=None if caches is None else caches[i],
-            )
-        logits = self._head(self.norm(x[:, -1:] if last else x))
+        return self.embed(idx) * scale  # sqrt(d) rounded to the weights' dtype first
+
+    def _logits(self, x: Tensor) -> Tensor:
+        logits = self._head(x)
         cap = self.config.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap

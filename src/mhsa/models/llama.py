@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..cache import KVCache
 from ..core.masks import SlidingWindow
 from ..core.validate import int_at_least
 from ..formats.weights import NameTable
@@ -30,9 +29,7 @@ from ..nn import GatedFeedForward, MultiHeadAttention, RMSNorm
 from ..nn.layout import decoding_layout
 from ..nn.positional import RotaryEmbedding, rope_frequencies, rope_type
 from .config import CausalLMConfig
-from .decoder_lm import EMBED, DecoderLM
-from .decoding import check_token_ids
-from .packing import packed_row, refuse_packed_with
+from .decoder_lm import EMBED, DecoderLM, LayerInputs, PreNormBlock
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 HF_ACTIVATIONS = {
@@ -208,7 +205,7 @@ HF_NAMES = NameTable(  # our names <-> transformers' (Llama, Mistral, Qwen2, Qwe
 )
 
 
-class LlamaBlock(nn.Module):
+class LlamaBlock(PreNormBlock):
     """Pre-norm decoder layer: x + attn(norm(x)), then x + ffn(norm(x)). (B, T, d) -> same."""
 
     def __init__(self, config: LlamaConfig) -> None:
@@ -228,17 +225,6 @@ class LlamaBlock(nn.Module):
             config.d_model, config.d_ff, activation=config.activation, bias=config.mlp_bias
         )
 
-    def forward(self, x: Tensor, *, mask, padding, position, cache, causal: bool = True) -> Tensor:
-        x = x + self.attn(
-            self.attn_norm(x),
-            mask=mask,
-            key_padding_mask=padding,
-            causal=causal,
-            position=position,
-            cache=cache,
-        )
-        return x + self.ff(self.ff_norm(x))
-
 
 class Llama(DecoderLM):
     """A Decoder (mhsa.models.decoder): prefill, step, make_caches, cache_layout.
@@ -250,6 +236,7 @@ class Llama(DecoderLM):
     block_class: type[nn.Module] = LlamaBlock  # (config) -> one layer
     hf_names = HF_NAMES
     load_fix = "check that the config (layers, attention_bias, qk_norm, tie_embeddings) matches it"
+    packs = True
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -266,57 +253,22 @@ class Llama(DecoderLM):
             max_position_embeddings=c.max_len,
         )
 
-    def forward(
-        self,
-        idx: Tensor,
-        *,
-        caches: list[KVCache] | None = None,
-        start: Tensor | None = None,
-        last: bool = False,
-        cu_seqlens: Tensor | None = None,
-        position_ids: Tensor | None = None,
-    ) -> Tensor:
-        """idx (B, T) token ids -> logits (B, T, vocab), or (B, 1, vocab) of the last
-        position when last (what decoding needs: the output head is a fifth of a
-        prefill's work here).
-
-        caches: one per layer (see make_caches); the tokens continue what they hold.
-        start: (B,) index of each sequence's first real token when left-padded
-        (without caches; with caches the caches hold it). Positions count real tokens
-        only, so a left-padded sequence gets the same logits as alone.
-        cu_seqlens (S+1,) and/or position_ids (T,) restarting at 0: idx (1, T) packs S
-        sequences (mhsa.models.packing); each attends only itself (within its own
-        sliding window), rotated at its own positions. Not with caches or start.
-        """
-        row = None
-        if cu_seqlens is not None or position_ids is not None:
-            if caches is not None or start is not None:
-                refuse_packed_with("caches or start")
-            check_token_ids(idx, self.config.vocab_size)
-            row = packed_row(idx, cu_seqlens, position_ids)
-            positions, padding = row.positions[0], None
-        else:
-            positions, padding = self._positions(idx, caches, start)
-        rotary = self.rotary.at(positions)  # (B, T) positions: cos and sin made once
+    def _layer_inputs(self, idx, positions, caches, start, row) -> list[LayerInputs]:
+        """A windowed layer's SlidingWindow (a packed row's pattern per window), the
+        rotary cos and sin made once for all layers."""
+        rotary = self.rotary.at(positions)
         window = self.config.sliding_window
-        x = self.embed(idx)
-        packed = {}  # a packed row's pattern per window (None: without)
-        for i, layer in enumerate(self.layers):
+        packed = {}  # a packed row's pattern per window span (None: without)
+        inputs = []
+        for i in range(len(self.layers)):
             mask = SlidingWindow(window - 1, 0) if self.config.windowed(i) else None
             if row is not None:
                 span = (window - 1, 0) if mask else None
                 if span not in packed:
                     packed[span] = row.pattern(causal=True, window=span)
                 mask = packed[span]
-            x = layer(
-                x,
-                mask=mask,
-                padding=padding,
-                position=rotary,
-                cache=None if caches is None else caches[i],
-                causal=row is None,  # a packed row's pattern is causal within each sequence
-            )
-        return self._head(self.norm(x[:, -1:] if last else x))
+            inputs.append((mask, rotary))
+        return inputs
 
     def loss(
         self,

@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from ..cache import KVCache
 from ..core.masks import Chunked, Document, Pattern
 from ..core.validate import int_at_least
 from ..formats.weights import NameTable, TensorSource
@@ -43,7 +42,7 @@ from ..nn import GatedFeedForward, MultiHeadAttention, RMSNorm
 from ..nn.feedforward import ACTIVATIONS
 from ..nn.positional import AttentionPosition, RotaryEmbedding, rope_frequencies, rope_type
 from .config import CausalLMConfig
-from .decoder_lm import EMBED, DecoderLM
+from .decoder_lm import EMBED, DecoderLM, LayerInputs, PreNormBlock
 
 MODEL_TYPES = ("llama4_text", "llama4")
 
@@ -240,7 +239,7 @@ class MixtureOfExperts(nn.Module):
         return out.view_as(x)
 
 
-class Llama4Block(nn.Module):
+class Llama4Block(PreNormBlock):
     """Pre-norm decoder layer: x + attn(norm(x)), then x + ffn(norm(x)). (B, T, d) -> same."""
 
     def __init__(self, config: Llama4Config, layer: int) -> None:
@@ -263,17 +262,6 @@ class Llama4Block(nn.Module):
             )
         else:
             self.ff = GatedFeedForward(c.d_model, c.d_ff_dense, activation=c.activation)
-
-    def forward(self, x: Tensor, *, mask, padding, position, cache) -> Tensor:
-        x = x + self.attn(
-            self.attn_norm(x),
-            mask=mask,
-            key_padding_mask=padding,
-            causal=True,
-            position=position,
-            cache=cache,
-        )
-        return x + self.ff(self.ff_norm(x))
 
 
 def chunk_pattern(size: int, begin: Tensor | None, kv_len: int, first: int = 0) -> Pattern:
@@ -337,22 +325,11 @@ class Llama4(DecoderLM):
             c.head_width, c.rope_theta, scaling=c.rope_scaling, max_position_embeddings=c.max_len
         )
 
-    def forward(
-        self,
-        idx: Tensor,
-        *,
-        caches: list[KVCache] | None = None,
-        start: Tensor | None = None,
-        last: bool = False,
-    ) -> Tensor:
-        """idx (B, T) token ids -> logits (B, T, vocab), or (B, 1, vocab) when last.
-
-        caches: one per layer (make_caches); the tokens continue what they hold.
-        start: (B,) index of each row's first real token when left-padded (without
-        caches; with caches the caches hold it)."""
+    def _layer_inputs(self, idx, positions, caches, start, row) -> list[LayerInputs]:
+        """Rope layers: the chunks (over the keys their caches keep) and the rotary cos
+        and sin; NoPE layers: no mask, the temperature (or nothing)."""
         c = self.config
         length = idx.shape[1]
-        positions, padding = self._positions(idx, caches, start)
         if caches is not None:
             begin = caches[0].start
             local = caches[next((i for i in range(c.n_layer) if c.rope(i)), 0)]
@@ -368,17 +345,7 @@ class Llama4(DecoderLM):
         chunks = None
         if c.chunk_size is not None:
             chunks = chunk_pattern(c.chunk_size, begin, kv_len, first)
-        x = self.embed(idx)
-        for i, layer in enumerate(self.layers):
-            rope = c.rope(i)
-            x = layer(
-                x,
-                mask=chunks if rope else None,
-                padding=padding,
-                position=rotary if rope else temperature,
-                cache=None if caches is None else caches[i],
-            )
-        return self._head(self.norm(x[:, -1:] if last else x))
+        return [(chunks, rotary) if c.rope(i) else (None, temperature) for i in range(c.n_layer)]
 
     def cache_window(self, layer: int) -> int | None:
         """Chunked layers keep only the last chunk_size keys (what a chunk may need)."""
