@@ -163,7 +163,10 @@ def test_bad_sizes_are_one_line_errors():
         Llama4Config(n_layer=4, nope_layers=(4,))
     with pytest.raises(ValueError, match="attn_scale must be finite"):
         Llama4Config(attn_scale=float("nan"))
+    sizes = dict(vocab_size=64, hidden_size=32, num_attention_heads=4)
+    sizes.update(intermediate_size=64, intermediate_size_mlp=64)
     mismatched = dict(
+        **sizes,
         model_type="llama4_text",
         num_hidden_layers=2,
         no_rope_layers=[1, 0],
@@ -172,5 +175,7 @@ def test_bad_sizes_are_one_line_errors():
     )
     with pytest.raises(ValueError, match="layer_types must make the rope layers"):
         Llama4Config.from_hf_config(mismatched)
-    with pytest.raises(ValueError, match="model_type 'llama' is not Llama 4 text"):
+    with pytest.raises(ValueError, match="model_type 'llama' is not supported by Llama4"):
         Llama4Config.from_hf_config({"model_type": "llama"})
+    with pytest.raises(ValueError, match=r"lacks \['intermediate_size_mlp'\]"):
+        Llama4Config.from_hf_config({k: v for k, v in mismatched.items() if "mlp" not in k})

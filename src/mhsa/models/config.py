@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from ..core.validate import int_at_least
+from ..nn.positional import rope_type
+
+HF_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
+HF_SIZES += ("num_attention_heads",)  # what every transformers decoder config gives
 
 
 @dataclass
@@ -54,3 +59,42 @@ class EncoderClassifierConfig(ModelConfig):
 
     def feed_forward_width(self) -> int:
         return self.d_ff or self.ff_ratio * self.d_model
+
+
+def hf_sizes(d: dict, family: str, model_types: Sequence[str], needed: Sequence[str] = ()) -> dict:
+    """A transformers config.json dict, checked to be of one of model_types and to hold
+    HF_SIZES and `needed` -> CausalLMConfig's fields (vocab_size, n_layer, n_head,
+    n_kv_head, d_model)."""
+    kind = d.get("model_type")
+    if kind not in model_types:
+        raise ValueError(
+            f"model_type {kind!r} is not supported by {family}; supported: {', '.join(model_types)}"
+        )
+    missing = [k for k in (*HF_SIZES, *needed) if k not in d]
+    if missing:
+        raise ValueError(f"the config dict lacks {missing}; pass the model's config.json")
+    n_head = d["num_attention_heads"]
+    return {
+        "vocab_size": d["vocab_size"],
+        "n_layer": d["num_hidden_layers"],
+        "n_head": n_head,
+        "n_kv_head": d.get("num_key_value_heads") or n_head,
+        "d_model": d["hidden_size"],
+    }
+
+
+def hf_rope(rope: dict, theta: float, max_len: int) -> tuple[float, dict | None]:
+    """One rotary setting of a transformers config (its rope_scaling or rope_parameters,
+    whose rope_theta wins over `theta`) -> (theta, scaling or None for the default);
+    a llama3 or yarn scaling without original_max_position_embeddings gets max_len."""
+    rope = dict(rope)
+    theta = rope.pop("rope_theta", None) or theta
+    if rope_type(rope) in ("llama3", "yarn"):
+        rope.setdefault("original_max_position_embeddings", max_len)
+    return float(theta), (rope if rope_type(rope) != "default" else None)
+
+
+def hf_stop_tokens(d: dict) -> tuple[int, ...]:
+    """A transformers config dict's eos_token_id (one id, a list or None) as a tuple."""
+    eos = d.get("eos_token_id")
+    return () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)

@@ -28,7 +28,7 @@ from ..core.checks import int_at_least
 from ..formats.weights import NameTable
 from ..nn import GatedFeedForward, LatentAttention, MoEFeedForward, RMSNorm
 from ..nn.positional import RotaryEmbedding, rope_frequencies, rope_type
-from .config import CausalLMConfig
+from .config import CausalLMConfig, hf_rope, hf_sizes, hf_stop_tokens
 from .decoder import CacheLayout
 from .decoder_lm import EMBED, DecoderLM, LayerInputs, PreNormBlock
 
@@ -110,29 +110,22 @@ class DeepSeekConfig(CausalLMConfig):
     def from_hf_config(cls, d: dict) -> DeepSeekConfig:
         """From a Hugging Face config dict of model_type deepseek_v3 or minicpm3
         (transformers 5's rope_parameters, or rope_theta and rope_scaling)."""
-        kind = d.get("model_type")
-        if kind not in MODEL_TYPES:
-            raise ValueError(
-                f"model_type {kind!r} is not supported by DeepSeek; supported: "
-                f"{', '.join(MODEL_TYPES)}"
-            )
-        needed = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
-        needed += ("num_attention_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim")
-        missing = [k for k in needed if k not in d]
-        if missing:
-            raise ValueError(f"the config dict lacks {missing}; pass the model's config.json")
-        n_layer, n_head, hidden = d["num_hidden_layers"], d["num_attention_heads"], d["hidden_size"]
+        needed = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim")
+        sizes = hf_sizes(d, "DeepSeek", MODEL_TYPES, needed)
+        kind, n_layer, n_head, hidden = (
+            d["model_type"],
+            sizes["n_layer"],
+            sizes["n_head"],
+            sizes["d_model"],
+        )
         if d.get("num_key_value_heads") not in (None, n_head):
             raise ValueError(
                 f"num_key_value_heads ({d['num_key_value_heads']}) must equal "
                 f"num_attention_heads ({n_head}): latent attention expands every head"
             )
-        rope = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
-        theta = rope.pop("rope_theta", None) or d.get("rope_theta") or 10000.0
+        rope = d.get("rope_scaling") or d.get("rope_parameters") or {}
         max_len = d.get("max_position_embeddings", 2048)
-        if rope_type(rope) == "yarn":
-            rope.setdefault("original_max_position_embeddings", max_len)
-        eos = d.get("eos_token_id")
+        theta, scaling = hf_rope(rope, d.get("rope_theta") or 10000.0, max_len)
         minicpm = kind == "minicpm3"
         options = {}
         if minicpm:
@@ -157,15 +150,12 @@ class DeepSeekConfig(CausalLMConfig):
                 "rope_interleave": bool(d.get("rope_interleave", True)),
             }
         return cls(
-            vocab_size=d["vocab_size"],
-            n_layer=n_layer,
-            n_head=n_head,
-            d_model=hidden,
+            **sizes,
             d_ff=d["intermediate_size"],
             max_len=max_len,
             norm_eps=d.get("rms_norm_eps", 1e-5 if minicpm else 1e-6),
-            rope_theta=float(theta),
-            rope_scaling=rope if rope_type(rope) != "default" else None,
+            rope_theta=theta,
+            rope_scaling=scaling,
             kv_lora_rank=d["kv_lora_rank"],
             q_lora_rank=d.get("q_lora_rank"),
             qk_rope_head_dim=d["qk_rope_head_dim"],
@@ -174,7 +164,7 @@ class DeepSeekConfig(CausalLMConfig):
             attention_bias=bool(d.get("attention_bias", False)),
             tie_embeddings=bool(d.get("tie_word_embeddings", minicpm)),
             bos_token=d.get("bos_token_id"),
-            eos_token=() if eos is None else (eos,) if isinstance(eos, int) else tuple(eos),
+            eos_token=hf_stop_tokens(d),
             **options,
         )
 

@@ -32,7 +32,8 @@ from torch import Tensor
 from ..core.scores import Softcap
 from ..formats.weights import NameTable
 from ..nn import GatedFeedForward, MultiHeadAttention, RMSNorm
-from ..nn.positional import RotaryEmbedding, rope_frequencies, rope_type
+from ..nn.positional import RotaryEmbedding, rope_frequencies
+from .config import hf_rope, hf_sizes, hf_stop_tokens
 from .decoder_lm import LayerInputs, PreNormBlock
 from .llama import (
     ATTENTION_AND_FF_NAMES,
@@ -41,7 +42,6 @@ from .llama import (
     ROTARY_BUFFERS,
     Llama,
     LlamaConfig,
-    hf_stop_tokens,
 )
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -121,18 +121,7 @@ class Gemma3Config(LlamaConfig):
                 "Gemma3 loads the text model: pass a gemma3_text config (Gemma3ForCausalLM, "
                 "e.g. gemma-3-1b)"
             )
-        if kind != "gemma3_text":
-            raise ValueError(f"model_type {kind!r} is not supported by Gemma3; use gemma3_text")
-        needed = (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-        )
-        missing = [k for k in needed if k not in d]
-        if missing:
-            raise ValueError(f"the config dict lacks {missing}; pass the model's config.json")
+        sizes = hf_sizes(d, "Gemma3", ("gemma3_text",))
         if d.get("use_bidirectional_attention"):
             raise ValueError(
                 "use_bidirectional_attention=True (an embedding model) is not supported: "
@@ -155,12 +144,11 @@ class Gemma3Config(LlamaConfig):
             local_rope = dict(rope.get("sliding_attention") or {})
         else:  # transformers 4: the global scaling alone, the bases at the top
             global_rope, local_rope = dict(d.get("rope_scaling") or rope), {}
-        theta = global_rope.pop("rope_theta", None) or d.get("rope_theta") or 1e6
-        local_theta = local_rope.pop("rope_theta", None) or d.get("rope_local_base_freq") or 1e4
         max_len = d["max_position_embeddings"]
-        for scaling in (global_rope, local_rope):
-            if rope_type(scaling) in ("llama3", "yarn"):
-                scaling.setdefault("original_max_position_embeddings", max_len)
+        theta, scaling = hf_rope(global_rope, d.get("rope_theta") or 1e6, max_len)
+        local_theta, local_scaling = hf_rope(
+            local_rope, d.get("rope_local_base_freq") or 1e4, max_len
+        )
         act = d["hidden_activation"]
         if act not in HF_ACTIVATIONS:
             raise ValueError(
@@ -168,19 +156,15 @@ class Gemma3Config(LlamaConfig):
             )
         bias = bool(d.get("attention_bias", False))
         return cls(
-            vocab_size=d["vocab_size"],
-            n_layer=n_layer,
-            n_head=d["num_attention_heads"],
-            n_kv_head=d.get("num_key_value_heads") or d["num_attention_heads"],
-            d_model=d["hidden_size"],
+            **sizes,
             head_dim=d["head_dim"],
             d_ff=d["intermediate_size"],
             max_len=max_len,
             norm_eps=d["rms_norm_eps"],
-            rope_theta=float(theta),
-            rope_scaling=global_rope if rope_type(global_rope) != "default" else None,
-            rope_local_theta=float(local_theta),
-            rope_local_scaling=local_rope if rope_type(local_rope) != "default" else None,
+            rope_theta=theta,
+            rope_scaling=scaling,
+            rope_local_theta=local_theta,
+            rope_local_scaling=local_scaling,
             query_pre_attn_scalar=d["query_pre_attn_scalar"],
             attn_softcap=d.get("attn_logit_softcapping"),
             final_softcap=d.get("final_logit_softcapping"),

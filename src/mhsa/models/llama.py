@@ -27,8 +27,8 @@ from ..core.validate import int_at_least
 from ..formats.weights import NameTable
 from ..nn import GatedFeedForward, MultiHeadAttention, RMSNorm
 from ..nn.layout import decoding_layout
-from ..nn.positional import RotaryEmbedding, rope_frequencies, rope_type
-from .config import CausalLMConfig
+from ..nn.positional import RotaryEmbedding, rope_frequencies
+from .config import CausalLMConfig, hf_rope, hf_sizes, hf_stop_tokens
 from .decoder_lm import EMBED, DecoderLM, LayerInputs, PreNormBlock
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -110,30 +110,13 @@ class LlamaConfig(CausalLMConfig):
         """From a Hugging Face config.json dict of model_type llama, mistral, qwen2 or
         qwen3 (transformers 4 or 5 layouts: rope_theta at the top or in rope_parameters,
         rope_scaling or rope_parameters for the scaling)."""
-        kind = d.get("model_type")
-        if kind not in MODEL_TYPES:
-            raise ValueError(
-                f"model_type {kind!r} is not supported by Llama; supported: "
-                f"{', '.join(MODEL_TYPES)}"
-            )
-        needed = (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-        )
-        missing = [k for k in needed if k not in d]
-        if missing:
-            raise ValueError(f"the config dict lacks {missing}; pass the model's config.json")
-        n_layer, n_head = d["num_hidden_layers"], d["num_attention_heads"]
+        sizes = hf_sizes(d, "Llama", MODEL_TYPES)
+        kind, n_layer, n_head = d["model_type"], sizes["n_layer"], sizes["n_head"]
         head_dim = d.get("head_dim") or d["hidden_size"] // n_head
         rope = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
-        theta = rope.pop("rope_theta", None) or d.get("rope_theta") or 10000.0
         partial = rope.pop("partial_rotary_factor", None) or d.get("partial_rotary_factor") or 1.0
         max_len = d.get("max_position_embeddings", 2048)
-        if rope_type(rope) in ("llama3", "yarn"):
-            rope.setdefault("original_max_position_embeddings", max_len)
+        theta, scaling = hf_rope(rope, d.get("rope_theta") or 10000.0, max_len)
         window, window_layers = d.get("sliding_window"), None
         if kind in ("qwen2", "qwen3"):  # the window only where layer_types says so
             window = window if d.get("use_sliding_window") else None
@@ -151,18 +134,14 @@ class LlamaConfig(CausalLMConfig):
             )
         bias = d.get("attention_bias", False) if kind in ("llama", "qwen3") else kind == "qwen2"
         return cls(
-            vocab_size=d["vocab_size"],
-            n_layer=n_layer,
-            n_head=n_head,
-            n_kv_head=d.get("num_key_value_heads") or n_head,
-            d_model=d["hidden_size"],
+            **sizes,
             head_dim=head_dim,
             d_ff=d["intermediate_size"],
             max_len=max_len,
             norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
+            rope_theta=theta,
             rotary_dim=int(head_dim * partial),
-            rope_scaling=rope if rope_type(rope) != "default" else None,
+            rope_scaling=scaling,
             attention_bias=bias,
             attention_out_bias=bias and kind != "qwen2",
             qk_norm=kind == "qwen3",
@@ -174,12 +153,6 @@ class LlamaConfig(CausalLMConfig):
             bos_token=d.get("bos_token_id"),
             eos_token=hf_stop_tokens(d),
         )
-
-
-def hf_stop_tokens(d: dict) -> tuple[int, ...]:
-    """A Hugging Face config dict's eos_token_id (one id, a list or None) as a tuple."""
-    eos = d.get("eos_token_id")
-    return () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
 
 
 ATTENTION_AND_FF_NAMES = (  # the same in transformers' Llama, Qwen and Gemma layers

@@ -40,8 +40,8 @@ from ..core.validate import int_at_least
 from ..formats.weights import NameTable, TensorSource
 from ..nn import GatedFeedForward, MultiHeadAttention, RMSNorm
 from ..nn.feedforward import ACTIVATIONS
-from ..nn.positional import AttentionPosition, RotaryEmbedding, rope_frequencies, rope_type
-from .config import CausalLMConfig
+from ..nn.positional import AttentionPosition, RotaryEmbedding, rope_frequencies
+from .config import CausalLMConfig, hf_rope, hf_sizes, hf_stop_tokens
 from .decoder_lm import EMBED, DecoderLM, LayerInputs, PreNormBlock
 
 MODEL_TYPES = ("llama4_text", "llama4")
@@ -123,11 +123,7 @@ class Llama4Config(CausalLMConfig):
         """From a Hugging Face config.json dict of a Llama4ForCausalLM (model_type
         llama4_text), or a Llama4 config's text_config."""
         d = d.get("text_config") or d
-        if d.get("model_type") not in MODEL_TYPES:
-            raise ValueError(
-                f"model_type {d.get('model_type')!r} is not Llama 4 text; supported: "
-                f"{', '.join(MODEL_TYPES)}"
-            )
+        sizes = hf_sizes(d, "Llama4", MODEL_TYPES, ("intermediate_size_mlp",))
         n_layer = d["num_hidden_layers"]
         interval = d.get("no_rope_layer_interval", 4)
         rope_flags = d.get("no_rope_layers") or [
@@ -144,25 +140,18 @@ class Llama4Config(CausalLMConfig):
         step = d.get("interleave_moe_layer_step", 1)
         moe = d.get("moe_layers")
         moe = list(range(step - 1, n_layer, step)) if moe is None else moe
-        rope = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
-        theta = rope.pop("rope_theta", None) or d.get("rope_theta") or 500000.0
+        rope = d.get("rope_scaling") or d.get("rope_parameters") or {}
         max_len = d.get("max_position_embeddings", 2048)
-        if rope_type(rope) in ("llama3", "yarn"):
-            rope.setdefault("original_max_position_embeddings", max_len)
-        eos = d.get("eos_token_id")
+        theta, scaling = hf_rope(rope, d.get("rope_theta") or 500000.0, max_len)
         return cls(
-            vocab_size=d["vocab_size"],
-            n_layer=n_layer,
-            n_head=d["num_attention_heads"],
-            n_kv_head=d.get("num_key_value_heads") or d["num_attention_heads"],
-            d_model=d["hidden_size"],
+            **sizes,
             head_dim=d.get("head_dim"),
             d_ff=d["intermediate_size"],
             d_ff_dense=d["intermediate_size_mlp"],
             max_len=max_len,
             norm_eps=d.get("rms_norm_eps", 1e-5),
-            rope_theta=float(theta),
-            rope_scaling=rope if rope_type(rope) != "default" else None,
+            rope_theta=theta,
+            rope_scaling=scaling,
             attention_bias=bool(d.get("attention_bias", False)),
             chunk_size=chunk,
             nope_layers=tuple(i for i, f in enumerate(rope_flags) if not f),
@@ -176,7 +165,7 @@ class Llama4Config(CausalLMConfig):
             activation={"swish": "silu"}.get(d.get("hidden_act", "silu"), d.get("hidden_act")),
             tie_embeddings=bool(d.get("tie_word_embeddings", False)),
             bos_token=d.get("bos_token_id"),
-            eos_token=() if eos is None else (eos,) if isinstance(eos, int) else tuple(eos),
+            eos_token=hf_stop_tokens(d),
         )
 
 
