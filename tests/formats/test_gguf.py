@@ -401,9 +401,8 @@ def ours(smollm2):
 
 
 @pytest.fixture(scope="module")
-def theirs(smollm2):
-    transformers = needs("transformers")
-    return transformers.AutoModelForCausalLM.from_pretrained(smollm2.parent, gguf_file=smollm2.name)
+def theirs(transformers_smollm2):
+    return transformers_smollm2
 
 
 def test_state_dict_equals_transformers(ours, theirs):
