@@ -233,3 +233,11 @@ def test_the_serving_engine_runs_it_over_a_paged_pool():
         alone = model.generate(torch.tensor([prompt]), count, temperature=0.0)
         assert output == alone[0, len(prompt) :].tolist()
     assert engine.cache.used_blocks == 0
+    # speculative decoding: a one-sequence pool of latent caches (cache_layout's value
+    # width 0), prompt lookup drafts verified in one pass, plain greedy's tokens
+    from mhsa.models.speculative import PromptLookup
+
+    prompt = torch.tensor(prompts[0] * 4)
+    plain = model.generate([prompt], 12, temperature=0.0, eos_token=[])[0]
+    fast = model.generate([prompt], 12, temperature=0.0, eos_token=[], speculate=PromptLookup())
+    assert torch.equal(fast[0], plain)

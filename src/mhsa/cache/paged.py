@@ -81,6 +81,21 @@ class PagedKVCache(MultiLayerCache):
         self._next_id = 0
         self._step: PagedStep | None = None
 
+    @classmethod
+    def for_layout(cls, layout, *, num_blocks: int, block_size: int = 16) -> PagedKVCache:
+        """A pool shaped by a model's cache_layout (mhsa.models.decoder.CacheLayout:
+        layers, kv heads, key and value widths, dtype, device)."""
+        return cls(
+            layout.num_layers,
+            layout.num_kv_heads,
+            layout.head_dim,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            value_dim=layout.value_dim,
+            dtype=layout.dtype,
+            device=layout.device,
+        )
+
     @property
     def num_layers(self) -> int:
         return self.k.shape[0]

@@ -89,18 +89,11 @@ class DraftModel:
     argmax tokens; sampled ones a draw from its distribution (returned as q)."""
 
     def __init__(self, model: nn.Module, num_blocks: int = 256) -> None:
-        layout = model.cache_layout
         self.model = model.eval()
-        self.pool = PagedKVCache(
-            layout.num_layers,
-            layout.num_kv_heads,
-            layout.head_dim,
-            num_blocks=num_blocks,
-            block_size=BLOCK,
-            dtype=layout.dtype,
-            device=layout.device,
+        self.pool = PagedKVCache.for_layout(
+            model.cache_layout, num_blocks=num_blocks, block_size=BLOCK
         )
-        self.device = layout.device
+        self.device = model.cache_layout.device
         self._streams: dict[int, tuple[int, list[int]]] = {}  # key -> (sequence, fed tokens)
 
     @property
@@ -199,14 +192,8 @@ def speculative_decode(
         raise ValueError("speculative decoding needs a StopRule with max_tokens")
     layout = model.cache_layout
     total = len(prompt) + stop.max_tokens  # (drafts never reach past max_tokens)
-    cache = PagedKVCache(
-        layout.num_layers,
-        layout.num_kv_heads,
-        layout.head_dim,
-        num_blocks=math.ceil(total / BLOCK) + 1,
-        block_size=BLOCK,
-        dtype=layout.dtype,
-        device=layout.device,
+    cache = PagedKVCache.for_layout(
+        layout, num_blocks=math.ceil(total / BLOCK) + 1, block_size=BLOCK
     )
     context = [int(t) for t in prompt]
     seq = cache.add_sequence(context)

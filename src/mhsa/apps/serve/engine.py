@@ -70,19 +70,11 @@ class Engine:
             raise ValueError(
                 f"context_length {context_length} exceeds the model's max_len {config.max_len}"
             )
-        layout = model.cache_layout
-        self.cache = PagedKVCache(
-            layout.num_layers,
-            layout.num_kv_heads,
-            layout.head_dim,
-            num_blocks=num_blocks,
-            block_size=block_size,
-            value_dim=layout.value_dim,
-            dtype=layout.dtype,
-            device=layout.device,
+        self.cache = PagedKVCache.for_layout(
+            model.cache_layout, num_blocks=num_blocks, block_size=block_size
         )
         self.model = model.eval()
-        self.device = layout.device
+        self.device = model.cache_layout.device
         self.context_length, self.max_batch = context_length, max_batch
         self.prefill_chunk, self.stop_ids = prefill_chunk, frozenset(stop_ids)
         self.scheduler = Scheduler(
