@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 from ..core.validate import int_at_least
-from ..nn.positional import rope_type
+from ..nn.positional import RotaryEmbedding, rope_frequencies, rope_type
 
 HF_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
 HF_SIZES += ("num_attention_heads",)  # what every transformers decoder config gives
@@ -40,6 +41,31 @@ class CausalLMConfig(ModelConfig):
             raise ValueError(
                 f"n_kv_head must divide n_head ({self.n_head}) or be None, got {self.n_kv_head!r}"
             )
+
+
+class RopeSetting(NamedTuple):
+    """One rotary embedding of a config: heads of head_dim, the first rotary_dim (None:
+    all) of each rotated, at base theta with scaling (None: plain) for max_len positions."""
+
+    head_dim: int
+    theta: float
+    scaling: dict | None
+    max_len: int
+    rotary_dim: int | None = None
+
+    def check(self) -> None:
+        """Raise a ValueError naming the fault unless the scaling is valid."""
+        width = self.rotary_dim or self.head_dim
+        rope_frequencies(width, self.theta, self.scaling, max_position_embeddings=self.max_len)
+
+    def embedding(self) -> RotaryEmbedding:
+        return RotaryEmbedding(
+            self.head_dim,
+            self.theta,
+            rotary_dim=self.rotary_dim,
+            scaling=self.scaling,
+            max_position_embeddings=self.max_len,
+        )
 
 
 @dataclass

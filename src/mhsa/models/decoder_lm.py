@@ -55,7 +55,7 @@ class PreNormBlock(nn.Module):
 class DecoderLM(nn.Module, CausalLMDecoding):
     """A Decoder (mhsa.models.decoder): prefill, step, make_caches, cache_layout.
     Subclasses set config_class and hf_names, call _build from __init__ and define
-    _init_rotary and _layer_inputs (each layer's mask and position); _embed and _logits
+    _layer_inputs (each layer's mask and position); _embed and _logits
     when their model scales the embedding or the logits."""
 
     config_class: type
@@ -77,8 +77,9 @@ class DecoderLM(nn.Module, CausalLMDecoding):
         self.apply(normal_init)
 
     def _init_rotary(self) -> None:
-        """Make the rotary embedding(s) (again, after a load onto meta-built parameters)."""
-        raise NotImplementedError
+        """Make the rotary embedding(s) (again, after a load onto meta-built parameters):
+        the config's rotary_setting()."""
+        self.rotary = self.config.rotary_setting().embedding()
 
     def forward(
         self,

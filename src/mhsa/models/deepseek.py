@@ -27,8 +27,8 @@ from torch import Tensor
 from ..core.checks import int_at_least
 from ..formats.weights import NameTable
 from ..nn import GatedFeedForward, LatentAttention, MoEFeedForward, RMSNorm
-from ..nn.positional import RotaryEmbedding, rope_frequencies, rope_type
-from .config import CausalLMConfig, hf_rope, hf_sizes, hf_stop_tokens
+from ..nn.positional import rope_type
+from .config import CausalLMConfig, RopeSetting, hf_rope, hf_sizes, hf_stop_tokens
 from .decoder import CacheLayout
 from .decoder_lm import EMBED, DecoderLM, LayerInputs, PreNormBlock
 
@@ -84,12 +84,7 @@ class DeepSeekConfig(CausalLMConfig):
             if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         self.eos_token = tuple(self.eos_token)
-        rope_frequencies(
-            self.qk_rope_head_dim,
-            self.rope_theta,
-            self.rope_scaling,
-            max_position_embeddings=self.max_len,
-        )  # checks the scaling
+        self.rotary_setting().check()
 
     @property
     def scale(self) -> float:
@@ -101,6 +96,10 @@ class DeepSeekConfig(CausalLMConfig):
         if rope_type(rope) != "default" and m_all and factor > 1:
             scale *= (0.1 * m_all * math.log(factor) + 1.0) ** 2
         return scale
+
+    def rotary_setting(self) -> RopeSetting:
+        """The rotary embedding of the qk_rope_head_dim part of each head."""
+        return RopeSetting(self.qk_rope_head_dim, self.rope_theta, self.rope_scaling, self.max_len)
 
     def moe(self, layer: int) -> bool:
         """Whether layer `layer`'s feed-forward is a mixture of experts."""
@@ -254,15 +253,6 @@ class DeepSeek(DecoderLM):
     def __init__(self, config: DeepSeekConfig) -> None:
         super().__init__()
         self._build(config, (DeepSeekBlock(config, i) for i in range(config.n_layer)))
-
-    def _init_rotary(self) -> None:
-        c = self.config
-        self.rotary = RotaryEmbedding(
-            c.qk_rope_head_dim,
-            c.rope_theta,
-            scaling=c.rope_scaling,
-            max_position_embeddings=c.max_len,
-        )
 
     def _layer_inputs(self, idx, positions, caches, start, row) -> list[LayerInputs]:
         """No mask (causal only); one rotary cos and sin for all layers."""

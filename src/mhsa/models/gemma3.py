@@ -32,8 +32,7 @@ from torch import Tensor
 from ..core.scores import Softcap
 from ..formats.weights import NameTable
 from ..nn import GatedFeedForward, MultiHeadAttention, RMSNorm
-from ..nn.positional import RotaryEmbedding, rope_frequencies
-from .config import hf_rope, hf_sizes, hf_stop_tokens
+from .config import RopeSetting, hf_rope, hf_sizes, hf_stop_tokens
 from .decoder_lm import LayerInputs, PreNormBlock
 from .llama import (
     ATTENTION_AND_FF_NAMES,
@@ -97,16 +96,21 @@ class Gemma3Config(LlamaConfig):
         _check_positive("query_pre_attn_scalar", self.query_pre_attn_scalar)
         _check_positive("attn_softcap", self.attn_softcap)
         _check_positive("final_softcap", self.final_softcap)
-        rope_frequencies(
-            self.rotary_width,
-            self.rope_local_theta,
-            self.rope_local_scaling,
-            max_position_embeddings=self.max_len,
-        )  # checks the local scaling
+        self.local_rotary_setting().check()
 
     @property
     def attention_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.head_width) ** -0.5
+
+    def local_rotary_setting(self) -> RopeSetting:
+        """The local (sliding-window) layers' rotary embedding."""
+        return RopeSetting(
+            self.head_width,
+            self.rope_local_theta,
+            self.rope_local_scaling,
+            self.max_len,
+            self.rotary_width,
+        )
 
     @classmethod
     def from_hf_config(cls, d: dict) -> Gemma3Config:
@@ -241,14 +245,7 @@ class Gemma3(Llama):
         """Two rotary embeddings: global layers' (rope_theta, rope_scaling) and local
         layers' (rope_local_theta, rope_local_scaling)."""
         super()._init_rotary()
-        c = self.config
-        self.local_rotary = RotaryEmbedding(
-            c.head_width,
-            c.rope_local_theta,
-            rotary_dim=c.rotary_width,
-            scaling=c.rope_local_scaling,
-            max_position_embeddings=c.max_len,
-        )
+        self.local_rotary = self.config.local_rotary_setting().embedding()
 
     def _layer_inputs(self, idx, positions, caches, start, row) -> list[LayerInputs]:
         """Llama's masks (the window on local layers); local layers rotate with

@@ -27,8 +27,7 @@ from ..core.validate import int_at_least
 from ..formats.weights import NameTable
 from ..nn import GatedFeedForward, MultiHeadAttention, RMSNorm
 from ..nn.layout import decoding_layout
-from ..nn.positional import RotaryEmbedding, rope_frequencies
-from .config import CausalLMConfig, hf_rope, hf_sizes, hf_stop_tokens
+from .config import CausalLMConfig, RopeSetting, hf_rope, hf_sizes, hf_stop_tokens
 from .decoder_lm import EMBED, DecoderLM, LayerInputs, PreNormBlock
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -84,12 +83,7 @@ class LlamaConfig(CausalLMConfig):
             )
         self.eos_token = tuple(self.eos_token)
         self.window_layers = None if self.window_layers is None else tuple(self.window_layers)
-        rope_frequencies(
-            self.rotary_width,
-            self.rope_theta,
-            self.rope_scaling,
-            max_position_embeddings=self.max_len,
-        )  # checks the scaling
+        self.rotary_setting().check()
 
     @property
     def head_width(self) -> int:
@@ -98,6 +92,12 @@ class LlamaConfig(CausalLMConfig):
     @property
     def rotary_width(self) -> int:
         return self.rotary_dim or self.head_width
+
+    def rotary_setting(self) -> RopeSetting:
+        """The rotary embedding of every layer (of the global ones in Gemma 3)."""
+        return RopeSetting(
+            self.head_width, self.rope_theta, self.rope_scaling, self.max_len, self.rotary_width
+        )
 
     def windowed(self, layer: int) -> bool:
         """Whether layer `layer` attends through the sliding window."""
@@ -214,17 +214,6 @@ class Llama(DecoderLM):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self._build(config, (self.block_class(config) for _ in range(config.n_layer)))
-
-    def _init_rotary(self) -> None:
-        """Make the rotary frequencies (again, after a load onto meta-built parameters)."""
-        c = self.config
-        self.rotary = RotaryEmbedding(
-            c.head_width,
-            c.rope_theta,
-            rotary_dim=c.rotary_width,
-            scaling=c.rope_scaling,
-            max_position_embeddings=c.max_len,
-        )
 
     def _layer_inputs(self, idx, positions, caches, start, row) -> list[LayerInputs]:
         """A windowed layer's SlidingWindow (a packed row's pattern per window), the

@@ -40,8 +40,8 @@ from ..core.validate import int_at_least
 from ..formats.weights import NameTable, TensorSource
 from ..nn import GatedFeedForward, MultiHeadAttention, RMSNorm
 from ..nn.feedforward import ACTIVATIONS
-from ..nn.positional import AttentionPosition, RotaryEmbedding, rope_frequencies
-from .config import CausalLMConfig, hf_rope, hf_sizes, hf_stop_tokens
+from ..nn.positional import AttentionPosition
+from .config import CausalLMConfig, RopeSetting, hf_rope, hf_sizes, hf_stop_tokens
 from .decoder_lm import EMBED, DecoderLM, LayerInputs, PreNormBlock
 
 MODEL_TYPES = ("llama4_text", "llama4")
@@ -103,16 +103,15 @@ class Llama4Config(CausalLMConfig):
         if not math.isfinite(self.attn_scale):
             raise ValueError(f"attn_scale must be finite, got {self.attn_scale!r}")
         self.eos_token = tuple(self.eos_token)
-        rope_frequencies(
-            self.head_width,
-            self.rope_theta,
-            self.rope_scaling,
-            max_position_embeddings=self.max_len,
-        )  # checks the scaling
+        self.rotary_setting().check()
 
     @property
     def head_width(self) -> int:
         return self.head_dim or self.d_model // self.n_head
+
+    def rotary_setting(self) -> RopeSetting:
+        """The rope layers' rotary embedding."""
+        return RopeSetting(self.head_width, self.rope_theta, self.rope_scaling, self.max_len)
 
     def rope(self, layer: int) -> bool:
         """Whether layer `layer` is a rope (chunked) layer, not a global NoPE one."""
@@ -307,12 +306,6 @@ class Llama4(DecoderLM):
     def __init__(self, config: Llama4Config) -> None:
         super().__init__()
         self._build(config, (Llama4Block(config, i) for i in range(config.n_layer)))
-
-    def _init_rotary(self) -> None:
-        c = self.config
-        self.rotary = RotaryEmbedding(
-            c.head_width, c.rope_theta, scaling=c.rope_scaling, max_position_embeddings=c.max_len
-        )
 
     def _layer_inputs(self, idx, positions, caches, start, row) -> list[LayerInputs]:
         """Rope layers: the chunks (over the keys their caches keep) and the rotary cos
