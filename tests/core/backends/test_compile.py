@@ -162,6 +162,27 @@ def test_one_graph_serves_lengths_128_to_1024(backend):
     assert counter.frame_count <= 2
 
 
+@pytest.mark.parametrize("backend", ["auto", "flash", "sdpa"])
+def test_bare_attention_compiles_with_every_size_symbolic(backend):
+    """dynamic=True on mhsa.attention itself: batch, heads, lengths and widths all come
+    from the inputs, so all start symbolic (and dropout_p with them); heads and widths
+    are specialised, lengths stay dynamic, and the outputs equal the float64 reference
+    (grouped heads, bottom-right causal, and a square call)."""
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(mhsa.attention, backend=counter, dynamic=True, fullgraph=True)
+    with mhsa.use_backend(backend):
+        for q_len, kv_len in ((16, 19), (24, 27), (33, 70), (40, 40)):
+            q = torch.randn(2, 4, q_len, 8)
+            k, v = torch.randn(2, 2, kv_len, 8), torch.randn(2, 2, kv_len, 8)
+            got = compiled(q, k, v, causal=True)
+            want = mhsa.attention(
+                q.double(), k.double(), v.double(), causal=True, backend="reference"
+            )
+            assert max_error(got, want) <= 1e-5
+    assert counter.frame_count <= 3
+
+
 def test_a_forced_backend_is_guarded():
     model, inputs = _build("gpt")
     torch._dynamo.reset()

@@ -192,12 +192,14 @@ def select(spec: AttentionSpec, requested: str) -> Backend:
     """The backend that serves `spec`: the forced one, the requested one, or the best."""
     if torch.compiler.is_compiling():
         sizes = {name: _traced_size(getattr(spec, name)) for name in ("batch", "q_len", "kv_len")}
-        # heads and widths are the model's: specialised (int() of a symbolic one guards it)
+        # heads and widths are the model's: specialised to their values
         widths = {
-            name: int(getattr(spec, name))
+            name: _specialized(getattr(spec, name))
             for name in ("num_heads", "num_kv_heads", "head_dim", "value_dim")
         }
-        fixed = sizes | widths
+        # a float argument is symbolic under dynamic=True: the choice asks only whether
+        # there is dropout
+        fixed = sizes | widths | {"dropout_p": 0.0 if spec.dropout_p == 0 else 0.5}
         fields = tuple(fixed.get(f.name, getattr(spec, f.name)) for f in dataclasses.fields(spec))
         return get(_select_when_traced(fields, requested, _forced_generation))
     if spec.paged:  # decoding asks once per layer with the same spec
@@ -222,6 +224,23 @@ TRACED_SIZE = 1024
 
 def _traced_size(size: int) -> int:
     return 1 if size == 1 else TRACED_SIZE
+
+
+def _specialized(size: int) -> int:
+    """A size as a plain int while torch.compile traces. A symbolic one (dynamic=True
+    makes heads and widths symbolic too; int() of it stays symbolic, and dynamo calls
+    it an int) is found by bisection: each comparison becomes a guard, so the graph is
+    specialised to the value, as to any of the model's constants."""
+    low, high = 0, 1
+    while size >= high:
+        low, high = high, 2 * high
+    while high - low > 1:  # low <= size < high
+        middle = (low + high) // 2
+        if size >= middle:
+            low = middle
+        else:
+            high = middle
+    return low
 
 
 @constant_when_traced

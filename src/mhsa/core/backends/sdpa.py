@@ -80,7 +80,13 @@ class SdpaBackend(Backend):
         self, q, k, v, *, mask, bias, causal, scale, dropout_p, return_lse, score=None, sinks=None
     ):
         q_len, kv_len = q.shape[2], k.shape[2]
-        is_causal = causal and q_len == kv_len and mask is None and bias is None
+        # branches, not bool(): sizes compared under dynamic=True give a symbolic bool,
+        # which sdpa refuses and bool() keeps; a branch guards on it
+        is_causal = grouped = False
+        if causal and q_len == kv_len and mask is None and bias is None:
+            is_causal = True
+        if q.shape[1] != k.shape[1]:
+            grouped = True
         if not is_causal:  # patterns and bottom-right causal masks are materialised
             mask = combined_mask(mask, causal, q_len, kv_len, q.device)
         attn_mask, dead = _merged_attn_mask(mask, bias, q.dtype)
@@ -92,7 +98,7 @@ class SdpaBackend(Backend):
             dropout_p=dropout_p,
             is_causal=is_causal,
             scale=scale,
-            enable_gqa=q.shape[1] != k.shape[1],
+            enable_gqa=grouped,
         )
         if dead is not None:
             out = out.masked_fill(dead, 0.0)
