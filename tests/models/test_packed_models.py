@@ -280,6 +280,11 @@ def test_contradictions_and_bad_rows_are_refused():
     caches = llama().make_caches(1, 8)
     message = expect_error(lambda: llama()(idx, cu_seqlens=cu, caches=caches))
     assert "does not go with caches or start" in message
+    from mhsa.models import Gemma3, Gemma3Config  # a family that does not pack
+
+    config = Gemma3Config(vocab_size=VOCAB, n_layer=1, n_head=2, d_model=16, d_ff=32)
+    with pytest.raises(ValueError, match=r"Gemma3 takes no packed rows \(cu_seqlens"):
+        Gemma3(config)(idx, cu_seqlens=cu)
 
 
 def test_next_token_targets_stop_at_each_boundary():
