@@ -111,12 +111,8 @@ class DeepSeekConfig(CausalLMConfig):
         (transformers 5's rope_parameters, or rope_theta and rope_scaling)."""
         needed = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim")
         sizes = hf_sizes(d, "DeepSeek", MODEL_TYPES, needed)
-        kind, n_layer, n_head, hidden = (
-            d["model_type"],
-            sizes["n_layer"],
-            sizes["n_head"],
-            sizes["d_model"],
-        )
+        kind, n_layer, n_head = d["model_type"], sizes["n_layer"], sizes["n_head"]
+        hidden = sizes["d_model"]
         if d.get("num_key_value_heads") not in (None, n_head):
             raise ValueError(
                 f"num_key_value_heads ({d['num_key_value_heads']}) must equal "
