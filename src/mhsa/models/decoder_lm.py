@@ -19,7 +19,7 @@ from typing_extensions import Self
 from ..cache import KVCache, SlidingWindowCache
 from ..core.masks import Pattern
 from ..formats.weights import NameTable, SafetensorsFiles, TensorSource, as_source, load_weights
-from ..nn import RMSNorm
+from ..nn import MultiHeadAttention, RMSNorm
 from .decoder import CacheLayout
 from .decoding import CausalLMDecoding, check_token_ids
 from .init import normal_init
@@ -33,6 +33,20 @@ class PreNormBlock(nn.Module):
     """A decoder layer of attn_norm, attn, ff_norm and ff: x + attn(attn_norm(x)), then
     x + ff(ff_norm(x)). (B, T, d) -> same. A family with another residual form (sandwich
     norms, scaled residuals) overrides forward and calls attend."""
+
+    @staticmethod
+    def config_attention(config: Any, **options: Any) -> MultiHeadAttention:
+        """attn from a transformers-style config: n_head query heads of head_width over
+        d_model, n_kv_head key/value heads, attention_bias on the projections; options
+        (out_bias, scale, score, qk_norm_eps) go to MultiHeadAttention."""
+        return MultiHeadAttention(
+            config.d_model,
+            config.n_head,
+            num_kv_heads=config.n_kv_head,
+            head_dim=config.head_width,
+            bias=config.attention_bias,
+            **options,
+        )
 
     def attend(self, x: Tensor, *, mask, padding, position, cache, causal: bool = True) -> Tensor:
         """attn over attn_norm(x) (B, T, d): the layer's mask, key padding, position

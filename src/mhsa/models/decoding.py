@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..cache import StaticKVCache
@@ -171,8 +172,16 @@ def check_token_ids(ids: Tensor, vocab_size: int, name: str = "idx") -> None:
 
 
 class CausalLMDecoding:
-    """prefill and step for a decoder-only model (GPT, Llama) called as
-    model(tokens, caches=..., start=..., last=True) -> logits (B, 1, V)."""
+    """The next-token loss, prefill and step of a decoder-only model (GPT, Llama) called
+    as model(tokens, caches=..., start=..., last=True) -> logits (B, 1, V)."""
+
+    def loss(self, idx: Tensor, targets: Tensor, **inputs: Tensor | None) -> Tensor:
+        """Mean next-token cross-entropy of the logits for idx (B, T) against targets
+        (B, T), skipping targets of -100. inputs: forward's keywords (positions where
+        the model takes them; packing: cu_seqlens, position_ids, and a packed row's
+        targets from mhsa.models.packing.next_token_targets)."""
+        logits = self(idx, **inputs)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
     def prefill(self, tokens: Tensor, caches: Any, *, start: Tensor | None = None) -> Tensor:
         """Decoder.prefill: tokens (B, T) -> logits (B, V) of the last position."""

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from ..core.scores import Softcap
 from ..formats.weights import NameTable
-from ..nn import GatedFeedForward, MultiHeadAttention, RMSNorm
+from ..nn import GatedFeedForward, RMSNorm
 from .config import RopeSetting, hf_rope, hf_sizes, hf_stop_tokens
 from .decoder_lm import LayerInputs, PreNormBlock
 from .llama import (
@@ -207,12 +207,8 @@ class Gemma3Block(PreNormBlock):
             RMSNorm(width, eps=eps, unit_offset=True) for _ in range(4)
         )
         cap = config.attn_softcap
-        self.attn = MultiHeadAttention(
-            width,
-            config.n_head,
-            num_kv_heads=config.n_kv_head,
-            head_dim=config.head_width,
-            bias=config.attention_bias,
+        self.attn = self.config_attention(
+            config,
             out_bias=config.attention_out_bias,
             scale=config.attention_scale,
             score=None if cap is None else Softcap(cap),

@@ -16,7 +16,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..cache import KVCache, SlidingWindowCache
@@ -280,21 +279,6 @@ class GPT(nn.Module, CausalLMDecoding):
             raise ValueError("GPT-2 weights need position='learned' and no grouped-query heads")
         fix = "check that the GPTConfig (vocab_size, n_layer, d_model, max_len) matches it"
         return load_weights(cls(config), as_source(state_dict), GPT2_NAMES, fix=fix)
-
-    def loss(
-        self,
-        idx: Tensor,
-        targets: Tensor,
-        positions: Tensor | None = None,
-        *,
-        cu_seqlens: Tensor | None = None,
-        position_ids: Tensor | None = None,
-    ) -> Tensor:
-        """Mean next-token cross-entropy of logits for idx (B, T) against targets (B, T),
-        skipping targets of -100 (positions, packing: see forward; a packed row's
-        targets come from mhsa.models.packing.next_token_targets)."""
-        logits = self(idx, positions=positions, cu_seqlens=cu_seqlens, position_ids=position_ids)
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def _attention_layer(config: GPTConfig, depth: int) -> nn.Module | None:

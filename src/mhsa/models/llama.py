@@ -19,13 +19,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 
 from ..core.masks import SlidingWindow
 from ..core.validate import int_at_least
 from ..formats.weights import NameTable
-from ..nn import GatedFeedForward, MultiHeadAttention, RMSNorm
+from ..nn import GatedFeedForward, RMSNorm
 from ..nn.layout import decoding_layout
 from .config import CausalLMConfig, RopeSetting, hf_rope, hf_sizes, hf_stop_tokens
 from .decoder_lm import EMBED, DecoderLM, LayerInputs, PreNormBlock
@@ -184,12 +183,8 @@ class LlamaBlock(PreNormBlock):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.d_model, eps=config.norm_eps)
-        self.attn = MultiHeadAttention(
-            config.d_model,
-            config.n_head,
-            num_kv_heads=config.n_kv_head,
-            head_dim=config.head_width,
-            bias=config.attention_bias,
+        self.attn = self.config_attention(
+            config,
             out_bias=config.attention_out_bias,
             qk_norm_eps=config.norm_eps if config.qk_norm else None,
         )
@@ -231,20 +226,6 @@ class Llama(DecoderLM):
                 mask = packed[span]
             inputs.append((mask, rotary))
         return inputs
-
-    def loss(
-        self,
-        idx: Tensor,
-        targets: Tensor,
-        *,
-        cu_seqlens: Tensor | None = None,
-        position_ids: Tensor | None = None,
-    ) -> Tensor:
-        """Mean next-token cross-entropy of the logits for idx (B, T) against targets
-        (B, T), skipping targets of -100; packing as in forward (a packed row's targets:
-        mhsa.models.packing.next_token_targets)."""
-        logits = self(idx, cu_seqlens=cu_seqlens, position_ids=position_ids)
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
     def fuse_projections(self) -> Llama:
         """For inference: each layer's q, k, v and its gate, up projections in one

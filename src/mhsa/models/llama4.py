@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from ..core.masks import Chunked, Document, Pattern
 from ..core.validate import int_at_least
 from ..formats.weights import NameTable, TensorSource
-from ..nn import GatedFeedForward, MultiHeadAttention, RMSNorm
+from ..nn import GatedFeedForward, RMSNorm
 from ..nn.feedforward import ACTIVATIONS
 from ..nn.positional import AttentionPosition
 from .config import CausalLMConfig, RopeSetting, hf_rope, hf_sizes, hf_stop_tokens
@@ -234,13 +234,7 @@ class Llama4Block(PreNormBlock):
         super().__init__()
         c = config
         self.attn_norm = RMSNorm(c.d_model, eps=c.norm_eps)
-        self.attn = MultiHeadAttention(
-            c.d_model,
-            c.n_head,
-            num_kv_heads=c.n_kv_head,
-            head_dim=c.head_width,
-            bias=c.attention_bias,
-        )
+        self.attn = self.config_attention(c)
         if c.qk_norm and c.rope(layer):
             self.attn.q_norm, self.attn.k_norm = L2Norm(c.norm_eps), L2Norm(c.norm_eps)
         self.ff_norm = RMSNorm(c.d_model, eps=c.norm_eps)
