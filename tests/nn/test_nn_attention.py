@@ -179,7 +179,7 @@ def test_head_dim_scale_and_score_options():
     assert max_error(averaged, weights.mean(dim=1)) < 1e-5
     with pytest.raises(TypeError, match="score must be an mhsa.core.scores function"):
         MultiHeadAttention(16, 4, score=lambda s: s)
-    with pytest.raises(ValueError, match="scale must be a number > 0"):
+    with pytest.raises(ValueError, match="scale must be finite and > 0"):
         MultiHeadAttention(16, 4, scale=0.0)
     with pytest.raises(ValueError, match="head_dim must be an int >= 1"):
         MultiHeadAttention(16, 4, head_dim=0)

@@ -149,11 +149,12 @@ def check_scale(scale: float | None) -> None:
         )
 
 
-def check_dropout(dropout_p: float) -> None:
+def check_dropout(dropout_p: float, name: str = "dropout_p") -> None:
+    """A dropout probability in [0, 1), named `name` in the error."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+        raise TypeError(f"{name} must be a float, got {type(dropout_p).__name__}")
     if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+        raise ValueError(f"{name} must be in [0, 1), got {dropout_p}")
 
 
 def check_causal(causal: bool) -> None:

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from ..cache import KVCache, SlidingWindowCache
 from ..core.masks import SlidingWindow
-from ..core.validate import int_at_least
+from ..core.validate import check_dropout, int_at_least
 from ..formats.weights import NameTable, Rule, TensorSource, as_source, load_weights
 from ..nn import encoder_layers
 from ..nn.differential import DiffAttention
@@ -64,8 +64,7 @@ class GPTConfig(CausalLMConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         int_at_least("max_len", self.max_len, 1)
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        check_dropout(self.dropout, "dropout")
         if self.position not in POSITIONS:
             raise ValueError(f"position must be one of {POSITIONS}, got {self.position!r}")
         if self.d_model % self.n_head:

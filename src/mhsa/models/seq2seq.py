@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..cache import DecoderCache
+from ..core.validate import check_dropout
 from ..nn import (
     TransformerDecoder,
     TransformerDecoderLayer,
@@ -52,8 +53,7 @@ class Seq2SeqConfig(ModelConfig):
     eos_id: int = 2
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        check_dropout(self.dropout, "dropout")
         if self.share_embeddings and self.src_vocab != self.tgt_vocab:
             raise ValueError(
                 f"share_embeddings needs src_vocab == tgt_vocab, got {self.src_vocab} and "

@@ -9,7 +9,7 @@ from ..cache import Cache
 from ..core.attention import attention, attention_and_weights, attention_weights
 from ..core.masks import KeyPadding, Pattern
 from ..core.scores import ScoreFunction
-from ..core.validate import int_at_least, paged_window
+from ..core.validate import check_dropout, check_scale, int_at_least, paged_window
 from .layout import fuse_linears
 from .norm import RMSNorm
 from .positional import AttentionPosition, RotaryEmbedding
@@ -145,12 +145,8 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(
                 f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
             )
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-        if scale is not None and (
-            isinstance(scale, bool) or not isinstance(scale, int | float) or not scale > 0
-        ):
-            raise ValueError(f"scale must be a number > 0 or None, got {scale!r}")
+        check_dropout(dropout, "dropout")
+        check_scale(scale)
         if score is not None and not isinstance(score, ScoreFunction):
             raise TypeError(
                 f"score must be an mhsa.core.scores function (e.g. Softcap(50.0)) or "

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from ..cache import Cache
 from ..core.attention import attention
 from ..core.masks import Pattern
-from ..core.validate import int_at_least
+from ..core.validate import check_dropout, int_at_least
 from .attention import _rotated, attention_masks
 from .norm import RMSNorm
 from .positional import AttentionPosition
@@ -75,8 +75,7 @@ class DiffAttention(nn.Module):
         init = depth_lambda_init(depth) if lambda_init is None else lambda_init
         if isinstance(init, bool) or not isinstance(init, (int, float)) or not math.isfinite(init):
             raise ValueError(f"lambda_init must be a finite number, got {lambda_init!r}")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+        check_dropout(dropout, "dropout")
         options = {"device": device, "dtype": dtype}
         self.num_heads, self.head_dim = num_heads, embed_dim // num_heads // 2
         self.lambda_init, self.dropout, self.backend = float(init), dropout, backend

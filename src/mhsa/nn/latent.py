@@ -27,7 +27,7 @@ from ..cache import Cache
 from ..core.attention import attention
 from ..core.checks import int_at_least
 from ..core.masks import Pattern
-from ..core.validate import paged_window
+from ..core.validate import check_dropout, check_scale, paged_window
 from .attention import _rotated, attention_masks
 from .norm import RMSNorm
 from .positional import AttentionPosition
@@ -101,12 +101,8 @@ class LatentAttention(nn.Module):
             raise ValueError(
                 f"qk_rope_head_dim must be even (rotary pairs), got {qk_rope_head_dim}"
             )
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-        if scale is not None and (
-            isinstance(scale, bool) or not isinstance(scale, int | float) or not scale > 0
-        ):
-            raise ValueError(f"scale must be a number > 0 or None, got {scale!r}")
+        check_dropout(dropout, "dropout")
+        check_scale(scale)
         self.embed_dim, self.num_heads = embed_dim, num_heads
         self.kv_lora_rank, self.q_lora_rank = kv_lora_rank, q_lora_rank
         self.rope_dim, self.nope_dim, self.v_dim = qk_rope_head_dim, qk_nope_head_dim, v_head_dim
