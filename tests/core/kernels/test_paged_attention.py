@@ -275,6 +275,27 @@ def test_the_layers_of_a_step_reuse_one_checked_plan_and_nothing_stale():
         paged(q, k_pool, v_pool, table, lengths)
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("lengths", [[9, 5, 2], [2, 9, 5]], ids=["longest first", "unsorted"])
+def test_a_short_calls_kept_layout_never_keeps_the_pages(lengths):
+    """The flash engine keeps the last short call's positions and masks (every layer of
+    a step repeats them); another call with the same lengths and shapes but other pages
+    (another table, the same table changed in place, other pools) reads its own keys."""
+    first, second = (_paged(lengths, 4, q_len=2, value_dim=7, num_blocks=12) for _ in "ab")
+    # (D == D_v: the fused kernel, which reads unwritten key slots masked: finite there)
+    first, second = ((q, k.nan_to_num(7.0), *rest) for q, k, *rest in (first, second))
+    for q, k_pool, v_pool, table, keys, values in (first, second, first):
+        want = _golden(q, keys, values, lengths)
+        assert max_error(paged(q, k_pool, v_pool, table, lengths, backend="flash"), want) < 1e-12
+    q, k_pool, v_pool, table, keys, values = second
+    other = torch.randperm(k_pool.shape[0])  # the same table's ids moved in place
+    moved_k, moved_v = torch.empty_like(k_pool), torch.empty_like(v_pool)
+    moved_k[other], moved_v[other] = k_pool, v_pool
+    table[table >= 0] = other[table[table >= 0]]
+    want = _golden(q, keys, values, lengths)
+    assert max_error(paged(q, moved_k, moved_v, table, lengths, backend="flash"), want) < 1e-12
+
+
 def test_the_registry_refuses_paged_keys_for_backends_without_forward_paged():
     from mhsa.core.backends.registry import PAGED_REASON, reason_unusable, serves_paged
 

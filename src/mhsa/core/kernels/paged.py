@@ -19,14 +19,17 @@ reach it (longest first).
 Score functions get per-sequence positions: q_pos (N, 1, T, 1), k_pos (1, 1, 1, keys).
 Without one, on CPU, each tile runs on PyTorch's fused flash kernel (the query heads of
 a group as rows of their kv head, in blocks that make every row's result independent of
-the call's other rows: see fused_row_blocks) and the tiles merge by their logsumexp; with one, the
-tiles are computed in plain torch. Statistics are float32 (float64 for float64 inputs).
+the call's other rows: see fused_row_blocks) and the tiles merge by their logsumexp;
+with one, the tiles are computed in plain torch. The fused kernel reads a tile's key
+slots past a sequence's end under a -inf mask, so they must hold finite numbers
+(PagedKVCache's pools start at zero); values there are zeroed first. Statistics are
+float32 (float64 for float64 inputs).
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -126,68 +129,90 @@ def paged_tiled(call: PagedCall, tile_size: int = TILE_SIZE) -> Tensor:
 
 
 class _Chunk(NamedTuple):
-    """Query rows q (N, H, R, D) at q_pos (N, 1, R, 1) of sequences of lens keys: those
-    of sequence n see keys below ends[n] (ends descending) from first_key on."""
+    """Query rows start..stop at q_pos (N, 1, R, 1) of sequences of lens keys: those of
+    sequence n see keys below ends[n] (ends descending) from first_key on."""
 
-    q: Tensor
+    start: int
+    stop: int
     q_pos: Tensor
     lens: Tensor
     ends: list[int]
     first_key: int
 
 
+class _Tile(NamedTuple):
+    """Keys k_pos (1, 1, 1, K) of the block table's columns `pages`, for the `active`
+    first sequences (ends descending) that reach them; unwritten (a, 1, K, 1): slots
+    past a sequence's end (their values may hold anything: they are zeroed), or None;
+    masked: some query row of the chunk must not see some key (else each sees each)."""
+
+    active: int
+    pages: slice
+    k_pos: Tensor
+    unwritten: Tensor | None
+    masked: bool
+
+
 def _tiled(call: PagedCall, batch_ids: Tensor, tile_size: int) -> Tensor:
     """paged_tiled on sequences sorted longest first (batch_ids: their indices in the
     caller's batch, for score functions), query rows QUERY_CHUNK at a time."""
-    q, lengths, window = call.q, call.lengths, call.window
-    q_len = q.shape[2]
-    lens = torch.tensor(lengths, device=q.device)
+    if (
+        call.score is None
+        and _FUSED is not None
+        and call.q.device.type == "cpu"
+        and call.q.shape[-1] == call.v_pool.shape[-1]
+    ):
+        return _fused(call, _fused_layout(call, tile_size))
+    chunks = [_tiled_rows(call, chunk, batch_ids, tile_size) for chunk in _chunks(call)]
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=2)
+
+
+def _chunks(call: PagedCall) -> Iterator[_Chunk]:
+    """The query rows in chunks of QUERY_CHUNK."""
+    q_len, lengths, window = call.q.shape[2], call.lengths, call.window
+    lens = torch.tensor(lengths, device=call.q.device)
     q_pos = query_positions(lens, q_len)
-    chunks = []
     for r0 in range(0, q_len, QUERY_CHUNK):
         r1 = min(q_len, r0 + QUERY_CHUNK)
         ends = [length - q_len + r1 for length in lengths]  # keys the chunk's rows can see
         starts = [max(0, end - (r1 - r0) - window) for end in ends] if window is not None else [0]
-        chunk = _Chunk(q[:, :, r0:r1], q_pos[:, :, r0:r1], lens, ends, min(starts))
-        chunks.append(_tiled_rows(call, chunk, batch_ids, tile_size))
-    return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=2)
+        yield _Chunk(r0, r1, q_pos[:, :, r0:r1], lens, ends, min(starts))
 
 
-def _page_tiles(call: PagedCall, chunk: _Chunk, tile_size: int):
-    """The key tiles of _tiled_rows and _fused_rows, whole pages of about tile_size keys
-    from chunk.first_key on: (active, keys (a, H_kv, K, D), values (a, H_kv, K, D_v),
-    k_pos (1, 1, 1, K), masked) per tile, for the a = active first sequences (ends
-    descending) that reach it; unwritten slots' values are zeroed; masked: some of the
-    tile's query rows must not see some of its keys (else each sees each)."""
-    k_pool, v_pool, table, window = call.k_pool, call.v_pool, call.block_table, call.window
-    lens, ends, first_key, rows = chunk.lens, chunk.ends, chunk.first_key, chunk.q.shape[2]
-    block_size = k_pool.shape[1]
+def _page_tiles(call: PagedCall, chunk: _Chunk, tile_size: int) -> Iterator[_Tile]:
+    """The key tiles of a chunk: whole pages, about tile_size keys, from chunk.first_key
+    on, each for the sequences that reach it."""
+    block_size, max_blocks = call.k_pool.shape[1], call.block_table.shape[1]
+    lens, ends, rows = chunk.lens, chunk.ends, chunk.stop - chunk.start
     pages = max(1, tile_size // block_size)
     span = pages * block_size
     negated = [-end for end in ends]  # ascending, for bisect
-    for k0 in range(first_key // span * span, max(ends, default=0), span):
+    for k0 in range(chunk.first_key // span * span, max(ends, default=0), span):
         active = bisect.bisect_left(negated, -k0)  # sequences with ends[n] > k0
-        blocks = table[:active, k0 // block_size : k0 // block_size + pages]
-        keys, values = gather_pages(k_pool, blocks), gather_pages(v_pool, blocks)
-        k_end = k0 + keys.shape[2]
-        k_pos = torch.arange(k0, k_end, device=keys.device).view(1, 1, 1, -1)
+        p0 = k0 // block_size
+        p1 = min(p0 + pages, max_blocks)
+        k_end = p1 * block_size
+        k_pos = torch.arange(k0, k_end, device=call.q.device).view(1, 1, 1, -1)
+        unwritten = None
         if k_end > ends[active - 1]:  # slots past some sequence's end
-            real = (k_pos < lens[:active].view(-1, 1, 1, 1)).transpose(2, 3)
-            values = values.masked_fill(~real, 0)  # unwritten slots may hold anything
-        masked = window is not None or k_end > ends[active - 1] - rows + 1
-        yield active, keys, values, k_pos, masked
+            unwritten = (k_pos >= lens[:active].view(-1, 1, 1, 1)).transpose(2, 3)
+        masked = call.window is not None or k_end > ends[active - 1] - rows + 1
+        yield _Tile(active, slice(p0, p1), k_pos, unwritten, masked)
+
+
+def _gathered(call: PagedCall, tile: _Tile) -> tuple[Tensor, Tensor]:
+    """A tile's keys (a, H_kv, K, D) and values (a, H_kv, K, D_v), unwritten slots'
+    values zeroed."""
+    blocks = call.block_table[: tile.active, tile.pages]
+    keys, values = gather_pages(call.k_pool, blocks), gather_pages(call.v_pool, blocks)
+    if tile.unwritten is not None:
+        values = values.masked_fill(tile.unwritten, 0)
+    return keys, values
 
 
 def _tiled_rows(call: PagedCall, chunk: _Chunk, batch_ids: Tensor, tile_size: int) -> Tensor:
-    """Online softmax over key tiles for a chunk of query rows."""
-    q, q_pos, v_pool = chunk.q, chunk.q_pos, call.v_pool
-    if (
-        call.score is None
-        and _FUSED is not None
-        and q.device.type == "cpu"
-        and q.shape[-1] == v_pool.shape[-1]
-    ):
-        return _fused_rows(call, chunk, tile_size)
+    """Online softmax over key tiles for a chunk of query rows, in plain torch."""
+    q, q_pos, v_pool = call.q[:, :, chunk.start : chunk.stop], chunk.q_pos, call.v_pool
     scale, score, window = call.scale, call.score, call.window
     batch, num_heads, rows, head_dim = q.shape
     num_kv_heads = call.k_pool.shape[2]
@@ -195,12 +220,13 @@ def _tiled_rows(call: PagedCall, chunk: _Chunk, batch_ids: Tensor, tile_size: in
     grouped = q.to(dtype).reshape(batch, num_kv_heads, -1, head_dim)  # (N, H_kv, G*R, D)
     out = q.new_zeros((batch, num_heads, rows, v_pool.shape[3]), dtype=dtype)
     lse = q.new_full((batch, num_heads, rows), -torch.inf, dtype=dtype)
-    for active, keys, values, k_pos, masked in _page_tiles(call, chunk, tile_size):
-        keys, values = keys.to(dtype), values.to(dtype)
+    for tile in _page_tiles(call, chunk, tile_size):
+        active, k_pos = tile.active, tile.k_pos
+        keys, values = (x.to(dtype) for x in _gathered(call, tile))
         scores = (grouped[:active] @ keys.transpose(-1, -2)).mul_(scale)
         scores = scores.view(active, num_heads, rows, -1)
         scores = _scored(score, scores, batch_ids[:active], q_pos[:active], k_pos)
-        if masked:
+        if tile.masked:
             scores = scores.masked_fill_(~_allowed(q_pos[:active], k_pos, window), -torch.inf)
         probs, lse_t = masked_softmax(scores)
         out_t = probs.view(active, num_kv_heads, -1, keys.shape[2]) @ values
@@ -210,12 +236,126 @@ def _tiled_rows(call: PagedCall, chunk: _Chunk, batch_ids: Tensor, tile_size: in
     return out.to(q.dtype)
 
 
+class _FusedTile(NamedTuple):
+    """A tile as the fused kernel takes it: masks, one additive mask (a, 1, rows, K) per
+    call of fused_row_blocks, padded as it pads the query rows, or None where each row
+    sees each key; keyless (a, 1, G*R): the rows that see no key of the tile (the kernel
+    reports lse 0 there), or None."""
+
+    tile: _Tile
+    masks: list[Tensor | None]
+    keyless: Tensor | None
+
+
+class _LastLayout:
+    """The fused layout of the last short call and what it depends on: every layer of
+    a decoding step makes the same call but for q and the pools, so the positions,
+    masks and tiles are made once a step (none of them reads the block table's ids)."""
+
+    last: tuple = ((), [])  # (key, layout), one object: a reader sees both or neither
+
+
+MEMO_QUERIES = 32  # calls of at most this many queries (decoding, drafts) keep their layout
+
+
+def _fused_layout(call: PagedCall, tile_size: int):
+    """[((start, stop), tiles)] per query chunk: the last layout when the call matches
+    it; lazily made (one tile's masks at a time) for a longer call."""
+    q = call.q
+    if q.shape[2] > MEMO_QUERIES or torch.compiler.is_compiling():
+        return _fused_chunks(call, tile_size)
+    key = (
+        tuple(call.lengths),
+        q.shape,
+        q.dtype,
+        q.device,
+        call.k_pool.shape[1:3],
+        call.block_table.shape[1],
+        call.window,
+        tile_size,
+    )
+    last_key, layout = _LastLayout.last
+    if last_key != key:
+        layout = [(rows, list(tiles)) for rows, tiles in _fused_chunks(call, tile_size)]
+        _LastLayout.last = key, layout
+    return layout
+
+
+def _fused_chunks(call: PagedCall, tile_size: int):
+    """Each query chunk's rows and its tiles for the fused kernel: query rows (g, r) of
+    kv head h are query head h * G + g's row r."""
+    q = call.q
+    batch, num_heads = q.shape[:2]
+    group = num_heads // call.k_pool.shape[2]
+    for chunk in _chunks(call):
+        rows = chunk.stop - chunk.start
+        row_pos = chunk.q_pos.view(batch, 1, 1, rows).expand(batch, 1, group, rows)
+        row_pos = row_pos.reshape(batch, 1, group * rows, 1)
+        yield (chunk.start, chunk.stop), _fused_tiles(call, chunk, row_pos, tile_size)
+
+
+def _fused_tiles(call: PagedCall, chunk: _Chunk, row_pos: Tensor, tile_size: int):
+    blocks = kernel_row_blocks(row_pos.shape[2])
+    for tile in _page_tiles(call, chunk, tile_size):
+        if not tile.masked:
+            yield _FusedTile(tile, [None] * len(blocks), None)
+            continue
+        allowed = _allowed(row_pos[: tile.active], tile.k_pos, call.window)  # (a, 1, G*R, K)
+        mask = torch.zeros(allowed.shape, dtype=call.q.dtype, device=call.q.device)
+        mask.masked_fill_(~allowed, -torch.inf)
+        masks = [_pad_rows(mask[:, :, r0:r1]) for r0, r1 in blocks]
+        yield _FusedTile(tile, masks, ~allowed.any(dim=-1).view(tile.active, 1, -1))
+
+
+def _fused(call: PagedCall, layout) -> Tensor:
+    """_tiled without a score function, each tile on the fused CPU kernel, the tiles
+    merged by their logsumexp."""
+    q = call.q
+    batch, num_heads, _, head_dim = q.shape
+    num_kv_heads = call.k_pool.shape[2]
+    group = num_heads // num_kv_heads
+    outs = []
+    for (start, stop), tiles in layout:
+        rows = stop - start
+        grouped = q[:, :, start:stop].reshape(batch, num_kv_heads, group * rows, head_dim)
+        out = lse = None
+        for fused in tiles:
+            active = fused.tile.active
+            keys, values = _gathered(call, fused.tile)
+            out_t, lse_t = fused_row_blocks(grouped[:active], keys, values, fused.masks, call.scale)
+            if fused.keyless is not None:  # the kernel reports lse 0 for rows with no key
+                lse_t = lse_t.masked_fill(fused.keyless, -torch.inf)
+            if out is None:
+                out, lse = out_t.to(lse_t.dtype), lse_t
+                continue
+            parts = [(out[:active], lse[:active]), (out_t, lse_t)]
+            out[:active], lse[:active] = merge_partials(parts)
+        out = out.reshape(batch, num_kv_heads, group, rows, -1)
+        outs.append(out.reshape(batch, num_heads, rows, -1).to(q.dtype))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+def kernel_row_blocks(rows: int) -> list[tuple[int, int]]:
+    """(start, stop) of the query rows of each fused call: KERNEL_BLOCK_ROWS at most."""
+    return [(r0, min(rows, r0 + KERNEL_BLOCK_ROWS)) for r0 in range(0, rows, KERNEL_BLOCK_ROWS)]
+
+
+def _pad_rows(x: Tensor) -> Tensor:
+    """x (N, H, R, X) with copies of its last row appended to a multiple of
+    MIN_KERNEL_ROWS rows."""
+    extra = -x.shape[2] % MIN_KERNEL_ROWS
+    if not extra:
+        return x
+    return torch.cat([x, x[:, :, -1:].expand(-1, -1, extra, -1)], dim=2)
+
+
 def fused_row_blocks(
-    q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, scale: float
+    q: Tensor, keys: Tensor, values: Tensor, masks: list[Tensor | None], scale: float
 ) -> tuple[Tensor, Tensor]:
     """PyTorch's fused CPU flash kernel on q (N, H, R, D) over keys (N, H, K, D), values
-    (N, H, K, D_v) and an additive mask (N, 1, R, K) or None -> out (N, H, R, D_v), lse
-    (N, H, R), with every row's result independent of the other rows of the call.
+    (N, H, K, D_v) -> out (N, H, R, D_v), lse (N, H, R), with every row's result
+    independent of the other rows of the call. masks: one additive mask (N, 1, rows, K)
+    or None per block of kernel_row_blocks(R), padded by _pad_rows.
 
     The kernel computes a block of fewer than MIN_KERNEL_ROWS query rows another way
     (bitwise different), so a row's numbers would depend on how many rows share its
@@ -227,46 +367,11 @@ def fused_row_blocks(
     with copies of its last row (whose results are dropped): every block the kernel
     makes then holds 4 rows or more."""
     outs, lses = [], []
-    for r0 in range(0, q.shape[2], KERNEL_BLOCK_ROWS):
-        rows = q[:, :, r0 : r0 + KERNEL_BLOCK_ROWS]
-        part = None if mask is None else mask[:, :, r0 : r0 + KERNEL_BLOCK_ROWS]
-        count = rows.shape[2]
-        if count % MIN_KERNEL_ROWS:
-            pad = MIN_KERNEL_ROWS - count % MIN_KERNEL_ROWS
-            rows = torch.cat([rows, rows[:, :, -1:].expand(-1, -1, pad, -1)], dim=2)
-            if part is not None:
-                part = torch.cat([part, part[:, :, -1:].expand(-1, -1, pad, -1)], dim=2)
-        out, lse = _FUSED(rows, keys, values, 0.0, False, attn_mask=part, scale=scale)
-        outs.append(out[:, :, :count])
-        lses.append(lse[:, :, :count])
+    for (r0, r1), mask in zip(kernel_row_blocks(q.shape[2]), masks, strict=True):
+        rows = _pad_rows(q[:, :, r0:r1])
+        out, lse = _FUSED(rows, keys, values, 0.0, False, attn_mask=mask, scale=scale)
+        outs.append(out[:, :, : r1 - r0])
+        lses.append(lse[:, :, : r1 - r0])
     if len(outs) == 1:
         return outs[0], lses[0]
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
-
-
-def _fused_rows(call: PagedCall, chunk: _Chunk, tile_size: int) -> Tensor:
-    """_tiled_rows without a score function, each tile on the fused CPU kernel: query
-    rows (g, r) of kv head h are query head h * G + g's row r."""
-    q, q_pos, window = chunk.q, chunk.q_pos, call.window
-    batch, num_heads, rows, head_dim = q.shape
-    num_kv_heads = call.k_pool.shape[2]
-    group = num_heads // num_kv_heads
-    grouped = q.reshape(batch, num_kv_heads, group * rows, head_dim)
-    row_pos = q_pos.view(batch, 1, 1, rows).expand(batch, 1, group, rows)
-    row_pos = row_pos.reshape(batch, 1, group * rows, 1)
-    out = lse = None
-    for active, keys, values, k_pos, masked in _page_tiles(call, chunk, tile_size):
-        mask = None
-        if masked:
-            allowed = _allowed(row_pos[:active], k_pos, window)  # (a, 1, G*R, K)
-            mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
-            mask.masked_fill_(~allowed, -torch.inf)
-        out_t, lse_t = fused_row_blocks(grouped[:active], keys, values, mask, call.scale)
-        if mask is not None:  # the kernel reports lse 0 for rows with no allowed key
-            lse_t = lse_t.masked_fill(~allowed.any(dim=-1).view(active, 1, -1), -torch.inf)
-        if out is None:
-            out, lse = out_t.to(lse_t.dtype), lse_t
-            continue
-        out[:active], lse[:active] = merge_partials([(out[:active], lse[:active]), (out_t, lse_t)])
-    out = out.reshape(batch, num_kv_heads, group, rows, -1).reshape(batch, num_heads, rows, -1)
-    return out.to(q.dtype)
