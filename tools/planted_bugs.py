@@ -87,6 +87,12 @@ BUGS = {
         "allowed = causal_allows(q_pos - 1, k_pos)",
         "tests/core/kernels/test_paged_attention.py",
     ),
+    "paged layout kept for other lengths": (
+        "core/kernels/paged.py",
+        "        tuple(call.lengths),\n",
+        "",
+        "tests/core/kernels/test_paged_attention.py",
+    ),
     "a stop token is output before the request ends": (
         "apps/serve/engine.py",
         "            if choice.stopped is not None and bool(choice.stopped[0]):\n",

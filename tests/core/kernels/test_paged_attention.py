@@ -140,6 +140,31 @@ def test_long_prefills_go_through_in_query_chunks(monkeypatch):
         assert max_error(out, _golden(q, keys, values, lengths, window)) < 1e-12
 
 
+@pytest.mark.parametrize("q_len", [1, 3, 40])
+def test_nan_in_unwritten_slots_never_reaches_the_fused_kernels_answer(q_len):
+    """D == D_v without a score function runs PyTorch's fused kernel, which adds its
+    -inf mask to the scores: nan keys past a sequence's end must not get there."""
+    lengths = [45, 7, 30]
+    q, k_pool, v_pool, table, keys, values = _paged(lengths, 16, q_len=q_len, value_dim=7)
+    out = paged(q, k_pool, v_pool, table, lengths, backend="flash")
+    assert max_error(out, _golden(q, keys, values, lengths)) < 1e-12
+
+
+def test_gather_pages_zeroes_the_unwritten_slots_by_index_or_by_mask():
+    """The CPU path names the slots to zero by index, a GPU one by a bool mask (no
+    nonzero, which would wait for the device): both zero exactly those slots."""
+    pool = torch.randn(6, 4, 2, 3)  # 6 blocks of 4 slots
+    before = pool.clone()
+    table = torch.tensor([[5, 1], [0, 3]])
+    mask = torch.zeros(2, 8, dtype=torch.bool)  # (sequence, key)
+    mask[0, 6:] = mask[1, 3:5] = mask[1, 7] = True
+    keys = torch.stack([torch.cat([pool[b] for b in row]) for row in table])  # (2, 8, H_kv, 3)
+    want = keys.masked_fill(mask.view(2, 8, 1, 1), 0).transpose(1, 2)
+    for unwritten in (mask.view(-1), mask.view(-1).nonzero().view(-1)):
+        assert torch.equal(paged_kernels.gather_pages(pool, table, unwritten), want)
+    assert torch.equal(pool, before)  # the gathered copy is zeroed, never the pool
+
+
 def test_queries_without_keys_get_zero_and_float32_is_close():
     lengths = [2, 12]  # sequence 0 has fewer keys than queries: its first rows see none
     q, k_pool, v_pool, table, keys, values = _paged(lengths, 4, q_len=3)
@@ -281,9 +306,8 @@ def test_a_short_calls_kept_layout_never_keeps_the_pages(lengths):
     """The flash engine keeps the last short call's positions and masks (every layer of
     a step repeats them); another call with the same lengths and shapes but other pages
     (another table, the same table changed in place, other pools) reads its own keys."""
+    # D == D_v: the fused kernel (unwritten slots hold nan, as _paged makes them)
     first, second = (_paged(lengths, 4, q_len=2, value_dim=7, num_blocks=12) for _ in "ab")
-    # (D == D_v: the fused kernel, which reads unwritten key slots masked: finite there)
-    first, second = ((q, k.nan_to_num(7.0), *rest) for q, k, *rest in (first, second))
     for q, k_pool, v_pool, table, keys, values in (first, second, first):
         want = _golden(q, keys, values, lengths)
         assert max_error(paged(q, k_pool, v_pool, table, lengths, backend="flash"), want) < 1e-12

@@ -20,10 +20,10 @@ Score functions get per-sequence positions: q_pos (N, 1, T, 1), k_pos (1, 1, 1, 
 Without one, on CPU, each tile runs on PyTorch's fused flash kernel (the query heads of
 a group as rows of their kv head, in blocks that make every row's result independent of
 the call's other rows: see fused_row_blocks) and the tiles merge by their logsumexp;
-with one, the tiles are computed in plain torch. The fused kernel reads a tile's key
-slots past a sequence's end under a -inf mask, so they must hold finite numbers
-(PagedKVCache's pools start at zero); values there are zeroed first. Statistics are
-float32 (float64 for float64 inputs).
+with one, the tiles are computed in plain torch. A tile's slots past a sequence's end
+may hold anything (nan, inf): its keys and values there are zeroed before use, as the
+fused kernel adds its -inf mask to their scores. Statistics are float32 (float64 for
+float64 inputs).
 """
 
 from __future__ import annotations
@@ -47,10 +47,18 @@ KERNEL_BLOCK_ROWS = 32  # query rows per fused call: one of the kernel's blocks 
 MIN_KERNEL_ROWS = 4  # fewer rows in a kernel block are computed another way (fused_row_blocks)
 
 
-def gather_pages(pool: Tensor, table: Tensor) -> Tensor:
+def gather_pages(pool: Tensor, table: Tensor, unwritten: Tensor | None = None) -> Tensor:
     """pool (num_blocks, block_size, H_kv, X), table (N, P) -> (N, H_kv, P * block_size, X),
-    a view after one index_select."""
+    a view after one index_select; unwritten: the slots (n * P * block_size + key) to
+    zero in the gathered copy, as indices (only those rows are written: on CPU many
+    times faster than a mask) or as a bool mask (N * P * block_size,)."""
     rows = pool.index_select(0, table.reshape(-1))
+    if unwritten is not None:
+        flat = rows.view(-1, pool.shape[2] * pool.shape[3])
+        if unwritten.dtype == torch.bool:
+            flat.masked_fill_(unwritten.view(-1, 1), 0)
+        else:
+            flat.index_fill_(0, unwritten, 0)
     return rows.view(table.shape[0], -1, pool.shape[2], pool.shape[3]).transpose(1, 2)
 
 
@@ -142,8 +150,9 @@ class _Chunk(NamedTuple):
 
 class _Tile(NamedTuple):
     """Keys k_pos (1, 1, 1, K) of the block table's columns `pages`, for the `active`
-    first sequences (ends descending) that reach them; unwritten (a, 1, K, 1): slots
-    past a sequence's end (their values may hold anything: they are zeroed), or None;
+    first sequences (ends descending) that reach them; unwritten: the slots past a
+    sequence's end (n * K + key: see gather_pages; they may hold anything, so they are
+    zeroed), or None;
     masked: some query row of the chunk must not see some key (else each sees each)."""
 
     active: int
@@ -195,19 +204,19 @@ def _page_tiles(call: PagedCall, chunk: _Chunk, tile_size: int) -> Iterator[_Til
         k_pos = torch.arange(k0, k_end, device=call.q.device).view(1, 1, 1, -1)
         unwritten = None
         if k_end > ends[active - 1]:  # slots past some sequence's end
-            unwritten = (k_pos >= lens[:active].view(-1, 1, 1, 1)).transpose(2, 3)
+            unwritten = (k_pos.view(1, -1) >= lens[:active].view(-1, 1)).view(-1)  # (a * K,)
+            if unwritten.device.type == "cpu":  # (nonzero would wait for a GPU)
+                unwritten = unwritten.nonzero().view(-1)
         masked = call.window is not None or k_end > ends[active - 1] - rows + 1
         yield _Tile(active, slice(p0, p1), k_pos, unwritten, masked)
 
 
 def _gathered(call: PagedCall, tile: _Tile) -> tuple[Tensor, Tensor]:
-    """A tile's keys (a, H_kv, K, D) and values (a, H_kv, K, D_v), unwritten slots'
-    values zeroed."""
+    """A tile's keys (a, H_kv, K, D) and values (a, H_kv, K, D_v), unwritten slots
+    zeroed."""
     blocks = call.block_table[: tile.active, tile.pages]
-    keys, values = gather_pages(call.k_pool, blocks), gather_pages(call.v_pool, blocks)
-    if tile.unwritten is not None:
-        values = values.masked_fill(tile.unwritten, 0)
-    return keys, values
+    keys = gather_pages(call.k_pool, blocks, tile.unwritten)
+    return keys, gather_pages(call.v_pool, blocks, tile.unwritten)
 
 
 def _tiled_rows(call: PagedCall, chunk: _Chunk, batch_ids: Tensor, tile_size: int) -> Tensor:
