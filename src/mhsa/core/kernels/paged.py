@@ -150,10 +150,10 @@ class _Chunk(NamedTuple):
 
 class _Tile(NamedTuple):
     """Keys k_pos (1, 1, 1, K) of the block table's columns `pages`, for the `active`
-    first sequences (ends descending) that reach them; unwritten: the slots past a
-    sequence's end (n * K + key: see gather_pages; they may hold anything, so they are
-    zeroed), or None;
-    masked: some query row of the chunk must not see some key (else each sees each)."""
+    first sequences (ends descending) that reach them. unwritten: the slots past a
+    sequence's end (n * K + key, see gather_pages: they may hold anything, so they are
+    zeroed), or None. masked: some query row of the chunk must not see some key (else
+    each sees each)."""
 
     active: int
     pages: slice
@@ -304,6 +304,7 @@ def _fused_chunks(call: PagedCall, tile_size: int):
 
 
 def _fused_tiles(call: PagedCall, chunk: _Chunk, row_pos: Tensor, tile_size: int):
+    """A chunk's tiles with their masks, for query rows at row_pos (N, 1, G*R, 1)."""
     blocks = kernel_row_blocks(row_pos.shape[2])
     for tile in _page_tiles(call, chunk, tile_size):
         if not tile.masked:
