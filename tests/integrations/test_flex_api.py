@@ -13,6 +13,7 @@ from torch import nn
 
 from mhsa.core.scores import ALiBi, Softcap
 from mhsa.flex import available, create_block_mask, flex_attention
+from mhsa.integrations import flex_blocks
 
 flex_api = pytest.importorskip("torch.nn.attention.flex_attention")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -559,10 +560,18 @@ def test_a_sliced_block_mask_needs_its_mask_mod_back():
     assert (flex_attention(q, k, v, block_mask=mask).double() - expected).abs().max() < 2e-5
 
 
-def test_create_block_mask_defaults_to_flexattentions_device():
+def test_create_block_mask_builds_on_the_cpu_where_no_gpu_is_usable(monkeypatch):
+    """A CUDA build of torch on a machine without a GPU reports cuda as its accelerator;
+    torch's default device="cuda" fails there ("Found no NVIDIA driver"), ours builds
+    on the CPU. With a GPU, the default is cuda, as torch's."""
+    monkeypatch.setattr(
+        torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("cuda")
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     mask = create_block_mask(causal, None, None, 8, 8)
-    expected = flex_api.create_block_mask(causal, None, None, 8, 8)
-    assert mask.kv_num_blocks.device == expected.kv_num_blocks.device
+    assert mask.kv_num_blocks.device.type == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert flex_blocks._default_device() == torch.device("cuda")
 
 
 def test_decoding_with_a_sliced_block_mask_as_gpt_fast_does():

@@ -47,10 +47,10 @@ def flex_module():
 
 
 def _default_device() -> torch.device:
-    """FlexAttention's default: the current accelerator, else the CPU."""
-    accelerator = getattr(torch, "accelerator", None)
-    current = accelerator.current_accelerator() if accelerator is not None else None
-    return current or torch.device("cpu")
+    """CUDA where a GPU is usable, else the CPU. torch's default is "cuda" whether or
+    not a GPU is there, which fails on a CPU-only machine (a CUDA build of torch
+    included); code that names its device behaves as with torch."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _block_sizes(block_size) -> tuple[int, int]:
@@ -168,8 +168,8 @@ def create_block_mask(
         B, H: batch size and query heads the mask varies over; None for a mask the
             same for every sequence (head): mask_mod then sees b = 0 (h = 0).
         Q_LEN, KV_LEN: query and key lengths L and S.
-        device: where the BlockMask's tensors live (default: the current accelerator,
-            else the CPU, as FlexAttention's).
+        device: where the BlockMask's tensors live (default: "cuda" where a GPU is
+            usable, else "cpu"; torch's default, "cuda", fails without a GPU).
         BLOCK_SIZE: block size, or (query block, key block); 128 by default.
         separate_full_blocks: list fully allowed blocks as full (mask_mod skipped on
             them); False lists every non-empty block as partial.
