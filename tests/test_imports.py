@@ -21,7 +21,7 @@ LAYERS = [
     ["benchmarks"],
     ["apps.serve", "apps.export", "apps.viz"],
     ["apps.chat", "apps.embed", "apps.transcribe", "apps.train"],
-    ["integrations", "flex"],
+    ["integrations", "flex", "masks", "scores", "positional"],
     ["models"],
     ["nn"],
     ["cache", "distributed", "testing"],
@@ -205,3 +205,33 @@ def test_the_root_names_load_on_first_use():
     ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.strip() == "module 'mhsa' has no attribute 'no_such_name'"
+
+
+def test_the_public_modules_import_by_their_dotted_names():
+    """`import mhsa.masks` (and scores, positional) works as `from mhsa import masks`
+    does, and both give one module object, whichever comes first."""
+    code = (
+        "import mhsa.masks, mhsa.scores, mhsa.positional\n"
+        "from mhsa.masks import SlidingWindow\n"
+        "from mhsa.scores import Softcap\n"
+        "from mhsa.positional import alibi_slopes\n"
+        "import mhsa.core.masks, mhsa.core.scores, mhsa.nn.positional\n"
+        "assert mhsa.masks is mhsa.core.masks, mhsa.masks\n"
+        "assert mhsa.scores is mhsa.core.scores, mhsa.scores\n"
+        "assert mhsa.positional is mhsa.nn.positional, mhsa.positional\n"
+        "from mhsa import masks, positional, scores\n"
+        "assert (masks, scores, positional) == (mhsa.masks, mhsa.scores, mhsa.positional)\n"
+        "assert SlidingWindow is masks.SlidingWindow and Softcap is scores.Softcap\n"
+        "assert alibi_slopes is positional.alibi_slopes\n"
+    )
+    for first in ("", "from mhsa import masks, positional, scores\n"):
+        ran = subprocess.run(
+            [sys.executable, "-c", first + code], capture_output=True, text=True, timeout=300
+        )
+        assert ran.returncode == 0, ran.stderr
+
+
+def test_docs_layout_states_the_layers_of_this_test():
+    """docs/layout.md restates LAYERS in one line; it cannot drift from the rule."""
+    line = "imports: " + " -> ".join(", ".join(layer) for layer in LAYERS)
+    assert line in (ROOT / "docs" / "layout.md").read_text().splitlines()
