@@ -34,3 +34,10 @@ def test_every_planted_bug_still_applies_to_the_source():
         text = (ROOT / "src" / "mhsa" / relative).read_text()
         assert text.count(original) == 1, name
         assert (ROOT / test_file).is_file(), name
+
+
+def test_every_test_is_bounded_in_time(pytestconfig):
+    """pytest-timeout is on with the configured bound, so a test that hangs (a leaked
+    block that a scheduler waits for) fails and is named instead of stalling the run."""
+    assert pytestconfig.pluginmanager.hasplugin("timeout")
+    assert 0 < float(pytestconfig.getini("timeout")) <= 600
