@@ -61,3 +61,12 @@ def test_block_plan_figure_script_runs(tmp_path):
     assert ran.returncode == 0, ran.stdout + ran.stderr
     svg = out.read_text()
     assert "visited 50% of L x S" in svg  # causal L = S: half the tiles' area
+
+
+def test_the_home_page_links_every_guide():
+    """docs/index.md is the map of the site: every page of mkdocs.yml's nav (the API
+    reference aside, which has its own index) is linked from it."""
+    nav = re.findall(r":\s*([\w./-]+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), re.M)
+    pages = {page for page in nav if not page.startswith("api/") and page != "index.md"}
+    linked = set(re.findall(r"\]\(([\w./-]+\.md)", (ROOT / "docs" / "index.md").read_text()))
+    assert pages - linked == set(), f"docs/index.md leaves out {sorted(pages - linked)}"
