@@ -11,9 +11,16 @@ The route is per query block, not per token as in the MoBA paper's gate: that ke
 every selected tile full, at the price that a token's route also depends on the later
 queries of its block (no gradient flows through the choice). (batch, head) pairs that
 chose the same blocks share one engine call and its plan.
+
+Over paged keys (block_table=, seq_lens=, as mhsa.attention takes them) each sequence's
+keys are gathered from its pages and routed and attended as the call over those keys
+would be: the same answers as a contiguous cache that holds them.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -21,6 +28,7 @@ from torch import Tensor
 from . import validate
 from .attention import attention
 from .checks import int_at_least
+from .kernels.paged import gather_pages
 from .masks.blocks import num_blocks
 from .masks.causal import causal_shift, strictly_earlier
 from .masks.selected import SelectedBlocks
@@ -88,6 +96,8 @@ def moba_attention(
     scale: float | None = None,
     backend: str = "flash",
     return_lse: bool = False,
+    block_table: Tensor | None = None,
+    seq_lens: Tensor | Sequence[int] | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Mixture of Block Attention. q (B, H, L, D), k (B, H_kv, S, D), v (B, H_kv, S, D_v),
     L <= S (queries aligned bottom-right, as causal).
@@ -98,7 +108,16 @@ def moba_attention(
     of key blocks; top_k = that number is causal attention. backend: an mhsa backend
     that plans patterns ("flash" visits only the selected tiles). Returns (B, H, L, D_v)
     and, with return_lse, the logsumexp (B, H, L). Differentiable in q, k and v.
+
+    block_table, seq_lens: paged keys, as mhsa.attention takes them (a PagedKVCache's
+    pages): k and v are then pools (num_blocks, page_size, H_kv, D) and (..., D_v), q is
+    (N, H, T, D), the T newest queries of N sequences, and sequence n holds seq_lens[n]
+    keys (>= T) in the blocks block_table[n]. Each sequence is attended as the call
+    over its own keys; top_k >= 1 is capped at each sequence's number of key blocks.
     """
+    if block_table is not None or seq_lens is not None:
+        options = {"scale": scale, "backend": backend, "return_lse": return_lse}
+        return _paged(q, k, v, block_table, seq_lens, block_size, top_k, **options)
     validate.check_qkv(q, k, v)
     validate.check_scale(scale)
     selected = moba_select(q, k, block_size, top_k)  # (B, H, n, n)
@@ -134,6 +153,41 @@ def moba_attention(
     if not return_lse:
         return out
     return out, torch.cat(lses)[back].view(batch, heads, q_len)
+
+
+def _paged(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    block_table: Tensor | None,
+    seq_lens,
+    block_size: int,
+    top_k: int,
+    **options,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """moba_attention over paged keys (see its docstring): each sequence's keys and
+    values gathered from its pages, then the contiguous call over them."""
+    if block_table is None:
+        raise ValueError("seq_lens goes with block_table (paged keys); pass both or neither")
+    seq_lens, table = validate.check_paged(q, k_pool, v_pool, block_table, seq_lens)
+    int_at_least("block_size", block_size, 1)
+    int_at_least("top_k", top_k, 1)
+    page = k_pool.shape[1]
+    outs, lses = [], []
+    for n, length in enumerate(seq_lens):
+        pages = table[n : n + 1, : math.ceil(length / page)]  # (1, pages)
+        keys = gather_pages(k_pool, pages)[:, :, :length]  # (1, H_kv, length, D)
+        values = gather_pages(v_pool, pages)[:, :, :length]
+        chosen = min(top_k, max(num_blocks(length, block_size), 1))
+        out = moba_attention(q[n : n + 1], keys, values, block_size, chosen, **options)
+        out, lse = out if options["return_lse"] else (out, None)
+        outs.append(out)
+        lses.append(lse)
+    out = torch.cat(outs) if outs else q.new_zeros(*q.shape[:3], v_pool.shape[3])
+    if not options["return_lse"]:
+        return out
+    lse = torch.cat(lses) if lses else q.new_zeros(q.shape[:3], dtype=torch.float32)
+    return out, lse
 
 
 __all__ = ["moba_attention", "moba_mask", "moba_select"]

@@ -8,7 +8,10 @@ of width 2d. Its output is
 
 then an RMSNorm over the 2d channels (the sub-norm), times (1 - lambda_init). Both maps
 come from one engine call over the 2H paired heads, so masks, causality and positions
-work as in MultiHeadAttention; the maps are never materialised.
+work as in MultiHeadAttention; the maps are never materialised. Over a paged cache
+(PagedKVCache, as `mhsa serve` decodes) each map is one paged engine call instead: its
+H query and key heads are every other one, and the value pool read as H heads of 2d
+(its two halves side by side) is a view, not a copy.
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ from torch import Tensor, nn
 
 from ..cache import Cache
 from ..core.attention import attention
+from ..core.kernels.scored import SelectedHeads
 from ..core.masks import Pattern
-from ..core.validate import check_dropout, int_at_least
+from ..core.scores import ScoreFunction
+from ..core.validate import check_dropout, int_at_least, paged_window
 from .attention import _rotated, attention_masks
 from .norm import RMSNorm
 from .positional import AttentionPosition
@@ -107,13 +112,25 @@ class DiffAttention(nn.Module):
         (B, H, L, S), True = may attend; key_padding_mask (B, S) bool, True = a real
         token; causal is bottom-right; position rotates the d-wide q and k heads. With a
         cache (any mhsa.cache Cache made for 2H heads of width d) the new tokens attend
-        everything cached: it stores the 2H key heads and each value head as two halves."""
+        everything cached: it stores the 2H key heads and each value head as two halves.
+        A paged cache (PagedLayer, from PagedKVCache.batch) attends causally per
+        sequence, within a SlidingWindow(left, 0) mask at most, with no key padding or
+        dropout (as MultiHeadAttention's)."""
         if x.dim() != 3 or x.shape[-1] != self.qkv.in_features:
             raise ValueError(
                 f"x must be (batch, length, {self.qkv.in_features}), got {tuple(x.shape)}"
             )
         batch, length, width = x.shape
         heads, d = self.num_heads, self.head_dim
+        dropout = self.dropout if self.training else 0.0
+        paged = cache is not None and cache.block_table is not None
+        if paged:  # checked before update writes the new keys into the pages
+            if dropout or key_padding_mask is not None:
+                raise ValueError(
+                    "a paged cache takes no key_padding_mask or dropout (each sequence is "
+                    "its own): call eval() and pass no key_padding_mask"
+                )
+            paged_window(mask, causal, length)
         q, k, v = self.qkv(x).chunk(3, dim=-1)
         # head 2h + 0 / 2h + 1 of q and k is the first / second map of head h; the
         # values of head h are split into two d-wide halves, 2h + 0 and 2h + 1, alike
@@ -123,28 +140,68 @@ class DiffAttention(nn.Module):
         if position is not None:
             q, k = _rotated(position, q, k, cache)
         if cache is not None:
-            k, v = cache.update(k, v)
-        kv_len = k.shape[2]
-        v = v.reshape(batch, heads, 2, kv_len, d).transpose(2, 3)  # (B, H, S, 2, d)
-        v = v.reshape(batch, heads, kv_len, 2 * d)
+            k, v = cache.update(k, v)  # (the pools, for a paged cache)
         score = None if position is None else position.score()
         masks = (mask, key_padding_mask, None, position, cache)
-        mask, bias = attention_masks(*masks, batch, length, kv_len)
-        both = attention(
-            q,
-            k,
-            v.repeat_interleave(2, dim=1),  # (B, 2H, L, 2d): each map's values
-            mask,
-            bias=bias,
-            causal=causal,
-            scale=d**-0.5,
-            dropout_p=self.dropout if self.training else 0.0,
-            backend=self.backend,
-            score=score,
-        ).view(batch, heads, 2, length, 2 * d)
+        mask, bias = attention_masks(*masks, batch, length, k.shape[2])
+        if paged:
+            both = self._paged_maps(q, k, v, mask, bias, causal, score, cache)
+        else:
+            kv_len = k.shape[2]
+            v = v.reshape(batch, heads, 2, kv_len, d).transpose(2, 3)  # (B, H, S, 2, d)
+            v = v.reshape(batch, heads, kv_len, 2 * d)
+            both = attention(
+                q,
+                k,
+                v.repeat_interleave(2, dim=1),  # (B, 2H, L, 2d): each map's values
+                mask,
+                bias=bias,
+                causal=causal,
+                scale=d**-0.5,
+                dropout_p=dropout,
+                backend=self.backend,
+                score=score,
+            ).view(batch, heads, 2, length, 2 * d)
         out = both[:, :, 0] - self.lambda_full().to(both.dtype) * both[:, :, 1]
         out = self.sub_norm(out) * (1.0 - self.lambda_init)  # (B, H, L, 2d)
         return self.proj(out.transpose(1, 2).reshape(batch, length, width))
+
+    def _paged_maps(
+        self,
+        q: Tensor,
+        k_pool: Tensor,
+        v_pool: Tensor,
+        mask: Pattern | None,
+        bias: Tensor | None,
+        causal: bool,
+        score: ScoreFunction | None,
+        cache: Cache,
+    ) -> Tensor:
+        """Both maps of q (N, 2H, T, d) over a paged cache's pools (blocks, block_size,
+        2H, d): (N, H, 2, T, 2d). Map m is one paged call over query and key heads
+        2h + m; the value pool's halves 2h, 2h + 1 side by side are head h's 2d values
+        (a view); a score function sees each head as its global head 2h + m."""
+        heads, d = self.num_heads, self.head_dim
+        values = v_pool.view(*v_pool.shape[:2], heads, 2 * d)  # (blocks, block_size, H, 2d)
+        maps = []
+        for which in (0, 1):
+            heads_of_map = torch.arange(which, 2 * heads, 2, device=q.device)
+            maps.append(
+                attention(
+                    q[:, which::2],  # (N, H, T, d)
+                    k_pool[:, :, which::2],  # (blocks, block_size, H, d)
+                    values,
+                    mask,
+                    bias=bias,  # (a position's dense bias: paged calls refuse it)
+                    causal=causal,
+                    scale=d**-0.5,
+                    backend=self.backend,
+                    score=None if score is None else SelectedHeads(score, heads_of_map, 2 * heads),
+                    block_table=cache.block_table,
+                    seq_lens=cache.seq_lens,
+                )
+            )
+        return torch.stack(maps, dim=2)
 
     @classmethod
     def from_timm(cls, module: nn.Module, backend: str = "auto") -> DiffAttention:

@@ -21,7 +21,10 @@ class MoBA(MultiHeadAttention):
     where fewer exist). Projections, grouped-query heads and rotary positions are
     MultiHeadAttention's. With a KV cache the new tokens of a call route as one
     (partial) query block, so cached decoding equals full recomputation only where
-    each call fills whole blocks.
+    each call fills whole blocks. A paged cache (PagedLayer, from PagedKVCache.batch,
+    as `mhsa serve` decodes) gives each sequence the answer a contiguous cache holding
+    its keys gives: the same tokens per call route the same way. (A server's prefix
+    cache or prefill chunks that split a block change which tokens a call holds.)
 
     Args:
         embed_dim: model width E.
@@ -69,7 +72,8 @@ class MoBA(MultiHeadAttention):
         cache: Cache | None = None,
     ) -> Tensor:
         """query (B, L, E) -> (B, L, E), causal. Takes rotary positions and a KV
-        cache; no mask, key padding or score-function positions (ALiBi, T5)."""
+        cache (contiguous or paged); no mask, key padding or score-function positions
+        (ALiBi, T5)."""
         if mask is not None or key_padding_mask is not None or not causal:
             raise ValueError(
                 "MoBA is causal attention over its own block selection: pass no mask or "
@@ -82,9 +86,13 @@ class MoBA(MultiHeadAttention):
         q, k, v, padding, _ = self._inputs(query, None, None, None, None, None, position, cache)
         if padding is not None:
             raise ValueError("MoBA takes no left-padded cache: decode one sequence per cache row")
-        top_k = min(self.top_k, num_blocks(k.shape[2], self.block_size))
+        if cache is not None and cache.block_table is not None:  # k, v: the pools
+            pages = {"block_table": cache.block_table, "seq_lens": cache.seq_lens}
+            top_k = self.top_k  # (capped per sequence)
+        else:
+            pages, top_k = {}, min(self.top_k, num_blocks(k.shape[2], self.block_size))
         out = moba_attention(
-            q, k, v, self.block_size, top_k, scale=self.scale, backend=self.backend
+            q, k, v, self.block_size, top_k, scale=self.scale, backend=self.backend, **pages
         )
         return self.out_proj(out.transpose(1, 2).reshape(query.shape[0], query.shape[1], -1))
 
