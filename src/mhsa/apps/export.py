@@ -130,6 +130,8 @@ def export_onnx(
     path = Path(path)
     if path.suffix != ".onnx":
         raise ValueError(f"path must name a .onnx file, got {str(path)!r}")
+    if path.is_dir():  # a folder is never replaced, overwrite or not
+        raise ValueError(f"{path} is a folder: name a .onnx file to write")
     if path.exists() and not overwrite:
         raise ValueError(f"{path} exists: pass overwrite=True (--overwrite) to replace it")
     for module in ("onnx", "onnxscript"):

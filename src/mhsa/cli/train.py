@@ -7,6 +7,7 @@ import sys
 
 from .common import (
     add_option,
+    check_output,
     common_train_options,
     positive_int,
     size_options,
@@ -331,7 +332,8 @@ def run(args: argparse.Namespace) -> int:
     from ..apps.train import TrainingDiverged, check_out_dir
     from ..checkpoint import latest_checkpoint
 
-    check_out_dir(args.out, args.resume, args.overwrite)  # before loading data and model
+    check_output("--out", args.out, folder=True)  # before loading data and model
+    check_out_dir(args.out, args.resume, args.overwrite)
     try:
         if getattr(args, "data_parallel", False) and args.nproc > 1:
             return _spawn_data_parallel(args, args.nproc)

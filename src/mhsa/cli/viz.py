@@ -6,9 +6,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .common import add_option, positive_int, threads_option, with_threads
+from .common import add_option, check_output, positive_int, threads_option, with_threads
 
 MODELS = ("gpt", "chat", "minilm", "whisper")
+IMAGE_FORMATS = ("png", "svg", "pdf", "jpg", "jpeg")  # what --out may be (matplotlib writes)
 MB = 1 << 20
 LARGE = 20 * MB  # past this the command suggests --heads / --max-tokens
 
@@ -25,8 +26,9 @@ def viz(args: argparse.Namespace) -> int:
     if args.model != "gpt" and args.text == "":  # (gpt: the checkpoint's own limits)
         raise ValueError("--text must not be empty: pass the text whose attention to show")
     parse_heads(args.heads)  # a malformed --heads fails before any model loads
-    source = _source(args)
     out = args.out if args.out or args.html else "maps.png"
+    _check_outputs(out, args.html, args.overwrite)
+    source = _source(args)
     if args.html:
         rec = record(source, heads=args.heads, max_rows=args.max_tokens)
         size = write_html(rec, args.html)
@@ -54,6 +56,23 @@ def viz(args: argparse.Namespace) -> int:
         )
         print(f"{len(maps)} layers x {maps[0].shape[1]} heads written to {out}")
     return 0
+
+
+def _check_outputs(png: str | None, html: str | None, overwrite: bool) -> None:
+    """Refuse outputs that could not be written, or that would replace a file without
+    --overwrite, before any model loads."""
+    from pathlib import Path
+
+    if png and html and Path(png).absolute() == Path(html).absolute():
+        raise ValueError(f"--out and --html name the same file ({png}): give them two names")
+    for flag, path in (("--out", png), ("--html", html)):
+        if path:
+            check_output(flag, path, overwrite=overwrite)
+    if png and Path(png).suffix.lower().lstrip(".") not in IMAGE_FORMATS:
+        raise ValueError(
+            f"--out {png}: name an image file ({', '.join('.' + f for f in IMAGE_FORMATS)}), "
+            "e.g. maps.png"
+        )
 
 
 def _source(args: argparse.Namespace):
@@ -153,6 +172,9 @@ def add_parser(commands) -> None:
     )
     cmd.add_argument(
         "--html", default=None, help="the interactive explorer to write: one self-contained file"
+    )
+    cmd.add_argument(
+        "--overwrite", action="store_true", help="replace an existing --out or --html file"
     )
     cmd.add_argument(
         "--heads",

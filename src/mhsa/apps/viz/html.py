@@ -19,6 +19,7 @@ from pathlib import Path
 
 from torch import Tensor
 
+from .files import write_atomically
 from .recording import Recording
 
 ASSETS = ("explorer.html", "explorer.css", "explorer.js")
@@ -91,10 +92,11 @@ def render(rec: Recording) -> str:
 
 
 def write_html(rec: Recording, path: str | Path) -> int:
-    """Write the explorer page for rec to path; returns its size in bytes."""
-    text = render(rec)
-    Path(path).write_text(text, encoding="utf-8")
-    return len(text.encode("utf-8"))
+    """Write the explorer page for rec to path (atomically: see write_atomically);
+    returns its size in bytes."""
+    data = render(rec).encode("utf-8")
+    write_atomically(path, lambda tmp: tmp.write_bytes(data))
+    return len(data)
 
 
 __all__ = ["ASSETS", "asset", "page_data", "render", "write_html"]

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from torch import Tensor
+
+from .files import write_atomically
 
 
 def plot_maps(
@@ -13,7 +17,8 @@ def plot_maps(
     key_labels: list[str] | None = None,
     layer_names: list[str] | None = None,
 ) -> None:
-    """A grid of heatmaps, one row per layer and one column per head (batch item 0).
+    """A grid of heatmaps, one row per layer and one column per head (batch item 0),
+    written to path (atomically; the format its suffix names, png without one).
 
     maps: (B, H, L, S) per layer; labels: the L queries' labels, and of the S keys
     too unless key_labels (cross-attention) is given; layer_names: the row titles
@@ -47,5 +52,8 @@ def plot_maps(
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    kind = Path(path).suffix.lstrip(".").lower() or "png"  # the suffix's format (png: none)
+    try:
+        write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=100, format=kind))
+    finally:
+        plt.close(fig)
