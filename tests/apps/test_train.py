@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import re
@@ -402,7 +403,12 @@ def train_line(out_dir, config, *, model=None, task=None, log=None, **kwargs):
     return model, task, result, lines
 
 
-def test_a_run_equals_its_written_out_optimisation_and_reports_it(tmp_path, capsys, monkeypatch):
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_run_equals_its_written_out_optimisation_and_reports_it(tmp_path, monkeypatch):
     """Weights, history, metrics, log lines, progress line and statistics of a 7-step run
     of a linear model, under a clock whose first step takes 0.5 s and every later
     one 1/16 s (0.9375 s in all)."""
@@ -411,7 +417,8 @@ def test_a_run_equals_its_written_out_optimisation_and_reports_it(tmp_path, caps
     assert 0 < clipped < 7  # the run clips some steps, not all
     times = iter([100.0] + [100.5 + i / 16 for i in range(8)])  # exact in binary
     monkeypatch.setattr(train_module, "time", SimpleNamespace(perf_counter=lambda: next(times)))
-    capsys.readouterr()
+    screen = Terminal()  # the bar is redrawn on a terminal (a log gets plain lines)
+    monkeypatch.setattr("sys.stderr", screen)
     model, task, result, lines = train_line(tmp_path / "run", config)
     for name, want in expected.named_parameters():
         torch.testing.assert_close(getattr(model, name), want, rtol=1e-5, atol=1e-6, msg=name)
@@ -432,7 +439,7 @@ def test_a_run_equals_its_written_out_optimisation_and_reports_it(tmp_path, caps
     # the progress line: a 24-character bar, the step, its training loss, the tokens per
     # second so far and the time left at the mean time per step so far; a line break
     # after each evaluation
-    err = capsys.readouterr().err
+    err = screen.getvalue()
     shown = re.findall(r"\r\[([#-]{24})\] step (\d)/7  loss (\S+)  (\S+)k tok/s  eta +(\d+)s ", err)
     elapsed = [0.5 + i / 16 for i in range(7)]
     assert [(bar, int(s), float(loss), rate, int(eta)) for bar, s, loss, rate, eta in shown] == [
@@ -487,7 +494,7 @@ def test_a_resumed_run_equals_a_straight_one_and_rotates_the_checkpoints_it_foun
         train_line(out, TrainConfig(**{**LINE, "steps": 9}), model=Line(inputs=4), resume=True)
 
 
-def test_a_resumed_run_reports_only_its_own_steps_and_time(tmp_path, capsys, monkeypatch):
+def test_a_resumed_run_reports_only_its_own_steps_and_time(tmp_path, monkeypatch):
     """Stopped after step 4 of 7 and resumed: the resumed run made 3 steps, its seconds and
     tokens/s are those 3 steps' (1/2 s each here), and its time left is at its own mean
     time per step (issue 35: the summary said 7 steps for a run of 3)."""
@@ -497,11 +504,12 @@ def test_a_resumed_run_reports_only_its_own_steps_and_time(tmp_path, capsys, mon
     assert (first["step"], first["steps_this_run"]) == (4, 4)
     times = iter([100.0, 100.5, 101.0, 101.5, 101.5])  # start, each step, the end
     monkeypatch.setattr(train_module, "time", SimpleNamespace(perf_counter=lambda: next(times)))
-    capsys.readouterr()
+    screen = Terminal()  # every step's line (a log gets one every few seconds)
+    monkeypatch.setattr("sys.stderr", screen)
     _, _, second, _ = train_line(out, config, resume=True)
     assert (second["step"], second["steps_this_run"], second["seconds"]) == (7, 3, 1.5)
     assert second["tokens_per_second"] == pytest.approx(3 * 525 / 1.5)
-    etas = re.findall(r"step (\d)/7 .*? eta +(\d+)s ", capsys.readouterr().err)
+    etas = re.findall(r"step (\d)/7 .*? eta +(\d+)s ", screen.getvalue())
     assert etas == [("5", "1"), ("6", "0"), ("7", "0")]  # 0.5 s per step: 1 s, 0.5 s, 0 s left
 
 

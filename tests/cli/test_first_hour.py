@@ -4,8 +4,8 @@ checked before any work starts, flag errors name the flags, a log gets plain lin
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
-
 
 from mhsa.checkpoint import save_checkpoint
 from mhsa.cli import main
@@ -114,3 +114,40 @@ def test_export_checks_its_out_before_loading_or_exporting(tmp_path, capsys, mon
     err = one_line_error(capsys, [*base, str(tmp_path / "model.txt")], "export")
     assert "--out" in err and ".onnx" in err
     assert taken.read_bytes() == b"mine"
+
+
+# ---------------------------------------------------------------- progress in a log
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_training_progress_is_plain_lines_in_a_log_and_redrawn_on_a_terminal(
+    tmp_path, capsys, monkeypatch
+):
+    """Piped to a file, the progress bar's \\r made one long line of every step; a log
+    now gets whole lines (the first step, the last, and at most one every few seconds
+    between), a terminal the bar redrawn in place."""
+    import mhsa.apps.train as train_app
+
+    assert main(tiny_train(tmp_path / "log", "--steps", "5", "--eval-every", "5")) == 0
+    err = capsys.readouterr().err  # capsys's stderr is no terminal, as a pipe or file
+    assert "\r" not in err
+    lines = [line for line in err.splitlines() if line.startswith("step ")]
+    assert lines[0].startswith("step 1/5  loss ") and lines[-1].startswith("step 5/5  loss ")
+    assert len(lines) < 5 and "tok/s" in lines[-1]
+    monkeypatch.setattr(train_app, "LOG_EVERY_SECONDS", 0.0)
+    assert main(tiny_train(tmp_path / "all", "--steps", "3", "--eval-every", "3")) == 0
+    err = capsys.readouterr().err
+    assert [line[:8] for line in err.splitlines() if line.startswith("step ")] == [
+        "step 1/3",
+        "step 2/3",
+        "step 3/3",
+    ]
+    screen = Terminal()
+    monkeypatch.setattr("sys.stderr", screen)
+    assert main(tiny_train(tmp_path / "tty", "--steps", "2", "--eval-every", "2")) == 0
+    drawn = screen.getvalue()
+    assert drawn.count("\r[") == 2 and "step 2/2" in drawn and drawn.endswith("\n")

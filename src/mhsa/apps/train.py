@@ -54,6 +54,7 @@ __all__ = [
 ]
 
 MAX_SKIPPED_IN_A_ROW = 10  # nonfinite="skip" still stops when nothing finite comes back
+LOG_EVERY_SECONDS = 10.0  # progress lines in a log or pipe: at most one per this (see _Progress)
 
 
 @dataclass
@@ -170,6 +171,7 @@ def train(
         compute_loss = torch.compile(compute_loss)
     start, tokens_done, skipped, first_step = time.perf_counter(), 0, 0, step
     end = config.steps if stop_after is None else min(config.steps, step + stop_after)
+    progress = _Progress(first_step, config.steps, end)
     while step < end:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, config)
@@ -200,7 +202,7 @@ def train(
             if step % config.checkpoint_every == 0 or step == end:
                 dist.barrier()
             continue
-        _progress(step, first_step, config.steps, loss.item(), tokens_done / elapsed, elapsed)
+        progress.step(step, loss.item(), tokens_done / elapsed, elapsed)
         if step % config.eval_every == 0 or step == config.steps:
             val = evaluate(model, task)
             record = {"step": step, "train_loss": loss.item(), "val_loss": val}
@@ -210,7 +212,7 @@ def train(
                     record.update(task.metrics(model))
                 model.train()
             history.append(record)
-            sys.stderr.write("\n")
+            progress.end_line()
             extra = "".join(
                 f", {k} {v:.4f}"
                 for k, v in record.items()
@@ -233,6 +235,7 @@ def train(
             owned, replaced = owned[-config.keep :], []
             if world > 1:
                 dist.barrier()
+    progress.end_line()
     seconds = time.perf_counter() - start
     return {
         "step": step,
@@ -388,16 +391,43 @@ def _mean_over_ranks(value: Tensor, world: int) -> Tensor:
     return value
 
 
-def _progress(
-    step: int, first_step: int, total: int, loss: float, tokens_per_s: float, elapsed: float
-) -> None:
-    """The progress line; the time left is at this run's mean time per step (a resumed
-    run's elapsed time covers only the steps after first_step)."""
-    done = step / total
-    bar = "#" * int(24 * done) + "-" * (24 - int(24 * done))
-    eta = elapsed / max(step - first_step, 1) * (total - step)
-    sys.stderr.write(
-        f"\r[{bar}] step {step}/{total}  loss {loss:.4f}  "
-        f"{tokens_per_s / 1e3:.1f}k tok/s  eta {eta:4.0f}s "
-    )
-    sys.stderr.flush()
+class _Progress:
+    """A run's progress on stderr: on a terminal one line redrawn in place at every step;
+    elsewhere (a pipe, a log file) whole lines, never a carriage return: the first step,
+    the last, and between them one at most every LOG_EVERY_SECONDS."""
+
+    def __init__(self, first_step: int, total: int, end: int) -> None:
+        self.first_step, self.total, self.end = first_step, total, end
+        self.stream = sys.stderr  # now, not at import: a caller may have replaced it
+        self.terminal = self.stream.isatty()
+        self.logged_at: float | None = None  # elapsed seconds at the last logged line
+        self.drawn = False  # a terminal's line is drawn and not yet ended
+
+    def step(self, step: int, loss: float, tokens_per_s: float, elapsed: float) -> None:
+        """Report step; the time left is at this run's mean time per step (a resumed
+        run's elapsed time covers only the steps after first_step)."""
+        eta = elapsed / max(step - self.first_step, 1) * (self.total - step)
+        line = (
+            f"step {step}/{self.total}  loss {loss:.4f}  {tokens_per_s / 1e3:.1f}k tok/s  "
+            f"eta {eta:4.0f}s"
+        )
+        if self.terminal:
+            filled = int(24 * step / self.total)
+            self.stream.write(f"\r[{'#' * filled}{'-' * (24 - filled)}] {line} ")
+            self.drawn = True
+        elif (
+            self.logged_at is None
+            or step == self.end
+            or elapsed - self.logged_at >= LOG_EVERY_SECONDS
+        ):
+            self.logged_at = elapsed
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def end_line(self) -> None:
+        """End the redrawn line (a terminal's), if one is drawn, before another line is
+        written or the run ends."""
+        if self.drawn:
+            self.drawn = False
+            self.stream.write("\n")
+            self.stream.flush()
