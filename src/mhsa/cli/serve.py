@@ -293,7 +293,7 @@ def add_parser(commands) -> None:
         limits,
         "--body-seconds",
         30.0,
-        "time a client may take to send a request body (408 beyond)",
+        "time a client may take to send a request body, in total (408 beyond)",
         type=_seconds,
     )
     add_option(

@@ -30,12 +30,15 @@ class Guard:
         self.app, self.access, self.gate = app, access, gate or Gate()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            error = self.check(scope)
-            if error is not None:
-                response = JSONResponse(error.body(), error.status, headers=error.headers)
-                await response(scope, receive, send)
-                return
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        receive, send = _close_if_answered_early(scope, receive, send)
+        error = self.check(scope)
+        if error is not None:
+            response = JSONResponse(error.body(), error.status, headers=error.headers)
+            await response(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
     def check(self, scope: dict) -> errors.APIError | None:
@@ -73,6 +76,32 @@ class Guard:
         if path != "/health" and not self.gate.open:
             return errors.shutting_down()
         return None
+
+
+def _close_if_answered_early(scope: dict, receive: Any, send: Any) -> tuple[Any, Any]:
+    """receive and send, wrapped so that a response that starts before the request's body
+    was received whole (an early error: 413, 401, 404...) says `Connection: close`: the
+    rest of that body is never read, so the connection cannot serve another request
+    (the protocol closes it; the header tells the client why)."""
+    headers = Headers(scope=scope)
+    length = headers.get("content-length", "0").strip()
+    whole = "transfer-encoding" not in headers and length in ("", "0")
+    state = {"whole": whole}
+
+    async def receive_whole() -> dict:
+        message = await receive()
+        if message["type"] == "http.request" and not message.get("more_body", False):
+            state["whole"] = True
+        return message
+
+    async def send_closing(message: dict) -> None:
+        if message["type"] == "http.response.start" and not state["whole"]:
+            listed = list(message.get("headers", []))
+            if not any(name.lower() == b"connection" for name, _ in listed):
+                message = {**message, "headers": [*listed, (b"connection", b"close")]}
+        await send(message)
+
+    return receive_whole, send_closing
 
 
 def _hostname(host: str) -> str:

@@ -16,8 +16,9 @@ class Limits:
     retry_after: the seconds that 429 asks a client to wait;
     header_seconds: time a connection may take to send a request's head (request line
     and headers) after it opens or after its previous response (408 and closed beyond);
-    body_seconds: time a client may take to send the body (408 beyond: a slow sender
-    holds no connection for ever);
+    body_seconds: time a client may take to send a request's body, in total from its
+    head however steadily the bytes come (408 beyond; a connection whose body nobody
+    reads is closed a second later: a slow sender holds no connection for ever);
     template_seconds, template_chars: time and output size of a chat template's rendering;
     drain_timeout: seconds running streams get to finish at shutdown."""
 

@@ -25,7 +25,12 @@ from .app import build_app
 from .guard import Gate
 from .limits import Access, Limits
 from .models import ServedModel
-from .protocol import header_timeout_protocol
+from .protocol import timeout_protocol
+
+# Seconds past limits.body_seconds after which the protocol ends a connection whose body
+# is still coming: the app, reading a body, answers its own 408 at body_seconds; this
+# ends one the app is not reading (or reads with no limit).
+BODY_GRACE = 1.0
 
 
 class Server:
@@ -51,7 +56,9 @@ class Server:
             log_level=log_level,
             lifespan="on",
             timeout_graceful_shutdown=5,
-            http=header_timeout_protocol(self.limits.header_seconds),
+            http=timeout_protocol(
+                self.limits.header_seconds, self.limits.body_seconds + BODY_GRACE
+            ),
         )
         self.served, self.host = served, host
         self._server = uvicorn.Server(config)
