@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..core.backends.flex_plan import ordered_blocks
 from ..core.checks import int_at_least
 from ..core.masks import EMPTY, FULL, PARTIAL, Band, Pattern, SlidingWindow
 from ..core.masks.base import block_ranges
@@ -139,15 +140,6 @@ def _block_counts(
     return counts
 
 
-def _ordered(dense: Tensor) -> tuple[Tensor, Tensor]:
-    """A bool block grid (..., nq, nk) as FlexAttention's (num_blocks (..., nq) int32,
-    indices (..., nq, nk) int32): each row's marked blocks first, in order, then the
-    others (the order torch.nn.attention.flex_attention gives them)."""
-    marked = dense.to(torch.int32)
-    indices = torch.argsort(marked, dim=-1, descending=True, stable=True)
-    return marked.sum(dim=-1).to(torch.int32), indices.to(torch.int32)
-
-
 def create_block_mask(
     mask_mod: MaskMod,
     B: int | None,
@@ -195,10 +187,10 @@ def create_block_mask(
     if separate_full_blocks:
         full = counts == blocks[0] * blocks[1]
         partial = (counts > 0) & ~full
-        full_num, full_indices = _ordered(full)
+        full_num, full_indices = ordered_blocks(full)
     else:
         partial, full_num, full_indices = counts > 0, None, None
-    kv_num, kv_indices = _ordered(partial)
+    kv_num, kv_indices = ordered_blocks(partial)
     return flex_module().BlockMask.from_kv_blocks(
         kv_num,
         kv_indices,

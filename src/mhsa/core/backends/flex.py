@@ -1,13 +1,13 @@
 """The flex backend: PyTorch's compiled FlexAttention, for patterns on CUDA.
 
-A call's mask and bottom-right causal alignment become one mask_mod (a pattern's own
-elementwise rule, `Pattern.allowed`, so no L x S mask is materialised; a bool tensor
-is looked up) and a BlockMask built from it; an mhsa.core.scores function becomes a
-score_mod, with our global query positions. FlexAttention then skips the empty tiles
-and applies no mask in full ones. BlockMasks of patterns are cached per (pattern,
-causal, shape, device), so a model calling the same pattern in every layer builds it
-once. Used on CUDA only: on CPU FlexAttention has no backward, and our flash engine
-serves patterns there.
+A call's mask and bottom-right causal alignment become a BlockMask built from the
+pattern's block kinds in O(blocks) (flex_plan.py: no L x S mask, and a mask_mod that
+every FlexAttention compiler lowers; a bool tensor is looked up); an mhsa.core.scores
+function becomes a score_mod, with our global query positions. FlexAttention then
+skips the empty tiles and applies no mask in full ones. BlockMasks of patterns are
+cached per (pattern, causal, shape, device), so a model calling the same pattern in
+every layer builds it once. Used on CUDA only: on CPU FlexAttention has no backward,
+and our flash engine serves patterns there.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from torch import Tensor
 
 from ..kernels.memo import PatternCache
 from ..kernels.scored import add_sinks
-from ..masks import Pattern
+from ..masks import Causal, Pattern, with_causal
 from ..masks.causal import causal_allows, causal_shift
 from .common import combined_mask
+from .flex_plan import block_mask_from_kinds, pattern_block_mask
 from .registry import PAGED_REASON, AttentionSpec, Backend
 
 BLOCK = 128  # FlexAttention's tile
@@ -77,17 +78,17 @@ _CACHE = PatternCache(size=64)
 
 def _build_block_mask(mask, causal: bool, shape: tuple, device):
     batch, heads, q_len, kv_len = shape
-    shift = causal_shift(q_len, kv_len)
-    if mask is None:  # causal only: a closed form, no dense L x S mask to build or keep
+    if mask is None:  # causal only: a closed form, no bitmaps
 
         def causal_mod(b, h, q_idx, kv_idx):
             return causal_allows(q_idx + shift, kv_idx)
 
-        return _flex_module().create_block_mask(
-            causal_mod, None, None, q_len, kv_len, device=device, BLOCK_SIZE=BLOCK
-        )
+        shift = causal_shift(q_len, kv_len)
+        kinds = Causal().kinds(q_len, kv_len, BLOCK, BLOCK)
+        return block_mask_from_kinds(kinds, causal_mod, q_len, kv_len, BLOCK, device)
     if isinstance(mask, Pattern):
-        return _pattern_block_mask(mask, causal, shape, device)
+        pattern = with_causal(mask, causal)
+        return pattern_block_mask(pattern, batch, q_len, kv_len, BLOCK, device)
     dense = _dense_mask(mask, causal, q_len, kv_len, device)
     per_batch, per_head = dense.shape[0] > 1, dense.shape[1] > 1
 
@@ -98,30 +99,6 @@ def _build_block_mask(mask, causal: bool, shape: tuple, device):
         mask_mod,
         batch if per_batch else None,
         heads if per_head else None,
-        q_len,
-        kv_len,
-        device=device,
-        BLOCK_SIZE=BLOCK,
-    )
-
-
-def _pattern_block_mask(pattern: Pattern, causal: bool, shape: tuple, device):
-    """A pattern's BlockMask from its elementwise rule: the mask_mod asks
-    `pattern.allowed` about one (query, key) pair at a time."""
-    batch, heads, q_len, kv_len = shape
-    shift = causal_shift(q_len, kv_len)
-    index = torch.zeros(1, 1, dtype=torch.long, device=device)
-    per_batch = pattern.allowed(index, index, q_len, kv_len).shape[0] > 1
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        allowed = pattern.allowed(q_idx.view(1, 1), kv_idx.view(1, 1), q_len, kv_len)
-        allowed = allowed.reshape(allowed.shape[0])[b if per_batch else 0]
-        return allowed & causal_allows(q_idx + shift, kv_idx) if causal else allowed
-
-    return _flex_module().create_block_mask(
-        mask_mod,
-        batch if per_batch else None,
-        None,
         q_len,
         kv_len,
         device=device,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..checks import int_at_least
@@ -19,6 +20,21 @@ def _kinds_from(full: Tensor, empty: Tensor) -> Tensor:
     kinds[empty] = EMPTY
     kinds[full] = FULL
     return kinds
+
+
+def _layout_kinds(
+    layout: Tensor, size: int, q_len: int, kv_len: int, block_q: int, block_k: int
+) -> Tensor:
+    """Tile kinds of a block layout (rows and keys in blocks of size, from 0) at any tile
+    size, in O(blocks): a tile is FULL when every layout block it touches is allowed,
+    EMPTY when none is (counted on the layout's 2-D prefix sums)."""
+    sums = F.pad(layout.long().cumsum(0).cumsum(1), (1, 0, 1, 0))
+    q_first, q_last = (p // size for p in block_ranges(q_len, block_q))
+    k_first, k_last = (p // size for p in block_ranges(kv_len, block_k))
+    top, bottom = q_first.view(-1, 1), q_last.view(-1, 1) + 1
+    left, right = k_first.view(1, -1), k_last.view(1, -1) + 1
+    allowed = sums[bottom, right] - sums[top, right] - sums[bottom, left] + sums[top, left]
+    return _kinds_from(allowed == (bottom - top) * (right - left), allowed == 0)
 
 
 def _query_positions(q_len: int, kv_len: int, block_q: int) -> tuple[Tensor, Tensor]:
@@ -204,10 +220,10 @@ class BlockSparse(Pattern):
         return layout[rows // self.block_size, cols // self.block_size]
 
     def kinds(self, q_len, kv_len, block_q, block_k):
+        layout = self.layout_for(q_len, kv_len)
         if block_q == block_k == self.block_size:
-            layout = self.layout_for(q_len, kv_len)
             return _kinds_from(layout, ~layout)
-        return super().kinds(q_len, kv_len, block_q, block_k)
+        return _layout_kinds(layout, self.block_size, q_len, kv_len, block_q, block_k)
 
     def __repr__(self) -> str:
         return f"BlockSparse(<{tuple(self.layout.shape)} layout>, {self.block_size})"

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 from torch import Tensor
 
 from ..checks import int_at_least
-from .base import Pattern
-from .blocks import num_blocks
+from .base import Pattern, block_ranges
 from .causal import causal_shift
 from .patterns import GlobalTokens, RandomBlocks, SlidingWindow, _kinds_from
 
@@ -27,11 +25,13 @@ class BlockBand(Pattern):
         return (cols // self.block_size - q_block).abs() <= self.radius
 
     def kinds(self, q_len, kv_len, block_q, block_k):
-        if block_q != self.block_size or block_k != self.block_size or q_len != kv_len:
-            return super().kinds(q_len, kv_len, block_q, block_k)
-        blocks = torch.arange(num_blocks(kv_len, block_k))
-        near = (blocks.view(1, -1) - blocks.view(-1, 1)).abs() <= self.radius
-        return _kinds_from(near, ~near)
+        """Exact at any tile size, from each tile's first and last query and key block."""
+        size, shift = self.block_size, causal_shift(q_len, kv_len)
+        q_first, q_last = (((p + shift) // size).view(-1, 1) for p in block_ranges(q_len, block_q))
+        k_first, k_last = ((p // size).view(1, -1) for p in block_ranges(kv_len, block_k))
+        some = (k_last >= q_first - self.radius) & (k_first <= q_last + self.radius)
+        every = (k_last - q_first <= self.radius) & (q_last - k_first <= self.radius)
+        return _kinds_from(every, ~some)
 
     def __repr__(self) -> str:
         return f"BlockBand({self.block_size}, {self.radius})"
