@@ -1,11 +1,14 @@
 """DeepSeek-V3 and MiniCPM3 (mhsa.models.deepseek) against transformers'
 DeepseekV3ForCausalLM and MiniCPM3ForCausalLM with tiny random float32 configs: logits,
 greedy tokens, latent-cached decoding (contiguous and paged) equal to recomputing,
-cache bytes per token, and the checked weight loading."""
+cache bytes per token, and the checked weight loading (routed experts fused, as
+transformers holds them, or one tensor per expert, as its save_pretrained writes them;
+tests/models/test_save_pretrained_matrix.py loads such directories)."""
 
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -172,6 +175,60 @@ def test_weight_loading_is_checked():
     # DeepSeek-V3's multi-token-prediction layer (past n_layer) is not ours: ignored
     mtp = {**state, "model.layers.3.eh_proj.weight": torch.zeros(2, 2)}
     assert isinstance(DeepSeek.from_hf(mtp, ours), DeepSeek)
+
+
+def per_expert(state: dict, layers=(1, 2)) -> dict:
+    """transformers' fused routed experts (experts.gate_up_proj (E, 2F, d), down_proj
+    (E, d, F)) in `layers` as save_pretrained writes them: one tensor per expert and
+    projection, experts.{e}.gate_proj.weight (F, d), up_proj (F, d), down_proj (d, F)."""
+    out = dict(state)
+    for i in layers:
+        at = f"model.layers.{i}.mlp.experts."
+        gate_up, down = out.pop(at + "gate_up_proj"), out.pop(at + "down_proj")
+        for e in range(gate_up.shape[0]):
+            gate, up = gate_up[e].chunk(2)
+            out[f"{at}{e}.gate_proj.weight"] = gate.clone()
+            out[f"{at}{e}.up_proj.weight"] = up.clone()
+            out[f"{at}{e}.down_proj.weight"] = down[e].clone()
+    return out
+
+
+def test_experts_load_stored_per_expert_or_fused():
+    """Both layouts, even mixed (layer 1 per expert, layer 2 fused), give the fused
+    load's parameters; the stacked ones are new tensors, not views of the file's."""
+    theirs, config = reference("deepseek_v3")
+    ours = DeepSeekConfig.from_hf_config(config.to_dict())
+    state = theirs.state_dict()
+    fused = DeepSeek.from_hf(state, ours).state_dict()
+    for stored in (per_expert(state), per_expert(state, layers=(1,))):
+        loaded = DeepSeek.from_hf(stored, ours).state_dict()
+        assert loaded.keys() == fused.keys()
+        assert all(torch.equal(loaded[k], fused[k]) for k in fused)
+    halves = DeepSeek.from_hf(per_expert(state), ours, dtype=torch.bfloat16)
+    assert halves.layers[1].ff.experts_gate_up.dtype == torch.bfloat16
+
+
+def test_experts_stored_per_expert_are_checked():
+    """A missing, extra, misshapen or integer expert tensor: one line naming it (and the
+    parameter it stacks into) before anything is stacked."""
+    theirs, config = reference("deepseek_v3")
+    ours = DeepSeekConfig.from_hf_config(config.to_dict())
+    state = per_expert(theirs.state_dict())
+    at = "model.layers.2.mlp.experts."
+    name = at + "5.up_proj.weight"
+    missing = {k: v for k, v in state.items() if k != name}
+    extra = {**state, at + "8.down_proj.weight": state[at + "0.down_proj.weight"]}
+    shaped = {**state, name: state[name][:-1]}
+    integer = {**state, name: state[name].to(torch.int8)}
+    for broken, words in (
+        (missing, f"1 tensor missing: '{name}' (for layers.2.ff.experts_gate_up)"),
+        (extra, f"1 unexpected tensor: '{at}8.down_proj.weight'"),
+        (shaped, f"tensor '{name}' has shape (15, 48), but this config implies (16, 48)"),
+        (integer, f"tensor '{name}' is stored as torch.int8"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(words)) as error:
+            DeepSeek.from_hf(broken, ours)
+        assert "\n" not in str(error.value)
 
 
 @pytest.mark.parametrize(

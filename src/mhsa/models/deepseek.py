@@ -11,7 +11,9 @@ loadable from transformers' DeepseekV3ForCausalLM / MiniCPM3ForCausalLM weights.
 Attention is mhsa.nn.LatentAttention: its cache keeps one latent and one rotary key per
 token and layer (kv_lora_rank + qk_rope_head_dim values: 576 at DeepSeek's sizes), and
 decoding attends in latent space. DeepSeek-V3's feed-forward is a mixture of experts
-(mhsa.nn.moe, written plainly) after its first first_k_dense_replace dense layers.
+(mhsa.nn.moe, written plainly) after its first first_k_dense_replace dense layers; its
+routed experts load fused (transformers' model in memory) or one tensor per expert and
+projection (save_pretrained's files and the Hub's; HF_NAMES holds both layouts).
 MiniCPM3 scales the embedding (scale_emb), each residual branch (scale_depth /
 sqrt(n_layer)) and the final hidden state (hidden_size / dim_model_base).
 """
@@ -165,6 +167,7 @@ class DeepSeekConfig(CausalLMConfig):
 
 
 _LAYER, _ATTN, _MLP = "model.layers.{i}.", "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
+_EXPERT = _MLP + "experts.{e}."
 HF_NAMES = NameTable(  # our names <-> transformers' (DeepseekV3ForCausalLM, MiniCPM3ForCausalLM)
     ("embed.weight", EMBED),
     ("norm.weight", "model.norm.weight"),
@@ -184,8 +187,12 @@ HF_NAMES = NameTable(  # our names <-> transformers' (DeepseekV3ForCausalLM, Min
     ("layers.{i}.ff.down.{p}", _MLP + "down_proj.{p}"),
     ("layers.{i}.ff.router", _MLP + "gate.weight"),
     ("layers.{i}.ff.score_bias", _MLP + "gate.e_score_correction_bias"),
+    # the routed experts fused (transformers' model in memory), or one tensor per expert
+    # and projection (save_pretrained's files and the Hub's): either layout loads
     ("layers.{i}.ff.experts_gate_up", _MLP + "experts.gate_up_proj"),
+    ("layers.{i}.ff.experts_gate_up", (_EXPERT + "gate_proj.weight", _EXPERT + "up_proj.weight")),
     ("layers.{i}.ff.experts_down", _MLP + "experts.down_proj"),
+    ("layers.{i}.ff.experts_down", _EXPERT + "down_proj.weight"),
     ("layers.{i}.ff.shared.gate.{p}", _MLP + "shared_experts.gate_proj.{p}"),
     ("layers.{i}.ff.shared.up.{p}", _MLP + "shared_experts.up_proj.{p}"),
     ("layers.{i}.ff.shared.down.{p}", _MLP + "shared_experts.down_proj.{p}"),
