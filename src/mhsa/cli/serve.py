@@ -116,25 +116,55 @@ def _limits(args: argparse.Namespace):
 
 
 def _access(args: argparse.Namespace):
-    """The API key and allowed hosts; a warning when the server is reachable beyond this
-    machine without a key."""
+    """The API keys (--api-key, repeatable, and --api-key-file; else MHSA_API_KEY) and the
+    allowed hosts; a warning when the server is reachable beyond this machine without a
+    key."""
     from ..apps.serve.limits import Access, exposed
 
-    key = args.api_key or os.environ.get("MHSA_API_KEY") or None
-    if exposed(args.host) and key is None:
+    keys = list(args.api_key or [])
+    if getattr(args, "api_key_file", None):
+        keys += read_api_keys(args.api_key_file)
+    if not keys and os.environ.get("MHSA_API_KEY"):
+        keys = [os.environ["MHSA_API_KEY"]]
+    if exposed(args.host) and not keys:
         say(
             f"warning: serving on {args.host} (beyond this machine) without an API key: "
-            "anyone who reaches the port can use the model; pass --api-key KEY or set "
-            "MHSA_API_KEY"
+            "anyone who reaches the port can use the model; pass --api-key KEY (or "
+            "--api-key-file) or set MHSA_API_KEY"
         )
     extra = [h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip()]
-    access = Access.for_host(args.host, key, extra)
+    access = Access.for_host(args.host, keys, extra)  # (ValueError: a bad key or host)
     if exposed(args.host) and not extra:
         say(
             f"note: requests must name the server as one of {', '.join(access.allowed_hosts)} "
             "in their Host header; add the names clients use with --allowed-hosts (or '*')"
         )
     return access
+
+
+def read_api_keys(path: str) -> list[str]:
+    """The keys of an --api-key-file: one a line, surrounding blanks ignored, as are empty
+    lines and lines that begin with '#'."""
+    from ..apps.serve.limits import Access
+
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeError) as error:
+        reason = getattr(error, "strerror", None) or error
+        raise ValueError(f"--api-key-file {path}: cannot read it ({reason})") from None
+    keys = []
+    for number, line in enumerate(lines, 1):
+        key = line.strip()
+        if not key or key.startswith("#"):
+            continue
+        try:
+            Access(api_keys=(key,))
+        except ValueError as error:
+            raise ValueError(f"--api-key-file {path}, line {number}: {error}") from None
+        keys.append(key)
+    if not keys:
+        raise ValueError(f"--api-key-file {path}: no key in it (one a line)")
+    return keys
 
 
 def load_served(
@@ -316,9 +346,18 @@ def add_parser(commands) -> None:
     access = cmd.add_argument_group("access")
     access.add_argument(
         "--api-key",
+        action="append",
         default=None,
-        help="require 'Authorization: Bearer KEY' on every /v1 route (default: the "
-        "MHSA_API_KEY environment variable; none: open to whoever reaches the port)",
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on every /v1 route; repeat it for several "
+        "clients, each with a prefix cache of its own (default: the MHSA_API_KEY "
+        "environment variable; none: open to whoever reaches the port)",
+    )
+    access.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="a file of API keys, one a line ('#' begins a comment line), taken besides --api-key",
     )
     access.add_argument(
         "--allowed-hosts",

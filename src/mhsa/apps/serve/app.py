@@ -191,8 +191,9 @@ async def _stream(
 
 
 def cache_namespace(request: Request, job: Job) -> bytes:
-    """The request's namespace in the prefix cache: its bearer token (the API key, or
-    whatever an open server's client sends) and the body's cache_salt. Requests share
+    """The request's namespace in the prefix cache: its bearer token (the client's API
+    key: give each client a key of its own, --api-key repeated or --api-key-file; on an
+    open server whatever the client sends) and the body's cache_salt. Requests share
     cached prompt blocks, and learn of them through usage.cached_tokens or a faster
     first token, only within one namespace."""
     token = request.headers.get("authorization", "")

@@ -1,7 +1,9 @@
 """The checks every request passes before a route sees it (an ASGI middleware): the Host
-header is one the server answers to (against DNS rebinding), /v1 routes carry the API key
-when there is one, a POST is sent as application/json (so no web page can send it as a
-cross-origin "simple" request), and no new request starts while the server shuts down."""
+header is a host[:port] the server answers to (against DNS rebinding), /v1 routes carry
+one of the API keys when there are any, a POST is sent as application/json (so no web
+page can send it as a cross-origin "simple" request), and no new request starts while
+the server shuts down. A response sent before its request's body was read whole says
+`Connection: close`."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 
 from . import errors
-from .limits import Access
+from .limits import Access, host_name
 
 
 class Gate:
@@ -44,24 +46,38 @@ class Guard:
     def check(self, scope: dict) -> errors.APIError | None:
         """The error to answer the request with, or None to serve it."""
         headers = Headers(scope=scope)
-        host = _hostname(headers.get("host", ""))
-        if "*" not in self.access.allowed_hosts and host not in self.access.allowed_hosts:
+        given = headers.get("host", "")
+        host = host_name(given)
+        if host is None:
             return errors.APIError(
                 400,
-                f"Invalid Host header {host!r}: this server answers to "
-                f"{', '.join(self.access.allowed_hosts)} (mhsa serve --allowed-hosts).",
+                f"Invalid Host header {given!r}: expected a host name or IP address and "
+                "an optional port (host[:port], as in 'localhost:8000' or '[::1]:8000').",
+                code="invalid_host",
+            )
+        allowed = self.access.allowed_hosts
+        if "*" not in allowed and host not in allowed:
+            return errors.APIError(
+                400,
+                f"Invalid Host header {given!r}: this server answers to "
+                f"{', '.join(allowed)} (mhsa serve --allowed-hosts).",
                 code="invalid_host",
             )
         path = scope["path"]
-        if path.startswith("/v1") and self.access.api_key is not None:
+        if path.startswith("/v1") and self.access.api_keys:
             given = headers.get("authorization", "")
-            wanted = f"Bearer {self.access.api_key}"
-            if not hmac.compare_digest(given.encode(), wanted.encode()):
+            # every key compared, so the time taken tells nothing of which came near
+            matches = [
+                hmac.compare_digest(given.encode(), f"Bearer {key}".encode())
+                for key in self.access.api_keys
+            ]
+            if not any(matches):
                 what = "an incorrect" if given else "no"
                 return errors.APIError(
                     401,
                     f"You provided {what} API key. Send it as 'Authorization: Bearer KEY' "
-                    "(the key mhsa serve was started with: --api-key or MHSA_API_KEY).",
+                    "(a key mhsa serve was started with: --api-key, --api-key-file or "
+                    "MHSA_API_KEY).",
                     code="invalid_api_key",
                 )
         if scope["method"] == "POST":
@@ -102,10 +118,3 @@ def _close_if_answered_early(scope: dict, receive: Any, send: Any) -> tuple[Any,
         await send(message)
 
     return receive_whole, send_closing
-
-
-def _hostname(host: str) -> str:
-    """The name in a Host header, without its port ("[::1]:8000" -> "::1")."""
-    if host.startswith("["):
-        return host[1 : host.find("]")] if "]" in host else host
-    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
