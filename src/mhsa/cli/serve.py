@@ -38,24 +38,36 @@ def say(line: str) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Say what loads before torch and the model's modules are imported, load it, then
-    serve until Ctrl-C."""
+    """Say what loads before torch and the model's modules are imported; check the serve
+    extra and the options; load the model, then serve until Ctrl-C."""
     say(f"loading {to_load(args.model)} ...")
     started = time.perf_counter()
+    missing = missing_serve_extra()
+    if missing is not None:
+        print(missing, file=sys.stderr)
+        return 2
     with torch_threads(args.threads):
         return _serve(args, started)
 
 
+def missing_serve_extra() -> str | None:
+    """The one-line message, with its install hint, when starlette or uvicorn cannot be
+    imported; None when both can. Imported afresh, so the answer does not depend on
+    whether the server's modules were imported before (they would not import again)."""
+    import importlib
+
+    for name in ("starlette", "uvicorn"):
+        try:
+            importlib.import_module(name)
+        except ImportError as error:
+            return f"mhsa serve needs starlette and uvicorn ({error}): pip install 'mhsa[serve]'"
+    return None
+
+
 def _serve(args: argparse.Namespace, started: float) -> int:
-    try:
-        from ..apps.serve.server import Server
-    except ImportError as error:  # the serve extra: its message names mhsa serve
-        message = str(error)
-        print(
-            message if message.startswith("mhsa serve") else f"mhsa serve: {message}",
-            file=sys.stderr,
-        )
-        return 2
+    from ..apps.serve.server import Server
+
+    limits, access = _limits(args), _access(args)  # (bad options: said before the load)
     try:
         served = load_served(
             args.model,
@@ -75,7 +87,6 @@ def _serve(args: argparse.Namespace, started: float) -> int:
         # a file that cannot be loaded: one line naming it (main prints ValueErrors so)
         raise ValueError(_load_error(args.model, error)) from None
     say(f"loaded {served.name} in {time.perf_counter() - started:.1f} s; starting the server ...")
-    limits, access = _limits(args), _access(args)
     server = Server(
         served,
         host=args.host,
