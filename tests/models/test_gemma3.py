@@ -281,7 +281,7 @@ def test_bad_configs_raise_one_line_errors(change, message):
     ("change", "message"),
     [
         ({"model_type": "gemma3"}, "multimodal Gemma 3 .*pass a gemma3_text config"),
-        ({"model_type": "gemma2"}, "model_type 'gemma2' is not supported by Gemma3"),
+        ({"model_type": "gemma"}, "model_type 'gemma' is not supported by Gemma3"),
         ({"layer_types": [LOCAL] * 6}, "layer_types must name 7 layers"),
         ({"layer_types": [LOCAL] * 6 + ["chunked_attention"]}, "each one of"),
         ({"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),

@@ -7,9 +7,8 @@ weights in another layout than its models hold in memory (DeepSeek-V3's routed e
 one tensor per expert and projection, model.layers.N.mlp.experts.E.gate_proj.weight,
 where DeepseekV3ForCausalLM holds experts.gate_up_proj), and leaves a tied head out.
 
-The families: Llama, Qwen2, Qwen3 and Mistral (mhsa.models.Llama), Gemma 3 (Gemma3),
-Llama 4 (Llama4), DeepSeek-V3 and MiniCPM3 (DeepSeek). Gemma 2 is not here: no model of
-mhsa.models loads a gemma2 checkpoint (Gemma3Config.from_hf_config refuses it).
+The families: Llama, Qwen2, Qwen3 and Mistral (mhsa.models.Llama), Gemma 2 and Gemma 3
+(Gemma3), Llama 4 (Llama4), DeepSeek-V3 and MiniCPM3 (DeepSeek).
 
 The matrix: each family in float32 in one file with its usual head; in shards of a few
 kilobytes with the head tied the other way (tied where the family usually unties, and
@@ -61,6 +60,13 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", Llama, {"rope_theta": 1e6}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", Llama, {"head_dim": 20}),
     "mistral": ("MistralConfig", "MistralForCausalLM", Llama, {"sliding_window": 6}),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        Gemma3,
+        # caps low enough to bite on these small scores and logits
+        {**GEMMA, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0},
+    ),
     "gemma3": (
         "Gemma3TextConfig",
         "Gemma3ForCausalLM",
@@ -107,7 +113,7 @@ FAMILIES = {
         dict(LATENT, q_lora_rank=None, scale_emb=12, scale_depth=1.4, dim_model_base=16),
     ),
 }
-USUALLY_TIED = {"gemma3", "minicpm3"}
+USUALLY_TIED = {"gemma2", "gemma3", "minicpm3"}
 LAYOUTS = ("float32", "sharded", "bfloat16")
 
 

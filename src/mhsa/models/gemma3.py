@@ -16,6 +16,10 @@ attention scale is query_pre_attn_scalar^-1/2, and optional softcaps squash atte
 scores and final logits as in Gemma 2. Decoding keeps one cache per layer: a ring buffer
 of the window for a local layer, the whole sequence for a global one (make_caches).
 
+Gemma 2 (Gemma2ForCausalLM, model_type gemma2) is the same model without QK-norm, with
+one rotary base for every layer, local and global layers alternating, and both softcaps
+on: Gemma3 loads it too.
+
 Gemma3 is a Llama (mhsa.models.llama) with its own layer, config and weight names: it
 shares the loader, caches and decoding. Load with `Gemma3.from_pretrained(dir)` or
 `Gemma3.from_hf(state_dict, Gemma3Config.from_hf_config(d))`.
@@ -54,6 +58,12 @@ HF_DEFAULTS = {  # transformers' Gemma3TextConfig defaults, for keys a config.js
     "tie_word_embeddings": True,
     "eos_token_id": 1,
     "bos_token_id": 2,
+}
+GEMMA2_DEFAULTS = {  # transformers' Gemma2Config defaults where they differ from those
+    "max_position_embeddings": 8192,
+    "sliding_window_pattern": 2,  # local, global, local, ...
+    "attn_logit_softcapping": 50.0,
+    "final_logit_softcapping": 30.0,
 }
 
 
@@ -116,8 +126,8 @@ class Gemma3Config(LlamaConfig):
     def from_hf_config(cls, d: dict) -> Gemma3Config:
         """From a Hugging Face config.json dict of model_type gemma3_text (transformers
         5's rope_parameters per layer type, or 4's rope_theta, rope_local_base_freq,
-        rope_scaling and sliding_window_pattern); missing keys take transformers'
-        defaults."""
+        rope_scaling and sliding_window_pattern) or gemma2 (one rotary for all layers,
+        no QK-norm); missing keys take transformers' defaults."""
         kind = d.get("model_type")
         if kind == "gemma3":
             raise ValueError(
@@ -125,13 +135,14 @@ class Gemma3Config(LlamaConfig):
                 "Gemma3 loads the text model: pass a gemma3_text config (Gemma3ForCausalLM, "
                 "e.g. gemma-3-1b)"
             )
-        sizes = hf_sizes(d, "Gemma3", ("gemma3_text",))
+        sizes = hf_sizes(d, "Gemma3", ("gemma3_text", "gemma2"))
         if d.get("use_bidirectional_attention"):
             raise ValueError(
                 "use_bidirectional_attention=True (an embedding model) is not supported: "
                 "Gemma3 is the causal language model"
             )
-        d = {**HF_DEFAULTS, **d}
+        gemma2 = kind == "gemma2"
+        d = {**HF_DEFAULTS, **(GEMMA2_DEFAULTS if gemma2 else {}), **d}
         n_layer = d["num_hidden_layers"]
         every = d.get("sliding_window_pattern") or 6
         types = d.get("layer_types") or [
@@ -149,10 +160,14 @@ class Gemma3Config(LlamaConfig):
         else:  # transformers 4: the global scaling alone, the bases at the top
             global_rope, local_rope = dict(d.get("rope_scaling") or rope), {}
         max_len = d["max_position_embeddings"]
-        theta, scaling = hf_rope(global_rope, d.get("rope_theta") or 1e6, max_len)
-        local_theta, local_scaling = hf_rope(
-            local_rope, d.get("rope_local_base_freq") or 1e4, max_len
+        theta, scaling = hf_rope(
+            global_rope, d.get("rope_theta") or (1e4 if gemma2 else 1e6), max_len
         )
+        local_theta, local_scaling = theta, scaling  # Gemma 2: one rotary for every layer
+        if not gemma2:
+            local_theta, local_scaling = hf_rope(
+                local_rope, d.get("rope_local_base_freq") or 1e4, max_len
+            )
         act = d["hidden_activation"]
         if act not in HF_ACTIVATIONS:
             raise ValueError(
@@ -171,6 +186,7 @@ class Gemma3Config(LlamaConfig):
             rope_local_scaling=local_scaling,
             query_pre_attn_scalar=d["query_pre_attn_scalar"],
             attn_softcap=d.get("attn_logit_softcapping"),
+            qk_norm=not gemma2,
             final_softcap=d.get("final_logit_softcapping"),
             attention_bias=bias,
             attention_out_bias=bias,
@@ -227,8 +243,9 @@ class Gemma3Block(PreNormBlock):
 
 
 class Gemma3(Llama):
-    """Gemma 3's text model; a Decoder (prefill, step, make_caches: a SlidingWindowCache
-    of the window for each local layer, a KVCache for each global one)."""
+    """Gemma 3's text model (or Gemma 2's); a Decoder (prefill, step, make_caches: a
+    SlidingWindowCache of the window for each local layer, a KVCache for each global
+    one)."""
 
     config: Gemma3Config
     config_class = Gemma3Config
