@@ -27,3 +27,13 @@ def transformers_smollm2():
         path.parent, gguf_file=path.name, torch_dtype=torch.float32
     )
     return model.eval()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` are skipped where torch sees no GPU."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (marked cuda)")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
