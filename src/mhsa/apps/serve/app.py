@@ -36,6 +36,7 @@ from .guard import Gate, Guard
 from .limits import Access, Limits
 from .models import ServedModel
 from .params import Job, parse_chat, parse_completion
+from .text import PromptEncoder
 
 
 def build_app(
@@ -48,6 +49,7 @@ def build_app(
     limits and access: see mhsa.apps.serve.limits (None: the defaults); gate: closed,
     new requests get 503 (the server is shutting down)."""
     limits = limits or Limits()
+    encoder = PromptEncoder(served.encode, served.stream, served.vocab_size)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -87,7 +89,7 @@ def build_app(
 
     async def completions(request: Request) -> Response:
         body = await _json(request, limits)
-        job = await run_in_threadpool(parse_completion, body, served, limits)
+        job = await run_in_threadpool(parse_completion, body, served, limits, encoder)
         return await _complete(request, job, served, limits)
 
     routes = [

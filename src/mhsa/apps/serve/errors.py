@@ -104,6 +104,17 @@ def context_exceeded(param: str, context: int, prompt: int, new: int | None) -> 
     return bad_param(param, message, "context_length_exceeded")
 
 
+def prompt_too_long(param: str, context: int, at_least: int) -> APIError:
+    """context_exceeded for a prompt refused before it was tokenised whole: its count is
+    a lower bound."""
+    message = (
+        f"This model's maximum context length is {context} tokens. However, your "
+        f"{param} has at least {at_least} tokens (it was not tokenised to the end). "
+        f"Please reduce the length of the {param}."
+    )
+    return bad_param(param, message, "context_length_exceeded")
+
+
 def body_too_large(limit: int, declared: str | None) -> APIError:
     got = f" (Content-Length {declared})" if declared is not None else ""
     return APIError(

@@ -11,6 +11,7 @@ from ...formats.chat_template import TemplateLimitError, render_limits
 from . import errors
 from .limits import Limits
 from .models import ServedModel
+from .text import PromptEncoder, PromptTooLong
 
 MAX_SEED = 2**64 - 1
 MAX_SALT = 256  # characters of a cache_salt
@@ -94,11 +95,16 @@ def parse_chat(body: dict[str, Any], served: ServedModel, limits: Limits | None 
 
 
 def parse_completion(
-    body: dict[str, Any], served: ServedModel, limits: Limits | None = None
+    body: dict[str, Any],
+    served: ServedModel,
+    limits: Limits | None = None,
+    encoder: PromptEncoder | None = None,
 ) -> Job:
     """The Job of a (legacy) completion request: prompt is a string, an array of
     strings, an array of token ids or an array of such arrays (one choice each), at most
-    limits.max_prompts of them. It tokenises: the server calls it in a worker thread."""
+    limits.max_prompts of them. It tokenises (through encoder, default: a PromptEncoder
+    of served; the server keeps one), so the server calls it in a worker thread; a text
+    that cannot fit the context is refused before it is tokenised whole."""
     _check_common(body, served)
     if "prompt" not in body:
         raise errors.missing("prompt")
@@ -106,7 +112,8 @@ def parse_completion(
     max_prompts = (limits or Limits()).max_prompts
     if len(listed) > max_prompts:
         raise errors.too_many_prompts(len(listed), max_prompts)
-    prompts = [_prompt(p, served) for p in listed]
+    encoder = encoder or PromptEncoder(served.encode, served.stream, served.vocab_size)
+    prompts = [_prompt(p, served, encoder) for p in listed]
     return _job("completion", body, prompts, body.get("max_tokens"), "max_tokens", "prompt", served)
 
 
@@ -226,10 +233,13 @@ def _prompt_list(prompt: Any) -> list[Any]:
     )
 
 
-def _prompt(prompt: Any, served: ServedModel) -> list[int]:
+def _prompt(prompt: Any, served: ServedModel, encoder: PromptEncoder) -> list[int]:
     if isinstance(prompt, str):
         _check_unicode("prompt", prompt)
-        ids = served.encode(prompt)
+        try:
+            ids = encoder(prompt, served.context_length)
+        except PromptTooLong as error:
+            raise errors.prompt_too_long("prompt", error.limit, error.at_least) from None
     elif isinstance(prompt, list) and all(type(t) is int for t in prompt):
         ids = prompt
         if any(not 0 <= t < served.vocab_size for t in ids):
