@@ -482,3 +482,52 @@ def test_bert_masked_lm_head_loads_when_the_file_has_it(tmp_path):
         expected = hf(input_ids=ids).logits
         got = ours.mlm_logits(ours(ids))
     assert max_error(got, expected) < 1e-5
+
+
+class Experts(torch.nn.Module):
+    """Three experts stacked in one parameter, as a MoE layer keeps them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up = torch.nn.Parameter(torch.zeros(3, 4, 2))  # (experts, 2 + 2, in)
+
+
+EXPERT_NAMES = NameTable(
+    ("gate_up", "experts.gate_up_proj"),  # fused, as in memory
+    ("gate_up", ("experts.{e}.gate.weight", "experts.{e}.up.weight")),  # one per expert
+)
+
+
+def test_a_stacked_rule_builds_row_e_from_expert_es_tensors_and_either_layout_loads():
+    per_expert = {
+        f"experts.{e}.{kind}.weight": torch.randn(2, 2) for e in range(3) for kind in ("gate", "up")
+    }
+    model = load_weights(Experts(), TensorDict(per_expert), EXPERT_NAMES)
+    for e in range(3):
+        want = torch.cat(
+            [per_expert[f"experts.{e}.gate.weight"], per_expert[f"experts.{e}.up.weight"]]
+        )
+        assert torch.equal(model.gate_up[e], want)
+    fused = {"experts.gate_up_proj": model.gate_up.detach().clone()}
+    assert torch.equal(
+        load_weights(Experts(), TensorDict(fused), EXPERT_NAMES).gate_up,
+        fused["experts.gate_up_proj"],
+    )
+    missing = dict(per_expert)
+    missing.pop("experts.2.up.weight")
+    with pytest.raises(
+        ValueError, match=r"1 tensor missing: 'experts.2.up.weight' \(for gate_up\)"
+    ):
+        load_weights(Experts(), TensorDict(missing), EXPERT_NAMES)
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [
+        ("a", ("x.{e}.w", "y.w")),  # one piece without {e}
+        (("a", "b"), "x.{e}.w"),  # several of ours stacked
+    ],
+)
+def test_a_malformed_stacking_rule_is_refused_when_the_table_is_built(rule):
+    with pytest.raises(ValueError, match="stored patterns with `\\{e\\}`"):
+        NameTable(rule)

@@ -21,91 +21,35 @@ A parameter may have several rules, one per layout a file may store it in (exper
 in one tensor, or one tensor per expert, as transformers 5 writes DeepSeek-V3's); the
 first rule whose tensors the file holds is used, the first rule when it holds none.
 
-A source of named tensors is anything with a `name` (the file, for messages), `shapes()`
-({stored name: shape}, cheap: from a header) and `read(name)` (one tensor): a state dict
-(`TensorDict`), safetensors files (`SafetensorsFiles`), and the GGUF reader's own.
+A source of named tensors (tensor_sources.py) is a state dict (`TensorDict`),
+safetensors files (`SafetensorsFiles`) or the GGUF reader's own.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Protocol
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file
 from torch import Tensor, nn
+
+from .tensor_sources import SafetensorsFiles, TensorDict, TensorSource, as_source
+
+__all__ = [  # the sources are re-exported: models import the loader's names from here
+    "NameTable",
+    "Rule",
+    "SafetensorsFiles",
+    "TensorDict",
+    "TensorSource",
+    "as_source",
+    "load_weights",
+    "read_tensors",
+]
 
 # a layer, weight or bias, an expert, and (in ignored names) any one name part
 PLACEHOLDERS = {"i": r"\d+", "p": r"weight|bias", "e": r"\d+", "any": r"[^./]+"}
 SHOWN = 3  # names shown in a message, then "and N more"
-
-
-class TensorSource(Protocol):
-    """Named tensors as a file stores them."""
-
-    name: str
-
-    def shapes(self) -> dict[str, tuple[int, ...]]: ...
-
-    def read(self, name: str) -> Tensor: ...
-
-
-class TensorDict:
-    """A state dict in memory as a source; `name` says where it came from."""
-
-    def __init__(self, tensors: Mapping[str, Tensor], name: str = "the state dict") -> None:
-        self.tensors, self.name = tensors, name
-
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        return {key: tuple(value.shape) for key, value in self.tensors.items()}
-
-    def read(self, name: str) -> Tensor:
-        return self.tensors[name]
-
-
-def as_source(
-    weights: Mapping[str, Tensor] | TensorSource, name: str = "the state dict"
-) -> TensorSource:
-    """weights as a TensorSource: a source as it is, a state dict as a TensorDict."""
-    return weights if hasattr(weights, "shapes") else TensorDict(weights, name)
-
-
-class SafetensorsFiles:
-    """One or more .safetensors files (shards of one model) as a source: shapes from the
-    headers, each file read whole (safetensors' load_file) the first time it is needed."""
-
-    def __init__(self, files: Path | str | Sequence[Path | str], device: str = "cpu") -> None:
-        paths = [Path(files)] if isinstance(files, (str, Path)) else [Path(f) for f in files]
-        if not paths:
-            raise ValueError("files is empty: pass one or more .safetensors files")
-        self.name = str(paths[0]) if len(paths) == 1 else f"{paths[0].parent}/*.safetensors"
-        self.device, self._loaded = device, {}
-        self._file_of: dict[str, Path] = {}
-        self._shapes: dict[str, tuple[int, ...]] = {}
-        for path in paths:
-            try:
-                with safe_open(str(path), framework="pt") as handle:
-                    for key in handle.keys():  # noqa: SIM118 - a safe_open handle is not iterable
-                        self._shapes[key] = tuple(handle.get_slice(key).get_shape())
-                        self._file_of[key] = path
-            except (SafetensorError, OSError) as error:
-                raise ValueError(f"{path}: not a readable safetensors file ({error})") from error
-
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        return dict(self._shapes)
-
-    def read(self, name: str) -> Tensor:
-        path = self._file_of[name]
-        if path not in self._loaded:
-            try:
-                self._loaded[path] = load_file(path, device=self.device)
-            except (SafetensorError, OSError) as error:
-                raise ValueError(f"{path}: not a readable safetensors file ({error})") from error
-        return self._loaded[path][name]
 
 
 def _pattern(text: str) -> re.Pattern:
