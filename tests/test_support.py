@@ -41,3 +41,10 @@ def test_every_test_is_bounded_in_time(pytestconfig):
     block that a scheduler waits for) fails and is named instead of stalling the run."""
     assert pytestconfig.pluginmanager.hasplugin("timeout")
     assert 0 < float(pytestconfig.getini("timeout")) <= 600
+
+
+def test_no_test_module_overwrites_its_pytestmark():
+    """A second `pytestmark = ...` replaces the first (an export module lost its slow
+    mark so): one assignment a module, a list for several marks."""
+    for path in (ROOT / "tests").rglob("test_*.py"):
+        assert path.read_text().count("\npytestmark =") <= 1, path

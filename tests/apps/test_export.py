@@ -15,10 +15,11 @@ from mhsa.cli import main
 from mhsa.models.vit import ViT, ViTConfig
 from optional import needs
 
-pytestmark = pytest.mark.slow  # real models, servers, browsers or several processes
 
-# torch.onnx's own internals, in torch 2.13
-pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec:FutureWarning")
+pytestmark = [
+    pytest.mark.slow,  # real models, servers, browsers or several processes
+    pytest.mark.filterwarnings("ignore:.*LeafSpec:FutureWarning"),  # torch.onnx's, in 2.13
+]
 
 SENTENCES = [
     "Hi.",
