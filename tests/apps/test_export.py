@@ -15,7 +15,6 @@ from mhsa.cli import main
 from mhsa.models.vit import ViT, ViTConfig
 from optional import needs
 
-
 pytestmark = [
     pytest.mark.slow,  # real models, servers, browsers or several processes
     pytest.mark.filterwarnings("ignore:.*LeafSpec:FutureWarning"),  # torch.onnx's, in 2.13
