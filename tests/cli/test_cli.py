@@ -284,7 +284,7 @@ def test_generate_options(tmp_path, capsys):
     assert main([*base, "--prompt", ""]) == 2
     assert "mhsa generate: --prompt must not be empty" in capsys.readouterr().err
     assert main([*base, "--top-p", "0"]) == 2
-    assert "top_p must be in (0, 1]" in capsys.readouterr().err
+    assert "mhsa generate: --top-p must be in (0, 1]" in capsys.readouterr().err
     for option, value in (("--top-k", "-1"), ("--max-new-tokens", "-5")):
         with pytest.raises(SystemExit):
             main(["generate", str(out), option, value])
@@ -367,7 +367,7 @@ def test_a_checkpoint_of_another_kind_is_named(tmp_path, capsys):
     [
         (["--lr", "-1"], "lr must be a finite number > 0 (--lr), got -1.0"),
         (["--lr", "nan"], "lr must be a finite number > 0 (--lr), got nan"),
-        (["--dropout", "1.5"], "dropout must be in [0, 1), got 1.5"),
+        (["--dropout", "1.5"], "--dropout 1.5: must be in [0, 1)"),
     ],
 )
 def test_bad_training_values_are_one_line_errors(tmp_path, capsys, args, message):

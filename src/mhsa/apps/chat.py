@@ -65,8 +65,7 @@ class ChatModel:
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         """The chat template's rendering of messages, ending with the assistant's turn."""
-        text = self.tokenizer.render_chat(messages, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return prompt_ids(self.tokenizer, messages)
 
     @torch.no_grad()
     def reply(
@@ -99,13 +98,12 @@ class ChatModel:
         ):
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         ids = self.prompt_ids(messages)
-        room = self.model.config.max_len - len(ids)
-        if room < 1:
+        if not fits_context(len(ids), self.model.config.max_len):
             raise ValueError(
                 f"the conversation is {len(ids)} tokens, the model's context "
                 f"{self.model.config.max_len}: start a new one"
             )
-        stop = StopRule(self.stop_ids, min(max_new_tokens, room))
+        stop = StopRule(self.stop_ids, min(max_new_tokens, self.model.config.max_len - len(ids)))
         start = time.perf_counter()
         if compile:  # one compiled step over contiguous caches
             choices = self._choices(ids, sampling, stop, generator)
@@ -156,6 +154,46 @@ class ChatModel:
             logits = step(token)
 
 
+def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The token ids of messages as the tokenizer's chat template renders them, ending
+    with the assistant's turn: what the model reads before it answers."""
+    text = tokenizer.render_chat(messages, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def fits_context(prompt_tokens: int, context: int) -> bool:
+    """Whether a prompt of prompt_tokens leaves room for at least one answer token."""
+    return prompt_tokens < context
+
+
+def _model_path(source: str | Path | None) -> Path:
+    """The file or directory load_chat_model(source) reads."""
+    path = smollm2_path() if source is None else Path(source)
+    if not (path.is_dir() or path.is_file()):
+        raise FileNotFoundError(
+            f"no model at {path}: pass a .gguf file or a transformers model directory"
+        )
+    return path
+
+
+def context_and_tokenizer(source: str | Path | None = None) -> tuple[int, object]:
+    """(the context in tokens, the tokenizer) of the model load_chat_model(source) loads,
+    read without its weights (a GGUF file's metadata; a transformers directory's
+    config.json and tokenizer files): a prompt is checked before the slow load."""
+    path = _model_path(source)
+    if path.is_dir():
+        from ..formats.chat_template import render_chat
+
+        config = json.loads((path / "config.json").read_text())
+        return LlamaConfig.from_hf_config(config).max_len, _DirectoryTokenizer(path, render_chat)
+    from ..formats.gguf import gguf_metadata, hf_config
+    from ..formats.gguf_tokenizer import GGUFTokenizer
+
+    metadata = gguf_metadata(path)
+    config = hf_config(metadata, set(), source=str(path))  # the context needs no tensor
+    return LlamaConfig.from_hf_config(config).max_len, GGUFTokenizer(metadata, source=str(path))
+
+
 def load_chat_model(
     source: str | Path | None = None,
     *,
@@ -169,7 +207,7 @@ def load_chat_model(
     file's tensors as they are read."""
     if quantize is not None and quantize not in QUANTIZE:
         raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
-    path = smollm2_path() if source is None else Path(source)
+    path = _model_path(source)
     if path.is_dir():
         if quantize == "file":
             raise ValueError(
@@ -177,7 +215,7 @@ def load_chat_model(
                 "takes none, bfloat16, int8 or int4"
             )
         chat = _from_directory(path, dtype)
-    elif path.is_file():
+    else:
         if quantize == "file" and dtype != torch.float32:
             raise ValueError(
                 "the file's quantised weights compute in float32: pass "
@@ -185,10 +223,6 @@ def load_chat_model(
             )
         default = "file" if dtype == torch.float32 else "none"
         return _from_gguf(path, dtype, quantize or default, progress)
-    else:
-        raise FileNotFoundError(
-            f"no model at {path}: pass a .gguf file or a transformers model directory"
-        )
     _quantize(chat.model, quantize or "none")
     return chat
 

@@ -63,8 +63,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command_parser(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> argparse.ArgumentParser:
+    """The parser of the command args ran (`train gpt`'s for `mhsa train gpt ...`)."""
+    while True:
+        commands = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not commands or getattr(args, commands[0].dest, None) not in commands[0].choices:
+            return parser
+        parser = commands[0].choices[getattr(args, commands[0].dest)]
+
+
+def _refuse_unknown(parser: argparse.ArgumentParser, extras: list[str]) -> None:
+    """argparse's error for options the command does not have, from the command's own
+    parser (its usage, not the top level's); --out or --checkpoint given to a command
+    whose first argument is the checkpoint says so."""
+    message = f"unrecognized arguments: {' '.join(extras)}"
+    first = next((a for a in parser._actions if not a.option_strings), None)
+    if first is not None and first.dest in ("checkpoint", "source"):
+        named = [flag for flag in ("--out", "--checkpoint") if flag in extras]
+        if named:
+            message += (
+                f"; {parser.prog} takes the checkpoint (the folder `mhsa train --out` "
+                f"wrote) as its first argument, not as {named[0]}: "
+                f"{parser.prog} runs/MODEL ..."
+            )
+    parser.error(message)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        _refuse_unknown(_command_parser(parser, args), extras)
     try:
         return args.run(args)
     except (FileNotFoundError, ValueError) as error:  # bad paths and arguments: no traceback

@@ -6,11 +6,13 @@ import argparse
 import sys
 import time
 
+from .checks import SAMPLING_FLAGS, WEIGHT_FLAGS, check_draft, flag_errors
 from .common import (
     add_option,
     chat_weight_options,
     chat_weights,
     compile_option,
+    non_negative_int,
     positive_int,
     progress_bar,
     spare_core_threads_option,
@@ -33,23 +35,60 @@ def say(line: str) -> None:
 
 
 def chat(args: argparse.Namespace) -> int:
-    """Say what loads before torch and the model's modules are imported, then load it
-    and answer the --prompt turns or chat until /exit or Ctrl-D."""
+    """Say what loads before torch and the model's modules are imported, check every
+    option (and a long --prompt against the model's context) before the slow load, then
+    load it and answer the --prompt turns or chat until /exit or Ctrl-D."""
     if args.prompt is not None and any(not p.strip() for p in args.prompt):
         raise ValueError("--prompt must not be empty")
+    if args.speculate is not None and args.compile:
+        raise ValueError("--speculate and --compile do not combine: pass one of them")
+    check_draft(args)
     say(f"loading {to_load(args.model)} ...")
     started = time.perf_counter()
     with torch_threads(args.threads):
         return _chat(args, started)
 
 
+LONG_PROMPT_BYTES = 1024  # a shorter --prompt fits any real chat model's context
+
+
+def check_prompt_lengths(args: argparse.Namespace) -> None:
+    """Refuse a --prompt longer than the model's context before the weights load: its
+    tokens as the chat template renders it (with --system) against the context, both
+    read without the weights. Only prompts of LONG_PROMPT_BYTES or more are counted
+    (reading a GGUF file's metadata takes about 2 s; a shorter prompt fits any real chat
+    model's context, and a toy model's still refuses it once loaded)."""
+    from ..apps.chat import context_and_tokenizer, fits_context, prompt_ids
+
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    extra = len((args.system or "").encode("utf-8"))
+    long = [p for p in args.prompt or () if extra + len(p.encode("utf-8")) >= LONG_PROMPT_BYTES]
+    if not long:
+        return
+    context, tokenizer = context_and_tokenizer(args.model)
+    for prompt in long:
+        tokens = len(prompt_ids(tokenizer, [*system, {"role": "user", "content": prompt}]))
+        if not fits_context(tokens, context):
+            with_system = " and --system" if system else ""
+            raise ValueError(
+                f"--prompt is {tokens} tokens (with{with_system} the chat template), the "
+                f"model's context {context}: shorten it by at least {tokens - context + 1} "
+                "tokens, and leave room for the answer"
+            )
+
+
 def _chat(args: argparse.Namespace, started: float) -> int:
     import torch
 
     from ..apps.chat import load_chat_model
+    from ..models.sampling import Sampling
 
+    with flag_errors(SAMPLING_FLAGS):
+        Sampling(args.temperature, args.top_k or None, args.top_p)
+    check_prompt_lengths(args)
     bar = progress_bar("reading weights")
-    model = load_chat_model(args.model, **chat_weights(args), progress=bar)
+    with flag_errors(WEIGHT_FLAGS):
+        model = load_chat_model(args.model, **chat_weights(args), progress=bar)
     say(f"loaded {model.name} in {time.perf_counter() - started:.1f} s")
     if args.compile:
         say("the first answer waits for compiling the decoding step (torch.compile)")
@@ -157,7 +196,9 @@ def add_parser(commands) -> None:
         default=0.0,
         help="sampling temperature; 0.0 (the default) is greedy",
     )
-    cmd.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest (0: all)")
+    cmd.add_argument(
+        "--top-k", type=non_negative_int, default=0, help="sample from the k likeliest (0: all)"
+    )
     cmd.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold")
     add_option(cmd, "--seed", 0, "sampling seed", type=int)
     add_option(

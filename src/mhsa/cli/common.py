@@ -11,7 +11,6 @@ import functools
 import os
 import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import TextIO
 
 TRAIN_COMMANDS = {"seq2seq": "translate"}  # model kinds trained by another command's name
@@ -63,37 +62,6 @@ def progress_bar(what: str, stream: TextIO | None = None) -> Callable[[int, int]
         stream.flush()
 
     return show
-
-
-def check_output(
-    flag: str, path: str | Path, *, folder: bool = False, overwrite: bool = False
-) -> None:
-    """Refuse (ValueError naming flag and the fix) an output path that a command could not
-    write, before it does any work: for a file (folder=False) a folder, or an existing
-    file unless overwrite (--overwrite); for a folder (train's --out) a file; for both a
-    path under a file, or in a folder this user may not write. Nothing is created."""
-    path = Path(path)
-    if folder and path.exists() and not path.is_dir():
-        raise ValueError(
-            f"{flag} {path} is a file, not a folder (the command writes a folder there): "
-            f"choose another {flag}"
-        )
-    if not folder and path.is_dir():
-        raise ValueError(
-            f"{flag} {path} is a folder: name a file to write, e.g. {path / 'NAME'}, "
-            f"or choose another {flag}"
-        )
-    if not folder and path.exists() and not overwrite:
-        raise ValueError(
-            f"{flag} {path} exists: pass --overwrite to replace it, or choose another {flag}"
-        )
-    where = path.absolute() if path.is_dir() else path.absolute().parent
-    while not where.exists():  # the nearest folder that exists (the root does)
-        where = where.parent
-    if not where.is_dir():
-        raise ValueError(f"{flag} {path}: {where} is a file, not a folder: choose another {flag}")
-    if not os.access(where, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {path}: {where} is not writable: choose another {flag}")
 
 
 def to_load(model: str | None) -> str:

@@ -7,7 +7,8 @@ import argparse
 import logging
 import warnings
 
-from .common import check_output, load_model, threads_option, with_threads
+from .checks import check_output
+from .common import load_model, threads_option, with_threads
 
 
 def quiet_exporter() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .checks import SAMPLING_FLAGS, check_draft, flag_errors
 from .common import (
     add_option,
     compile_option,
@@ -26,8 +27,12 @@ def generate(args: argparse.Namespace) -> int:
 
     from ..data.text import ByteTokenizer
     from ..models import GPT, GPTConfig
+    from ..models.sampling import Sampling
 
-    model, _ = load_model(args.checkpoint, {"gpt": (GPT, GPTConfig)})
+    checkpoint = _checkpoint(args)
+    check_draft(args)
+    with flag_errors(SAMPLING_FLAGS):  # every flag is checked before the model loads
+        Sampling(args.temperature, args.top_k or None, args.top_p)
     tokenizer = ByteTokenizer()
     try:
         prompt = tokenizer.encode(args.prompt)
@@ -35,6 +40,7 @@ def generate(args: argparse.Namespace) -> int:
         raise ValueError("--prompt is not valid text (undecodable bytes); pass UTF-8") from None
     if prompt.numel() == 0:
         raise ValueError("--prompt must not be empty")
+    model, _ = load_model(checkpoint, {"gpt": (GPT, GPTConfig)})
     room = model.config.max_len - prompt.numel()
     if args.max_new_tokens > room:
         if model.config.position in ("learned", "sinusoidal"):
@@ -76,9 +82,39 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _checkpoint(args: argparse.Namespace) -> str:
+    """The checkpoint, given as the first argument or as --checkpoint / --out (train's
+    name for the folder it writes)."""
+    given = {path for path in (args.checkpoint, args.checkpoint_option) if path is not None}
+    if len(given) > 1:
+        raise ValueError(
+            f"two checkpoints: {args.checkpoint} (the first argument) and "
+            f"{args.checkpoint_option} (--checkpoint or --out): pass one"
+        )
+    if not given:
+        raise ValueError(
+            "pass the checkpoint: the folder `mhsa train gpt --out` wrote, e.g. "
+            "mhsa generate runs/gpt"
+        )
+    return given.pop()
+
+
 def add_parser(commands) -> None:
     gen = commands.add_parser("generate", help="sample text from a GPT checkpoint")
-    gen.add_argument("checkpoint", help="output folder of `mhsa train gpt`, or a step folder")
+    gen.add_argument(
+        "checkpoint",
+        nargs="?",
+        default=None,
+        help="output folder of `mhsa train gpt` (its --out), or a step folder",
+    )
+    gen.add_argument(
+        "--checkpoint",
+        "--out",
+        dest="checkpoint_option",
+        metavar="CHECKPOINT",
+        default=None,
+        help="the checkpoint as an option, named as train's --out (default: the first argument)",
+    )
     gen.add_argument("--prompt", default="def ", help="text to continue (default 'def ')")
     add_option(gen, "--max-new-tokens", 100, "tokens to add", type=non_negative_int)
     add_option(gen, "--temperature", 0.8, "sampling temperature, 0 for greedy", type=float)

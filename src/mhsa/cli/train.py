@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .checks import FLAGS, build_model, check_model_flags, check_output, flag_errors
 from .common import (
     add_option,
-    check_output,
     common_train_options,
     positive_int,
     size_options,
@@ -33,20 +33,21 @@ def train_gpt(args: argparse.Namespace) -> int:
     join_torchrun_group()  # a no-op unless started by torchrun with several processes
     tokenizer = ByteTokenizer()
     text = read_text(args.data) if args.data else stdlib_corpus()
-    config = GPTConfig(
-        vocab_size=tokenizer.vocab_size,
-        n_layer=args.layers,
-        n_head=args.heads,
-        n_kv_head=args.kv_heads,
-        d_model=args.d_model,
-        max_len=args.seq_len,
-        dropout=args.dropout,
-        position=args.position,
-        window=args.window,
-        attention=args.attention,
-        moba_block=args.moba_block,
-        moba_top_k=args.moba_top_k,
-    )
+    with flag_errors():
+        config = GPTConfig(
+            vocab_size=tokenizer.vocab_size,
+            n_layer=args.layers,
+            n_head=args.heads,
+            n_kv_head=args.kv_heads,
+            d_model=args.d_model,
+            max_len=args.seq_len,
+            dropout=args.dropout,
+            position=args.position,
+            window=args.window,
+            attention=args.attention,
+            moba_block=args.moba_block,
+            moba_top_k=args.moba_top_k,
+        )
     if args.resume:  # the checkpoint's model, not the command line's
         saved = load_checkpoint(args.out, weights=False)
         check_resumable(saved, "gpt")
@@ -140,7 +141,11 @@ def train_vit(args: argparse.Namespace) -> int:
     else:
         images, labels = digits()
         classes = [str(d) for d in range(10)]
-    config = ViTConfig(
+    side = "--image-size" if args.data else "the digits' side"  # (--image-size is for --data)
+    config, model = build_model(
+        ViT,
+        ViTConfig,
+        {**FLAGS, "image_size": side},
         image_size=images.shape[-1],
         patch_size=args.patch_size,
         channels=images.shape[1],
@@ -162,7 +167,7 @@ def train_vit(args: argparse.Namespace) -> int:
         augment=shift_augment,
         items_per_sample=(config.image_size // config.patch_size) ** 2,
     )
-    fit(ViT(config), task, args, "vit", classes=classes)
+    fit(model, task, args, "vit", classes=classes)
     return 0
 
 
@@ -178,7 +183,9 @@ def train_bert(args: argparse.Namespace) -> int:
     task = MaskedLMTask(
         torch.tensor(list(text.encode("utf-8"))), args.seq_len, args.batch_size, pack=args.pack
     )
-    config = BertConfig(
+    config, model = build_model(
+        Bert,
+        BertConfig,
         vocab_size=MaskedLMTask.VOCAB,
         hidden_size=args.d_model,
         num_layers=args.layers,
@@ -188,7 +195,6 @@ def train_bert(args: argparse.Namespace) -> int:
         dropout=0.1,
         pad_token_id=MaskedLMTask.PAD,
     )
-    model = Bert(config)
     start = evaluate(model, task)
     print(
         f"data: {'--data ' + args.data if args.data else 'Python standard library source'}; "
@@ -221,7 +227,9 @@ def train_ast(args: argparse.Namespace) -> int:
     audio, labels, speakers = synthesize(args.per_voice, args.seed, voice_list)
     features = normalise_clips(log_mel(audio))
     test = speakers < held_out  # whole voices, never heard in training
-    config = ASTConfig(
+    config, model = build_model(
+        AST,
+        ASTConfig,
         n_mels=features.shape[1],
         frames=features.shape[2],
         d_model=args.d_model,
@@ -234,7 +242,7 @@ def train_ast(args: argparse.Namespace) -> int:
         args.batch_size,
         items_per_sample=sum(config.grid()),
     )
-    fit(AST(config), task, args, "ast", classes=list(WORDS))
+    fit(model, task, args, "ast", classes=list(WORDS))
     return 0
 
 
@@ -250,7 +258,9 @@ def train_points(args: argparse.Namespace) -> int:
         f"data: {len(SHAPES)} shapes ({', '.join(SHAPES)}), {len(train_split[1])} train / "
         f"{len(test_split[1])} test clouds of 96-160 points"
     )
-    config = PointCloudConfig(
+    config, model = build_model(
+        PointCloudTransformer,
+        PointCloudConfig,
         num_classes=len(SHAPES),
         d_model=args.d_model,
         n_layer=args.layers,
@@ -260,7 +270,7 @@ def train_points(args: argparse.Namespace) -> int:
     task = ClassificationTask(
         train_split, test_split, args.batch_size, collate=collate, items_per_sample=128
     )
-    fit(PointCloudTransformer(config), task, args, "points", classes=list(SHAPES))
+    fit(model, task, args, "points", classes=list(SHAPES))
     return 0
 
 
@@ -275,7 +285,9 @@ def train_translate(args: argparse.Namespace) -> int:
         f"data: numbers 0..999999 in English -> French (num2words), {vocab} words; "
         f"{len(task.test_numbers)} held-out numbers never seen in training"
     )
-    config = Seq2SeqConfig(
+    config, model = build_model(
+        Seq2Seq,
+        Seq2SeqConfig,
         src_vocab=vocab,
         tgt_vocab=vocab,
         d_model=args.d_model,
@@ -285,7 +297,7 @@ def train_translate(args: argparse.Namespace) -> int:
         dropout=args.dropout,
         max_len=32,
     )
-    result = fit(Seq2Seq(config), task, args, "seq2seq", vocab=task.vocab.words)
+    result = fit(model, task, args, "seq2seq", vocab=task.vocab.words)
     last = result["history"][-1] if result["history"] else {}
     if "exact_match" in last:
         print(f"held-out exact match (greedy): {last['exact_match']:.2%}")
@@ -334,6 +346,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_output("--out", args.out, folder=True)  # before loading data and model
     check_out_dir(args.out, args.resume, args.overwrite)
+    check_model_flags(args)
     try:
         if getattr(args, "data_parallel", False) and args.nproc > 1:
             return _spawn_data_parallel(args, args.nproc)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .common import add_option, check_output, positive_int, threads_option, with_threads
+from .checks import check_output
+from .common import add_option, positive_int, threads_option, with_threads
 
 MODELS = ("gpt", "chat", "minilm", "whisper")
 IMAGE_FORMATS = ("png", "svg", "pdf", "jpg", "jpeg")  # what --out may be (matplotlib writes)
