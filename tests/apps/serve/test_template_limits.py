@@ -1,6 +1,7 @@
 """Chat templates off the event loop and within limits, on a live server: a template that
-multiplies a string by 10**10 or loops 10**10 times gets a 400 naming the limit, and
-/health answers within 1 s while the loop runs (the rendering is in a worker thread)."""
+multiplies a string by 10**10, pads with a method, doubles a string with ~ or loops 10**10
+times gets a 400 naming the limit, and /health answers within 1 s while the loop runs (the
+rendering is in a worker thread)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ BOMBS = {
     "loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
     + PLAIN,
     "output": "{% for i in range(100000) %}{% for j in range(100000) %}ab{% endfor %}{% endfor %}",
+    # (sizes asked of a method or built by ~ concatenation: 50 MB, 16 MB here, GBs in a bomb)
+    "method": "{{ ('a'.ljust(50000000)) | length }}" + PLAIN,
+    "concatenation": "{% set ns = namespace(s='a') %}{% for i in range(24) %}"
+    "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s | length }}" + PLAIN,
 }
 
 
