@@ -129,7 +129,7 @@ def test_cli_exports_a_vit_checkpoint(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "vit.onnx"]  # no leftovers
     before = out.read_bytes()
     assert main([*argv, "--out", str(out)]) == 2  # never replaced without --overwrite
-    assert "exists: pass overwrite=True (--overwrite)" in capsys.readouterr().err
+    assert f"--out {out} exists: pass --overwrite to replace it" in capsys.readouterr().err
     assert out.read_bytes() == before
 
 
