@@ -14,12 +14,21 @@ sequence (what a batch of `max_batch` such requests would reserve). Then specula
 decoding: a second server with `--speculate prompt-lookup` (started alongside) and the
 plain one answer the same greedy chat requests one at a time, alternately
 (mhsa.benchmarks.speculation: rewriting a paragraph, and free-form chat).
+
+Last, head of line (head_of_line, a server of its own, alone on the machine): a 4-token
+request's time to first token behind long prompts being prefilled, against its time
+alone and one prefill chunk's time (a long prompt's own time to first token over its
+chunks): behind one long prompt (the goal: within 2x alone plus one chunk, the chunk
+the server was computing when it came) and behind four (a pool with room for two long
+requests, not three, and --max-wait 0: two run and two wait, with a reservation; the
+goal: within 3x alone plus one chunk).
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import math
 import os
 import random
 import socket
@@ -39,6 +48,9 @@ LOADS = {
     "long-prompts": {"requests": 64, "clients": 16, "prompt": (16, 192), "new": (32, 128)},
     "quick": {"requests": 8, "clients": 4, "prompt": (8, 32), "new": (4, 16)},
 }
+
+
+JSON = {"Content-Type": "application/json"}
 
 
 def _free_port() -> int:
@@ -70,9 +82,9 @@ def _get(port: int, path: str) -> dict:
         connection.close()
 
 
-def _stream(port: int, model: str, prompt: str, max_tokens: int) -> dict:
-    """One streamed greedy completion: its token count, time to first token and the
-    gaps between tokens (seconds)."""
+def _stream(port: int, model: str, prompt: str | list[int], max_tokens: int) -> dict:
+    """One streamed greedy completion of a text or token ids: its token count, time to
+    first token and the gaps between tokens (seconds)."""
     body = {
         "model": model,
         "prompt": prompt,
@@ -85,9 +97,7 @@ def _stream(port: int, model: str, prompt: str, max_tokens: int) -> dict:
     start = time.perf_counter()
     arrivals, tokens = [], None
     try:
-        connection.request(
-            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
-        )
+        connection.request("POST", "/v1/completions", json.dumps(body), JSON)
         response = connection.getresponse()
         if response.status != 200:
             raise RuntimeError(f"the server answered {response.status}: {response.read()!r}")
@@ -194,11 +204,9 @@ def run(
     prompts = _prompts(load["requests"], load["prompt"])
     requests = [(p, rng.randint(*load["new"])) for p in prompts]
     port = _free_port()
-    options = ["--max-batch", str(load["clients"])]
-    if threads:
-        options += ["--threads", str(threads)]
-    if quantize:
-        options += ["--quantize", quantize]
+    own = [*(["--threads", str(threads)] if threads else [])]
+    own += ["--quantize", quantize] if quantize else []
+    options = ["--max-batch", str(load["clients"]), *own]
     server = _start_server(model, port, options)
     fast_port = _free_port()
     fast = _start_server(
@@ -221,6 +229,7 @@ def run(
         for process in (server, fast):
             process.terminate()
             process.wait(30)
+    head = head_of_line(model, own, quick=name_is_quick(load))
     return {
         "model": name,
         "quantize": quantize or "default",
@@ -232,8 +241,93 @@ def run(
         "speedup": concurrent["tokens_per_second"] / serial["tokens_per_second"],
         "speculative": speculative,
         "draft_tokens": draft_tokens,
+        "head_of_line": head,
         "cpu": _cpu_name(),
     }
+
+
+# head of line: the long prompts' and the short one's tokens and new tokens (one: the
+# server streams a token once it has text, so the first could hide in the second, but an
+# answer's end always comes); the server's prefill chunk (mhsa serve's) and block size;
+# the tries of each case (the median counts)
+LONG, LONG_NEW, SHORT, SHORT_NEW, CHUNK, BLOCK, TRIES = 1536, 2, 4, 1, 128, 16, 7
+
+
+def head_of_line(model: str | None, options: list[str], quick: bool = False) -> dict:
+    """A short request's time to first token alone, behind one long prompt being
+    prefilled and behind four (two running, two waiting for blocks); see the module
+    docstring. Prompts are random token ids 100..999 (exact lengths, no prefix hits)."""
+    long = LONG // 2 if quick else LONG
+    long_blocks = math.ceil((long + LONG_NEW) / BLOCK)
+    num_blocks = 2 * long_blocks + long_blocks // 2  # two long requests, not three
+    port = _free_port()
+    own = ["--num-blocks", str(num_blocks), "--block-size", str(BLOCK), "--max-wait", "0"]
+    server = _start_server(model, port, [*options, *own])
+    rng = random.Random(3)
+
+    def prompt(length: int) -> list[int]:
+        return [rng.randrange(100, 1000) for _ in range(length)]
+
+    try:
+        _wait_ready(port, server)
+        name = _get(port, "/v1/models")["data"][0]["id"]
+        _stream(port, name, prompt(64), 2)  # warm-up
+        alone = [_stream(port, name, prompt(SHORT), SHORT_NEW)["ttft"] for _ in range(TRIES)]
+        long_alone = _stream(port, name, prompt(long), LONG_NEW)["ttft"]
+        chunk = long_alone / math.ceil(long / CHUNK)
+        cases = [
+            _behind(port, name, [prompt(long) for _ in range(count)], prompt(SHORT), chunk)
+            for count in (1, 4)
+            for _ in range(TRIES)
+        ]
+    finally:
+        server.terminate()
+        server.wait(30)
+    alone_ms = statistics.median(alone)
+    result = {"long": long, "num_blocks": num_blocks, "alone": alone_ms}
+    result.update(long_alone=long_alone, chunk=chunk, cases=[])
+    for count, factor in ((1, 2), (4, 3)):
+        tries = [case for case in cases if case["longs"] == count]
+        ttft = statistics.median(case["ttft"] for case in tries)
+        goal = factor * alone_ms + chunk
+        result["cases"].append(
+            {**tries[0], "ttft": ttft, "tries": [case["ttft"] for case in tries], "goal": goal}
+            | {"factor": factor, "ratio": ttft / alone_ms, "met": ttft <= goal}
+        )
+    return result
+
+
+def _behind(port: int, model: str, longs: list[list[int]], short: list[int], chunk: float) -> dict:
+    """Send the long prompts, wait until the server runs two of them (one if one) and
+    queues the rest, and one chunk's time more, then the short one: its time to first
+    token, and what the server ran and queued then. The long ones are then cancelled
+    (their connections closed) and gone before this returns."""
+    body = {"model": model, "max_tokens": LONG_NEW, "temperature": 0, "stream": True}
+    connections = []
+    for tokens in longs:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+        payload = json.dumps({**body, "prompt": tokens})
+        connection.request("POST", "/v1/completions", payload, JSON)
+        connections.append(connection)
+    running = min(len(longs), 2)
+    _until(port, lambda h: (h["running"], h["waiting"]) == (running, len(longs) - running))
+    time.sleep(chunk)  # it comes while the long prompts are being prefilled
+    health = _get(port, "/health")
+    ttft = _stream(port, model, short, SHORT_NEW)["ttft"]
+    for connection in connections:
+        connection.close()
+    _until(port, lambda h: h["running"] == h["waiting"] == 0)
+    state = {"running": health["running"], "waiting": health["waiting"]}
+    return {"longs": len(longs), "ttft": ttft, **state}
+
+
+def _until(port: int, done, timeout: float = 120) -> None:
+    """Poll /health until done(its answer)."""
+    deadline = time.perf_counter() + timeout
+    while not done(health := _get(port, "/health")):
+        if time.perf_counter() > deadline:
+            raise RuntimeError(f"the server did not get there in {timeout:.0f} s: {health}")
+        time.sleep(0.002)
 
 
 def name_is_quick(load: dict) -> bool:
@@ -285,4 +379,30 @@ def report(result: dict) -> str:
     )
     if "speculative" in result:
         lines += speculation.report(result["speculative"], result.get("draft_tokens", 4))
+    if "head_of_line" in result:
+        lines += head_of_line_report(result["head_of_line"])
     return "\n".join(lines)
+
+
+def head_of_line_report(head: dict) -> list[str]:
+    lines = [
+        f"head of line: a {SHORT}-token prompt ({_tokens(SHORT_NEW)} new) behind "
+        f"{head['long']}-token prompts ({LONG_NEW} new) prefilled in {CHUNK}-token chunks; "
+        f"a pool of {head['num_blocks']} blocks of {BLOCK} (two long requests), --max-wait 0",
+        f"  alone: time to first token {_ms(head['alone'])} (median of {TRIES}); a long prompt "
+        f"alone {_ms(head['long_alone'])}, one chunk {_ms(head['chunk'])}",
+        f"  {'behind':<30}{'TTFT':>9}{'x alone':>9}   goal (median of {TRIES}; the tries)",
+    ]
+    for case in head["cases"]:
+        label = f"{case['longs']} long ({case['running']} running, {case['waiting']} waiting)"
+        goal = f"{case['factor']}x alone + 1 chunk = {_ms(case['goal'])}"
+        tries = ", ".join(f"{t * 1000:.0f}" for t in case["tries"])
+        lines.append(
+            f"  {label:<30}{_ms(case['ttft']):>9}{case['ratio']:>8.1f}x"
+            f"   {'met' if case['met'] else 'MISSED'}: <= {goal} ({tries} ms)"
+        )
+    return lines
+
+
+def _tokens(count: int) -> str:
+    return f"{count} token" + ("s" if count != 1 else "")

@@ -84,6 +84,39 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode():
     assert engine.cache.used_blocks == 0
 
 
+@pytest.mark.parametrize("build", [_llama, _gpt], ids=["llama", "gpt"])
+def test_a_short_prompt_behind_long_prefills_answers_before_their_chunks_run(build):
+    """A 5-token prompt submitted while two long ones are being prefilled (one of them
+    beside a decoding request) is prefilled in the next step, in a pass of its own
+    before the long prompts' chunks of that step: its first token is handed out while
+    their cache still lacks those chunks. A step of a decoding token and several prefill
+    chunks of different lengths (not block multiples) answers every request as alone."""
+    model = _model(build)
+    engine = Engine(model, context_length=512, num_blocks=64, max_batch=4, prefill_chunk=16)
+    decoding, first, second, short = _prompts([3, 90, 70, 5])
+    running = engine.submit(decoding, 20)
+    engine.step()
+    longs = [engine.submit(first, 3), engine.submit(second, 4)]
+    engine.step()
+    seen = []
+
+    def on_token(request, token):
+        if token is not None and not seen:
+            seen.append([engine.cache.length(r.seq) for r in longs])
+
+    before = [engine.cache.length(r.seq) for r in longs]
+    request = engine.submit(short, 6, on_token=on_token)
+    engine.step()
+    assert request.output and seen == [before]
+    after = [engine.cache.length(r.seq) for r in longs]
+    assert sum(after) - sum(before) == 16 - len(short)  # the rest of the step's budget
+    while engine.step():
+        pass
+    for r in (running, *longs, request):
+        assert r.finish_reason == "length" and r.output == _alone(model, r.prompt, r.max_tokens)
+    assert engine.cache.used_blocks == 0
+
+
 def test_admission_waits_for_room_in_the_pool():
     """Room for one request at a time: the second starts after the first ends."""
     model = _model(_llama)
@@ -237,10 +270,11 @@ def test_stats_report_the_peak_against_contiguous_caches():
 
 
 def test_a_failed_step_ends_only_its_own_requests():
-    """Two prompts admitted together are prefilled one per step: a failure in the
-    first one's prefill ends it, and the second is still served."""
+    """Two prompts admitted together, the first filling a step's prefill budget (20
+    tokens, so the second's prefill is in a later step): a failure in the first one's
+    prefill ends it, and the second is still served."""
     model = _model(_llama)
-    engine = Engine(model, context_length=512, num_blocks=64)
+    engine = Engine(model, context_length=512, num_blocks=64, prefill_chunk=20)
     prefill = engine.runner.prefill
 
     def fail_once(chunk):

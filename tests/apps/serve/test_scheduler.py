@@ -1,13 +1,19 @@
 """The continuous-batching scheduler (mhsa.apps.serve.scheduler) without a model or a tensor:
-admission when the pool is full, chunked prefill, cancellation, preemption when blocks
-run out and the preempted request's resumption. A pool of block counts stands for the
-PagedKVCache, and a loop that writes each plan's chunks into it stands for the Runner."""
+admission when the pool is full, chunked prefill under a token budget (a short prompt
+is not held behind a long one's prefill, decodes are never held back, the long one
+still finishes), cancellation, preemption when blocks run out and the preempted
+request's resumption. A pool of block counts stands for the PagedKVCache, and a loop
+that writes each plan's chunks into it stands for the Runner. Every loop over steps is
+bounded (_steps): a scheduler that never ends its requests (one that does not free a
+finished request's blocks, say) fails the test that runs it instead of hanging."""
 
 from __future__ import annotations
 
 import ast
 import math
+import random
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -65,7 +71,7 @@ def _run(scheduler: Scheduler, plan: Plan, fed: dict | None = None) -> None:
     """The runner's part: write each chunk into the pool, give each chunk that ends
     its request's context the next token, end requests at max_tokens."""
     pool = scheduler.pool
-    for chunk in [*plan.decode, *([plan.prefill] if plan.prefill else [])]:
+    for chunk in [*plan.decode, *plan.prefills]:
         request = chunk.request
         pool.write(request.seq, len(chunk.tokens))
         if fed is not None:
@@ -87,17 +93,25 @@ def _alone(request: Request) -> list[int]:
     return context[len(request.prompt) :]
 
 
+def _steps(limit: int = 500) -> Iterator[int]:
+    """range(limit) for a loop over scheduling steps that must break out before its end:
+    past it, the test fails (the scheduler does not finish its requests) and says so."""
+    yield from range(limit)
+    raise AssertionError(f"still not done after {limit} steps: the scheduler did not finish")
+
+
 def _serve(scheduler: Scheduler, requests: list[Request], steps: int = 1000) -> list[Plan]:
     for request in requests:
         scheduler.add(request)
     plans = []
-    for _ in range(steps):
+    for _ in _steps(steps):
         plan = scheduler.schedule()
         if plan.empty and scheduler.idle:
+            assert not scheduler.pool.lengths, "the ended requests' blocks were not freed"
             return plans
         plans.append(plan)
         _run(scheduler, plan)
-    raise AssertionError("the scheduler did not finish its requests")
+    raise AssertionError("unreachable")
 
 
 def test_the_scheduler_module_imports_only_the_standard_library():
@@ -116,22 +130,26 @@ def test_the_scheduler_module_imports_only_the_standard_library():
 
 
 def test_admission_waits_while_the_pool_is_spoken_for():
-    """Room for one request at a time ("reserve"): each needs 3 of the 4 blocks at its
-    longest, so the second is admitted only after the first ends."""
+    """Room for one large request at a time ("reserve"): each needs 3 of the 4 blocks at
+    its longest, so the second is admitted only after the first ends. The third (1 block)
+    fits beside the first now and beside the second's reservation, so it runs at once."""
     pool = _Pool(num_blocks=4, block_size=4)
     scheduler = Scheduler(pool, max_batch=4, prefill_chunk=8)
     requests = [_request(0, 5, 6), _request(1, 7, 4), _request(2, 2, 2)]  # 3, 3, 1 blocks
     running_at_once = []
     for request in requests:
         scheduler.add(request)
-    while not scheduler.idle:
+    for _ in _steps():
+        if scheduler.idle:
+            break
         plan = scheduler.schedule()
         running_at_once.append([r.id for r in scheduler.running])
         assert not plan.preempted
         _run(scheduler, plan)
-    # the third (1 block) joins the second: 3 + 1 blocks fit; never the first and second
-    assert [0, 1] not in running_at_once and [1, 2] in running_at_once
-    assert running_at_once[0] == [0] and running_at_once.index([1, 2]) > 0
+    # the third (1 block) joins the first: 3 + 1 blocks fit; never the first and second
+    assert [0, 1] not in running_at_once and running_at_once[0] == [0, 2]
+    last_of_first = max(i for i, ids in enumerate(running_at_once) if 0 in ids)
+    assert running_at_once[last_of_first + 1] == [1]  # the second, as soon as it fits
     for request in requests:
         assert request.finish_reason == "length" and request.output == _alone(request)
     assert pool.free_blocks == 4
@@ -157,17 +175,127 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_another_decodes():
     _run(scheduler, scheduler.schedule(), fed)  # short's prompt and first token
     scheduler.add(long)
     plans = []
-    while not long.output:
+    for _ in _steps():
+        if long.output:
+            break
         plans.append(scheduler.schedule())
         _run(scheduler, plans[-1], fed)
     assert len(plans) == 7  # 100 tokens in chunks of 16
     for plan in plans:  # each step: short's one token, one chunk of long's prompt
         assert [chunk.request for chunk in plan.decode] == [short]
-        assert plan.prefill.request is long
-        assert plan.prefill.samples == (plan is plans[-1])
+        assert [chunk.request for chunk in plan.prefills] == [long]
+        assert plan.prefills[0].samples == (plan is plans[-1])
     assert [len(chunk) for chunk in fed[1]] == [16] * 6 + [4]
     assert sum(fed[1], []) == long.prompt
     assert fed[0] == [short.prompt] + [[token] for token in short.output[:7]]
+
+
+def _prefills(plan: Plan) -> list[tuple[int, int, bool]]:
+    """(request id, tokens, samples) of each prefill chunk of plan, in its order."""
+    return [(c.request.id, len(c.tokens), c.samples) for c in plan.prefills]
+
+
+def test_a_short_prompt_behind_a_long_prefill_is_prefilled_in_the_next_step():
+    """The step after a 4-token prompt comes, its chunk runs first, beside a chunk of the
+    100-token prompt being prefilled (16 tokens between them); then the long prompt
+    goes on in chunks while the short one decodes, and both answer as alone."""
+    pool = _Pool(num_blocks=64, block_size=4)
+    scheduler = Scheduler(pool, max_batch=4, prefill_chunk=16)
+    long, short = _request(0, 100, 3), _request(1, 4, 5)
+    scheduler.add(long)
+    plan = scheduler.schedule()
+    assert _prefills(plan) == [(0, 16, False)]
+    _run(scheduler, plan)
+    scheduler.add(short)
+    plan = scheduler.schedule()
+    # long, the oldest, gets half the budget first; short all it needs; long the rest
+    assert _prefills(plan) == [(1, 4, True), (0, 12, False)]
+    _run(scheduler, plan)
+    assert len(short.output) == 1
+    plans = _serve(scheduler, [])
+    assert all(sum(n for _, n, _ in _prefills(p)) <= 16 for p in plans)
+    assert [c.request for c in plans[0].decode] == [short]
+    assert _prefills(plans[0]) == [(0, 16, False)]  # the whole budget again
+    for request in (long, short):
+        assert request.finish_reason == "length" and request.output == _alone(request)
+
+
+def test_a_short_prompt_behind_four_long_ones_runs_at_once():
+    """Two 100-token prompts run, two more wait for blocks (max_wait 0: they hold a
+    reservation at once); a 4-token prompt fits now and beside the next long one, so it
+    is admitted and prefilled in the next step, ahead of the long chunks; the longs
+    still all finish, the waiting ones as blocks free up."""
+    pool = _Pool(num_blocks=60, block_size=4)  # 26 blocks a long request: room for two
+    scheduler = Scheduler(pool, max_batch=8, prefill_chunk=16)
+    longs = [_request(i, 100, 4) for i in range(4)]
+    for request in longs:
+        scheduler.add(request)
+    _run(scheduler, scheduler.schedule())
+    assert scheduler.running == longs[:2] and list(scheduler.waiting) == longs[2:]
+    short = _request(4, 4, 4)
+    scheduler.add(short)
+    plan = scheduler.schedule()
+    assert scheduler.running == [*longs[:2], short]
+    # short first, then the rest of the 16 to the long one with the least left
+    assert _prefills(plan) == [(4, 4, True), (0, 12, False)]
+    _run(scheduler, plan)
+    assert len(short.output) == 1
+    _serve(scheduler, [])
+    for request in (*longs, short):
+        assert request.finish_reason == "length" and request.output == _alone(request)
+    assert pool.free_blocks == 60
+
+
+def test_each_step_keeps_the_prefill_budget_and_decodes_every_decoding_request():
+    """Twenty requests of random sizes arriving over time, five at a time: each step
+    feeds every decoding request one token, at most one chunk a request, and
+    prefill_chunk tokens of prefill at most (exactly that many, or all there is)."""
+    rng = random.Random(0)
+    pool = _Pool(num_blocks=200, block_size=4)
+    scheduler = Scheduler(pool, max_batch=5, prefill_chunk=16)
+    requests = [_request(i, rng.randint(1, 80), rng.randint(1, 12)) for i in range(20)]
+    arrivals = {i * 3: [request] for i, request in enumerate(requests)}
+    for step in _steps():
+        for request in arrivals.get(step, []):
+            scheduler.add(request)
+        if scheduler.idle and step > max(arrivals):
+            break
+        decoding = [r for r in scheduler.running if r.decoding]
+        plan = scheduler.schedule()
+        assert [c.request for c in plan.decode] == decoding
+        assert all(len(c.tokens) == 1 for c in plan.decode)
+        assert len(plan.requests) == len(set(plan.requests))
+        prefill = sum(len(c.tokens) for c in plan.prefills)
+        waiting = sum(r.context_length - r.computed for r in scheduler.running if not r.decoding)
+        assert prefill == min(16, prefill + waiting)
+        _run(scheduler, plan)
+    for request in requests:
+        assert request.finish_reason == "length" and request.output == _alone(request)
+    assert pool.free_blocks == 200
+
+
+def test_a_long_prefill_goes_on_under_a_stream_of_short_prompts():
+    """A 16-token prompt every step would take the whole budget if shortest first were
+    all: the oldest prefilling request's equal share (16 over the number prefilling,
+    at most 8) keeps the 200-token prompt going at 2 tokens a step or more."""
+    pool = _Pool(num_blocks=400, block_size=4)
+    scheduler = Scheduler(pool, max_batch=8, prefill_chunk=16)
+    long = _request(0, 200, 2)
+    scheduler.add(long)
+    shorts = []
+    for step in _steps(150):
+        if long.output:
+            break
+        shorts.append(_request(step + 1, 16, 2))
+        scheduler.add(shorts[-1])
+        before = long.computed
+        plan = scheduler.schedule()
+        prefilling = len(scheduler.running) - len(plan.decode)
+        assert long.computed - before >= min(200 - before, math.ceil(16 / prefilling))
+        _run(scheduler, plan)
+    _serve(scheduler, [])
+    for request in (long, *shorts):
+        assert request.finish_reason == "length" and request.output == _alone(request)
 
 
 def test_cancellation_ends_running_and_waiting_requests_and_frees_their_blocks():
@@ -201,7 +329,7 @@ def test_preemption_when_blocks_run_out_and_resumption_from_prompt_and_output():
     scheduler.add(new)
     fed: dict[int, list[list[int]]] = {}
     generated, admitted = None, []
-    for _ in range(100):
+    for _ in _steps(100):
         plan = scheduler.schedule()
         if generated is not None:
             admitted.append([r.id for r in scheduler.running])
@@ -217,7 +345,8 @@ def test_preemption_when_blocks_run_out_and_resumption_from_prompt_and_output():
     assert generated  # it had decoded before it was preempted
     resumed = fed[1][mark:]
     context = len(new.prompt) + len(generated)
-    assert [len(chunk) for chunk in resumed[:2]] == [8, context - 8]  # prefill chunks
+    # prefill chunks: later's 2-token prompt shares the first step's 8 tokens, first
+    assert [len(chunk) for chunk in resumed[:2]] == [6, context - 6]
     assert sum(resumed[:2], []) == new.prompt + generated
     assert all(len(chunk) == 1 for chunk in resumed[2:])  # then decoding
     with_later = next(ids for ids in admitted if 2 in ids)  # admitted in order, new first
@@ -266,45 +395,60 @@ class _Clock:
         return self.now
 
 
-def test_a_small_request_passes_one_that_does_not_fit_until_that_one_has_waited_max_wait():
-    """Admission by fit: a 1-block request passes a 3-block one that waits for room, but
-    once the 3-block one has waited max_wait nothing passes it, and it runs next."""
-    pool = _Pool(num_blocks=4, block_size=4)
+def test_a_request_passes_one_that_has_waited_max_wait_only_if_both_fit():
+    """Admission by fit: a small request passes a large one that waits for room; once the
+    large one has waited max_wait it holds a reservation: a request passes it only if
+    they fit in the pool together, so it takes none of the blocks the large one waits
+    for, and the large one runs as soon as the request that was running ends."""
+    pool = _Pool(num_blocks=6, block_size=4)
     clock = _Clock()
     scheduler = Scheduler(pool, max_batch=4, prefill_chunk=8, max_wait=5.0, clock=clock)
-    first, large = _request(0, 5, 6), _request(1, 7, 4)  # 3 blocks each
+    first, large = _request(0, 5, 7), _request(1, 12, 8)  # 3 and 5 blocks
     scheduler.add(first)
     scheduler.add(large)
-    scheduler.schedule()
+    _run(scheduler, scheduler.schedule())
     assert scheduler.running == [first] and list(scheduler.waiting) == [large]
-    small = _request(2, 2, 2)  # 1 block: fits beside first
+    small = _request(2, 4, 4)  # 2 blocks: fits beside first
     scheduler.add(small)
     _run(scheduler, scheduler.schedule())
     assert scheduler.running == [first, small] and list(scheduler.waiting) == [large]
-    while small in scheduler.running:
+    for _ in _steps():
+        if small not in scheduler.running:
+            break
         _run(scheduler, scheduler.schedule())
-    clock.now = 5.0  # large has waited max_wait: another small one no longer passes it
-    later = _request(3, 2, 2)
-    scheduler.add(later)
-    admitted = []
-    while not scheduler.idle:
-        plan = scheduler.schedule()
-        admitted.extend(r.id for r in scheduler.running if r.id not in admitted)
+    clock.now = 5.0  # large has waited max_wait
+    wide, narrow = _request(3, 4, 4), _request(4, 2, 2)  # 2 blocks (2 + 5 > 6), 1 (1 + 5)
+    scheduler.add(wide)
+    scheduler.add(narrow)
+    plan = scheduler.schedule()
+    assert scheduler.running == [first, narrow]  # wide fits now, but not beside large
+    assert list(scheduler.waiting) == [large, wide]
+    running_at_once = []
+    for _ in _steps():
         _run(scheduler, plan)
-    assert admitted.index(1) < admitted.index(3)
-    for request in (first, large, small, later):
+        if scheduler.idle:
+            break
+        plan = scheduler.schedule()
+        running_at_once.append([r.id for r in scheduler.running])
+    ended = next(i for i, ids in enumerate(running_at_once) if 0 not in ids)
+    assert 1 in running_at_once[ended]  # large, in the step after first ended
+    assert all(3 not in ids for ids in running_at_once[:ended])
+    for request in (first, large, small, wide, narrow):
         assert request.finish_reason == "length" and request.output == _alone(request)
-    assert pool.free_blocks == 4
+    assert pool.free_blocks == 6
 
 
-def test_first_come_first_served_when_max_wait_is_0():
-    pool = _Pool(num_blocks=4, block_size=4)
-    scheduler = Scheduler(pool, max_batch=4, prefill_chunk=8)  # (max_wait 0: the default)
-    for request in (_request(0, 5, 6), _request(1, 7, 4), _request(2, 2, 2)):
-        scheduler.add(request)
+def test_with_max_wait_0_a_request_passes_a_waiting_one_only_if_both_fit():
+    """max_wait 0 (the default): a request that does not fit holds a reservation at once;
+    of two 1-block requests behind it, the first fits beside it (1 + 4 of 5 blocks) and
+    runs beside the first request, the second would not (1 + 1 + 4) and waits."""
+    pool = _Pool(num_blocks=5, block_size=4)
+    scheduler = Scheduler(pool, max_batch=4, prefill_chunk=8)
+    for request in (_request(0, 5, 6), _request(1, 7, 9), _request(2, 2, 2), _request(3, 2, 2)):
+        scheduler.add(request)  # 3, 4, 1 and 1 blocks
     scheduler.schedule()
-    assert [r.id for r in scheduler.running] == [0]
-    assert [r.id for r in scheduler.waiting] == [1, 2]
+    assert [r.id for r in scheduler.running] == [0, 2]
+    assert [r.id for r in scheduler.waiting] == [1, 3]
 
 
 def test_no_request_holds_more_than_max_share_of_the_pool():

@@ -157,7 +157,7 @@ class Engine:
 
     def step(self) -> bool:
         """One step: the scheduler's plan (cancelled requests end, waiting ones are
-        admitted), then the runner's decoding pass and prefill chunk, each pass's
+        admitted), then the runner's decoding pass and prefill chunks, each pass's
         tokens handed out as it ends. False when there was nothing to do."""
         with self._lock:
             plan = self.scheduler.schedule()

@@ -2,9 +2,11 @@
 Decoder (mhsa.models.decoder) over a PagedKVCache and chooses each request's next
 token with mhsa.models.sampling.sample_and_stop.
 
-A plan runs as two forward passes: every decoding request's newest token together,
-then the prefill chunk. After each, the requests whose context the pass completed get
-a token (a Choice), handed back before the next pass runs.
+A plan runs as forward passes in its order: every decoding request's newest token
+together, then each prefill chunk (of a different request) on its own, shortest
+remaining first. After each, the requests whose context the pass completed get a token
+(a Choice), handed back before the next pass runs, so a short prompt's first token
+does not wait for the long prompts' chunks of the same step.
 
 With a speculator (mhsa.models.speculative: PromptLookup, DraftModel) each decoding
 request's chunk also carries up to its lookahead of draft tokens; requests with as many
@@ -72,9 +74,9 @@ class Runner:
         elif plan.decode:
             logits = self.decode(plan.decode)
             yield self._choose([chunk.request for chunk in plan.decode], logits)
-        if plan.prefill is not None:
-            logits = self.prefill(plan.prefill)
-            yield self._choose([plan.prefill.request], logits) if plan.prefill.samples else []
+        for chunk in plan.prefills:
+            logits = self.prefill(chunk)
+            yield self._choose([chunk.request], logits) if chunk.samples else []
 
     def decode(self, chunks: list[Chunk]) -> Tensor:
         """One token of each request, in one forward pass -> logits (N, V)."""

@@ -2,15 +2,21 @@
 run and which tokens each feeds the model. It holds no tensors: the Runner executes
 its plans, and the pool it counts blocks in is a PagedKVCache's bookkeeping.
 
-A step decodes one token for every running request that has generated one, and feeds
-at most one chunk of one other request's context (prefill), so a long prompt is
-prefilled a chunk per step while the others keep decoding. Requests are admitted by
-fit, at most max_batch at once: in arrival order, a request that does not fit yet is
-passed over by later ones that do, until it has waited max_wait seconds; from then on
-nothing passes it, so the blocks freed by requests that end go to it (no request waits
-forever behind a large one, and a large one waits no longer than max_wait plus the time
-the running requests take to end; max_wait 0, the default here, is first come, first
-served). No request may hold more than max_share of the pool.
+A step has a budget of tokens, as vLLM's chunked prefill does: one token for every
+running request that is decoding (never held back), then prefill_chunk tokens of
+prefill shared by the running requests that are not decoding yet. The oldest of those
+gets an equal share of the prefill budget first (prefill_chunk over their number), so
+none waits forever; the rest goes shortest remaining first, so a short prompt admitted
+behind a long one is prefilled in the next step while the long one goes on in chunks.
+Requests are admitted by fit, at most max_batch at once: in arrival order, a request
+that does not fit yet is passed over by later ones that do, until it has waited
+max_wait seconds (max_wait 0, the default here, from the start); from then on it holds
+a reservation, and a later request passes it only when it fits now and also beside it
+and the others that passed it (their blocks at their longest, and a batch slot), so
+once the requests that were running when its wait ran out end, it runs (a short
+request is not held behind a large one, and a large one waits no longer than max_wait
+plus the time those running requests take to end). No request may hold more than
+max_share of the pool.
 Whether a request fits is one of two rules:
 
 - "reserve" (the default): only when the pool can hold the request's prompt and all
@@ -96,6 +102,7 @@ class Request:
     cancelled: bool = False
     worst_blocks: int = 0  # blocks it holds at its longest
     preemptions: int = 0
+    passed: bool = False  # admitted past a request that had waited max_wait
 
     @property
     def done(self) -> bool:
@@ -131,31 +138,32 @@ class Chunk:
 
 @dataclass
 class Plan:
-    """One step: a one-token chunk for each decoding request (one forward pass), at
-    most one prefill chunk (another), and the requests this scheduling ended
-    (cancelled) or preempted."""
+    """One step: a one-token chunk for each decoding request (one forward pass), the
+    prefill chunks of other requests (prefill_chunk tokens in all, at most one chunk a
+    request; shortest remaining first, so run in this order the first token of a short
+    prompt comes before the long ones' chunks are computed), and the requests this
+    scheduling ended (cancelled) or preempted."""
 
     decode: list[Chunk] = field(default_factory=list)
-    prefill: Chunk | None = None
+    prefills: list[Chunk] = field(default_factory=list)
     ended: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
     @property
     def requests(self) -> list[Request]:
         """The requests that run in this step."""
-        chunks = self.decode + ([self.prefill] if self.prefill is not None else [])
-        return [chunk.request for chunk in chunks]
+        return [chunk.request for chunk in self.decode + self.prefills]
 
     @property
     def empty(self) -> bool:
-        return not self.decode and self.prefill is None
+        return not self.decode and not self.prefills
 
 
 class Scheduler:
     """Decides each step's Plan over a BlockPool (see the module docstring); max_batch
-    requests run at once, prefill_chunk tokens of a context are fed per step; a request
+    requests run at once, prefill_chunk tokens of prefill are fed per step; a request
     may hold max_share of the pool's blocks at most, and is passed over by later requests
-    that fit for max_wait seconds of clock() at most."""
+    that fit for max_wait seconds of clock() at most (then only by those it fits beside)."""
 
     def __init__(
         self,
@@ -221,16 +229,15 @@ class Scheduler:
                 for r in self.running
                 if r.decoding
             ]
-            prefilling = next((r for r in self.running if not r.decoding), None)
-            prefill = None if prefilling is None else self._prefill_chunk(prefilling)
-            chunks = decode + ([prefill] if prefill is not None else [])
+            prefills = self._prefill_chunks()
+            chunks = decode + prefills
             needed = sum(
                 self.pool.blocks_needed(c.request.seq, len(c.tokens) + c.lookahead) for c in chunks
             )
             if needed <= self.pool.free_blocks or len(self.running) < 2:
                 break
             plan.preempted.append(self.preempt(self.running[-1]))
-        plan.decode, plan.prefill = decode, prefill
+        plan.decode, plan.prefills = decode, prefills
         for chunk in chunks:  # the runner writes them into the pool in this step
             chunk.request.computed += len(chunk.tokens)
         return plan
@@ -243,24 +250,49 @@ class Scheduler:
         """count draft tokens of request's last chunk stood: they are in the pool."""
         request.computed += count
 
-    def _prefill_chunk(self, request: Request) -> Chunk:
-        stop = min(request.computed + self.prefill_chunk, request.context_length)
+    def _prefill_chunks(self) -> list[Chunk]:
+        """The step's prefill: prefill_chunk tokens shared by the running requests that
+        are not decoding. The oldest of them (first queued) takes an equal share first,
+        then the rest goes shortest remaining first; chunks shortest remaining first."""
+        prefilling = [r for r in self.running if not r.decoding]
+        if not prefilling:
+            return []
+        left = {r: r.context_length - r.computed for r in prefilling}
+        order = sorted(prefilling, key=left.__getitem__)  # (stable: admission order)
+        budget, share = self.prefill_chunk, dict.fromkeys(prefilling, 0)
+        oldest = min(prefilling, key=lambda r: r.queued_at)
+        share[oldest] = min(left[oldest], -(-budget // len(prefilling)))
+        budget -= share[oldest]
+        for request in order:
+            take = min(left[request] - share[request], budget)
+            share[request] += take
+            budget -= take
+        return [self._chunk(r, share[r]) for r in order if share[r]]
+
+    def _chunk(self, request: Request, count: int) -> Chunk:
+        """The next count tokens of request's context (it samples if they end it)."""
+        stop = request.computed + count
         return Chunk(
             request, request.context(request.computed, stop), stop == request.context_length
         )
 
     def _admit(self) -> None:
         """Admit by fit in arrival order; one that does not fit is passed over until it
-        has waited max_wait (then it keeps the blocks that free up)."""
+        has waited max_wait, then only by requests that fit beside it (_fits_beside)."""
         now = self.clock()
+        overdue = None  # the first waiting request that does not fit and waited max_wait
         for request in list(self.waiting):
             if len(self.running) >= self.max_batch:
                 return
-            if self.pool.free_blocks - self._spoken_for() < self._blocks_to_admit(request):
-                if now - request.queued_at >= self.max_wait:
-                    return  # it has waited long enough: nothing passes it now
+            fits = self.pool.free_blocks - self._spoken_for() >= self._blocks_to_admit(request)
+            if fits and overdue is not None:
+                fits = self._fits_beside(request, overdue)
+            if not fits:
+                if overdue is None and now - request.queued_at >= self.max_wait:
+                    overdue = request  # it has waited long enough: it holds a reservation
                 continue  # wait for a running request to end (or to run further)
             self.waiting.remove(request)
+            request.passed = overdue is not None
             request.seq = self.pool.add_sequence(
                 request.prompt + request.output, salt=request.cache_salt
             )
@@ -282,6 +314,19 @@ class Scheduler:
             if r.decoding
         )
 
+    def _fits_beside(self, request: Request, overdue: Request) -> bool:
+        """Whether request may pass overdue (a request that has waited max_wait): only
+        if overdue fits beside it and the running requests that passed one, at their
+        longest and in the batch, so the blocks and slot it waits for are there once
+        the requests running before are gone. Nothing passes a preempted request: once
+        back it would be the newest, the next to be preempted."""
+        if overdue.preemptions:
+            return False
+        passed = [r for r in self.running if r.passed]
+        blocks = sum(r.worst_blocks for r in passed) + request.worst_blocks
+        blocks += self._blocks_to_admit(overdue)
+        return blocks <= self.pool.num_blocks and len(passed) + 2 <= self.max_batch
+
     def _blocks_to_admit(self, request: Request) -> int:
         if self.admission == "reserve":
             return request.worst_blocks
@@ -292,8 +337,8 @@ class Scheduler:
         the queue; once admitted again it is prefilled from prompt + output."""
         self.running.remove(request)
         self.pool.free(request.seq)
-        request.seq, request.computed = None, 0
-        request.queued_at = -math.inf  # nothing passes a preempted request
+        request.seq, request.computed, request.passed = None, 0, False
+        request.queued_at = -math.inf  # it has waited long enough (and none passes it)
         request.preemptions += 1
         self.waiting.appendleft(request)
         return request

@@ -1,0 +1,27 @@
+"""`mhsa bench serve`'s head-of-line case: its table from a result (the server and its
+timings are the benchmark's, not a test's: no timing asserts)."""
+
+from __future__ import annotations
+
+from mhsa.benchmarks import serve
+
+
+def test_the_head_of_line_table_says_what_it_compares_and_whether_each_goal_was_met():
+    cases = [
+        {"longs": 1, "running": 1, "waiting": 0, "ttft": 0.3, "tries": [0.3, 0.2, 0.5]},
+        {"longs": 4, "running": 2, "waiting": 2, "ttft": 0.9, "tries": [0.9, 0.8, 1.0]},
+    ]
+    for case, factor in zip(cases, (2, 3), strict=True):
+        goal = factor * 0.04 + 0.5
+        case.update(factor=factor, goal=goal, ratio=case["ttft"] / 0.04, met=case["ttft"] <= goal)
+    head = {"long": 768, "num_blocks": 122, "alone": 0.04, "long_alone": 3.0, "chunk": 0.5}
+    lines = serve.head_of_line_report({**head, "cases": cases})
+    text = "\n".join(lines)
+    assert "a 4-token prompt (1 token new) behind 768-token prompts (2 new)" in text
+    assert "122 blocks of 16 (two long requests), --max-wait 0" in text
+    assert "alone: time to first token 40 ms" in text and "one chunk 500 ms" in text
+    behind_one, behind_four = lines[-2:]
+    assert "1 long (1 running, 0 waiting)" in behind_one and "7.5x" in behind_one
+    assert "met: <= 2x alone + 1 chunk = 580 ms (300, 200, 500 ms)" in behind_one
+    assert "4 long (2 running, 2 waiting)" in behind_four and "22.5x" in behind_four
+    assert "MISSED: <= 3x alone + 1 chunk = 620 ms" in behind_four
