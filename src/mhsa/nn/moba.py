@@ -23,8 +23,9 @@ class MoBA(MultiHeadAttention):
     (partial) query block, so cached decoding equals full recomputation only where
     each call fills whole blocks. A paged cache (PagedLayer, from PagedKVCache.batch,
     as `mhsa serve` decodes) gives each sequence the answer a contiguous cache holding
-    its keys gives: the same tokens per call route the same way. (A server's prefix
-    cache or prefill chunks that split a block change which tokens a call holds.)
+    its keys gives: the same tokens per call route the same way. (`mhsa serve` ends its
+    prefill chunks on whole blocks and shares no prefix that ends mid-block, so its
+    answers are generate's: apps/serve/engine.prefill_alignment.)
 
     Args:
         embed_dim: model width E.

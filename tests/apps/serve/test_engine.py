@@ -5,6 +5,7 @@ prefix sharing, cancellation, stop tokens, the thread, and bad requests."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -293,4 +294,32 @@ def test_a_failed_step_ends_only_its_own_requests():
         engine.stop()
     assert first.finish_reason == "error"
     assert second.finish_reason == "length" and second.output == _alone(model, second.prompt, 4)
+    assert engine.cache.used_blocks == 0
+
+
+@pytest.mark.parametrize(("prefill_chunk", "block_size"), [(16, 16), (20, 16), (16, 12)])
+def test_a_moba_gpt_answers_as_alone_under_any_chunking_and_cached(prefill_chunk, block_size):
+    """MoBA chooses key blocks of moba_block positions within each call: the engine ends
+    its prefill chunks on those blocks (and shares no prefix whose cached end is not
+    one), so the answers equal generate's, cold and with the prefixes cached."""
+    torch.manual_seed(0)
+    config = GPTConfig(
+        vocab_size=VOCAB, max_len=512, d_model=32, n_head=4, n_layer=2, attention="moba"
+    )
+    model = GPT(dataclasses.replace(config, moba_block=8, moba_top_k=1)).double().eval()
+    with torch.no_grad():  # weights far from init: the block choice matters
+        for parameter in model.parameters():
+            parameter.add_(0.3 * torch.randn_like(parameter))
+    engine = Engine(
+        model,
+        context_length=512,
+        num_blocks=64,
+        block_size=block_size,
+        max_batch=3,
+        prefill_chunk=prefill_chunk,
+    )
+    prompts = _prompts([45, 100, 37])
+    for _ in range(2):  # the second time, their prefixes are cached (where shared)
+        for prompt, output in zip(prompts, engine.run(prompts, [12] * 3), strict=True):
+            assert output == _alone(model, prompt, 12)
     assert engine.cache.used_blocks == 0

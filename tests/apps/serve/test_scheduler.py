@@ -474,3 +474,35 @@ def test_no_request_holds_more_than_max_share_of_the_pool():
 def test_bad_share_or_wait_say_what_to_fix(options, message):
     with pytest.raises(ValueError, match=message):
         Scheduler(_Pool(4), max_batch=1, prefill_chunk=4, **options)
+
+
+@pytest.mark.parametrize(("block_size", "shared"), [(8, True), (6, False)])
+def test_with_chunk_multiple_prefill_chunks_end_on_its_multiples(block_size, shared):
+    """MoBA's answer depends on where its prefill calls start: with chunk_multiple 4 every
+    chunk but a prompt's last ends at a multiple of 4, under budget shares that are not
+    (3 prompts sharing 10 tokens), and past the budget where a share is too small; the
+    prefix cache is shared only when its blocks are whole multiples of 4."""
+    scheduler = Scheduler(
+        _Pool(num_blocks=200, block_size=block_size),
+        max_batch=4,
+        prefill_chunk=10,
+        chunk_multiple=4,
+    )
+    assert scheduler.share_prefixes == shared
+    fed = {}
+    requests = [_request(0, 37, 3), _request(1, 23, 4), _request(2, 2, 5)]
+    for request in requests:
+        scheduler.add(request)
+    for _ in _steps(300):
+        plan = scheduler.schedule()
+        if plan.empty and scheduler.idle:
+            break
+        _run(scheduler, plan, fed)
+    for request in requests:
+        assert request.output == _alone(request)
+        prompt_chunks = [len(c) for c in fed[request.id]][: -request.max_tokens + 1 or None]
+        ends = [sum(prompt_chunks[: i + 1]) for i in range(len(prompt_chunks))]
+        assert ends[-1] == len(request.prompt)
+        assert all(end % 4 == 0 for end in ends[:-1]), (request.id, prompt_chunks)
+    with pytest.raises(ValueError, match="chunk_multiple must be an int >= 1"):
+        Scheduler(_Pool(4), max_batch=1, prefill_chunk=4, chunk_multiple=0)

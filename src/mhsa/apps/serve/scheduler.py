@@ -30,6 +30,11 @@ Whether a request fits is one of two rules:
 Cancelled requests end at the next step. Prompts that start alike share the cached
 blocks of their common start (the pool's prefix cache).
 
+With chunk_multiple m > 1 (a model whose answer depends on where its prefill calls
+start, as MoBA's choice of key blocks does), every prefill chunk but a prompt's last
+ends at a multiple of m, a little past the budget where it must; prefixes are shared
+only when the pool's blocks are whole multiples of m (a cached start is then aligned).
+
 With lookahead k (speculative decoding) a decoding request's chunk also holds room for
 up to k draft tokens (never past its max_tokens); the runner fills them, and
 took_drafts(request, n) counts the n that stood (the pool keeps only those).
@@ -37,6 +42,7 @@ took_drafts(request, n) counts the n that stood (the pool keeps only those).
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections import deque
@@ -175,9 +181,14 @@ class Scheduler:
         max_share: float = 1.0,
         max_wait: float = 0.0,
         lookahead: int = 0,
+        chunk_multiple: int = 1,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        for name, value in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
+        for name, value in (
+            ("max_batch", max_batch),
+            ("prefill_chunk", prefill_chunk),
+            ("chunk_multiple", chunk_multiple),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if admission not in ADMISSION:
@@ -192,7 +203,10 @@ class Scheduler:
         self.admission, self.max_wait, self.clock = admission, max_wait, clock
         if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
             raise ValueError(f"lookahead must be an int >= 0, got {lookahead!r}")
-        self.lookahead = lookahead
+        self.lookahead, self.chunk_multiple = lookahead, chunk_multiple
+        # a cached prefix ends at a block boundary: aligned only if blocks are multiples
+        self.share_prefixes = pool.block_size % chunk_multiple == 0
+        self._unshared = itertools.count()
         self.max_blocks = max(1, math.floor(max_share * pool.num_blocks))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -267,7 +281,18 @@ class Scheduler:
             take = min(left[request] - share[request], budget)
             share[request] += take
             budget -= take
-        return [self._chunk(r, share[r]) for r in order if share[r]]
+        return [self._chunk(r, self._aligned(r, share[r])) for r in order if share[r]]
+
+    def _aligned(self, request: Request, count: int) -> int:
+        """count, cut back (or, where that leaves nothing, carried on) so that the chunk
+        ends at a multiple of chunk_multiple or at the end of the request's context."""
+        stop, end, multiple = request.computed + count, request.context_length, self.chunk_multiple
+        if stop >= end or stop % multiple == 0:
+            return count
+        aligned = stop - stop % multiple
+        if aligned <= request.computed:
+            aligned = min(end, aligned + multiple)
+        return aligned - request.computed
 
     def _chunk(self, request: Request, count: int) -> Chunk:
         """The next count tokens of request's context (it samples if they end it)."""
@@ -293,9 +318,10 @@ class Scheduler:
                 continue  # wait for a running request to end (or to run further)
             self.waiting.remove(request)
             request.passed = overdue is not None
-            request.seq = self.pool.add_sequence(
-                request.prompt + request.output, salt=request.cache_salt
-            )
+            salt = request.cache_salt  # (a namespace of its own where nothing is shared)
+            if not self.share_prefixes:
+                salt = b"unshared %d" % next(self._unshared)
+            request.seq = self.pool.add_sequence(request.prompt + request.output, salt=salt)
             request.computed = self.pool.length(request.seq)
             if not request.preemptions:
                 request.cached_tokens = request.computed
