@@ -301,7 +301,7 @@ def add_parser(commands) -> None:
         "--max-wait",
         10.0,
         "seconds a request that does not fit the pool yet is passed over by smaller ones "
-        "that do; then it goes next",
+        "that do; then only by those that fit beside it",
         type=_seconds,
     )
     limits = cmd.add_argument_group("limits (each request)")
