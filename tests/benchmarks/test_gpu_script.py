@@ -1,12 +1,12 @@
 """The prepared GPU script keeps working where there is no GPU: --dry-run runs every
-check and benchmark case on tiny CPU shapes (triton in the interpreter, flex eager)."""
+section (checks, bench with the launch-config sweep, scores, long context) on tiny CPU
+shapes (triton in the interpreter, flex eager)."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-import torch
 
 from optional import needs
 
@@ -14,66 +14,75 @@ needs("triton")
 
 
 @pytest.mark.slow
-def test_gpu_script_dry_run(tmp_path, monkeypatch, capsys):
-    import sys
-
+def test_gpu_script_dry_run(tmp_path, capsys):
     from mhsa.benchmarks import gpu
+    from mhsa.benchmarks.gpu_measure import NO_EAGER_BACKWARD
 
-    monkeypatch.setattr(sys, "argv", ["gpu", "--dry-run", "--out", str(tmp_path), "--repeat", "1"])
-    gpu.main()
+    gpu.main(["--dry-run", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "gpu.json").read_text())
-    assert len(result["checks"]) == 12 and len(result["bench"]) == 24  # 4 cases x 3 backends
+    assert result["mode"] == "dry-run full"
+    assert set(result["section_s"]) == {"checks", "bench", "scores", "long"}
+    assert len(result["checks"]) == 12  # 4 cases x 3 backends
     for row in result["checks"]:
         assert "skipped" not in row, row
         assert max(row["max_errors"]) < 1e-5, row
-    assert all(
-        "ms" in row and row["tflops"] > 0 and row["first_call_s"] > 0 for row in result["bench"]
-    )
+    # 2 lengths x 4 cases x (fwd, fwd+bwd) x (sdpa, flex, triton, auto)
+    assert len(result["bench"]) == 64
+    for row in result["bench"]:
+        if (row["backend"], row["pass"]) == ("flex", "fwd+bwd"):
+            assert row["skipped"] == f"NotImplementedError: {NO_EAGER_BACKWARD}"
+            continue
+        assert row["ms"] > 0 and row["tflops"] > 0 and row["first_call_s"] > 0, row
+        assert row["vs_sdpa"] > 0 and (row["pass"] == "fwd+bwd" or row["vs_flex"] > 0), row
+        if row["backend"] == "auto":
+            assert row["picked"] in ("sdpa", "flash") and row["vs_best"] >= 1.0, row
     assert [row["config"] for row in result["tuning"]] == [[16, 16, 4, 1], [32, 16, 4, 1]]
     assert all(row["ms"] > 0 for row in result["tuning"])
+    # 2 lengths x (fwd, fwd+bwd) x (none, alibi, softcap) x 4 backends
+    assert len(result["scores"]) == 48
+    for row in result["scores"]:
+        if row["backend"] == "sdpa" and row["score"] != "none":
+            assert "cannot serve this call" in row["skipped"], row
+        elif row["backend"] == "triton" or (row["backend"], row["pass"]) != ("flex", "fwd+bwd"):
+            assert row["vs_plain"] > 0 and row["of_matmul"] > 0, row
+    assert {row["picked"] for row in result["scores"] if "ms" in row and row["backend"] == "auto"}
+    assert [(row["length"], row["case"]) for row in result["long"]] == [
+        (length, case)
+        for length in (64, 128)
+        for case in ("causal", "window(16, 0)", "bigbird(16)")
+    ]
+    for row in result["long"]:
+        assert row["ms"] > 0 and row["tflops"] > 0 and row["picked"], row
+        assert row["peak_gib"] is None  # no CUDA memory statistics on the CPU
     printed = capsys.readouterr().out
-    assert "of matmul" in printed and "triton forward vs flex, causal, L=64" in printed
-    assert list(tmp_path.iterdir()) == [tmp_path / "gpu.json"]  # no temporary file left
+    assert "goals (issue 44):" in printed and "auto within 5% of the best backend" in printed
+    assert "dense, L=64, fwd: triton/flex time" in printed
+    assert "long context, fwd+bwd at L=128 through auto" in printed
+    table = (tmp_path / "gpu.md").read_text()
+    assert "| 64 | causal | fwd | triton |" in table and "does not serve" in table
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu.json", "gpu.md"]  # no temp file
 
 
 @pytest.mark.slow
-def test_gpu_script_records_failures_and_the_budget(tmp_path, monkeypatch):
-    from mhsa.benchmarks import gpu
+def test_gpu_script_records_a_failing_backend(tmp_path, monkeypatch):
+    from mhsa.benchmarks import gpu, gpu_measure
 
     def broken(name, *args):
         if name == "flex":
             raise AssertionError("flex broke")  # not a ValueError: still recorded
         return original(name, *args)
 
-    original = gpu._call
-    monkeypatch.setattr(gpu, "_call", broken)
-    result = gpu.run(True, repeat=1, out=tmp_path / "gpu.json", lengths=(64,), budget=0.0)
+    original = gpu_measure.attend
+    monkeypatch.setattr(gpu_measure, "attend", broken)
+    only = ("checks", "bench")
+    result = gpu.run(True, out=tmp_path / "gpu.json", quick=True, only=only, grad_forward=False)
+    assert result["grad_forward"] is False
     flex_checks = [row for row in result["checks"] if row["backend"] == "flex"]
+    assert len(flex_checks) == 4
     assert all(row["skipped"] == "AssertionError: flex broke" for row in flex_checks)
-    assert all(row["skipped"] == "time budget spent" for row in result["bench"])
-    assert all(row["skipped"] == "time budget spent" for row in result["tuning"])
+    flex_fwd = [r for r in result["bench"] if (r["backend"], r["pass"]) == ("flex", "fwd")]
+    assert all(row["skipped"] == "AssertionError: flex broke" for row in flex_fwd)
+    triton = [row for row in result["bench"] if row["backend"] == "triton"]
+    assert all("ms" in row and "vs_flex" not in row for row in triton)
+    assert result["scores"] == [] and result["long"] == []  # sections not asked for
     assert json.loads((tmp_path / "gpu.json").read_text()) == result
-    assert gpu.goals(result) == []
-
-
-def test_gpu_script_times_the_others_when_one_fails_while_timed(monkeypatch):
-    from mhsa.benchmarks import gpu
-
-    calls = {"triton": 0}
-
-    def flaky(name, *args):
-        if name == "triton":
-            calls["triton"] += 1
-            if calls["triton"] > 1:  # the first (compiling) call works, a timed one fails
-                raise RuntimeError("illegal memory access")
-        return original(name, *args)
-
-    original = gpu._call
-    monkeypatch.setattr(gpu, "_call", flaky)
-    qkv = [torch.randn(1, 2, 64, 16) for _ in range(3)]
-    rows = gpu._bench_case(
-        qkv, "dense", None, False, True, 1, torch.device("cpu"), 1e9, over_budget=False
-    )
-    by_name = {row["backend"]: row for row in rows}
-    assert by_name["triton"]["skipped"] == "RuntimeError: illegal memory access"
-    assert "ms" in by_name["sdpa"] and "ms" in by_name["flex"]
