@@ -101,10 +101,12 @@ def write_gguf(
     chat_template=None,
     metadata=None,
     sizes=None,
+    token_ids=None,
 ):
     """A GGUF file of a one-layer model with `weights` (HF names, HF row order) stored as
     `qtype` (norms always F32), and a byte-level tokenizer, the way llama.cpp writes one;
-    sizes: metadata sizes to write instead ({"block_count": 10**8}: a damaged file)."""
+    sizes: metadata sizes to write instead ({"block_count": 10**8}: a damaged file);
+    token_ids: special token ids to write besides or instead ({"eos": 10**9}: another)."""
     weights = hf_weights(arch) if weights is None else weights
     writer = gguf.GGUFWriter(str(path), arch)
     sizes = {
@@ -127,8 +129,9 @@ def write_gguf(
     writer.add_array("tokenizer.ggml.tokens", vocab["tokens"])
     writer.add_array("tokenizer.ggml.merges", vocab["merges"])
     writer.add_array("tokenizer.ggml.token_type", vocab["types"])
-    writer.add_uint32("tokenizer.ggml.bos_token_id", len(vocab["tokens"]) - 2)
-    writer.add_uint32("tokenizer.ggml.eos_token_id", len(vocab["tokens"]) - 1)
+    ids = {"bos": len(vocab["tokens"]) - 2, "eos": len(vocab["tokens"]) - 1, **(token_ids or {})}
+    for name, value in ids.items():
+        writer.add_uint32(f"tokenizer.ggml.{name}_token_id", value)
     writer.add_bool("tokenizer.ggml.add_bos_token", True)
     if chat_template:
         writer.add_string("tokenizer.chat_template", chat_template)

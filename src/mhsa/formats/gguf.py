@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .gguf_tokenizer import GGUFTokenizer
+from .gguf_tokenizer import GGUFTokenizer, check_special_ids
 from .weights import NameTable, Rule, read_tensors
 
 GGUF_MAGIC = b"GGUF"
@@ -173,6 +173,7 @@ def hf_config(metadata: dict[str, Any], tensor_names: set[str], source: str = "G
             f"{', '.join(ARCHITECTURES)}); use a GGUF of a Llama-family model"
         )
     model_type = ARCHITECTURES[arch][0]
+    check_special_ids(metadata, source)  # (before the weights are read)
 
     def get(key: str, default: Any = None) -> Any:
         value = metadata.get(f"{arch}.{key}", default)

@@ -81,6 +81,23 @@ def _tokenizers():
     return tokenizers
 
 
+def check_special_ids(metadata: dict[str, Any], source: str = "GGUF") -> None:
+    """Every special token id the metadata names (each tokenizer.ggml.*_token_id: bos, eos,
+    unknown, seperator, padding, eot, eom, fim_*...) is a token of its vocabulary, so that a
+    damaged id fails at load in one line, not at the first chat or decoding step."""
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        return  # (no vocabulary: GGUFTokenizer says so)
+    for key, value in metadata.items():
+        if not (key.startswith("tokenizer.ggml.") and key.endswith("_token_id")):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < len(tokens):
+            raise ValueError(
+                f"{source}: {key} is {value!r}, not a token of the vocabulary of {len(tokens)} "
+                f"tokens (ids 0..{len(tokens) - 1}): a damaged GGUF file"
+            )
+
+
 class GGUFTokenizer:
     """Byte-level BPE from GGUF metadata: `encode`, `decode`, `stream`, `render_chat`.
 
@@ -110,6 +127,7 @@ class GGUFTokenizer:
             raise ValueError(
                 f"{source}: {len(tokens)} tokens but {len(types)} token types: a damaged GGUF file"
             )
+        check_special_ids(metadata, source)
         self.source, self.pre_tokenizer = source, pre
         self.tokens, self.token_types = tokens, types
         self.bos_token_id = metadata.get("tokenizer.ggml.bos_token_id")
