@@ -1,13 +1,15 @@
-"""Shared fixtures. Triton runs in its CPU interpreter in every test file: the switch is
-read when triton is first imported, so it is set here, once, before any test module
-is imported (never in a test file, where it would depend on collection order)."""
+"""Shared fixtures. Without a GPU, Triton runs in its CPU interpreter in every test file:
+the switch is read when triton is first imported, so it is set here, once, before any
+test module is imported (never in a test file, where it would depend on collection
+order). Importing torch does not import triton."""
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)
