@@ -103,9 +103,9 @@ def test_cli_data_parallel_checks_the_batch_split(tmp_path, capsys):
 
 
 def test_each_rank_gets_an_equal_share_of_the_rows():
-    from mhsa.apps.train import _local_rows
+    from mhsa.apps.train.parallel import local_rows
 
     batch = (torch.arange(12).view(6, 2), torch.arange(6), "not a tensor")
-    shares = [_local_rows(batch, rank, 3) for rank in range(3)]
+    shares = [local_rows(batch, rank, 3) for rank in range(3)]
     assert all(len(share[1]) == 2 and share[2] == "not a tensor" for share in shares)
     assert torch.equal(torch.cat([share[0] for share in shares]), batch[0])

@@ -13,6 +13,8 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import TextIO
 
+from .device import device_options
+
 TRAIN_COMMANDS = {"seq2seq": "translate"}  # model kinds trained by another command's name
 # a chat model's weights: --dtype's names, --quantize's modes (mhsa.apps.chat.QUANTIZE,
 # written again so that building the parser does not import the models)
@@ -170,14 +172,20 @@ def common_train_options(
     compile_option(
         parser, "compile the training step with torch.compile (the first step then takes a while)"
     )
+    device_options(parser, training=True)
     spare_core_threads_option(parser)
 
 
 def train_config(args: argparse.Namespace, lr: float):
-    """The TrainConfig of the command line's run options."""
+    """The TrainConfig of the command line's run options (--device and --dtype resolved,
+    see mhsa.cli.device)."""
     from ..apps.train import TrainConfig
+    from .device import dtype_name, placement
 
+    device, dtype = placement(args, training=True)
     return TrainConfig(
+        device=str(device),
+        dtype=dtype_name(dtype),
         steps=args.steps,
         lr=lr,
         eval_every=args.eval_every,

@@ -14,7 +14,10 @@ from .common import (
     train_config,
     with_threads,
 )
+from .device import placement
 from .train_tasks import (
+    device_line,
+    speed,
     steps_made,
     train_ast,
     train_bert,
@@ -27,6 +30,7 @@ from .train_tasks import (
 def train_gpt(args: argparse.Namespace) -> int:
     """Train a byte-level GPT on the standard library's source (or --data FILE)."""
     from ..apps.train import check_resumable, load_checkpoint, train
+    from ..apps.train.throughput import flops_per_token
     from ..data.text import (
         ByteTokenizer,
         PackedTextTask,
@@ -82,6 +86,7 @@ def train_gpt(args: argparse.Namespace) -> int:
         f"{config.position} positions, {config.attention} attention, "
         f"{params / 1e6:.2f}M parameters"
     )
+    print(device_line(args))
     run_config = train_config(args, args.lr)
     info = {"model": "gpt", "config": config.to_dict(), "tokenizer": tokenizer.name}
     result = train(
@@ -94,12 +99,13 @@ def train_gpt(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         stop_after=args.stop_after,
         context_parallel="zigzag" if args.context_parallel else None,
+        flops_per_token=flops_per_token(model, config.max_len),
     )
     final = result["history"][-1]["val_loss"] if result["history"] else float("nan")
     print(f"validation loss {describe_loss(final)}; unigram baseline {describe_loss(baseline)}")
     print(
-        f"{steps_made(result)} in {result['seconds']:.0f} s "
-        f"({result['tokens_per_second'] / 1e3:.1f}k tokens/s); checkpoint: {args.out}"
+        f"{steps_made(result)} in {result['seconds']:.0f} s ({speed(result)}); "
+        f"checkpoint: {args.out}"
     )
     return 0
 
@@ -147,6 +153,12 @@ def run(args: argparse.Namespace) -> int:
     check_output("--out", args.out, folder=True)  # before loading data and model
     check_out_dir(args.out, args.resume, args.overwrite)
     check_model_flags(args)
+    device, _ = placement(args, training=True)  # a device or dtype it cannot use: said now
+    if device.type == "cuda" and getattr(args, "nproc", 1) > 1:
+        raise ValueError(
+            f"--nproc {args.nproc} runs CPU processes (gloo): on GPUs launch one process per "
+            "GPU with torchrun --nproc-per-node N -m mhsa.cli train ..., or pass --device cpu"
+        )
     try:
         if getattr(args, "data_parallel", False) and args.nproc > 1:
             return _spawn_data_parallel(args, args.nproc)

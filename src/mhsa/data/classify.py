@@ -54,7 +54,12 @@ class ClassificationTask:
         return self.batch_size * self.items_per_sample
 
     def metrics(self, model) -> dict:
-        correct = sum((model(*b[:-1]).argmax(-1) == b[-1]).sum().item() for b in self._eval)
+        """Test accuracy; each batch's inputs go to the model's device."""
+        device = next(model.parameters()).device
+        correct = 0
+        for *inputs, labels in self._eval:
+            inputs = [x.to(device) if isinstance(x, Tensor) else x for x in inputs]
+            correct += (model(*inputs).argmax(-1).cpu() == labels).sum().item()
         return {"test_acc": correct / len(self.test_y)}
 
 

@@ -150,7 +150,8 @@ class NumberTranslationTask:
         model.eval()
         hits = 0
         for i in range(0, len(self.test_sources), 250):
-            outputs = model.translate(pad_batch(self.test_sources[i : i + 250]))
+            sources = pad_batch(self.test_sources[i : i + 250])
+            outputs = model.translate(sources.to(next(model.parameters()).device))
             references = self.test_targets[i : i + 250]
             hits += sum(out == ref for out, ref in zip(outputs, references, strict=True))
         model.train(was_training)

@@ -13,6 +13,11 @@ unless asked to resume it or to overwrite it (and then removes the old ones only
 its own first checkpoint is written), and it keeps its own last `keep`. A non-finite
 loss or gradient stops the run (or skips the step, with nonfinite="skip"), so no
 checkpoint ever holds nan or inf weights.
+
+On a GPU (TrainConfig.device "cuda"): the model and each batch move there, the loss is
+computed under bfloat16 autocast (TrainConfig.dtype; weights and AdamW's state stay
+float32) and AdamW runs fused. A resumed run restores the CUDA random state too; its
+continuation is bit-for-bit where the kernels are deterministic (see docs/training.md).
 """
 
 from __future__ import annotations
@@ -27,9 +32,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.nn.parallel import DistributedDataParallel
 
-from ..checkpoint import (
+from ...checkpoint import (
     checkpoints_in,
     clean_leftovers,
     latest_checkpoint,
@@ -38,7 +42,15 @@ from ..checkpoint import (
     resolve_checkpoint,
     save_checkpoint,
 )
-from ..core.checks import int_at_least
+from ...core.checks import int_at_least
+from .parallel import (
+    average_gradients,
+    data_parallel,
+    finite_on_every_rank,
+    local_rows,
+    mean_over_ranks,
+)
+from .throughput import MatmulRate, autocast, measure_matmul, to_device
 
 __all__ = [
     "TrainConfig",
@@ -71,6 +83,8 @@ class TrainConfig:
     keep: int = 1  # how many of its own latest checkpoints a run keeps
     nonfinite: str = "stop"  # on a nan/inf loss or gradient: "stop", or "skip" the step
     compile: bool = False  # the loss (forward and backward) through torch.compile
+    device: str = "cpu"  # where the model and batches go ("cuda": the current GPU)
+    dtype: str = "float32"  # the loss under autocast to this ("bfloat16"); float32: none
 
     def __post_init__(self) -> None:
         for name in ("steps", "eval_every", "checkpoint_every", "keep", "warmup"):
@@ -80,6 +94,10 @@ class TrainConfig:
             raise ValueError(f"lr must be a finite number > 0 (--lr), got {self.lr!r}")
         if self.nonfinite not in ("stop", "skip"):
             raise ValueError(f"nonfinite must be 'stop' or 'skip', got {self.nonfinite!r}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32' or 'bfloat16' (--dtype), got {self.dtype!r}")
+        if torch.device(self.device).type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda (--device), got {self.device!r}")
 
 
 class TrainingDiverged(RuntimeError):
@@ -97,22 +115,30 @@ def lr_at(step: int, config: TrainConfig) -> float:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, task) -> float:
+def evaluate(model: nn.Module, task, dtype: torch.dtype | str = torch.float32) -> float:
+    """The mean loss of task's eval batches, each moved to the model's device, computed
+    under autocast to dtype (float32: none)."""
     was_training = model.training
     model.eval()
-    losses = [call_loss(model.loss, batch).item() for batch in task.eval_batches()]
+    device = next(model.parameters()).device
+    with autocast(device, dtype):
+        losses = [
+            call_loss(model.loss, to_device(batch, device)).item() for batch in task.eval_batches()
+        ]
     model.train(was_training)
     return sum(losses) / len(losses)
 
 
 def _optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW, weight decay on matrices only; fused (one kernel for all) on CUDA."""
+    fused = {"fused": True} if torch.device(config.device).type == "cuda" else {}
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [
         {"params": decay, "weight_decay": config.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95))
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), **fused)
 
 
 def train(
@@ -127,6 +153,7 @@ def train(
     stop_after: int | None = None,
     log=print,
     context_parallel: str | None = None,
+    flops_per_token: float | None = None,
 ) -> dict:
     """Train `model` on `task` for config.steps steps, checkpointing into out_dir.
 
@@ -143,11 +170,19 @@ def train(
     (tokens, targets) (B, T) and model.loss takes `positions` - attention runs as ring
     attention, and gradients are averaged over ranks after backward.
 
+    The model moves to config.device, each batch too; the loss runs under autocast to
+    config.dtype. flops_per_token (mhsa.apps.train.throughput.flops_per_token): a matmul in
+    config.dtype is timed on the device first, and the progress and result give the
+    model flops utilisation against it.
+
     Returns {"step": the last step, "seconds": this run's time, "history": every
     evaluation (a resumed run's too), "tokens_per_second": this run's,
-    "steps_this_run": the steps this run made (step minus where it resumed)}.
+    "steps_this_run": the steps this run made (step minus where it resumed)}; with
+    flops_per_token also "mfu" (this run's) and "matmul" (the MatmulRate).
     """
     out_dir = Path(out_dir)
+    device = _device(config.device)
+    model.to(device)
     torch.manual_seed(config.seed)
     generator = torch.Generator().manual_seed(config.seed + 1)
     optimizer = _optimizer(model, config)
@@ -163,30 +198,34 @@ def train(
         optimizer.load_state_dict(trainer["optimizer"])
         generator.set_state(trainer["generator"])
         torch.set_rng_state(trainer["torch_rng"])
+        if device.type == "cuda" and trainer.get("cuda_rng") is not None:
+            torch.cuda.set_rng_state(trainer["cuda_rng"], device)
         step, history = trainer["step"], trainer["history"]
         log(f"resumed from {state['path']} at step {step}")
     model.train()
-    compute_loss, rank, world = _data_parallel(model, context_parallel)
+    compute_loss, rank, world = data_parallel(model, context_parallel)
     if config.compile:
         compute_loss = torch.compile(compute_loss)
+    rate = None if flops_per_token is None else measure_matmul(device, config.dtype)
     start, tokens_done, skipped, first_step = time.perf_counter(), 0, 0, step
     end = config.steps if stop_after is None else min(config.steps, step + stop_after)
-    progress = _Progress(first_step, config.steps, end)
+    progress = _Progress(first_step, config.steps, end, rate, flops_per_token)
     while step < end:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, config)
         # every rank draws the same global batch; data parallel: each takes its share of
-        # the rows, context parallel: each its shard of every sequence (_SequenceShards)
-        batch = task.train_batch(generator)
-        loss = call_loss(
-            compute_loss, batch if context_parallel else _local_rows(batch, rank, world)
-        )
+        # the rows, context parallel: each its shard of every sequence (SequenceShards)
+        batch = to_device(task.train_batch(generator), device)
+        with autocast(device, config.dtype):
+            loss = call_loss(
+                compute_loss, batch if context_parallel else local_rows(batch, rank, world)
+            )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if context_parallel and world > 1:
-            _average_gradients(model, world)
+            average_gradients(model, world)
         norm = nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-        if _finite_on_every_rank(loss.detach(), norm, world):
+        if finite_on_every_rank(loss.detach(), norm, world):
             skipped = 0
             optimizer.step()
         else:
@@ -197,18 +236,18 @@ def train(
         step += 1
         tokens_done += task.tokens_per_batch()
         elapsed = time.perf_counter() - start
-        loss = _mean_over_ranks(loss.detach(), world)
+        loss = mean_over_ranks(loss.detach(), world)
         if rank:  # rank 0 alone reports, evaluates and writes checkpoints
             if step % config.checkpoint_every == 0 or step == end:
                 dist.barrier()
             continue
         progress.step(step, loss.item(), tokens_done / elapsed, elapsed)
         if step % config.eval_every == 0 or step == config.steps:
-            val = evaluate(model, task)
+            val = evaluate(model, task, config.dtype)
             record = {"step": step, "train_loss": loss.item(), "val_loss": val}
             if hasattr(task, "metrics"):
                 model.eval()
-                with torch.no_grad():
+                with torch.no_grad(), autocast(device, config.dtype):
                     record.update(task.metrics(model))
                 model.train()
             history.append(record)
@@ -221,9 +260,10 @@ def train(
             log(f"step {step}: val loss {val:.4f}{extra}")
         if step % config.checkpoint_every == 0 or step == end:
             trainer = {
-                "optimizer": optimizer.state_dict(),
+                "optimizer": to_device(optimizer.state_dict(), "cpu"),  # resumable anywhere
                 "generator": generator.get_state(),
                 "torch_rng": torch.get_rng_state(),
+                "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
                 "step": step,
                 "history": history,
                 "train_config": asdict(config),
@@ -237,13 +277,25 @@ def train(
                 dist.barrier()
     progress.end_line()
     seconds = time.perf_counter() - start
-    return {
+    result = {
         "step": step,
         "seconds": seconds,
         "history": history,
         "tokens_per_second": tokens_done / max(seconds, 1e-9),
         "steps_this_run": step - first_step,  # seconds and tokens/s are this run's too
     }
+    if rate is not None:
+        result["mfu"] = rate.mfu(result["tokens_per_second"], flops_per_token)
+        result["matmul"] = rate
+    return result
+
+
+def _device(name: str) -> torch.device:
+    """config.device as a torch.device; "cuda" is the current GPU (a torchrun rank's own)."""
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def check_out_dir(out_dir: str | Path, resume: bool, overwrite: bool) -> None:
@@ -290,15 +342,6 @@ def check_resumable(state: dict, want: str | None) -> None:
         )
 
 
-def _finite_on_every_rank(loss: Tensor, grad_norm: Tensor, world: int) -> bool:
-    """Whether the loss and gradients are finite on every rank (all ranks agree, so
-    they stop or skip together instead of leaving one waiting in a collective)."""
-    finite = (torch.isfinite(loss) & torch.isfinite(grad_norm)).to(torch.int32).view(1)
-    if world > 1:
-        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-    return bool(finite.item())
-
-
 def _divergence_message(out_dir: Path, step: int, loss: Tensor, config, skipped: int) -> str:
     good = latest_checkpoint(out_dir)
     where = f"the last good checkpoint is {good}" if good else "no checkpoint was written"
@@ -310,94 +353,27 @@ def _divergence_message(out_dir: Path, step: int, loss: Tensor, config, skipped:
     )
 
 
-class _Loss(nn.Module):
-    """model.loss as a forward, so that DistributedDataParallel sees the call."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, *batch, **named) -> Tensor:
-        return self.model.loss(*batch, **named)
-
-
-def _data_parallel(model: nn.Module, context_parallel: str | None) -> tuple:
-    """(loss function on the global batch's rows for this rank, rank, world size)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return model.loss, 0, 1
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if context_parallel:
-        return _SequenceShards(model, context_parallel, rank, world), rank, world
-    return DistributedDataParallel(_Loss(model)), rank, world
-
-
-class _SequenceShards:
-    """model.loss on this rank's shard of every sequence, attention as ring attention."""
-
-    def __init__(self, model: nn.Module, layout: str, rank: int, world: int) -> None:
-        self.model, self.layout, self.rank, self.world = model, layout, rank, world
-
-    def __call__(self, tokens: Tensor, targets: Tensor) -> Tensor:
-        from ..distributed import context_parallel, shard
-
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        cut = {"rank": self.rank, "world_size": self.world, "layout": self.layout}
-        tokens, targets = shard(tokens, dim=1, **cut), shard(targets, dim=1, **cut)
-        with context_parallel(layout=self.layout):
-            return self.model.loss(tokens, targets, positions=shard(positions, dim=0, **cut))
-
-
-def _average_gradients(model: nn.Module, world: int) -> None:
-    """Every rank's loss is the mean over an equal number of tokens: the global mean's
-    gradient is the ranks' average."""
-    for param in model.parameters():
-        if param.grad is not None:
-            dist.all_reduce(param.grad)
-            param.grad /= world
-
-
 def call_loss(loss_fn, batch: tuple | dict) -> Tensor:
     """loss_fn(*batch), or loss_fn(**batch) for a dict batch (named inputs)."""
     return loss_fn(**batch) if isinstance(batch, dict) else loss_fn(*batch)
 
 
-def _local_rows(batch: tuple | dict, rank: int, world: int) -> tuple | dict:
-    """This rank's contiguous share of a global batch: every tensor whose first dimension
-    is the batch is cut along it, so the mean of the ranks' losses is the global loss.
-    A dict batch (one packed row) is not cut: it trains in one process."""
-    if world == 1:
-        return batch
-    if isinstance(batch, dict):
-        raise ValueError(
-            "a packed batch (one row of packed sequences) trains in one process; "
-            "drop --pack or --nproc"
-        )
-    size = batch[0].shape[0]
-    if size % world:
-        raise ValueError(
-            f"the batch size ({size}) must be divisible by the number of processes ({world}): "
-            "change --batch-size or --nproc"
-        )
-    rows = slice(rank * size // world, (rank + 1) * size // world)
-    return tuple(
-        t[rows] if isinstance(t, Tensor) and t.dim() and t.shape[0] == size else t for t in batch
-    )
-
-
-def _mean_over_ranks(value: Tensor, world: int) -> Tensor:
-    if world > 1:
-        dist.all_reduce(value)
-        value = value / world
-    return value
-
-
 class _Progress:
     """A run's progress on stderr: on a terminal one line redrawn in place at every step;
     elsewhere (a pipe, a log file) whole lines, never a carriage return: the first step,
-    the last, and between them one at most every LOG_EVERY_SECONDS."""
+    the last, and between them one at most every LOG_EVERY_SECONDS. With a matmul rate
+    and the flops per token, each line gives the model flops utilisation so far."""
 
-    def __init__(self, first_step: int, total: int, end: int) -> None:
+    def __init__(
+        self,
+        first_step: int,
+        total: int,
+        end: int,
+        rate: MatmulRate | None = None,
+        flops_per_token: float | None = None,
+    ) -> None:
         self.first_step, self.total, self.end = first_step, total, end
+        self.rate, self.flops_per_token = rate, flops_per_token
         self.stream = sys.stderr  # now, not at import: a caller may have replaced it
         self.terminal = self.stream.isatty()
         self.logged_at: float | None = None  # elapsed seconds at the last logged line
@@ -407,9 +383,12 @@ class _Progress:
         """Report step; the time left is at this run's mean time per step (a resumed
         run's elapsed time covers only the steps after first_step)."""
         eta = elapsed / max(step - self.first_step, 1) * (self.total - step)
+        mfu = ""
+        if self.rate is not None:
+            mfu = f"MFU {self.rate.mfu(tokens_per_s, self.flops_per_token):.1%}  "
         line = (
             f"step {step}/{self.total}  loss {loss:.4f}  {tokens_per_s / 1e3:.1f}k tok/s  "
-            f"eta {eta:4.0f}s"
+            f"{mfu}eta {eta:4.0f}s"
         )
         if self.terminal:
             filled = int(24 * step / self.total)
