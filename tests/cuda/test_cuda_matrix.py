@@ -40,7 +40,7 @@ CASES = {
     "longformer": (HEADS, Q_LEN, {"mask": longformer(16, [0, 7])}),
     "bigbird": (HEADS, Q_LEN, {"mask": bigbird(32, seed=1)}),
     "varlen segments": (2, Q_LEN, {"mask": Segments(torch.tensor([0, 60, 61, 200]))}),
-    "ALiBi": (HEADS, KV_LEN, {"causal": True, "score": ALiBi(alibi_slopes(HEADS))}),
+    "ALiBi": (HEADS, KV_LEN, {"causal": True, "score": "alibi"}),
     "T5 bias": (HEADS, Q_LEN, {"score": "t5"}),
     "softcap": (HEADS, Q_LEN, {"causal": True, "score": Softcap(20.0)}),
     "custom score": (HEADS, Q_LEN, {"score": "custom"}),
@@ -52,7 +52,9 @@ BACKENDS = ["reference", "sdpa", "flash", "flex", "triton"]
 def _options(options: dict, device: torch.device) -> dict:
     """The case's options, with the tensors it needs made on device."""
     options = dict(options)
-    if options.get("score") == "t5":
+    if options.get("score") == "alibi":
+        options["score"] = ALiBi(alibi_slopes(HEADS).to(device))
+    elif options.get("score") == "t5":
         torch.manual_seed(4)
         options["score"] = RelativeBias(torch.randn(32, HEADS, device=device) * 0.5)
     elif options.get("score") == "custom":
