@@ -15,13 +15,14 @@ memory or a thread forever. The time limit is delivered as an exception at the n
 Python bytecode of the rendering thread (CPython's PyThreadState_SetAsyncExc), so it also
 stops loops that output nothing, but not one C call: so sizes are checked before the
 operation allocates, computed from its arguments (template_limits.py). Every door the
-sandbox leaves open is checked: the operators (* + % **), `~`, slices, the methods of str, bytes and int that can
-grow a value (ljust, center, zfill, expandtabs, replace, join, translate, to_bytes),
-str.format and format_map (each field's width, precision and value, nested widths
-included), printf's widths (%*s too), the filters, the text of a container that is output
-or formatted (a list of a million references to one long string), and blocks and macros.
-No one value may pass `chars`, and what a rendering builds in all may not pass 100 times
-`chars` (a loop that keeps many values, each within the limit).
+sandbox leaves open is checked: the operators (* + % **), `~`, slices, the methods of
+str, bytes and int that can grow a value (ljust, center, zfill, expandtabs, replace,
+join, translate, to_bytes), str.format and format_map (each field's width, precision
+and value, nested widths included), printf's widths (%*s too), the filters, the text
+of a container that is output or formatted (a list of a million references to one long
+string), and blocks and macros. No one value may pass `chars`, and what a rendering
+builds in all may not pass 100 times `chars` (a loop that keeps many values, each
+within the limit).
 """
 
 from __future__ import annotations
