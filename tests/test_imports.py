@@ -32,7 +32,8 @@ LAYERS = [
     ["core.backends"],
     ["core.kernels"],
     ["core.masks"],
-    ["core.scores", "core.checks", "core.tracing"],
+    ["core.paged_step"],
+    ["core.scores", "core.score_checks", "core.checks", "core.tracing"],
     ["checkpoint"],
     ["formats", "data", "packaged", "launch", "version"],
 ]

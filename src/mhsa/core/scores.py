@@ -18,14 +18,20 @@ tensors a ScoreMod closes over).
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable, Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from .tracing import constant_when_traced
+from .score_checks import (
+    check_per_head,
+    closure_tensors,
+    describe,
+    probe_once,
+    tile_indices,
+    unique_tensors,
+)
 
 
 class ScoreFunction:
@@ -103,7 +109,7 @@ class ALiBi(ScoreFunction):
     def __init__(self, slopes: Tensor) -> None:
         if not isinstance(slopes, Tensor) or slopes.dim() != 1 or not slopes.is_floating_point():
             raise ValueError(
-                f"ALiBi slopes must be a 1-D float tensor (H,), got {_describe(slopes)}"
+                f"ALiBi slopes must be a 1-D float tensor (H,), got {describe(slopes)}"
             )
         self.slopes = slopes
 
@@ -126,7 +132,7 @@ class ALiBi(ScoreFunction):
         return (self.slopes,)
 
     def check(self, num_heads, device, dtype):
-        _check_per_head("ALiBi slopes", self.slopes, 0, num_heads, device)
+        check_per_head("ALiBi slopes", self.slopes, 0, num_heads, device)
 
     def __repr__(self) -> str:
         return f"ALiBi(slopes of {self.slopes.shape[0]} heads)"
@@ -192,7 +198,7 @@ class RelativeBias(ScoreFunction):
         ):
             raise ValueError(
                 f"RelativeBias table must be a float tensor (num_buckets "
-                f"{num_buckets}, H), got {_describe(table)}"
+                f"{num_buckets}, H), got {describe(table)}"
             )
         self.table, self.num_buckets = table, num_buckets
         self.max_distance, self.bidirectional = max_distance, bidirectional
@@ -205,7 +211,7 @@ class RelativeBias(ScoreFunction):
         return (self.table,)
 
     def check(self, num_heads, device, dtype):
-        _check_per_head("RelativeBias table", self.table, 1, num_heads, device)
+        check_per_head("RelativeBias table", self.table, 1, num_heads, device)
 
     def __repr__(self) -> str:
         return (
@@ -258,17 +264,17 @@ class ScoreMod(ScoreFunction):
                 f"ScoreMod needs a callable fn(score, b, h, q_idx, kv_idx), got {type(fn).__name__}"
             )
         self.fn = fn
-        self._tensors = tuple(tensors) + _closure_tensors(fn)
+        self._tensors = tuple(tensors) + closure_tensors(fn)
         self._checked: set = set()
 
     def __call__(self, score, batch, head, q_pos, k_pos):
         return self.fn(score, batch, head, q_pos, k_pos)
 
     def tensors(self):
-        return _unique(self._tensors)
+        return unique_tensors(self._tensors)
 
     def check(self, num_heads, device, dtype):
-        _probe_once(self, int(num_heads), device, dtype)
+        probe_once(self, int(num_heads), device, dtype)
 
     def __repr__(self) -> str:
         return f"ScoreMod({getattr(self.fn, '__name__', self.fn)!r})"
@@ -316,7 +322,7 @@ class Compose(ScoreFunction):
         return sum(p[0] for p in parts), sum(p[1] for p in parts)
 
     def tensors(self):
-        return _unique(t for f in self.functions for t in f.tensors())
+        return unique_tensors(t for f in self.functions for t in f.tensors())
 
     def input_grad(self, out, grad_out):
         if not self.grad_from_output:
@@ -352,19 +358,6 @@ def as_score(score) -> ScoreFunction | None:
     )
 
 
-def tile_indices(batch: int, heads: Tensor | int, q_pos: Tensor, k_pos: Tensor):
-    """(batch, head, q_pos, k_pos) index tensors shaped to broadcast against a
-    (B, H, rows, keys) score tile; heads is H (all) or the query heads' indices."""
-    device = q_pos.device
-    head = torch.arange(heads, device=device) if isinstance(heads, int) else heads
-    return (
-        torch.arange(batch, device=device).view(-1, 1, 1, 1),
-        head.view(1, -1, 1, 1),
-        q_pos.view(1, 1, -1, 1),
-        k_pos.view(1, 1, 1, -1),
-    )
-
-
 def apply_score(
     score_fn: ScoreFunction,
     scores: Tensor,
@@ -376,109 +369,3 @@ def apply_score(
     keys at k_pos (keys,); heads are the tile's query heads (default 0..H-1)."""
     index = tile_indices(scores.shape[0], scores.shape[1] if heads is None else heads, q_pos, k_pos)
     return score_fn(scores, *index).expand(scores.shape)
-
-
-@constant_when_traced  # a traced graph probes once, eagerly, unbroken
-def _probe_once(fn: ScoreMod, num_heads: int, device: torch.device, dtype: torch.dtype) -> bool:
-    """_check_elementwise once per (num_heads, device, dtype) of fn."""
-    key = (num_heads, str(device), dtype)
-    if key not in fn._checked:
-        _check_elementwise(fn, num_heads, device, dtype)
-        fn._checked.add(key)
-    return True
-
-
-def _check_elementwise(
-    fn: ScoreFunction, num_heads: int, device: torch.device, dtype: torch.dtype
-) -> None:
-    """Evaluate fn on a small probe tile and on three single entries of it: the same
-    shape and dtype as the scores, and each entry's value equal, or a ValueError naming
-    the fault."""
-    heads = min(num_heads, 2)
-    generator = torch.Generator().manual_seed(0)
-    scores = torch.randn(1, heads, 3, 4, generator=generator).to(device, dtype)
-    q_pos, k_pos = torch.arange(3, device=device), torch.arange(4, device=device)
-    batch, head, rows, keys = tile_indices(1, heads, q_pos, k_pos)
-    with torch.no_grad():
-        try:
-            out = fn(scores, batch, head, rows, keys)
-        except Exception as error:
-            raise ValueError(
-                f"{fn!r} failed on a (1, {heads}, 3, 4) score tile: {error}. A "
-                "score_mod takes (score, batch, head, q_idx, kv_idx) tensors that "
-                "broadcast, and uses torch ops"
-            ) from error
-        if not isinstance(out, Tensor) or out.dtype != scores.dtype:
-            got = out.dtype if isinstance(out, Tensor) else type(out).__name__
-            raise ValueError(
-                f"{fn!r} must return a tensor of the scores' dtype {scores.dtype}, got {got}"
-            )
-        if not _broadcasts_to(out.shape, scores.shape):
-            raise ValueError(
-                f"{fn!r} must return the scores' shape {tuple(scores.shape)} "
-                f"(elementwise), got {tuple(out.shape)}"
-            )
-        for h, r, c in ((0, 0, 0), (heads - 1, 1, 2), (0, 2, 3)):  # single entries alone
-            one = fn(
-                scores[:, h : h + 1, r : r + 1, c : c + 1],
-                batch,
-                head[:, h : h + 1],
-                rows[:, :, r : r + 1],
-                keys[..., c : c + 1],
-            )
-            expected = out.expand(scores.shape)[:, h : h + 1, r : r + 1, c : c + 1]
-            if one.shape == expected.shape and torch.allclose(one, expected, equal_nan=True):
-                continue
-            raise ValueError(
-                f"{fn!r} is not elementwise: one score computed alone differs "
-                "from the same score in a tile (a score_mod may not reduce over "
-                "or mix entries)"
-            )
-
-
-def _broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
-    try:
-        return torch.broadcast_shapes(shape, target) == target
-    except RuntimeError:
-        return False
-
-
-def _closure_tensors(fn: Callable) -> tuple[Tensor, ...]:
-    """Tensors (and parameters of modules) that fn closes over or reads as globals."""
-    try:
-        variables = inspect.getclosurevars(fn)
-    except (TypeError, ValueError):
-        return ()
-    found: list[Tensor] = []
-    for value in [*variables.nonlocals.values(), *variables.globals.values()]:
-        if isinstance(value, Tensor) and value.is_floating_point():
-            found.append(value)
-        elif isinstance(value, nn.Module):
-            found.extend(value.parameters())
-    return tuple(found)
-
-
-def _unique(tensors) -> tuple[Tensor, ...]:
-    seen, result = set(), []
-    for t in tensors:
-        if id(t) not in seen:
-            seen.add(id(t))
-            result.append(t)
-    return tuple(result)
-
-
-def _check_per_head(name: str, t: Tensor, axis: int, num_heads: int, device) -> None:
-    """t holds one value per query head along `axis`, on q's device."""
-    if t.shape[axis] != num_heads:
-        raise ValueError(
-            f"{name} have {t.shape[axis]} heads but the call has {num_heads} "
-            "query heads: give one value per query head"
-        )
-    if t.device.type != device.type:
-        raise ValueError(f"{name} are on {t.device} but q is on {device}: move them with .to()")
-
-
-def _describe(value) -> str:
-    if isinstance(value, Tensor):
-        return f"{value.dtype} tensor of shape {tuple(value.shape)}"
-    return type(value).__name__
