@@ -58,7 +58,7 @@ BUGS = {
         "tests/core/backends/test_backends.py",
     ),
     "zero_grad after backward": (
-        "apps/train.py",
+        "apps/train/__init__.py",
         "        optimizer.zero_grad(set_to_none=True)\n        loss.backward()\n",
         "        loss.backward()\n        optimizer.zero_grad(set_to_none=True)\n",
         "tests/apps/test_train.py",
@@ -87,10 +87,10 @@ BUGS = {
         "allowed = causal_allows(q_pos - 1, k_pos)",
         "tests/core/kernels/test_paged_attention.py",
     ),
-    "paged layout kept for other lengths": (
-        "core/kernels/paged.py",
-        "        tuple(call.lengths),\n",
-        "",
+    "paged step's plan kept for another window": (
+        "core/paged.py",
+        "        window,\n        scale,\n",
+        "        scale,\n",
         "tests/core/kernels/test_paged_attention.py",
     ),
     "a stop token is output before the request ends": (
@@ -126,13 +126,13 @@ BUGS = {
     ),
     # found by the mutation run (tools/mutation.py), not in the original list
     "learning rate schedule never applied": (
-        "apps/train.py",
+        "apps/train/__init__.py",
         '            group["lr"] = lr_at(step, config)\n',
         "            pass\n",
         "tests/apps/test_train.py",
     ),
     "a nan gradient with a finite loss is stepped": (
-        "apps/train.py",
+        "apps/train/parallel.py",
         "torch.isfinite(loss) & torch.isfinite(grad_norm)",
         "torch.isfinite(loss) | torch.isfinite(grad_norm)",
         "tests/apps/test_train.py",

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from .core.backends import use_backend
     from .core.cluster import cluster_attention
     from .core.moba import moba_attention
+    from .core.paged import paged_attention
+    from .core.paged_step import PagedStep
     from .core.varlen import attention_varlen
     from .nn import positional
 
@@ -33,11 +35,13 @@ _EXPORTS = {
     "KVCache": (".cache", "KVCache"),
     "MemoryCache": (".cache", "MemoryCache"),
     "PagedKVCache": (".cache", "PagedKVCache"),
+    "PagedStep": (".core.paged_step", "PagedStep"),
     "attention": (".core.attention", "attention"),
     "attention_weights": (".core.attention", "attention_weights"),
     "attention_varlen": (".core.varlen", "attention_varlen"),
     "cluster_attention": (".core.cluster", "cluster_attention"),
     "moba_attention": (".core.moba", "moba_attention"),
+    "paged_attention": (".core.paged", "paged_attention"),
     "backends": (".core.backends", "names"),
     "use_backend": (".core.backends", "use_backend"),
     "distributed": (".distributed", None),
@@ -71,11 +75,13 @@ __all__ = [
     "KVCache",
     "MemoryCache",
     "PagedKVCache",
+    "PagedStep",
     "attention",
     "attention_weights",
     "attention_varlen",
     "cluster_attention",
     "moba_attention",
+    "paged_attention",
     "backends",
     "distributed",
     "masks",

@@ -12,8 +12,9 @@ from helpers import max_error
 from mhsa.cache import KVCache, PagedKVCache
 from mhsa.core.masks import SlidingWindow
 from mhsa.core.moba import moba_attention
-from mhsa.nn import DiffAttention, MoBA
-from mhsa.nn.positional import ALiBiPosition, RotaryEmbedding
+from mhsa.core.paged_step import PagedStep
+from mhsa.nn import DiffAttention, MoBA, MultiHeadAttention
+from mhsa.nn.positional import ALiBiPosition, AttentionPosition, RotaryEmbedding
 
 E, H = 48, 3  # DiffAttention: 2H = 6 query/key heads of width 8, values 16 wide
 PROMPTS = (5, 11)  # prompt lengths of the two sequences (not block multiples)
@@ -99,6 +100,28 @@ def test_diff_attention_over_pages_refuses_what_pages_cannot_hold():
         module(x, causal=False, cache=layer)
 
 
+class _DenseBias(AttentionPosition):
+    """A position that gives a dense (H, L, S) bias, which paged keys cannot take."""
+
+    def attention_bias(self, q_len: int, kv_len: int) -> Tensor:
+        return torch.zeros(2 * H, q_len, kv_len)
+
+
+@torch.no_grad()
+def test_modules_over_pages_refuse_a_positions_dense_bias():
+    """A position's bias (attention_bias) is a dense tensor: over pages, MultiHeadAttention
+    and DiffAttention refuse it, naming the fix (a score function)."""
+    x = torch.randn(1, 3, E)
+    modules = [
+        (diff_module("auto"), PagedKVCache(1, 2 * H, E // H // 2, num_blocks=4, block_size=4)),
+        (MultiHeadAttention(E, 2 * H).eval(), PagedKVCache(1, 2 * H, E // H // 2, num_blocks=4)),
+    ]
+    for module, pool in modules:
+        layer = pool.batch([pool.add_sequence([1, 2, 3])], 3)[0]
+        with pytest.raises(ValueError, match="takes no bias.*score function"):
+            module(x, causal=True, cache=layer, position=_DenseBias())
+
+
 @pytest.mark.parametrize("backend", ["reference", "flash"])
 @torch.no_grad()
 def test_moba_over_pages_equals_a_contiguous_cache(backend):
@@ -136,3 +159,11 @@ def test_paged_moba_attention_checks_its_pages():
         moba_attention(q, pool, pool, 4, 1, seq_lens=[3])
     with pytest.raises(ValueError, match="block_table"):
         moba_attention(q, pool, pool, 4, 1, block_table=torch.zeros(2, 1), seq_lens=[3])
+    table = torch.tensor([[2]])
+    step = PagedStep(table, [3], num_blocks=4, block_size=4)
+    by_table = moba_attention(q, pool, pool, 4, 1, block_table=table, seq_lens=[3])
+    assert torch.equal(moba_attention(q, pool, pool, 4, 1, step=step), by_table)
+    with pytest.raises(ValueError, match="not both"):
+        moba_attention(q, pool, pool, 4, 1, block_table=table, seq_lens=[3], step=step)
+    with pytest.raises(ValueError, match="made for"):  # the step of other pools
+        moba_attention(q, pool[:3], pool[:3], 4, 1, step=step)

@@ -12,8 +12,10 @@ PagedLayer) is the `cache` of one MultiHeadAttention call. It answers, whatever 
     key_padding()      (B, S) bool, True = a real key, for what update returned; or None
     memory()           keys and values kept for good (cross-attention after its first call):
                        attention reuses them and projects no new ones; else None
-    block_table, seq_lens   None, or paged keys: update returned the pools of blocks, and
-                       attention reads them through these (mhsa.attention's block_table=)
+    paged_step         None, or paged keys: update returned the pools of blocks, and
+                       attention reads them through this mhsa.PagedStep (the block
+                       table and lengths of the forward pass, the same in every layer:
+                       mhsa.paged_attention(q, k_pool, v_pool, paged_step))
     cross_attention    whether it holds keys of another sequence (an encoder's memory)
 
 A cache of many layers (a `MultiLayerCache`: DecoderCache, PagedKVCache) hands out one
@@ -22,14 +24,18 @@ A cache of many layers (a `MultiLayerCache`: DecoderCache, PagedKVCache) hands o
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from ..core.paged_step import PagedStep
 
 
 class Cache:
     """One attention layer's keys and values between calls (see the module docstring)."""
 
-    block_table: Tensor | None = None  # paged keys: (B, max_blocks) block ids
-    seq_lens: list[int] | None = None  # paged keys: keys per sequence after update
+    paged_step: PagedStep | None = None  # paged keys: the pass's table and lengths
     cross_attention: bool = False
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:

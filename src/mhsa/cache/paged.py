@@ -11,7 +11,10 @@ One forward pass over some sequences: `layers = cache.batch(seq_ids, new_tokens)
 `model(idx, caches=layers)` with idx (len(seq_ids), new_tokens). Each PagedLayer, as
 MultiHeadAttention's `cache`, writes the new keys and values into the sequences' slots
 and hands out their pages: the module attends over them with
-mhsa.attention(..., block_table=, seq_lens=), causal per sequence.
+mhsa.paged_attention(q, k_pool, v_pool, layer.paged_step), causal per sequence. The
+pass's PagedStep (its block table and lengths, checked once in batch()) is one object
+that every layer's call takes, and the next batch() makes a new one: nothing about a
+pass outlives it.
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ import torch
 from torch import Tensor
 
 from ..core.checks import int_list
+from ..core.paged_step import PagedStep
 from .base import MultiLayerCache
 from .blocks import BlockAllocator, PoolExhausted, chain_hashes
 from .contiguous import _check_positive
-from .paged_layer import PagedLayer, PagedStep
+from .paged_layer import PagedLayer, PagedPass
 
 
 @dataclass
@@ -79,7 +83,7 @@ class PagedKVCache(MultiLayerCache):
         self.allocator = BlockAllocator(num_blocks)
         self.sequences: dict[int, _Sequence] = {}
         self._next_id = 0
-        self._step: PagedStep | None = None
+        self._pass: PagedPass | None = None  # the last batch()'s, with its PagedStep
 
     @classmethod
     def for_layout(cls, layout, *, num_blocks: int, block_size: int = 16) -> PagedKVCache:
@@ -206,9 +210,9 @@ class PagedKVCache(MultiLayerCache):
         seq.length = length
 
     def _touch(self, seq_id: int) -> None:
-        """A change to seq_id's blocks: PagedLayers of a pending step holding it go stale."""
-        if self._step is not None and seq_id in self._step.seq_ids:
-            self._step.valid = False
+        """A change to seq_id's blocks: PagedLayers of a pending pass holding it go stale."""
+        if self._pass is not None and seq_id in self._pass.seq_ids:
+            self._pass.valid = False
 
     def blocks_needed(self, seq_id: int, new_tokens: int) -> int:
         """Blocks that writing new_tokens more tokens to the sequence would take from the
@@ -254,8 +258,8 @@ class PagedKVCache(MultiLayerCache):
                 f"{self.num_blocks} are free: check blocks_needed before "
                 "batch, free a sequence, or use more num_blocks"
             )
-        if self._step is not None:
-            self._step.valid = False
+        if self._pass is not None:
+            self._pass.valid = False
         size = self.block_size
         slots, completed = [], []
         for seq_id in seq_ids:
@@ -271,12 +275,12 @@ class PagedKVCache(MultiLayerCache):
             seq.length += new_tokens
             full = min(seq.length, len(seq.tokens)) // size
             completed += [(seq_id, i) for i in range(seq.remembered, full)]
-        self._step = self._make_step(seq_ids, new_tokens, slots, completed)
-        return [PagedLayer(self._step, layer) for layer in range(self.num_layers)]
+        self._pass = self._make_pass(seq_ids, new_tokens, slots, completed)
+        return [PagedLayer(self._pass, layer) for layer in range(self.num_layers)]
 
     def layer(self, index: int) -> PagedLayer:
         """Layer `index`'s part of the forward pass the last batch() prepared."""
-        if self._step is None:
+        if self._pass is None:
             raise ValueError("no forward pass is prepared: call batch(seq_ids, new_tokens)")
         if (
             isinstance(index, bool)
@@ -284,7 +288,7 @@ class PagedKVCache(MultiLayerCache):
             or not 0 <= index < self.num_layers
         ):
             raise ValueError(f"layer must be in 0..{self.num_layers - 1}, got {index!r}")
-        return PagedLayer(self._step, index)
+        return PagedLayer(self._pass, index)
 
     def _copy(self, block: int) -> int:
         """A new block holding what `block` holds, in every layer, in place of it."""
@@ -294,7 +298,9 @@ class PagedKVCache(MultiLayerCache):
         self.allocator.release(block)
         return new
 
-    def _make_step(self, seq_ids, new_tokens, slots, completed) -> PagedStep:
+    def _make_pass(self, seq_ids, new_tokens, slots, completed) -> PagedPass:
+        """The pass's sequences, its PagedStep (the table and lengths every layer's
+        attention reads, checked here once), and where its new tokens go."""
         seqs = [self.sequences[seq_id] for seq_id in seq_ids]
         width = max(len(seq.blocks) for seq in seqs)
         table = torch.zeros(len(seqs), width, dtype=torch.long)
@@ -304,12 +310,14 @@ class PagedKVCache(MultiLayerCache):
         rows = torch.arange(new_tokens)
         positions = torch.tensor(lengths).view(-1, 1) - new_tokens + rows
         device = self.k.device
-        return PagedStep(
+        paged = PagedStep(
+            table.to(device), lengths, num_blocks=self.num_blocks, block_size=self.block_size
+        )
+        return PagedPass(
             self.k,
             self.v,
             seq_ids,
-            table.to(device),
-            lengths,
+            paged,
             positions.to(device),
             torch.tensor(slots, device=device),
             lambda: self._remember(completed),

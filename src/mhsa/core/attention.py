@@ -17,7 +17,7 @@ from .kernels.dropout import draw_seed
 from .kernels.scored import SelectedHeads, softmax_with_sinks
 from .masks import Pattern
 from .masks.causal import causal_allows, causal_shift
-from .paged import paged_attention
+from .paged import attention_over_pages
 from .scores import ScoreFunction, apply_score, as_score, kinds
 
 
@@ -94,6 +94,8 @@ def attention(
             if that is the mask; score functions see each sequence's own positions.
             No bias, dropout, sinks or return_lse. Backends say in `mhsa info` whether
             they serve paged keys (flash: inference only; reference: differentiable).
+            This checks the table at each call: a decoding step's layers share one
+            checked mhsa.PagedStep through mhsa.paged_attention instead.
         seq_lens: with block_table, (N,) ints: the keys of each sequence, the new
             ones included, at most max_blocks * block_size.
 
@@ -103,7 +105,7 @@ def attention(
         key gets output 0, lse -inf (the sink's logit, with sinks) and zero gradients.
     """
     if block_table is not None or seq_lens is not None:
-        return paged_attention(
+        return attention_over_pages(
             q,
             k,
             v,

@@ -12,9 +12,10 @@ every selected tile full, at the price that a token's route also depends on the 
 queries of its block (no gradient flows through the choice). (batch, head) pairs that
 chose the same blocks share one engine call and its plan.
 
-Over paged keys (block_table=, seq_lens=, as mhsa.attention takes them) each sequence's
-keys are gathered from its pages and routed and attended as the call over those keys
-would be: the same answers as a contiguous cache that holds them.
+Over paged keys (a PagedStep, as mhsa.paged_attention takes it, or block_table= and
+seq_lens= as mhsa.attention takes them) each sequence's keys are gathered from its pages
+and routed and attended as the call over those keys would be: the same answers as a
+contiguous cache that holds them.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from .kernels.paged import gather_pages
 from .masks.blocks import num_blocks
 from .masks.causal import causal_shift, strictly_earlier
 from .masks.selected import SelectedBlocks
+from .paged_step import PagedStep
 
 
 def _block_means(x: Tensor, block: Tensor, n: int) -> Tensor:
@@ -98,6 +100,7 @@ def moba_attention(
     return_lse: bool = False,
     block_table: Tensor | None = None,
     seq_lens: Tensor | Sequence[int] | None = None,
+    step: PagedStep | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Mixture of Block Attention. q (B, H, L, D), k (B, H_kv, S, D), v (B, H_kv, S, D_v),
     L <= S (queries aligned bottom-right, as causal).
@@ -114,10 +117,13 @@ def moba_attention(
     (N, H, T, D), the T newest queries of N sequences, and sequence n holds seq_lens[n]
     keys (>= T) in the blocks block_table[n]. Each sequence is attended as the call
     over its own keys; top_k >= 1 is capped at each sequence's number of key blocks.
+    step: the same pages as a PagedStep (a decoding step's, checked once for every
+    layer: mhsa.paged_attention's), instead of block_table and seq_lens.
     """
-    if block_table is not None or seq_lens is not None:
+    if block_table is not None or seq_lens is not None or step is not None:
         options = {"scale": scale, "backend": backend, "return_lse": return_lse}
-        return _paged(q, k, v, block_table, seq_lens, block_size, top_k, **options)
+        step = _paged_step(q, k, v, block_table, seq_lens, step)
+        return _paged(q, k, v, step, block_size, top_k, **options)
     validate.check_qkv(q, k, v)
     validate.check_scale(scale)
     selected = moba_select(q, k, block_size, top_k)  # (B, H, n, n)
@@ -155,21 +161,33 @@ def moba_attention(
     return out, torch.cat(lses)[back].view(batch, heads, q_len)
 
 
+def _paged_step(q, k_pool, v_pool, block_table, seq_lens, step) -> PagedStep:
+    """The step of a paged call, checked against q and the pools: `step`, or a one-off
+    one from block_table and seq_lens."""
+    if step is None:
+        if block_table is None:
+            raise ValueError("seq_lens goes with block_table (paged keys); pass both or neither")
+        return PagedStep.for_call(q, k_pool, v_pool, block_table, seq_lens)
+    if block_table is not None or seq_lens is not None:
+        raise ValueError("pass a step or block_table and seq_lens, not both")
+    if not isinstance(step, PagedStep):
+        raise TypeError(f"step must be an mhsa.PagedStep, got {type(step).__name__}")
+    step.check(q, k_pool, v_pool)
+    return step
+
+
 def _paged(
     q: Tensor,
     k_pool: Tensor,
     v_pool: Tensor,
-    block_table: Tensor | None,
-    seq_lens,
+    step: PagedStep,
     block_size: int,
     top_k: int,
     **options,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """moba_attention over paged keys (see its docstring): each sequence's keys and
     values gathered from its pages, then the contiguous call over them."""
-    if block_table is None:
-        raise ValueError("seq_lens goes with block_table (paged keys); pass both or neither")
-    seq_lens, table = validate.check_paged(q, k_pool, v_pool, block_table, seq_lens)
+    seq_lens, table = step.seq_lens, step.block_table
     int_at_least("block_size", block_size, 1)
     int_at_least("top_k", top_k, 1)
     page = k_pool.shape[1]

@@ -7,13 +7,12 @@ with a message that names the argument, says what it got, and how to fix it.
 from __future__ import annotations
 
 import math
-import weakref
 
 import torch
 from torch import Tensor
 
 from .checks import int_at_least as int_at_least  # re-exported for the layers above
-from .checks import int_list, tensors_of_rank
+from .checks import tensors_of_rank
 from .masks.base import Pattern
 from .masks.patterns import SlidingWindow
 
@@ -180,125 +179,3 @@ def paged_window(mask, causal: bool, q_len: int) -> int | None:
         f"(causal=True), optionally within SlidingWindow(left, 0); got mask "
         f"{mask!r}, causal={causal}"
     )
-
-
-def check_paged(
-    q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table, seq_lens
-) -> tuple[list[int], Tensor]:
-    """Check q (N, H, T, D), the pools (num_blocks, block_size, H_kv, D) / (..., D_v),
-    block_table (N, max_blocks) and seq_lens (N,); return seq_lens as a list of ints and
-    the table as int64, its entries past each sequence's keys clamped to blocks."""
-    for name, t in (("q", q), ("k_pool", k_pool), ("v_pool", v_pool)):
-        if not isinstance(t, Tensor) or t.dim() != 4 or not t.is_floating_point():
-            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
-            raise ValueError(
-                f"{name} must be a 4-D float tensor, got {got}; layout with "
-                "block_table: q (N, H, T, D), pools (num_blocks, block_size, "
-                "H_kv, D)"
-            )
-    if k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
-        raise TypeError(
-            f"q, k_pool and v_pool must share one dtype, got {q.dtype}, "
-            f"{k_pool.dtype}, {v_pool.dtype}; cast them with .to(q.dtype)"
-        )
-    if k_pool.device != q.device or v_pool.device != q.device:
-        raise ValueError(
-            f"q, k_pool and v_pool must be on one device, got {q.device}, "
-            f"{k_pool.device}, {v_pool.device}"
-        )
-    batch, num_heads, _, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, key_dim = k_pool.shape
-    if tuple(v_pool.shape[:3]) != (num_blocks, block_size, num_kv_heads):
-        raise ValueError(
-            f"v_pool must be (num_blocks, block_size, H_kv, D_v) = ({num_blocks}, "
-            f"{block_size}, {num_kv_heads}, *) like k_pool, got "
-            f"{tuple(v_pool.shape)}"
-        )
-    if key_dim != head_dim or min(num_blocks, block_size, num_kv_heads, head_dim) == 0:
-        raise ValueError(
-            f"k_pool {tuple(k_pool.shape)} must hold keys of q's head_dim "
-            f"{head_dim}, with no empty dimension"
-        )
-    if num_heads % num_kv_heads:
-        raise ValueError(
-            f"q's num_heads ({num_heads}) must be a multiple of the pools' "
-            f"num_kv_heads ({num_kv_heads}) for grouped-query attention"
-        )
-    if (
-        not isinstance(block_table, Tensor)
-        or block_table.dim() != 2
-        or block_table.shape[0] != batch
-    ):
-        got = tuple(block_table.shape) if isinstance(block_table, Tensor) else block_table
-        raise ValueError(
-            f"block_table must be a (N, max_blocks) = ({batch}, *) tensor of block ids, got {got}"
-        )
-    if (
-        block_table.is_floating_point()
-        or block_table.is_complex()
-        or block_table.dtype == torch.bool
-    ):
-        raise TypeError(f"block_table must hold integer block ids, got {block_table.dtype}")
-    if block_table.device != q.device:
-        raise ValueError(f"block_table is on {block_table.device} but q is on {q.device}")
-    seq_lens = _seq_lens(seq_lens, batch, block_table.shape[1] * block_size)
-    return seq_lens, _checked_table(block_table, seq_lens, num_blocks, block_size)
-
-
-class _LastTable:
-    """The block table checked last and its answer: every layer of a decoding step
-    passes the same table, so only the first pays for the check. Another table object
-    is another key, and a table changed in place has a new _version, except an
-    inference tensor, which has none (index_select still refuses a block id out of
-    range there, with torch's message)."""
-
-    table: weakref.ref | None = None
-    key: tuple = ()
-    checked: Tensor | None = None
-
-
-def _checked_table(block_table: Tensor, seq_lens: list[int], num_blocks: int, block_size: int):
-    """block_table as int64 with the entries past each sequence's keys clamped into
-    0..num_blocks-1 (they are read, never used); raises ValueError where an entry that
-    holds keys is not a block."""
-    version = None if block_table.is_inference() else block_table._version
-    key = (version, num_blocks, block_size, tuple(seq_lens))
-    last = _LastTable.table() if _LastTable.table is not None else None
-    if last is block_table and _LastTable.key == key:
-        return _LastTable.checked
-    ids = block_table
-    low, high = [int(x) for x in torch.aminmax(ids)] if ids.numel() else (0, 0)
-    in_range = low >= 0 and high < num_blocks
-    if not in_range:  # only the entries that hold keys must be blocks
-        used = torch.arange(block_table.shape[1], device=block_table.device) * block_size
-        ids = block_table[used.view(1, -1) < torch.tensor(seq_lens, device=ids.device).view(-1, 1)]
-        low, high = [int(x) for x in torch.aminmax(ids)] if ids.numel() else (0, 0)
-    if low < 0 or high >= num_blocks:
-        raise ValueError(
-            f"block_table's blocks holding keys must be in 0..{num_blocks - 1} "
-            f"(the pools' num_blocks), got {low}..{high}"
-        )
-    checked = block_table.long()
-    if not in_range:
-        checked = checked.clamp(0, num_blocks - 1)
-    if not torch.compiler.is_compiling():
-        _LastTable.table, _LastTable.key, _LastTable.checked = (
-            weakref.ref(block_table),
-            key,
-            checked,
-        )
-    return checked
-
-
-def _seq_lens(seq_lens, batch: int, capacity: int) -> list[int]:
-    if seq_lens is None:
-        raise ValueError("block_table needs seq_lens: the keys of each sequence (N,)")
-    seq_lens = int_list("seq_lens", seq_lens, " (N,)")
-    if len(seq_lens) != batch or set(map(type, seq_lens)) - {int}:  # (bool is no int here)
-        raise ValueError(f"seq_lens must hold {batch} ints (one per sequence), got {seq_lens}")
-    if seq_lens and (min(seq_lens) < 0 or max(seq_lens) > capacity):
-        raise ValueError(
-            f"seq_lens must be in 0..{capacity} (block_table's max_blocks * "
-            f"block_size), got {seq_lens}"
-        )
-    return seq_lens

@@ -8,6 +8,7 @@ from torch import Tensor, nn
 from ..cache import Cache
 from ..core.attention import attention, attention_and_weights, attention_weights
 from ..core.masks import KeyPadding, Pattern
+from ..core.paged import paged_attention
 from ..core.scores import ScoreFunction
 from ..core.validate import check_dropout, check_scale, int_at_least, paged_window
 from .layout import fuse_linears
@@ -58,6 +59,13 @@ def _rotated(
             "offset"
         )
     return position.at(positions).rotate(q, k, 0)
+
+
+# a position's dense bias (attention_bias) over a paged cache
+PAGED_BIAS = (
+    "a paged cache takes no bias; this position gives a dense one (attention_bias): "
+    "give it a score function (score()) instead"
+)
 
 
 def attention_masks(
@@ -234,7 +242,7 @@ class MultiHeadAttention(nn.Module):
         (B, H, L, S).
         """
         dropout = self.dropout if self.training else 0.0
-        paged = cache is not None and cache.block_table is not None
+        paged = cache is not None and cache.paged_step is not None
         if paged:  # checked before update writes the new keys into the pages
             if need_weights or dropout or key_padding_mask is not None or bias is not None:
                 raise ValueError(
@@ -252,8 +260,12 @@ class MultiHeadAttention(nn.Module):
             out, weights = attention_and_weights(
                 q, k, v, mask, bias=bias, causal=causal, scale=scale, dropout_p=dropout, score=score
             )
+        elif paged:  # k, v: the pools; the step is every layer's
+            if bias is not None:
+                raise ValueError(PAGED_BIAS)
+            options = {"causal": causal, "scale": scale, "backend": self.backend, "score": score}
+            out = paged_attention(q, k, v, cache.paged_step, mask, **options)
         else:
-            pages = {"block_table": cache.block_table, "seq_lens": cache.seq_lens} if paged else {}
             out = attention(
                 q,
                 k,
@@ -265,7 +277,6 @@ class MultiHeadAttention(nn.Module):
                 dropout_p=dropout,
                 backend=self.backend,
                 score=score,
-                **pages,
             )
         out = out.transpose(1, 2).reshape(query.shape[0], query.shape[1], -1)  # (B, L, H * D)
         if self.gate_proj is not None:

@@ -25,9 +25,10 @@ from ..cache import Cache
 from ..core.attention import attention
 from ..core.kernels.scored import SelectedHeads
 from ..core.masks import Pattern
+from ..core.paged import paged_attention
 from ..core.scores import ScoreFunction
 from ..core.validate import check_dropout, int_at_least, paged_window
-from .attention import _rotated, attention_masks
+from .attention import PAGED_BIAS, _rotated, attention_masks
 from .norm import RMSNorm
 from .positional import AttentionPosition
 
@@ -123,7 +124,7 @@ class DiffAttention(nn.Module):
         batch, length, width = x.shape
         heads, d = self.num_heads, self.head_dim
         dropout = self.dropout if self.training else 0.0
-        paged = cache is not None and cache.block_table is not None
+        paged = cache is not None and cache.paged_step is not None
         if paged:  # checked before update writes the new keys into the pages
             if dropout or key_padding_mask is not None:
                 raise ValueError(
@@ -145,7 +146,9 @@ class DiffAttention(nn.Module):
         masks = (mask, key_padding_mask, None, position, cache)
         mask, bias = attention_masks(*masks, batch, length, k.shape[2])
         if paged:
-            both = self._paged_maps(q, k, v, mask, bias, causal, score, cache)
+            if bias is not None:
+                raise ValueError(PAGED_BIAS)
+            both = self._paged_maps(q, k, v, mask, causal, score, cache)
         else:
             kv_len = k.shape[2]
             v = v.reshape(batch, heads, 2, kv_len, d).transpose(2, 3)  # (B, H, S, 2, d)
@@ -172,7 +175,6 @@ class DiffAttention(nn.Module):
         k_pool: Tensor,
         v_pool: Tensor,
         mask: Pattern | None,
-        bias: Tensor | None,
         causal: bool,
         score: ScoreFunction | None,
         cache: Cache,
@@ -187,18 +189,16 @@ class DiffAttention(nn.Module):
         for which in (0, 1):
             heads_of_map = torch.arange(which, 2 * heads, 2, device=q.device)
             maps.append(
-                attention(
+                paged_attention(
                     q[:, which::2],  # (N, H, T, d)
                     k_pool[:, :, which::2],  # (blocks, block_size, H, d)
                     values,
+                    cache.paged_step,  # (both maps' calls, and every layer's, share it)
                     mask,
-                    bias=bias,  # (a position's dense bias: paged calls refuse it)
                     causal=causal,
                     scale=d**-0.5,
                     backend=self.backend,
                     score=None if score is None else SelectedHeads(score, heads_of_map, 2 * heads),
-                    block_table=cache.block_table,
-                    seq_lens=cache.seq_lens,
                 )
             )
         return torch.stack(maps, dim=2)

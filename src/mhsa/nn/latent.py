@@ -27,6 +27,7 @@ from ..cache import Cache
 from ..core.attention import attention
 from ..core.checks import int_at_least
 from ..core.masks import Pattern
+from ..core.paged import paged_attention
 from ..core.validate import check_dropout, check_scale, paged_window
 from .attention import _rotated, attention_masks
 from .norm import RMSNorm
@@ -169,7 +170,7 @@ class LatentAttention(nn.Module):
         if not isinstance(query, Tensor) or query.dim() != 3 or query.shape[-1] != self.embed_dim:
             got = tuple(query.shape) if isinstance(query, Tensor) else type(query).__name__
             raise ValueError(f"query must be (batch, length, {self.embed_dim}), got {got}")
-        paged = cache is not None and cache.block_table is not None
+        paged = cache is not None and cache.paged_step is not None
         if absorbed is None:
             absorbed = paged or query.shape[1] == 1
         if paged:
@@ -184,7 +185,7 @@ class LatentAttention(nn.Module):
         call = {"causal": causal, "scale": self.scale}
         call["score"] = None if position is None else position.score()
         if paged:
-            call |= {"block_table": cache.block_table, "seq_lens": cache.seq_lens}
+            call["step"] = cache.paged_step  # (keys: the pool)
         else:
             batch, kv_len = query.shape[0], keys.shape[-2]
             masks = (mask, key_padding_mask, bias, position, cache)
@@ -229,7 +230,7 @@ class LatentAttention(nn.Module):
         k_rope = k_rope.unsqueeze(1).expand(batch, self.num_heads, kv_len, self.rope_dim)
         q = torch.cat((q_nope, q_rope), dim=-1)
         k = torch.cat((k_nope, k_rope), dim=-1)
-        return attention(q, k, v, mask, backend=self.backend, **call)
+        return _attend(q, k, v, mask, self.backend, call)
 
     def _absorbed(self, q_nope, q_rope, keys, mask, call) -> Tensor:
         """Multi-query attention in latent space: q [q_nope W_UK | q_rope] (B, H, L,
@@ -241,11 +242,20 @@ class LatentAttention(nn.Module):
         if _heads_as_rows(q, mask, call):  # one query per head sees every key: the same
             # call with the heads as H query rows of the one key head (no K/V repeat)
             call = {**call, "causal": False}
-            out = attention(q.transpose(1, 2), keys, values, mask, backend=self.backend, **call)
+            out = _attend(q.transpose(1, 2), keys, values, mask, self.backend, call)
             out = out.transpose(1, 2)
         else:
-            out = attention(q, keys, values, mask, backend=self.backend, **call)  # (B, H, L, r)
+            out = _attend(q, keys, values, mask, self.backend, call)  # (B, H, L, r)
         return torch.einsum("bhlr,hvr->bhlv", out, w_uv)
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, mask, backend: str, call: dict) -> Tensor:
+    """attention, or paged_attention where call holds a paged cache's step (k and v are
+    then its pools)."""
+    if "step" in call:
+        options = {name: value for name, value in call.items() if name != "step"}
+        return paged_attention(q, k, v, call["step"], mask, backend=backend, **options)
+    return attention(q, k, v, mask, backend=backend, **call)
 
 
 def _heads_as_rows(q: Tensor, mask, call: dict) -> bool:
@@ -253,7 +263,7 @@ def _heads_as_rows(q: Tensor, mask, call: dict) -> bool:
     token (each row then sees every key whatever causal says), no paging, and nothing
     that depends on the query's row (a pattern, a bias, a score function) beyond key
     padding, a (B, 1, 1, S) mask."""
-    if q.shape[2] != 1 or "block_table" in call or call.get("bias") is not None:
+    if q.shape[2] != 1 or "step" in call or call.get("bias") is not None:
         return False
     if call.get("score") is not None:
         return False

@@ -87,8 +87,8 @@ class MoBA(MultiHeadAttention):
         q, k, v, padding, _ = self._inputs(query, None, None, None, None, None, position, cache)
         if padding is not None:
             raise ValueError("MoBA takes no left-padded cache: decode one sequence per cache row")
-        if cache is not None and cache.block_table is not None:  # k, v: the pools
-            pages = {"block_table": cache.block_table, "seq_lens": cache.seq_lens}
+        if cache is not None and cache.paged_step is not None:  # k, v: the pools
+            pages = {"step": cache.paged_step}
             top_k = self.top_k  # (capped per sequence)
         else:
             pages, top_k = {}, min(self.top_k, num_blocks(k.shape[2], self.block_size))

@@ -261,63 +261,131 @@ def test_each_backend_says_whether_it_serves_paged_keys():
 
 
 def test_a_block_table_changed_in_place_is_checked_again():
-    """Each layer of a decoding step passes the same table, checked once; a table changed
-    in place (a new version) or another table with the same values is checked again."""
+    """attention(block_table=) checks the table at each call: a table changed in place or
+    another table with the same values is checked again. A PagedStep keeps the table it
+    checked (its own copy): changing the caller's table after changes none of its
+    answers, and a step made from the changed table refuses it."""
     q, k_pool, v_pool, table, _, _ = _paged([5, 9], 4)
     lengths = [5, 9]
     first = paged(q, k_pool, v_pool, table, lengths)
     assert torch.equal(paged(q, k_pool, v_pool, table, lengths), first)
+    step = _step(table, lengths, k_pool)
     table[1, 0] = k_pool.shape[0]  # a block holding keys that is no block
     with pytest.raises(ValueError, match="block_table's blocks"):
         paged(q, k_pool, v_pool, table, lengths)
     with pytest.raises(ValueError, match="block_table's blocks"):
         paged(q, k_pool, v_pool, table.clone(), lengths)
+    assert torch.equal(mhsa.paged_attention(q, k_pool, v_pool, step), first)
+    with pytest.raises(ValueError, match="block_table's blocks"):
+        _step(table, lengths, k_pool)
+
+
+def _step(table, lengths, k_pool) -> mhsa.PagedStep:
+    return mhsa.PagedStep(table, lengths, num_blocks=k_pool.shape[0], block_size=k_pool.shape[1])
 
 
 @torch.no_grad()
-def test_the_layers_of_a_step_reuse_one_checked_plan_and_nothing_stale():
-    """Without gradients a call like the last (same shapes, table, lengths and options)
-    skips the checks; whatever differs (the table's content, the lengths, the scale, a
-    forced backend) is checked again, and the answers equal the checked ones."""
+def test_the_layers_of_a_step_reuse_one_checked_plan_and_nothing_stale(monkeypatch):
+    """A step checks and plans each kind of call once: the later calls of a kind (other
+    layers: their own q and pools, the same shapes and options) skip the checks; a call
+    of another kind (another scale, a forced backend) is checked and planned for itself,
+    and every answer equals the checked one."""
+    from mhsa.core.paged_step import PagedStep
+
     q, k_pool, v_pool, table, keys, values = _paged([5, 9], 4)
     lengths = [5, 9]
+    step = _step(table, lengths, k_pool)
+    checks = []
+    check = PagedStep.check
+    monkeypatch.setattr(PagedStep, "check", lambda *args: checks.append(1) or check(*args))
     want = _golden(q, keys, values, lengths)
     for _ in range(3):  # the second and third reuse the first's plan
-        assert max_error(paged(q, k_pool, v_pool, table, lengths), want) < 1e-12
-    with pytest.raises(ValueError, match="seq_lens"):
-        paged(q, k_pool, v_pool, table, [5, table.shape[1] * 4 + 1])
-    paged(q, k_pool, v_pool, table, lengths)
+        assert max_error(mhsa.paged_attention(q, k_pool, v_pool, step), want) < 1e-12
+    assert len(checks) == 1 and len(step.plans) == 1
     other_q = torch.randn_like(q)  # another layer: its own q and pools, the same shapes
-    other_want = _golden(other_q, keys, values, lengths)
-    assert max_error(paged(other_q, k_pool, v_pool, table, lengths), other_want) < 1e-12
+    other_k, other_v = torch.randn_like(k_pool), torch.randn_like(v_pool)
+    other_keys, other_values = (gathered(pool, table, lengths) for pool in (other_k, other_v))
+    other_want = _golden(other_q, other_keys, other_values, lengths)
+    out = mhsa.paged_attention(other_q, other_k, other_v, step)
+    assert max_error(out, other_want) < 1e-12 and len(checks) == 1
     half = _golden(q, keys, values, lengths, scale=0.5)
-    paged(q, k_pool, v_pool, table, lengths)
-    assert max_error(paged(q, k_pool, v_pool, table, lengths, scale=0.5), half) < 1e-12
+    assert max_error(mhsa.paged_attention(q, k_pool, v_pool, step, scale=0.5), half) < 1e-12
+    assert len(checks) == 2 and len(step.plans) == 2
     with pytest.raises(ValueError, match="forward_paged|paged keys"), mhsa.use_backend("sdpa"):
-        paged(q, k_pool, v_pool, table, lengths)
-    table[1, 0] = k_pool.shape[0]  # in place: a new version, checked again
-    with pytest.raises(ValueError, match="block_table's blocks"):
-        paged(q, k_pool, v_pool, table, lengths)
+        mhsa.paged_attention(q, k_pool, v_pool, step)
+    with pytest.raises(ValueError, match="seq_lens"):  # a step's lengths are checked once
+        _step(table, [5, table.shape[1] * 4 + 1], k_pool)
+    with pytest.raises(ValueError, match="made for"):  # pools of other blocks: not its own
+        mhsa.paged_attention(q, k_pool[:-1], v_pool[:-1], step)
+    with pytest.raises(ValueError, match="PagedStep 2"):  # q of other sequences
+        mhsa.paged_attention(q[:1], k_pool, v_pool, step)
+    with pytest.raises(TypeError, match="step must be an mhsa.PagedStep"):
+        mhsa.paged_attention(q, k_pool, v_pool, table)
+
+
+def gathered(pool, table, lengths):
+    """Each sequence's keys (1, H_kv, len, D) of pool, gathered by hand."""
+    size = pool.shape[1]
+    return [
+        torch.stack([pool[table[n, j // size], j % size] for j in range(length)], 1)[None]
+        for n, length in enumerate(lengths)
+    ]
+
+
+@torch.no_grad()
+def test_a_step_plans_each_kind_of_layer_for_itself():
+    """One step serves layers of several kinds (windowed and global, as Gemma alternates
+    them; another scale; other head counts): each kind gets its own plan, and each
+    layer's answer is its own, called in any order."""
+    lengths = [9, 40, 23]
+    q, k_pool, v_pool, table, keys, values = _paged(lengths, 5, q_len=2, value_dim=7)
+    q8 = torch.randn(3, 8, 2, 7, dtype=torch.float64)
+    step = _step(table, lengths, k_pool)
+    kinds = [
+        (q, {}, _golden(q, keys, values, lengths)),
+        (q, {"mask": SlidingWindow(6, 0)}, _golden(q, keys, values, lengths, window=6)),
+        (q, {"mask": SlidingWindow(0, 0)}, _golden(q, keys, values, lengths, window=0)),
+        (q, {"scale": 0.3}, _golden(q, keys, values, lengths, scale=0.3)),
+        (q8, {}, _golden(q8, keys, values, lengths)),
+    ]
+    for _ in range(2):
+        for queries, options, want in kinds + kinds[::-1]:
+            out = mhsa.paged_attention(queries, k_pool, v_pool, step, backend="flash", **options)
+            assert max_error(out, want) < 1e-12
+    assert len(step.plans) == len(kinds)
 
 
 @torch.no_grad()
 @pytest.mark.parametrize("lengths", [[9, 5, 2], [2, 9, 5]], ids=["longest first", "unsorted"])
 def test_a_short_calls_kept_layout_never_keeps_the_pages(lengths):
-    """The flash engine keeps the last short call's positions and masks (every layer of
-    a step repeats them); another call with the same lengths and shapes but other pages
-    (another table, the same table changed in place, other pools) reads its own keys."""
+    """The flash engine's layout (positions, masks), made once per step and kind of
+    call, reads no page: the layers of one step, each with other pools, read their own
+    keys; a call with the same lengths and shapes but other pages (another table, the
+    same table changed in place) reads its own."""
     # D == D_v: the fused kernel (unwritten slots hold nan, as _paged makes them)
     first, second = (_paged(lengths, 4, q_len=2, value_dim=7, num_blocks=12) for _ in "ab")
     for q, k_pool, v_pool, table, keys, values in (first, second, first):
         want = _golden(q, keys, values, lengths)
         assert max_error(paged(q, k_pool, v_pool, table, lengths, backend="flash"), want) < 1e-12
     q, k_pool, v_pool, table, keys, values = second
+    step = _step(table, lengths, k_pool)
+    for _ in range(2):  # layers of one step: their own pools, the same table
+        for pools, (layer_keys, layer_values) in (
+            ((k_pool, v_pool), (keys, values)),
+            ((v_pool, k_pool), (values, keys)),
+        ):
+            want = _golden(q, layer_keys, layer_values, lengths)
+            out = mhsa.paged_attention(q, *pools, step, backend="flash")
+            assert max_error(out, want) < 1e-12
+    assert len(step.plans) == 1 and step.plans[next(iter(step.plans))].prepared is not None
     other = torch.randperm(k_pool.shape[0])  # the same table's ids moved in place
     moved_k, moved_v = torch.empty_like(k_pool), torch.empty_like(v_pool)
     moved_k[other], moved_v[other] = k_pool, v_pool
     table[table >= 0] = other[table[table >= 0]]
     want = _golden(q, keys, values, lengths)
     assert max_error(paged(q, moved_k, moved_v, table, lengths, backend="flash"), want) < 1e-12
+    moved = _step(table, lengths, k_pool)
+    assert max_error(mhsa.paged_attention(q, moved_k, moved_v, moved), want) < 1e-12
 
 
 def test_the_registry_refuses_paged_keys_for_backends_without_forward_paged():
@@ -331,9 +399,10 @@ def test_the_registry_refuses_paged_keys_for_backends_without_forward_paged():
             assert reason_unusable(backend, spec) == PAGED_REASON
 
 
-def test_the_last_paged_choice_follows_use_backend_and_the_registry(monkeypatch):
-    """select remembers the last paged call's backend; a forced backend or a changed
-    registry is another key."""
+def test_the_paged_choice_follows_use_backend_and_the_registry(monkeypatch):
+    """select answers a paged spec from the registry as it is now (nothing kept between
+    calls); a step plans a call under a forced backend as another kind, with that
+    backend, and goes back to its own plan outside it."""
     from mhsa.core.backends import registry
 
     spec = AttentionSpec.example(paged=True, causal=True)
@@ -341,6 +410,15 @@ def test_the_last_paged_choice_follows_use_backend_and_the_registry(monkeypatch)
     with mhsa.use_backend("reference"):
         assert registry.select(spec, "auto").name == "reference"
     assert registry.select(spec, "auto").name == "flash"
+    q, k_pool, v_pool, table, keys, values = _paged([5, 9], 4)
+    step, want = _step(table, [5, 9], k_pool), _golden(q, keys, values, [5, 9])
+    with torch.no_grad():
+        assert max_error(mhsa.paged_attention(q, k_pool, v_pool, step), want) < 1e-12
+        with mhsa.use_backend("reference"):
+            assert max_error(mhsa.paged_attention(q, k_pool, v_pool, step), want) < 1e-12
+        assert max_error(mhsa.paged_attention(q, k_pool, v_pool, step), want) < 1e-12
+    chosen = [plan.backend.name for plan in step.plans.values()]
+    assert chosen == ["flash", "reference"]
     others = {name: b for name, b in registry._BACKENDS.items() if name != "flash"}
     monkeypatch.setattr(registry, "_BACKENDS", others)  # (the order stays the registry's)
     assert registry.select(spec, "auto").name == "reference"

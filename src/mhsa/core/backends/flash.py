@@ -34,11 +34,12 @@ class FlashBackend(Backend):
     def preference(self, spec: AttentionSpec) -> float:
         return 2.0 if spec.device.type == "cpu" else 0.5
 
-    def forward_paged(
-        self, q, k_pool, v_pool, *, block_table, seq_lens, scale, score=None, window=None
-    ):
-        call = paged.PagedCall(q, k_pool, v_pool, block_table, seq_lens, scale, score, window)
-        return paged.paged_tiled(call, tile_size=paged.TILE_SIZE)
+    def prepare_paged(self, call):
+        """The fused engine's layout (positions, tiles, masks) of a short call."""
+        return paged.fused_layout(call, paged.TILE_SIZE)
+
+    def forward_paged(self, call, prepared=None):
+        return paged.paged_tiled(call, paged.TILE_SIZE, prepared)
 
     def forward(
         self, q, k, v, *, mask, bias, causal, scale, dropout_p, return_lse, score=None, sinks=None

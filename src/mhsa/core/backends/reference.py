@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ..kernels.dense import apply_dropout, grouped_scores, probs_times_v, stats_dtype
 from ..kernels.dropout import draw_seed
-from ..kernels.paged import PagedCall, paged_reference
+from ..kernels.paged import paged_reference
 from ..kernels.scored import softmax_with_sinks
 from ..masks.causal import causal_shift
 from ..scores import ScoreFunction, apply_score
@@ -66,11 +66,8 @@ class ReferenceBackend(Backend):
         out = probs_times_v(probs, v).to(q.dtype)
         return out, (lse if return_lse else None)
 
-    def forward_paged(
-        self, q, k_pool, v_pool, *, block_table, seq_lens, scale, score=None, window=None
-    ):
+    def forward_paged(self, call, prepared=None):
         """Every sequence's pages gathered, then dense attention (differentiable)."""
-        call = PagedCall(q, k_pool, v_pool, block_table, seq_lens, scale, score, window)
         return paged_reference(call)
 
     def supports(self, spec: AttentionSpec) -> str | None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..kernels.paged import PagedCall
 from ..tracing import constant_when_traced
 
 
@@ -115,22 +116,21 @@ class Backend:
         """Return (out (B, H, L, D_v), lse (B, H, L) float32 or None)."""
         raise NotImplementedError
 
-    def forward_paged(
-        self,
-        q: Tensor,
-        k_pool: Tensor,
-        v_pool: Tensor,
-        *,
-        block_table: Tensor,
-        seq_lens: list[int],
-        scale: float,
-        score=None,
-        window: int | None = None,
-    ) -> Tensor:
+    def prepare_paged(self, call: PagedCall) -> object | None:
+        """What forward_paged may reuse for every call like `call` (its shapes, lengths,
+        window, scale and score; other q and pools): made at a decoding step's first
+        such call and handed back as forward_paged's `prepared` (mhsa.core.paged.PagedStep
+        keeps it for the step). It must not depend on the block ids or the keys. None:
+        nothing to reuse."""
+        return None
+
+    def forward_paged(self, call: PagedCall, prepared: object | None = None) -> Tensor:
         """Attention over paged keys, causal per sequence (see mhsa.core.kernels.paged for the
-        layout): q (N, H, T, D), pools (num_blocks, block_size, H_kv, D) and (..., D_v),
-        block_table (N, max_blocks) int64 (entries past a sequence's keys: any valid
-        block), seq_lens N ints. Returns (N, H, T, D_v) in q's dtype."""
+        layout): call.q (N, H, T, D), pools (num_blocks, block_size, H_kv, D) and
+        (..., D_v), block_table (N, max_blocks) int64 (entries past a sequence's keys: any
+        valid block), lengths N ints, the resolved scale, a score function and a window
+        or None. prepared: prepare_paged of a call like this one, or None. Returns (N, H,
+        T, D_v) in q's dtype."""
         raise NotImplementedError(f"backend {self.name!r} does not serve paged keys")
 
 
@@ -183,7 +183,7 @@ def serves_paged(backend: Backend) -> bool:
 
 
 def reason_unusable(backend: Backend, spec: AttentionSpec) -> str | None:
-    if spec.paged and not serves_paged(backend):  # (first: decoding asks once per layer)
+    if spec.paged and not serves_paged(backend):
         return PAGED_REASON
     return backend.available() or backend.supports(spec)
 
@@ -202,18 +202,11 @@ def select(spec: AttentionSpec, requested: str) -> Backend:
         fixed = sizes | widths | {"dropout_p": 0.0 if spec.dropout_p == 0 else 0.5}
         fields = tuple(fixed.get(f.name, getattr(spec, f.name)) for f in dataclasses.fields(spec))
         return get(_select_when_traced(fields, requested, _forced_generation))
-    if spec.paged:  # decoding asks once per layer with the same spec
-        key = (spec, requested, _forced.get(), tuple(_BACKENDS.values()))
-        if _last_paged[0] != key:
-            _last_paged[:] = [key, _select(spec, requested)]
-        return _last_paged[1]
     return _select(spec, requested)
 
 
-# the last paged call's (spec, requested, forced, backends) and its backend: a paged call
-# is served by a backend with forward_paged (flash, reference), whose answers depend on
-# the spec alone
-_last_paged: list = [None, None]
+# forced(): the backend use_backend forces here (None or "auto": none)
+forced = _forced.get
 
 
 # While torch.compile traces, one graph may serve every size (dynamic shapes), so the

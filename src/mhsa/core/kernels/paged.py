@@ -116,13 +116,26 @@ def paged_reference(call: PagedCall) -> Tensor:
     return probs_times_v(probs, values).to(q.dtype)
 
 
-def paged_tiled(call: PagedCall, tile_size: int = TILE_SIZE) -> Tensor:
+def paged_tiled(
+    call: PagedCall, tile_size: int = TILE_SIZE, layout: FusedLayout | None = None
+) -> Tensor:
     """(N, H, T, D_v) by an online softmax over tiles of about tile_size keys (whole
-    pages), gathered one at a time. Inference only (it updates its state in place)."""
+    pages), gathered one at a time. Inference only (it updates its state in place).
+    layout: fused_layout of a call like this one (the same shapes, table and lengths,
+    window), made once for every layer of a decoding step; None: made here as needed."""
     if isinstance(tile_size, bool) or not isinstance(tile_size, int) or tile_size < 1:
         raise ValueError(f"tile_size must be an int >= 1, got {tile_size!r}")
+    if layout is not None and layout.tile_size == tile_size:  # (the fused kernel's)
+        if layout.order is None:
+            return _fused(call, layout.chunks)
+        ordered = call._replace(
+            q=call.q.index_select(0, layout.order),
+            block_table=layout.block_table,
+            lengths=layout.lengths,
+        )
+        return _fused(ordered, layout.chunks).index_select(0, layout.back)
     q, lengths = call.q, list(call.lengths)
-    order = sorted(range(len(lengths)), key=lambda n: -lengths[n])  # longest first
+    order = _longest_first(lengths)
     if order != sorted(order):
         index = torch.tensor(order, device=q.device)
         ordered = call._replace(
@@ -130,10 +143,14 @@ def paged_tiled(call: PagedCall, tile_size: int = TILE_SIZE) -> Tensor:
             block_table=call.block_table.index_select(0, index),
             lengths=[lengths[n] for n in order],
         )
-        out = _tiled(ordered, index, tile_size)
-        return out.index_select(0, torch.argsort(index))
+        return _tiled(ordered, index, tile_size).index_select(0, torch.argsort(index))
     index = torch.arange(len(lengths), device=q.device)
     return _tiled(call._replace(lengths=lengths), index, tile_size)
+
+
+def _longest_first(lengths: list[int]) -> list[int]:
+    """The sequences' order in the tiled loop: longest first (a stable sort)."""
+    return sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True)
 
 
 class _Chunk(NamedTuple):
@@ -162,16 +179,21 @@ class _Tile(NamedTuple):
     masked: bool
 
 
-def _tiled(call: PagedCall, batch_ids: Tensor, tile_size: int) -> Tensor:
-    """paged_tiled on sequences sorted longest first (batch_ids: their indices in the
-    caller's batch, for score functions), query rows QUERY_CHUNK at a time."""
-    if (
+def _runs_fused(call: PagedCall) -> bool:
+    """Whether the call's tiles run on the fused CPU kernel (else in plain torch)."""
+    return (
         call.score is None
         and _FUSED is not None
         and call.q.device.type == "cpu"
         and call.q.shape[-1] == call.v_pool.shape[-1]
-    ):
-        return _fused(call, _fused_layout(call, tile_size))
+    )
+
+
+def _tiled(call: PagedCall, batch_ids: Tensor, tile_size: int) -> Tensor:
+    """paged_tiled on sequences sorted longest first (batch_ids: their indices in the
+    caller's batch, for score functions), query rows QUERY_CHUNK at a time."""
+    if _runs_fused(call):
+        return _fused(call, _fused_chunks(call, tile_size))
     chunks = [_tiled_rows(call, chunk, batch_ids, tile_size) for chunk in _chunks(call)]
     return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=2)
 
@@ -256,38 +278,42 @@ class _FusedTile(NamedTuple):
     keyless: Tensor | None
 
 
-class _LastLayout:
-    """The fused layout of the last short call and what it depends on: every layer of
-    a decoding step makes the same call but for q and the pools, so the positions,
-    masks and tiles are made once a step (none of them reads the block table's ids)."""
+class FusedLayout(NamedTuple):
+    """What the fused engine computes for the calls of one kind of a decoding step
+    besides their keys: the sequences' order in the tiled loop (longest first) and the
+    step's block table and lengths in it, and each query chunk's rows and its tiles
+    (positions, masks). Made from the step's table and lengths and the call's shapes,
+    it reads no key: every layer of the step shares one (mhsa.core.paged)."""
 
-    last: tuple = ((), [])  # (key, layout), one object: a reader sees both or neither
+    tile_size: int
+    order: Tensor | None  # (N,) the sequences longest first; None: they already are
+    back: Tensor | None  # (N,) argsort(order): the caller's order again
+    block_table: Tensor  # the step's table, in that order
+    lengths: list[int]  # and its lengths
+    chunks: list[tuple[tuple[int, int], list[_FusedTile]]]
 
 
-MEMO_QUERIES = 32  # calls of at most this many queries (decoding, drafts) keep their layout
+MEMO_QUERIES = 32  # calls of at most this many queries (decoding, drafts) have a layout
 
 
-def _fused_layout(call: PagedCall, tile_size: int):
-    """[((start, stop), tiles)] per query chunk: the last layout when the call matches
-    it; lazily made (one tile's masks at a time) for a longer call."""
-    q = call.q
-    if q.shape[2] > MEMO_QUERIES or torch.compiler.is_compiling():
-        return _fused_chunks(call, tile_size)
-    key = (
-        tuple(call.lengths),
-        q.shape,
-        q.dtype,
-        q.device,
-        call.k_pool.shape[1:3],
-        call.block_table.shape[1],
-        call.window,
-        tile_size,
-    )
-    last_key, layout = _LastLayout.last
-    if last_key != key:
-        layout = [(rows, list(tiles)) for rows, tiles in _fused_chunks(call, tile_size)]
-        _LastLayout.last = key, layout
-    return layout
+def fused_layout(call: PagedCall, tile_size: int = TILE_SIZE) -> FusedLayout | None:
+    """The layout of paged_tiled for calls like `call`, made whole; None where the call
+    does not run on the fused kernel or has more than MEMO_QUERIES queries (a prefill's
+    tiles are then made one at a time, their masks never all held at once)."""
+    if not _runs_fused(call) or call.q.shape[2] > MEMO_QUERIES:
+        return None
+    lengths = list(call.lengths)
+    order = _longest_first(lengths)
+    index = back = None
+    table = call.block_table
+    if order != sorted(order):
+        index = torch.tensor(order, device=call.q.device)
+        back = torch.argsort(index)
+        table = table.index_select(0, index)
+        lengths = [lengths[n] for n in order]
+    ordered = call._replace(block_table=table, lengths=lengths)  # (q: its shape alone is read)
+    chunks = [(rows, list(tiles)) for rows, tiles in _fused_chunks(ordered, tile_size)]
+    return FusedLayout(tile_size, index, back, table, lengths, chunks)
 
 
 def _fused_chunks(call: PagedCall, tile_size: int):
