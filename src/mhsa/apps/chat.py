@@ -141,7 +141,9 @@ class ChatModel:
     def _choices(self, ids, sampling, stop, generator) -> Iterator[Choice]:
         """Compiled decoding's Choices over contiguous KV caches, one token each."""
         caches = self.model.make_caches(1, len(ids) + stop.max_tokens)
-        logits = self.model.prefill(torch.tensor([ids]), caches)
+        logits = self.model.prefill(
+            torch.tensor([ids], device=self.model.cache_layout.device), caches
+        )
         step = compiled_decode_step(self.model, caches)
         for count in range(stop.max_tokens):
             choice = sample_and_stop(
@@ -200,11 +202,28 @@ def load_chat_model(
     dtype: torch.dtype = torch.float32,
     quantize: str | None = None,
     progress: Callable[[int, int], None] | None = None,
+    device: torch.device | str = "cpu",
 ) -> ChatModel:
     """The packaged SmolLM2 (source None), a GGUF file or a transformers directory;
     quantize: one of QUANTIZE, default "file" for a float32 GGUF and "none" otherwise
     (dtype is then the dequantised weights' dtype); progress(done, total) follows a GGUF
-    file's tensors as they are read."""
+    file's tensors as they are read. The model is read on the CPU, then moved to device;
+    on a GPU quantize defaults to "none", and "file", "int8" and "int4" (whose int4 and
+    int8 kernels are the CPU's) are refused before anything is read."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        if quantize in ("file", "int8", "int4"):
+            raise ValueError(
+                f"quantize={quantize!r}: its int8 and int4 matmuls run on the CPU only; "
+                f"on {device.type} pass quantize='none' (dequantised to dtype) or 'bfloat16'"
+            )
+        quantize = quantize or "none"
+    chat = _load_chat_model(source, dtype, quantize, progress)
+    chat.model.to(device)
+    return chat
+
+
+def _load_chat_model(source, dtype, quantize, progress) -> ChatModel:
     if quantize is not None and quantize not in QUANTIZE:
         raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
     path = _model_path(source)

@@ -25,9 +25,16 @@ def minilm_directory() -> Path:
 
 
 class SentenceEncoder:
-    """Tokenise with the model's tokenizer.json, encode with Bert, mean-pool."""
+    """Tokenise with the model's tokenizer.json, encode with Bert on device in dtype,
+    mean-pool."""
 
-    def __init__(self, directory: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        directory: str | Path | None = None,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         try:
             from tokenizers import Tokenizer
         except ImportError as error:
@@ -36,7 +43,7 @@ class SentenceEncoder:
                 "(or pip install 'mhsa[bert]')"
             ) from error
         directory = minilm_directory() if directory is None else Path(directory)
-        self.model = Bert.from_pretrained(directory)
+        self.model = Bert.from_pretrained(directory).to(device=device, dtype=dtype)
         settings = directory / "sentence_bert_config.json"
         max_len = json.loads(settings.read_text())["max_seq_length"] if settings.exists() else 512
         self.tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
@@ -54,6 +61,7 @@ class SentenceEncoder:
 
     @torch.no_grad()
     def encode(self, sentences: list[str]) -> Tensor:
-        """(N, 384) unit-length sentence embeddings."""
-        ids, mask = self.tokenize(sentences)
-        return mean_pool(self.model(ids, mask), mask)
+        """(N, 384) unit-length sentence embeddings, float32 on the CPU."""
+        device = self.model.word_emb.weight.device
+        ids, mask = (t.to(device) for t in self.tokenize(sentences))
+        return mean_pool(self.model(ids, mask).float(), mask).cpu()

@@ -1,8 +1,10 @@
 """`mhsa bench attention`: the flash engine against PyTorch SDPA, time and memory.
 
-Float32 on the CPU, B=1. Times are best-of-N, interleaved in one run; GFLOP/s count
-4*B*H*L*S*D for a forward (halved for causal) and 2.5x that for a backward, and are
-also given as a fraction of a float32 matmul measured in the same run.
+Float32 on the CPU by default (device and dtype: any), B=1. Times are best-of-N,
+interleaved in one run; GFLOP/s count 4*B*H*L*S*D for a forward (halved for causal) and
+2.5x that for a backward, and are also given as a fraction of a matmul in the same dtype
+measured in the same run. The targets (flash against SDPA) and the memory cases (a
+fresh process's resident memory) are the CPU's: on CUDA neither is measured.
 """
 
 from __future__ import annotations
@@ -18,8 +20,11 @@ from .timing import best_times, matmul_gflops
 GIB = 2**30
 
 
-def _inputs(heads: int, length: int, head_dim: int, grad: bool = False):
-    return [torch.randn(1, heads, length, head_dim, requires_grad=grad) for _ in range(3)]
+def _inputs(heads: int, length: int, head_dim: int, grad: bool = False, **placed):
+    """q, k, v (1, heads, length, head_dim); placed: device and dtype."""
+    return [
+        torch.randn(1, heads, length, head_dim, **placed).requires_grad_(grad) for _ in range(3)
+    ]
 
 
 def _forward_backward(fn, tensors):
@@ -31,11 +36,20 @@ def _forward_backward(fn, tensors):
     return step
 
 
-def timing_cases(length: int, heads: int, head_dim: int, repeat: int) -> list[dict]:
+def timing_cases(
+    length: int,
+    heads: int,
+    head_dim: int,
+    repeat: int,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> list[dict]:
     """Dense and causal forward, causal forward+backward: sdpa vs flash (and auto)."""
-    q, k, v = _inputs(heads, length, head_dim)
+    placed = {"device": device, "dtype": dtype}
+    q, k, v = _inputs(heads, length, head_dim, **placed)
     fwd_flops = 4 * heads * length * length * head_dim
-    grads = _inputs(heads, length, head_dim, grad=True)
+    grads = _inputs(heads, length, head_dim, grad=True, **placed)
+    on_cpu = torch.device(device).type == "cpu"  # the targets are the CPU's
     cases = [
         (
             "dense forward",
@@ -72,7 +86,8 @@ def timing_cases(length: int, heads: int, head_dim: int, repeat: int) -> list[di
     ]
     rows = []
     for name, flops, fns, targets in cases:
-        times = best_times(fns, repeat)
+        times = best_times(fns, repeat, device)
+        targets = targets if on_cpu else {}
         for backend, seconds in times.items():
             rows.append(
                 {
@@ -113,22 +128,29 @@ def run(
     repeat: int = 5,
     memory: bool = True,
     long: bool = False,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> dict:
+    """The timings (and, on the CPU, the memory cases) on device in dtype."""
     torch.manual_seed(0)
+    cpu = torch.device(device).type == "cpu"
     result = {
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "matmul_gflops": matmul_gflops(),
-        "timing": timing_cases(length, heads, head_dim, repeat),
+        "matmul_gflops": matmul_gflops(2048 if cpu else 8192, device=device, dtype=dtype),
+        "timing": timing_cases(length, heads, head_dim, repeat, device, dtype),
     }
-    result["memory"] = memory_cases(long) if memory else []
+    if not cpu:
+        result.update(device=str(device), dtype=str(dtype).removeprefix("torch."))
+    result["memory"] = memory_cases(long) if memory and cpu else []
     return result
 
 
 def report(result: dict) -> str:
     """The human-readable table."""
+    where = f"{result['threads']} threads" if "device" not in result else result["device"]
     lines = [
-        f"torch {result['torch']}, {result['threads']} threads, float32 matmul "
+        f"torch {result['torch']}, {where}, {result.get('dtype', 'float32')} matmul "
         f"{result['matmul_gflops']:.1f} GFLOP/s",
         f"{'case':<24} {'shape':<26} {'backend':<8} {'ms':>9} {'vs sdpa':>8} "
         f"{'GFLOP/s':>8} {'of matmul':>9}  target",
@@ -144,6 +166,11 @@ def report(result: dict) -> str:
             f"{row['case']:<24} {row['shape']:<26} {row['backend']:<8} "
             f"{row['seconds'] * 1e3:9.1f} {row['vs_sdpa']:7.2f}x {row['gflops']:8.1f} "
             f"{row['gflops'] / result['matmul_gflops']:8.0%}  {verdict}"
+        )
+    if "device" in result:
+        lines.append(
+            "no targets or memory cases on CUDA (the CPU's: resident memory of a fresh "
+            "process); GPU memory: python -m mhsa.benchmarks.gpu (its long section)"
         )
     if result["memory"]:
         lines.append("forward+backward peak extra memory (fresh process each):")

@@ -39,12 +39,12 @@ def _mask_mod(case: str):
     return _window if case.startswith("sliding window") else _causal
 
 
-def _score_mod(case: str, heads: int, length: int):
+def _score_mod(case: str, heads: int, length: int, on: dict | None = None):
     """None, or a tensor-indexed score_mod (a learned (H, 2L - 1) table of relative
-    biases, as a FlexAttention user writes one) and its table."""
+    biases, as a FlexAttention user writes one) and its table (on: device and dtype)."""
     if case != "causal + relative bias table":
         return None, None
-    table = (0.1 * torch.randn(heads, 2 * length - 1)).requires_grad_()
+    table = (0.1 * torch.randn(heads, 2 * length - 1)).to(**(on or {})).requires_grad_()
 
     def relative_bias(score, b, h, q_idx, kv_idx):
         return score + table[h, kv_idx - q_idx + length - 1]
@@ -93,12 +93,17 @@ def _torch_backward(score_mod, block_mask, q, k, v) -> str | None:
     return None
 
 
-def run_case(case: str, length: int, heads: int, head_dim: int, repeat: int) -> dict:
+def run_case(
+    case: str, length: int, heads: int, head_dim: int, repeat: int, on: dict | None = None
+) -> dict:
     """Seconds of each implementation on one case, the compile time, what could not
-    run, and the largest output difference against mhsa's."""
-    score_mod, table = _score_mod(case, heads, length)
-    block_mask = create_block_mask(_mask_mod(case), None, None, length, length, "cpu")
-    q, k, v = (torch.randn(1, heads, length, head_dim, requires_grad=True) for _ in range(3))
+    run, and the largest output difference against mhsa's (on: device and dtype; by
+    default the CPU's float32)."""
+    on = on or {"device": torch.device("cpu"), "dtype": torch.float32}
+    device = on["device"]
+    score_mod, table = _score_mod(case, heads, length, on)
+    block_mask = create_block_mask(_mask_mod(case), None, None, length, length, device)
+    q, k, v = (torch.randn(1, heads, length, head_dim, **on).requires_grad_() for _ in range(3))
     params = [q, k, v] + ([table] if table is not None else [])
 
     # the same call through mhsa's own API (L = S: Flex's indices are its positions)
@@ -122,6 +127,7 @@ def run_case(case: str, length: int, heads: int, head_dim: int, repeat: int) -> 
             NATIVE: step(lambda: native(q, k, v)),
         },
         repeat,
+        device,
     )
     torch_backward = _torch_backward(score_mod, block_mask, q, k, v)
     if torch_backward is None:
@@ -131,7 +137,8 @@ def run_case(case: str, length: int, heads: int, head_dim: int, repeat: int) -> 
                 t.grad = None
             _torch_flex()(q, k, v, score_mod=score_mod, block_mask=block_mask).sum().backward()
 
-        backward["torch eager"] = best_times({"torch eager": torch_step}, repeat)["torch eager"]
+        torch_time = best_times({"torch eager": torch_step}, repeat, device)
+        backward["torch eager"] = torch_time["torch eager"]
     inputs = [t.detach() for t in (q, k, v)]
     compiled, setup = _compiled(score_mod, block_mask, *inputs)
     forward_fns = {
@@ -142,20 +149,21 @@ def run_case(case: str, length: int, heads: int, head_dim: int, repeat: int) -> 
     if compiled is not None:
         forward_fns["torch compiled"] = lambda: compiled(*inputs)
     with torch.no_grad():
-        forward = best_times(forward_fns, repeat)
+        forward = best_times(forward_fns, repeat, device)
         ours = forward_fns["mhsa"]()
         difference = {
-            name: (fn() - ours).abs().max().item()
+            name: (fn() - ours).float().abs().max().item()
             for name, fn in forward_fns.items()
             if name != "mhsa"
         }
-    mask_args = (_mask_mod(case), None, None, length, length, "cpu")
+    mask_args = (_mask_mod(case), None, None, length, length, device)
     masks = best_times(
         {
             "mhsa": lambda: create_block_mask(*mask_args),
             "torch eager": lambda: _torch_api().create_block_mask(*mask_args),
         },
         repeat,
+        device,
     )
     return {
         "case": case,
@@ -171,16 +179,24 @@ def run_case(case: str, length: int, heads: int, head_dim: int, repeat: int) -> 
 
 
 def run(
-    length: int = 2048, heads: int = 8, head_dim: int = 64, repeat: int = 3, quick: bool = False
+    length: int = 2048,
+    heads: int = 8,
+    head_dim: int = 64,
+    repeat: int = 3,
+    quick: bool = False,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> dict:
-    """Every case at L = S = length (256 and one run with quick)."""
+    """Every case at L = S = length (256 and one run with quick), on device in dtype."""
     torch.manual_seed(0)
     if quick:
         length, repeat = 256, 1
+    on = {"device": torch.device(device), "dtype": dtype}
     with warnings.catch_warnings():  # torch warns that its eager flex_attention is slow
         warnings.simplefilter("ignore")
-        cases = [run_case(case, length, heads, head_dim, repeat) for case in CASES]
-    return {"cases": cases}
+        cases = [run_case(case, length, heads, head_dim, repeat, on) for case in CASES]
+    placement = f"{'CPU' if on['device'].type == 'cpu' else on['device']} "
+    return {"cases": cases, "placement": placement + str(dtype).removeprefix("torch.")}
 
 
 def _versus(mine: float, theirs: float) -> str:
@@ -190,7 +206,8 @@ def _versus(mine: float, theirs: float) -> str:
 
 def report(result: dict) -> str:
     lines = [
-        "mhsa.flex.flex_attention vs torch's flex_attention, CPU float32, the same "
+        "mhsa.flex.flex_attention vs torch's flex_attention, "
+        f"{result.get('placement', 'CPU float32')}, the same "
         "BlockMask (128-blocks) and score_mod; best-of-N, interleaved; "
         f"{NATIVE}: the same call through mhsa's own API"
     ]

@@ -1,7 +1,9 @@
 """`mhsa bench generate`: decoding speed with and without the KV cache, against
 transformers' GPT-2, and with a sliding-window cache at a long prompt.
 
-A 6-layer, d_model 384, 6-head GPT with random weights; batch 1, greedy.
+A 6-layer, d_model 384, 6-head GPT with random weights; batch 1, greedy. On another
+device and dtype (run's) ours and transformers' run there; CTranslate2 (and the rows
+compared with it) only on the CPU.
 """
 
 from __future__ import annotations
@@ -18,26 +20,34 @@ LAYERS, D_MODEL, HEADS = 6, 384, 6
 BATCH = 8  # the batched rows: copies of the prompt
 
 
-def _tokens_per_s(fn, new_tokens: int, repeat: int) -> float:
-    fn()  # warm-up
-    best = float("inf")
-    for _ in range(repeat):
+CPU = {"device": torch.device("cpu"), "dtype": torch.float32}  # the default placement
+
+
+def _tokens_per_s(fn, new_tokens: int, repeat: int, device: torch.device = CPU["device"]):
+    def timed() -> float:
         start = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - start)
-    return new_tokens / best
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    timed()  # warm-up
+    return new_tokens / min(timed() for _ in range(repeat))
 
 
-def cache_case(prompt: int, new: int, repeat: int) -> dict:
+def cache_case(prompt: int, new: int, repeat: int, on: dict = CPU) -> dict:
     config = GPTConfig(
         vocab_size=256, n_layer=LAYERS, n_head=HEADS, d_model=D_MODEL, max_len=prompt + new
     )
-    model = GPT(config).eval()
-    idx = torch.randint(0, 256, (1, prompt))
+    model = GPT(config).eval().to(**on)
+    idx = torch.randint(0, 256, (1, prompt)).to(on["device"])
+    device = on["device"]
     rates = {
-        "mhsa, cache": _tokens_per_s(lambda: model.generate(idx, new, temperature=0), new, repeat),
+        "mhsa, cache": _tokens_per_s(
+            lambda: model.generate(idx, new, temperature=0), new, repeat, device
+        ),
         "mhsa, no cache": _tokens_per_s(
-            lambda: model.generate(idx, new, temperature=0, use_cache=False), new, 1
+            lambda: model.generate(idx, new, temperature=0, use_cache=False), new, 1, device
         ),
     }
     try:
@@ -55,18 +65,22 @@ def cache_case(prompt: int, new: int, repeat: int) -> dict:
             eos_token_id=None,
         )
         hf = transformers.GPT2LMHeadModel(hf_config).eval()
-        ours = GPT.from_hf_gpt2(hf.state_dict(), config).eval()
+        ours = GPT.from_hf_gpt2(hf.state_dict(), config).eval().to(**on)
+        hf.to(**on)
         same = torch.equal(
             ours.generate(idx, 16, temperature=0),
             hf.generate(idx, max_new_tokens=16, do_sample=False, pad_token_id=0),
         )
 
-        rates["transformers"] = _tokens_per_s(lambda: _hf_generate(hf, idx, new), new, repeat)
+        rates["transformers"] = _tokens_per_s(
+            lambda: _hf_generate(hf, idx, new), new, repeat, device
+        )
         rates["mhsa, GPT-2 weights"] = _tokens_per_s(
-            lambda: ours.generate(idx, new, temperature=0), new, repeat
+            lambda: ours.generate(idx, new, temperature=0), new, repeat, device
         )
         rates["same greedy tokens as transformers"] = same
-        rates.update(_ctranslate2_rates(hf, ours, idx, new, repeat))
+        if on == CPU:  # CTranslate2 (and the rows compared with it): the CPU's
+            rates.update(_ctranslate2_rates(hf, ours, idx, new, repeat))
     return {"prompt": prompt, "new_tokens": new, "tokens_per_s": rates}
 
 
@@ -125,7 +139,7 @@ def _hf_generate(hf, idx: torch.Tensor, new: int) -> None:
         )
 
 
-def window_case(prompt: int, new: int, window: int, repeat: int) -> dict:
+def window_case(prompt: int, new: int, window: int, repeat: int, on: dict = CPU) -> dict:
     config = GPTConfig(
         vocab_size=256,
         n_layer=LAYERS,
@@ -135,13 +149,13 @@ def window_case(prompt: int, new: int, window: int, repeat: int) -> dict:
         position="rotary",
         window=window,
     )
-    model = GPT(config).eval()
-    idx = torch.randint(0, 256, (1, prompt))
+    model = GPT(config).eval().to(**on)
+    idx = torch.randint(0, 256, (1, prompt)).to(on["device"])
     head_dim = D_MODEL // HEADS
 
     def run(full: bool):
         if full:  # a full cache for the same windowed model
-            caches = [KVCache(1, HEADS, prompt + new, head_dim) for _ in model.blocks]
+            caches = [KVCache(1, HEADS, prompt + new, head_dim, **on) for _ in model.blocks]
         else:
             caches = model.make_caches(1, prompt + new)
         with torch.no_grad():
@@ -149,23 +163,37 @@ def window_case(prompt: int, new: int, window: int, repeat: int) -> dict:
             for _ in range(new):
                 nxt = logits.argmax(-1, keepdim=True)
                 logits = model(nxt, caches=caches)[:, -1]
-        return sum(c.k.numel() + c.v.numel() for c in caches) * 4
+        return sum(c.k.numel() + c.v.numel() for c in caches) * caches[0].k.element_size()
 
     rows = {}
     for name, full in (("sliding-window cache", False), ("full cache", True)):
         memory = run(full)
         rows[name] = {
-            "tokens_per_s": _tokens_per_s(lambda full=full: run(full), new, repeat),
+            "tokens_per_s": _tokens_per_s(lambda full=full: run(full), new, repeat, on["device"]),
             "cache_bytes": memory,
         }
     return {"prompt": prompt, "new_tokens": new, "window": window, "results": rows}
 
 
-def run(repeat: int = 3, quick: bool = False) -> dict:
+def run(
+    repeat: int = 3,
+    quick: bool = False,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> dict:
+    """Both cases on device in dtype (CTranslate2's rows on the CPU only)."""
     torch.manual_seed(0)
+    on = {"device": torch.device(device), "dtype": dtype}
     if quick:
-        return {"cache": cache_case(32, 16, 1), "window": window_case(64, 8, 16, 1)}
-    return {"cache": cache_case(256, 256, repeat), "window": window_case(2048, 256, 256, repeat)}
+        result = {"cache": cache_case(32, 16, 1, on), "window": window_case(64, 8, 16, 1, on)}
+    else:
+        result = {
+            "cache": cache_case(256, 256, repeat, on),
+            "window": window_case(2048, 256, 256, repeat, on),
+        }
+    if on != CPU:
+        result["placement"] = f"{device}, {str(dtype).removeprefix('torch.')}"
+    return result
 
 
 def report(result: dict) -> str:
@@ -173,7 +201,8 @@ def report(result: dict) -> str:
     rates = cache["tokens_per_s"]
     lines = [
         f"GPT {LAYERS} layers, d_model {D_MODEL}, {HEADS} heads, random weights, batch 1, "
-        f"greedy; prompt {cache['prompt']}, {cache['new_tokens']} new tokens"
+        f"greedy, {result.get('placement', 'cpu, float32')}; prompt {cache['prompt']}, "
+        f"{cache['new_tokens']} new tokens"
     ]
     base = rates["mhsa, cache"]
     for name, value in rates.items():

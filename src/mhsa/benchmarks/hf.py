@@ -9,6 +9,9 @@ eager attention, in one run.
   sdpa given the same pattern as a dense 4-D mask; peak memory and time, each in a
   fresh process so that peaks do not mix.
 
+On another device and dtype (run's) both run there: the window case's peak is then
+the device's allocator peak (torch.cuda.max_memory_allocated), not resident memory.
+
     python -m mhsa.benchmarks.hf --window-case mhsa --length 16384 --window 512
 """
 
@@ -28,7 +31,7 @@ from .timing import best_times
 IMPLEMENTATIONS = ("mhsa", "sdpa", "eager")
 
 
-def _smollm2():
+def _smollm2(dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
     from mhsa.apps.chat import smollm2_path
@@ -37,14 +40,21 @@ def _smollm2():
     mhsa_hf.register()
     path = smollm2_path()
     return AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
+        path.parent, gguf_file=path.name, dtype=dtype
     ).eval()
 
 
 @torch.inference_mode()
-def speed(lengths=(512, 4096), new: int = 32, repeat: int = 2) -> dict:
-    """Prefill seconds at each length and decoding tokens/s, per implementation."""
-    model = _smollm2()
+def speed(
+    lengths=(512, 4096),
+    new: int = 32,
+    repeat: int = 2,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> dict:
+    """Prefill seconds at each length and decoding tokens/s, per implementation, on
+    device in dtype."""
+    model = _smollm2(dtype).to(device)
     vocab = model.config.vocab_size
 
     def use(name: str):
@@ -59,11 +69,11 @@ def speed(lengths=(512, 4096), new: int = 32, repeat: int = 2) -> dict:
 
     prefill = {}
     for length in lengths:
-        ids = torch.randint(3, vocab, (1, length))
+        ids = torch.randint(3, vocab, (1, length)).to(device)
         step = lambda ids=ids: model(ids, use_cache=True, logits_to_keep=1)  # noqa: E731
-        prefill[length] = best_times({n: use(n)(step) for n in IMPLEMENTATIONS}, repeat)
+        prefill[length] = best_times({n: use(n)(step) for n in IMPLEMENTATIONS}, repeat, device)
 
-    prompt = torch.randint(3, vocab, (1, 128))
+    prompt = torch.randint(3, vocab, (1, 128)).to(device)
 
     def decode() -> None:
         out = model(prompt, use_cache=True, logits_to_keep=1)
@@ -73,18 +83,21 @@ def speed(lengths=(512, 4096), new: int = 32, repeat: int = 2) -> dict:
             out = model(token, use_cache=True, logits_to_keep=1, **{name: cache})
             token = out.logits[:, -1].argmax(-1, keepdim=True)
 
-    decoding = best_times({n: use(n)(decode) for n in IMPLEMENTATIONS}, repeat)
+    decoding = best_times({n: use(n)(decode) for n in IMPLEMENTATIONS}, repeat, device)
+    where = "" if torch.device(device).type == "cpu" else f", on {device}"
     return {
-        "model": "SmolLM2-135M-Instruct (transformers, from the packaged GGUF, float32)",
+        "model": "SmolLM2-135M-Instruct (transformers, from the packaged GGUF, "
+        f"{str(dtype).removeprefix('torch.')}{where})",
         "threads": torch.get_num_threads(),
         "prefill_seconds": {str(length): times for length, times in prefill.items()},
         "decode": {"prompt": 128, "new_tokens": new, "seconds": decoding},
     }
 
 
-def window_case(implementation: str, length: int, window: int) -> dict:
+def window_case(implementation: str, length: int, window: int, device: str = "cpu") -> dict:
     """One forward+backward of a small random Llama over `length` tokens in which token
-    i sees tokens i - window + 1 .. i; in this process (run it in a fresh one)."""
+    i sees tokens i - window + 1 .. i; in this process (run it in a fresh one), on
+    device (a GPU's peak: its allocator's)."""
     import transformers
 
     from mhsa.core.masks import SlidingWindow
@@ -101,36 +114,46 @@ def window_case(implementation: str, length: int, window: int) -> dict:
         num_key_value_heads=2,
         max_position_embeddings=length,
     )
-    model = transformers.LlamaForCausalLM(config)
+    model = transformers.LlamaForCausalLM(config).to(device)
     model.set_attn_implementation(implementation)
-    ids = torch.randint(0, 256, (1, length))
+    ids = torch.randint(0, 256, (1, length)).to(device)
+    cuda = torch.device(device).type == "cuda"
     if implementation == "mhsa":
         mhsa_hf.set_pattern(model, SlidingWindow(window - 1, 0))
     model(ids[:, :64], labels=ids[:, :64]).loss.backward()  # warm-up (one-time allocations)
     model.zero_grad(set_to_none=True)
-    baseline = rss_bytes()
-    exact_peak = reset_peak()
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        baseline, exact_peak = torch.cuda.memory_allocated(device), True
+    else:
+        baseline, exact_peak = rss_bytes(), reset_peak()
     start = time.perf_counter()
     options = {}
     if implementation != "mhsa":  # the pattern as the dense mask a model without it needs
-        rows = torch.arange(length).view(-1, 1)
-        offset = rows - torch.arange(length).view(1, -1)
+        rows = torch.arange(length, device=device).view(-1, 1)
+        offset = rows - torch.arange(length, device=device).view(1, -1)
         options["attention_mask"] = ((offset >= 0) & (offset < window)).view(1, 1, length, length)
     model(ids, labels=ids, **options).loss.backward()
+    if cuda:
+        torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated(device) if cuda else peak_bytes()
     return {
         "implementation": implementation,
         "length": length,
         "window": window,
         "seconds": seconds,
-        "peak_extra_bytes": peak_bytes() - baseline,
+        "peak_extra_bytes": peak - baseline,
         "peak_reset": exact_peak,
     }
 
 
-def window_in_subprocess(implementation: str, length: int, window: int) -> dict:
+def window_in_subprocess(
+    implementation: str, length: int, window: int, device: torch.device | str = "cpu"
+) -> dict:
     cmd = [sys.executable, "-m", "mhsa.benchmarks.hf", "--window-case", implementation]
-    cmd += ["--length", str(length), "--window", str(window)]
+    cmd += ["--length", str(length), "--window", str(window), "--device", str(device)]
     ran = subprocess.run(cmd, capture_output=True, text=True)
     if ran.returncode != 0:
         error = (ran.stderr.strip().splitlines() or ["killed"])[-1]
@@ -138,11 +161,19 @@ def window_in_subprocess(implementation: str, length: int, window: int) -> dict:
     return json.loads(ran.stdout.strip().splitlines()[-1])
 
 
-def run(quick: bool = False, repeat: int = 2) -> dict:
+def run(
+    quick: bool = False,
+    repeat: int = 2,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> dict:
+    """Both cases on device; the speed case in dtype (the window case trains: float32)."""
     lengths, new, window_length = ((128, 512), 8, 2048) if quick else ((512, 4096), 32, 16384)
     return {
-        "speed": speed(lengths, new, repeat),
-        "window": [window_in_subprocess(name, window_length, 512) for name in ("mhsa", "sdpa")],
+        "speed": speed(lengths, new, repeat, device, dtype),
+        "window": [
+            window_in_subprocess(name, window_length, 512, device) for name in ("mhsa", "sdpa")
+        ],
     }
 
 
@@ -184,8 +215,9 @@ def main() -> None:
     parser.add_argument("--window-case", choices=("mhsa", "sdpa"), required=True)
     parser.add_argument("--length", type=int, default=16384)
     parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
-    print(json.dumps(window_case(args.window_case, args.length, args.window)))
+    print(json.dumps(window_case(args.window_case, args.length, args.window, args.device)))
 
 
 if __name__ == "__main__":

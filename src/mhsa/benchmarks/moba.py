@@ -1,8 +1,9 @@
 """`mhsa bench moba`: MoBA (block choice per head, the flash engine's block plan) against
 dense causal attention on the same engine, forward+backward.
 
-Float32 on the CPU, B=1, D=64; times are best-of-N, interleaved in one run; peak
-memory is each side's extra resident memory in a fresh process (benchmarks.memory).
+Float32 on the CPU by default (device and dtype: any), B=1, D=64; times are best-of-N,
+interleaved in one run; peak memory (on the CPU only) is each side's extra resident
+memory in a fresh process (benchmarks.memory).
 """
 
 from __future__ import annotations
@@ -38,11 +39,15 @@ def run(
     repeat: int = 1,
     quick: bool = False,
     memory: bool = True,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> dict:
-    """Times and peak memory of MoBA and dense causal attention (both backend="flash")."""
+    """Times and peak memory of MoBA and dense causal attention (both backend="flash"),
+    on device in dtype (memory on the CPU only)."""
     if quick:
         length, block_size, heads = 1024, 128, 2
-    q, k, v = (torch.randn(1, heads, length, head_dim, requires_grad=True) for _ in range(3))
+    on = {"device": torch.device(device), "dtype": dtype}
+    q, k, v = (torch.randn(1, heads, length, head_dim, **on).requires_grad_() for _ in range(3))
 
     def moba() -> None:
         moba_attention(q, k, v, block_size, top_k, backend="flash").sum().backward()
@@ -50,7 +55,7 @@ def run(
     def causal() -> None:
         attention(q, k, v, causal=True, backend="flash").sum().backward()
 
-    seconds = best_times({"moba": moba, "dense causal": causal}, repeat)
+    seconds = best_times({"moba": moba, "dense causal": causal}, repeat, on["device"])
     result = {
         "length": length,
         "block_size": block_size,
@@ -60,11 +65,12 @@ def run(
         "repeat": repeat,
         "seconds": seconds,
         "computed_fraction": computed_fraction(
-            moba_select(q, k, block_size, top_k), length, block_size
+            moba_select(q, k, block_size, top_k).cpu(), length, block_size
         ),
         "threads": torch.get_num_threads(),
+        "placement": f"{on['device']}, {str(dtype).removeprefix('torch.')}",
     }
-    if memory:
+    if memory and on["device"].type == "cpu":
         rows = {
             "moba": measure_in_subprocess(
                 "flash", length, heads, head_dim, moba=(block_size, top_k)
@@ -83,7 +89,8 @@ def report(result: dict) -> str:
     lines = [
         f"MoBA against dense causal attention, both on the flash engine: B=1, "
         f"H={result['heads']}, D={result['head_dim']}, L=S={result['length']}, blocks of "
-        f"{result['block_size']}, top-{result['top_k']}, float32, forward+backward, best of "
+        f"{result['block_size']}, top-{result['top_k']}, "
+        f"{result.get('placement', 'cpu, float32')}, forward+backward, best of "
         f"{result['repeat']}, {result['threads']} threads",
         f"MoBA computes {result['computed_fraction']:.1%} of causal attention's pairs",
         f"{'':>13} {'time (s)':>9} {'peak extra MiB':>15}",

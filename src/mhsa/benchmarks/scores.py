@@ -6,6 +6,8 @@ Time: best of `repeat`, interleaved. Memory: peak extra resident memory of one
 forward + backward in a fresh process (mhsa.benchmarks.memory), against the same call
 without a score function and against ALiBi given as the dense (H, L, S) bias it was
 before score functions (estimated: H * L * S * 4 bytes, twice with its gradient).
+On another device or dtype (run's device and dtype) the timings run there; the memory
+figures are the CPU's and are left out.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .memory import measure_in_subprocess, score_named
-from .sparse import compiled_flex
+from .sparse import CPU, compiled_flex
 from .timing import best_times
 
 HEADS, HEAD_DIM = 8, 64
@@ -30,11 +32,11 @@ def _step(q, k, v, score):
     return run
 
 
-def _flex_score_mods(heads: int) -> dict:
+def _flex_score_mods(heads: int, device: torch.device | str = "cpu") -> dict:
     """FlexAttention score_mods written as a FlexAttention user would, equal to ours."""
     from mhsa.nn.positional import alibi_slopes
 
-    slopes, cap = alibi_slopes(heads), score_named("softcap", heads).cap
+    slopes, cap = alibi_slopes(heads).to(device), score_named("softcap", heads).cap
 
     def alibi(score, b, h, q_idx, kv_idx):
         return score - slopes[h] * (q_idx - kv_idx).abs()
@@ -45,40 +47,53 @@ def _flex_score_mods(heads: int) -> dict:
     return {"alibi": alibi, "softcap": softcap}
 
 
-def flex_forward(length: int, repeat: int) -> dict:
+def flex_forward(length: int, repeat: int, on: dict = CPU) -> dict:
     """Forward-only seconds of the flash engine and compiled FlexAttention (causal
     BlockMask) for each score function, and the largest difference of their outputs."""
     from mhsa.core.attention import attention
 
-    q, k, v = (torch.randn(1, HEADS, length, HEAD_DIM) for _ in range(3))
+    q, k, v = (torch.randn(1, HEADS, length, HEAD_DIM, **on) for _ in range(3))
     result: dict = {"seconds": {}, "max_difference": {}, "setup_seconds": {}}
-    for name, score_mod in _flex_score_mods(HEADS).items():
+    for name, score_mod in _flex_score_mods(HEADS, on["device"]).items():
         # a second score_mod compiled in the same process can fail to lower (torch
         # 2.13, CPU: "unbacked_bindings"); each is measured on a fresh dynamo state
         torch._dynamo.reset()
-        flex, setup = compiled_flex(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, length, score_mod)
+        flex, setup = compiled_flex(
+            lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, length, score_mod, on
+        )
         if flex is None:
             return {"unavailable": setup}
-        score = score_named(name, HEADS)
+        score = _score(name, on)
         fns = {
             f"flash {name}": lambda s=score: attention(
                 q, k, v, causal=True, score=s, backend="flash"
             ),
             f"flex {name}": lambda f=flex: f(q, k, v),
         }
-        result["seconds"].update(best_times(fns, repeat))
-        difference = (fns[f"flash {name}"]() - fns[f"flex {name}"]()).abs().max().item()
+        result["seconds"].update(best_times(fns, repeat, on["device"]))
+        difference = (fns[f"flash {name}"]() - fns[f"flex {name}"]()).float().abs().max().item()
         result["max_difference"][name], result["setup_seconds"][name] = difference, setup
     return result
 
 
-def run(length: int = 4096, repeat: int = 3, memory: bool = True, flex: bool = True) -> dict:
+def run(
+    length: int = 4096,
+    repeat: int = 3,
+    memory: bool = True,
+    flex: bool = True,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> dict:
+    """The timings on device in dtype; the memory figures on the CPU only."""
     torch.manual_seed(0)
-    q, k, v = (torch.randn(1, HEADS, length, HEAD_DIM, requires_grad=True) for _ in range(3))
-    fns = {str(name): _step(q, k, v, score_named(name, HEADS)) for name in SCORES}
-    seconds = best_times(fns, repeat)
+    on = {"device": torch.device(device), "dtype": dtype}
+    q, k, v = (torch.randn(1, HEADS, length, HEAD_DIM, **on).requires_grad_() for _ in range(3))
+    fns = {str(name): _step(q, k, v, _score(name, on)) for name in SCORES}
+    seconds = best_times(fns, repeat, on["device"])
     result = {"length": length, "heads": HEADS, "head_dim": HEAD_DIM, "seconds": seconds}
-    if memory:
+    if on != CPU:
+        result["placement"] = f"{on['device']} {str(dtype).removeprefix('torch.')}"
+    if memory and on["device"].type == "cpu":
         result["extra_bytes"] = {
             str(name): measure_in_subprocess(
                 "flash", length, HEADS, HEAD_DIM, causal=True, score=name
@@ -87,15 +102,26 @@ def run(length: int = 4096, repeat: int = 3, memory: bool = True, flex: bool = T
         }
     result["dense_bias_bytes"] = HEADS * length * length * 4
     if flex:
-        result["flex_forward"] = flex_forward(length, repeat)
+        result["flex_forward"] = flex_forward(length, repeat, on)
     return result
+
+
+def _score(name: str | None, on: dict):
+    """score_named's score function with its tensors (ALiBi's slopes) on on's device."""
+    score = score_named(name, HEADS)
+    if name == "alibi" and on["device"].type != "cpu":
+        from mhsa.core.scores import ALiBi
+
+        score = ALiBi(score.slopes.to(on["device"]))
+    return score
 
 
 def report(result: dict) -> str:
     seconds, base = result["seconds"], result["seconds"]["None"]
     lines = [
         f"score functions in the flash engine: causal, B=1, H={result['heads']}, "
-        f"D={result['head_dim']}, L=S={result['length']}, float32, forward+backward",
+        f"D={result['head_dim']}, L=S={result['length']}, "
+        f"{result.get('placement', 'float32')}, forward+backward",
         f"{'score':>10} {'time (s)':>9} {'vs none':>8}",
     ]
     for name, value in seconds.items():

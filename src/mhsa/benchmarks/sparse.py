@@ -1,7 +1,9 @@
 """`mhsa bench sparse`: sparse patterns on the flash engine against SDPA with the dense
 mask and against compiled FlexAttention with the same mask as a BlockMask.
 
-Float32 on the CPU, B=1, H=8, D=64. Times are best-of-N, interleaved in one run.
+Float32 on the CPU by default (device and dtype: any), B=1, H=8, D=64. Times are
+best-of-N, interleaved in one run. The memory figures (a fresh process's resident
+memory) are the CPU's: on CUDA they are left out.
 """
 
 from __future__ import annotations
@@ -20,11 +22,15 @@ from .timing import best_times
 GIB = 2**30
 
 
-def _inputs(length: int, heads: int, grad: bool = False):
-    return [torch.randn(1, heads, length, 64, requires_grad=grad) for _ in range(3)]
+CPU = {"device": torch.device("cpu"), "dtype": torch.float32}  # the default placement
 
 
-def compiled_flex(mask_mod, length: int, score_mod=None):
+def _inputs(length: int, heads: int, grad: bool = False, on: dict = CPU):
+    """q, k, v (1, heads, length, 64) on on["device"] in on["dtype"]."""
+    return [torch.randn(1, heads, length, 64, **on).requires_grad_(grad) for _ in range(3)]
+
+
+def compiled_flex(mask_mod, length: int, score_mod=None, on: dict = CPU):
     """Compiled flex_attention with mask_mod as a BlockMask (and score_mod): (fn, seconds
     to build the mask and compile), or (None, reason) where FlexAttention is
     unavailable."""
@@ -34,9 +40,10 @@ def compiled_flex(mask_mod, length: int, score_mod=None):
         return None, str(error)
     start = time.perf_counter()
     try:
-        block_mask = create_block_mask(mask_mod, None, None, length, length, device="cpu")
+        device = on["device"]
+        block_mask = create_block_mask(mask_mod, None, None, length, length, device=device)
         compiled = torch.compile(flex_attention)
-        q, k, v = _inputs(length, 8)
+        q, k, v = _inputs(length, 8, on=on)
         compiled(q, k, v, block_mask=block_mask, score_mod=score_mod)
     except Exception as error:  # no compiler toolchain, unsupported platform, ...
         return None, f"{type(error).__name__}: {str(error).splitlines()[0]}"
@@ -44,9 +51,9 @@ def compiled_flex(mask_mod, length: int, score_mod=None):
     return (lambda q, k, v: compiled(q, k, v, block_mask=block_mask, score_mod=score_mod)), seconds
 
 
-def _flex_backward_reason(flex, length: int) -> str | None:
+def _flex_backward_reason(flex, length: int, on: dict = CPU) -> str | None:
     """None if compiled FlexAttention runs a backward here, else its error."""
-    q, k, v = _inputs(length, 8, grad=True)
+    q, k, v = _inputs(length, 8, grad=True, on=on)
     try:
         flex(q, k, v).sum().backward()
     except Exception as error:  # e.g. NotImplementedError on CPU
@@ -54,31 +61,31 @@ def _flex_backward_reason(flex, length: int) -> str | None:
     return None
 
 
-def window_cases(length: int, repeat: int) -> dict:
+def window_cases(length: int, repeat: int, on: dict = CPU) -> dict:
     pattern = masks.SlidingWindow(256, 256)
-    q, k, v = _inputs(length, 8)
-    dense = pattern.dense(length, length)
+    q, k, v = _inputs(length, 8, on=on)
+    dense = pattern.dense(length, length).to(on["device"])
 
     def window_mod(b, h, q_idx, kv_idx):  # the same window, as FlexAttention's mask_mod
         return (kv_idx - q_idx >= -256) & (kv_idx - q_idx <= 256)
 
-    flex, flex_setup = compiled_flex(window_mod, length)
+    flex, flex_setup = compiled_flex(window_mod, length, on=on)
     fns = {
         "flash": lambda: attention(q, k, v, pattern, backend="flash"),
         "sdpa dense mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense),
     }
     if flex is not None:
         fns["flex"] = lambda: flex(q, k, v)
-    forward = best_times(fns, repeat)
-    grads = _inputs(length, 8, grad=True)
+    forward = best_times(fns, repeat, on["device"])
+    grads = _inputs(length, 8, grad=True, on=on)
 
     def flash_step():
         for t in grads:
             t.grad = None
         attention(*grads, pattern, backend="flash").sum().backward()
 
-    backward = {"flash": best_times({"flash": flash_step}, repeat)["flash"]}
-    flex_backward = None if flex is None else _flex_backward_reason(flex, length)
+    backward = {"flash": best_times({"flash": flash_step}, repeat, on["device"])["flash"]}
+    flex_backward = None if flex is None else _flex_backward_reason(flex, length, on)
     if flex is not None and flex_backward is None:
 
         def flex_step():
@@ -86,7 +93,7 @@ def window_cases(length: int, repeat: int) -> dict:
                 t.grad = None
             flex(*grads).sum().backward()
 
-        backward["flex"] = best_times({"flex": flex_step}, repeat)["flex"]
+        backward["flex"] = best_times({"flex": flex_step}, repeat, on["device"])["flex"]
     return {
         "pattern": repr(pattern),
         "length": length,
@@ -98,16 +105,16 @@ def window_cases(length: int, repeat: int) -> dict:
     }
 
 
-def scaling_case(short: int, long: int, repeat: int) -> dict:
+def scaling_case(short: int, long: int, repeat: int, on: dict = CPU) -> dict:
     pattern = masks.SlidingWindow(256, 256)
     times = {}
     for length in (short, long):
-        q, k, v = _inputs(length, 8)
+        q, k, v = _inputs(length, 8, on=on)
 
         def forward(q=q, k=k, v=v):
             return attention(q, k, v, pattern, backend="flash")
 
-        times[length] = best_times({"flash": forward}, repeat)["flash"]
+        times[length] = best_times({"flash": forward}, repeat, on["device"])["flash"]
     return {
         "pattern": repr(pattern),
         "seconds": times,
@@ -116,16 +123,17 @@ def scaling_case(short: int, long: int, repeat: int) -> dict:
     }
 
 
-def bigbird_case(length: int, repeat: int) -> dict:
+def bigbird_case(length: int, repeat: int, on: dict = CPU) -> dict:
     pattern = masks.bigbird(64)
-    q, k, v = _inputs(length, 8)
-    dense = pattern.dense(length, length)
+    q, k, v = _inputs(length, 8, on=on)
+    dense = pattern.dense(length, length).to(on["device"])
     times = best_times(
         {
             "flash": lambda: attention(q, k, v, pattern, backend="flash"),
             "sdpa dense mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense),
         },
         repeat,
+        on["device"],
     )
     return {
         "pattern": repr(pattern),
@@ -135,12 +143,12 @@ def bigbird_case(length: int, repeat: int) -> dict:
     }
 
 
-def dilated_case(length: int, repeat: int) -> dict:
+def dilated_case(length: int, repeat: int, on: dict = CPU) -> dict:
     """Dilated(64, 4) against a sliding window with as many allowed keys per query (129):
     cost that follows the allowed entries makes the two alike."""
     dilated, window = masks.Dilated(64, 4), masks.SlidingWindow(64, 64)
-    q, k, v = _inputs(length, 8)
-    dense = dilated.dense(length, length)
+    q, k, v = _inputs(length, 8, on=on)
+    dense = dilated.dense(length, length).to(on["device"])
     times = best_times(
         {
             "flash": lambda: attention(q, k, v, dilated, backend="flash"),
@@ -148,6 +156,7 @@ def dilated_case(length: int, repeat: int) -> dict:
             "sdpa dense mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense),
         },
         repeat,
+        on["device"],
     )
     return {"pattern": repr(dilated), "length": length, "forward": times}
 
@@ -165,19 +174,25 @@ CURVES = [
 ]
 
 
-def curves(lengths: list[int], repeat: int) -> list[dict]:
-    """Forward time and forward+backward peak memory against L, per curve."""
+def curves(lengths: list[int], repeat: int, on: dict = CPU) -> list[dict]:
+    """Forward time and forward+backward peak memory against L, per curve (memory on the
+    CPU only)."""
+    cpu = on["device"].type == "cpu"
     rows = []
     for label, backend, causal, name in CURVES:
         pattern = pattern_named(name)
         for length in lengths:
-            q, k, v = _inputs(length, 8)
+            q, k, v = _inputs(length, 8, on=on)
 
             def forward(q=q, k=k, v=v, pattern=pattern, causal=causal, backend=backend):
                 return attention(q, k, v, pattern, causal=causal, backend=backend)
 
-            seconds = best_times({label: forward}, repeat)[label]
-            memory = measure_in_subprocess(backend, length, 8, causal=causal, pattern=name)
+            seconds = best_times({label: forward}, repeat, on["device"])[label]
+            memory = (
+                measure_in_subprocess(backend, length, 8, causal=causal, pattern=name)
+                if cpu
+                else {}
+            )
             rows.append(
                 {
                     "curve": label,
@@ -189,29 +204,41 @@ def curves(lengths: list[int], repeat: int) -> list[dict]:
     return rows
 
 
-def run(repeat: int = 3, quick: bool = False) -> dict:
+def run(
+    repeat: int = 3,
+    quick: bool = False,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> dict:
+    """Every case on device in dtype (the memory figures on the CPU only)."""
     torch.manual_seed(0)
+    on = {"device": torch.device(device), "dtype": dtype}
+    cpu = on["device"].type == "cpu"
+    where = {"placement": f"{'CPU' if cpu else on['device']} {str(dtype).removeprefix('torch.')}"}
     if quick:  # a small smoke run of every case
         return {
-            "window": window_cases(2048, 1),
-            "scaling": scaling_case(1024, 4096, 1),
-            "bigbird": bigbird_case(1024, 1),
-            "dilated": dilated_case(1024, 1),
-            "memory": memory_scaling([1024, 2048]),
-            "curves": curves([512, 1024], 1),
+            "window": window_cases(2048, 1, on),
+            "scaling": scaling_case(1024, 4096, 1, on),
+            "bigbird": bigbird_case(1024, 1, on),
+            "dilated": dilated_case(1024, 1, on),
+            "memory": memory_scaling([1024, 2048]) if cpu else [],
+            "curves": curves([512, 1024], 1, on),
+            **where,
         }
     return {
-        "window": window_cases(16384, repeat),
-        "scaling": scaling_case(8192, 32768, repeat),
-        "bigbird": bigbird_case(8192, repeat),
-        "dilated": dilated_case(16384, repeat),
-        "memory": memory_scaling([4096, 8192, 16384, 32768]),
-        "curves": curves([1024, 2048, 4096, 8192], repeat),
+        "window": window_cases(16384, repeat, on),
+        "scaling": scaling_case(8192, 32768, repeat, on),
+        "bigbird": bigbird_case(8192, repeat, on),
+        "dilated": dilated_case(16384, repeat, on),
+        "memory": memory_scaling([4096, 8192, 16384, 32768]) if cpu else [],
+        "curves": curves([1024, 2048, 4096, 8192], repeat, on),
+        **where,
     }
 
 
 def report(result: dict) -> str:
-    lines = ["CPU float32, B=1, H=8, D=64; best-of-N seconds, interleaved"]
+    placement = result.get("placement", "CPU float32")
+    lines = [f"{placement}, B=1, H=8, D=64; best-of-N seconds, interleaved"]
     window = result["window"]
     fwd = window["forward"]
     lines.append(f"{window['pattern']} at L=S={window['length']}, forward:")
@@ -307,6 +334,7 @@ def plot(result: dict, path: str) -> None:
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
     ax_time.legend(fontsize=8)
-    fig.suptitle("mhsa: attention cost against length (CPU, float32, B=1, H=8, D=64)")
+    placement = result.get("placement", "CPU float32").replace(" ", ", ")
+    fig.suptitle(f"mhsa: attention cost against length ({placement}, B=1, H=8, D=64)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

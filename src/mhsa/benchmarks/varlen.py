@@ -14,6 +14,9 @@ alone, as a share of the step.
 Memory: peak extra resident memory of one attention forward + backward (causal,
 H=8, D=64) in a fresh process: 65536 tokens as 64 packed sequences of 1024
 (mhsa.attention_varlen) against a (64, 8, 1024, 64) batch (mhsa.attention).
+
+On another device (run's device) the speed case runs there, under autocast to run's
+dtype (a training step: float32 weights); the memory case is the CPU's.
 """
 
 from __future__ import annotations
@@ -78,7 +81,7 @@ def _batches(lengths: list[int]) -> tuple[dict, dict]:
     return packed, {"idx": idx, "targets": targets}
 
 
-def _planning(model, packed: dict) -> None:
+def _planning(model, packed: dict, device: torch.device | str = "cpu") -> None:
     """What the packed step plans: the row's checks and positions, then per layer the
     Segments pattern and the flash backend's block plan."""
     from mhsa.core.backends.flash_plan import plan_for
@@ -87,20 +90,30 @@ def _planning(model, packed: dict) -> None:
     row = packed_row(packed["idx"], packed["cu_seqlens"], None)
     total = packed["idx"].shape[1]
     for _ in range(model.config.n_layer):
-        plan_for(row.pattern(causal=True), False, total, total, "cpu", fused=True)
+        plan_for(row.pattern(causal=True), False, total, total, device, fused=True)
 
 
-def speed_case(settings: dict, repeat: int) -> dict:
+def speed_case(
+    settings: dict,
+    repeat: int,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> dict:
+    """The packed and padded steps (and the planning) on device, under autocast to dtype."""
+    from mhsa.apps.train.throughput import autocast, to_device
+
     lengths = long_tailed_lengths(
         settings["budget"], settings["low"], settings["high"], settings["median"]
     )
-    model = _model(settings["layers"], settings["d_model"])
-    packed, padded = _batches(lengths)
+    model = _model(settings["layers"], settings["d_model"]).to(device)
+    packed, padded = to_device(_batches(lengths), device)
 
     def step(batch):
         def run() -> None:
             model.zero_grad(set_to_none=True)
-            model.loss(**batch).backward()
+            with autocast(device, dtype):
+                loss = model.loss(**batch)
+            loss.backward()
 
         return run
 
@@ -108,9 +121,10 @@ def speed_case(settings: dict, repeat: int) -> dict:
         {
             "packed": step(packed),
             "padded": step(padded),
-            "planning": lambda: _planning(model, packed),
+            "planning": lambda: _planning(model, packed, device),
         },
         repeat,
+        device,
     )
     tokens = sum(lengths)
     return {
@@ -178,19 +192,34 @@ def memory_case(segments: int, length: int) -> dict:
     }
 
 
-def run(repeat: int = 3, quick: bool = False) -> dict:
+def run(
+    repeat: int = 3,
+    quick: bool = False,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> dict:
+    """The speed case on device (autocast to dtype); the memory case on the CPU only."""
     settings = QUICK if quick else FULL
-    return {
-        "speed": speed_case(settings, repeat),
-        "memory": memory_case(4, 128) if quick else memory_case(64, 1024),
+    cpu = torch.device(device).type == "cpu"
+    if not cpu:
+        memory = {"error": "measured on the CPU only (resident memory of a fresh process)"}
+    else:
+        memory = memory_case(4, 128) if quick else memory_case(64, 1024)
+    result = {
+        "speed": speed_case(settings, repeat, device, dtype),
+        "memory": memory,
         "threads": torch.get_num_threads(),
     }
+    if not cpu or dtype != torch.float32:
+        result["placement"] = f"{device}, {str(dtype).removeprefix('torch.')} autocast"
+    return result
 
 
 def report(result: dict) -> str:
     s, m = result["speed"], result["memory"]
     lines = [
-        f"GPT training step ({s['layers']} layers, d_model {s['d_model']}, float32, "
+        f"GPT training step ({s['layers']} layers, d_model {s['d_model']}, "
+        f"{result.get('placement', 'float32')}, "
         f"{result['threads']} threads): {s['sequences']} sequences, {s['tokens']} tokens "
         f"(median {s['median_length']}, longest {s['longest']}; padded: {s['padded_tokens']})",
         f"{'':<10}{'seconds':>10}{'tokens/s':>12}",

@@ -1,7 +1,9 @@
 """`mhsa bench SUITE`: the benchmarks, as ratios against peers measured in the same run.
 
 Each suite is a sub-command with only its own options, so that another suite's option
-is an error (argparse's, exit 2) rather than silently ignored."""
+is an error (argparse's, exit 2) rather than silently ignored. The suites that time
+tensors or models in this process take --device and --dtype (mhsa.cli.device); ring,
+transcribe and serve measure processes on the CPU."""
 
 from __future__ import annotations
 
@@ -9,6 +11,21 @@ import argparse
 from collections.abc import Callable
 
 from .common import add_option, positive_int, threads_option, with_threads
+from .device import device_options, placement
+
+CPU_ONLY = ("ring", "transcribe", "serve")  # suites without --device: CPU processes
+
+
+def _placed(args: argparse.Namespace, training: bool = False) -> dict:
+    """run()'s device and dtype of --device and --dtype, said once and before any work;
+    nothing where they are the suites' own default (the CPU in float32), so that a CPU
+    run calls run() as it always did."""
+    import torch
+
+    device, dtype = placement(args, training=training)
+    if device.type == "cpu" and dtype == torch.float32:
+        return {}
+    return {"device": device, "dtype": dtype}
 
 
 def _show(args: argparse.Namespace, result, text: str) -> int:
@@ -24,6 +41,7 @@ def bench_attention(args: argparse.Namespace) -> int:
     """time of each backend against SDPA; peak memory of forward+backward"""
     from ..benchmarks import attention
 
+    placed = _placed(args)
     result = attention.run(
         length=args.length or (512 if args.quick else 4096),
         heads=args.heads,
@@ -31,6 +49,7 @@ def bench_attention(args: argparse.Namespace) -> int:
         repeat=args.repeat or (1 if args.quick else 5),
         memory=not (args.no_memory or args.quick),
         long=args.long,
+        **placed,
     )
     return _show(args, result, attention.report(result))
 
@@ -40,7 +59,8 @@ def bench_sparse(args: argparse.Namespace) -> int:
     """sliding windows, BigBird, dilated windows against SDPA's dense mask and FlexAttention"""
     from ..benchmarks import sparse
 
-    result = sparse.run(repeat=args.repeat, quick=args.quick)
+    placed = _placed(args)
+    result = sparse.run(repeat=args.repeat, quick=args.quick, **placed)
     text = sparse.report(result)
     if args.plot:
         sparse.plot(result, args.plot)
@@ -53,7 +73,8 @@ def bench_generate(args: argparse.Namespace) -> int:
     """tokens/s of a GPT with a KV cache against transformers and CTranslate2"""
     from ..benchmarks import generate
 
-    result = generate.run(repeat=args.repeat, quick=args.quick)
+    placed = _placed(args)
+    result = generate.run(repeat=args.repeat, quick=args.quick, **placed)
     return _show(args, result, generate.report(result))
 
 
@@ -62,8 +83,9 @@ def bench_scores(args: argparse.Namespace) -> int:
     """ALiBi and softcapping against no score function and FlexAttention"""
     from ..benchmarks import scores
 
+    placed = _placed(args)
     length = args.length or (1024 if args.quick else 4096)
-    result = scores.run(length=length, repeat=args.repeat, memory=not args.no_memory)
+    result = scores.run(length=length, repeat=args.repeat, memory=not args.no_memory, **placed)
     return _show(args, result, scores.report(result))
 
 
@@ -72,6 +94,7 @@ def bench_moba(args: argparse.Namespace) -> int:
     """MoBA's block choice on the flash engine against dense causal attention"""
     from ..benchmarks import moba
 
+    placed = _placed(args)
     result = moba.run(
         length=args.length,
         block_size=args.block_size,
@@ -80,6 +103,7 @@ def bench_moba(args: argparse.Namespace) -> int:
         repeat=args.repeat,
         quick=args.quick,
         memory=not args.no_memory,
+        **placed,
     )
     return _show(args, result, moba.report(result))
 
@@ -89,7 +113,8 @@ def bench_hf(args: argparse.Namespace) -> int:
     """transformers models with attn_implementation="mhsa" against their sdpa and eager"""
     from ..benchmarks import hf
 
-    result = hf.run(quick=args.quick, repeat=args.repeat)
+    placed = _placed(args)
+    result = hf.run(quick=args.quick, repeat=args.repeat, **placed)
     return _show(args, result, hf.report(result))
 
 
@@ -97,8 +122,13 @@ def bench_flex(args: argparse.Namespace) -> int:
     """mhsa.flex.flex_attention against torch's flex_attention, eager and compiled"""
     from ..benchmarks import flex
 
+    placed = _placed(args)
     result = flex.run(
-        length=args.length or 2048, heads=args.heads, repeat=args.repeat, quick=args.quick
+        length=args.length or 2048,
+        heads=args.heads,
+        repeat=args.repeat,
+        quick=args.quick,
+        **placed,
     )
     return _show(args, result, flex.report(result))
 
@@ -129,11 +159,13 @@ def bench_chat(args: argparse.Namespace) -> int:
     """SmolLM2 prefill and decode against transformers and the weight-streaming bound"""
     from ..benchmarks import chat
 
+    placed = _placed(args)
     result = chat.run(
         prompt=128 if args.quick else 512,
         new=16 if args.quick else 128,
         repeat=1 if args.quick else args.repeat,
         threads=args.threads,
+        **placed,
     )
     return _show(args, result, chat.report(result))
 
@@ -161,7 +193,8 @@ def bench_varlen(args: argparse.Namespace) -> int:
     """a GPT training step on packed sequences against a padded batch; packed memory"""
     from ..benchmarks import varlen
 
-    result = varlen.run(repeat=args.repeat, quick=args.quick)
+    placed = _placed(args, training=True)  # a training step: --dtype is autocast's
+    result = varlen.run(repeat=args.repeat, quick=args.quick, **placed)
     return _show(args, result, varlen.report(result))
 
 
@@ -176,6 +209,8 @@ def _suite(
     parser.add_argument("--quick", action="store_true", help=f"a small smoke run: {quick}")
     if repeat is not None:
         add_option(parser, "--repeat", repeat, "report the best of N runs", type=positive_int)
+    if name not in CPU_ONLY:
+        device_options(parser, what="the timed tensors and models", training=name == "varlen")
     parser.set_defaults(run=run)
     return parser
 

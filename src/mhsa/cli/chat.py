@@ -45,8 +45,9 @@ def chat(args: argparse.Namespace) -> int:
     check_draft(args)
     say(f"loading {to_load(args.model)} ...")
     started = time.perf_counter()
+    weights = chat_weights(args)  # a device or dtype it cannot use: said before the load
     with torch_threads(args.threads):
-        return _chat(args, started)
+        return _chat(args, started, weights)
 
 
 LONG_PROMPT_BYTES = 1024  # a shorter --prompt fits any real chat model's context
@@ -77,7 +78,7 @@ def check_prompt_lengths(args: argparse.Namespace) -> None:
             )
 
 
-def _chat(args: argparse.Namespace, started: float) -> int:
+def _chat(args: argparse.Namespace, started: float, weights: dict) -> int:
     import torch
 
     from ..apps.chat import load_chat_model
@@ -88,16 +89,15 @@ def _chat(args: argparse.Namespace, started: float) -> int:
     check_prompt_lengths(args)
     bar = progress_bar("reading weights")
     with flag_errors(WEIGHT_FLAGS):
-        model = load_chat_model(args.model, **chat_weights(args), progress=bar)
+        model = load_chat_model(args.model, **weights, progress=bar)
     say(f"loaded {model.name} in {time.perf_counter() - started:.1f} s")
     if args.compile:
         say("the first answer waits for compiling the decoding step (torch.compile)")
-    generator = torch.Generator().manual_seed(args.seed)
+    generator = torch.Generator(device=weights["device"]).manual_seed(args.seed)
     history = [{"role": "system", "content": args.system}] if args.system else []
-    draft_weights = chat_weights(args)
     options = {
         "speculate": speculator(
-            args, model.model, lambda path: load_chat_model(path, **draft_weights).model
+            args, model.model, lambda path: load_chat_model(path, **weights).model
         ),
         "draft_tokens": args.draft_tokens,
         "max_new_tokens": args.max_new_tokens,

@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from .common import add_option, load_model, positive_int, threads_option, with_threads
+from .device import device_options, placement
 
 
 def _model_and_reader(path: str):
@@ -47,7 +48,9 @@ def classify(args: argparse.Namespace) -> int:
     """Print each file's most likely labels; a bad file is reported and the others go on."""
     import torch
 
+    device, dtype = placement(args)
     model, state, read = _model_and_reader(args.checkpoint)
+    model.to(device=device, dtype=dtype)
     classes = state["info"].get("classes") or [
         f"class {i}" for i in range(model.config.num_classes)
     ]
@@ -59,8 +62,9 @@ def classify(args: argparse.Namespace) -> int:
             print(f"mhsa classify: {error}", file=sys.stderr)
             failed += 1
             continue
+        inputs = [x.to(device, dtype if x.is_floating_point() else None) for x in inputs]
         with torch.no_grad():
-            probs = torch.softmax(model(*inputs)[0].float(), dim=-1)
+            probs = torch.softmax(model(*inputs)[0].float().cpu(), dim=-1)
         values, indices = probs.topk(min(args.top, len(probs)))
         pairs = zip(values.tolist(), indices.tolist(), strict=True)
         ranked = ", ".join(f"{classes[i]} {p:.3f}" for p, i in pairs)
@@ -81,5 +85,6 @@ def add_parser(commands) -> None:
         help="images (vit), WAV files (ast), or .npy / x y z text point files (points)",
     )
     add_option(parser, "--top", 3, "how many labels to show per file", type=positive_int)
+    device_options(parser)
     threads_option(parser)
     parser.set_defaults(run=classify)

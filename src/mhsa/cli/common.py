@@ -16,9 +16,8 @@ from typing import TextIO
 from .device import device_options
 
 TRAIN_COMMANDS = {"seq2seq": "translate"}  # model kinds trained by another command's name
-# a chat model's weights: --dtype's names, --quantize's modes (mhsa.apps.chat.QUANTIZE,
-# written again so that building the parser does not import the models)
-DTYPES = ("float32", "bfloat16")
+# a chat model's weights: --quantize's modes (mhsa.apps.chat.QUANTIZE, written again so
+# that building the parser does not import the models)
 QUANTIZE = ("file", "none", "bfloat16", "int8", "int4")
 
 
@@ -262,29 +261,28 @@ def spare_core_threads_option(parser: argparse.ArgumentParser) -> None:
 
 
 def chat_weight_options(parser: argparse.ArgumentParser, whose: str = "", exact: str = "") -> None:
-    """--dtype and --quantize of a chat model's weights (see chat_weights); whose starts
-    their help ("a chat model's "), exact adds to what 'none' (the exact path) means."""
-    parser.add_argument(
-        "--dtype",
-        choices=list(DTYPES),
-        default="float32",
-        help=f"{whose}dtype of the dequantised weights",
-    )
+    """--device, --dtype and --quantize of a chat model's weights (see chat_weights);
+    whose starts their help ("a chat model's "), exact adds to what 'none' (the exact
+    path) means."""
+    device_options(parser, what=f"{whose}dequantised weights")
     parser.add_argument(
         "--quantize",
         choices=QUANTIZE,
         default=None,
         help=f"{whose}weights: 'file' keeps a GGUF's own quantisation (default "
-        f"for GGUF), 'none' dequantises (the exact path{exact}), or "
-        "bfloat16 / int8 / int4",
+        f"for GGUF on the CPU), 'none' dequantises to --dtype (the exact path{exact}; "
+        "the default on CUDA), or bfloat16 / int8 / int4 (int8, int4 and 'file' run on "
+        "the CPU only)",
     )
 
 
 def chat_weights(args: argparse.Namespace) -> dict:
-    """load_chat_model's dtype and quantize of --dtype and --quantize."""
-    import torch
+    """load_chat_model's device, dtype and quantize of --device, --dtype and --quantize
+    (see mhsa.cli.device; load_chat_model refuses the CPU's int8 and int4 on CUDA)."""
+    from .device import placement
 
-    return {"dtype": getattr(torch, args.dtype), "quantize": args.quantize}
+    device, dtype = placement(args)
+    return {"device": device, "dtype": dtype, "quantize": args.quantize}
 
 
 def _speculate_arg(text: str) -> str:

@@ -19,6 +19,19 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+# the commands that take --device and --dtype: name -> whether it trains (dtype: autocast's)
+COMMANDS = {
+    "train": True,
+    "chat": False,
+    "serve": False,
+    "generate": False,
+    "translate": False,
+    "transcribe": False,
+    "embed": False,
+    "classify": False,
+    "viz": False,
+    "bench": False,
+}
 # --dtype's names (and their short forms) -> torch's attribute
 DTYPE_NAMES = {
     "float32": "float32",
@@ -193,3 +206,32 @@ def describe(device: torch.device, dtype: torch.dtype, training: bool = False) -
     if training and dtype != torch.float32:
         return f"{device}, {dtype_name(dtype)} autocast (float32 weights)"
     return f"{device}, {dtype_name(dtype)}"
+
+
+def defaults_here() -> list[str]:
+    """What each command computes on here without --device and --dtype, one line each
+    (mhsa info)."""
+    device = default_device()
+    where = str(device)
+    if device.type == "cuda":
+        import torch
+
+        where += f" ({torch.cuda.get_device_name(device)})"
+    lines = []
+    for command, training in COMMANDS.items():
+        dtype = default_dtype(device, training)
+        text = describe(device, dtype, training).replace(str(device), where, 1)
+        if command in ("chat", "serve"):
+            text += (
+                " (weights dequantised)"
+                if device.type == "cuda"
+                else " (a GGUF's own int4/int8 weights unless --quantize none)"
+            )
+        if command == "bench":
+            text += " (ring, transcribe and serve: their processes on the CPU)"
+        lines.append(f"{command:<10} {text}")
+    lines.append(
+        f"{'export':<10} cpu (an ONNX file is the same whichever device traces it; "
+        "onnxruntime checks it on the CPU)"
+    )
+    return lines

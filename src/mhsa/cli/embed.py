@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from .common import threads_option, with_threads
+from .device import device_options, placement
 
 
 @with_threads
@@ -14,8 +15,9 @@ def embed(args: argparse.Namespace) -> int:
 
     from ..apps.embed import SentenceEncoder
 
+    device, dtype = placement(args)
     try:
-        encoder = SentenceEncoder()
+        encoder = SentenceEncoder(device=device, dtype=dtype)
     except RuntimeError as error:
         raise SystemExit(str(error)) from error
     vectors = encoder.encode(args.sentences)
@@ -48,5 +50,6 @@ def add_parser(commands) -> None:
     embed_parser.add_argument(
         "--similarity", action="store_true", help="print the cosine-similarity matrix"
     )
+    device_options(embed_parser)
     threads_option(embed_parser)
     embed_parser.set_defaults(run=embed)

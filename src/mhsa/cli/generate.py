@@ -16,6 +16,7 @@ from .common import (
     threads_option,
     with_threads,
 )
+from .device import device_options, placement
 
 
 @with_threads
@@ -33,6 +34,7 @@ def generate(args: argparse.Namespace) -> int:
     check_draft(args)
     with flag_errors(SAMPLING_FLAGS):  # every flag is checked before the model loads
         Sampling(args.temperature, args.top_k or None, args.top_p)
+    device, dtype = placement(args)
     tokenizer = ByteTokenizer()
     try:
         prompt = tokenizer.encode(args.prompt)
@@ -40,7 +42,11 @@ def generate(args: argparse.Namespace) -> int:
         raise ValueError("--prompt is not valid text (undecodable bytes); pass UTF-8") from None
     if prompt.numel() == 0:
         raise ValueError("--prompt must not be empty")
-    model, _ = load_model(checkpoint, {"gpt": (GPT, GPTConfig)})
+
+    def load_gpt(path: str):
+        return load_model(path, {"gpt": (GPT, GPTConfig)})[0].to(device=device, dtype=dtype)
+
+    model = load_gpt(checkpoint)
     room = model.config.max_len - prompt.numel()
     if args.max_new_tokens > room:
         if model.config.position in ("learned", "sinusoidal"):
@@ -52,7 +58,7 @@ def generate(args: argparse.Namespace) -> int:
             f"tokens; past that ({model.config.position} positions) its text degrades",
             file=sys.stderr,
         )
-    generator = torch.Generator().manual_seed(args.seed)
+    generator = torch.Generator(device=device).manual_seed(args.seed)
     start = time.perf_counter()
     out = model.generate(
         [prompt],
@@ -62,9 +68,7 @@ def generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         generator=generator,
         compile=args.compile,
-        speculate=speculator(
-            args, model, lambda path: load_model(path, {"gpt": (GPT, GPTConfig)})[0]
-        ),
+        speculate=speculator(args, model, load_gpt),
         draft_tokens=args.draft_tokens,
     )[0]
     seconds = time.perf_counter() - start
@@ -129,6 +133,7 @@ def add_parser(commands) -> None:
     )
     add_option(gen, "--seed", 0, "random seed", type=int)
     compile_option(gen, "decode through one torch.compile'd step (compiling takes a while)")
+    device_options(gen)
     speculate_options(gen, "another `mhsa train gpt` checkpoint")
     threads_option(
         gen,

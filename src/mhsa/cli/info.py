@@ -7,6 +7,7 @@ import importlib
 import platform
 
 from ..version import __version__
+from .device import defaults_here
 
 # Typical calls (float32, GQA 8/2) that show what each backend can and cannot serve.
 _PROBES = {
@@ -74,6 +75,9 @@ def info(_: argparse.Namespace) -> int:
                 (get(n).preference(spec), n) for n in names() if get(n).supports(spec) is None
             )
             print(f"  {probe:<16} " + " > ".join(f"{n} ({p:g})" for p, n in ranked[::-1]))
+    print("commands (defaults here; --device cpu|cuda and --dtype change them):")
+    for line in defaults_here():
+        print(f"  {line}")
     print("integrations (mhsa.integrations):")
     for name, use in INTEGRATIONS.items():
         usable, why = importlib.import_module(f"mhsa.integrations.{name}").available()
@@ -86,7 +90,8 @@ def add_parser(commands) -> None:
         "Show the versions of mhsa, Python and torch, the device, and for each attention "
         "backend whether it runs here and which calls it cannot serve (with the reason), "
         "then which backend `auto` picks for typical calls, and which integrations "
-        "(transformers, timm, FlexAttention's API) can be used here."
+        "(transformers, timm, FlexAttention's API) can be used here, and which device "
+        "and dtype each command computes on by default."
     )
     parser = commands.add_parser(
         "info", help="versions, device and attention backends", description=description

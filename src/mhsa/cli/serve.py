@@ -46,8 +46,9 @@ def serve(args: argparse.Namespace) -> int:
     if missing is not None:
         print(missing, file=sys.stderr)
         return 2
+    weights = chat_weights(args)  # a device or dtype it cannot use: said before the load
     with torch_threads(args.threads):
-        return _serve(args, started)
+        return _serve(args, started, weights)
 
 
 def missing_serve_extra() -> str | None:
@@ -64,14 +65,14 @@ def missing_serve_extra() -> str | None:
     return None
 
 
-def _serve(args: argparse.Namespace, started: float) -> int:
+def _serve(args: argparse.Namespace, started: float, weights: dict) -> int:
     from ..apps.serve.server import Server
 
     limits, access = _limits(args), _access(args)  # (bad options: said before the load)
     try:
         served = load_served(
             args.model,
-            chat_weights(args),
+            weights,
             name=args.name,
             num_blocks=args.num_blocks,
             block_size=args.block_size,
@@ -190,9 +191,9 @@ def load_served(
 ):
     """The ServedModel of --model: None or "chat" (the packaged SmolLM2), a .gguf file, a
     transformers directory (it has tokenizer.json), or a `mhsa train gpt` checkpoint;
-    weights: load_chat_model's dtype and quantize; progress: load_chat_model's."""
-    import torch
-
+    weights: load_chat_model's device, dtype and quantize (a GPT checkpoint takes the
+    device and dtype); progress: load_chat_model's. The engine decodes on the device of
+    the model's weights (its cache_layout's)."""
     from ..apps.chat import load_chat_model
     from ..apps.serve.models import ServedModel
 
@@ -220,16 +221,20 @@ def load_served(
         chat = load_chat_model(path, **weights, progress=progress)
         options = with_drafts(chat.model, load_draft)
         return ServedModel.from_chat(chat, name=name, **options)
-    if weights["quantize"] is not None or weights["dtype"] != torch.float32:
+    if weights["quantize"] is not None:
         raise ValueError(
-            "--quantize and --dtype are for chat models; a GPT checkpoint is "
-            "served as it was trained"
+            "--quantize is for chat models; a GPT checkpoint is served in --dtype "
+            "(default: float32 on the CPU, bfloat16 on CUDA)"
         )
     from ..models import GPT, GPTConfig
     from .common import load_model
 
-    gpt, _ = load_model(str(path), {"gpt": (GPT, GPTConfig)})
-    options = with_drafts(gpt, lambda p: load_model(p, {"gpt": (GPT, GPTConfig)})[0])
+    def load_gpt(where: str):
+        model = load_model(where, {"gpt": (GPT, GPTConfig)})[0]
+        return model.to(device=weights.get("device", "cpu"), dtype=weights["dtype"])
+
+    gpt = load_gpt(str(path))
+    options = with_drafts(gpt, load_gpt)
     return ServedModel.from_gpt(gpt, name or path.resolve().name, **options)
 
 

@@ -15,13 +15,15 @@ def device_line(args: argparse.Namespace) -> str:
     from .device import describe, placement
 
     device, dtype = placement(args, training=True)
-    text = describe(device, dtype, training=True)
     if device.type == "cuda":
         import torch
 
+        if device.index is None:  # the current GPU, as the loop takes it
+            device = torch.device("cuda", torch.cuda.current_device())
+        text = describe(device, dtype, training=True)
         name = torch.cuda.get_device_name(device)
-        text = text.replace(f"{device},", f"{device} ({name}),", 1)
-    return f"device: {text}"
+        return "device: " + text.replace(f"{device},", f"{device} ({name}),", 1)
+    return f"device: {describe(device, dtype, training=True)}"
 
 
 def speed(result: dict) -> str:

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from .common import compile_option, threads_option, with_threads
+from .device import device_options, placement
 
 
 @with_threads
@@ -14,8 +15,9 @@ def transcribe(args: argparse.Namespace) -> int:
     from ..apps.transcribe import load_whisper
     from ..apps.transcribe import transcribe as transcribe_audio
 
+    device, dtype = placement(args)
     try:
-        model = load_whisper().decoding_layout()
+        model = load_whisper(device=device, dtype=dtype).decoding_layout()
     except RuntimeError as error:
         raise SystemExit(str(error)) from error
     failed = 0
@@ -39,5 +41,6 @@ def add_parser(commands) -> None:
         transcribe_parser,
         "decode through one torch.compile'd decoder step (the first file waits for compiling)",
     )
+    device_options(transcribe_parser)
     threads_option(transcribe_parser)
     transcribe_parser.set_defaults(run=transcribe)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from .common import add_option, load_model, positive_int, threads_option, with_threads
+from .device import device_options, placement
 
 
 @with_threads
@@ -13,7 +14,9 @@ def translate(args: argparse.Namespace) -> int:
     from ..data.numbers import Vocabulary, pad_batch
     from ..models.seq2seq import Seq2Seq, Seq2SeqConfig
 
+    device, dtype = placement(args)
     model, state = load_model(args.checkpoint, {"seq2seq": (Seq2Seq, Seq2SeqConfig)})
+    model.to(device=device, dtype=dtype)
     vocab = Vocabulary(state["info"]["vocab"])
     for text in args.texts:
         if not text.strip():
@@ -27,7 +30,9 @@ def translate(args: argparse.Namespace) -> int:
     ids = pad_batch([vocab.encode(text) for text in args.texts])
     if ids.shape[1] > model.config.max_len:
         raise ValueError(f"a text is longer than the model's {model.config.max_len} tokens")
-    outputs = model.translate(ids, beam_size=args.beam_size, length_penalty=args.length_penalty)
+    outputs = model.translate(
+        ids.to(device), beam_size=args.beam_size, length_penalty=args.length_penalty
+    )
     for out in outputs:
         print(vocab.decode(out))
     return 0
@@ -51,5 +56,6 @@ def add_parser(commands) -> None:
         "beams are ranked by log-probability / length ** this",
         type=float,
     )
+    device_options(translate_parser)
     threads_option(translate_parser)
     translate_parser.set_defaults(run=translate)

@@ -8,6 +8,7 @@ import sys
 
 from .checks import check_output
 from .common import add_option, positive_int, threads_option, with_threads
+from .device import device_options, placement
 
 MODELS = ("gpt", "chat", "minilm", "whisper")
 IMAGE_FORMATS = ("png", "svg", "pdf", "jpg", "jpeg")  # what --out may be (matplotlib writes)
@@ -29,7 +30,7 @@ def viz(args: argparse.Namespace) -> int:
     parse_heads(args.heads)  # a malformed --heads fails before any model loads
     out = args.out if args.out or args.html else "maps.png"
     _check_outputs(out, args.html, args.overwrite)
-    source = _source(args)
+    source = _source(args, *placement(args))
     if args.html:
         rec = record(source, heads=args.heads, max_rows=args.max_tokens)
         size = write_html(rec, args.html)
@@ -76,28 +77,29 @@ def _check_outputs(png: str | None, html: str | None, overwrite: bool) -> None:
         )
 
 
-def _source(args: argparse.Namespace):
+def _source(args: argparse.Namespace, device, dtype):
     """The model's Source for this input (mhsa.apps.viz.sources), its model loaded the way
-    the model's own command loads it."""
+    the model's own command loads it, on device in dtype."""
     from ..apps.viz import chat_source, gpt_source, minilm_source, whisper_source
 
+    placed = {"device": device, "dtype": dtype}
     if args.model == "gpt":
         model, name = _gpt(args)
-        return gpt_source(model, _required_text(args), name=name)
+        return gpt_source(model.to(**placed), _required_text(args), name=name)
     if args.model == "chat":
         from ..apps.chat import load_chat_model
 
-        return chat_source(load_chat_model(args.source), _required_text(args))
+        return chat_source(load_chat_model(args.source, **placed), _required_text(args))
     if args.model == "minilm":
         if args.source is not None:
             raise ValueError("--model minilm takes no file: it is the packaged all-MiniLM-L6-v2")
         text = _required_text(args)
-        return minilm_source(_packaged(_sentence_encoder), text)
+        return minilm_source(_packaged(lambda: _sentence_encoder(**placed)), text)
     if args.source is None:
         raise ValueError("--model whisper needs a WAV file: mhsa viz --model whisper FILE.wav")
     from ..apps.transcribe import load_whisper
 
-    return whisper_source(_packaged(load_whisper), args.source, args.text)
+    return whisper_source(_packaged(lambda: load_whisper(**placed)), args.source, args.text)
 
 
 def _gpt(args: argparse.Namespace) -> tuple:
@@ -120,10 +122,10 @@ def _required_text(args: argparse.Namespace) -> str:
     return args.text
 
 
-def _sentence_encoder():
+def _sentence_encoder(**placed):
     from ..apps.embed import SentenceEncoder
 
-    return SentenceEncoder()
+    return SentenceEncoder(**placed)
 
 
 def _packaged(load):
@@ -191,5 +193,6 @@ def add_parser(commands) -> None:
         "evenly spread, first and last included",
         type=positive_int,
     )
+    device_options(cmd)
     threads_option(cmd)
     cmd.set_defaults(run=viz)

@@ -348,7 +348,7 @@ def test_minilm_in_the_browser(browser, tmp_path, monkeypatch):
     import mhsa.apps.embed
 
     encoder = mhsa.apps.embed.SentenceEncoder()
-    monkeypatch.setattr(mhsa.apps.embed, "SentenceEncoder", lambda: encoder)
+    monkeypatch.setattr(mhsa.apps.embed, "SentenceEncoder", lambda **_: encoder)
     text = "The animal didn't cross the street because it was too tired."
     html = tmp_path / "minilm.html"
     assert main(["viz", "--model", "minilm", "--text", text, "--html", str(html)]) == 0
@@ -372,7 +372,7 @@ def test_chat_model_in_the_browser(browser, tmp_path, monkeypatch):
     import mhsa.apps.chat
 
     chat = mhsa.apps.chat.load_chat_model()
-    monkeypatch.setattr(mhsa.apps.chat, "load_chat_model", lambda source=None: chat)
+    monkeypatch.setattr(mhsa.apps.chat, "load_chat_model", lambda source=None, **_: chat)
     text = "The capital of France is Paris. The capital of Italy is"
     html = tmp_path / "chat.html"
     args = ["viz", "--model", "chat", "--text", text, "--heads", "0:0,29:8", "--html", str(html)]
@@ -397,7 +397,7 @@ def test_whisper_cross_attention_in_the_browser(browser, tmp_path, monkeypatch):
     import mhsa.apps.transcribe
 
     model = mhsa.apps.transcribe.load_whisper()
-    monkeypatch.setattr(mhsa.apps.transcribe, "load_whisper", lambda: model)
+    monkeypatch.setattr(mhsa.apps.transcribe, "load_whisper", lambda **_: model)
     seen: dict = {}  # the command's first encoding (its memory) and transcript, kept
     encode, generate = model.encode, model.generate
     monkeypatch.setattr(model, "encode", lambda mel: seen.setdefault("memory", encode(mel)))

@@ -247,7 +247,7 @@ def train(
             record = {"step": step, "train_loss": loss.item(), "val_loss": val}
             if hasattr(task, "metrics"):
                 model.eval()
-                with torch.no_grad(), autocast(device, config.dtype):
+                with torch.no_grad():  # no autocast: a metric may decode into caches
                     record.update(task.metrics(model))
                 model.train()
             history.append(record)

@@ -181,7 +181,7 @@ class _Recorder:
         for start in range(0, q_len, chunk):
             rows = torch.arange(start, min(q_len, start + chunk))
             probs = module.attention_map(*args, rows=None if chunk >= q_len else rows, **kwargs)
-            layer.update(probs[0].float(), rows)  # (H, r, S)
+            layer.update(probs[0].float().cpu(), rows)  # (H, r, S), on the CPU
         layer.finish()
 
 

@@ -63,6 +63,11 @@ def _visible(text: str) -> str:
     return text or "\u2205"
 
 
+def _device(model) -> torch.device:
+    """Where model's weights are: its inputs go there."""
+    return next(model.parameters()).device
+
+
 def _check_text(text: str) -> None:
     if not text:
         raise ValueError("--text must not be empty: pass the text whose attention to show")
@@ -79,7 +84,7 @@ def gpt_source(model, text: str, name: str = "GPT") -> Source:
     return Source(
         name,
         _attention_layers(model),
-        lambda: model(tokens.view(1, -1)),
+        lambda: model(tokens.view(1, -1).to(_device(model))),
         labels,
         note=f"{len(labels)} bytes",
     )
@@ -94,7 +99,7 @@ def chat_source(chat, text: str) -> Source:
     if not 0 < len(ids) <= limit:
         raise ValueError(f"--text must be 1..{limit} tokens for {chat.name}, got {len(ids)}")
     labels = [_visible(chat.tokenizer.decode([i], skip_special_tokens=False)) for i in ids]
-    tokens = torch.tensor([ids])
+    tokens = torch.tensor([ids], device=_device(chat.model))
     return Source(
         chat.name,
         _attention_layers(chat.model),
@@ -115,7 +120,7 @@ def minilm_source(encoder, text: str) -> Source:
     return Source(
         "all-MiniLM-L6-v2",
         _attention_layers(encoder.model),
-        lambda: encoder.model(ids, mask),
+        lambda: encoder.model(ids.to(_device(encoder.model)), mask.to(_device(encoder.model))),
         labels,
         note=note,
     )
@@ -134,7 +139,7 @@ def whisper_source(model, audio: str | Path, text: str | None = None) -> Source:
     if waveform.numel() == 0:
         raise ValueError(f"{audio}: the recording is empty")
     with torch.no_grad():
-        mel = log_mel_spectrogram(waveform)[None]
+        mel = log_mel_spectrogram(waveform)[None].to(_device(model))
         memory = model.encode(mel)
         if text is None:
             ids = model.generate(mel)[0]
@@ -155,7 +160,7 @@ def whisper_source(model, audio: str | Path, text: str | None = None) -> Source:
     layers = [
         (f"decoder {i} cross", layer.cross_attn) for i, layer in enumerate(model.decoder.layers)
     ]
-    ids_tensor = torch.tensor([tokens])
+    ids_tensor = torch.tensor([tokens], device=_device(model))
     seconds = waveform.numel() / SAMPLE_RATE
     return Source(
         f"Whisper: {Path(audio).name}",
