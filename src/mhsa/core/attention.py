@@ -16,6 +16,7 @@ from .kernels.dense import apply_dropout, grouped_scores, probs_times_v, stats_d
 from .kernels.dropout import draw_seed
 from .kernels.scored import SelectedHeads, softmax_with_sinks
 from .masks import Pattern
+from .masks.base import part_kinds
 from .masks.causal import causal_allows, causal_shift
 from .paged import attention_over_pages
 from .scores import ScoreFunction, apply_score, as_score, kinds
@@ -155,6 +156,7 @@ def attention(
         return_lse=return_lse,
         has_score=score is not None,
         score_kinds=kinds(score),
+        mask_kinds=part_kinds(mask),
         has_sinks=sinks is not None,
     )
     # one query aligned bottom-right sees every key (a decoding step): nothing to mask,

@@ -44,6 +44,7 @@ class AttentionSpec:
     return_lse: bool
     has_score: bool = False  # an mhsa.core.scores function
     score_kinds: tuple[str, ...] = ()  # its functions' class names in order (scores.kinds)
+    mask_kinds: tuple[str, ...] = ()  # the pattern's parts' class names (masks.part_kinds)
     has_sinks: bool = False
     paged: bool = False  # keys and values in a pool of blocks, read through a block table
     needs_grad: bool = False  # (set for paged calls) gradients flow to q, the pools or score

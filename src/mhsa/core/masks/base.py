@@ -181,6 +181,16 @@ class Pattern:
         return Intersection(self, other)
 
 
+def part_kinds(mask: object) -> tuple[str, ...]:
+    """The class names of a pattern's parts (a union's or intersection's, flattened), in
+    order; () for no mask or a tensor: what an AttentionSpec carries for `auto`."""
+    if not isinstance(mask, Pattern):
+        return ()
+    if isinstance(mask, Union):
+        return tuple(kind for part in mask.parts for kind in part_kinds(part))
+    return (type(mask).__name__,)
+
+
 def pattern_or_none(name: str, value: object) -> Pattern | None:
     """value if it is a Pattern or None; else TypeError naming `name`."""
     if value is not None and not isinstance(value, Pattern):

@@ -1,0 +1,31 @@
+"""What `auto` prefers on CUDA where the fixed preferences are wrong: measured, not guessed.
+
+From one run of `python -m mhsa.benchmarks.gpu --quick` on an NVIDIA H200, 2026-12-04
+(torch 2.11, triton 3.6, bf16, B=4, H=16, D=128, L=8192; the rows are
+docs/gpu-2026-12-04-quick.json). There, `auto` (sdpa for dense and causal, flex for
+patterns) was within 3% of the best backend in every row but bigbird(64), where our
+triton kernel took 0.40x flex's time forward and 0.77x forward+backward. So triton
+leads for block-structured patterns made of the parts measured, without causal or a
+score function (neither was measured with them). Add a row only with the run that
+measured it.
+"""
+
+from __future__ import annotations
+
+from .registry import AttentionSpec
+
+# the parts of bigbird(block) (BlockBand | GlobalTokens | RandomBlocks) and BlockSparse,
+# the block-sparse pattern RandomBlocks is made from
+BLOCK_PATTERN_PARTS = frozenset({"BlockBand", "BlockSparse", "GlobalTokens", "RandomBlocks"})
+
+
+def triton_leads(spec: AttentionSpec) -> bool:
+    """Whether the measured table puts triton ahead of flex and sdpa for this call."""
+    return (
+        spec.device.type == "cuda"
+        and bool(spec.mask_kinds)
+        and set(spec.mask_kinds) <= BLOCK_PATTERN_PARTS
+        and not spec.causal
+        and not spec.has_score
+        and not spec.has_sinks
+    )
