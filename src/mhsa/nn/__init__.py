@@ -14,7 +14,8 @@ quantized.py     weight-only int4/int8 linears on torch's CPU kernels
 layout.py        the decoding layout: transposed float weights, fused projections
 """
 
-from .attention import MultiHeadAttention, from_torch_masks
+from .attention import MultiHeadAttention
+from .attention_inputs import from_torch_masks
 from .differential import DiffAttention
 from .feedforward import FeedForward, GatedFeedForward
 from .latent import LatentAttention

@@ -28,7 +28,7 @@ from ..core.masks import Pattern
 from ..core.paged import paged_attention
 from ..core.scores import ScoreFunction
 from ..core.validate import check_dropout, int_at_least, paged_window
-from .attention import PAGED_BIAS, _rotated, attention_masks
+from .attention_inputs import PAGED_BIAS, attention_masks, rotate_at_positions
 from .norm import RMSNorm
 from .positional import AttentionPosition
 
@@ -139,7 +139,7 @@ class DiffAttention(nn.Module):
         k = k.view(batch, length, 2 * heads, d).transpose(1, 2)
         v = v.view(batch, length, 2 * heads, d).transpose(1, 2)
         if position is not None:
-            q, k = _rotated(position, q, k, cache)
+            q, k = rotate_at_positions(position, q, k, cache)
         if cache is not None:
             k, v = cache.update(k, v)  # (the pools, for a paged cache)
         score = None if position is None else position.score()

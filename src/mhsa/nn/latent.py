@@ -29,7 +29,7 @@ from ..core.checks import int_at_least
 from ..core.masks import Pattern
 from ..core.paged import paged_attention
 from ..core.validate import check_dropout, check_scale, paged_window
-from .attention import _rotated, attention_masks
+from .attention_inputs import attention_masks, rotate_at_positions
 from .norm import RMSNorm
 from .positional import AttentionPosition
 
@@ -212,7 +212,7 @@ class LatentAttention(nn.Module):
         if self.rope_interleave:
             q_rope, k_rope = _halves(q_rope), _halves(k_rope)
         if position is not None:
-            q_rope, k_rope = _rotated(position, q_rope, k_rope, cache)
+            q_rope, k_rope = rotate_at_positions(position, q_rope, k_rope, cache)
         return q_nope, q_rope, torch.cat((latent, k_rope), dim=-1)
 
     def _up_weights(self) -> tuple[Tensor, Tensor]:

@@ -1,0 +1,102 @@
+"""What every attention module does to its inputs before it attends: torch's masks turned
+into ours, masks merged with key padding (the caller's and the cache's), a position's
+bias added, and q and k rotated at each sequence's positions."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..cache import Cache
+from ..core.masks import KeyPadding, Pattern
+from .positional import AttentionPosition, RotaryEmbedding
+
+
+def from_torch_masks(
+    attn_mask: Tensor | None = None, key_padding_mask: Tensor | None = None
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """Convert torch.nn.MultiheadAttention's masks to ours: (mask, key_padding_mask, bias).
+
+    torch's bool masks mean "masked" where True; ours mean "may attend". torch's float
+    masks are additive and become our bias. This is the one place polarity flips.
+    """
+    mask = bias = padding = None
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            mask = ~attn_mask
+        else:
+            bias = attn_mask
+    if key_padding_mask is not None:
+        if key_padding_mask.dtype == torch.bool:
+            padding = ~key_padding_mask
+        else:  # additive float padding mask: -inf where masked
+            extra = key_padding_mask[:, None, None, :]
+            bias = extra if bias is None else bias + extra
+    return mask, padding, bias
+
+
+def rotate_at_positions(
+    position: AttentionPosition, q: Tensor, k: Tensor, cache: Cache | None
+) -> tuple[Tensor, Tensor]:
+    """q (B, H, L, D), k (B, H_kv, L, D) rotated by `position` at the new tokens'
+    positions: 0..L-1 without a cache (or with a cross-attention memory), the cache's
+    next_positions with one (each sequence's own: left padding, pages)."""
+    fixed = isinstance(getattr(position, "positions", None), Tensor)  # rotary.at(positions)
+    if fixed or type(position).rotate is AttentionPosition.rotate:  # (scores only: ALiBi, T5)
+        return position.rotate(q, k, 0)
+    positions = None if cache is None else cache.next_positions(q.shape[2])
+    if positions is None:
+        return position.rotate(q, k, 0)
+    if not isinstance(position, RotaryEmbedding):
+        raise TypeError(
+            f"with a cache, positions come from the cache per sequence: it "
+            f"takes rotary positions (rotated at them) and score functions (ALiBi, "
+            f"T5), not {type(position).__name__}, which rotates from one "
+            "offset"
+        )
+    return position.at(positions).rotate(q, k, 0)
+
+
+# a position's dense bias (attention_bias) over a paged cache
+PAGED_BIAS = (
+    "a paged cache takes no bias; this position gives a dense one (attention_bias): "
+    "give it a score function (score()) instead"
+)
+
+
+def attention_masks(
+    mask, key_padding_mask, bias, position, cache, batch: int, q_len: int, kv_len: int
+) -> tuple:
+    """The mask and bias of attention over kv_len keys (the cache's, once updated): the
+    caller's mask merged with its key padding and the cache's (which cached keys are left
+    padding), and the caller's bias plus the position's (ALiBi, T5 as a tensor)."""
+    cached_padding = None if cache is None else cache.key_padding()
+    if cached_padding is not None:
+        both = key_padding_mask is not None
+        key_padding_mask = key_padding_mask & cached_padding if both else cached_padding
+    extra = None if position is None else position.attention_bias(q_len, kv_len)
+    if extra is not None:
+        bias = extra if bias is None else bias + extra
+    return merge_masks(mask, key_padding_mask, batch, kv_len), bias
+
+
+def merge_masks(
+    mask: Tensor | None, key_padding_mask: Tensor | None, batch: int, kv_len: int
+) -> Tensor | None:
+    """mask and key_padding_mask (B, S), True = a real token, as one mask: a pattern stays a
+    pattern (the flash engine plans it), a tensor becomes (B, 1, 1, S) and is and-ed."""
+    if key_padding_mask is None:
+        return mask
+    if isinstance(mask, Pattern):  # stays a pattern, so the flash engine can plan it
+        return mask & KeyPadding(key_padding_mask)
+    if key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != (
+        batch,
+        kv_len,
+    ):
+        raise ValueError(
+            f"key_padding_mask must be bool of shape (batch, kv_len) = {(batch, kv_len)}, "
+            f"True = a real token; got {key_padding_mask.dtype} "
+            f"{tuple(key_padding_mask.shape)}"
+        )
+    padding = key_padding_mask[:, None, None, :]  # (B, 1, 1, S)
+    return padding if mask is None else mask & padding
