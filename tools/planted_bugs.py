@@ -95,9 +95,8 @@ BUGS = {
     ),
     "a stop token is output before the request ends": (
         "apps/serve/engine.py",
-        "            if choice.stopped is not None and bool(choice.stopped[0]):\n",
-        "            if choice.stopped is not None and bool(choice.stopped[0]) and "
-        "request.output.append(int(choice.tokens[0])):\n",
+        "                if choice.stops():\n",
+        "                if choice.stops() and request.output.append(int(choice.tokens[0])):\n",
         "tests/apps/serve/test_engine.py",
     ),
     "the stop rule ends a sequence one token late": (

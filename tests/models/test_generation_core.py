@@ -48,6 +48,20 @@ def test_every_decoding_loop_uses_the_one_decision(loop):
     assert not OWN_CHOICES.findall(text)
 
 
+def test_a_choice_says_whether_a_row_ends_and_no_loop_restates_it():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, 0.0, 1.0]])
+    choice = sample_and_stop(logits, GREEDY, StopRule([0], max_tokens=3), generated=1)
+    assert [choice.stops(0), choice.stops(1)] == [False, True]
+    assert [choice.ends(0), choice.ends(1)] == [False, True]
+    last = sample_and_stop(logits, GREEDY, StopRule([0], max_tokens=3), generated=2)
+    assert last.ends(0) and last.ends(1) and not last.stops(0)
+    free = sample_and_stop(logits, GREEDY, StopRule(), generated=100)
+    assert not free.stops(1) and not free.ends(1)
+    restated = re.compile(r"choice\.stopped is not None and bool\(choice\.stopped")
+    for path in SOURCE.rglob("*.py"):
+        assert not restated.search(path.read_text()), path
+
+
 def test_the_engine_asks_the_model_for_its_cache_layout():
     engine = (SOURCE / "apps" / "serve" / "engine.py").read_text()
     assert "hasattr" not in engine and "model.cache_layout" in engine

@@ -122,7 +122,7 @@ class ChatModel:
         prefilled = None
         for count, choice in enumerate(choices):
             prefilled = prefilled or time.perf_counter()  # (the first token ends the prefill)
-            if choice.stopped is not None and bool(choice.stopped):
+            if choice.stops():
                 break
             piece = decoder.push(int(choice.tokens[0]))
             self.last_stats.update(
@@ -150,7 +150,7 @@ class ChatModel:
                 logits.float(), sampling, stop, generated=count, generator=generator
             )
             yield choice
-            if choice.last or (choice.stopped is not None and bool(choice.stopped)):
+            if choice.ends():
                 return
             token = choice.tokens.view(1, 1)
             logits = step(token)

@@ -73,6 +73,14 @@ class Choice:
     stopped: Tensor | None
     last: bool
 
+    def stops(self, row: int = 0) -> bool:
+        """Whether row's token is a stop token (output no further)."""
+        return self.stopped is not None and bool(self.stopped[row])
+
+    def ends(self, row: int = 0) -> bool:
+        """Whether row's sequence ends with this token: a stop token, or the last allowed."""
+        return self.last or self.stops(row)
+
 
 def sample_and_stop(
     logits: Tensor,
@@ -162,7 +170,7 @@ def accept_draft(
         tokens = torch.tensor([token], device=logits.device)
         choice = Choice(tokens, stop.stopped(tokens), stop.is_last(generated + i))
         choices.append(choice)
-        if choice.last or (choice.stopped is not None and bool(choice.stopped[0])):
+        if choice.ends():
             return choices
     return [*choices, final]
 

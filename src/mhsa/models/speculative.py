@@ -204,7 +204,7 @@ def speculative_decode(
         while True:
             for choice in pending:
                 yield choice
-                if choice.last or (choice.stopped is not None and bool(choice.stopped[0])):
+                if choice.ends():
                     return
                 context.append(int(choice.tokens[0]))
             generated = len(context) - len(prompt)

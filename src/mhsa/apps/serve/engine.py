@@ -182,7 +182,7 @@ class Engine:
                 with self._lock:
                     self.scheduler.took_drafts(request, len(choices) - 1)
             for choice in choices:
-                if choice.stopped is not None and bool(choice.stopped[0]):
+                if choice.stops():
                     self._finish(request, "stop")
                     break
                 token = int(choice.tokens[0])

@@ -16,7 +16,7 @@ from .text import StoppingText
 
 
 @dataclass(eq=False)
-class Choice:
+class ResponseChoice:
     """One prompt's request, its text so far, its token count and finish_reason."""
 
     index: int
@@ -34,7 +34,7 @@ class Generation:
         self.engine = served.engine
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[tuple[int, int | None]] = asyncio.Queue()
-        self.choices: list[Choice] = []
+        self.choices: list[ResponseChoice] = []
         try:
             for index, (prompt, limit) in enumerate(zip(job.prompts, job.max_tokens, strict=True)):
                 seed = None if job.seed is None else job.seed + index
@@ -47,7 +47,9 @@ class Generation:
                     on_token=self._deliver,
                     cache_salt=cache_salt,
                 )
-                self.choices.append(Choice(index, request, StoppingText(served.stream(), job.stop)))
+                self.choices.append(
+                    ResponseChoice(index, request, StoppingText(served.stream(), job.stop))
+                )
         except ValueError as error:  # what the checks before could not foresee
             self.cancel()
             raise errors.APIError(400, str(error)) from error
@@ -70,7 +72,7 @@ class Generation:
         with contextlib.suppress(RuntimeError):  # (a closed loop: the server has gone)
             self.loop.call_soon_threadsafe(self.queue.put_nowait, (request.id, token))
 
-    async def events(self) -> AsyncIterator[tuple[Choice, str]]:
+    async def events(self) -> AsyncIterator[tuple[ResponseChoice, str]]:
         """(choice, new text) as tokens arrive; a choice's last event has its finish set.
         Raises APIError when the engine failed or was stopped under a request."""
         running = len(self.choices)
