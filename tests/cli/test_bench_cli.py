@@ -134,6 +134,12 @@ def test_serve_passes_load_to_the_benchmark(capsys, monkeypatch):
             "draft_tokens": 4,
         }
     ]
+    seen.clear()
+    with pytest.raises(SystemExit, match="the server did not start"):
+        main([*argv, "--device", "cpu", "--dtype", "float32"])
+    assert seen[0]["device"] == "cpu" and seen[0]["dtype"] == "float32"  # the servers' flags
+    assert main([*argv, "--device", "cuda:7"]) == 2  # refused before any server starts
+    assert len(seen) == 1 and "--device cuda:7" in capsys.readouterr().err
 
 
 def test_every_suite_takes_threads_and_chat_and_ring_pass_them_on(capsys, monkeypatch):

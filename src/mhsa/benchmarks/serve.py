@@ -194,8 +194,11 @@ def run(
     quantize: str | None = None,
     load: str = "chat",
     draft_tokens: int = 4,
+    device: str | None = None,
+    dtype: str | None = None,
 ) -> dict:
-    """Both runs of a load (one of LOADS) against one server; see the module docstring."""
+    """Both runs of a load (one of LOADS) against one server; see the module docstring.
+    device and dtype: the servers' --device and --dtype (default: mhsa serve's own)."""
     name = "quick" if quick else load
     if name not in LOADS:
         raise ValueError(f"load must be one of {', '.join(LOADS)}, got {load!r}")
@@ -206,6 +209,8 @@ def run(
     port = _free_port()
     own = [*(["--threads", str(threads)] if threads else [])]
     own += ["--quantize", quantize] if quantize else []
+    own += ["--device", device] if device else []
+    own += ["--dtype", dtype] if dtype else []
     options = ["--max-batch", str(load["clients"]), *own]
     server = _start_server(model, port, options)
     fast_port = _free_port()

@@ -2,8 +2,8 @@
 
 Each suite is a sub-command with only its own options, so that another suite's option
 is an error (argparse's, exit 2) rather than silently ignored. The suites that time
-tensors or models in this process take --device and --dtype (mhsa.cli.device); ring,
-transcribe and serve measure processes on the CPU."""
+tensors or models in this process take --device and --dtype (mhsa.cli.device), and serve
+hands them to the servers it starts; ring and transcribe measure processes on the CPU."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from collections.abc import Callable
 from .common import add_option, positive_int, threads_option, with_threads
 from .device import device_options, placement
 
-CPU_ONLY = ("ring", "transcribe", "serve")  # suites without --device: CPU processes
+CPU_ONLY = ("ring", "transcribe")  # suites without --device: CPU processes
 
 
 def _placed(args: argparse.Namespace, training: bool = False) -> dict:
@@ -174,6 +174,8 @@ def bench_serve(args: argparse.Namespace) -> int:
     """the server under 16 concurrent clients against one at a time; prompt lookup at batch 1"""
     from ..benchmarks import serve
 
+    placement(args)  # a device or dtype that cannot be had: one line, before any server
+    placed = {name: getattr(args, name) for name in ("device", "dtype") if getattr(args, name)}
     try:
         result = serve.run(
             model=args.model,
@@ -182,6 +184,7 @@ def bench_serve(args: argparse.Namespace) -> int:
             quantize=args.quantize,
             load=args.load,
             draft_tokens=args.draft_tokens,
+            **placed,  # (the servers' own flags: mhsa serve --device --dtype)
         )
     except RuntimeError as error:  # the server did not start
         raise SystemExit(str(error)) from error
