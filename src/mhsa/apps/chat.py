@@ -159,7 +159,16 @@ class ChatModel:
 def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     """The token ids of messages as the tokenizer's chat template renders them, ending
     with the assistant's turn: what the model reads before it answers."""
-    text = tokenizer.render_chat(messages, add_generation_prompt=True)
+    return encode_prompt(tokenizer, prompt_text(tokenizer, messages))
+
+
+def prompt_text(tokenizer, messages: list[dict]) -> str:
+    """The chat template's rendering of messages, ending with the assistant's turn."""
+    return tokenizer.render_chat(messages, add_generation_prompt=True)
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """The ids of a rendered prompt (its special tokens are in the text already)."""
     return tokenizer.encode(text, add_special_tokens=False)
 
 

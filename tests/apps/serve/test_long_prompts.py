@@ -153,3 +153,29 @@ def test_longest_token_bounds_the_characters_of_any_token():
     assert longest_token(lambda: _Piece(100), 3) >= 100
     assert longest_token(ByteStream, 256) >= 3  # (a lone byte >= 0x80 reads as U+FFFD)
     assert MARGIN > 0
+
+
+def _chat_served(encode) -> ServedModel:
+    """_served's model with a chat template (the messages' contents, joined) that it
+    renders and encodes apart, as ServedModel.from_chat does."""
+    served = _served(encode)
+
+    def render(messages: list[dict]) -> str:
+        return "".join(message["content"] for message in messages)
+
+    served.chat = lambda messages: encode(render(messages))  # (the one-call form)
+    served.render_chat, served.chat_encode = render, encode
+    return served
+
+
+def test_a_chat_rendering_over_the_context_is_refused_before_it_is_encoded(start_server):
+    spy = Spy()
+    server = start_server(served=_chat_served(spy))
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "a " * 450_000}]}
+    status, answer, _ = request(server.port, "POST", "/v1/chat/completions", body, timeout=30)
+    assert status == 400 and answer["error"]["code"] == "context_length_exceeded", answer
+    assert answer["error"]["param"] == "messages"
+    assert sum(spy.sizes) == 0, spy.sizes  # (before: the whole 900,000 characters)
+    body["messages"][0]["content"] = "ab " * 5
+    status, answer, _ = request(server.port, "POST", "/v1/chat/completions", body, timeout=30)
+    assert status == 200 and answer["usage"]["prompt_tokens"] == 15, answer

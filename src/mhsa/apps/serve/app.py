@@ -50,6 +50,9 @@ def build_app(
     new requests get 503 (the server is shutting down)."""
     limits = limits or Limits()
     encoder = PromptEncoder(served.encode, served.stream, served.vocab_size)
+    chat_encoder = None  # (renderings of a model that encodes them apart: bounded too)
+    if served.render_chat is not None:
+        chat_encoder = PromptEncoder(served.chat_encode, served.stream, served.vocab_size)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -84,7 +87,7 @@ def build_app(
 
     async def chat(request: Request) -> Response:
         body = await _json(request, limits)
-        job = await run_in_threadpool(parse_chat, body, served, limits)
+        job = await run_in_threadpool(parse_chat, body, served, limits, chat_encoder)
         return await _complete(request, job, served, limits)
 
     async def completions(request: Request) -> Response:

@@ -9,6 +9,7 @@ Only a model with a chat template answers /v1/chat/completions; every model answ
 from __future__ import annotations
 
 import codecs
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from typing import Any, Protocol
 
 from torch import nn
 
+from ..chat import encode_prompt, prompt_text
 from .engine import Engine
 
 
@@ -31,7 +33,9 @@ class TextStream(Protocol):
 class ServedModel:
     """name (what clients pass as `model`), the engine, encode(text) -> ids, stream() ->
     a TextStream, chat(messages) -> prompt ids (None: the model has no chat template),
-    and the vocabulary size (token ids in a prompt must be below it)."""
+    and the vocabulary size (token ids in a prompt must be below it). Where chat is
+    render_chat (messages -> text) then chat_encode (text -> ids), a server gives them
+    separately, so that a long rendering is refused before it is tokenised whole."""
 
     name: str
     engine: Engine
@@ -40,6 +44,8 @@ class ServedModel:
     vocab_size: int
     chat: Callable[[list[dict[str, Any]]], list[int]] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    render_chat: Callable[[list[dict[str, Any]]], str] | None = None
+    chat_encode: Callable[[str], list[int]] | None = None
 
     @property
     def context_length(self) -> int:
@@ -72,6 +78,8 @@ class ServedModel:
             tokenizer.stream,
             chat_model.model.config.vocab_size,
             chat=chat_model.prompt_ids,
+            render_chat=functools.partial(prompt_text, tokenizer),
+            chat_encode=functools.partial(encode_prompt, tokenizer),
         )
 
     @classmethod

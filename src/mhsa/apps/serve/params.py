@@ -52,9 +52,17 @@ class Job:
     cache_salt: str | None = None  # a namespace of the prefix cache within the API key's
 
 
-def parse_chat(body: dict[str, Any], served: ServedModel, limits: Limits | None = None) -> Job:
+def parse_chat(
+    body: dict[str, Any],
+    served: ServedModel,
+    limits: Limits | None = None,
+    encoder: PromptEncoder | None = None,
+) -> Job:
     """The Job of a chat completion request (body: the parsed JSON object); it renders
-    the chat template and tokenises, so the server calls it in a worker thread."""
+    the chat template and tokenises, so the server calls it in a worker thread. Where
+    the model renders and encodes apart (served.render_chat), a rendering that cannot fit
+    the context is refused before it is tokenised whole (through encoder, default: a
+    PromptEncoder of served.chat_encode)."""
     _check_common(body, served)
     if served.chat is None:
         raise errors.APIError(
@@ -75,7 +83,8 @@ def parse_chat(body: dict[str, Any], served: ServedModel, limits: Limits | None 
     limits = limits or Limits()
     try:
         with render_limits(limits.template_seconds, limits.template_chars):
-            prompt = served.chat(rendered)
+            text = None if served.render_chat is None else served.render_chat(rendered)
+            prompt = served.chat(rendered) if text is None else None
     except TemplateLimitError as error:
         option = "--template-seconds" if error.limit == "seconds" else "--template-chars"
         raise errors.APIError(
@@ -89,6 +98,12 @@ def parse_chat(body: dict[str, Any], served: ServedModel, limits: Limits | None 
         raise errors.invalid_value(
             "messages", f"the chat template refused them: {error}"
         ) from error
+    if text is not None:
+        encoder = encoder or PromptEncoder(served.chat_encode, served.stream, served.vocab_size)
+        try:
+            prompt = encoder(text, served.context_length)
+        except PromptTooLong as error:
+            raise errors.prompt_too_long("messages", error.limit, error.at_least) from None
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     return _job("chat", body, [prompt], limit, param, "messages", served)
