@@ -79,11 +79,11 @@ _CACHE = PatternCache(size=64)
 def _build_block_mask(mask, causal: bool, shape: tuple, device):
     batch, heads, q_len, kv_len = shape
     if mask is None:  # causal only: a closed form, no bitmaps
+        shift = causal_shift(q_len, kv_len)
 
         def causal_mod(b, h, q_idx, kv_idx):
             return causal_allows(q_idx + shift, kv_idx)
 
-        shift = causal_shift(q_len, kv_len)
         kinds = Causal().kinds(q_len, kv_len, BLOCK, BLOCK)
         return block_mask_from_kinds(kinds, causal_mod, q_len, kv_len, BLOCK, device)
     if isinstance(mask, Pattern):
