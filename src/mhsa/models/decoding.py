@@ -175,6 +175,10 @@ class CausalLMDecoding:
     """The next-token loss, prefill and step of a decoder-only model (GPT, Llama) called
     as model(tokens, caches=..., start=..., last=True) -> logits (B, 1, V)."""
 
+    # where a chunked prefill's calls may start (a multiple of this) for the answer to
+    # equal one whole-prompt call: anywhere, unless the attention says otherwise (MoBA)
+    prefill_alignment: int = 1
+
     def loss(self, idx: Tensor, targets: Tensor, **inputs: Tensor | None) -> Tensor:
         """Mean next-token cross-entropy of the logits for idx (B, T) against targets
         (B, T), skipping targets of -100. inputs: forward's keywords (positions where

@@ -105,6 +105,13 @@ class GPTConfig(CausalLMConfig):
 class GPT(nn.Module, CausalLMDecoding):
     """A Decoder (mhsa.models.decoder): prefill, step, make_caches, cache_layout."""
 
+    @property
+    def prefill_alignment(self) -> int:
+        """MoBA chooses each query's key blocks among blocks of moba_block positions,
+        so a call that starts mid-block sees that block cut: prefill calls start on them."""
+        config = self.config
+        return config.moba_block if config.attention == "moba" else 1
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config

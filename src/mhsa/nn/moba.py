@@ -25,7 +25,7 @@ class MoBA(MultiHeadAttention):
     as `mhsa serve` decodes) gives each sequence the answer a contiguous cache holding
     its keys gives: the same tokens per call route the same way. (`mhsa serve` ends its
     prefill chunks on whole blocks and shares no prefix that ends mid-block, so its
-    answers are generate's: apps/serve/engine.prefill_alignment.)
+    answers are generate's: GPT.prefill_alignment.)
 
     Args:
         embed_dim: model width E.

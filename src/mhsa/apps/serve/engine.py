@@ -85,7 +85,7 @@ class Engine:
             max_share=max_share,
             max_wait=max_wait,
             lookahead=0 if speculator is None else draft_tokens,
-            chunk_multiple=prefill_alignment(model),
+            chunk_multiple=model.prefill_alignment,
         )
         self.runner = Runner(self.model, self.cache, sorted(self.stop_ids), speculator)
         self.speculator, self.draft_tokens = speculator, draft_tokens
@@ -292,11 +292,3 @@ def _call(request: Request, token: int | None) -> None:
         request.on_token(request, token)
     except Exception:  # a listener's fault must not stop the engine
         log.exception("on_token of request %d failed", request.id)
-
-
-def prefill_alignment(model: nn.Module) -> int:
-    """Where a model's prefill calls must start for its answer to equal one whole-prompt
-    call: MoBA chooses each query's key blocks among the blocks of moba_block positions
-    (a call that starts mid-block sees that block cut), other attentions anywhere (1)."""
-    config = model.config
-    return config.moba_block if getattr(config, "attention", None) == "moba" else 1
