@@ -96,7 +96,9 @@ def check_case(
     inputs = _inputs(num_kv_heads, kv_len, head_dim, device)
     want = _run(inputs, torch.float64, "reference", options)
     naive = _errors(_run(inputs, dtype, "reference", options), want)
-    floor = 2 * torch.finfo(dtype).eps
+    # a floor no BLAS's summation order crosses (float32 differs between Intel's and
+    # AMD's kernels by a few ulps, and the reference in float32 may be the lucky one)
+    floor = max(2 * torch.finfo(dtype).eps, 1e-5)
     served = []
     for backend in backends:
         try:
