@@ -72,7 +72,7 @@ def test_random_bert_equals_transformers_with_mlm_head_shapes():
         max_position_embeddings=40,
     )
     hf = transformers.BertModel(hf_config).eval()
-    ours = Bert(BertConfig.from_hf(hf_config.to_dict()))
+    ours = Bert(BertConfig.from_hf_config(hf_config.to_dict()))
     ours.load_hf_weights(hf.state_dict())
     ours.eval()
     ids = torch.randint(0, 99, (2, 17))
@@ -82,6 +82,49 @@ def test_random_bert_equals_transformers_with_mlm_head_shapes():
         expected = hf(input_ids=ids, attention_mask=mask).last_hidden_state
     assert max_error(ours(ids, mask)[mask.bool()], expected[mask.bool()]) < 1e-5
     assert ours.mlm_logits(ours(ids, mask)).shape == (2, 17, 99)
+
+
+OLD_NAMES = {  # the config of a `mhsa train bert` checkpoint of an older version
+    "vocab_size": 40,
+    "hidden_size": 16,
+    "num_layers": 1,
+    "num_heads": 2,
+    "intermediate_size": 24,
+    "max_position": 12,
+    "type_vocab_size": 2,
+    "layer_norm_eps": 1e-12,
+    "dropout": 0.0,
+    "pad_token_id": 0,
+}
+
+
+def test_a_config_saved_with_the_old_names_still_loads(tmp_path):
+    from mhsa.checkpoint import save_checkpoint
+    from mhsa.cli.common import load_model
+
+    config = BertConfig.from_dict(OLD_NAMES)
+    assert (config.d_model, config.n_layer, config.n_head, config.d_ff) == (16, 1, 2, 24)
+    assert (config.max_len, config.norm_eps) == (12, 1e-12)
+    assert BertConfig.from_dict(config.to_dict()) == config
+    saved = Bert(config)
+    save_checkpoint(tmp_path, 1, saved, {"model": "bert", "config": OLD_NAMES}, {})
+    loaded, _ = load_model(str(tmp_path), {"bert": (Bert, BertConfig)})
+    assert loaded.config == config
+    ids = torch.randint(0, 40, (1, 9))
+    assert torch.equal(loaded(ids), saved.eval()(ids))
+
+
+def test_a_saved_config_with_both_names_is_refused():
+    with pytest.raises(ValueError, match="'hidden_size' and its new name 'd_model'"):
+        BertConfig.from_dict({**OLD_NAMES, "d_model": 16})
+    with pytest.raises(TypeError, match="n_layers"):
+        BertConfig.from_dict({"n_layers": 2})
+
+
+def test_too_long_a_sequence_names_max_len():
+    model = Bert(BertConfig(vocab_size=40, d_model=16, n_layer=1, n_head=2, d_ff=24, max_len=8))
+    with pytest.raises(ValueError, match="9 tokens exceeds max_len 8"):
+        model(torch.zeros(1, 9, dtype=torch.long))
 
 
 def test_missing_weights_package_is_a_clear_error(monkeypatch):

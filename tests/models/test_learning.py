@@ -37,11 +37,11 @@ def test_bert_learns_masked_bytes(tmp_path):
     task = MaskedLMTask(torch.tensor(list(text.encode())), 32, batch_size=16, eval_batches=2)
     config = BertConfig(
         vocab_size=MaskedLMTask.VOCAB,
-        hidden_size=32,
-        num_layers=1,
-        num_heads=2,
-        intermediate_size=64,
-        max_position=32,
+        d_model=32,
+        n_layer=1,
+        n_head=2,
+        d_ff=64,
+        max_len=32,
         pad_token_id=MaskedLMTask.PAD,
     )
     before, after = learn(Bert(config), task, tmp_path, steps=30, lr=1e-2)

@@ -57,11 +57,11 @@ def llama(dtype=torch.float64) -> Llama:
 def bert(dtype=torch.float64) -> Bert:
     config = BertConfig(
         vocab_size=VOCAB,
-        hidden_size=32,
-        num_layers=2,
-        num_heads=4,
-        intermediate_size=48,
-        max_position=32,
+        d_model=32,
+        n_layer=2,
+        n_head=4,
+        d_ff=48,
+        max_len=32,
         dropout=0.0,
     )
     return Bert(config).to(dtype)

@@ -6,7 +6,7 @@
     a ViT                images (batch, channels, size, size) float32 -> logits
                          (batch, classes); size is the model's image_size
 
-batch is dynamic, and seq too (1 to the model's max_position). Attention is traced
+batch is dynamic, and seq too (1 to the model's max_len). Attention is traced
 through the sdpa backend, torch's scaled_dot_product_attention, which ONNX exports;
 the flash engine's tiled loops are not traceable. ONNX export needs onnx and
 onnxscript (pip install 'mhsa[export]'); checking a file needs onnxruntime.
@@ -77,7 +77,7 @@ def exportable(model: str | nn.Module) -> Exportable:
     if isinstance(model, Bert):
         model = SentenceEmbedding(model).eval()
     if isinstance(model, SentenceEmbedding):
-        batch, seq = Dim("batch", min=1), Dim("seq", min=1, max=model.bert.config.max_position)
+        batch, seq = Dim("batch", min=1), Dim("seq", min=1, max=model.bert.config.max_len)
         axes = {0: batch, 1: seq}
         inputs = example_inputs(model, batch=2, length=16)
         return Exportable(model, inputs, {"input_ids": axes, "attention_mask": axes})

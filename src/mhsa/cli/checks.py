@@ -55,15 +55,12 @@ def check_draft(args: argparse.Namespace) -> None:
 # (see flag_errors); a command whose field is set by another flag passes its own table
 FLAGS = {
     "n_layer": "--layers",
-    "num_layers": "--layers",
     "n_head": "--heads",
     "num_heads": "--heads",
     "n_kv_head": "--kv-heads",
     "d_model": "--d-model",
-    "hidden_size": "--d-model",
-    "embed_dim": "--d-model",
+    "embed_dim": "--d-model",  # (mhsa.nn's modules name it so, as torch.nn does)
     "max_len": "--seq-len",
-    "max_position": "--seq-len",
     "dropout": "--dropout",
     "window": "--window",
     "position": "--position",

@@ -92,7 +92,7 @@ def load_model(path: str, kinds: dict[str, tuple]) -> tuple:
         )
     model_cls, config_cls = kinds[kind]
     try:
-        config = config_cls(**state["info"]["config"])
+        config = config_cls.from_dict(state["info"]["config"])
     except (KeyError, TypeError, ValueError) as error:
         raise ValueError(
             f"{state['path'] / 'config.json'}: not a valid config ({error})"

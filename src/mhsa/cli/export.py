@@ -60,7 +60,7 @@ def export_onnx(args: argparse.Namespace) -> int:
         )
         shape = f"images (batch, {c}, {side}, {side}) -> logits (batch, {classes})"
     else:
-        hidden = module.bert.config.hidden_size
+        hidden = module.bert.config.d_model
         shape = f"input_ids, attention_mask (batch, seq) -> embeddings (batch, {hidden})"
     print(f"wrote {path} ({size:.1f} MiB): {shape}")
     inputs = example_inputs(module, batch=3, length=11, seed=1)

@@ -63,7 +63,7 @@ def train_gpt(args: argparse.Namespace) -> int:
     if args.resume:  # the checkpoint's model, not the command line's
         saved = load_checkpoint(args.out, weights=False)
         check_resumable(saved, "gpt")
-        config = GPTConfig(**saved["info"]["config"])
+        config = GPTConfig.from_dict(saved["info"]["config"])
     tokens = tokenizer.encode(text)
     stream = TextTask(tokens, config.max_len, args.batch_size)
     task = (

@@ -1,8 +1,8 @@
 """BERT: a bidirectional post-norm Transformer encoder, loadable from Hugging Face files.
 
 token + position + token-type embeddings -> layer norm
-  -> num_layers post-norm blocks (self-attention, GELU feed-forward)
-  -> last hidden states (B, S, hidden); pooler: tanh(dense(first token))
+  -> n_layer post-norm blocks (self-attention, GELU feed-forward of width d_ff)
+  -> last hidden states (B, S, d_model); pooler: tanh(dense(first token))
 MLM head: dense -> GELU -> layer norm -> tied word embeddings -> vocabulary logits
 """
 
@@ -33,31 +33,45 @@ from .packing import packed_row
 
 @dataclass
 class BertConfig(ModelConfig):
+    """BERT's sizes in the models' one vocabulary (transformers' hidden_size is d_model,
+    num_hidden_layers n_layer, num_attention_heads n_head, intermediate_size d_ff,
+    max_position_embeddings max_len, layer_norm_eps norm_eps: from_hf_config reads them)."""
+
+    # the names that `mhsa train bert` checkpoints of older versions saved
+    renamed = {
+        "hidden_size": "d_model",
+        "num_layers": "n_layer",
+        "num_heads": "n_head",
+        "intermediate_size": "d_ff",
+        "max_position": "max_len",
+        "layer_norm_eps": "norm_eps",
+    }
+
     vocab_size: int = 30522
-    hidden_size: int = 384
-    num_layers: int = 6
-    num_heads: int = 12
-    intermediate_size: int = 1536
-    max_position: int = 512
+    d_model: int = 384
+    n_layer: int = 6
+    n_head: int = 12
+    d_ff: int = 1536
+    max_len: int = 512  # positions (max_position_embeddings)
     type_vocab_size: int = 2
-    layer_norm_eps: float = 1e-12
+    norm_eps: float = 1e-12
     dropout: float = 0.1
     pad_token_id: int = 0
 
     @classmethod
-    def from_hf(cls, hf: dict) -> BertConfig:
-        """From a Hugging Face BERT config.json."""
+    def from_hf_config(cls, hf: dict) -> BertConfig:
+        """From a Hugging Face BERT config.json (its dict)."""
         if hf.get("hidden_act", "gelu") != "gelu":
             raise ValueError(f"only hidden_act 'gelu' is supported, got {hf['hidden_act']!r}")
         return cls(
             vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=hf["num_attention_heads"],
-            intermediate_size=hf["intermediate_size"],
-            max_position=hf["max_position_embeddings"],
+            d_model=hf["hidden_size"],
+            n_layer=hf["num_hidden_layers"],
+            n_head=hf["num_attention_heads"],
+            d_ff=hf["intermediate_size"],
+            max_len=hf["max_position_embeddings"],
             type_vocab_size=hf.get("type_vocab_size", 2),
-            layer_norm_eps=hf.get("layer_norm_eps", 1e-12),
+            norm_eps=hf.get("layer_norm_eps", 1e-12),
             dropout=hf.get("hidden_dropout_prob", 0.1),
             pad_token_id=hf.get("pad_token_id", 0),
         )
@@ -67,24 +81,24 @@ class Bert(nn.Module):
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
         self.config = config
-        hidden = config.hidden_size
+        hidden = config.d_model
         self.word_emb = nn.Embedding(config.vocab_size, hidden)
-        self.pos_emb = nn.Embedding(config.max_position, hidden)
+        self.pos_emb = nn.Embedding(config.max_len, hidden)
         self.type_emb = nn.Embedding(config.type_vocab_size, hidden)
-        self.emb_norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
+        self.emb_norm = nn.LayerNorm(hidden, eps=config.norm_eps)
         self.drop = nn.Dropout(config.dropout)
         self.layers = encoder_layers(
-            config.num_layers,
+            config.n_layer,
             hidden,
-            config.num_heads,
-            dim_feedforward=config.intermediate_size,
+            config.n_head,
+            dim_feedforward=config.d_ff,
             dropout=config.dropout,
             activation="gelu",
-            layer_norm_eps=config.layer_norm_eps,
+            layer_norm_eps=config.norm_eps,
         )
         self.pooler = nn.Linear(hidden, hidden)
         self.mlm_dense = nn.Linear(hidden, hidden)
-        self.mlm_norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
+        self.mlm_norm = nn.LayerNorm(hidden, eps=config.norm_eps)
         self.mlm_bias = nn.Parameter(torch.zeros(config.vocab_size))
         self.apply(normal_init)
 
@@ -97,7 +111,7 @@ class Bert(nn.Module):
         cu_seqlens: Tensor | None = None,
         position_ids: Tensor | None = None,
     ) -> Tensor:
-        """input_ids (B, S); attention_mask (B, S), 1/True = a real token -> (B, S, hidden).
+        """input_ids (B, S); attention_mask (B, S), 1/True = a real token -> (B, S, d_model).
 
         cu_seqlens (N+1,) and/or position_ids (S,) restarting at 0: input_ids (1, S)
         packs N sequences (mhsa.models.packing), each attending only itself, its
@@ -112,9 +126,10 @@ class Bert(nn.Module):
             longest = input_ids.shape[1]
             positions = torch.arange(longest, device=input_ids.device)
             padding = None if attention_mask is None else attention_mask.bool()
-        if longest > self.config.max_position:
+        if longest > self.config.max_len:
             raise ValueError(
-                f"sequence of {longest} tokens exceeds max_position {self.config.max_position}"
+                f"sequence of {longest} tokens exceeds max_len {self.config.max_len} (the "
+                "model's positions, max_position_embeddings): pass at most that many tokens"
             )
         types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
         x = self.word_emb(input_ids) + self.pos_emb(positions) + self.type_emb(types)
@@ -124,11 +139,11 @@ class Bert(nn.Module):
         return x
 
     def pooled(self, hidden: Tensor) -> Tensor:
-        """BERT's pooler: tanh(dense(hidden state of the first token)), (B, hidden)."""
+        """BERT's pooler: tanh(dense(hidden state of the first token)), (B, d_model)."""
         return torch.tanh(self.pooler(hidden[:, 0]))
 
     def mlm_logits(self, hidden: Tensor) -> Tensor:
-        """(B, S, hidden) -> (B, S, vocab) through the MLM head with tied embeddings."""
+        """(B, S, d_model) -> (B, S, vocab) through the MLM head with tied embeddings."""
         h = self.mlm_norm(F.gelu(self.mlm_dense(hidden)))
         return h @ self.word_emb.weight.T + self.mlm_bias
 
@@ -158,7 +173,7 @@ class Bert(nn.Module):
                     f"{directory / name} not found: need a Hugging Face "
                     "BERT folder with config.json and model.safetensors"
                 )
-        config = BertConfig.from_hf(json.loads((directory / "config.json").read_text()))
+        config = BertConfig.from_hf_config(json.loads((directory / "config.json").read_text()))
         config.dropout = 0.0
         model = cls(config)
         model.load_hf_weights(SafetensorsFiles(directory / "model.safetensors"))
@@ -168,7 +183,7 @@ class Bert(nn.Module):
         """Load weights named as in transformers' BertModel (a state dict or a
         TensorSource) into this model, every name and shape checked first (BERT_NAMES;
         the pooler and the MLM head are optional: a BertModel file has no MLM head)."""
-        fix = "check that config.json (layers, hidden_size, vocab_size) matches it"
+        fix = "check that config.json (num_hidden_layers, hidden_size, vocab_size) matches it"
         load_weights(self, as_source(weights), BERT_NAMES, fix=fix)
 
 
@@ -197,7 +212,7 @@ BERT_NAMES = NameTable(  # our names <-> transformers' BertModel ("bert." option
 
 
 def mean_pool(hidden: Tensor, attention_mask: Tensor, normalize: bool = True) -> Tensor:
-    """Sentence embeddings: the mean of real tokens' hidden states (B, hidden), L2-normalised."""
+    """Sentence embeddings: the mean of real tokens' hidden states (B, d_model), L2-normalised."""
     weights = attention_mask.to(hidden.dtype).unsqueeze(-1)
     pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
     return F.normalize(pooled, dim=-1) if normalize else pooled

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
+
+from typing_extensions import Self
 
 from ..core.validate import int_at_least
 from ..nn.positional import RotaryEmbedding, rope_frequencies, rope_type
@@ -15,11 +17,33 @@ HF_SIZES += ("num_attention_heads",)  # what every transformers decoder config g
 
 @dataclass
 class ModelConfig:
-    """A model's hyperparameters (subclasses are dataclasses of them). to_dict() gives
-    the JSON-able fields a checkpoint keeps; Config(**that) rebuilds the config."""
+    """A model's hyperparameters (subclasses are dataclasses of them), named in one
+    vocabulary: d_model, n_layer, n_head, n_kv_head, d_ff (transformers' names are
+    translated by each family's from_hf_config). to_dict() gives the JSON-able fields
+    a checkpoint keeps; Config.from_dict(that) rebuilds the config, also from a dict
+    an older version saved (see `renamed`)."""
+
+    # a field's name in configs that older versions saved -> its name now (a class
+    # constant, not a field; from_dict translates it)
+    renamed: ClassVar[Mapping[str, str]] = {}
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, saved: Mapping) -> Self:
+        """The config of to_dict()'s dict (a checkpoint's config.json "config"), its
+        fields' old names (`renamed`) translated. ValueError for a dict that gives a
+        field under both names; an unknown field is a TypeError, as in cls(**saved)."""
+        if not isinstance(saved, Mapping):
+            raise TypeError(f"a saved config must be a dict, got {type(saved).__name__}")
+        both = [old for old, new in cls.renamed.items() if old in saved and new in saved]
+        if both:
+            raise ValueError(
+                f"the saved {cls.__name__} gives {both[0]!r} and its new name "
+                f"{cls.renamed[both[0]]!r}; keep one of them"
+            )
+        return cls(**{cls.renamed.get(name, name): value for name, value in saved.items()})
 
 
 @dataclass

@@ -37,11 +37,11 @@ def _vit():
 def _bert():
     config = BertConfig(
         vocab_size=64,
-        hidden_size=32,
-        num_layers=2,
-        num_heads=4,
-        intermediate_size=64,
-        max_position=64,
+        d_model=32,
+        n_layer=2,
+        n_head=4,
+        d_ff=64,
+        max_len=64,
         dropout=0.0,
     )
     padding = torch.ones(2, 24, dtype=torch.long)
