@@ -448,7 +448,7 @@ def test_loaded_weights_are_the_files(tmp_path):
         llama.layers[0].attn.out_proj.weight, stored["model.layers.0.self_attn.o_proj.weight"]
     )
     whisper = Whisper.from_ctranslate2(write_whisper(tmp_path / "whisper"))
-    assert whisper.config.n_vocab == len(WHISPER_TOKENS) and whisper.config.prompt == (4, 5)
+    assert whisper.config.vocab_size == len(WHISPER_TOKENS) and whisper.config.prompt == (4, 5)
     from mhsa.formats import read_ctranslate2
 
     stored = read_ctranslate2(tmp_path / "whisper")

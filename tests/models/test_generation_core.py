@@ -119,12 +119,12 @@ def _decoders():
     config = WhisperConfig(
         n_mels=8,
         n_audio_ctx=6,
-        n_vocab=40,
+        vocab_size=40,
         n_text_ctx=16,
         d_model=16,
         n_head=2,
-        n_audio_layer=1,
-        n_text_layer=2,
+        n_encoder_layer=1,
+        n_decoder_layer=2,
         eot_id=30,
         prompt=(31, 32),
     )

@@ -43,16 +43,19 @@ from .decoding import compiled_once, greedy_search, static_caches
 
 @dataclass
 class WhisperConfig(ModelConfig):
-    """Sizes of Whisper tiny.en by default, and the special tokens decoding needs."""
+    """Sizes of Whisper tiny.en by default, and the special tokens decoding needs, in
+    the models' vocabulary (OpenAI's n_vocab, n_audio_layer and n_text_layer are
+    vocab_size, n_encoder_layer and n_decoder_layer; its context lengths keep their
+    names)."""
 
     n_mels: int = 80
     n_audio_ctx: int = 1500  # encoder positions: mel frames / 2
-    n_vocab: int = 51864
+    vocab_size: int = 51864
     n_text_ctx: int = 448  # decoder positions
     d_model: int = 384
     n_head: int = 6
-    n_audio_layer: int = 4
-    n_text_layer: int = 4
+    n_encoder_layer: int = 4  # audio (encoder) blocks
+    n_decoder_layer: int = 4  # text (decoder) blocks
     eot_id: int = 50256  # <|endoftext|>; every id from here on is a special token
     prompt: tuple[int, ...] = (50257, 50362)  # <|startoftranscript|><|notimestamps|>
     suppress_ids: tuple[int, ...] = ()  # never generated
@@ -62,12 +65,12 @@ class WhisperConfig(ModelConfig):
         for name in (
             "n_mels",
             "n_audio_ctx",
-            "n_vocab",
+            "vocab_size",
             "n_text_ctx",
             "d_model",
             "n_head",
-            "n_audio_layer",
-            "n_text_layer",
+            "n_encoder_layer",
+            "n_decoder_layer",
         ):
             int_at_least(name, getattr(self, name), 1)
         if self.d_model % self.n_head:
@@ -106,14 +109,14 @@ class Whisper(nn.Module):
         self.register_buffer("audio_positions", whisper_sinusoids(config.n_audio_ctx, d))
         self.encoder = TransformerEncoder(
             TransformerEncoderLayer(d, config.n_head, **options),
-            config.n_audio_layer,
+            config.n_encoder_layer,
             nn.LayerNorm(d),
         )
-        self.token_embedding = nn.Embedding(config.n_vocab, d)
+        self.token_embedding = nn.Embedding(config.vocab_size, d)
         self.text_positions = LearnedPositionalEmbedding(config.n_text_ctx, d)
         self.decoder = TransformerDecoder(
             TransformerDecoderLayer(d, config.n_head, **options),
-            config.n_text_layer,
+            config.n_decoder_layer,
             nn.LayerNorm(d),
         )
 
@@ -132,7 +135,7 @@ class Whisper(nn.Module):
         return self.encoder(x)
 
     def logits(self, tokens: Tensor, memory: Tensor, cache: DecoderCache | None = None) -> Tensor:
-        """tokens (B, T), memory (B, S, d) -> logits (B, T, n_vocab).
+        """tokens (B, T), memory (B, S, d) -> logits (B, T, vocab_size).
 
         With a cache, tokens continue the ones it holds (causal, aligned bottom-right)."""
         positions = None if cache is None else cache.next_positions(tokens.shape[1])
@@ -141,7 +144,7 @@ class Whisper(nn.Module):
         return x @ self.token_embedding.weight.T
 
     def forward(self, mel: Tensor, tokens: Tensor) -> Tensor:
-        """mel (B, n_mels, frames), tokens (B, T) -> logits (B, T, n_vocab), teacher-forced."""
+        """mel (B, n_mels, frames), tokens (B, T) -> logits (B, T, vocab_size), teacher-forced."""
         return self.logits(tokens, self.encode(mel))
 
     def decoding_layout(self) -> Whisper:
@@ -158,7 +161,7 @@ class Whisper(nn.Module):
         cache_memory=False projects the cross-attention keys/values at every step."""
         config, param = self.config, self.token_embedding.weight
         return DecoderCache(
-            config.n_text_layer,
+            config.n_decoder_layer,
             batch,
             config.n_head,
             max_len,
@@ -169,7 +172,7 @@ class Whisper(nn.Module):
         )
 
     def suppress(self, logits: Tensor, first: bool) -> Tensor:
-        """logits (B, n_vocab) with the suppressed tokens set to -inf (and the
+        """logits (B, vocab_size) with the suppressed tokens set to -inf (and the
         begin-suppressed ones too for the first generated token)."""
         ids = list(self.config.suppress_ids)
         if first:
@@ -194,7 +197,7 @@ class Whisper(nn.Module):
         CTranslate2). reuse_memory=False projects the cross-attention keys/values
         again at every step instead of once (same result, slower; for tests).
         Returns each sequence's generated ids (prompt and <|endoftext|> excluded), and
-        with return_logits also the raw logits of every step (B, steps, n_vocab).
+        with return_logits also the raw logits of every step (B, steps, vocab_size).
         compile: the steps after the prompt through one compiled decoder step
         (mhsa.models.decoding.compiled_once) over StaticKVCaches.
         """
@@ -306,12 +309,12 @@ def _config_from_ctranslate2(tensors, vocabulary, extra, vocabulary_file: Path) 
     return WhisperConfig(
         n_mels=tensors["encoder/conv1/weight"].shape[1],
         n_audio_ctx=tensors["encoder/position_encodings/encodings"].shape[0],
-        n_vocab=len(vocabulary),
+        vocab_size=len(vocabulary),
         n_text_ctx=tensors["decoder/position_encodings/encodings"].shape[0],
         d_model=tensors["encoder/conv1/weight"].shape[0],
         n_head=int(num_heads),
-        n_audio_layer=_count_layers(tensors, "encoder"),
-        n_text_layer=_count_layers(tensors, "decoder"),
+        n_encoder_layer=_count_layers(tensors, "encoder"),
+        n_decoder_layer=_count_layers(tensors, "decoder"),
         eot_id=ids["<|endoftext|>"],
         prompt=tuple(ids[token] for token in prompt),
         suppress_ids=tuple(extra.get("suppress_ids") or ()),  # null in a new conversion
@@ -368,7 +371,7 @@ class WhisperTextDecoder:
     begin-suppressed ones too after the prompt). cache_memory=False projects the
     cross-attention keys/values at every step; compile runs the steps after the prompt
     through one compiled decoder step over StaticKVCaches; record keeps every call's
-    raw logits (B, n_vocab) in `seen`."""
+    raw logits (B, vocab_size) in `seen`."""
 
     def __init__(
         self,
@@ -388,7 +391,7 @@ class WhisperTextDecoder:
     def cache_layout(self) -> CacheLayout:
         config, param = self.model.config, self.model.token_embedding.weight
         return CacheLayout(
-            config.n_text_layer,
+            config.n_decoder_layer,
             config.n_head,
             config.d_model // config.n_head,
             param.dtype,
@@ -401,7 +404,7 @@ class WhisperTextDecoder:
     def prefill(
         self, tokens: Tensor, caches: DecoderCache | None, *, start: Tensor | None = None
     ) -> Tensor:
-        """The prompt tokens (B, T) -> logits (B, n_vocab); prompts are never padded."""
+        """The prompt tokens (B, T) -> logits (B, vocab_size); prompts are never padded."""
         if start is not None:
             raise ValueError("Whisper's prompts are never left-padded: pass start=None")
         logits = self.model.logits(tokens, self.memory, caches)[:, -1]
@@ -412,7 +415,7 @@ class WhisperTextDecoder:
         return self._seen(logits, first=True)
 
     def step(self, tokens: Tensor, caches: DecoderCache) -> Tensor:
-        """tokens (B, 1) -> logits (B, n_vocab)."""
+        """tokens (B, 1) -> logits (B, vocab_size)."""
         if self._compiled is not None:
             logits = self._compiled(tokens)[:, -1]
         else:
