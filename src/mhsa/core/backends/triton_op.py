@@ -29,14 +29,16 @@ from .op_values import (
 )
 
 
-def _launch_inputs(inputs: OpInputs):
-    """(tiles, scale, dropout, kernel score, slopes, table) of a call, as triton_attention
-    makes them eagerly."""
+def _launch_inputs(inputs: OpInputs, score_grad: bool = False):
+    """(plan, scale, dropout, kernel score, slopes, table) of a call, as triton_attention
+    makes them eagerly; with score_grad a plan whose backward gives the score tensors'
+    gradients."""
     q, k, v, mask, bias, pattern, causal, scale, dropout_p, seed, score, score_tensors, _ = inputs
     score_fn = rebuild_score(score, score_tensors)
     mask = mask if mask is not None else rebuild_pattern(pattern)
+    band = dropout_p == 0 and not score_grad
     tiles, scale, kernel, slopes, table = _prepare(
-        q, k, v, mask, bias, causal, scale, None, score_fn
+        q, k, v, mask, bias, causal, scale, None, score_fn, band=band
     )
     dropout = (dropout_p, int(seed)) if dropout_p > 0 else None
     return tiles, scale, dropout, kernel, slopes, table
@@ -63,7 +65,7 @@ def _backward(inputs: OpInputs, grads: OutputGrads) -> tuple:
         dbias = torch.zeros_like(bias) if bias_grad else q.new_empty(0)
         dsinks = q.new_empty(0) if sinks is None else torch.zeros_like(sinks)
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dbias, dsinks, dscore
-    tiles, scale, dropout, kernel, slopes, table = _launch_inputs(inputs)
+    tiles, scale, dropout, kernel, slopes, table = _launch_inputs(inputs, score_grad)
     wanted = (
         sinks is not None,
         score_grad and slopes is not None,

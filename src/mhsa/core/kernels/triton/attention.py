@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .scores import _head_score, _score_fn, _score_grad
+from .scores import _head_score, _score_fn, _score_grad, key_offsets
 
 
 @triton.jit
@@ -113,7 +113,7 @@ def _scores(
     (with bucket stride stn), Buckets, span and cap are the score function's.
     """
     s = _dot(q, tl.trans(k), PREC, UPCAST, ACC) * scale
-    s, t = _score_fn(s, rows, cols, shift, slope, table, stn, Buckets, span, cap,
+    s, t = _score_fn(s, key_offsets(rows, cols, shift), slope, table, stn, Buckets, span, cap,
                      ALIBI, RELATIVE, SOFTCAP, ACC)
     inside = (rows[:, None] < q_len) & (cols[None, :] < kv_len)
     rows64, cols64 = rows.to(tl.int64), cols.to(tl.int64)
@@ -266,9 +266,10 @@ def _attn_bwd_dq(
         if BIAS_GRAD:
             offs = (bh64 * q_len + rows.to(tl.int64))[:, None] * kv_len + cols[None, :]
             tl.store(DBias + offs, ds, mask=row_ok[:, None] & (cols[None, :] < kv_len))
-        ds, d_slope, d_table = _score_grad(ds, t, rows, cols, shift, Buckets, span, d_slope,
-                                           d_table, ALIBI, RELATIVE, SOFTCAP, SLOPE_GRAD,
-                                           TABLE_GRAD, BLOCK_NB, ACC)
+        offset = key_offsets(rows, cols, shift)
+        ds, d_slope, d_table = _score_grad(ds, t, offset, Buckets, span, d_slope, d_table,
+                                           ALIBI, RELATIVE, SOFTCAP, SLOPE_GRAD, TABLE_GRAD,
+                                           BLOCK_NB, ACC)
         dq += _dot(ds.to(k.dtype), k, PREC, UPCAST, ACC)
     offs = (bh64 * q_len + rows.to(tl.int64))[:, None] * head_dim + dims[None, :]
     tl.store(DQ + offs, dq * scale, mask=row_ok[:, None] & (dims[None, :] < head_dim))

@@ -16,7 +16,6 @@ from typing import NamedTuple
 
 import torch
 import triton
-import triton.language as tl
 from torch import Tensor
 
 from ...scores import ScoreFunction
@@ -24,7 +23,9 @@ from ..dense import stats_dtype
 from ..dropout import draw_seed
 from ..scored import sink_grad
 from .attention import _attn_bwd_dkv, _attn_bwd_dq, _attn_fwd, _attn_probs, _keep_mask
+from .band_launch import BandPlan, band_backward, band_forward, band_plan
 from .checks import check_inputs, check_score, interpreting
+from .options import block_dim, dot_options
 from .scores import KernelScore, block_buckets, kernel_score
 from .tiles import TileLists, broadcast4d, build_tiles
 
@@ -62,26 +63,12 @@ def _mask_args(tiles: TileLists, bias: Tensor | None, like: Tensor, shape) -> li
     return [bias4, mask, buf, *bias_strides, *mask_strides, tile_stride]
 
 
-def _dot_options(dtype: torch.dtype) -> dict:
-    """IEEE float32 products unless torch allows TF32; bfloat16 dots are upcast under
-    the interpreter, whose dot cannot take them; ACC is the statistics dtype."""
-    prec = None
-    if dtype == torch.float32:
-        prec = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
-    acc = tl.float64 if dtype == torch.float64 else tl.float32
-    return {"PREC": prec, "UPCAST": interpreting() and dtype == torch.bfloat16, "ACC": acc}
-
-
 def _dropout_args(dropout: tuple[float, int] | None) -> list:
     """seed, threshold, keep_scale of (p, seed) (zeros without dropout)."""
     if dropout is None:
         return [0, 0, 1.0]
     p, seed = dropout
     return [seed, int(p * 2**32), 1.0 / (1.0 - p)]
-
-
-def _block_dim(dim: int) -> int:
-    return max(16, triton.next_power_of_2(dim))
 
 
 class LaunchCall(NamedTuple):
@@ -116,19 +103,21 @@ def _options(tiles: TileLists, bias, score: KernelScore, q: Tensor, value_dim=No
         CAUSAL=tiles.causal,
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
-        BLOCK_D=_block_dim(q.shape[3]),
-        **_dot_options(q.dtype),
+        BLOCK_D=block_dim(q.shape[3]),
+        **dot_options(q.dtype),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
     if value_dim is not None:
-        options["BLOCK_DV"] = _block_dim(value_dim)
+        options["BLOCK_DV"] = block_dim(value_dim)
     return options
 
 
 def launch_forward(call: LaunchCall) -> tuple[Tensor, Tensor]:
     """(out (B, H, L, D_v), lse (B, H, L))."""
     q, k, v, bias, tiles, scale, dropout, score, tensors = call
+    if isinstance(tiles, BandPlan):
+        return band_forward(q, k, v, tiles, scale, score, tensors)
     batch, num_heads, q_len, head_dim = q.shape
     num_kv_heads, kv_len, value_dim = k.shape[1], k.shape[2], v.shape[3]
     out = q.new_empty(batch, num_heads, q_len, value_dim)
@@ -186,6 +175,10 @@ def launch_backward(
     if grad_lse is not None:  # d lse / d scores is P: it enters as a shift of delta
         delta = delta - torch.where(torch.isfinite(lse), grad_lse.to(acc), 0.0)
     delta = delta.contiguous()
+    if isinstance(tiles, BandPlan):  # (only planned where no score tensor needs a gradient)
+        dq, dk, dv = band_backward(q, k, v, grad_out, delta, lse, tiles, scale, score, tensors)
+        dsinks = sink_grad(tensors[2], lse, delta) if wanted[0] else None
+        return dq, dk, dv, None, dsinks, None, None
     dq = torch.empty(q.shape, dtype=acc, device=q.device)
     dk = torch.empty(k.shape, dtype=acc, device=q.device)
     dv = torch.empty(v.shape, dtype=acc, device=q.device)
@@ -314,11 +307,21 @@ def _no_keys(q: Tensor, v: Tensor, sinks: Tensor | None) -> tuple[Tensor, Tensor
     return out, lse
 
 
-def _prepare(q, k, v, mask, bias, causal, scale, blocks, score=None, sinks=None):
-    """(tiles, scale, kernel score, slopes, table) of a checked call (v None: no values)."""
+def _prepare(q, k, v, mask, bias, causal, scale, blocks, score=None, sinks=None, band=False):
+    """(plan, scale, kernel score, slopes, table) of a checked call (v None: no values).
+    The plan is a BandPlan where band allows it (no dropout, no score-tensor gradient
+    wanted by the caller) and the band kernels serve the call, else the tile lists.
+    The band kernels do not accumulate in float64, give no gradient to ALiBi slopes or
+    RelativeBias tables, and do not take blocks."""
     kernel, slopes, table = kernel_score(score)
     check_inputs(q, k, v, mask, bias)
     check_score(score, sinks, q)
+    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
+    band = band and not any(t is not None and t.requires_grad for t in (slopes, table))
+    if band and blocks is None and q.dtype != torch.float64:
+        plan = band_plan(q, k, v, mask, bias, causal)
+        if plan is not None:
+            return plan, scale, kernel, slopes, table
     value_dim = q.shape[3] if v is None else v.shape[3]
     launch = block_sizes(q.shape[3], value_dim, q.dtype)
     if blocks is not None:
@@ -332,7 +335,6 @@ def _prepare(q, k, v, mask, bias, causal, scale, blocks, score=None, sinks=None)
         launch = blocks + launch[len(blocks) :]
     shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     tiles = build_tiles(mask, causal, shape, q.device, launch)
-    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
     return tiles, scale, kernel, slopes, table
 
 
@@ -370,7 +372,8 @@ def triton_attention(
     """
     if q.shape[2] == 0 or k.shape[2] == 0:
         return _no_keys(q, v, sinks)
-    prepared = _prepare(q, k, v, mask, bias, causal, scale, blocks, score, sinks)
+    band = dropout_p == 0
+    prepared = _prepare(q, k, v, mask, bias, causal, scale, blocks, score, sinks, band)
     tiles, scale, kernel, slopes, table = prepared
     dropout = None
     if dropout_p > 0:

@@ -45,16 +45,16 @@ def _tanh(x):
 
 
 @triton.jit
-def _distance(rows, cols, shift):
-    """(BLOCK_M, BLOCK_N) int32 |i - j| of query positions rows + shift and keys cols."""
-    return tl.abs((rows + shift)[:, None] - cols[None, :])
+def key_offsets(rows, cols, shift):
+    """(BLOCK_M, BLOCK_N) int32 offsets j - p of keys cols from the query positions
+    rows + shift: what every score function and band mask reads."""
+    return cols[None, :] - (rows + shift)[:, None]
 
 
 @triton.jit
-def _bucket(rows, cols, shift, Buckets, span):
-    """(BLOCK_M, BLOCK_N) int32 T5 bucket of the offsets j - i, looked up in Buckets
-    (2 * span + 1,) after clamping them to -span..span."""
-    offset = cols[None, :] - (rows + shift)[:, None]
+def _bucket(offset, Buckets, span):
+    """The T5 bucket of each offset, looked up in Buckets (2 * span + 1,) after clamping
+    the offsets to -span..span."""
     return tl.load(Buckets + span + tl.minimum(tl.maximum(offset, -span), span))
 
 
@@ -62,29 +62,29 @@ def _bucket(rows, cols, shift, Buckets, span):
 # would spread one per line.
 # fmt: off
 @triton.jit
-def _additive(s, rows, cols, shift, slope, table, stn, Buckets, span, STAGE: tl.constexpr,
+def _additive(s, offset, slope, table, stn, Buckets, span, STAGE: tl.constexpr,
               ALIBI: tl.constexpr, RELATIVE: tl.constexpr, ACC: tl.constexpr):
     """s plus the additive functions of this STAGE (1 before the softcap, 2 after)."""
     if ALIBI == STAGE:
-        s -= slope * _distance(rows, cols, shift).to(ACC)
+        s -= slope * tl.abs(offset).to(ACC)
     if RELATIVE == STAGE:
-        s += tl.load(table + _bucket(rows, cols, shift, Buckets, span) * stn).to(ACC)
+        s += tl.load(table + _bucket(offset, Buckets, span) * stn).to(ACC)
     return s
 
 
 @triton.jit
-def _score_fn(s, rows, cols, shift, slope, table, stn, Buckets, span, cap,
+def _score_fn(s, offset, slope, table, stn, Buckets, span, cap,
               ALIBI: tl.constexpr, RELATIVE: tl.constexpr, SOFTCAP: tl.constexpr,
               ACC: tl.constexpr):
     """(scores after the score function, tanh of the softcap's argument (s without a
     softcap), for the backward) of (BLOCK_M, BLOCK_N) scaled scores s."""
-    s = _additive(s, rows, cols, shift, slope, table, stn, Buckets, span, 1,
+    s = _additive(s, offset, slope, table, stn, Buckets, span, 1,
                   ALIBI, RELATIVE, ACC)
     t = s
     if SOFTCAP:
         t = _tanh(s / cap)
         s = cap * t
-        s = _additive(s, rows, cols, shift, slope, table, stn, Buckets, span, 2,
+        s = _additive(s, offset, slope, table, stn, Buckets, span, 2,
                       ALIBI, RELATIVE, ACC)
     return s, t
 
@@ -101,7 +101,7 @@ def _bucket_sums(bucket, g, BLOCK_NB: tl.constexpr):
 
 
 @triton.jit
-def _score_grad(ds, t, rows, cols, shift, Buckets, span, d_slope, d_table,
+def _score_grad(ds, t, offset, Buckets, span, d_slope, d_table,
                 ALIBI: tl.constexpr, RELATIVE: tl.constexpr, SOFTCAP: tl.constexpr,
                 SLOPE_GRAD: tl.constexpr, TABLE_GRAD: tl.constexpr, BLOCK_NB: tl.constexpr,
                 ACC: tl.constexpr):
@@ -112,10 +112,10 @@ def _score_grad(ds, t, rows, cols, shift, Buckets, span, d_slope, d_table,
         ds_in = ds * (1.0 - t * t)
     if SLOPE_GRAD:
         g = ds_in if ALIBI == 1 else ds
-        d_slope -= tl.sum(g * _distance(rows, cols, shift).to(ACC))
+        d_slope -= tl.sum(g * tl.abs(offset).to(ACC))
     if TABLE_GRAD:
         g = ds_in if RELATIVE == 1 else ds
-        d_table += _bucket_sums(_bucket(rows, cols, shift, Buckets, span), g, BLOCK_NB)
+        d_table += _bucket_sums(_bucket(offset, Buckets, span), g, BLOCK_NB)
     return ds_in, d_slope, d_table
 # fmt: on
 

@@ -1,0 +1,199 @@
+"""The band kernels on a GPU: correctness against the float32 reference, a sweep of
+their launch configurations, and the peers (SDPA, compiled FlexAttention) in the same
+run. Its output chose band_launch.CONFIGS.
+
+    python -m mhsa.benchmarks.gpu_band --out DIR [--quick]
+
+Writes DIR/band.jsonl, one JSON row per line as it goes (a run cut short keeps what
+it measured). Shapes: B=4, H=16, D=128 (and D=64), bf16, L = S = 8192 by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from mhsa.core.attention import attention
+from mhsa.core.masks import SlidingWindow
+
+from . import gpu_measure as measure
+from .timing import matmul_gflops
+
+FORWARD = [
+    (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
+    (128, 32, 4, 3), (64, 128, 4, 3), (128, 64, 4, 4), (128, 128, 4, 3), (64, 64, 4, 4),
+]  # fmt: skip
+DQ = [(128, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (128, 64, 4, 3),
+      (64, 32, 4, 3)]  # fmt: skip
+DKV = [(32, 128, 4, 3), (32, 128, 8, 3), (64, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 3),
+       (64, 128, 4, 3)]  # fmt: skip
+CASES = {"dense": (None, False), "causal": (None, True), "window": (SlidingWindow(1024, 0), True)}
+
+
+class Rows:
+    """Rows appended to DIR/band.jsonl (flushed each) and printed."""
+
+    def __init__(self, out: Path | None) -> None:
+        self.file = None
+        self.start = time.perf_counter()
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            self.file = open(out / "band.jsonl", "a")  # noqa: SIM115 (kept open for the run)
+
+    def add(self, **row) -> None:
+        row["at_s"] = round(time.perf_counter() - self.start, 1)
+        text = json.dumps(row)
+        print(text, flush=True)
+        if self.file is not None:
+            self.file.write(text + "\n")
+            self.file.flush()
+
+
+def _inputs(shape, kv_heads, dtype, device, grad=False):
+    batch, heads, length, dim = shape
+    q = torch.randn(batch, heads, length, dim, device=device, dtype=dtype)
+    k, v = (torch.randn(batch, kv_heads, length, dim, device=device, dtype=dtype) for _ in "kv")
+    return [t.requires_grad_(grad) for t in (q, k, v)]
+
+
+def run_checks(rows: Rows, device, shapes=((64, (1000, 1000)), (128, (300, 1037)))) -> None:
+    """Max errors of out, dq, dk, dv of backend='triton' (the band kernels) against the
+    float32 reference, at awkward shapes: L != S, GQA, D=64 and 128."""
+    from mhsa.nn.positional import alibi_slopes
+    from mhsa.scores import ALiBi, Softcap
+
+    for name, (mask, causal) in {**CASES, "longformer": (SlidingWindow(100, 100), False)}.items():
+        for dtype in (torch.bfloat16, torch.float32):
+            for dim, (q_len, kv_len) in shapes:
+                scores = (None, ALiBi(alibi_slopes(8).to(device)), Softcap(30.0))
+                for score in scores if name == "causal" else (None,):
+                    try:
+                        torch.manual_seed(0)
+                        q = torch.randn(2, 8, q_len, dim, device=device, dtype=dtype)
+                        k, v = (torch.randn(2, 2, kv_len, dim, device=device, dtype=dtype)
+                                for _ in "kv")  # fmt: skip
+                        grad = torch.randn_like(q)
+                        found = []
+                        for backend, cast in (("reference", torch.float32), ("triton", dtype)):
+                            inputs = [t.to(cast).requires_grad_() for t in (q, k, v)]
+                            out = attention(*inputs, mask, causal=causal, backend=backend,
+                                            score=score)  # fmt: skip
+                            grads = torch.autograd.grad(out, inputs, grad.to(cast))
+                            found.append([t.detach().float() for t in (out, *grads)])
+                        errors = [float((a - b).abs().max()) for a, b in zip(*found, strict=True)]
+                        rows.add(section="check", case=name, dtype=str(dtype), dim=dim,
+                                 lengths=[q_len, kv_len], score=repr(score)[:40],
+                                 max_errors=errors)  # fmt: skip
+                    except Exception as error:
+                        rows.add(
+                            section="check", case=name, dim=dim, skipped=measure.failure(error)
+                        )
+
+
+def _band_call(q, k, v, mask, causal, config=None):
+    from mhsa.core.kernels.triton.band_launch import band_forward, band_plan
+    from mhsa.core.kernels.triton.scores import KernelScore
+
+    plan = band_plan(q, k, v, mask, None, causal)
+    scale = 1.0 / math.sqrt(q.shape[3])
+    return lambda: band_forward(q, k, v, plan, scale, KernelScore(), (None,) * 3, config)
+
+
+def _backward_call(q, k, v, mask, causal, configs):
+    from mhsa.core.kernels.triton.band_launch import band_backward, band_forward, band_plan
+    from mhsa.core.kernels.triton.scores import KernelScore
+
+    plan = band_plan(q, k, v, mask, None, causal)
+    scale, score = 1.0 / math.sqrt(q.shape[3]), KernelScore()
+    out, lse = band_forward(q, k, v, plan, scale, score, (None,) * 3)
+    grad = torch.randn_like(out)
+    delta = (grad.float() * out.float()).sum(-1)
+    return lambda: band_backward(q, k, v, grad, delta, lse, plan, scale, score, (None,) * 3,
+                                 configs)  # fmt: skip
+
+
+def run_sweep(rows: Rows, device, length: int, peak: float, repeat: int) -> None:
+    """Every forward config on dense and causal, D=128 and 64; dq and dkv configs on
+    causal (the other kernel at its default)."""
+    for dim in (128, 64):
+        qkv = _inputs((4, 16, length, dim), 16, torch.bfloat16, device)
+        for name in ("causal", "dense"):
+            mask, causal = CASES[name]
+            allowed = measure.allowed_entries(mask, causal, length, device)
+            fns = {str(c): _band_call(*qkv, mask, causal, c) for c in FORWARD}
+            for config, row in measure.time_group(fns, repeat, device, 0.02, ()).items():
+                flop = measure.flops(allowed, qkv[0].shape, backward=False)
+                share = flop / (row["ms"] * 1e-3) / peak if "ms" in row else None
+                rows.add(section="sweep_forward", case=name, dim=dim, length=length,
+                         config=config, of_matmul=share, **row)  # fmt: skip
+        if dim == 64:
+            break
+        mask, causal = CASES["causal"]
+        fns = {f"dq {c}": _backward_call(*qkv, mask, causal, (c, None)) for c in DQ}
+        fns.update({f"dkv {c}": _backward_call(*qkv, mask, causal, (None, c)) for c in DKV})
+        for config, row in measure.time_group(fns, repeat, device, 0.02, ()).items():
+            rows.add(section="sweep_backward", case="causal", dim=dim, length=length,
+                     config=config, **row)  # fmt: skip
+        del qkv
+        measure.release()
+
+
+def run_peers(rows: Rows, device, lengths, peak: float, repeat: int, cases=CASES) -> None:
+    """sdpa, flex (compiled) and triton through mhsa.attention, forward and
+    forward+backward, per case and length, with auto's pick."""
+    for length in lengths:
+        for name, (mask, causal) in cases.items():
+            if name != "window" and length > 8192:
+                continue
+            qkv = _inputs((4, 16, length, 128), 16, torch.bfloat16, device, grad=True)
+            grad = torch.randn_like(qkv[0])
+            allowed = measure.allowed_entries(mask, causal, length, device)
+            for backward in (False, True):
+                fns = {}
+                for backend in ("auto", "sdpa", "flex", "triton"):
+                    fns[backend] = (
+                        measure.train_call(backend, qkv, grad, mask, causal, None, False)
+                        if backward
+                        else measure.forward_call(backend, qkv, mask, causal, None, False)
+                    )
+                timed = measure.time_group(fns, repeat, device, 0.02)
+                flop = measure.flops(allowed, qkv[0].shape, backward)
+                for backend, row in timed.items():
+                    share = flop / (row["ms"] * 1e-3) / peak if "ms" in row else None
+                    rows.add(section="peers", case=name, length=length, backward=backward,
+                             backend=backend, of_matmul=share, **row)  # fmt: skip
+            del qkv, grad
+            measure.release()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--quick", action="store_true", help="fewer repeats, L=4096")
+    parser.add_argument("--only", default="checks,sweep,peers")
+    parser.add_argument("--cases", default=",".join(CASES), help="the peers' cases")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda")
+    rows = Rows(args.out)
+    repeat = 3 if args.quick else 7
+    length = 4096 if args.quick else 8192
+    peak = matmul_gflops(8192, repeat, device, torch.bfloat16) * 1e9
+    rows.add(section="header", gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+             matmul_tflops=peak / 1e12)  # fmt: skip
+    parts = args.only.split(",")
+    if "checks" in parts:
+        run_checks(rows, device)
+    if "sweep" in parts:
+        run_sweep(rows, device, length, peak, repeat)
+    if "peers" in parts:
+        cases = {name: CASES[name] for name in args.cases.split(",")}
+        run_peers(rows, device, (length, 2 * length), peak, repeat, cases)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""Launch code for the band kernels (.band): which calls they serve, their launch
+configurations, and the forward and backward launches.
+
+A call is a band call when its mask is None, Causal() or a pattern that is exactly a
+band (SlidingWindow; Pattern.band() with dilation 1), with causal folded in, and it
+has no bias, no dropout and equal head dims. Score functions and sinks ride along;
+the gradients of ALiBi slopes and RelativeBias tables come from the tile-list kernels
+(function.py falls back to them when those are wanted).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ...masks import Pattern
+from ...masks.causal import causal_shift
+from ...masks.patterns import Causal
+from .band import BIG, _band_bwd_dkv, _band_bwd_dq, _band_fwd
+from .checks import interpreting
+from .options import block_dim, dot_options
+from .scores import KernelScore
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) of each kernel, by (16-bit inputs, head dim
+# up to). Hopper (sm_90) figures from `python -m mhsa.benchmarks.gpu_band` (see that
+# module for the run that chose them).
+CONFIGS = {
+    "forward": {
+        (True, 64): (128, 64, 4, 3),
+        (True, 128): (128, 64, 8, 3),
+        (True, 256): (64, 32, 8, 2),
+        (False, 64): (64, 32, 4, 2),
+        (False, 128): (64, 32, 4, 2),
+        (False, 256): (32, 32, 8, 1),
+    },
+    "dq": {
+        (True, 64): (128, 32, 4, 3),
+        (True, 128): (128, 32, 8, 3),
+        (True, 256): (64, 32, 8, 1),
+        (False, 64): (64, 32, 4, 2),
+        (False, 128): (64, 32, 4, 2),
+        (False, 256): (32, 32, 8, 1),
+    },
+    "dkv": {
+        (True, 64): (32, 128, 4, 3),
+        (True, 128): (32, 128, 8, 3),
+        (True, 256): (32, 64, 8, 1),
+        (False, 64): (32, 64, 4, 2),
+        (False, 128): (32, 64, 4, 2),
+        (False, 256): (32, 32, 8, 1),
+    },
+}
+
+
+def band_config(kernel: str, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of kernel ("forward", "dq" or "dkv");
+    16 x 16 tiles under the interpreter."""
+    if interpreting():
+        return 16, 16, 4, 1
+    dim = next(d for d in (64, 128, 256) if head_dim <= d)
+    return CONFIGS[kernel][(dtype in (torch.float16, torch.bfloat16), dim)]
+
+
+def mask_band(mask, causal: bool) -> tuple[int, int] | None:
+    """(left, right) of a call whose allowed keys are a band around each query's
+    position, or None: keys p - left .. p + right (BIG for an open side)."""
+    if mask is None:
+        left, right = BIG, BIG
+    elif isinstance(mask, Causal):
+        left, right = BIG, 0
+    elif isinstance(mask, Pattern) and mask.batch_size is None:
+        band = mask.band()
+        if band is None or band.dilation != 1:
+            return None
+        left, right = band.left, band.right
+    else:
+        return None
+    return (left, min(right, 0)) if causal else (left, right)
+
+
+@dataclass(frozen=True)
+class BandPlan:
+    """A band call's plan: the band and the causal shift (query row 0's position)."""
+
+    left: int
+    right: int
+    shift: int
+
+
+def band_plan(q: Tensor, k: Tensor, v: Tensor | None, mask, bias, causal: bool):
+    """The BandPlan of a call without dropout that the band kernels serve, else None."""
+    if bias is not None or v is None or v.shape[3] != q.shape[3]:
+        return None
+    band = mask_band(mask, causal)
+    if band is None:
+        return None
+    return BandPlan(band[0], band[1], causal_shift(q.shape[2], k.shape[2]))
+
+
+def _options(kernel: str, q: Tensor, score: KernelScore, config) -> dict:
+    """The constexprs and launch options of one kernel."""
+    block_m, block_n, warps, stages = config or band_config(kernel, q.shape[3], q.dtype)
+    options = dot_options(q.dtype)
+    del options["ACC"]  # the band kernels accumulate in float32
+    return dict(
+        **options,
+        **score.constants(),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_dim(q.shape[3]),
+        EVEN_D=block_dim(q.shape[3]) == q.shape[3],
+        num_warps=warps,
+        num_stages=stages,
+    )
+
+
+def band_forward(
+    q: Tensor, k: Tensor, v: Tensor, plan: BandPlan, scale: float, score: KernelScore,
+    tensors: tuple, config: tuple | None = None,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """(out (B, H, L, D) in q's dtype, lse (B, H, L) float32) of a band call; tensors
+    (slopes, table, sinks), None where absent; config overrides the launch."""
+    batch, num_heads, q_len, head_dim = q.shape
+    num_kv_heads, kv_len = k.shape[1], k.shape[2]
+    out = q.new_empty(batch, num_heads, q_len, head_dim)
+    lse = torch.empty(batch, num_heads, q_len, dtype=torch.float32, device=q.device)
+    options = _options("forward", q, score, config)
+    grid = (-(-q_len // options["BLOCK_M"]), batch * num_heads)
+    _band_fwd[grid](
+        q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        num_heads, num_heads // num_kv_heads, q_len, kv_len, head_dim, scale, plan.shift,
+        plan.left, plan.right, *score.args(*tensors, like=q),
+        HAS_SINKS=tensors[2] is not None, **options,
+    )  # fmt: skip
+    return out, lse
+
+
+def band_backward(
+    q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, delta: Tensor, lse: Tensor,
+    plan: BandPlan, scale: float, score: KernelScore, tensors: tuple,
+    configs: tuple | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """(dq, dk, dv) in the inputs' dtype of a band call, given dO (B, H, L, D), delta =
+    rowsum(dO * O) - dlse (B, H, L) float32 and the forward's lse; configs (dq, dkv)
+    overrides the launches."""
+    batch, num_heads, q_len, head_dim = q.shape
+    num_kv_heads, kv_len = k.shape[1], k.shape[2]
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    slopes, table, _ = tensors
+    score_args = score.args(slopes, table, None, like=q)
+    del score_args[3]  # (no sinks: their gradient comes from lse and delta)
+    sizes = [q_len, kv_len, head_dim, scale, plan.shift, plan.left, plan.right, *score_args]
+    strides = [*q.stride(), *k.stride(), *v.stride(), *grad_out.stride()]
+    lse, delta = lse.contiguous(), delta.contiguous()
+    dq_config, dkv_config = configs or (None, None)
+    options = _options("dq", q, score, dq_config)
+    grid = (-(-q_len // options["BLOCK_M"]), batch * num_heads)
+    _band_bwd_dq[grid](
+        q, k, v, grad_out, lse, delta, dq, *strides, num_heads, num_heads // num_kv_heads,
+        *sizes, **options,
+    )  # fmt: skip
+    options = _options("dkv", q, score, dkv_config)
+    grid = (-(-kv_len // options["BLOCK_N"]), batch * num_kv_heads)
+    _band_bwd_dkv[grid](
+        q, k, v, grad_out, lse, delta, dk, dv, *strides, num_heads, num_kv_heads,
+        num_heads // num_kv_heads, *sizes, EVEN_M=q_len % options["BLOCK_M"] == 0, **options,
+    )  # fmt: skip
+    return dq, dk, dv
