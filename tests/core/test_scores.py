@@ -285,9 +285,10 @@ def test_bad_score_functions_and_sinks_fail_at_the_first_call():
     with pytest.raises(ValueError, match=r"table must be a float tensor \(num_buckets 32, H\)"):
         RelativeBias(torch.zeros(16, 2))
     # log(max_distance / exact) must be positive: 16 exact buckets need max_distance > 16
-    with pytest.raises(ValueError, match=r"max_distance must be an int > 16 .*got 16$"):
+    beyond = r"^max_distance must be an int >= 17 \(beyond the 16 offsets bucketed one by one\)"
+    with pytest.raises(ValueError, match=beyond + ", got 16$"):
         RelativeBias(torch.zeros(32, 2), max_distance=16, bidirectional=False)
-    with pytest.raises(ValueError, match=r"^num_buckets must be >= 4, got 3$"):
+    with pytest.raises(ValueError, match=r"^num_buckets must be an int >= 4, got 3$"):
         RelativeBias(torch.zeros(3, 2), num_buckets=3)
     with pytest.raises(ValueError, match="have 3 heads but the call has 2 query heads"):
         call(score=RelativeBias(torch.zeros(32, 3)))

@@ -183,6 +183,9 @@ def test_rms_norm_matches_torch_and_gemma_offset():
     assert max_error(half(x.half()), 1.5 * plain) < 1e-2
     with pytest.raises(ValueError, match="last axis is 6"):
         norm(torch.randn(2, 6))
+    for bad in (0, True, 8.0):
+        with pytest.raises(ValueError, match=rf"^dim must be an int >= 1, got {bad!r}$"):
+            RMSNorm(bad)
 
 
 def test_training_mode_applies_dropout():

@@ -181,7 +181,7 @@ def test_sizes_must_be_positive_ints_and_say_which(bad):
         (lambda v: RelativeBiasPosition(2, max_distance=v), "max_distance"),
     ]
     for build, name in cases:
-        with pytest.raises(ValueError, match=rf"^{name} must be a positive int, got {bad!r}$"):
+        with pytest.raises(ValueError, match=rf"^{name} must be an int >= 1, got {bad!r}$"):
             build(bad)
 
 
@@ -228,10 +228,12 @@ def test_rotary_rejects_wrong_head_dim_and_positions_shape_with_details():
 def test_relative_bias_minimum_bucket_counts():
     RelativeBiasPosition(2, num_buckets=4)  # two per direction: the fewest that work
     RelativeBiasPosition(2, num_buckets=2, bidirectional=False)
-    with pytest.raises(ValueError, match=r"^num_buckets must be >= 4, got 3$"):
+    with pytest.raises(ValueError, match=r"^num_buckets must be an int >= 4, got 3$"):
         RelativeBiasPosition(2, num_buckets=3)
-    with pytest.raises(ValueError, match=r"^num_buckets must be >= 2, got 1$"):
+    with pytest.raises(ValueError, match=r"^num_buckets must be an int >= 2, got 1$"):
         RelativeBiasPosition(2, num_buckets=1, bidirectional=False)
+    with pytest.raises(ValueError, match=r"^num_buckets must be an int >= 4, got True$"):
+        RelativeBiasPosition(2, num_buckets=True)
 
 
 # --- exact values on the paths the tests above do not take ---------------------------

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ..core.checks import int_at_least
 from ..formats.ggml_blocks import unpack_q4
 from ..formats.weights import TensorDict
 from ..models.decoding import compiled_decode_step
@@ -91,12 +92,7 @@ class ChatModel:
         if speculate is not None and compile:
             raise ValueError("speculate and compile do not combine: pass one of them")
         sampling = Sampling(temperature, top_k, top_p)
-        if (
-            isinstance(max_new_tokens, bool)
-            or not isinstance(max_new_tokens, int)
-            or max_new_tokens < 1
-        ):
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        int_at_least("max_new_tokens", max_new_tokens, 1)
         ids = self.prompt_ids(messages)
         if not fits_context(len(ids), self.model.config.max_len):
             raise ValueError(

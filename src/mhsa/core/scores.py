@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from .checks import int_at_least
 from .score_checks import (
     check_per_head,
     closure_tensors,
@@ -142,18 +143,10 @@ def check_t5_buckets(num_buckets: int, max_distance: int, bidirectional: bool) -
     """T5's bucketing needs at least one exact bucket per direction and a max_distance
     beyond the exact ones (its log scale divides by log(max_distance / exact))."""
     min_buckets = 4 if bidirectional else 2
-    if (
-        isinstance(num_buckets, bool)
-        or not isinstance(num_buckets, int)
-        or num_buckets < min_buckets
-    ):
-        raise ValueError(f"num_buckets must be >= {min_buckets}, got {num_buckets!r}")
+    int_at_least("num_buckets", num_buckets, min_buckets)
     exact = (num_buckets // 2 if bidirectional else num_buckets) // 2
-    if isinstance(max_distance, bool) or not isinstance(max_distance, int) or max_distance <= exact:
-        raise ValueError(
-            f"max_distance must be an int > {exact} (the offsets bucketed one "
-            f"by one), got {max_distance!r}"
-        )
+    hint = f" (beyond the {exact} offsets bucketed one by one)"
+    int_at_least("max_distance", max_distance, exact + 1, hint)
 
 
 def t5_bucket(offsets: Tensor, num_buckets: int, max_distance: int, bidirectional: bool) -> Tensor:

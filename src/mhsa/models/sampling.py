@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..core.checks import int_at_least
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -221,8 +223,8 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
     """Raise ValueError for sampling settings that select nothing or mean nothing."""
     if not temperature >= 0:  # also catches nan
         raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be an int >= 1, or None for no limit; got {top_k!r}")
+    if top_k is not None:
+        int_at_least("top_k", top_k, 1, ", or None for no limit")
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], or None for no limit; got {top_p!r}")
 

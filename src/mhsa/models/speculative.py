@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from ..cache import PagedKVCache
+from ..core.checks import int_at_least
 from .sampling import Choice, Sampling, StopRule, accept_draft, probabilities, sample_and_stop
 
 BLOCK = 16  # tokens per block of the one-sequence pools here
@@ -155,8 +156,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def check_draft_tokens(draft_tokens: int) -> None:
-    if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or draft_tokens < 1:
-        raise ValueError(f"draft_tokens must be an int >= 1, got {draft_tokens!r}")
+    int_at_least("draft_tokens", draft_tokens, 1)
 
 
 def check_draft_model(draft: nn.Module, target: nn.Module) -> None:

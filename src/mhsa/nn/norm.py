@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..core.checks import int_at_least
+
 
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * (offset + weight), computed in float32.
@@ -29,8 +31,7 @@ class RMSNorm(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
-            raise ValueError(f"dim must be a positive int, got {dim!r}")
+        int_at_least("dim", dim, 1)
         if not eps >= 0:
             raise ValueError(f"eps must be >= 0, got {eps!r}")
         self.eps = eps

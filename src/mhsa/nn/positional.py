@@ -19,12 +19,12 @@ import torch
 from torch import Tensor, nn
 
 from ..core import scores
+from ..core.checks import int_at_least
 from ..core.masks.causal import causal_shift
 
 
 def _check_positive(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    int_at_least(name, value, 1)
 
 
 def _check_fits(length: int, offset: int, max_len: int) -> None:

@@ -145,8 +145,10 @@ def test_pattern_validation():
         masks.KeyPadding([3, 9]).dense(8, 8)
     with pytest.raises(ValueError, match="window_blocks must be odd"):
         masks.bigbird(16, window_blocks=2)
-    with pytest.raises(ValueError, match="block must be a positive int"):
+    with pytest.raises(ValueError, match=r"^block must be an int >= 1, got 0$"):
         masks.Causal().block_layout(8, 8, 0)
+    with pytest.raises(ValueError, match=r"^block_k must be an int >= 1, got True$"):
+        masks.Causal().block_layout(8, 8, 4, True)  # (a bool was taken as 1)
     q, k, v = make_qkv(3, 2, 2, 8, 8, 4)
     with pytest.raises(ValueError, match="built for batch size 2, but q has batch size 3"):
         mhsa.attention(q, k, v, masks.KeyPadding([3, 4]))

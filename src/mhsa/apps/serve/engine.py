@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ...cache import PagedKVCache
+from ...core.checks import int_at_least
 from ...models.sampling import Choice, check_sampling
 from ...models.speculative import Speculator, check_draft_tokens
 from .runner import Runner
@@ -62,8 +63,7 @@ class Engine:
             ("max_batch", max_batch),
             ("prefill_chunk", prefill_chunk),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            int_at_least(name, value, 1)
         check_draft_tokens(draft_tokens)
         config = model.config
         if context_length > config.max_len:
@@ -118,8 +118,7 @@ class Engine:
         vocab = self.model.config.vocab_size
         if not all(0 <= t < vocab for t in prompt):
             raise ValueError(f"the prompt holds token ids outside the vocabulary 0..{vocab - 1}")
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+        int_at_least("max_tokens", max_tokens, 1)
         check_sampling(temperature, None, top_p)
         if len(prompt) + max_tokens > self.context_length:
             raise ValueError(

@@ -8,6 +8,8 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ...core.checks import int_at_least
+
 LOOPBACK = ("localhost", "127.0.0.1", "::1")
 
 
@@ -37,9 +39,7 @@ class Limits:
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_prompts", "max_queued", "retry_after"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            int_at_least(name, getattr(self, name), 1)
         for name in ("header_seconds", "body_seconds", "template_seconds", "drain_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:

@@ -115,9 +115,8 @@ class Pattern:
         _check_sizes(q_len, kv_len)
         self.check_lengths(q_len, kv_len)
         block_k = block if block_k is None else block_k
-        for name, value in (("block", block), ("block_k", block_k)):
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        int_at_least("block", block, 1)
+        int_at_least("block_k", block_k, 1)
         return self.kinds(q_len, kv_len, block, block_k).to(torch.int8)
 
     def tile(self, q0: int, q1: int, cols: Tensor, q_len: int, kv_len: int) -> Tensor:
