@@ -23,8 +23,8 @@ import triton.language as tl
 from .attention import _dot, _program_heads
 from .scores import _head_score, _score_fn, key_offsets
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 BIG = 1 << 30  # a window side that covers any length
 
 
@@ -55,8 +55,7 @@ def _query_blocks(c0, c1, shift, left, right, q_len, kv_len, BLOCK_M: tl.constex
     end = tl.maximum(tl.cdiv(i_hi, BLOCK_M), first)
     full_lo = tl.cdiv(tl.maximum(c1 - shift - right, 0), BLOCK_M)
     full_hi = tl.maximum(c0 - shift + left + 1, 0) // BLOCK_M
-    if c1 >= kv_len:  # the key block runs past S: every tile needs the mask
-        full_hi = 0
+    full_hi = tl.where(c1 < kv_len, full_hi, 0)  # past S: every tile needs the mask
     full_lo = tl.minimum(tl.maximum(full_lo, first), end)
     full_hi = tl.minimum(tl.maximum(full_hi, full_lo), end)
     return first, full_lo, full_hi, end
@@ -264,9 +263,10 @@ def _dkv_blocks(dk, dv, k, v, cols, q_base, do_base, sql, sqd, sdl, sdd, Lse, De
     dims = tl.arange(0, BLOCK_D)
     for block in range(lo, hi):
         rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-        check = MASKED or not (EVEN_M and EVEN_D)
-        q = _tile(q_base, rows, q_len, sql, dims, head_dim, sqd, check)
-        do = _tile(do_base, rows, q_len, sdl, dims, head_dim, sdd, check)
+        q = _tile(q_base, rows, q_len, sql, dims, head_dim, sqd,
+                  MASKED or not (EVEN_M and EVEN_D))
+        do = _tile(do_base, rows, q_len, sdl, dims, head_dim, sdd,
+                   MASKED or not (EVEN_M and EVEN_D))
         lse2 = _lse2(Lse, row0, rows, q_len)
         delta = tl.load(Delta + row0 + rows, mask=rows < q_len, other=0.0)
         qk_t = _dot(k, tl.trans(q), PREC, UPCAST, tl.float32)
