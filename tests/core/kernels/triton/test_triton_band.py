@@ -1,0 +1,156 @@
+"""The band kernels (dense, causal, sliding windows) in Triton's CPU interpreter,
+against the float64 golden formula: which calls they serve, outputs, lse and
+gradients at awkward shapes (L != S, dead rows, GQA and MQA, D not a power of two,
+non-contiguous inputs, lengths off the tiles), score functions and sinks, the lse's
+gradient, and the blocks where the band's edges fall (every masked/unmasked split)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from optional import needs
+
+needs("triton")  # the interpreter is switched on in conftest.py
+
+from helpers import assert_matches_golden, golden_attention
+from mhsa.core.kernels.triton import triton_attention
+from mhsa.core.kernels.triton.band_launch import BIG, BandPlan, band_plan, mask_band
+from mhsa.core.kernels.triton.function import _prepare
+from mhsa.core.masks import Causal, Dilated, SlidingWindow, bigbird
+from mhsa.core.scores import ALiBi, Compose, RelativeBias, Softcap
+from mhsa.nn.positional import alibi_slopes
+
+# (L, S, causal, mask, H_kv, D)
+SHAPES = {
+    "square-causal": (48, 48, True, None, 4, 32),
+    "wide-dense-gqa-d40": (37, 70, False, None, 2, 40),
+    "tall-causal-dead-rows-mqa": (70, 40, True, None, 1, 16),
+    "window-gqa": (67, 67, False, SlidingWindow(9, 4), 2, 32),
+    "window-causal-wide": (33, 80, True, SlidingWindow(20, 20), 4, 16),
+    "narrow-window": (50, 50, False, SlidingWindow(0, 0), 2, 16),
+}
+
+
+def _inputs(q_len, kv_len, kv_heads, dim, contiguous=True, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 4, q_len, dim, generator=generator)
+    k, v = (torch.randn(2, kv_heads, kv_len, dim, generator=generator) for _ in "kv")
+    if not contiguous:  # (B, L, H, D) storage, as projections leave it
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    return [t.requires_grad_() for t in (q, k, v)]
+
+
+def _check(q, k, v, mask, causal, score=None, modify=None, sinks=None, lse_weight=0.0):
+    out, lse = triton_attention(q, k, v, mask, causal=causal, score=score, sinks=sinks)
+    inputs = [q, k, v] + ([sinks] if sinks is not None else [])
+    ref_inputs = [t.detach().double().requires_grad_() for t in inputs]
+    ref_sinks = ref_inputs[3] if sinks is not None else None
+    ref_out, ref_lse = golden_attention(
+        *ref_inputs[:3], mask, causal=causal, modify=modify, sinks=ref_sinks
+    )
+    generator = torch.Generator().manual_seed(1)
+    grad = torch.randn(out.shape, generator=generator)
+    finite = torch.isfinite(lse)
+    loss = (out * grad).sum() + lse_weight * torch.where(finite, lse, 0).sum()
+    grads = torch.autograd.grad(loss, inputs)
+    ref_finite = torch.isfinite(ref_lse)
+    ref_loss = (ref_out * grad.double()).sum()
+    ref_loss = ref_loss + lse_weight * torch.where(ref_finite, ref_lse, 0).sum()
+    ref_grads = torch.autograd.grad(ref_loss, ref_inputs)
+    names = ["q", "k", "v", "sinks"][: len(inputs)]
+    assert_matches_golden(out, lse, grads, ref_out, ref_lse, ref_grads, names)
+
+
+@pytest.mark.parametrize("name", SHAPES)
+def test_band_calls_match_the_golden_forward_and_backward(name):
+    q_len, kv_len, causal, mask, kv_heads, dim = SHAPES[name]
+    q, k, v = _inputs(q_len, kv_len, kv_heads, dim)
+    plan = _prepare(q, k, v, mask, None, causal, None, None, band=True)[0]
+    assert isinstance(plan, BandPlan)  # the band kernels serve it
+    _check(q, k, v, mask, causal, lse_weight=0.5)
+
+
+def test_non_contiguous_inputs_and_the_lse_alone():
+    q, k, v = _inputs(35, 35, 2, 16, contiguous=False)
+    _check(q, k, v, None, True)
+    _, lse = triton_attention(q, k, v, causal=True)
+    (dq,) = torch.autograd.grad(lse.sum(), [q])  # out unused: its gradient is None
+    ref_q = q.detach().double().requires_grad_()
+    ref_lse = golden_attention(ref_q, k.detach().double(), v.detach().double(), causal=True)[1]
+    (ref_dq,) = torch.autograd.grad(ref_lse.sum(), [ref_q])
+    assert (dq.double() - ref_dq).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("score_name", ["alibi", "softcap", "alibi-then-softcap", "sinks"])
+def test_score_functions_and_sinks(score_name):
+    q, k, v = _inputs(45, 60, 2, 16)
+    slopes = alibi_slopes(4)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(2)).requires_grad_()
+
+    def alibi(s, i, j):
+        return s - slopes.double().view(1, -1, 1, 1) * (i - j).abs()
+
+    def softcap(s, i, j):
+        return 20.0 * torch.tanh(s / 20.0)
+
+    cases = {
+        "alibi": (ALiBi(slopes), alibi, None),
+        "softcap": (Softcap(20.0), softcap, None),
+        "alibi-then-softcap": (
+            Compose(ALiBi(slopes), Softcap(20.0)),
+            lambda s, i, j: softcap(alibi(s, i, j), i, j),
+            None,
+        ),
+        "sinks": (None, None, sinks),
+    }
+    score, modify, sink_tensor = cases[score_name]
+    mask = SlidingWindow(12, 3)
+    plan = _prepare(q, k, v, mask, None, True, None, None, score, sink_tensor, band=True)[0]
+    assert isinstance(plan, BandPlan)
+    _check(q, k, v, mask, True, score, modify, sink_tensor)
+
+
+@pytest.mark.parametrize("window", [(0, 0), (15, 0), (16, 0), (17, 1), (31, 16), (100, 100)])
+@pytest.mark.parametrize("lengths", [(64, 64), (50, 64), (64, 50)])
+def test_every_edge_split_of_the_band_forward(window, lengths):
+    """16 x 16 tiles: edges on, before and after tile boundaries, and past both ends."""
+    q, k, v = (t.detach() for t in _inputs(*lengths, 2, 16))
+    mask = SlidingWindow(*window)
+    out, lse = triton_attention(q, k, v, mask)
+    ref_out, ref_lse = golden_attention(q.double(), k.double(), v.double(), mask)
+    assert (out.double() - ref_out).abs().max() < 2e-5
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+
+
+def test_which_calls_are_band_calls():
+    assert mask_band(None, False) == (BIG, BIG)
+    assert mask_band(None, True) == (BIG, 0)
+    assert mask_band(Causal(), False) == (BIG, 0)
+    assert mask_band(SlidingWindow(5, 7), False) == (5, 7)
+    assert mask_band(SlidingWindow(5, 7), True) == (5, 0)
+    assert mask_band(Dilated(4, 2), False) is None  # dilation: the tile lists
+    assert mask_band(bigbird(16, 3, 1, 1), False) is None
+    assert mask_band(torch.ones(4, 4, dtype=torch.bool), False) is None
+    q, k, v = (t.detach() for t in _inputs(8, 8, 4, 16))
+    assert band_plan(q, k, v, None, torch.zeros(8, 8), True) is None  # a bias
+    assert band_plan(q, k, v[..., :8], None, None, True) is None  # D_v != D
+    assert band_plan(q, k, v, None, None, True) == BandPlan(BIG, 0, 0)
+
+
+def test_tile_lists_serve_what_the_band_kernels_do_not():
+    q, k, v = _inputs(20, 20, 4, 16)
+    table = RelativeBias(torch.randn(32, 4, requires_grad=True), 32, 128)
+    for call in (
+        dict(q=q.double(), band=True),  # float64: the tile kernels accumulate in float64
+        dict(q=q, band=False),  # dropout (the caller says so)
+        dict(q=q, band=True, score=table),  # a table that wants its gradient
+        dict(q=q, band=True, blocks=(16, 16)),  # blocks name the tile lists' tiles
+    ):
+        qq = call["q"]
+        kk, vv = (t.to(qq.dtype) for t in (k, v))
+        plan = _prepare(
+            qq, kk, vv, None, None, True, None, call.get("blocks"), call.get("score"),
+            band=call["band"],
+        )[0]  # fmt: skip
+        assert not isinstance(plan, BandPlan)
