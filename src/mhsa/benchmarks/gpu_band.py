@@ -117,9 +117,8 @@ def _backward_call(q, k, v, mask, causal, configs):
                                  configs)  # fmt: skip
 
 
-def run_sweep(rows: Rows, device, length: int, peak: float, repeat: int) -> None:
-    """Every forward config on dense and causal, D=128 and 64; dq and dkv configs on
-    causal (the other kernel at its default)."""
+def run_sweep_forward(rows: Rows, device, length: int, peak: float, repeat: int) -> None:
+    """Every forward config on dense and causal, D=128 and 64."""
     for dim in (128, 64):
         qkv = _inputs((4, 16, length, dim), 16, torch.bfloat16, device)
         for name in ("causal", "dense"):
@@ -131,16 +130,26 @@ def run_sweep(rows: Rows, device, length: int, peak: float, repeat: int) -> None
                 share = flop / (row["ms"] * 1e-3) / peak if "ms" in row else None
                 rows.add(section="sweep_forward", case=name, dim=dim, length=length,
                          config=config, of_matmul=share, **row)  # fmt: skip
-        if dim == 64:
-            break
-        mask, causal = CASES["causal"]
-        fns = {f"dq {c}": _backward_call(*qkv, mask, causal, (c, None)) for c in DQ}
-        fns.update({f"dkv {c}": _backward_call(*qkv, mask, causal, (None, c)) for c in DKV})
-        for config, row in measure.time_group(fns, repeat, device, 0.02, ()).items():
-            rows.add(section="sweep_backward", case="causal", dim=dim, length=length,
-                     config=config, **row)  # fmt: skip
         del qkv
         measure.release()
+
+
+def run_sweep_backward(rows: Rows, device, length: int, peak: float, repeat: int) -> None:
+    """dq and dkv configs on causal, D=128 (the other kernel at its default); the
+    share of the matmul counts the backward's 2.5 forwards."""
+    qkv = _inputs((4, 16, length, 128), 16, torch.bfloat16, device)
+    mask, causal = CASES["causal"]
+    flop = measure.flops(
+        measure.allowed_entries(mask, causal, length, device), qkv[0].shape, backward=True
+    ) - measure.flops(  # fmt: skip
+        measure.allowed_entries(mask, causal, length, device), qkv[0].shape, backward=False
+    )
+    fns = {f"dq {c}": _backward_call(*qkv, mask, causal, (c, None)) for c in DQ}
+    fns.update({f"dkv {c}": _backward_call(*qkv, mask, causal, (None, c)) for c in DKV})
+    for config, row in measure.time_group(fns, repeat, device, 0.02, ()).items():
+        share = flop / (row["ms"] * 1e-3) / peak if "ms" in row else None
+        rows.add(section="sweep_backward", case="causal", dim=128, length=length,
+                 config=config, of_matmul=share, **row)  # fmt: skip
 
 
 def run_peers(rows: Rows, device, lengths, peak: float, repeat: int, cases=CASES) -> None:
@@ -175,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--quick", action="store_true", help="fewer repeats, L=4096")
-    parser.add_argument("--only", default="checks,sweep,peers")
+    parser.add_argument("--only", default="checks,sweep_forward,sweep_backward,peers")
     parser.add_argument("--cases", default=",".join(CASES), help="the peers' cases")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
@@ -188,8 +197,10 @@ def main(argv: list[str] | None = None) -> None:
     parts = args.only.split(",")
     if "checks" in parts:
         run_checks(rows, device)
-    if "sweep" in parts:
-        run_sweep(rows, device, length, peak, repeat)
+    if "sweep_forward" in parts:
+        run_sweep_forward(rows, device, length, peak, repeat)
+    if "sweep_backward" in parts:
+        run_sweep_backward(rows, device, length, peak, repeat)
     if "peers" in parts:
         cases = {name: CASES[name] for name in args.cases.split(",")}
         run_peers(rows, device, (length, 2 * length), peak, repeat, cases)

@@ -1,0 +1,84 @@
+"""Compile our Triton kernels for a GPU without one: Triton's front end, its MLIR
+passes and ptxas run on the CPU, so a kernel that the GPU's Triton cannot compile
+fails here first, for a device run's cost of nothing.
+
+    python tools/triton_compile.py [--arch 90]
+
+Run it under the GPU machine's Triton too (pip install --target DIR triton==X, then
+PYTHONPATH=DIR:src): kernels that one version compiles can fail in another. Prints
+each kernel's shared memory and fails on the first error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ.pop("TRITON_INTERPRET", None)  # the real compiler, not the interpreter
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+POINTERS = {"Lse": "*fp32", "Delta": "*fp32", "Slopes": "*fp32", "Table": "*fp32",
+            "Sinks": "*fp32", "Buckets": "*i32"}  # fmt: skip
+DATA = ("Q", "K", "V", "DO", "DQ", "DK", "DV", "Out")
+FLOATS = ("scale", "cap")
+
+
+def compile_kernel(fn, constants: dict, arch: int, warps: int, stages: int, dtype="bf16"):
+    """Compile fn with its constexprs from constants (the rest: pointers by name,
+    floats by name, else int32) for sm_{arch}; returns the compiled kernel."""
+    signature, constexprs = {}, {}
+    for index, param in enumerate(fn.params):
+        name = param.name
+        if param.is_constexpr:
+            signature[name] = "constexpr"
+            constexprs[(index,)] = constants[name]
+        elif name in DATA:
+            signature[name] = f"*{dtype}"
+        elif name in POINTERS:
+            signature[name] = POINTERS[name]
+        else:
+            signature[name] = "fp32" if name in FLOATS else "i32"
+    options = {"num_warps": warps, "num_stages": stages}
+    return triton.compile(
+        ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", arch, 32), options=options
+    )
+
+
+def band_kernels():
+    """(name, kernel, constexprs, warps, stages) of the band kernels' default configs,
+    with and without score functions."""
+    from mhsa.core.kernels.triton import band
+    from mhsa.core.kernels.triton.band_launch import CONFIGS
+
+    plain = dict(ALIBI=0, RELATIVE=0, SOFTCAP=False, PREC=None, UPCAST=False, BLOCK_D=128,
+                 EVEN_D=True)  # fmt: skip
+    scored = dict(plain, ALIBI=1, SOFTCAP=True)
+    for label, base in (("plain", plain), ("alibi+softcap", scored)):
+        for kernel, fn, extra in (
+            ("forward", band._band_fwd, dict(HAS_SINKS=label != "plain")),
+            ("dq", band._band_bwd_dq, {}),
+            ("dkv", band._band_bwd_dkv, dict(EVEN_M=True)),
+        ):
+            block_m, block_n, warps, stages = CONFIGS[kernel][(True, 128)]
+            constants = dict(base, BLOCK_M=block_m, BLOCK_N=block_n, **extra)
+            yield f"band {kernel} ({label})", fn, constants, warps, stages
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90)
+    args = parser.parse_args()
+    print(f"triton {triton.__version__}, sm_{args.arch}")
+    for name, fn, constants, warps, stages in band_kernels():
+        start = time.perf_counter()
+        kernel = compile_kernel(fn, constants, args.arch, warps, stages)
+        seconds = time.perf_counter() - start
+        print(f"{name}: ok in {seconds:.1f} s, shared memory {kernel.metadata.shared} B")
+
+
+if __name__ == "__main__":
+    main()
