@@ -139,11 +139,8 @@ def run_sweep_backward(rows: Rows, device, length: int, peak: float, repeat: int
     share of the matmul counts the backward's 2.5 forwards."""
     qkv = _inputs((4, 16, length, 128), 16, torch.bfloat16, device)
     mask, causal = CASES["causal"]
-    flop = measure.flops(
-        measure.allowed_entries(mask, causal, length, device), qkv[0].shape, backward=True
-    ) - measure.flops(  # fmt: skip
-        measure.allowed_entries(mask, causal, length, device), qkv[0].shape, backward=False
-    )
+    allowed = measure.allowed_entries(mask, causal, length, device)
+    flop = measure.flops(allowed, qkv[0].shape, backward=False) * measure.BACKWARD_FLOPS
     fns = {f"dq {c}": _backward_call(*qkv, mask, causal, (c, None)) for c in DQ}
     fns.update({f"dkv {c}": _backward_call(*qkv, mask, causal, (None, c)) for c in DKV})
     for config, row in measure.time_group(fns, repeat, device, 0.02, ()).items():
