@@ -40,7 +40,21 @@ def cuda_seen(monkeypatch):
     [
         ({}, "sdpa"),  # dense: sdpa within 1% of the best
         ({"causal": True}, "sdpa"),  # causal: sdpa within 3%
-        ({"has_mask": True, "mask_kinds": part_kinds(SlidingWindow(1024, 0))}, "flex"),
+        # the band kernels: 0.55x flex's time forward (gpu_band run in preference.py)
+        ({"has_mask": True, "mask_kinds": part_kinds(SlidingWindow(1024, 0))}, "triton"),
+        (
+            {"has_mask": True, "causal": True, "mask_kinds": part_kinds(SlidingWindow(64, 64))},
+            "triton",
+        ),
+        # ... and dense or causal calls with a score function or sinks, which sdpa cannot
+        # fuse; not where the band kernels do not serve the call
+        ({"causal": True, "has_score": True, "score_kinds": ("Softcap",)}, "triton"),
+        ({"has_sinks": True}, "triton"),
+        # (a bias or dropout with a mask: the tile kernels, the only exact fused path)
+        ({"has_mask": True, "has_bias": True, "mask_kinds": ("SlidingWindow",)}, "triton"),
+        ({"has_mask": True, "dropout_p": 0.1, "mask_kinds": ("SlidingWindow",)}, "triton"),
+        ({"has_mask": True, "value_dim": 64, "mask_kinds": ("SlidingWindow",)}, "flex"),
+        ({"has_mask": True, "mask_kinds": part_kinds(SlidingWindow(4, 0) & bigbird(8))}, "flex"),
         ({"has_mask": True, "mask_kinds": part_kinds(bigbird(64))}, "triton"),  # 2.5x flex
         # not measured: causal or a score with a block pattern keep the fixed preference
         (

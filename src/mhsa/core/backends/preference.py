@@ -8,6 +8,13 @@ triton kernel took 0.40x flex's time forward and 0.77x forward+backward. So trit
 leads for block-structured patterns made of the parts measured, without causal or a
 score function (neither was measured with them). Add a row only with the run that
 measured it.
+
+From `python -m mhsa.benchmarks.gpu_band` on the H200, 2026-12-04 (same torch and
+triton; bf16, B=4, H=16, D=128): the band kernels (mhsa.core.kernels.triton.band)
+took 0.55x flex's time forward on SlidingWindow(1024, 0) at L=8192 (1.19 ms against
+2.15) and 0.54x at L=16384 (2.14 against 3.97). So triton leads for sliding windows,
+and for the band calls that sdpa cannot fuse: dense or causal with a score function
+the kernels evaluate or with sinks, which flex served at 3.5x plain causal's time.
 """
 
 from __future__ import annotations
@@ -29,3 +36,19 @@ def triton_leads(spec: AttentionSpec) -> bool:
         and not spec.has_score
         and not spec.has_sinks
     )
+
+
+def triton_band_leads(spec: AttentionSpec) -> bool:
+    """Whether the measured table puts triton's band kernels ahead for this call: a
+    sliding window, or dense/causal with a score function or sinks."""
+    band_call = (
+        spec.device.type == "cuda"
+        and not spec.has_bias
+        and spec.dropout_p == 0
+        and spec.head_dim == spec.value_dim
+    )
+    if not band_call:
+        return False
+    if spec.has_mask:
+        return spec.mask_kinds == ("SlidingWindow",)
+    return spec.has_score or spec.has_sinks

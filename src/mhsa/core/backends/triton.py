@@ -19,7 +19,7 @@ import torch
 
 from ..kernels.dropout import draw_seed
 from .common import tracing
-from .preference import triton_leads
+from .preference import triton_band_leads, triton_leads
 from .registry import PAGED_REASON, AttentionSpec, Backend
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -94,7 +94,7 @@ class TritonBackend(Backend):
         # not say whether bias needs a gradient, so any bias counts.
         if spec.has_bias or (spec.dropout_p > 0 and (spec.has_mask or spec.causal)):
             return 4.0
-        if triton_leads(spec):  # measured: block-structured patterns (preference.py)
+        if triton_leads(spec) or triton_band_leads(spec):  # measured (preference.py)
             return 2.9  # above flex's 2.5 for patterns, below sdpa's 3.0 for tiny calls
         return 0.8  # below sdpa (1.0 / 3.0), above the plain-torch flash engine (0.5)
 
