@@ -21,8 +21,14 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-POINTERS = {"Lse": "*fp32", "Delta": "*fp32", "Slopes": "*fp32", "Table": "*fp32",
-            "Sinks": "*fp32", "Buckets": "*i32"}  # fmt: skip
+POINTERS = {
+    "Lse": "*fp32",
+    "Delta": "*fp32",
+    "Slopes": "*fp32",
+    "Table": "*fp32",
+    "Sinks": "*fp32",
+    "Buckets": "*i32",
+}
 DATA = ("Q", "K", "V", "DO", "DQ", "DK", "DV", "Out")
 FLOATS = ("scale", "cap")
 
@@ -54,8 +60,9 @@ def band_kernels():
     from mhsa.core.kernels.triton import band
     from mhsa.core.kernels.triton.band_launch import CONFIGS
 
-    plain = dict(ALIBI=0, RELATIVE=0, SOFTCAP=False, PREC=None, UPCAST=False, BLOCK_D=128,
-                 EVEN_D=True)  # fmt: skip
+    plain = dict(
+        ALIBI=0, RELATIVE=0, SOFTCAP=False, PREC=None, UPCAST=False, BLOCK_D=128, EVEN_D=True
+    )
     scored = dict(plain, ALIBI=1, SOFTCAP=True)
     for label, base in (("plain", plain), ("alibi+softcap", scored)):
         for kernel, fn, extra in (

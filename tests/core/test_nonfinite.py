@@ -185,3 +185,17 @@ def _ring_worker(rank: int, world: int) -> float:
 def test_ring_attention_ignores_masked_nonfinite_keys():
     errors = run_local(_ring_worker, 2, timeout=120)
     assert max(errors) < 1e-5, errors
+
+
+def test_isolate_nonfinite_false_skips_the_check_and_nothing_else():
+    """Without the check a masked nan reaches the rows of its tile, as the backend's
+    own product makes it (0 * nan); with it (the default) it does not."""
+    q, k, v = (torch.randn(1, 2, 6, 8) for _ in range(3))
+    v[:, :, 5] = torch.nan  # the last key's value: masked from every row but the last
+    kept = mhsa.attention(q, k, v, causal=True, backend="reference")
+    raw = mhsa.attention(q, k, v, causal=True, backend="reference", isolate_nonfinite=False)
+    assert torch.isfinite(kept[:, :, :5]).all()
+    assert torch.isnan(raw[:, :, :5]).all()  # the reference's p @ v: 0 * nan
+    assert torch.equal(kept[:, :, 5].isnan(), raw[:, :, 5].isnan())
+    with pytest.raises(TypeError, match="isolate_nonfinite must be True or False"):
+        mhsa.attention(q, k, v, isolate_nonfinite=None)

@@ -28,25 +28,42 @@ from .timing import matmul_gflops
 # D=128 (causal 59.5% of the matmul, dense 64%), (128, 64, 4, 3) at D=64; its
 # neighbours here
 FORWARD = [
-    (128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 2), (128, 32, 8, 3), (128, 64, 8, 5),
-    (64, 64, 4, 3), (128, 64, 4, 3),
-]  # fmt: skip
-DQ = [(128, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (128, 64, 4, 3),
-      (64, 32, 4, 3)]  # fmt: skip
-DKV = [(32, 128, 4, 3), (32, 128, 8, 3), (64, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 3),
-       (64, 128, 4, 3)]  # fmt: skip
+    (128, 64, 8, 3),
+    (128, 64, 8, 4),
+    (128, 64, 8, 2),
+    (128, 32, 8, 3),
+    (128, 64, 8, 5),
+    (64, 64, 4, 3),
+    (128, 64, 4, 3),
+]
+DQ = [
+    (128, 32, 4, 3),
+    (128, 32, 8, 3),
+    (128, 64, 8, 2),
+    (64, 64, 4, 3),
+    (128, 64, 4, 3),
+    (64, 32, 4, 3),
+]
+DKV = [
+    (32, 128, 4, 3),
+    (32, 128, 8, 3),
+    (64, 128, 8, 2),
+    (64, 64, 4, 3),
+    (32, 64, 4, 3),
+    (64, 128, 4, 3),
+]
 CASES = {"dense": (None, False), "causal": (None, True), "window": (SlidingWindow(1024, 0), True)}
 
 
 class Rows:
-    """Rows appended to DIR/band.jsonl (flushed each) and printed."""
+    """Rows appended to DIR/name (flushed each) and printed."""
 
-    def __init__(self, out: Path | None) -> None:
+    def __init__(self, out: Path | None, name: str = "band.jsonl") -> None:
         self.file = None
         self.start = time.perf_counter()
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
-            self.file = open(out / "band.jsonl", "a")  # noqa: SIM115 (kept open for the run)
+            self.file = open(out / name, "a")  # noqa: SIM115 (kept open for the run)
 
     def add(self, **row) -> None:
         row["at_s"] = round(time.perf_counter() - self.start, 1)
@@ -78,20 +95,28 @@ def run_checks(rows: Rows, device, shapes=((64, (1000, 1000)), (128, (300, 1037)
                     try:
                         torch.manual_seed(0)
                         q = torch.randn(2, 8, q_len, dim, device=device, dtype=dtype)
-                        k, v = (torch.randn(2, 2, kv_len, dim, device=device, dtype=dtype)
-                                for _ in "kv")  # fmt: skip
+                        k, v = (
+                            torch.randn(2, 2, kv_len, dim, device=device, dtype=dtype) for _ in "kv"
+                        )
                         grad = torch.randn_like(q)
                         found = []
                         for backend, cast in (("reference", torch.float32), ("triton", dtype)):
                             inputs = [t.to(cast).requires_grad_() for t in (q, k, v)]
-                            out = attention(*inputs, mask, causal=causal, backend=backend,
-                                            score=score)  # fmt: skip
+                            out = attention(
+                                *inputs, mask, causal=causal, backend=backend, score=score
+                            )
                             grads = torch.autograd.grad(out, inputs, grad.to(cast))
                             found.append([t.detach().float() for t in (out, *grads)])
                         errors = [float((a - b).abs().max()) for a, b in zip(*found, strict=True)]
-                        rows.add(section="check", case=name, dtype=str(dtype), dim=dim,
-                                 lengths=[q_len, kv_len], score=repr(score)[:40],
-                                 max_errors=errors)  # fmt: skip
+                        rows.add(
+                            section="check",
+                            case=name,
+                            dtype=str(dtype),
+                            dim=dim,
+                            lengths=[q_len, kv_len],
+                            score=repr(score)[:40],
+                            max_errors=errors,
+                        )
                     except Exception as error:
                         rows.add(
                             section="check", case=name, dim=dim, skipped=measure.failure(error)
@@ -116,8 +141,9 @@ def _backward_call(q, k, v, mask, causal, configs):
     out, lse = band_forward(q, k, v, plan, scale, score, (None,) * 3)
     grad = torch.randn_like(out)
     delta = (grad.float() * out.float()).sum(-1)
-    return lambda: band_backward(q, k, v, grad, delta, lse, plan, scale, score, (None,) * 3,
-                                 configs)  # fmt: skip
+    return lambda: band_backward(
+        q, k, v, grad, delta, lse, plan, scale, score, (None,) * 3, configs
+    )
 
 
 def run_sweep_forward(rows: Rows, device, length: int, peak: float, repeat: int, dims) -> None:
@@ -131,8 +157,15 @@ def run_sweep_forward(rows: Rows, device, length: int, peak: float, repeat: int,
             for config, row in measure.time_group(fns, repeat, device, 0.02, ()).items():
                 flop = measure.flops(allowed, qkv[0].shape, backward=False)
                 share = flop / (row["ms"] * 1e-3) / peak if "ms" in row else None
-                rows.add(section="sweep_forward", case=name, dim=dim, length=length,
-                         config=config, of_matmul=share, **row)  # fmt: skip
+                rows.add(
+                    section="sweep_forward",
+                    case=name,
+                    dim=dim,
+                    length=length,
+                    config=config,
+                    of_matmul=share,
+                    **row,
+                )
         del qkv
         measure.release()
 
@@ -148,8 +181,15 @@ def run_sweep_backward(rows: Rows, device, length: int, peak: float, repeat: int
     fns.update({f"dkv {c}": _backward_call(*qkv, mask, causal, (None, c)) for c in DKV})
     for config, row in measure.time_group(fns, repeat, device, 0.02, ()).items():
         share = flop / (row["ms"] * 1e-3) / peak if "ms" in row else None
-        rows.add(section="sweep_backward", case="causal", dim=128, length=length,
-                 config=config, of_matmul=share, **row)  # fmt: skip
+        rows.add(
+            section="sweep_backward",
+            case="causal",
+            dim=128,
+            length=length,
+            config=config,
+            of_matmul=share,
+            **row,
+        )
 
 
 def run_peers(rows: Rows, device, lengths, peak: float, repeat: int, cases=CASES) -> None:
@@ -174,8 +214,15 @@ def run_peers(rows: Rows, device, lengths, peak: float, repeat: int, cases=CASES
                 flop = measure.flops(allowed, qkv[0].shape, backward)
                 for backend, row in timed.items():
                     share = flop / (row["ms"] * 1e-3) / peak if "ms" in row else None
-                    rows.add(section="peers", case=name, length=length, backward=backward,
-                             backend=backend, of_matmul=share, **row)  # fmt: skip
+                    rows.add(
+                        section="peers",
+                        case=name,
+                        length=length,
+                        backward=backward,
+                        backend=backend,
+                        of_matmul=share,
+                        **row,
+                    )
             del qkv, grad
             measure.release()
 
@@ -193,8 +240,12 @@ def main(argv: list[str] | None = None) -> None:
     repeat = 3 if args.quick else 7
     length = 4096 if args.quick else 8192
     peak = matmul_gflops(8192, repeat, device, torch.bfloat16) * 1e9
-    rows.add(section="header", gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-             matmul_tflops=peak / 1e12)  # fmt: skip
+    rows.add(
+        section="header",
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        matmul_tflops=peak / 1e12,
+    )
     parts = args.only.split(",")
     if "checks" in parts:
         run_checks(rows, device)

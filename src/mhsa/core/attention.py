@@ -62,6 +62,7 @@ def attention(
     sinks: Tensor | None = None,
     block_table: Tensor | None = None,
     seq_lens: Tensor | Sequence[int] | None = None,
+    isolate_nonfinite: bool = True,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Scaled dot-product attention: softmax(score(q k^T * scale) + bias) v.
 
@@ -99,12 +100,21 @@ def attention(
             checked mhsa.PagedStep through mhsa.paged_attention instead.
         seq_lens: with block_table, (N,) ints: the keys of each sequence, the new
             ones included, at most max_blocks * block_size.
+        isolate_nonfinite: keep a non-finite key or value that a row is masked from out
+            of that row (docs/attention.md), at the cost of one reduction and, on CUDA,
+            a device synchronisation per call. False skips the check, as sdpa, flex
+            and FlashAttention do (and as traced graphs always do): for callers whose
+            keys and values are known finite.
 
     Returns:
         out (B, H, L, D_v) in q's dtype; with return_lse, (out, lse) where lse is
         (B, H, L) float32 (float64 for float64 inputs). A query row with no allowed
         key gets output 0, lse -inf (the sink's logit, with sinks) and zero gradients.
     """
+    if not isinstance(isolate_nonfinite, bool):
+        raise TypeError(
+            f"isolate_nonfinite must be True or False, got {type(isolate_nonfinite).__name__}"
+        )
     if block_table is not None or seq_lens is not None:
         return attention_over_pages(
             q,
@@ -180,7 +190,8 @@ def attention(
         sinks=sinks,
     )
     out, lse = chosen.forward(q, k, v, **call)
-    out, lse = isolate_masked_nonfinite(chosen, q, k, v, out, lse, call)
+    if isolate_nonfinite:
+        out, lse = isolate_masked_nonfinite(chosen, q, k, v, out, lse, call)
     return (out, lse) if return_lse else out
 
 

@@ -112,7 +112,10 @@ def attention_forward(
         out, weights = attention_and_weights(query, key, value, mask, **call)
         weights = nn.functional.pad(weights, (0, kv_len - key.shape[2]))  # the unused keys
     else:
-        out, weights = attention(query, key, value, mask, **call), None
+        # as transformers' own kernels: no finiteness check, whose device sync per layer
+        # they do not pay (their keys are projections of finite hidden states)
+        out = attention(query, key, value, mask, isolate_nonfinite=False, **call)
+        weights = None
     return out.transpose(1, 2).contiguous(), weights
 
 

@@ -150,7 +150,15 @@ def test_tile_lists_serve_what_the_band_kernels_do_not():
         qq = call["q"]
         kk, vv = (t.to(qq.dtype) for t in (k, v))
         plan = _prepare(
-            qq, kk, vv, None, None, True, None, call.get("blocks"), call.get("score"),
+            qq,
+            kk,
+            vv,
+            None,
+            None,
+            True,
+            None,
+            call.get("blocks"),
+            call.get("score"),
             band=call["band"],
-        )[0]  # fmt: skip
+        )[0]
         assert not isinstance(plan, BandPlan)

@@ -117,9 +117,15 @@ def _options(kernel: str, q: Tensor, score: KernelScore, config) -> dict:
 
 
 def band_forward(
-    q: Tensor, k: Tensor, v: Tensor, plan: BandPlan, scale: float, score: KernelScore,
-    tensors: tuple, config: tuple | None = None,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    plan: BandPlan,
+    scale: float,
+    score: KernelScore,
+    tensors: tuple,
+    config: tuple | None = None,
+) -> tuple[Tensor, Tensor]:
     """(out (B, H, L, D) in q's dtype, lse (B, H, L) float32) of a band call; tensors
     (slopes, table, sinks), None where absent; config overrides the launch."""
     batch, num_heads, q_len, head_dim = q.shape
@@ -129,19 +135,44 @@ def band_forward(
     options = _options("forward", q, score, config)
     grid = (-(-q_len // options["BLOCK_M"]), batch * num_heads)
     _band_fwd[grid](
-        q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        num_heads, num_heads // num_kv_heads, q_len, kv_len, head_dim, scale, plan.shift,
-        plan.left, plan.right, *score.args(*tensors, like=q),
-        HAS_SINKS=tensors[2] is not None, **options,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        out,
+        lse,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *out.stride(),
+        num_heads,
+        num_heads // num_kv_heads,
+        q_len,
+        kv_len,
+        head_dim,
+        scale,
+        plan.shift,
+        plan.left,
+        plan.right,
+        *score.args(*tensors, like=q),
+        HAS_SINKS=tensors[2] is not None,
+        **options,
+    )
     return out, lse
 
 
 def band_backward(
-    q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, delta: Tensor, lse: Tensor,
-    plan: BandPlan, scale: float, score: KernelScore, tensors: tuple,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    grad_out: Tensor,
+    delta: Tensor,
+    lse: Tensor,
+    plan: BandPlan,
+    scale: float,
+    score: KernelScore,
+    tensors: tuple,
     configs: tuple | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) in the inputs' dtype of a band call, given dO (B, H, L, D), delta =
     rowsum(dO * O) - dlse (B, H, L) float32 and the forward's lse; configs (dq, dkv)
     overrides the launches."""
@@ -158,13 +189,36 @@ def band_backward(
     options = _options("dq", q, score, dq_config)
     grid = (-(-q_len // options["BLOCK_M"]), batch * num_heads)
     _band_bwd_dq[grid](
-        q, k, v, grad_out, lse, delta, dq, *strides, num_heads, num_heads // num_kv_heads,
-        *sizes, **options,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        grad_out,
+        lse,
+        delta,
+        dq,
+        *strides,
+        num_heads,
+        num_heads // num_kv_heads,
+        *sizes,
+        **options,
+    )
     options = _options("dkv", q, score, dkv_config)
     grid = (-(-kv_len // options["BLOCK_N"]), batch * num_kv_heads)
     _band_bwd_dkv[grid](
-        q, k, v, grad_out, lse, delta, dk, dv, *strides, num_heads, num_kv_heads,
-        num_heads // num_kv_heads, *sizes, EVEN_M=q_len % options["BLOCK_M"] == 0, **options,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        grad_out,
+        lse,
+        delta,
+        dk,
+        dv,
+        *strides,
+        num_heads,
+        num_kv_heads,
+        num_heads // num_kv_heads,
+        *sizes,
+        EVEN_M=q_len % options["BLOCK_M"] == 0,
+        **options,
+    )
     return dq, dk, dv
