@@ -18,10 +18,14 @@ import time
 os.environ.pop("TRITON_INTERPRET", None)  # the real compiler, not the interpreter
 
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 POINTERS = {
+    "Lens": "*i32",
+    "ScoreTable": "*fp32",
+    "Part": "*fp32",
     "Lse": "*fp32",
     "Delta": "*fp32",
     "Slopes": "*fp32",
@@ -33,9 +37,13 @@ DATA = ("Q", "K", "V", "DO", "DQ", "DK", "DV", "Out")
 FLOATS = ("scale", "cap")
 
 
-def compile_kernel(fn, constants: dict, arch: int, warps: int, stages: int, dtype="bf16"):
-    """Compile fn with its constexprs from constants (the rest: pointers by name,
-    floats by name, else int32) for sm_{arch}; returns the compiled kernel."""
+def compile_kernel(
+    fn, constants: dict, arch: int, warps: int, stages: int, dtype="bf16", pointers=None
+):
+    """Compile fn with its constexprs from constants (the rest: pointers by name, with
+    `pointers` overriding POINTERS, floats by name, else int32) for sm_{arch}; returns
+    the compiled kernel."""
+    pointers = {**POINTERS, **(pointers or {})}
     signature, constexprs = {}, {}
     for index, param in enumerate(fn.params):
         name = param.name
@@ -44,8 +52,8 @@ def compile_kernel(fn, constants: dict, arch: int, warps: int, stages: int, dtyp
             constexprs[(index,)] = constants[name]
         elif name in DATA:
             signature[name] = f"*{dtype}"
-        elif name in POINTERS:
-            signature[name] = POINTERS[name]
+        elif name in pointers:
+            signature[name] = pointers[name]
         else:
             signature[name] = "fp32" if name in FLOATS else "i32"
     options = {"num_warps": warps, "num_stages": stages}
@@ -72,7 +80,77 @@ def band_kernels():
         ):
             block_m, block_n, warps, stages = CONFIGS[kernel][(True, 128)]
             constants = dict(base, BLOCK_M=block_m, BLOCK_N=block_n, **extra)
-            yield f"band {kernel} ({label})", fn, constants, warps, stages
+            yield f"band {kernel} ({label})", fn, constants, warps, stages, None
+
+
+def tile_kernels():
+    """The tile-list kernels with a compact-tile mask (patterns), ALiBi and their
+    gradients, at the default launch of D=128."""
+    from mhsa.core.kernels.triton import attention
+    from mhsa.core.kernels.triton.function import _LAUNCH
+
+    block_m, block_n, warps, stages = _LAUNCH[(True, 128)]
+    base = dict(
+        HAS_BIAS=False,
+        MASK_MODE=2,
+        CAUSAL=True,
+        DROPOUT=False,
+        ALIBI=1,
+        RELATIVE=0,
+        SOFTCAP=False,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=128,
+        BLOCK_DV=128,
+        PREC=None,
+        UPCAST=False,
+        ACC=tl.float32,
+    )
+    tiles = {
+        "Mask": "*u8",
+        "Tiles": "*u8",
+        "row_ptr": "*i32",
+        "col_ptr": "*i32",
+        "blk_idx": "*i32",
+        "blk_kind": "*i32",
+        "blk_tile": "*i32",
+        "Bias": "*fp32",
+        "DBias": "*fp32",
+        "DSlope": "*fp32",
+        "DTable": "*fp32",
+        "DQ": "*fp32",
+        "DK": "*fp32",
+        "DV": "*fp32",
+    }
+    yield "tiles forward", attention._attn_fwd, dict(base, HAS_SINKS=True), warps, stages, tiles
+    grads = dict(base, BIAS_GRAD=False, SLOPE_GRAD=True, TABLE_GRAD=False, BLOCK_NB=16)
+    yield "tiles dq", attention._attn_bwd_dq, grads, warps, stages, tiles
+    yield "tiles dkv", attention._attn_bwd_dkv, base, warps, stages, tiles
+
+
+def paged_kernels():
+    """The paged decoding kernel (with a window and ALiBi, and without) and its merge."""
+    from mhsa.core.kernels.triton import paged
+
+    base = dict(
+        HAS_WINDOW=False,
+        ALIBI=0,
+        RELATIVE=0,
+        SOFTCAP=False,
+        BLOCK_M=16,
+        BLOCK_N=64,
+        BLOCK_D=128,
+        BLOCK_DV=128,
+        PREC=None,
+        UPCAST=False,
+        ACC=tl.float32,
+    )
+    table = {"Table": "*i32"}
+    yield "paged forward (plain)", paged._paged_fwd, base, 4, 2, table
+    scored = dict(base, HAS_WINDOW=True, ALIBI=1, SOFTCAP=True)
+    yield "paged forward (window, alibi, softcap)", paged._paged_fwd, scored, 4, 2, table
+    merge = dict(BLOCK_S=paged.MERGE_BLOCK, BLOCK_DV=128)
+    yield "paged merge", paged._merge_splits, merge, 4, 1, None
 
 
 def main() -> None:
@@ -80,9 +158,13 @@ def main() -> None:
     parser.add_argument("--arch", type=int, default=90)
     args = parser.parse_args()
     print(f"triton {triton.__version__}, sm_{args.arch}")
-    for name, fn, constants, warps, stages in band_kernels():
+    for name, fn, constants, warps, stages, pointers in (
+        *band_kernels(),
+        *tile_kernels(),
+        *paged_kernels(),
+    ):
         start = time.perf_counter()
-        kernel = compile_kernel(fn, constants, args.arch, warps, stages)
+        kernel = compile_kernel(fn, constants, args.arch, warps, stages, pointers=pointers)
         seconds = time.perf_counter() - start
         print(f"{name}: ok in {seconds:.1f} s, shared memory {kernel.metadata.shared} B")
 
