@@ -264,14 +264,23 @@ class StaticKVCache(KVCache):
     """
 
     def __init__(self, prefilled: KVCache) -> None:  # (no super().__init__: shares storage)
-        if type(prefilled) is not KVCache:
-            raise TypeError(
-                f"StaticKVCache continues a KVCache, got {type(prefilled).__name__}"
-                " (a sliding window keeps no fixed slots)"
-            )
+        problem = self.cannot_continue(prefilled)
+        if problem is not None:
+            raise TypeError(problem)
         self.k, self.v, self.start = prefilled.k, prefilled.v, prefilled.start
         self.length = prefilled.max_len
         self.filled = torch.tensor(prefilled.length, device=self.k.device)
+
+    @staticmethod
+    def cannot_continue(cache: object) -> str | None:
+        """Why a StaticKVCache cannot continue `cache`, or None: it continues a plain
+        KVCache, whose slots are fixed."""
+        if type(cache) is KVCache:
+            return None
+        return (
+            f"StaticKVCache continues a KVCache, got {type(cache).__name__}"
+            " (a sliding window keeps no fixed slots)"
+        )
 
     def next_positions(self, count: int) -> Tensor:
         if count != 1:

@@ -3,6 +3,8 @@
     model.generate(prompts, n)           left-pad prompts, prefill, decode n tokens
     greedy_search(decoder, caches, ...)  the most likely token at every step, to a stop
     compiled_decode_step(model, caches)  model.step compiled once per model
+                                         (mhsa.models.compiled_step); on CUDA, captured
+                                         in a graph (mhsa.models.graph_step)
 
 The model is a Decoder (mhsa.models.decoder): prefill(tokens, caches, start=...) and
 step(tokens, caches) give the last position's logits (B, V); make_caches(batch,
@@ -12,17 +14,16 @@ mhsa.models.sampling.sample_and_stop.
 
 from __future__ import annotations
 
-import time
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
-from ..cache import StaticKVCache
+from .compiled_step import compile_seconds, compiled_decode_step, compiled_once, static_caches
 from .decoder import Decoder
+from .graph_step import graph_lease
 from .sampling import GREEDY, Sampling, StopRule, check_sampling, sample, sample_and_stop
 
 if TYPE_CHECKING:
@@ -34,14 +35,11 @@ __all__ = [
     "check_token_ids",
     "compile_seconds",
     "compiled_decode_step",
+    "compiled_once",
     "greedy_search",
     "sample",
+    "static_caches",
 ]
-
-# per model: its compiled functions (by the function compiled), and how long the first
-# call took (compiling)
-_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_COMPILE_SECONDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @torch.no_grad()
@@ -75,54 +73,6 @@ def check_search(start: Tensor, max_new_tokens: int) -> None:
         raise ValueError(f"start must be (batch, prefix_len >= 1) tokens, got {tuple(start.shape)}")
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
-
-
-def compiled_decode_step(model: nn.Module, caches: list) -> Callable[[Tensor], Tensor]:
-    """token (B, 1) -> logits (B, V): model.step compiled once per model
-    (fullgraph; inductor's caches keep the compiled code on disk between runs), over
-    StaticKVCaches that continue `caches`."""
-    static = static_caches(caches)
-    return compiled_once(model, _decode_step, lambda token: (model, token, static))
-
-
-def static_caches(caches: list) -> list[StaticKVCache]:
-    """StaticKVCaches continuing KVCaches, their slot axis dynamic (one compiled graph
-    for every cache length; heads and widths stay fixed)."""
-    static = [StaticKVCache(cache) for cache in caches]
-    for cache in static:
-        torch._dynamo.mark_dynamic(cache.k, 2)
-        torch._dynamo.mark_dynamic(cache.v, 2)
-    return static
-
-
-def compiled_once(model: nn.Module, function: Callable, arguments: Callable) -> Callable:
-    """x -> function(*arguments(x)), through torch.compile(function) made once per model
-    (fullgraph); the first call's seconds (compiling included) go to compile_seconds."""
-    made = _COMPILED.setdefault(model, {})
-    first = function not in made
-    if first:
-        made[function] = torch.compile(function, fullgraph=True, dynamic=False)
-    compiled = made[function]
-
-    def call(x: Tensor) -> Tensor:
-        nonlocal first
-        started = time.perf_counter()
-        result = compiled(*arguments(x))
-        if first:
-            _COMPILE_SECONDS[model], first = time.perf_counter() - started, False
-        return result
-
-    return call
-
-
-def _decode_step(model: Decoder, token: Tensor, caches: list) -> Tensor:
-    return model.step(token, caches)
-
-
-def compile_seconds(model: nn.Module) -> float | None:
-    """Seconds the first compiled decoding step of model took (compiling included), or
-    None before generate(..., compile=True)."""
-    return _COMPILE_SECONDS.get(model)
 
 
 def _stop_tokens(eos_token: int | Sequence[int] | None, vocab_size: int) -> tuple[int, ...]:
@@ -178,6 +128,10 @@ class CausalLMDecoding:
     # where a chunked prefill's calls may start (a multiple of this) for the answer to
     # equal one whole-prompt call: anywhere, unless the attention says otherwise (MoBA)
     prefill_alignment: int = 1
+    # whether generate captures its decoding step in a CUDA graph by default on CUDA
+    # (mhsa.models.graph_step): a model whose compiled step over StaticKVCaches is
+    # known to give its eager tokens says so
+    graph_decoding: bool = False
 
     def loss(self, idx: Tensor, targets: Tensor, **inputs: Tensor | None) -> Tensor:
         """Mean next-token cross-entropy of the logits for idx (B, T) against targets
@@ -238,6 +192,31 @@ class CausalLMDecoding:
         """The stop tokens generate() uses when it is given none."""
         return None
 
+    def _decode(self, logits, tokens, start, caches, step, sampling, stop, generator) -> Tensor:
+        """generate's loop from the prompt's logits (B, V): each next token chosen, fed
+        to `step` (a compiled or captured one), else to model.step over caches, else
+        appended to tokens and recomputed -> the new tokens (B, N), ended rows
+        repeating the first stop token."""
+        new = []
+        done = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+        for count in range(stop.max_tokens):
+            choice = sample_and_stop(logits, sampling, stop, generated=count, generator=generator)
+            nxt = choice.tokens
+            if choice.stopped is not None:  # ended rows repeat the first stop token
+                nxt = torch.where(done, torch.full_like(nxt, stop.stop_tokens[0]), nxt)
+                done |= choice.stopped
+            new.append(nxt)
+            if choice.last or (choice.stopped is not None and bool(done.all())):
+                break
+            if step is not None:
+                logits = step(nxt.view(-1, 1))
+            elif caches is not None:
+                logits = self.step(nxt.view(-1, 1), caches)
+            else:
+                tokens = torch.cat([tokens, nxt.view(-1, 1)], dim=1)
+                logits = self.prefill(tokens, None, start=start)
+        return torch.stack(new, dim=1) if new else tokens[:, :0]
+
     @torch.no_grad()
     def generate(
         self,
@@ -251,6 +230,7 @@ class CausalLMDecoding:
         use_cache: bool = True,
         generator: torch.Generator | None = None,
         compile: bool = False,
+        cuda_graph: bool | None = None,
         speculate: Speculator | None = None,
         draft_tokens: int = 4,
     ) -> Tensor | list[Tensor]:
@@ -261,6 +241,12 @@ class CausalLMDecoding:
         The prompt plus the new tokens must fit the model's position_limit().
         compile: decode through one torch.compile'd step over StaticKVCaches (the prompt
         is prefilled eagerly); compile_seconds(model) then tells what compiling took.
+        cuda_graph: decode through that compiled step captured in a CUDA graph, one
+        replay per token, over caches of fixed slots kept for the model's next call of
+        the same shape (mhsa.models.graph_step). None (the default): where it applies
+        (the model on CUDA, one that declares graph_decoding, no sliding-window
+        caches), falling back to plain decoding with a warning if capturing fails;
+        True: raise where it cannot; False: never.
         speculate: a Speculator (mhsa.models.speculative: PromptLookup(), DraftModel(m))
         drafting up to draft_tokens tokens a step, verified in one forward pass (one
         prompt only): the same tokens as without it when greedy, the same distribution
@@ -278,6 +264,13 @@ class CausalLMDecoding:
         sampling = Sampling(temperature, top_k, top_p)
         if compile and not use_cache:
             raise ValueError("compile=True compiles the cached decoding step: keep use_cache=True")
+        if cuda_graph is not None and not isinstance(cuda_graph, bool):
+            raise TypeError(f"cuda_graph must be True, False or None, got {cuda_graph!r}")
+        if cuda_graph and (not use_cache or speculate is not None):
+            raise ValueError(
+                "cuda_graph=True captures the cached one-token step: keep use_cache=True "
+                "and speculate=None"
+            )
         stop = StopRule(_stop_tokens(eos_token, vocab_size), max_new_tokens)
         as_list = isinstance(idx, (list, tuple))
         prompts = list(idx) if as_list else list(idx.unbind(0))
@@ -297,28 +290,21 @@ class CausalLMDecoding:
                 f"prompt ({width}) + max_new_tokens ({max_new_tokens}) exceeds "
                 f"max_len {max_len} of this model's positions"
             )
-        caches = self.make_caches(len(prompts), width + max_new_tokens) if use_cache else None
-        logits = self.prefill(tokens, caches, start=start)
-        step = compiled_decode_step(self, caches) if compile else None
-        new = []
-        done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
-        for count in range(max_new_tokens):
-            choice = sample_and_stop(logits, sampling, stop, generated=count, generator=generator)
-            nxt = choice.tokens
-            if choice.stopped is not None:  # ended rows repeat the first stop token
-                nxt = torch.where(done, torch.full_like(nxt, stop.stop_tokens[0]), nxt)
-                done |= choice.stopped
-            new.append(nxt)
-            if choice.last or (choice.stopped is not None and bool(done.all())):
-                break
-            if step is not None:
-                logits = step(nxt.view(-1, 1))
-            elif caches is not None:
-                logits = self.step(nxt.view(-1, 1), caches)
-            else:
-                tokens = torch.cat([tokens, nxt.view(-1, 1)], dim=1)
-                logits = self.prefill(tokens, None, start=start)
-        generated = torch.stack(new, dim=1) if new else tokens[:, :0]
+        lease = None
+        if use_cache and (max_new_tokens > 1 or cuda_graph):
+            lease = graph_lease(self, len(prompts), width + max_new_tokens, cuda_graph)
+        try:
+            caches = lease.caches if lease is not None else None
+            if caches is None and use_cache:
+                caches = self.make_caches(len(prompts), width + max_new_tokens)
+            logits = self.prefill(tokens, caches, start=start)
+            step = None if lease is None else lease.begin(strict=cuda_graph is True)
+            if step is None and compile:
+                step = compiled_decode_step(self, caches)
+            generated = self._decode(logits, tokens, start, caches, step, sampling, stop, generator)
+        finally:
+            if lease is not None:
+                lease.release()
         if not as_list:  # equal-length prompts: one tensor, the stop token repeated after the end
             return torch.cat([idx.to(device), generated], dim=1)
         return [

@@ -112,6 +112,14 @@ class GPT(nn.Module, CausalLMDecoding):
         config = self.config
         return config.moba_block if config.attention == "moba" else 1
 
+    @property
+    def graph_decoding(self) -> bool:
+        """generate captures its step in a CUDA graph by default (mhsa.models.graph_step)
+        for standard attention at learned, sinusoidal or rotary positions (a relative
+        bias would see the static cache's slots, not the positions)."""
+        config = self.config
+        return config.attention == "standard" and config.position not in SCORE_POSITIONS
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config

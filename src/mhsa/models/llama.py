@@ -227,6 +227,13 @@ class Llama(DecoderLM):
             inputs.append((mask, rotary))
         return inputs
 
+    @property
+    def graph_decoding(self) -> bool:
+        """generate captures its step in a CUDA graph by default (mhsa.models.graph_step)
+        for the Llama family's own layers; a family with other layers (Gemma 3) opts in
+        itself."""
+        return self.block_class is LlamaBlock
+
     def fuse_projections(self) -> Llama:
         """For inference: each layer's q, k, v and its gate, up projections in one
         matmul each (see MultiHeadAttention.fuse_projections); returns self."""

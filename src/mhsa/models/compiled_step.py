@@ -1,0 +1,75 @@
+"""The decoding step compiled once per model (generate(..., compile=True), chat, Whisper).
+
+    compiled_decode_step(model, caches)   token (B, 1) -> logits (B, V), compiled
+    compiled_once(model, function, args)  torch.compile(function) made once per model
+    static_caches(caches)                 StaticKVCaches continuing prefilled KVCaches
+    compile_seconds(model)                what the first compiled call took
+
+mhsa.models.graph_step captures this step in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from ..cache import StaticKVCache
+from .decoder import Decoder
+
+# per model: its compiled functions (by the function compiled), and how long the first
+# call took (compiling)
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_COMPILE_SECONDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def compiled_decode_step(model: nn.Module, caches: list) -> Callable[[Tensor], Tensor]:
+    """token (B, 1) -> logits (B, V): model.step compiled once per model
+    (fullgraph; inductor's caches keep the compiled code on disk between runs), over
+    StaticKVCaches that continue `caches`."""
+    static = static_caches(caches)
+    return compiled_once(model, decode_step, lambda token: (model, token, static))
+
+
+def static_caches(caches: list) -> list[StaticKVCache]:
+    """StaticKVCaches continuing KVCaches, their slot axis dynamic (one compiled graph
+    for every cache length; heads and widths stay fixed)."""
+    static = [StaticKVCache(cache) for cache in caches]
+    for cache in static:
+        torch._dynamo.mark_dynamic(cache.k, 2)
+        torch._dynamo.mark_dynamic(cache.v, 2)
+    return static
+
+
+def compiled_once(model: nn.Module, function: Callable, arguments: Callable) -> Callable:
+    """x -> function(*arguments(x)), through torch.compile(function) made once per model
+    (fullgraph); the first call's seconds (compiling included) go to compile_seconds."""
+    made = _COMPILED.setdefault(model, {})
+    first = function not in made
+    if first:
+        made[function] = torch.compile(function, fullgraph=True, dynamic=False)
+    compiled = made[function]
+
+    def call(x: Tensor) -> Tensor:
+        nonlocal first
+        started = time.perf_counter()
+        result = compiled(*arguments(x))
+        if first:
+            _COMPILE_SECONDS[model], first = time.perf_counter() - started, False
+        return result
+
+    return call
+
+
+def decode_step(model: Decoder, token: Tensor, caches: list) -> Tensor:
+    """model.step(token, caches): the function compiled (one per model, whoever calls)."""
+    return model.step(token, caches)
+
+
+def compile_seconds(model: nn.Module) -> float | None:
+    """Seconds the first compiled decoding step of model took (compiling included), or
+    None before generate(..., compile=True)."""
+    return _COMPILE_SECONDS.get(model)
