@@ -181,6 +181,24 @@ def test_queries_without_keys_get_zero_and_float32_is_close():
         assert out.dtype == torch.float32 and max_error(out, want) < 1e-5
 
 
+@pytest.mark.parametrize("lengths", [[5, 7, 0, 33], [0, 0], [0, 9]])
+def test_empty_sequences_in_a_batch_get_zero_and_the_others_their_answer(lengths):
+    """(Before: the fused kernel sized its output from the first tile's sequences, so a
+    batch holding an empty one came out (N, H, T, 12) instead of (N, H, T, 16).)"""
+    q, k_pool, v_pool, table, keys, values = _paged(
+        [max(n, 1) for n in lengths], 4, num_heads=3, num_kv_heads=1, head_dim=16, value_dim=16
+    )
+    for backend in ("reference", "flash"):
+        out = paged(q, k_pool, v_pool, table, lengths, backend=backend)
+        assert out.shape == (len(lengths), 3, 1, 16)
+        for n, length in enumerate(lengths):
+            if length == 0:
+                assert torch.equal(out[n], torch.zeros_like(out[n])), backend
+            else:
+                want = _golden(q[n : n + 1], keys[n : n + 1], values[n : n + 1], [length])
+                assert max_error(out[n : n + 1], want) < 1e-12, backend
+
+
 def test_reference_backend_is_differentiable():
     lengths = [6, 3]
     q, k_pool, v_pool, table, _, _ = _paged(lengths, 4, q_len=2, head_dim=3, value_dim=2)

@@ -354,17 +354,17 @@ def _fused(call: PagedCall, layout) -> Tensor:
     for (start, stop), tiles in layout:
         rows = stop - start
         grouped = q[:, :, start:stop].reshape(batch, num_kv_heads, group * rows, head_dim)
-        out = lse = None
+        # sequences with no key in any tile (empty ones) keep output 0 and lse -inf
+        shape = (batch, num_kv_heads, group * rows)
+        out = q.new_zeros(*shape, call.v_pool.shape[3], dtype=stats_dtype(q.dtype))
+        lse = torch.full(shape, -torch.inf, dtype=out.dtype, device=q.device)
         for fused in tiles:
             active = fused.tile.active
             keys, values = _gathered(call, fused.tile)
             out_t, lse_t = fused_row_blocks(grouped[:active], keys, values, fused.masks, call.scale)
             if fused.keyless is not None:  # the kernel reports lse 0 for rows with no key
                 lse_t = lse_t.masked_fill(fused.keyless, -torch.inf)
-            if out is None:
-                out, lse = out_t.to(lse_t.dtype), lse_t
-                continue
-            parts = [(out[:active], lse[:active]), (out_t, lse_t)]
+            parts = [(out[:active], lse[:active]), (out_t.to(out.dtype), lse_t.to(out.dtype))]
             out[:active], lse[:active] = merge_partials(parts)
         out = out.reshape(batch, num_kv_heads, group, rows, -1)
         outs.append(out.reshape(batch, num_heads, rows, -1).to(q.dtype))
