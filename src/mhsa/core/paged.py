@@ -14,15 +14,13 @@ call (attention_over_pages).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from . import validate
-from .backends import AttentionSpec, Backend, get, select
-from .backends.common import tracing
+from .backends import AttentionSpec, Backend, select
 from .backends.registry import forced
 from .kernels.dense import stats_dtype
 from .kernels.paged import PagedCall
@@ -110,57 +108,13 @@ def _planned(step: PagedStep, q, k_pool, v_pool, window, scale, backend, score) 
         paged=True,
         needs_grad=needs_grad,
     )
-    chosen = _select_paged(spec, backend)  # a backend that cannot serve the call raises
+    chosen = select(spec, backend)  # a backend that cannot serve the call raises here
     scale = validate.resolved_scale(q, scale)
     prepared = None
     if batch and q_len:
         call = PagedCall(q, k_pool, v_pool, step.block_table, step.seq_lens, scale, score, window)
         prepared = chosen.prepare_paged(call)
     return _Plan(chosen, window, scale, prepared)
-
-
-class TritonPaged(Backend):
-    """The triton backend's paged calls: the Triton paged kernel
-    (mhsa.core.kernels.triton.paged; inference only). The registry's triton backend
-    serves no pages itself: `auto` on CUDA and backend="triton" come here
-    (_select_paged), where the kernel serves the call."""
-
-    name = "triton"
-
-    def supports(self, spec: AttentionSpec) -> str | None:
-        triton = get("triton")  # its device, dtype, head dims and score functions
-        reason = triton.available() or triton.supports(dataclasses.replace(spec, paged=False))
-        if reason is None and spec.needs_grad:
-            reason = (
-                "paged keys with gradients: its paged kernel is for inference; reference "
-                "is differentiable, or run under torch.no_grad()"
-            )
-        return reason
-
-    def prepare_paged(self, call: PagedCall) -> object:
-        from .kernels.triton.paged import prepare_paged_launch  # imports triton
-
-        return prepare_paged_launch(call)
-
-    def forward_paged(self, call: PagedCall, prepared: object | None = None) -> Tensor:
-        from .kernels.triton.paged import triton_paged_attention  # imports triton
-
-        return triton_paged_attention(call, prepared)
-
-
-def _select_paged(spec: AttentionSpec, requested: str) -> Backend:
-    """select() for a paged call, but `auto` on CUDA and "triton" (asked or forced) get
-    the Triton paged kernel (TritonPaged) where it serves the call; "triton" raises
-    where it does not. While torch.compile traces, select() alone."""
-    name = requested if forced() in (None, "auto") else forced()
-    if not tracing() and (name == "triton" or (name == "auto" and spec.device.type == "cuda")):
-        kernel = TritonPaged()
-        reason = kernel.supports(spec)
-        if reason is None:
-            return kernel
-        if name == "triton":
-            raise ValueError(f"backend 'triton' cannot serve this call: {reason}")
-    return select(spec, requested)
 
 
 def paged_attention(

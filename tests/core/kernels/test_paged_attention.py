@@ -270,9 +270,11 @@ def test_each_backend_says_whether_it_serves_paged_keys():
     assert get("reference").supports(spec) is None and get("reference").supports(grads) is None
     assert get("flash").supports(spec) is None
     assert "inference" in get("flash").supports(grads)
+    # triton: its paged kernel (interpreted here), for inference
+    assert "inference" in get("triton").supports(grads)
     for name in names():
         backend = get(name)
-        if name not in ("reference", "flash"):  # why not, each in its own words
+        if name not in ("reference", "flash", "triton"):  # why not, each in its own words
             assert backend.available() or backend.supports(spec)
     assert "paged" in get("sdpa").supports(spec)
     assert get("sdpa").supports(AttentionSpec.example()) is None  # (unpaged: unchanged)
@@ -412,7 +414,7 @@ def test_the_registry_refuses_paged_keys_for_backends_without_forward_paged():
     spec = AttentionSpec.example(paged=True, causal=True)
     for name in names():
         backend = get(name)
-        assert serves_paged(backend) == (name in ("reference", "flash"))
+        assert serves_paged(backend) == (name in ("reference", "flash", "triton"))
         if not serves_paged(backend):
             assert reason_unusable(backend, spec) == PAGED_REASON
 

@@ -73,7 +73,7 @@ class AttentionSpec:
 
 
 # what a backend without forward_paged answers in supports for a paged call
-PAGED_REASON = "no paged keys (block_table=); flash and reference read pages"
+PAGED_REASON = "no paged keys (block_table=); flash, reference and triton read pages"
 
 
 class Backend:

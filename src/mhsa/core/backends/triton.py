@@ -1,6 +1,8 @@
-"""The triton backend: our own Triton kernels (mhsa.core.kernels.triton) over the flash
-engine's block plan: empty tiles skipped, full tiles unmasked, patterns, bool masks,
-differentiable bias, counter-based dropout with any mask, GQA, D and D_v up to 256,
+"""The triton backend: our own Triton kernels (mhsa.core.kernels.triton): band kernels
+for dense, causal and sliding windows, a paged kernel for keys in pages (inference),
+and tile-list kernels over the flash engine's block plan for the rest: empty tiles
+skipped, full tiles unmasked, patterns, bool masks, differentiable bias,
+counter-based dropout with any mask, GQA, D and D_v up to 256,
 score functions ALiBi, RelativeBias and Softcap (composed, each at most once) and
 sinks, evaluated inside the kernels, their tensors differentiable.
 
@@ -20,7 +22,7 @@ import torch
 from ..kernels.dropout import draw_seed
 from .common import tracing
 from .preference import triton_band_leads, triton_leads
-from .registry import PAGED_REASON, AttentionSpec, Backend
+from .registry import AttentionSpec, Backend
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
@@ -73,8 +75,6 @@ class TritonBackend(Backend):
             return "CPU tensors need TRITON_INTERPRET=1 (the slow interpreter); use flash on CPU"
         if spec.device.type not in ("cuda", "cpu"):
             return f"it runs on CUDA devices, got {spec.device.type}"
-        if spec.paged:
-            return PAGED_REASON
         if spec.has_score:
             reason = score_reason(spec.score_kinds)
             if reason is not None:
@@ -83,12 +83,21 @@ class TritonBackend(Backend):
             return f"it takes float32, float16 or bfloat16, got {spec.dtype}"
         if max(spec.head_dim, spec.value_dim) > MAX_HEAD_DIM:
             return f"head dims up to {MAX_HEAD_DIM}, got D={spec.head_dim}, D_v={spec.value_dim}"
+        if spec.paged and spec.needs_grad:
+            return (
+                "paged keys with gradients: its paged kernel is for inference; reference "
+                "is differentiable, or run under torch.no_grad()"
+            )
+        if spec.paged and tracing():
+            return "paged keys under torch.compile: the paged kernel is no custom op yet"
         return None
 
     def preference(self, spec: AttentionSpec) -> float:
         # On CPU the interpreter is for tests only: usable when named, never chosen.
         if spec.device.type != "cuda":
             return -100.0
+        if spec.paged:  # the GPU kernel, ahead of the CPU-shaped flash tile engine
+            return 4.0
         # Where the fused kernels of sdpa/flex have no exact path: dropout together with
         # a mask or causal, or a bias (whose gradient is atomic-free here). The spec does
         # not say whether bias needs a gradient, so any bias counts.
@@ -97,6 +106,17 @@ class TritonBackend(Backend):
         if triton_leads(spec) or triton_band_leads(spec):  # measured (preference.py)
             return 2.9  # above flex's 2.5 for patterns, below sdpa's 3.0 for tiny calls
         return 0.8  # below sdpa (1.0 / 3.0), above the plain-torch flash engine (0.5)
+
+    def prepare_paged(self, call):
+        """The paged kernel's launch (lengths on the device, grid) for a decoding step."""
+        from ..kernels.triton.paged import prepare_paged_launch  # imports triton
+
+        return prepare_paged_launch(call)
+
+    def forward_paged(self, call, prepared=None):
+        from ..kernels.triton.paged import triton_paged_attention  # imports triton
+
+        return triton_paged_attention(call, prepared)
 
     def forward(
         self, q, k, v, *, mask, bias, causal, scale, dropout_p, return_lse, score=None, sinks=None
