@@ -81,46 +81,44 @@ def _inputs(shape, kv_heads, dtype, device, grad=False):
     return [t.requires_grad_(grad) for t in (q, k, v)]
 
 
-def run_checks(rows: Rows, device, shapes=((64, (1000, 1000)), (128, (300, 1037)))) -> None:
+CHECK_SHAPES = ((torch.bfloat16, 128, (300, 1037)), (torch.float32, 64, (1000, 1000)))
+
+
+def run_checks(rows: Rows, device, shapes=CHECK_SHAPES) -> None:
     """Max errors of out, dq, dk, dv of backend='triton' (the band kernels) against the
-    float32 reference, at awkward shapes: L != S, GQA, D=64 and 128."""
+    float32 reference, at awkward shapes (dtype, D, (L, S)): L != S, GQA, D=64 and 128."""
     from mhsa.nn.positional import alibi_slopes
     from mhsa.scores import ALiBi, Softcap
 
     for name, (mask, causal) in {**CASES, "longformer": (SlidingWindow(100, 100), False)}.items():
-        for dtype in (torch.bfloat16, torch.float32):
-            for dim, (q_len, kv_len) in shapes:
-                scores = (None, ALiBi(alibi_slopes(8).to(device)), Softcap(30.0))
-                for score in scores if name == "causal" else (None,):
-                    try:
-                        torch.manual_seed(0)
-                        q = torch.randn(2, 8, q_len, dim, device=device, dtype=dtype)
-                        k, v = (
-                            torch.randn(2, 2, kv_len, dim, device=device, dtype=dtype) for _ in "kv"
-                        )
-                        grad = torch.randn_like(q)
-                        found = []
-                        for backend, cast in (("reference", torch.float32), ("triton", dtype)):
-                            inputs = [t.to(cast).requires_grad_() for t in (q, k, v)]
-                            out = attention(
-                                *inputs, mask, causal=causal, backend=backend, score=score
-                            )
-                            grads = torch.autograd.grad(out, inputs, grad.to(cast))
-                            found.append([t.detach().float() for t in (out, *grads)])
-                        errors = [float((a - b).abs().max()) for a, b in zip(*found, strict=True)]
-                        rows.add(
-                            section="check",
-                            case=name,
-                            dtype=str(dtype),
-                            dim=dim,
-                            lengths=[q_len, kv_len],
-                            score=repr(score)[:40],
-                            max_errors=errors,
-                        )
-                    except Exception as error:
-                        rows.add(
-                            section="check", case=name, dim=dim, skipped=measure.failure(error)
-                        )
+        for dtype, dim, (q_len, kv_len) in shapes:
+            scores = (None, ALiBi(alibi_slopes(8).to(device)), Softcap(30.0))
+            for score in scores if name == "causal" else (None,):
+                try:
+                    torch.manual_seed(0)
+                    q = torch.randn(2, 8, q_len, dim, device=device, dtype=dtype)
+                    k, v = (
+                        torch.randn(2, 2, kv_len, dim, device=device, dtype=dtype) for _ in "kv"
+                    )
+                    grad = torch.randn_like(q)
+                    found = []
+                    for backend, cast in (("reference", torch.float32), ("triton", dtype)):
+                        inputs = [t.to(cast).requires_grad_() for t in (q, k, v)]
+                        out = attention(*inputs, mask, causal=causal, backend=backend, score=score)
+                        grads = torch.autograd.grad(out, inputs, grad.to(cast))
+                        found.append([t.detach().float() for t in (out, *grads)])
+                    errors = [float((a - b).abs().max()) for a, b in zip(*found, strict=True)]
+                    rows.add(
+                        section="check",
+                        case=name,
+                        dtype=str(dtype),
+                        dim=dim,
+                        lengths=[q_len, kv_len],
+                        score=repr(score)[:40],
+                        max_errors=errors,
+                    )
+                except Exception as error:
+                    rows.add(section="check", case=name, dim=dim, skipped=measure.failure(error))
 
 
 def _band_call(q, k, v, mask, causal, config=None):
