@@ -83,7 +83,10 @@ def test_generate_captures_by_default_and_gives_plain_decodings_tokens(kind):
     for lengths in ((113,), (120,), (7, 1, 30)):  # the second reuses the first's capture
         prompts = _prompts(lengths)
         with warnings.catch_warnings():
-            warnings.simplefilter("error")  # no fallback to uncaptured decoding
+            # no fallback to uncaptured decoding (other warnings, such as inductor's TF32
+            # advice on float32 models, are not this test's business: on the H200 an
+            # "error" filter for all of them made the compile itself fail)
+            warnings.filterwarnings("error", message="generate decodes uncaptured")
             got = model.generate(prompts, 20, temperature=0.0, eos_token=[])
         want = model.generate(prompts, 20, temperature=0.0, eos_token=[], cuda_graph=False)
         _greedy_agrees(model, got, want, prompts)

@@ -168,6 +168,11 @@ def attention(
         score_kinds=kinds(score),
         mask_kinds=part_kinds(mask),
         has_sinks=sinks is not None,
+        needs_grad=torch.is_grad_enabled()
+        and any(
+            isinstance(t, Tensor) and t.requires_grad
+            for t in (q, k, v, bias, sinks, *(score.tensors() if score is not None else ()))
+        ),
     )
     # one query aligned bottom-right sees every key (a decoding step): nothing to mask,
     # and backends take their unmasked fast paths; but a sharded (ring) backend's

@@ -47,9 +47,15 @@ def cuda_seen(monkeypatch):
             "triton",
         ),
         # ... and dense or causal calls with a score function or sinks, which sdpa cannot
-        # fuse; not where the band kernels do not serve the call
+        # serve, where no gradient is needed (flex led forward+backward); not where the
+        # band kernels do not serve the call
         ({"causal": True, "has_score": True, "score_kinds": ("Softcap",)}, "triton"),
         ({"has_sinks": True}, "triton"),
+        (
+            {"causal": True, "has_score": True, "score_kinds": ("ALiBi",), "needs_grad": True},
+            "flex",
+        ),
+        ({"has_mask": True, "needs_grad": True, "mask_kinds": ("SlidingWindow",)}, "triton"),
         # (a bias or dropout with a mask: the tile kernels, the only exact fused path)
         ({"has_mask": True, "has_bias": True, "mask_kinds": ("SlidingWindow",)}, "triton"),
         ({"has_mask": True, "dropout_p": 0.1, "mask_kinds": ("SlidingWindow",)}, "triton"),

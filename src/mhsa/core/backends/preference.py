@@ -12,9 +12,15 @@ measured it.
 From `python -m mhsa.benchmarks.gpu_band` on the H200, 2026-12-04 (same torch and
 triton; bf16, B=4, H=16, D=128): the band kernels (mhsa.core.kernels.triton.band)
 took 0.55x flex's time forward on SlidingWindow(1024, 0) at L=8192 (1.19 ms against
-2.15) and 0.54x at L=16384 (2.14 against 3.97). So triton leads for sliding windows,
-and for the band calls that sdpa cannot fuse: dense or causal with a score function
-the kernels evaluate or with sinks, which flex served at 3.5x plain causal's time.
+2.15) and 0.54x at L=16384 (2.14 against 3.97). So triton leads for sliding windows.
+
+From `python -m mhsa.benchmarks.gpu --quick` on the H200 later that day
+(docs/gpu-runs/2026-12-04-gpu.json): SlidingWindow(1024, 0) at L=8192 took triton 0.56x
+flex's time forward and 0.89x forward+backward; causal at L=4096 with ALiBi took it 0.95x
+flex's forward (1.15 ms against 1.21) and with Softcap(30) 0.96x (1.85 against 1.92),
+but 1.15x and 1.03x forward+backward. So for dense or causal calls with a score
+function (or sinks, unmeasured, alike), which sdpa cannot serve, triton leads where no
+gradient is needed and flex keeps the rest.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ def triton_leads(spec: AttentionSpec) -> bool:
 
 def triton_band_leads(spec: AttentionSpec) -> bool:
     """Whether the measured table puts triton's band kernels ahead for this call: a
-    sliding window, or dense/causal with a score function or sinks."""
+    sliding window, or dense/causal with a score function or sinks and no gradient."""
     band_call = (
         spec.device.type == "cuda"
         and not spec.has_bias
@@ -51,4 +57,4 @@ def triton_band_leads(spec: AttentionSpec) -> bool:
         return False
     if spec.has_mask:
         return spec.mask_kinds == ("SlidingWindow",)
-    return spec.has_score or spec.has_sinks
+    return (spec.has_score or spec.has_sinks) and not spec.needs_grad

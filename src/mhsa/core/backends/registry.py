@@ -47,7 +47,7 @@ class AttentionSpec:
     mask_kinds: tuple[str, ...] = ()  # the pattern's parts' class names (masks.part_kinds)
     has_sinks: bool = False
     paged: bool = False  # keys and values in a pool of blocks, read through a block table
-    needs_grad: bool = False  # (set for paged calls) gradients flow to q, the pools or score
+    needs_grad: bool = False  # gradients flow to an input (q, k or v, the pools, bias, score)
 
     @classmethod
     def example(cls, **changes) -> AttentionSpec:

@@ -24,8 +24,14 @@ from .options import block_dim, dot_options
 from .scores import KernelScore
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) of each kernel, by (16-bit inputs, head dim
-# up to). Hopper (sm_90) figures from `python -m mhsa.benchmarks.gpu_band` (see that
-# module for the run that chose them).
+# up to). The 16-bit D <= 128 rows were chosen on an H200 by
+# `python -m mhsa.benchmarks.gpu_band` (2026-12-04, B=4, H=16, L=8192, bf16; the rows
+# are docs/gpu-runs/2026-12-04-band.jsonl and, for the first run, -band-sweep1.jsonl):
+# forward (128, 64, 8, 3) at 2.47 ms causal (the best of 14 configs), dq (128, 64, 8, 2)
+# and dkv (32, 64, 4, 3), each the best of 6 with the other kernel at its old default;
+# forward at D=64 (128, 64, 4, 3), the best of 10 in the first run. dkv at D=64 follows
+# D=128 (its 32 x 128 tiles on 4 warps took twice the time there); the rest are
+# unmeasured.
 CONFIGS = {
     "forward": {
         (True, 64): (128, 64, 4, 3),
@@ -37,15 +43,15 @@ CONFIGS = {
     },
     "dq": {
         (True, 64): (128, 32, 4, 3),
-        (True, 128): (128, 32, 8, 3),
+        (True, 128): (128, 64, 8, 2),
         (True, 256): (64, 32, 8, 1),
         (False, 64): (64, 32, 4, 2),
         (False, 128): (64, 32, 4, 2),
         (False, 256): (32, 32, 8, 1),
     },
     "dkv": {
-        (True, 64): (32, 128, 4, 3),
-        (True, 128): (32, 128, 8, 3),
+        (True, 64): (32, 64, 4, 3),
+        (True, 128): (32, 64, 4, 3),
         (True, 256): (32, 64, 8, 1),
         (False, 64): (32, 64, 4, 2),
         (False, 128): (32, 64, 4, 2),
