@@ -94,6 +94,30 @@ def _scores2(qk, offset, scale, slope, table, stn, Buckets, span, cap,
 
 
 @triton.jit
+def _key_block(q, rows, block, k_base, v_base, sks, skd, svs, svd, head_dim, kv_len, scale,
+               shift, left, right, slope, table, stn, Buckets, span, cap,
+               MASKED: tl.constexpr, ALIBI: tl.constexpr, RELATIVE: tl.constexpr,
+               SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+               EVEN_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Key block `block` of the query rows of q (the forward and dQ kernels): its keys
+    (BLOCK_N, BLOCK_D), values, base-2 scores (BLOCK_M, BLOCK_N), the softcap's tanh,
+    and where the band allows (with MASKED; else True). Each caller applies the mask
+    where it fuses best: the forward to the scores, dQ to the probabilities."""
+    cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    k = _tile(k_base, cols, kv_len, sks, dims, head_dim, skd, MASKED or not EVEN_D)
+    v = _tile(v_base, cols, kv_len, svs, dims, head_dim, svd, MASKED or not EVEN_D)
+    qk = _dot(q, tl.trans(k), PREC, UPCAST, tl.float32)
+    offset = key_offsets(rows, cols, shift)
+    s, t = _scores2(qk, offset, scale, slope, table, stn, Buckets, span, cap,
+                    ALIBI, RELATIVE, SOFTCAP)
+    allowed = True
+    if MASKED:
+        allowed = _allowed(offset, cols[None, :] < kv_len, left, right)
+    return k, v, s, t, allowed
+
+
+@triton.jit
 def _fwd_blocks(acc, l_i, m_i, q, rows, k_base, v_base, sks, skd, svs, svd, lo, hi,
                 head_dim, q_len, kv_len, scale, shift, left, right, slope, table, stn,
                 Buckets, span, cap,
@@ -101,22 +125,16 @@ def _fwd_blocks(acc, l_i, m_i, q, rows, k_base, v_base, sks, skd, svs, svd, lo, 
                 SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 EVEN_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     """The online softmax over key blocks lo..hi-1; MASKED applies the band."""
-    dims = tl.arange(0, BLOCK_D)
     for block in range(lo, hi):
-        cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
-        k = _tile(k_base, cols, kv_len, sks, dims, head_dim, skd, MASKED or not EVEN_D)
-        v = _tile(v_base, cols, kv_len, svs, dims, head_dim, svd, MASKED or not EVEN_D)
-        qk = _dot(q, tl.trans(k), PREC, UPCAST, tl.float32)
-        offset = key_offsets(rows, cols, shift)
-        s, _ = _scores2(qk, offset, scale, slope, table, stn, Buckets, span, cap,
-                        ALIBI, RELATIVE, SOFTCAP)
+        k, v, s, _, allowed = _key_block(q, rows, block, k_base, v_base, sks, skd, svs, svd,
+                                         head_dim, kv_len, scale, shift, left, right, slope,
+                                         table, stn, Buckets, span, cap, MASKED, ALIBI, RELATIVE,
+                                         SOFTCAP, BLOCK_N, BLOCK_D, EVEN_D, PREC, UPCAST)
         if MASKED:
-            allowed = _allowed(offset, cols[None, :] < kv_len, left, right)
             s = tl.where(allowed, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASKED:
             m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -188,18 +206,14 @@ def _dq_blocks(dq, q, do, lse2, delta, rows, k_base, v_base, sks, skd, svs, svd,
                SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                EVEN_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     """dq (unscaled) summed over key blocks lo..hi-1; MASKED applies the band."""
-    dims = tl.arange(0, BLOCK_D)
     for block in range(lo, hi):
-        cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
-        k = _tile(k_base, cols, kv_len, sks, dims, head_dim, skd, MASKED or not EVEN_D)
-        v = _tile(v_base, cols, kv_len, svs, dims, head_dim, svd, MASKED or not EVEN_D)
-        qk = _dot(q, tl.trans(k), PREC, UPCAST, tl.float32)
-        offset = key_offsets(rows, cols, shift)
-        s, t = _scores2(qk, offset, scale, slope, table, stn, Buckets, span, cap,
-                        ALIBI, RELATIVE, SOFTCAP)
+        k, v, s, t, allowed = _key_block(q, rows, block, k_base, v_base, sks, skd, svs, svd,
+                                         head_dim, kv_len, scale, shift, left, right, slope,
+                                         table, stn, Buckets, span, cap, MASKED, ALIBI, RELATIVE,
+                                         SOFTCAP, BLOCK_N, BLOCK_D, EVEN_D, PREC, UPCAST)
         p = tl.exp2(s - lse2[:, None])
         if MASKED:
-            p = tl.where(_allowed(offset, cols[None, :] < kv_len, left, right), p, 0.0)
+            p = tl.where(allowed, p, 0.0)
         dp = _dot(do, tl.trans(v), PREC, UPCAST, tl.float32)
         ds = p * (dp - delta[:, None])
         if SOFTCAP:

@@ -43,23 +43,13 @@ from torch import Tensor
 
 from ..dense import stats_dtype
 from ..paged import PagedCall
+from .attention import _dot
 from .checks import DTYPES, MAX_HEAD_DIM, interpreting
 from .scores import _score_fn, kernel_score
 
 MAX_ROWS = 64  # rows (G * T) per program: more rows make more programs along axis 1
 SPLIT_KEYS = 256  # keys per partition of split-K on CUDA (fixed: see the module docstring)
 MERGE_BLOCK = 16  # partitions per step of the merge
-
-
-@triton.jit
-def _mm(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr):
-    """a @ b accumulated in ACC; UPCAST (bfloat16 under the interpreter, whose dot
-    cannot take it) multiplies the same values in float32."""
-    if UPCAST:
-        out = tl.dot(a.to(tl.float32), b.to(tl.float32))
-    else:
-        out = tl.dot(a, b, input_precision=PREC, out_dtype=ACC)
-    return out
 
 
 # Triton takes no structs: the kernels keep dense argument lists, which the formatter
@@ -124,7 +114,7 @@ def _paged_fwd(
         v_rows = v_head + page * svb + slot * svs
         v = tl.load(v_rows[:, None] + vdims[None, :] * svd,
                     mask=inside[:, None] & (vdims[None, :] < value_dim), other=0.0)
-        s = _mm(q, tl.trans(k), PREC, UPCAST, ACC) * scale
+        s = _dot(q, tl.trans(k), PREC, UPCAST, ACC) * scale
         offset = cols[None, :] - q_pos[:, None]  # j - p, as .scores reads positions
         s, _ = _score_fn(s, offset, slope, table, stn, Buckets, span, cap,
                          ALIBI, RELATIVE, SOFTCAP, ACC)
@@ -137,7 +127,7 @@ def _paged_fwd(
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, PREC, UPCAST, ACC)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, UPCAST, ACC)
         m_i = m_new
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
