@@ -20,7 +20,7 @@ from ...masks.causal import causal_shift
 from ...masks.patterns import Causal
 from .band import BIG, _band_bwd_dkv, _band_bwd_dq, _band_fwd
 from .checks import interpreting
-from .options import block_dim, dot_options
+from .options import kernel_options
 from .scores import KernelScore
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) of each kernel, by (16-bit inputs, head dim
@@ -107,19 +107,9 @@ def band_plan(q: Tensor, k: Tensor, v: Tensor | None, mask, bias, causal: bool):
 
 def _options(kernel: str, q: Tensor, score: KernelScore, config) -> dict:
     """The constexprs and launch options of one kernel."""
-    block_m, block_n, warps, stages = config or band_config(kernel, q.shape[3], q.dtype)
-    options = dot_options(q.dtype)
-    del options["ACC"]  # the band kernels accumulate in float32
-    return dict(
-        **options,
-        **score.constants(),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_D=block_dim(q.shape[3]),
-        EVEN_D=block_dim(q.shape[3]) == q.shape[3],
-        num_warps=warps,
-        num_stages=stages,
-    )
+    launch = config or band_config(kernel, q.shape[3], q.dtype)
+    options = kernel_options(q, score, launch, acc=False)  # (float32 accumulators)
+    return dict(options, EVEN_D=options["BLOCK_D"] == q.shape[3])
 
 
 def band_forward(

@@ -25,7 +25,7 @@ from ..scored import sink_grad
 from .attention import _attn_bwd_dkv, _attn_bwd_dq, _attn_fwd, _attn_probs, _keep_mask
 from .band_launch import BandPlan, band_backward, band_forward, band_plan
 from .checks import check_inputs, check_score, interpreting
-from .options import block_dim, dot_options
+from .options import block_dim, kernel_options
 from .scores import KernelScore, block_buckets, kernel_score
 from .tiles import TileLists, broadcast4d, build_tiles
 
@@ -96,17 +96,12 @@ def _row_lists(tiles: TileLists) -> list[Tensor]:
 def _options(tiles: TileLists, bias, score: KernelScore, q: Tensor, value_dim=None) -> dict:
     """The constexprs and launch options that every kernel takes (BLOCK_DV with
     value_dim)."""
+    launch = (tiles.block_m, tiles.block_n, tiles.num_warps, tiles.num_stages)
     options = dict(
-        **score.constants(),
+        kernel_options(q, score, launch),
         HAS_BIAS=bias is not None,
         MASK_MODE=tiles.mask_mode,
         CAUSAL=tiles.causal,
-        BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n,
-        BLOCK_D=block_dim(q.shape[3]),
-        **dot_options(q.dtype),
-        num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
     )
     if value_dim is not None:
         options["BLOCK_DV"] = block_dim(value_dim)
