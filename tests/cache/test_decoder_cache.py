@@ -116,19 +116,19 @@ def test_kv_cache_allocates_and_appends_in_order():
 def test_cache_sizes_must_be_positive_ints(name, bad):
     sizes = {"batch": 1, "num_kv_heads": 1, "max_len": 1, "head_dim": 1}  # 1 is allowed
     KVCache(**sizes)
-    with pytest.raises(ValueError, match=f"^{name} must be a positive int, got {bad!r}$"):
+    with pytest.raises(ValueError, match=f"^{name} must be an int >= 1, got {bad!r}$"):
         KVCache(**{**sizes, name: bad})
 
 
 def test_sliding_window_cache_names_its_window():
     for bad in (0, -1, 2.0):
-        with pytest.raises(ValueError, match=f"^window must be a positive int, got {bad!r}$"):
+        with pytest.raises(ValueError, match=f"^window must be an int >= 1, got {bad!r}$"):
             SlidingWindowCache(1, 1, bad, 4)
 
 
 def test_decoder_cache_layers_must_be_a_positive_int():
     for bad in (0, -2, False):
-        with pytest.raises(ValueError, match=f"^num_layers must be a positive int, got {bad!r}$"):
+        with pytest.raises(ValueError, match=f"^num_layers must be an int >= 1, got {bad!r}$"):
             DecoderCache(bad, 1, 1, 4, 2)
 
 

@@ -249,7 +249,7 @@ def test_misuse_raises_clear_errors():
     for args, message in (
         (([], 1), "non-empty"),
         (([seq, seq], 1), "distinct"),
-        (([seq], 0), "new_tokens must be a positive"),
+        (([seq], 0), "new_tokens must be an int >= 1"),
     ):
         with pytest.raises(ValueError, match=message):
             cache.batch(*args)

@@ -14,13 +14,13 @@ import copy
 import torch
 from torch import Tensor
 
+from ..core.checks import int_at_least
 from .base import Cache, MultiLayerCache
 
 
 def _check_positive(**values: int) -> None:
     for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        int_at_least(name, value, 1)
 
 
 class KVCache(Cache):
@@ -176,8 +176,7 @@ class SlidingWindowCache(KVCache):
         sink_tokens: int = 0,
     ) -> None:
         _check_positive(window=window)  # (the base class would call it max_len)
-        if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 0:
-            raise ValueError(f"sink_tokens must be an int >= 0, got {sink_tokens!r}")
+        int_at_least("sink_tokens", sink_tokens, 0)
         super().__init__(
             batch,
             num_kv_heads,

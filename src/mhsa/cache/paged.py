@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..core.checks import int_list
+from ..core.checks import int_at_least, int_list
 from ..core.paged_step import PagedStep
 from .base import MultiLayerCache
 from .blocks import BlockAllocator, PoolExhausted, chain_hashes
@@ -75,8 +75,7 @@ class PagedKVCache(MultiLayerCache):
             num_blocks=num_blocks,
             block_size=block_size,
         )
-        if isinstance(value_dim, bool) or not isinstance(value_dim, int) or value_dim < 0:
-            raise ValueError(f"value_dim must be an int >= 0, got {value_dim!r}")
+        int_at_least("value_dim", value_dim, 0)
         shape = (num_layers, num_blocks, block_size, num_kv_heads)
         self.k = torch.zeros(*shape, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros(*shape, value_dim, dtype=dtype, device=device)
@@ -220,8 +219,7 @@ class PagedKVCache(MultiLayerCache):
         every sequence sharing it writes in one step, the last keeps it: the sum over a
         step's sequences may be one more per such block than batch takes)."""
         seq = self._sequence(seq_id)
-        if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 0:
-            raise ValueError(f"new_tokens must be an int >= 0, got {new_tokens!r}")
+        int_at_least("new_tokens", new_tokens, 0)
         size = self.block_size
         needed = math.ceil((seq.length + new_tokens) / size) - len(seq.blocks)
         copy = new_tokens > 0 and seq.length % size and self.allocator.refs[seq.blocks[-1]] > 1

@@ -35,6 +35,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ..checks import int_at_least
 from ..masks.causal import causal_allows, causal_shift
 from ..scores import ScoreFunction
 from .dense import grouped_scores, masked_softmax, probs_times_v, stats_dtype
@@ -123,8 +124,7 @@ def paged_tiled(
     pages), gathered one at a time. Inference only (it updates its state in place).
     layout: fused_layout of a call like this one (the same shapes, table and lengths,
     window), made once for every layer of a decoding step; None: made here as needed."""
-    if isinstance(tile_size, bool) or not isinstance(tile_size, int) or tile_size < 1:
-        raise ValueError(f"tile_size must be an int >= 1, got {tile_size!r}")
+    int_at_least("tile_size", tile_size, 1)
     if layout is not None and layout.tile_size == tile_size:  # (the fused kernel's)
         if layout.order is None:
             return _fused(call, layout.chunks)

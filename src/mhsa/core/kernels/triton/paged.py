@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ...checks import int_at_least
 from ..dense import stats_dtype
 from ..paged import PagedCall
 from .attention import _dot
@@ -201,8 +202,7 @@ def prepare_paged_launch(call: PagedCall, split_keys: int | None = None) -> Page
     longest = max(lengths, default=0)
     if split_keys is None:
         split_keys = SPLIT_KEYS if q.device.type == "cuda" else max(longest, 1)
-    if isinstance(split_keys, bool) or not isinstance(split_keys, int) or split_keys < 1:
-        raise ValueError(f"split_keys must be an int >= 1, got {split_keys!r}")
+    int_at_least("split_keys", split_keys, 1)
     split_keys = triton.cdiv(split_keys, block_n) * block_n
     splits = max(1, triton.cdiv(longest, split_keys))
     lens = torch.tensor(lengths, dtype=torch.int32, device=q.device)
