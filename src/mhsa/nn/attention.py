@@ -5,19 +5,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..cache import Cache
-from ..core.attention import attention, attention_and_weights, attention_weights
+from ..core.attention import attention_and_weights, attention_weights
 from ..core.masks import Pattern
-from ..core.paged import paged_attention
 from ..core.scores import ScoreFunction
-from ..core.validate import check_dropout, check_scale, int_at_least, paged_window
-from .attention_inputs import PAGED_BIAS, attention_masks, rotate_at_positions
+from ..core.validate import check_dropout, check_scale, int_at_least
+from .attention_base import AttentionCall, AttentionModule, check_input
+from .attention_inputs import rotate_at_positions
 from .layout import fuse_linears
 from .norm import RMSNorm
 from .positional import AttentionPosition
 
 
-class MultiHeadAttention(nn.Module):
+class MultiHeadAttention(AttentionModule):
     """Multi-head attention with separate Q, K, V projections (batch-first).
 
     Args:
@@ -46,7 +45,13 @@ class MultiHeadAttention(nn.Module):
             after the `position`'s own (e.g. Softcap(50.0)); it should hold no tensors
             (those would not follow module.to()); positions bring theirs.
         backend: attention backend name, "auto" by default.
+
+    forward is AttentionModule's: self- or cross-attention, need_weights (and
+    average_weights), every cache kind, paged ones included.
     """
+
+    self_attention_only = False
+    returns_weights = True
 
     def __init__(
         self,
@@ -145,94 +150,31 @@ class MultiHeadAttention(nn.Module):
         batch, length, _ = x.shape
         return x.view(batch, length, heads, self.head_dim).transpose(1, 2)  # (B, h, T, hd)
 
-    def forward(
-        self,
-        query: Tensor,
-        key: Tensor | None = None,
-        value: Tensor | None = None,
-        *,
-        mask: Tensor | Pattern | None = None,
-        key_padding_mask: Tensor | None = None,
-        bias: Tensor | None = None,
-        causal: bool = False,
-        need_weights: bool = False,
-        average_weights: bool = True,
-        position: AttentionPosition | None = None,
-        cache: Cache | None = None,
+    def _forward(
+        self, call: AttentionCall, *, average_weights: bool = True
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """Attend from query (B, L, E) to key (B, S, kdim) / value (B, S, vdim).
-
-        key=None means self-attention (key = value = query). mask is an mhsa.core.masks
-        pattern or a bool tensor broadcastable to (B, H, L, S), True = may attend;
-        key_padding_mask is (B, S) bool, True = a real token; bias is a float added
-        to the scores, broadcastable to (B, H, L, S). causal is aligned
-        bottom-right. With a cache (mhsa.cache: any Cache), the new keys/values go
-        through cache.update and attention runs over what it returns, the new tokens
-        at the cache's next_positions: everything cached (KVCache), a cross-attention
-        memory projected on the first call only (MemoryCache), or each sequence's
-        pages (PagedLayer, from PagedKVCache.batch). Returns (B, L, E), and with
-        need_weights also the probabilities (B, L, S) averaged over heads, or
-        (B, H, L, S).
-        """
-        dropout = self.dropout if self.training else 0.0
-        paged = cache is not None and cache.paged_step is not None
-        if paged:  # checked before update writes the new keys into the pages
-            if need_weights or dropout or key_padding_mask is not None or bias is not None:
-                raise ValueError(
-                    "a paged cache takes no need_weights, dropout, "
-                    "key_padding_mask or bias (each sequence is its own)"
-                )
-            if (key is not None and key is not query) or (value is not None and value is not query):
-                raise ValueError("a paged cache caches self-attention: pass no key or value")
-            paged_window(mask, causal, query.shape[1])
-        q, k, v, mask, bias = self._inputs(
-            query, key, value, mask, key_padding_mask, bias, position, cache
-        )
-        score, scale = self._score(position), self.scale
-        if need_weights:
-            out, weights = attention_and_weights(
-                q, k, v, mask, bias=bias, causal=causal, scale=scale, dropout_p=dropout, score=score
-            )
-        elif paged:  # k, v: the pools; the step is every layer's
-            if bias is not None:
-                raise ValueError(PAGED_BIAS)
-            options = {"causal": causal, "scale": scale, "backend": self.backend, "score": score}
-            out = paged_attention(q, k, v, cache.paged_step, mask, **options)
+        """Project, attend, merge heads and project back: (B, L, E); with need_weights
+        also the probabilities (B, L, S) averaged over heads (average_weights), or
+        (B, H, L, S)."""
+        q, k, v, mask, bias = self._inputs(call)  # k, v: the pools, for a paged cache
+        score, scale = self._score(call.position), self.scale
+        if call.need_weights:
+            options = {"causal": call.causal, "scale": scale, "dropout_p": call.dropout}
+            out, weights = attention_and_weights(q, k, v, mask, bias=bias, score=score, **options)
         else:
-            out = attention(
-                q,
-                k,
-                v,
-                mask,
-                bias=bias,
-                causal=causal,
-                scale=scale,
-                dropout_p=dropout,
-                backend=self.backend,
-                score=score,
-            )
-        out = out.transpose(1, 2).reshape(query.shape[0], query.shape[1], -1)  # (B, L, H * D)
+            out = self._attend(call, q, k, v, mask, bias, scale=scale, score=score)
+        out = self._merge_heads(out)  # (B, L, H * D)
         if self.gate_proj is not None:
-            out = out * torch.sigmoid(self.gate_proj(query))
+            out = out * torch.sigmoid(self.gate_proj(call.query))
         out = self.out_proj(out)
-        if not need_weights:
+        if not call.need_weights:
             return out
         return out, (weights.mean(dim=1) if average_weights else weights)
-
-    def _score(self, position: AttentionPosition | None) -> ScoreFunction | None:
-        """The position's score function, then the module's own, or None."""
-        first = None if position is None else position.score()
-        if first is None or self.score is None:
-            return first if self.score is None else self.score
-        return first.then(self.score)
 
     @staticmethod
     def _check_input(name: str, t: Tensor, proj: nn.Linear) -> None:
         """A (batch, length, width) input matching its projection's width and dtype."""
-        width = proj.in_features
-        if not isinstance(t, Tensor) or t.dim() != 3 or t.shape[-1] != width:
-            got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
-            raise ValueError(f"{name} must be (batch, length, {width}), got {got}")
+        check_input(name, t, proj.in_features)
         # a quantised projection (mhsa.nn.quantized) names the dtype it computes in
         dtype = proj.weight.dtype if isinstance(proj, nn.Linear) else proj.input_dtype
         if t.dtype != dtype:
@@ -265,10 +207,12 @@ class MultiHeadAttention(nn.Module):
         k = k if self.k_norm is None else self.k_norm(k)
         return self._split(q, self.num_heads), k, self._split(v, self.num_kv_heads)
 
-    def _inputs(self, query, key, value, mask, key_padding_mask, bias, position, cache):
+    def _inputs(self, call: AttentionCall) -> tuple:
         """Project and split heads, apply positions, update the cache, merge masks:
         (q (B, H, L, hd), k, v (B, H_kv, S, hd), mask, bias) for the attention call
         (k, v: the pools of blocks for a paged cache)."""
+        query, key, value, cache = call.query, call.key, call.value, call.cache
+        position = call.position
         held = None if cache is None else cache.memory()  # cross-attention keys kept
         if self.qkv_proj is not None:
             q, k, v = self._fused_inputs(query, key, value, cache)
@@ -291,11 +235,7 @@ class MultiHeadAttention(nn.Module):
             k = rotated if held is None else k  # (kept memory keys were rotated when kept)
         if cache is not None:
             k, v = cache.update(k, v)
-        masks = (mask, key_padding_mask, bias)
-        mask, bias = attention_masks(
-            *masks, position, cache, query.shape[0], q.shape[2], k.shape[2]
-        )
-        return q, k, v, mask, bias
+        return (q, k, v, *self._masks(call, k.shape[2]))
 
     @torch.no_grad()
     def attention_map(
@@ -314,9 +254,8 @@ class MultiHeadAttention(nn.Module):
     ) -> Tensor:
         """The attention probabilities (B, H, L, S) this module computes for these inputs
         (same arguments as forward), recomputed on demand by mhsa.attention_weights."""
-        q, k, _, mask, bias = self._inputs(
-            query, key, None, mask, key_padding_mask, bias, position, None
-        )
+        call = AttentionCall(query, key, None, mask, key_padding_mask, bias, causal, position, None)
+        q, k, _, mask, bias = self._inputs(call)
         return attention_weights(
             q,
             k,

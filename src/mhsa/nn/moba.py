@@ -5,12 +5,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..cache import Cache
 from ..core.masks.blocks import num_blocks
 from ..core.moba import moba_attention
 from ..core.validate import int_at_least
 from .attention import MultiHeadAttention
-from .positional import AttentionPosition
+from .attention_base import AttentionCall
 
 
 class MoBA(MultiHeadAttention):
@@ -35,7 +34,13 @@ class MoBA(MultiHeadAttention):
         num_kv_heads: key/value heads (grouped-query when < H); default H.
         bias: whether the projections have biases.
         backend: the attention backend; "flash" plans the chosen blocks.
+
+    forward is AttentionModule's, causal by default (causal=None), self-attention only.
     """
+
+    causal_default = True
+    self_attention_only = True
+    returns_weights = False
 
     def __init__(
         self,
@@ -62,40 +67,37 @@ class MoBA(MultiHeadAttention):
         self.block_size = int_at_least("block_size", block_size, 1)
         self.top_k = int_at_least("top_k", top_k, 1)
 
-    def forward(
-        self,
-        query: Tensor,
-        *,
-        mask: object | None = None,
-        key_padding_mask: Tensor | None = None,
-        causal: bool = True,
-        position: AttentionPosition | None = None,
-        cache: Cache | None = None,
-    ) -> Tensor:
+    def _forward(self, call: AttentionCall) -> Tensor:
         """query (B, L, E) -> (B, L, E), causal. Takes rotary positions and a KV
-        cache (contiguous or paged); no mask, key padding or score-function positions
-        (ALiBi, T5)."""
-        if mask is not None or key_padding_mask is not None or not causal:
+        cache (contiguous or paged); no mask, key padding, bias or score-function
+        positions (ALiBi, T5)."""
+        if (
+            call.mask is not None
+            or call.key_padding_mask is not None
+            or call.bias is not None
+            or not call.causal
+        ):
             raise ValueError(
-                "MoBA is causal attention over its own block selection: pass no mask or "
-                "key_padding_mask, and causal=True"
+                "MoBA is causal attention over its own block selection: pass no mask, "
+                "key_padding_mask or bias, and causal=True"
             )
+        position = call.position
         if position is not None and (
             position.score() is not None or position.attention_bias(1, 1) is not None
         ):
             raise ValueError("MoBA takes rotary positions, not score-function ones (ALiBi, T5)")
-        q, k, v, padding, _ = self._inputs(query, None, None, None, None, None, position, cache)
+        q, k, v, padding, _ = self._inputs(call)
         if padding is not None:
             raise ValueError("MoBA takes no left-padded cache: decode one sequence per cache row")
-        if cache is not None and cache.paged_step is not None:  # k, v: the pools
-            pages = {"step": cache.paged_step}
+        if call.paged:  # k, v: the pools
+            pages = {"step": call.cache.paged_step}
             top_k = self.top_k  # (capped per sequence)
         else:
             pages, top_k = {}, min(self.top_k, num_blocks(k.shape[2], self.block_size))
         out = moba_attention(
             q, k, v, self.block_size, top_k, scale=self.scale, backend=self.backend, **pages
         )
-        return self.out_proj(out.transpose(1, 2).reshape(query.shape[0], query.shape[1], -1))
+        return self.out_proj(self._merge_heads(out))
 
     def extra_repr(self) -> str:
         return f"block_size={self.block_size}, top_k={self.top_k}"
