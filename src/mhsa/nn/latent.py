@@ -24,12 +24,10 @@ import torch
 from torch import Tensor, nn
 
 from ..cache import Cache
-from ..core.attention import attention
 from ..core.checks import int_at_least
-from ..core.masks import Pattern
-from ..core.paged import paged_attention
-from ..core.validate import check_dropout, check_scale, paged_window
-from .attention_inputs import attention_masks, rotate_at_positions
+from ..core.validate import check_dropout, check_scale
+from .attention_base import AttentionCall, AttentionModule
+from .attention_inputs import rotate_at_positions
 from .norm import RMSNorm
 from .positional import AttentionPosition
 
@@ -40,7 +38,7 @@ def _halves(x: Tensor) -> Tensor:
     return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
-class LatentAttention(nn.Module):
+class LatentAttention(AttentionModule):
     """Multi-head latent attention, self-attention only (batch-first).
 
     Args:
@@ -64,7 +62,8 @@ class LatentAttention(nn.Module):
         backend: attention backend name, "auto" by default.
 
     Positions: pass a RotaryEmbedding(qk_rope_head_dim) (or its .at(positions)) as
-    `position`; it rotates q_rope and k_rope only.
+    `position`; it rotates q_rope and k_rope only. forward is AttentionModule's
+    (self-attention only), with one option of its own, absorbed (see _forward).
     """
 
     def __init__(
@@ -141,22 +140,8 @@ class LatentAttention(nn.Module):
         (Present so that models calling it on every attention module may hold this one.)"""
         return False
 
-    def forward(
-        self,
-        query: Tensor,
-        key: Tensor | None = None,
-        value: Tensor | None = None,
-        *,
-        mask: Tensor | Pattern | None = None,
-        key_padding_mask: Tensor | None = None,
-        bias: Tensor | None = None,
-        causal: bool = False,
-        position: AttentionPosition | None = None,
-        cache: Cache | None = None,
-        absorbed: bool | None = None,
-    ) -> Tensor:
-        """Self-attention of query (B, L, E) -> (B, L, E); the arguments are
-        MultiHeadAttention.forward's (key and value: None or query itself).
+    def _forward(self, call: AttentionCall, *, absorbed: bool | None = None) -> Tensor:
+        """Self-attention of query (B, L, E) -> (B, L, E) (forward: AttentionModule's).
 
         With a cache (any mhsa.cache Cache built with num_kv_heads 1, head_dim
         cache_width and value_dim 0: see mhsa.models.deepseek), the new [latent |
@@ -165,35 +150,19 @@ class LatentAttention(nn.Module):
         form for one new token per sequence and for paged caches, the expanded one
         otherwise; True or False forces one (paged caches need the absorbed form).
         """
-        if (key is not None and key is not query) or (value is not None and value is not query):
-            raise ValueError("LatentAttention is self-attention: pass no key or value")
-        if not isinstance(query, Tensor) or query.dim() != 3 or query.shape[-1] != self.embed_dim:
-            got = tuple(query.shape) if isinstance(query, Tensor) else type(query).__name__
-            raise ValueError(f"query must be (batch, length, {self.embed_dim}), got {got}")
-        paged = cache is not None and cache.paged_step is not None
+        query = call.query
         if absorbed is None:
-            absorbed = paged or query.shape[1] == 1
-        if paged:
-            if not absorbed:
-                raise ValueError("a paged cache holds latents that only the absorbed form reads")
-            if key_padding_mask is not None or bias is not None or (self.training and self.dropout):
-                raise ValueError("a paged cache takes no key_padding_mask, bias or dropout")
-            paged_window(mask, causal, query.shape[1])
-        q_nope, q_rope, keys = self._project(query, position, cache)
-        if cache is not None:  # [latent | k_rope] as one key head, no values
-            keys, _ = cache.update(keys, keys[..., :0])
-        call = {"causal": causal, "scale": self.scale}
-        call["score"] = None if position is None else position.score()
-        if paged:
-            call["step"] = cache.paged_step  # (keys: the pool)
-        else:
-            batch, kv_len = query.shape[0], keys.shape[-2]
-            masks = (mask, key_padding_mask, bias, position, cache)
-            mask, call["bias"] = attention_masks(*masks, batch, query.shape[1], kv_len)
-            call["dropout_p"] = self.dropout if self.training else 0.0
+            absorbed = call.paged or query.shape[1] == 1
+        if call.paged and not absorbed:
+            raise ValueError("a paged cache holds latents that only the absorbed form reads")
+        q_nope, q_rope, keys = self._project(query, call.position, call.cache)
+        if call.cache is not None:  # [latent | k_rope] as one key head, no values
+            keys, _ = call.cache.update(keys, keys[..., :0])
+        mask, bias = self._masks(call, keys.shape[-2])  # (keys: the pool, when paged)
+        score = self._score(call.position)
         attend = self._absorbed if absorbed else self._expanded
-        out = attend(q_nope, q_rope, keys, mask, call)  # (B, H, L, dv)
-        return self.out_proj(out.transpose(1, 2).reshape(query.shape[0], query.shape[1], -1))
+        out = attend(call, q_nope, q_rope, keys, mask, bias, score)  # (B, H, L, dv)
+        return self.out_proj(self._merge_heads(out))
 
     def _project(
         self, x: Tensor, position: AttentionPosition | None, cache: Cache | None
@@ -220,7 +189,7 @@ class LatentAttention(nn.Module):
         weight = self.kv_b_proj.weight.unflatten(0, (self.num_heads, -1))  # (H, dn + dv, r)
         return weight[:, : self.nope_dim], weight[:, self.nope_dim :]
 
-    def _expanded(self, q_nope, q_rope, keys, mask, call) -> Tensor:
+    def _expanded(self, call, q_nope, q_rope, keys, mask, bias, score) -> Tensor:
         """Attention per head over keys and values expanded from the latents
         keys (B, 1, S, r + dr) -> (B, H, L, dv)."""
         batch, _, kv_len, _ = keys.shape
@@ -230,42 +199,34 @@ class LatentAttention(nn.Module):
         k_rope = k_rope.unsqueeze(1).expand(batch, self.num_heads, kv_len, self.rope_dim)
         q = torch.cat((q_nope, q_rope), dim=-1)
         k = torch.cat((k_nope, k_rope), dim=-1)
-        return _attend(q, k, v, mask, self.backend, call)
+        return self._attend(call, q, k, v, mask, bias, scale=self.scale, score=score)
 
-    def _absorbed(self, q_nope, q_rope, keys, mask, call) -> Tensor:
+    def _absorbed(self, call, q_nope, q_rope, keys, mask, bias, score) -> Tensor:
         """Multi-query attention in latent space: q [q_nope W_UK | q_rope] (B, H, L,
         r + dr) over keys (B, 1, S, r + dr) (or their pool) with values their first r
         channels, then W_UV per head -> (B, H, L, dv)."""
         w_uk, w_uv = self._up_weights()
         q = torch.cat((torch.einsum("bhld,hdr->bhlr", q_nope, w_uk), q_rope), dim=-1)
         values = keys[..., : self.kv_lora_rank]  # a view: the cache holds no values
-        if _heads_as_rows(q, mask, call):  # one query per head sees every key: the same
-            # call with the heads as H query rows of the one key head (no K/V repeat)
-            call = {**call, "causal": False}
-            out = _attend(q.transpose(1, 2), keys, values, mask, self.backend, call)
+        options = {"scale": self.scale, "score": score}
+        if _heads_as_rows(q, mask, bias, score, call.paged):
+            # one query per head sees every key: the same call with the heads as H query
+            # rows of the one key head (no K/V repeat)
+            out = self._attend(
+                call, q.transpose(1, 2), keys, values, mask, bias, causal=False, **options
+            )
             out = out.transpose(1, 2)
         else:
-            out = _attend(q, keys, values, mask, self.backend, call)  # (B, H, L, r)
+            out = self._attend(call, q, keys, values, mask, bias, **options)  # (B, H, L, r)
         return torch.einsum("bhlr,hvr->bhlv", out, w_uv)
 
 
-def _attend(q: Tensor, k: Tensor, v: Tensor, mask, backend: str, call: dict) -> Tensor:
-    """attention, or paged_attention where call holds a paged cache's step (k and v are
-    then its pools)."""
-    if "step" in call:
-        options = {name: value for name, value in call.items() if name != "step"}
-        return paged_attention(q, k, v, call["step"], mask, backend=backend, **options)
-    return attention(q, k, v, mask, backend=backend, **call)
-
-
-def _heads_as_rows(q: Tensor, mask, call: dict) -> bool:
+def _heads_as_rows(q: Tensor, mask, bias: Tensor | None, score, paged: bool) -> bool:
     """Whether a multi-query call may take its H heads as H rows of one head: one new
     token (each row then sees every key whatever causal says), no paging, and nothing
     that depends on the query's row (a pattern, a bias, a score function) beyond key
     padding, a (B, 1, 1, S) mask."""
-    if q.shape[2] != 1 or "step" in call or call.get("bias") is not None:
-        return False
-    if call.get("score") is not None:
+    if q.shape[2] != 1 or paged or bias is not None or score is not None:
         return False
     padding = isinstance(mask, Tensor) and mask.dim() == 4 and mask.shape[1] == mask.shape[2] == 1
     return mask is None or padding
