@@ -21,16 +21,13 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ..cache import Cache
-from ..core.attention import attention
 from ..core.kernels.scored import SelectedHeads
 from ..core.masks import Pattern
-from ..core.paged import paged_attention
 from ..core.scores import ScoreFunction
-from ..core.validate import check_dropout, int_at_least, paged_window
-from .attention_inputs import PAGED_BIAS, attention_masks, rotate_at_positions
+from ..core.validate import check_dropout, int_at_least
+from .attention_base import AttentionCall, AttentionModule
+from .attention_inputs import rotate_at_positions
 from .norm import RMSNorm
-from .positional import AttentionPosition
 
 
 def depth_lambda_init(depth: int) -> float:
@@ -39,7 +36,7 @@ def depth_lambda_init(depth: int) -> float:
     return 0.8 - 0.6 * math.exp(-0.3 * depth)
 
 
-class DiffAttention(nn.Module):
+class DiffAttention(AttentionModule):
     """Differential self-attention on (B, L, E) inputs, batch-first.
 
     Args:
@@ -53,8 +50,11 @@ class DiffAttention(nn.Module):
         backend: attention backend name.
 
     Parameter names follow timm's layer (qkv, proj, lambda_q1, lambda_k1, lambda_q2,
-    lambda_k2, sub_norm), so its state dict loads as is.
+    lambda_k2, sub_norm), so its state dict loads as is. forward is AttentionModule's
+    (self-attention only; errors name the input x).
     """
+
+    input_name = "x"
 
     def __init__(
         self,
@@ -83,7 +83,8 @@ class DiffAttention(nn.Module):
             raise ValueError(f"lambda_init must be a finite number, got {lambda_init!r}")
         check_dropout(dropout, "dropout")
         options = {"device": device, "dtype": dtype}
-        self.num_heads, self.head_dim = num_heads, embed_dim // num_heads // 2
+        self.embed_dim, self.num_heads = embed_dim, num_heads
+        self.head_dim = embed_dim // num_heads // 2
         self.lambda_init, self.dropout, self.backend = float(init), dropout, backend
         self.qkv = nn.Linear(embed_dim, 3 * embed_dim, bias=qkv_bias, **options)
         self.proj = nn.Linear(embed_dim, embed_dim, bias=proj_bias, **options)
@@ -99,107 +100,65 @@ class DiffAttention(nn.Module):
         second = torch.exp((self.lambda_q2 * self.lambda_k2).sum().to(dtype))
         return first - second + self.lambda_init
 
-    def forward(
-        self,
-        x: Tensor,
-        *,
-        mask: Tensor | Pattern | None = None,
-        key_padding_mask: Tensor | None = None,
-        causal: bool = False,
-        position: AttentionPosition | None = None,
-        cache: Cache | None = None,
-    ) -> Tensor:
-        """x (B, L, E) -> (B, L, E). mask: a pattern or bool tensor broadcastable to
-        (B, H, L, S), True = may attend; key_padding_mask (B, S) bool, True = a real
-        token; causal is bottom-right; position rotates the d-wide q and k heads. With a
-        cache (any mhsa.cache Cache made for 2H heads of width d) the new tokens attend
-        everything cached: it stores the 2H key heads and each value head as two halves.
-        A paged cache (PagedLayer, from PagedKVCache.batch) attends causally per
-        sequence, within a SlidingWindow(left, 0) mask at most, with no key padding or
-        dropout (as MultiHeadAttention's)."""
-        if x.dim() != 3 or x.shape[-1] != self.qkv.in_features:
-            raise ValueError(
-                f"x must be (batch, length, {self.qkv.in_features}), got {tuple(x.shape)}"
-            )
+    def _forward(self, call: AttentionCall) -> Tensor:
+        """x (B, L, E) -> (B, L, E) (forward: AttentionModule's, self-attention only). mask
+        and bias broadcast to (B, 2H, L, S), the 2H paired query/key heads; position
+        rotates the d-wide q and k heads. With a cache (any mhsa.cache Cache made for 2H
+        heads of width d) the new tokens attend everything cached: it stores the 2H key
+        heads and each value head as two halves. A paged cache (PagedLayer, from
+        PagedKVCache.batch) attends causally per sequence, within a SlidingWindow(left,
+        0) mask at most, with no key padding or dropout (as MultiHeadAttention's)."""
+        x = call.query
         batch, length, width = x.shape
         heads, d = self.num_heads, self.head_dim
-        dropout = self.dropout if self.training else 0.0
-        paged = cache is not None and cache.paged_step is not None
-        if paged:  # checked before update writes the new keys into the pages
-            if dropout or key_padding_mask is not None:
-                raise ValueError(
-                    "a paged cache takes no key_padding_mask or dropout (each sequence is "
-                    "its own): call eval() and pass no key_padding_mask"
-                )
-            paged_window(mask, causal, length)
         q, k, v = self.qkv(x).chunk(3, dim=-1)
         # head 2h + 0 / 2h + 1 of q and k is the first / second map of head h; the
         # values of head h are split into two d-wide halves, 2h + 0 and 2h + 1, alike
         q = q.view(batch, length, 2 * heads, d).transpose(1, 2)  # (B, 2H, L, d)
         k = k.view(batch, length, 2 * heads, d).transpose(1, 2)
         v = v.view(batch, length, 2 * heads, d).transpose(1, 2)
-        if position is not None:
-            q, k = rotate_at_positions(position, q, k, cache)
-        if cache is not None:
-            k, v = cache.update(k, v)  # (the pools, for a paged cache)
-        score = None if position is None else position.score()
-        masks = (mask, key_padding_mask, None, position, cache)
-        mask, bias = attention_masks(*masks, batch, length, k.shape[2])
-        if paged:
-            if bias is not None:
-                raise ValueError(PAGED_BIAS)
-            both = self._paged_maps(q, k, v, mask, causal, score, cache)
+        if call.position is not None:
+            q, k = rotate_at_positions(call.position, q, k, call.cache)
+        if call.cache is not None:
+            k, v = call.cache.update(k, v)  # (the pools, for a paged cache)
+        mask, bias = self._masks(call, k.shape[2])
+        score = self._score(call.position)
+        if call.paged:
+            both = self._paged_maps(call, q, k, v, mask, score)
         else:
             kv_len = k.shape[2]
             v = v.reshape(batch, heads, 2, kv_len, d).transpose(2, 3)  # (B, H, S, 2, d)
             v = v.reshape(batch, heads, kv_len, 2 * d)
-            both = attention(
-                q,
-                k,
-                v.repeat_interleave(2, dim=1),  # (B, 2H, L, 2d): each map's values
-                mask,
-                bias=bias,
-                causal=causal,
-                scale=d**-0.5,
-                dropout_p=dropout,
-                backend=self.backend,
-                score=score,
-            ).view(batch, heads, 2, length, 2 * d)
+            v = v.repeat_interleave(2, dim=1)  # (B, 2H, L, 2d): each map's values
+            both = self._attend(call, q, k, v, mask, bias, scale=d**-0.5, score=score)
+            both = both.view(batch, heads, 2, length, 2 * d)
         out = both[:, :, 0] - self.lambda_full().to(both.dtype) * both[:, :, 1]
         out = self.sub_norm(out) * (1.0 - self.lambda_init)  # (B, H, L, 2d)
         return self.proj(out.transpose(1, 2).reshape(batch, length, width))
 
     def _paged_maps(
         self,
+        call: AttentionCall,
         q: Tensor,
         k_pool: Tensor,
         v_pool: Tensor,
         mask: Pattern | None,
-        causal: bool,
         score: ScoreFunction | None,
-        cache: Cache,
     ) -> Tensor:
         """Both maps of q (N, 2H, T, d) over a paged cache's pools (blocks, block_size,
         2H, d): (N, H, 2, T, 2d). Map m is one paged call over query and key heads
         2h + m; the value pool's halves 2h, 2h + 1 side by side are head h's 2d values
-        (a view); a score function sees each head as its global head 2h + m."""
+        (a view); a score function sees each head as its global head 2h + m. (Both maps'
+        calls, and every layer's, share the cache's step.)"""
         heads, d = self.num_heads, self.head_dim
         values = v_pool.view(*v_pool.shape[:2], heads, 2 * d)  # (blocks, block_size, H, 2d)
         maps = []
         for which in (0, 1):
             heads_of_map = torch.arange(which, 2 * heads, 2, device=q.device)
+            selected = None if score is None else SelectedHeads(score, heads_of_map, 2 * heads)
+            q_map, k_map = q[:, which::2], k_pool[:, :, which::2]  # (N, H, T, d), its pool
             maps.append(
-                paged_attention(
-                    q[:, which::2],  # (N, H, T, d)
-                    k_pool[:, :, which::2],  # (blocks, block_size, H, d)
-                    values,
-                    cache.paged_step,  # (both maps' calls, and every layer's, share it)
-                    mask,
-                    causal=causal,
-                    scale=d**-0.5,
-                    backend=self.backend,
-                    score=None if score is None else SelectedHeads(score, heads_of_map, 2 * heads),
-                )
+                self._attend(call, q_map, k_map, values, mask, None, scale=d**-0.5, score=selected)
             )
         return torch.stack(maps, dim=2)
 
