@@ -1,5 +1,6 @@
 """Attention modules and transformer layers built on mhsa.attention.
 
+attention_base.py AttentionModule: one forward, checks and cache handling for all four below
 attention.py     MultiHeadAttention (self/cross, GQA, positions, caches)
 latent.py        LatentAttention (MLA: DeepSeek, MiniCPM3), absorbed decoding
 moe.py           MoEFeedForward: DeepSeek-V3's routed + shared experts, written plainly
