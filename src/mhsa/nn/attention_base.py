@@ -32,7 +32,9 @@ class AttentionCall:
     query (B, L, E); key and value (B, S, *) or None (self-attention); mask,
     key_padding_mask, bias, position and cache as forward takes them; causal resolved
     (the module's default for None); dropout the probability this call drops
-    attention probabilities with (0 outside training); need_weights as asked.
+    attention probabilities with (0 outside training); need_weights as asked; paged:
+    whether the cache is a PagedLayer (its update returns the pools of blocks, read
+    through cache.paged_step).
     """
 
     query: Tensor
@@ -46,12 +48,7 @@ class AttentionCall:
     cache: Cache | None
     dropout: float = 0.0
     need_weights: bool = False
-
-    @property
-    def paged(self) -> bool:
-        """Whether the cache is paged (a PagedLayer): its update returns the pools of
-        blocks, read through cache.paged_step."""
-        return self.cache is not None and self.cache.paged_step is not None
+    paged: bool = False  # the cache is paged (a PagedLayer): update returns its pools
 
 
 def check_input(name: str, t: Tensor, width: int) -> None:
@@ -134,6 +131,7 @@ class AttentionModule(nn.Module):
             cache,
             self.dropout if self.training else 0.0,
             need_weights,
+            cache is not None and cache.paged_step is not None,
         )
         self._check_call(call)
         return self._forward(call, **options)
