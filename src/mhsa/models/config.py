@@ -13,6 +13,14 @@ from ..nn.positional import RotaryEmbedding, rope_frequencies, rope_type
 
 HF_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
 HF_SIZES += ("num_attention_heads",)  # what every transformers decoder config gives
+# transformers' activation names (hidden_act, activation_function) -> ours
+HF_ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu": "gelu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+}
 
 
 @dataclass

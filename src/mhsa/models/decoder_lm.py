@@ -1,9 +1,11 @@
-"""DecoderLM: what the Hugging Face-style decoder-only language models (Llama and its
-families, Llama 4, DeepSeek) share, said once: embedding -> layers -> RMSNorm -> a head
-tied to the embedding or not; positions from the caches or each row's start; caches per
-layer (a ring buffer for a layer with a window); checked loading of transformers'
-weights and directories. A family gives its layers, its rotary embedding and its weight
-names (hf_names); see models/llama.py for the smallest one."""
+"""DecoderLM: what the decoder-only language models (GPT, Llama and its families,
+Llama 4, DeepSeek) share, said once: embedding -> layers -> RMSNorm -> a head tied to
+the embedding or not; positions from the caches or each row's start; caches per layer
+(a ring buffer for a layer whose window is shorter than the caches); the decoding
+layout; checked loading of transformers' weights and directories. A family gives its
+layers, its rotary embedding and its weight names (hf_names); see models/llama.py for
+the smallest one. GPT keeps its own forward (learned positions, dropout, sequence
+shards) and module names, and shares the rest."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from ..cache import KVCache, SlidingWindowCache
 from ..core.masks import Pattern
 from ..formats.weights import NameTable, SafetensorsFiles, TensorSource, as_source, load_weights
 from ..nn import MultiHeadAttention, RMSNorm
+from ..nn.layout import decoding_layout
 from .decoder import CacheLayout
 from .decoding import CausalLMDecoding, check_token_ids
 from .init import normal_init
@@ -48,13 +51,15 @@ class PreNormBlock(nn.Module):
             **options,
         )
 
-    def attend(self, x: Tensor, *, mask, padding, position, cache, causal: bool = True) -> Tensor:
-        """attn over attn_norm(x) (B, T, d): the layer's mask, key padding, position
-        (rotary or a score), cache."""
+    def attend(
+        self, x: Tensor, *, mask, key_padding_mask, position, cache, causal: bool = True
+    ) -> Tensor:
+        """attn over attn_norm(x) (B, T, d): the layer's mask, key padding (B, S) or
+        None, position (rotary or a score), cache."""
         return self.attn(
             self.attn_norm(x),
             mask=mask,
-            key_padding_mask=padding,
+            key_padding_mask=key_padding_mask,
             causal=causal,
             position=position,
             cache=cache,
@@ -70,10 +75,12 @@ class DecoderLM(nn.Module, CausalLMDecoding):
     """A Decoder (mhsa.models.decoder): prefill, step, make_caches, cache_layout.
     Subclasses set config_class and hf_names, call _build from __init__ and define
     _layer_inputs (each layer's mask and position); _embed and _logits
-    when their model scales the embedding or the logits."""
+    when their model scales the embedding or the logits; cache_window when a layer
+    attends a window; _cache_widths when a layer caches other than its heads."""
 
     config_class: type
     hf_names: NameTable
+    embedding_name = "embed"  # the token embedding's attribute (the tied head's weight)
     unit_offset_norm = False  # the final RMSNorm scales by (1 + weight) (Gemma)
     packs = False  # forward takes packed rows (cu_seqlens, position_ids)
     load_fix = "check that the config (layers, widths, tie_embeddings) matches it"
@@ -130,6 +137,7 @@ class DecoderLM(nn.Module, CausalLMDecoding):
             row = packed_row(idx, cu_seqlens, position_ids)
             positions, padding = row.positions[0], None
         else:
+            check_token_ids(idx, self.config.vocab_size)
             positions, padding = self._positions(idx, caches, start)
         inputs = self._layer_inputs(idx, positions, caches, start, row)
         x = self._embed(idx)
@@ -138,7 +146,7 @@ class DecoderLM(nn.Module, CausalLMDecoding):
             x = layer(
                 x,
                 mask=mask,
-                padding=padding,
+                key_padding_mask=padding,
                 position=position,
                 cache=None if caches is None else caches[i],
                 causal=row is None,  # a packed row's pattern is causal within each sequence
@@ -167,16 +175,15 @@ class DecoderLM(nn.Module, CausalLMDecoding):
     def _positions(
         self, idx: Tensor, caches: list[KVCache] | None, start: Tensor | None
     ) -> tuple[Tensor, Tensor | None]:
-        """idx (B, T) checked -> (positions (B, T) of its tokens, key padding (B, T) or
-        None): from the caches when given (they hold the padding), else counted from
-        each row's `start` (its first real token), so a left-padded row is positioned
-        as alone."""
-        check_token_ids(idx, self.config.vocab_size)
+        """idx (B, T) token ids (checked by the caller) -> (positions (B, T) of its
+        tokens, key padding (B, T) or None): from the caches when given (they hold the
+        padding), else counted from each row's `start` (its first real token), so a
+        left-padded row is positioned as alone."""
         batch, length = idx.shape
         if caches is not None:
-            if len(caches) != len(self.layers):
+            if len(caches) != self.config.n_layer:
                 raise ValueError(
-                    f"caches must hold one cache per layer ({len(self.layers)}), got "
+                    f"caches must hold one cache per layer ({self.config.n_layer}), got "
                     f"{len(caches)}; use model.make_caches(batch, max_len)"
                 )
             return caches[0].next_positions(length), None  # caches pad themselves
@@ -188,23 +195,52 @@ class DecoderLM(nn.Module, CausalLMDecoding):
 
     def _head(self, x: Tensor) -> Tensor:
         """Final hidden states (B, T, d) -> logits (B, T, vocab)."""
-        return x @ self.embed.weight.T if self.lm_head is None else self.lm_head(x)
+        if self.lm_head is None:
+            return x @ getattr(self, self.embedding_name).weight.T
+        return self.lm_head(x)
+
+    def fuse_projections(self) -> Self:
+        """For inference: every submodule that can (attention's q, k, v, a gated
+        feed-forward's gate and up) computes its projections in one matmul (see
+        MultiHeadAttention.fuse_projections); returns self."""
+        fusable = [m for m in self.modules() if m is not self and hasattr(m, "fuse_projections")]
+        for module in fusable:
+            module.fuse_projections()
+        return self
+
+    def decoding_layout(self) -> Self:
+        """For one-sequence decoding on CPU (mhsa chat): projections fused and float32
+        weights stored transposed, the tied embedding too (mhsa.nn.layout; one-row
+        matmuls read them faster, several rows slightly slower); returns self.
+        Inference only."""
+        tied = self.embedding_name if self.lm_head is None else None
+        decoding_layout(self.fuse_projections(), tied)
+        return self
 
     def cache_window(self, layer: int) -> int | None:
         """The keys layer `layer` ever needs, when bounded (a window); None: all."""
         return None
 
+    def _cache_widths(self) -> tuple[int, int, int | None]:
+        """What a layer caches per token: (key/value heads, key width, value width;
+        None: the key's, 0: no values)."""
+        c = self.config
+        return c.n_kv_head or c.n_head, c.head_width, None
+
     @property
     def cache_layout(self) -> CacheLayout:
-        """The per-token shape of this model's caches (a paged pool's size)."""
-        c, param = self.config, self.embed.weight
+        """The per-token shape of this model's caches (a paged pool's size):
+        _cache_widths in each of n_layer layers, in the embedding's dtype and device."""
+        heads, width, value_dim = self._cache_widths()
+        param = getattr(self, self.embedding_name).weight
         return CacheLayout(
-            c.n_layer, c.n_kv_head or c.n_head, c.head_width, param.dtype, param.device
+            self.config.n_layer, heads, width, param.dtype, param.device, value_dim=value_dim
         )
 
     def make_caches(self, batch: int, max_len: int) -> list[KVCache]:
-        """Empty caches for every layer; a layer with a window keeps only that many keys
-        (a SlidingWindowCache ring buffer)."""
+        """Empty caches for every layer, each of max_len positions; a layer whose window
+        is shorter keeps only that many keys (a SlidingWindowCache ring buffer: the
+        same keys in the same order, while max_len holds them all)."""
         layout = self.cache_layout
         options = {"dtype": layout.dtype, "device": layout.device}
         shape = (layout.num_kv_heads, layout.head_dim, layout.value_dim)

@@ -31,7 +31,6 @@ from ..formats.weights import NameTable
 from ..nn import GatedFeedForward, LatentAttention, MoEFeedForward, RMSNorm
 from ..nn.positional import rope_type
 from .config import CausalLMConfig, RopeSetting, hf_rope, hf_sizes, hf_stop_tokens
-from .decoder import CacheLayout
 from .decoder_lm import EMBED, DecoderLM, LayerInputs, PreNormBlock
 
 MODEL_TYPES = ("deepseek_v3", "minicpm3")
@@ -275,12 +274,9 @@ class DeepSeek(DecoderLM):
         qk_rope_head_dim) * the element size."""
         return sum(layer.attn.cache_bytes_per_token() for layer in self.layers)
 
-    @property
-    def cache_layout(self) -> CacheLayout:
+    def _cache_widths(self) -> tuple[int, int, int | None]:
         """Per token and layer: one key head [latent | rotary key] and no values."""
-        c, param = self.config, self.embed.weight
-        width = c.kv_lora_rank + c.qk_rope_head_dim
-        return CacheLayout(c.n_layer, 1, width, param.dtype, param.device, value_dim=0)
+        return 1, self.config.kv_lora_rank + self.config.qk_rope_head_dim, 0
 
     @classmethod
     def extra_names_ignored(cls, names: Iterable[str], config: DeepSeekConfig) -> list[str]:

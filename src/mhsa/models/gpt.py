@@ -6,8 +6,11 @@
 
 Rotary, ALiBi and T5 relative-bias positions act inside attention instead (ALiBi and
 the T5 bias as score functions the engine evaluates per tile; one T5 table is shared
-by every layer, as in T5). With `window` set, each
-token attends only the last `window` positions (itself included).
+by every layer, as in T5). With `window` set, each token attends only the last
+`window` positions (itself included). GPT is a DecoderLM (models/decoder_lm.py): its
+caches, cache layout and decoding layout are the Llama family's; GPT-2 weights load by
+the families' names (`GPT.from_pretrained(dir)`, `GPT.from_hf(state_dict,
+GPTConfig.from_hf_config(d))`).
 """
 
 from __future__ import annotations
@@ -18,14 +21,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ..cache import KVCache, SlidingWindowCache
+from ..cache import KVCache
 from ..core.masks import SlidingWindow
 from ..core.validate import check_dropout, int_at_least
 from ..formats.weights import NameTable, Rule, TensorSource, as_source, load_weights
 from ..nn import encoder_layers
 from ..nn.differential import DiffAttention
 from ..nn.latent import LatentAttention
-from ..nn.layout import decoding_layout
 from ..nn.moba import MoBA
 from ..nn.positional import (
     ALiBiPosition,
@@ -34,9 +36,9 @@ from ..nn.positional import (
     RotaryEmbedding,
     SinusoidalPositionalEncoding,
 )
-from .config import CausalLMConfig
-from .decoder import CacheLayout
-from .decoding import CausalLMDecoding, check_sampling, check_token_ids, sample
+from .config import HF_ACTIVATIONS, CausalLMConfig
+from .decoder_lm import DecoderLM
+from .decoding import check_sampling, check_token_ids, sample
 from .init import normal_init
 from .packing import packed_row, refuse_packed_with
 
@@ -44,6 +46,14 @@ POSITIONS = ("learned", "sinusoidal", "rotary", "alibi", "t5")
 # the self-attention of every layer (see _attention_layer)
 ATTENTIONS = ("standard", "diff", "moba", "latent")
 SCORE_POSITIONS = ("alibi", "t5")  # score functions: not yet across processes
+# GPTConfig's sizes <- their names in transformers' GPT2Config (config.json)
+GPT2_SIZES = {
+    "vocab_size": "vocab_size",
+    "n_layer": "n_layer",
+    "n_head": "n_head",
+    "d_model": "n_embd",
+    "max_len": "n_positions",
+}
 __all__ = ["GPT", "GPT2_NAMES", "GPTConfig", "check_sampling", "check_token_ids", "sample"]
 
 
@@ -101,9 +111,71 @@ class GPTConfig(CausalLMConfig):
                 f"positions other than {SCORE_POSITIONS}"
             )
 
+    @classmethod
+    def from_hf_config(cls, d: dict) -> GPTConfig:
+        """A transformers GPT-2 config.json dict -> the GPTConfig of its weights (learned
+        positions, a tied head, no dropout: for inference). ValueError for another
+        model_type, missing sizes, or attention GPT-2 options GPT lacks."""
+        if d.get("model_type") != "gpt2":
+            raise ValueError(f"model_type {d.get('model_type')!r} is not GPT-2's ('gpt2')")
+        missing = [theirs for theirs in GPT2_SIZES.values() if theirs not in d]
+        if missing:
+            raise ValueError(f"the config dict lacks {missing}; pass the model's config.json")
+        unlike = [
+            k for k in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn") if d.get(k)
+        ]
+        if not d.get("scale_attn_weights", True):
+            unlike.append("scale_attn_weights=False")
+        act = d.get("activation_function", "gelu_new")
+        if unlike or act not in HF_ACTIVATIONS:
+            raise ValueError(
+                f"GPT does not compute GPT-2's {unlike or [act]}; activation_function must be "
+                f"one of {sorted(HF_ACTIVATIONS)}"
+            )
+        return cls(
+            **{ours: d[theirs] for ours, theirs in GPT2_SIZES.items()},
+            d_ff=d.get("n_inner"),
+            activation=HF_ACTIVATIONS[act],
+            norm_eps=d.get("layer_norm_epsilon", 1e-5),
+        )
 
-class GPT(nn.Module, CausalLMDecoding):
-    """A Decoder (mhsa.models.decoder): prefill, step, make_caches, cache_layout."""
+
+GPT2_NAMES = NameTable(  # our names <-> transformers' GPT2LMHeadModel ("transformer." optional)
+    ("tok_emb.weight", "wte.weight"),
+    ("pos_emb.embedding.weight", "wpe.weight"),
+    Rule(
+        (
+            "blocks.{i}.self_attn.q_proj.{p}",
+            "blocks.{i}.self_attn.k_proj.{p}",
+            "blocks.{i}.self_attn.v_proj.{p}",
+        ),
+        "h.{i}.attn.c_attn.{p}",
+        transpose=True,
+    ),
+    Rule("blocks.{i}.self_attn.out_proj.{p}", "h.{i}.attn.c_proj.{p}", transpose=True),
+    Rule("blocks.{i}.feed_forward.linear1.{p}", "h.{i}.mlp.c_fc.{p}", transpose=True),
+    Rule("blocks.{i}.feed_forward.linear2.{p}", "h.{i}.mlp.c_proj.{p}", transpose=True),
+    ("blocks.{i}.attn_block.norm.{p}", "h.{i}.ln_1.{p}"),
+    ("blocks.{i}.ff_block.norm.{p}", "h.{i}.ln_2.{p}"),
+    ("ln_f.{p}", "ln_f.{p}"),
+    ignore=("lm_head.weight", "h.{i}.attn.bias", "h.{i}.attn.masked_bias"),  # tied; buffers
+    prefix="transformer.",
+)
+
+
+class GPT(DecoderLM):
+    """A Decoder (mhsa.models.decoder) on DecoderLM, whose caches (make_caches: a
+    SlidingWindowCache per layer when the window is shorter than them), cache_layout,
+    decoding_layout and checked loading it shares; its own forward (learned or
+    sinusoidal positions, dropout, sequence shards) over its own module names (tok_emb,
+    blocks, ln_f), which its checkpoints keep. The head is the embedding (tied)."""
+
+    config_class = GPTConfig
+    hf_names = GPT2_NAMES
+    embedding_name = "tok_emb"
+    lm_head = None  # tied: the logits are ln_f(x) @ tok_emb.weight.T
+    load_fix = "check that the GPTConfig (vocab_size, n_layer, d_model, max_len) matches it"
+    packs = True  # forward takes packed rows (cu_seqlens, position_ids)
 
     @property
     def prefill_alignment(self) -> int:
@@ -131,7 +203,8 @@ class GPT(nn.Module, CausalLMDecoding):
             "learned": lambda: LearnedPositionalEmbedding(config.max_len, config.d_model),
             "sinusoidal": lambda: SinusoidalPositionalEncoding(config.d_model, config.max_len),
         }.get(config.position, lambda: None)()
-        rotary_dim = _latent_widths(config)[1] if config.attention == "latent" else head_dim
+        latent = config.attention == "latent"
+        rotary_dim = _latent_widths(config)["qk_rope_head_dim"] if latent else head_dim
         self.attn_position = {
             "rotary": lambda: RotaryEmbedding(rotary_dim),
             "alibi": lambda: ALiBiPosition(pairs * config.n_head),
@@ -211,17 +284,10 @@ class GPT(nn.Module, CausalLMDecoding):
             if attn_position is not None:
                 attn_position = attn_position.at(positions)
             positions, padding = positions.expand(batch, length), None
-        elif caches is not None:
-            positions = caches[0].next_positions(length)
-            padding = None  # the caches report their own padding
-            if isinstance(attn_position, RotaryEmbedding):  # real-token positions
-                attn_position = attn_position.at(positions)
-        else:
-            index = torch.arange(length, device=idx.device).view(1, -1)
-            begin = torch.zeros(batch, 1, dtype=torch.long, device=idx.device)
-            begin = begin if start is None else start.view(-1, 1)
-            positions = (index - begin).clamp(min=0).expand(batch, length)
-            padding = None if start is None else index >= begin
+        else:  # from the caches (which report their own padding), or each row's start
+            positions, padding = self._positions(idx, caches, start)
+            if caches is not None and isinstance(attn_position, RotaryEmbedding):
+                attn_position = attn_position.at(positions)  # real-token positions
         x = self.tok_emb(idx)
         if self.pos_emb is not None:
             x = self.pos_emb(x, positions=positions)
@@ -235,64 +301,58 @@ class GPT(nn.Module, CausalLMDecoding):
                 position=attn_position,
                 cache=None if caches is None else caches[i],
             )
-        return self.ln_f(x[:, -1:] if last else x) @ self.tok_emb.weight.T  # tied head
+        return self._head(self.ln_f(x[:, -1:] if last else x))
 
-    def decoding_layout(self) -> GPT:
-        """For one-sequence decoding on CPU: q, k, v fused and float32 weights stored
-        transposed, the tied embedding too (mhsa.nn.layout; one-row matmuls read them
-        faster, several rows slightly slower); returns self. Inference only."""
-        for block in self.blocks:
-            if hasattr(block.self_attn, "fuse_projections"):
-                block.self_attn.fuse_projections()
-        decoding_layout(self, "tok_emb")
-        return self
+    def cache_window(self, layer: int) -> int | None:
+        """Every layer attends the config's window (None: all)."""
+        return self.config.window
 
-    @property
-    def cache_layout(self) -> CacheLayout:
-        """The per-token shape of this model's caches (a paged pool's size); latent
-        attention keeps one key head [latent | rotary key] and no values."""
-        config, param = self.config, self.tok_emb.weight
+    def _cache_widths(self) -> tuple[int, int, int | None]:
+        """Latent attention caches one key head [latent | rotary key] and no values;
+        differential attention 2 half-width heads for each of its heads."""
+        config = self.config
         if config.attention == "latent":
-            width = sum(_latent_widths(config))
-            return CacheLayout(config.n_layer, 1, width, param.dtype, param.device, value_dim=0)
-        pairs = 2 if config.attention == "diff" else 1  # differential heads: 2 halves each
-        return CacheLayout(
-            config.n_layer,
+            widths = _latent_widths(config)
+            return 1, widths["kv_lora_rank"] + widths["qk_rope_head_dim"], 0
+        pairs = 2 if config.attention == "diff" else 1
+        return (
             pairs * (config.n_kv_head or config.n_head),
             config.d_model // config.n_head // pairs,
-            param.dtype,
-            param.device,
+            None,
         )
 
-    def make_caches(self, batch: int, max_len: int) -> list[KVCache]:
-        """Empty caches for every layer: ring buffers of `window` with a window."""
-        config = self.config
-        param = self.tok_emb.weight
-        layout = self.cache_layout
-        widths = (layout.num_kv_heads, layout.head_dim, layout.value_dim)
-        options = {"dtype": param.dtype, "device": param.device}
-        if config.window is not None:
-            return [
-                SlidingWindowCache(batch, widths[0], config.window, *widths[1:], **options)
-                for _ in self.blocks
-            ]
-        return [KVCache(batch, widths[0], max_len, *widths[1:], **options) for _ in self.blocks]
+    def default_stop_tokens(self) -> None:
+        """None: a GPTConfig names no stop token."""
+        return None
 
     def position_limit(self) -> int | None:
         """Learned positions end at max_len; rotary, ALiBi and T5 positions do not."""
         return self.config.max_len if self.pos_emb is not None else None
 
     @classmethod
-    def from_hf_gpt2(
-        cls, state_dict: Mapping[str, Tensor] | TensorSource, config: GPTConfig
+    def from_hf(
+        cls,
+        state_dict: Mapping[str, Tensor] | TensorSource,
+        config: GPTConfig,
+        *,
+        dtype: torch.dtype | None = None,
     ) -> GPT:
         """Build a GPT from weights named as in transformers' GPT2LMHeadModel (a state
         dict, or a TensorSource such as SafetensorsFiles), every name and shape checked
-        first (GPT2_NAMES: Conv1D weights stored (in, out), c_attn fusing q, k and v)."""
+        first (GPT2_NAMES: Conv1D weights stored (in, out), c_attn fusing q, k and v),
+        cast to `dtype` if given; in eval mode. from_pretrained(directory) reads a
+        GPT-2 directory (config.json: GPTConfig.from_hf_config)."""
+        model = cls.from_hf_gpt2(state_dict, config)
+        return (model if dtype is None else model.to(dtype)).eval()
+
+    @classmethod
+    def from_hf_gpt2(
+        cls, state_dict: Mapping[str, Tensor] | TensorSource, config: GPTConfig
+    ) -> GPT:
+        """from_hf, in float32 and left in training mode (its older name)."""
         if config.position != "learned" or config.n_kv_head not in (None, config.n_head):
             raise ValueError("GPT-2 weights need position='learned' and no grouped-query heads")
-        fix = "check that the GPTConfig (vocab_size, n_layer, d_model, max_len) matches it"
-        return load_weights(cls(config), as_source(state_dict), GPT2_NAMES, fix=fix)
+        return load_weights(cls(config), as_source(state_dict), cls.hf_names, fix=cls.load_fix)
 
 
 def _attention_layer(config: GPTConfig, depth: int) -> nn.Module | None:
@@ -317,45 +377,20 @@ def _attention_layer(config: GPTConfig, depth: int) -> nn.Module | None:
             bias=config.bias,
         )
     if config.attention == "latent":
-        rank, rope_dim = _latent_widths(config)
-        head_dim = config.d_model // config.n_head
+        widths = _latent_widths(config)
         return LatentAttention(
-            config.d_model,
-            config.n_head,
-            kv_lora_rank=rank,
-            qk_rope_head_dim=rope_dim,
-            qk_nope_head_dim=head_dim,
-            v_head_dim=head_dim,
-            dropout=config.dropout,
-            bias=config.bias,
+            config.d_model, config.n_head, **widths, dropout=config.dropout, bias=config.bias
         )
     return None  # "standard"
 
 
-def _latent_widths(config: GPTConfig) -> tuple[int, int]:
-    """attention="latent": (kv_lora_rank, qk_rope_head_dim) = (d_model / 2, half a head,
-    even)."""
-    return config.d_model // 2, max(2, config.d_model // config.n_head // 4 * 2)
-
-
-GPT2_NAMES = NameTable(  # our names <-> transformers' GPT2LMHeadModel ("transformer." optional)
-    ("tok_emb.weight", "wte.weight"),
-    ("pos_emb.embedding.weight", "wpe.weight"),
-    Rule(
-        (
-            "blocks.{i}.self_attn.q_proj.{p}",
-            "blocks.{i}.self_attn.k_proj.{p}",
-            "blocks.{i}.self_attn.v_proj.{p}",
-        ),
-        "h.{i}.attn.c_attn.{p}",
-        transpose=True,
-    ),
-    Rule("blocks.{i}.self_attn.out_proj.{p}", "h.{i}.attn.c_proj.{p}", transpose=True),
-    Rule("blocks.{i}.feed_forward.linear1.{p}", "h.{i}.mlp.c_fc.{p}", transpose=True),
-    Rule("blocks.{i}.feed_forward.linear2.{p}", "h.{i}.mlp.c_proj.{p}", transpose=True),
-    ("blocks.{i}.attn_block.norm.{p}", "h.{i}.ln_1.{p}"),
-    ("blocks.{i}.ff_block.norm.{p}", "h.{i}.ln_2.{p}"),
-    ("ln_f.{p}", "ln_f.{p}"),
-    ignore=("lm_head.weight", "h.{i}.attn.bias", "h.{i}.attn.masked_bias"),  # tied; buffers
-    prefix="transformer.",
-)
+def _latent_widths(config: GPTConfig) -> dict[str, int]:
+    """attention="latent": LatentAttention's widths, kv_lora_rank d_model / 2,
+    qk_rope_head_dim half a head (even), the other query/key part and values a head."""
+    head_dim = config.d_model // config.n_head
+    return {
+        "kv_lora_rank": config.d_model // 2,
+        "qk_rope_head_dim": max(2, head_dim // 4 * 2),
+        "qk_nope_head_dim": head_dim,
+        "v_head_dim": head_dim,
+    }

@@ -25,18 +25,17 @@ from ..core.masks import SlidingWindow
 from ..core.validate import int_at_least
 from ..formats.weights import NameTable
 from ..nn import GatedFeedForward, RMSNorm
-from ..nn.layout import decoding_layout
-from .config import CausalLMConfig, RopeSetting, hf_rope, hf_sizes, hf_stop_tokens
+from .config import (
+    HF_ACTIVATIONS,
+    CausalLMConfig,
+    RopeSetting,
+    hf_rope,
+    hf_sizes,
+    hf_stop_tokens,
+)
 from .decoder_lm import EMBED, DecoderLM, LayerInputs, PreNormBlock
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-HF_ACTIVATIONS = {
-    "silu": "silu",
-    "swish": "silu",
-    "gelu": "gelu",
-    "gelu_pytorch_tanh": "gelu_tanh",
-    "gelu_new": "gelu_tanh",
-}
 
 
 @dataclass
@@ -233,22 +232,6 @@ class Llama(DecoderLM):
         for the Llama family's own layers; a family with other layers (Gemma 3) opts in
         itself."""
         return self.block_class is LlamaBlock
-
-    def fuse_projections(self) -> Llama:
-        """For inference: each layer's q, k, v and its gate, up projections in one
-        matmul each (see MultiHeadAttention.fuse_projections); returns self."""
-        for layer in self.layers:
-            layer.attn.fuse_projections()
-            layer.ff.fuse_projections()
-        return self
-
-    def decoding_layout(self) -> Llama:
-        """For one-sequence decoding on CPU (mhsa chat): projections fused and float32
-        weights stored transposed, the tied embedding too (mhsa.nn.layout); returns
-        self. Inference only."""
-        tied = "embed" if self.lm_head is None else None
-        decoding_layout(self.fuse_projections(), tied)
-        return self
 
     def cache_window(self, layer: int) -> int | None:
         """Windowed layers keep only their window."""
