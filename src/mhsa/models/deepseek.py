@@ -102,6 +102,22 @@ class DeepSeekConfig(CausalLMConfig):
         """The rotary embedding of the qk_rope_head_dim part of each head."""
         return RopeSetting(self.qk_rope_head_dim, self.rope_theta, self.rope_scaling, self.max_len)
 
+    def latent_widths(self) -> dict[str, int]:
+        """LatentAttention's widths (kv_lora_rank, the rotary and other query/key parts
+        of a head, a value head)."""
+        names = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+        return {name: getattr(self, name) for name in names}
+
+    def routing(self) -> dict:
+        """MoEFeedForward's routing keywords (top_k, groups, weights' scaling)."""
+        return {
+            "top_k": self.num_experts_per_tok,
+            "n_group": self.n_group,
+            "topk_group": self.topk_group,
+            "norm_topk_prob": self.norm_topk_prob,
+            "routed_scaling_factor": self.routed_scaling_factor,
+        }
+
     def moe(self, layer: int) -> bool:
         """Whether layer `layer`'s feed-forward is a mixture of experts."""
         return self.n_routed_experts > 0 and layer >= self.first_k_dense_replace
@@ -210,10 +226,7 @@ class DeepSeekBlock(PreNormBlock):
         self.attn = LatentAttention(
             c.d_model,
             c.n_head,
-            kv_lora_rank=c.kv_lora_rank,
-            qk_rope_head_dim=c.qk_rope_head_dim,
-            qk_nope_head_dim=c.qk_nope_head_dim,
-            v_head_dim=c.v_head_dim,
+            **c.latent_widths(),
             q_lora_rank=c.q_lora_rank,
             bias=c.attention_bias,
             rope_interleave=c.rope_interleave,
@@ -225,12 +238,8 @@ class DeepSeekBlock(PreNormBlock):
                 c.d_model,
                 c.moe_d_ff,
                 c.n_routed_experts,
-                top_k=c.num_experts_per_tok,
-                n_group=c.n_group,
-                topk_group=c.topk_group,
                 num_shared=c.n_shared_experts,
-                norm_topk_prob=c.norm_topk_prob,
-                routed_scaling_factor=c.routed_scaling_factor,
+                **c.routing(),
             )
         else:
             self.ff = GatedFeedForward(c.d_model, c.d_ff, activation="silu", bias=c.mlp_bias)

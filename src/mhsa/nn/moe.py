@@ -110,8 +110,13 @@ class MoEFeedForward(nn.Module):
             )
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
-        self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
-        self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, routed_scaling_factor
+        self.routing = {  # route()'s keywords
+            "top_k": top_k,
+            "n_group": n_group,
+            "topk_group": topk_group,
+            "norm_topk_prob": norm_topk_prob,
+            "routed_scaling_factor": routed_scaling_factor,
+        }
         self.activation = activation
         factory = {"device": device, "dtype": dtype}
         self.router = nn.Parameter(torch.empty(num_experts, d_model, **factory))
@@ -130,16 +135,7 @@ class MoEFeedForward(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """x (..., d) -> (..., d)."""
         flat = x.reshape(-1, x.shape[-1])  # (N, d)
-        weights, chosen = route(
-            flat,
-            self.router,
-            self.score_bias,
-            top_k=self.top_k,
-            n_group=self.n_group,
-            topk_group=self.topk_group,
-            norm_topk_prob=self.norm_topk_prob,
-            routed_scaling_factor=self.routed_scaling_factor,
-        )
+        weights, chosen = route(flat, self.router, self.score_bias, **self.routing)
         out = torch.zeros_like(flat)
         act = ACTIVATIONS[self.activation]
         for expert in chosen.unique().tolist():
