@@ -20,12 +20,17 @@ from mhsa.models.whisper import Whisper, WhisperConfig, WhisperTextDecoder
 SOURCE = Path(__file__).resolve().parents[2] / "src" / "mhsa"
 # each decoding loop, and what it must call for its tokens and stops
 LOOPS = {
-    "models/decoding.py": "sample_and_stop(",  # generate, greedy_search
-    "apps/chat.py": "sample_and_stop(",  # ChatModel.reply
-    "apps/serve/runner.py": "sample_and_stop(",  # the server
+    "models/decoding.py": "token_loop(",  # generate, greedy_search
+    "models/speculative.py": "token_loop(",  # speculative_decode (generate's, chat's)
+    "apps/chat.py": "token_loop(",  # ChatModel.reply, compiled
+    "apps/serve/runner.py": "sample_and_stop(",  # the server (it batches: its own passes)
     "models/beam_search.py": "StopRule(",  # ranks by log-prob: no sampling to share
     "apps/serve/engine.py": "runner.run(",  # applies the runner's choices
 }
+# the only callers of the per-token decision: the one token loop and the server's runner
+DECIDERS = ["apps/serve/runner.py", "models/sampling.py"]
+# where a drafting model may choose its draft tokens itself (they are only proposals)
+DRAFTERS = {"models/speculative.py": "DraftModel"}
 # what only models/sampling.py may do: choose tokens, test stop tokens
 OWN_CHOICES = re.compile(r"multinomial\(|\.argmax\(|torch\.isin\(|in self\.stop_ids|== eos")
 
@@ -45,21 +50,21 @@ def test_sampling_and_stopping_are_defined_once():
 def test_every_decoding_loop_uses_the_one_decision(loop):
     text = (SOURCE / loop).read_text()
     assert LOOPS[loop] in text
+    if loop in DRAFTERS:  # a draft model's own choices are proposals, not tokens
+        text = text[: text.index(f"class {DRAFTERS[loop]}")]
     assert not OWN_CHOICES.findall(text)
 
 
-def test_a_choice_says_whether_a_row_ends_and_no_loop_restates_it():
-    logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, 0.0, 1.0]])
-    choice = sample_and_stop(logits, GREEDY, StopRule([0], max_tokens=3), generated=1)
-    assert [choice.stops(0), choice.stops(1)] == [False, True]
-    assert [choice.ends(0), choice.ends(1)] == [False, True]
-    last = sample_and_stop(logits, GREEDY, StopRule([0], max_tokens=3), generated=2)
-    assert last.ends(0) and last.ends(1) and not last.stops(0)
-    free = sample_and_stop(logits, GREEDY, StopRule(), generated=100)
-    assert not free.stops(1) and not free.ends(1)
-    restated = re.compile(r"choice\.stopped is not None and bool\(choice\.stopped")
-    for path in SOURCE.rglob("*.py"):
-        assert not restated.search(path.read_text()), path
+def test_one_token_loop_asks_for_every_decision():
+    """Only the token loop (models/sampling.py) and the server's batched runner ask
+    sample_and_stop or accept_draft for a token: every other loop drives token_loop."""
+    call = re.compile(r"^(?!\s*def ).*\b(sample_and_stop|accept_draft)\(", re.MULTILINE)
+    callers = sorted(
+        str(path.relative_to(SOURCE))
+        for path in SOURCE.rglob("*.py")
+        if call.search(path.read_text())
+    )
+    assert callers == DECIDERS
 
 
 def test_the_engine_asks_the_model_for_its_cache_layout():

@@ -30,7 +30,7 @@ from ..formats.ggml_blocks import unpack_q4
 from ..formats.weights import TensorDict
 from ..models.decoding import compiled_decode_step
 from ..models.llama import EMBED, HF_NAMES, Llama, LlamaConfig
-from ..models.sampling import Choice, Sampling, StopRule, sample_and_stop
+from ..models.sampling import Choice, Sampling, StopRule, output_tokens, token_loop
 from ..models.speculative import Speculator, speculative_decode
 from ..nn.quantized import Int4Linear, Int8Linear, quantize_linears, replace_linears
 
@@ -116,11 +116,9 @@ class ChatModel:
         decoder = self.tokenizer.stream()
         self.last_stats = {"prompt_tokens": len(ids), "new_tokens": 0}
         prefilled = None
-        for count, choice in enumerate(choices):
+        for count, token in enumerate(output_tokens(choices)):
             prefilled = prefilled or time.perf_counter()  # (the first token ends the prefill)
-            if choice.stops():
-                break
-            piece = decoder.push(int(choice.tokens[0]))
+            piece = decoder.push(token)
             self.last_stats.update(
                 new_tokens=count + 1,
                 prefill_seconds=prefilled - start,
@@ -128,8 +126,6 @@ class ChatModel:
             )
             if piece:
                 yield piece
-            if choice.last:
-                break
         tail = decoder.flush()
         if tail:
             yield tail
@@ -141,15 +137,13 @@ class ChatModel:
             torch.tensor([ids], device=self.model.cache_layout.device), caches
         )
         step = compiled_decode_step(self.model, caches)
-        for count in range(stop.max_tokens):
-            choice = sample_and_stop(
-                logits.float(), sampling, stop, generated=count, generator=generator
-            )
-            yield choice
-            if choice.ends():
-                return
-            token = choice.tokens.view(1, 1)
-            logits = step(token)
+        return token_loop(
+            logits.float(),
+            sampling,
+            stop,
+            step=lambda token: step(token).float(),
+            generator=generator,
+        )
 
 
 def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:

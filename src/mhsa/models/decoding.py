@@ -8,8 +8,8 @@
 
 The model is a Decoder (mhsa.models.decoder): prefill(tokens, caches, start=...) and
 step(tokens, caches) give the last position's logits (B, V); make_caches(batch,
-max_len) builds its caches. Each next token and stop comes from
-mhsa.models.sampling.sample_and_stop.
+max_len) builds its caches. The tokens come from the one decoding loop,
+mhsa.models.sampling.token_loop (each next token and stop from sample_and_stop).
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..core.checks import int_at_least
 from .compiled_step import compile_seconds, compiled_decode_step, compiled_once, static_caches
 from .decoder import Decoder
 from .graph_step import graph_lease
-from .sampling import GREEDY, Sampling, StopRule, check_sampling, sample, sample_and_stop
+from .sampling import GREEDY, Sampling, StopRule, check_sampling, sample, token_loop
 
 if TYPE_CHECKING:
     from .speculative import Speculator
@@ -50,20 +51,14 @@ def greedy_search(
     each row's best token is fed back -> B token lists (no prefix, no eos); a row stops
     at eos or after max_new_tokens."""
     check_search(start, max_new_tokens)
-    stop = StopRule((eos,), max_new_tokens)
     outputs: list[list[int]] = [[] for _ in range(start.shape[0])]
-    done = torch.zeros(start.shape[0], dtype=torch.bool)
     logits = decoder.prefill(start, caches)
-    for count in range(max_new_tokens):
-        choice = sample_and_stop(logits, GREEDY, stop, generated=count)
-        best, stopped = choice.tokens.cpu(), choice.stopped.cpu()
-        for row in (~done).nonzero().flatten().tolist():
-            if not stopped[row]:
-                outputs[row].append(int(best[row]))
-        done |= stopped
-        if choice.last or done.all():
-            break
-        logits = decoder.step(best.view(-1, 1).to(start.device), caches)
+    stop = StopRule((eos,), max_new_tokens)
+    for choice in token_loop(logits, GREEDY, stop, step=lambda t: decoder.step(t, caches)):
+        best, stopped = choice.tokens.tolist(), choice.stopped.tolist()
+        for row, output in enumerate(outputs):
+            if not stopped[row]:  # (rows that ended before count as stopped)
+                output.append(best[row])
     return outputs
 
 
@@ -80,10 +75,12 @@ def _stop_tokens(eos_token: int | Sequence[int] | None, vocab_size: int) -> tupl
     if eos_token is None:
         return ()
     ids = [eos_token] if isinstance(eos_token, int) else list(eos_token)
-    if not ids or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+    if not ids:
         raise TypeError(
             f"eos_token must be a token id, a non-empty list of them, or None; got {eos_token!r}"
         )
+    for i in ids:
+        int_at_least("eos_token", i, 0, " (a token id, or a list of them)")
     check_token_ids(torch.tensor(ids, dtype=torch.long), vocab_size, name="eos_token")
     return tuple(ids)
 
@@ -193,28 +190,19 @@ class CausalLMDecoding:
         return None
 
     def _decode(self, logits, tokens, start, caches, step, sampling, stop, generator) -> Tensor:
-        """generate's loop from the prompt's logits (B, V): each next token chosen, fed
+        """generate's new tokens (B, N) from the prompt's logits (B, V), ended rows
+        repeating the first stop token (mhsa.models.sampling.token_loop): each token fed
         to `step` (a compiled or captured one), else to model.step over caches, else
-        appended to tokens and recomputed -> the new tokens (B, N), ended rows
-        repeating the first stop token."""
-        new = []
-        done = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
-        for count in range(stop.max_tokens):
-            choice = sample_and_stop(logits, sampling, stop, generated=count, generator=generator)
-            nxt = choice.tokens
-            if choice.stopped is not None:  # ended rows repeat the first stop token
-                nxt = torch.where(done, torch.full_like(nxt, stop.stop_tokens[0]), nxt)
-                done |= choice.stopped
-            new.append(nxt)
-            if choice.last or (choice.stopped is not None and bool(done.all())):
-                break
-            if step is not None:
-                logits = step(nxt.view(-1, 1))
-            elif caches is not None:
-                logits = self.step(nxt.view(-1, 1), caches)
-            else:
-                tokens = torch.cat([tokens, nxt.view(-1, 1)], dim=1)
-                logits = self.prefill(tokens, None, start=start)
+        appended to tokens and the whole recomputed."""
+
+        def recompute(nxt: Tensor) -> Tensor:  # no cache: the whole sequence again
+            nonlocal tokens
+            tokens = torch.cat([tokens, nxt], dim=1)
+            return self.prefill(tokens, None, start=start)
+
+        if step is None:
+            step = recompute if caches is None else lambda nxt: self.step(nxt, caches)
+        new = [c.tokens for c in token_loop(logits, sampling, stop, step=step, generator=generator)]
         return torch.stack(new, dim=1) if new else tokens[:, :0]
 
     @torch.no_grad()

@@ -1,18 +1,23 @@
 """The next token and whether a sequence ends: the one decision every decoding loop
-makes (generate, chat, greedy and beam search, the server's runner).
+makes (generate, chat, greedy and beam search, the server's runner), and the one loop
+that asks it token by token.
 
     Sampling(temperature, top_k, top_p)      how a token is chosen (temperature 0: greedy)
     StopRule(stop_tokens, max_tokens)        when a sequence ends
     sample_and_stop(logits, sampling, stop, generated=n)   -> Choice(tokens, stopped, last)
     accept_draft(logits, draft, sampling, stop, generated=n) -> [Choice, ...]  the same
                                              decision for drafted tokens (speculative decoding)
+    token_loop(logits, sampling, stop, step=... | verify=...)  -> Choice, Choice, ...
+                                             the decoding loop of generate, greedy_search,
+                                             speculative decoding and chat
+    output_tokens(choices)                   one sequence's tokens to output, to its end
     sample(logits, temperature=..., ...)     the token choice alone
     probabilities(logits, sampling)          the distribution sample() draws from
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +88,18 @@ class Choice:
         """Whether row's sequence ends with this token: a stop token, or the last allowed."""
         return self.last or self.stops(row)
 
+    def finish_reason(self, row: int = 0) -> str | None:
+        """How row's sequence ends with this token: "stop" (a stop token, not output),
+        "length" (the last allowed token, output), or None (it goes on)."""
+        if self.stops(row):
+            return "stop"
+        return "length" if self.last else None
+
+    def ends_all(self) -> bool:
+        """Whether every row's sequence has ended: the last allowed token, or a stop
+        token in every row (token_loop marks the rows that ended before as stopped)."""
+        return self.last or (self.stopped is not None and bool(self.stopped.all()))
+
 
 def sample_and_stop(
     logits: Tensor,
@@ -132,6 +149,8 @@ def accept_draft(
             f"logits must be (k + 1, V) = ({k + 1}, V) for {k} draft tokens, "
             f"got {tuple(logits.shape)}"
         )
+    if k == 0:  # no drafts: the plain decision
+        return [sample_and_stop(logits, sampling, stop, generated=generated, generator=generator)]
     taken: list[int] = []
     final: Choice | None = None
     if sampling.temperature == 0:
@@ -175,6 +194,81 @@ def accept_draft(
         if choice.ends():
             return choices
     return [*choices, final]
+
+
+# verify(taken, generated) -> (logits (k + 1, V), draft (k tokens), draft_probs (k, V) or None)
+Verify = Callable[[list[Choice], int], tuple[Tensor, list[int], Tensor | None]]
+
+
+def token_loop(
+    logits: Tensor,
+    sampling: Sampling,
+    stop: StopRule,
+    *,
+    step: Callable[[Tensor], Tensor] | None = None,
+    verify: Verify | None = None,
+    generator: torch.Generator | None = None,
+) -> Iterator[Choice]:
+    """The decoding loop: from logits (B, V) of each sequence's last prompt position,
+    one Choice per new token (tokens (B,)), each from sample_and_stop (or accept_draft),
+    ending with the first choice after which every sequence has ended
+    (Choice.ends_all: the max_tokens-th token, or a stop token in every row; nothing at
+    all for max_tokens 0). A row that ended before a choice holds the first stop token
+    there and counts as stopped.
+
+    The next logits come from one of (keyword, exactly one given):
+    step(tokens (B, 1)) -> logits (B, V): the chosen tokens fed back (a model's step
+        over its caches, a compiled or captured step, a recompute);
+    verify(taken, generated) -> (logits (k + 1, V), draft, draft_probs): one sequence
+        (B = 1) continued by the choices taken since the last call (`generated` new
+        tokens in all) and k >= 0 drafted tokens, in one forward pass (speculative
+        decoding); accept_draft keeps the drafts that stand and adds the model's own
+        next token, one Choice each."""
+    if (step is None) == (verify is None):
+        raise TypeError("token_loop takes exactly one of step= and verify=")
+    if stop.max_tokens == 0:
+        return
+    rows, generated, done = logits.shape[0], 0, None
+    taken = [sample_and_stop(logits, sampling, stop, generated=0, generator=generator)]
+    while True:
+        for choice in taken:
+            if rows > 1 and choice.stopped is not None:  # (one row ends the loop itself)
+                if done is not None:  # ended rows repeat the first stop token
+                    tokens = torch.where(done, stop.stop_tokens[0], choice.tokens)
+                    choice = Choice(tokens, done | choice.stopped, choice.last)
+                done = choice.stopped
+            yield choice
+            generated += 1
+            if choice.ends_all():
+                return
+        if verify is None:
+            logits = step(choice.tokens.view(-1, 1))
+            choice = sample_and_stop(
+                logits, sampling, stop, generated=generated, generator=generator
+            )
+            taken = [choice]
+        else:
+            logits, draft, draft_probs = verify(taken, generated)
+            taken = accept_draft(
+                logits,
+                draft,
+                sampling,
+                stop,
+                generated=generated,
+                generator=generator,
+                draft_probs=draft_probs,
+            )
+
+
+def output_tokens(choices: Iterable[Choice]) -> Iterator[int]:
+    """One sequence's tokens to output, from its Choices (row 0), to its end: a stop
+    token ends it unseen, the last allowed token is output."""
+    for choice in choices:
+        if choice.stops():
+            return
+        yield int(choice.tokens[0])
+        if choice.last:
+            return
 
 
 def probabilities(logits: Tensor, sampling: Sampling) -> Tensor:

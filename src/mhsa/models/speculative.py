@@ -11,43 +11,49 @@ Which drafts stand is mhsa.models.sampling.accept_draft's decision: greedy outpu
 exactly plain greedy decoding's (the paged attention and the quantised linears give
 every row the same numbers whatever else the call holds), and sampled tokens keep the
 target's distribution. The server's runner verifies many sequences' drafts at once
-(mhsa.apps.serve.runner); this module is the one-sequence loop of generate and chat.
+(mhsa.apps.serve.runner); speculative_decode runs one sequence through the one decoding
+loop (mhsa.models.sampling.token_loop) for generate and chat.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 
 from ..cache import PagedKVCache
 from ..core.checks import int_at_least
-from .sampling import Choice, Sampling, StopRule, accept_draft, probabilities, sample_and_stop
+from .sampling import GREEDY, Choice, Sampling, StopRule, probabilities, token_loop
 
 BLOCK = 16  # tokens per block of the one-sequence pools here
+Draft = tuple[list[int], Tensor | None]  # drafted tokens, the (k, V) probabilities of each
 
 
-class Speculator(Protocol):
+class Speculator:
     """Proposes up to k tokens to follow context (prompt + tokens so far) of stream
     `key`; returns them and the (k', V) probabilities each was drawn from (None: chosen
-    deterministically). forget(key) ends a stream."""
+    deterministically). forget(key) ends a stream. A speculator drafts in
+    _draft(context (a list), k (>= 1), sampling, generator, key)."""
 
     def propose(
         self,
         context: Sequence[int],
         k: int,
-        sampling: Sampling,
+        sampling: Sampling = GREEDY,
         generator: torch.Generator | None = None,
         key: int = 0,
-    ) -> tuple[list[int], Tensor | None]: ...
+    ) -> Draft:
+        if k < 1:
+            return [], None
+        return self._draft(list(context), k, sampling, generator, key)
 
-    def forget(self, key: int) -> None: ...
+    def forget(self, key: int) -> None:
+        """End stream `key` (a speculator that keeps no state per stream has nothing to do)."""
 
 
-class PromptLookup:
+class PromptLookup(Speculator):
     """Prompt lookup decoding: the tokens that followed the most recent earlier
     occurrence of the context's last n tokens (n from max_ngram down to min_ngram),
     up to k of them. Free: it runs no model, and drafts well where the answer copies
@@ -60,15 +66,7 @@ class PromptLookup:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
-    def propose(
-        self,
-        context: Sequence[int],
-        k: int,
-        sampling: Sampling | None = None,
-        generator: torch.Generator | None = None,
-        key: int = 0,
-    ) -> tuple[list[int], None]:
-        context = list(context)
+    def _draft(self, context: list[int], k: int, *_: object) -> Draft:
         end = len(context)
         for n in range(min(self.max_ngram, end - 1), self.min_ngram - 1, -1):
             tail = context[end - n :]
@@ -79,11 +77,8 @@ class PromptLookup:
                         return draft, None
         return [], None
 
-    def forget(self, key: int) -> None:
-        pass
 
-
-class DraftModel:
+class DraftModel(Speculator):
     """Drafts from a smaller decoder (GPT or Llama) with the target's vocabulary: it
     follows each stream in its own paged pool of num_blocks blocks, catches up on the
     tokens the target took, and drops the drafts it rejected. Greedy requests get its
@@ -102,17 +97,14 @@ class DraftModel:
         return self.model.config.vocab_size
 
     @torch.inference_mode()
-    def propose(
+    def _draft(
         self,
-        context: Sequence[int],
+        context: list[int],
         k: int,
         sampling: Sampling,
-        generator: torch.Generator | None = None,
-        key: int = 0,
-    ) -> tuple[list[int], Tensor | None]:
-        context = list(context)
-        if k < 1:
-            return [], None
+        generator: torch.Generator | None,
+        key: int,
+    ) -> Draft:
         if key not in self._streams:  # (a prefix another stream left may be cached)
             seq = self.pool.add_sequence(context)
             self._streams[key] = (seq, context[: self.pool.length(seq)])  # (forget frees it)
@@ -180,11 +172,12 @@ def speculative_decode(
     draft_tokens: int = 4,
     generator: torch.Generator | None = None,
 ) -> Iterator[Choice]:
-    """One sequence's Choices (one token each, as sample_and_stop gives them), ending
-    with one that stops or is the max_tokens-th: each step the speculator drafts up to
-    draft_tokens tokens, the target (a GPT or Llama) computes the last token and the
-    drafts in one forward pass over a paged cache, accept_draft keeps what stands and
-    adds the target's own next token, and the cache drops the rest. speculator None:
+    """One sequence's Choices (one token each, from mhsa.models.sampling.token_loop),
+    ending with one that stops or is the max_tokens-th: each step the cache drops the
+    drafts that fell, the speculator drafts up to draft_tokens tokens, the target (a GPT
+    or Llama) computes the last token and the drafts in one forward pass over a paged
+    cache, and accept_draft keeps what stands and adds the target's own next token.
+    speculator None:
     plain decoding over the same paged cache (so the same numbers as with drafts, and
     as `mhsa serve`)."""
     check_draft_tokens(draft_tokens)
@@ -199,31 +192,20 @@ def speculative_decode(
     seq = cache.add_sequence(context)
     tokens = torch.tensor([context], dtype=torch.long, device=layout.device)
     logits = model.prefill(tokens, cache.batch([seq], len(context)))
-    pending = [sample_and_stop(logits, sampling, stop, generated=0, generator=generator)]
+
+    def verify(taken: list[Choice], generated: int) -> tuple[Tensor, list[int], Tensor | None]:
+        """The last token and the drafts after the tokens taken, in one pass."""
+        context.extend(int(choice.tokens[0]) for choice in taken)
+        cache.truncate(seq, len(context) - 1)  # drop the drafts that fell
+        room = stop.max_tokens - generated - 1  # drafts beyond it could not be used
+        draft, q = [], None
+        if speculator is not None and room > 0:
+            draft, q = speculator.propose(context, min(draft_tokens, room), sampling, generator)
+        feed = torch.tensor([context[-1:] + draft], dtype=torch.long, device=layout.device)
+        return model.verify(feed, cache.batch([seq], feed.shape[1]))[0], draft, q
+
     try:
-        while True:
-            for choice in pending:
-                yield choice
-                if choice.ends():
-                    return
-                context.append(int(choice.tokens[0]))
-            generated = len(context) - len(prompt)
-            room = stop.max_tokens - generated - 1  # drafts beyond it could not be used
-            draft, q = [], None
-            if speculator is not None and room > 0:
-                draft, q = speculator.propose(context, min(draft_tokens, room), sampling, generator)
-            feed = torch.tensor([context[-1:] + draft], dtype=torch.long, device=layout.device)
-            logits = model.verify(feed, cache.batch([seq], feed.shape[1]))[0]
-            pending = accept_draft(
-                logits,
-                draft,
-                sampling,
-                stop,
-                generated=generated,
-                generator=generator,
-                draft_probs=q,
-            )
-            cache.truncate(seq, len(context) + len(pending) - 1)  # the drafts that stood
+        yield from token_loop(logits, sampling, stop, verify=verify, generator=generator)
     finally:
         if speculator is not None:
             speculator.forget(0)

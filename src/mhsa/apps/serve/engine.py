@@ -22,7 +22,7 @@ from torch import nn
 
 from ...cache import PagedKVCache
 from ...core.checks import int_at_least
-from ...models.sampling import Choice, check_sampling
+from ...models.sampling import Choice, check_sampling, output_tokens
 from ...models.speculative import Speculator, check_draft_tokens
 from .runner import Runner
 from .scheduler import OnToken, Request, Scheduler
@@ -180,18 +180,14 @@ class Engine:
             if len(choices) > 1:
                 with self._lock:
                     self.scheduler.took_drafts(request, len(choices) - 1)
-            for choice in choices:
-                if choice.stops():
-                    self._finish(request, "stop")
-                    break
-                token = int(choice.tokens[0])
+            for token in output_tokens(choices):
                 request.output.append(token)
                 request.token_times.append(now)
                 request.first_token_at = request.first_token_at or now
                 _call(request, token)
-                if choice.last:
-                    self._finish(request, "length")
-                    break
+            reason = choices[-1].finish_reason()  # (the runner's choices end at an end)
+            if reason is not None:
+                self._finish(request, reason)
 
     def _finish(self, request: Request, reason: str) -> None:
         with self._lock:
