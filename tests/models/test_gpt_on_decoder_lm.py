@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import max_error
+from helpers import assert_same_greedy, max_error
 from mhsa.cache import KVCache, SlidingWindowCache
 from mhsa.models import GPT, GPTConfig
 from mhsa.models.decoder_lm import DecoderLM
-from mhsa.models.graph_step import fixed_slots_problem
+from mhsa.models.graph_step import StaticDecodeStep, fixed_slots_problem
 from optional import needs
 
 
@@ -30,8 +30,9 @@ def test_gpt_keeps_no_copy_of_the_caches_or_layouts():
         model(torch.tensor([[1, 2]]), caches=model.make_caches(1, 4)[:1])
 
 
-@pytest.mark.parametrize("window", [40, 41, 100])
-@pytest.mark.parametrize("position", ["learned", "rotary", "alibi"])
+@pytest.mark.parametrize(
+    ("window", "position"), [(40, "learned"), (41, "rotary"), (100, "alibi"), (40, "t5")]
+)
 def test_a_window_as_long_as_the_caches_keeps_plain_caches(window, position):
     """window >= max_len: every key the caches can hold is in the window, so
     make_caches gives plain KVCaches of max_len, which a ring buffer of `window` slots
@@ -66,6 +67,25 @@ def test_a_window_as_long_as_the_caches_generates_the_tokens_of_no_window():
     ]
     ours = model.generate(prompts, 12, temperature=0)
     assert all(map(torch.equal, ours, unwindowed.generate(prompts, 12, temperature=0)))
+
+
+def test_a_window_as_long_as_the_caches_decodes_through_the_static_step():
+    """Its plain caches have the fixed slots generate's captured step continues (on
+    CUDA, where GPT declares graph_decoding): the step's greedy tokens, uncaptured on the
+    CPU, are plain decoding's."""
+    model = small(window=64, position="rotary")
+    prompt = torch.randint(0, 61, (1, 7), generator=torch.Generator().manual_seed(2))
+    caches = model.make_caches(1, 64)
+    got = []
+    with torch.no_grad():
+        logits = model.prefill(prompt, caches)
+        step = StaticDecodeStep(model, caches)
+        for _ in range(12):
+            got.append(int(logits.argmax(dim=-1)))
+            logits = step(torch.tensor([[got[-1]]]))
+    full = model.generate(prompt, 12, temperature=0, cuda_graph=False)[0].tolist()
+    with torch.no_grad():
+        assert_same_greedy(got, full[7:], lambda i: model(torch.tensor([full[: 7 + i]]))[0, -1])
 
 
 def test_decoding_layout_fuses_every_attention_and_keeps_the_logits():
