@@ -94,9 +94,9 @@ BUGS = {
         "tests/core/kernels/test_paged_attention.py",
     ),
     "a stop token is output before the request ends": (
-        "apps/serve/engine.py",
-        "                if choice.stops():\n",
-        "                if choice.stops() and request.output.append(int(choice.tokens[0])):\n",
+        "models/sampling.py",
+        "        if choice.stops():\n            return\n",
+        "        if choice.stops():\n            yield int(choice.tokens[0])\n            return\n",
         "tests/apps/serve/test_engine.py",
     ),
     "the stop rule ends a sequence one token late": (
