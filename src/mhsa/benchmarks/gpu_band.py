@@ -11,9 +11,7 @@ it measured). Shapes: B=4, H=16, D=128 (and D=64), bf16, L = S = 8192 by default
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import time
 from pathlib import Path
 
 import torch
@@ -22,6 +20,7 @@ from mhsa.core.attention import attention
 from mhsa.core.masks import SlidingWindow
 
 from . import gpu_measure as measure
+from .gpu_measure import JsonRows
 from .timing import matmul_gflops
 
 # the run of 2026-12-04 swept (128|64, 32|64|128, 4|8, 2|3|4); (128, 64, 8, 3) led at
@@ -55,25 +54,6 @@ DKV = [
 CASES = {"dense": (None, False), "causal": (None, True), "window": (SlidingWindow(1024, 0), True)}
 
 
-class Rows:
-    """Rows appended to DIR/name (flushed each) and printed."""
-
-    def __init__(self, out: Path | None, name: str = "band.jsonl") -> None:
-        self.file = None
-        self.start = time.perf_counter()
-        if out is not None:
-            out.mkdir(parents=True, exist_ok=True)
-            self.file = open(out / name, "a")  # noqa: SIM115 (kept open for the run)
-
-    def add(self, **row) -> None:
-        row["at_s"] = round(time.perf_counter() - self.start, 1)
-        text = json.dumps(row)
-        print(text, flush=True)
-        if self.file is not None:
-            self.file.write(text + "\n")
-            self.file.flush()
-
-
 def _inputs(shape, kv_heads, dtype, device, grad=False):
     batch, heads, length, dim = shape
     q = torch.randn(batch, heads, length, dim, device=device, dtype=dtype)
@@ -84,7 +64,7 @@ def _inputs(shape, kv_heads, dtype, device, grad=False):
 CHECK_SHAPES = ((torch.bfloat16, 128, (300, 1037)), (torch.float32, 64, (1000, 1000)))
 
 
-def run_checks(rows: Rows, device, shapes=CHECK_SHAPES) -> None:
+def run_checks(rows: JsonRows, device, shapes=CHECK_SHAPES) -> None:
     """Max errors of out, dq, dk, dv of backend='triton' (the band kernels) against the
     float32 reference, at awkward shapes (dtype, D, (L, S)): L != S, GQA, D=64 and 128."""
     from mhsa.nn.positional import alibi_slopes
@@ -144,7 +124,7 @@ def _backward_call(q, k, v, mask, causal, configs):
     )
 
 
-def run_sweep_forward(rows: Rows, device, length: int, peak: float, repeat: int, dims) -> None:
+def run_sweep_forward(rows: JsonRows, device, length: int, peak: float, repeat: int, dims) -> None:
     """Every forward config on dense and causal at each head dim."""
     for dim in dims:
         qkv = _inputs((4, 16, length, dim), 16, torch.bfloat16, device)
@@ -168,7 +148,7 @@ def run_sweep_forward(rows: Rows, device, length: int, peak: float, repeat: int,
         measure.release()
 
 
-def run_sweep_backward(rows: Rows, device, length: int, peak: float, repeat: int) -> None:
+def run_sweep_backward(rows: JsonRows, device, length: int, peak: float, repeat: int) -> None:
     """dq and dkv configs on causal, D=128 (the other kernel at its default); the
     share of the matmul counts the backward's 2.5 forwards."""
     qkv = _inputs((4, 16, length, 128), 16, torch.bfloat16, device)
@@ -190,7 +170,7 @@ def run_sweep_backward(rows: Rows, device, length: int, peak: float, repeat: int
         )
 
 
-def run_peers(rows: Rows, device, lengths, peak: float, repeat: int, cases=CASES) -> None:
+def run_peers(rows: JsonRows, device, lengths, peak: float, repeat: int, cases=CASES) -> None:
     """sdpa, flex (compiled) and triton through mhsa.attention, forward and
     forward+backward, per case and length, with auto's pick."""
     for length in lengths:
@@ -234,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dims", default="128,64", help="head dims of the forward sweep")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
-    rows = Rows(args.out)
+    rows = JsonRows(args.out, "band.jsonl")
     repeat = 3 if args.quick else 7
     length = 4096 if args.quick else 8192
     peak = matmul_gflops(8192, repeat, device, torch.bfloat16) * 1e9

@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 
 from . import gpu_measure as measure
-from .gpu_band import Rows
 
 
 def _llama(device, max_len: int, tiny: bool = False):
@@ -60,7 +59,7 @@ def _no_attention(module, query, key, value, attention_mask, **kwargs):
     return query.transpose(1, 2), None
 
 
-def run(rows: Rows, device, prefill_len: int, train_len: int, repeat: int) -> None:
+def run(rows: measure.JsonRows, device, prefill_len: int, train_len: int, repeat: int) -> None:
     from mhsa.core.masks import SlidingWindow
 
     model = _llama(device, max(prefill_len, train_len), tiny=device.type == "cpu")
@@ -101,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--device", default="cuda", help="cpu: a tiny model, a smoke test")
     args = parser.parse_args(argv)
-    rows = Rows(args.out, "gpu_hf.jsonl")
+    rows = measure.JsonRows(args.out, "gpu_hf.jsonl")
     try:
         run(rows, torch.device(args.device), args.prefill, args.train, args.repeat)
     except Exception as error:  # one expensive run: say what failed, keep what was measured

@@ -256,3 +256,31 @@ class Results:
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         tmp.write_text(json.dumps(self.data, indent=2))
         os.replace(tmp, self.path)
+
+
+class JsonRows:
+    """The rows of a GPU script, one JSON object per line appended to DIR/name and
+    flushed as each is made (a run cut short keeps what it measured), printed too and
+    kept in `rows`; each notes at_s, the seconds since the script began. out None:
+    printed only."""
+
+    def __init__(self, out: Path | None, name: str) -> None:
+        self.file = None
+        self.start = time.perf_counter()
+        self.rows: list[dict] = []
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            self.file = open(out / name, "a")  # noqa: SIM115 (kept open for the run)
+
+    def write(self, row: dict) -> dict:
+        row = {**row, "at_s": round(time.perf_counter() - self.start, 2)}
+        self.rows.append(row)
+        text = json.dumps(row)
+        print(text, flush=True)
+        if self.file is not None:
+            self.file.write(text + "\n")
+            self.file.flush()
+        return row
+
+    def add(self, **row) -> dict:
+        return self.write(row)

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.metadata
-import json
 import math
 import time
 from collections.abc import Callable
@@ -47,7 +46,7 @@ from mhsa.core.paged import paged_attention
 from mhsa.core.paged_step import PagedStep
 from mhsa.core.scores import ALiBi, Softcap
 
-from .gpu_measure import failure, release
+from .gpu_measure import JsonRows, failure, release
 from .timing import best_times
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -65,25 +64,6 @@ TUNING = (
     (64, 4, 2, 1024),
     (128, 8, 3, 512),
 )
-
-
-class Rows:
-    """DIR/gpu_paged.jsonl, a row per line, flushed; each row printed too."""
-
-    def __init__(self, out: Path) -> None:
-        out.mkdir(parents=True, exist_ok=True)
-        self.path = out / "gpu_paged.jsonl"
-        self.file = self.path.open("w")
-        self.started = time.perf_counter()
-        self.rows: list[dict] = []
-
-    def write(self, row: dict) -> dict:
-        row = {**row, "at_s": round(time.perf_counter() - self.started, 2)}
-        self.rows.append(row)
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
-        print(json.dumps(row), flush=True)
-        return row
 
 
 def make_call(
@@ -167,7 +147,7 @@ def _kernel():
     return paged
 
 
-def run_checks(rows: Rows, device: torch.device, dtype: torch.dtype, dry: bool) -> None:
+def run_checks(rows: JsonRows, device: torch.device, dtype: torch.dtype, dry: bool) -> None:
     kernel = _kernel()
     d = 16 if dry else HEAD_DIM
     slopes = torch.tensor([2 ** -(i + 1) for i in range(HEADS)], device=device)
@@ -244,7 +224,7 @@ def bench_row(
     return row
 
 
-def run_bench(rows: Rows, device, dtype, dry: bool, deadline: float, bandwidth: float) -> None:
+def run_bench(rows: JsonRows, device, dtype, dry: bool, deadline: float, bandwidth: float) -> None:
     batches, contexts = ((1, 3), (40, 100)) if dry else (BATCHES, CONTEXTS)
     pages = (5, 16) if dry else PAGES
     for batch in batches:
@@ -262,7 +242,7 @@ def run_bench(rows: Rows, device, dtype, dry: bool, deadline: float, bandwidth: 
                 release()
 
 
-def run_tune(rows: Rows, device, dtype, dry: bool, deadline: float) -> None:
+def run_tune(rows: JsonRows, device, dtype, dry: bool, deadline: float) -> None:
     kernel = _kernel()
     shapes = ((1, 100), (3, 40)) if dry else ((1, 32768), (64, 4096))
     tuning = ((16, 4, 1, 32), (16, 4, 1, 64)) if dry else TUNING
@@ -320,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
 
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
     dtype = torch.float32 if dry else torch.bfloat16
-    rows = Rows(args.out)
+    rows = JsonRows(args.out, "gpu_paged.jsonl")
     start = time.perf_counter()
     header = {"section": "header", "device": str(device), "dtype": str(dtype)}
     if device.type == "cuda":
