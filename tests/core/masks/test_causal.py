@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from helpers import source_code
+from mhsa.core.masks import Causal, SlidingWindow, bigbird
 from mhsa.core.masks.causal import causal_allows, causal_mask, causal_shift
 
 
@@ -43,3 +44,38 @@ def test_the_causal_alignment_is_written_once():
         if name != "core/masks/causal.py" and shift.search(code)
     ]
     assert offenders == []
+
+
+POSITION_PATTERNS = [
+    Causal(),
+    SlidingWindow(3, 0),
+    SlidingWindow(2, 5),
+    SlidingWindow(4, 1) & Causal(),
+    SlidingWindow(0, 0) | Causal(),
+]
+
+
+@pytest.mark.parametrize("pattern", POSITION_PATTERNS, ids=repr)
+@pytest.mark.parametrize("q_len,kv_len", [(1, 9), (6, 6), (4, 11), (11, 4)])
+def test_a_position_rule_is_the_patterns_element_mask(pattern, q_len, kv_len):
+    """positions() at global positions (row i at i + S - L) is the dense mask: the rule
+    flex's mask_mod and the paged kernels evaluate."""
+    assert pattern.by_position
+    q_pos = torch.arange(q_len).view(-1, 1) + causal_shift(q_len, kv_len)
+    by_position = pattern.positions(q_pos, torch.arange(kv_len).view(1, -1))
+    assert torch.equal(by_position, pattern.dense(q_len, kv_len).view(q_len, kv_len))
+
+
+def test_patterns_of_more_than_positions_say_so():
+    pattern = SlidingWindow(2, 0) | bigbird(4, seed=0)
+    assert not pattern.by_position and not bigbird(4).by_position
+    with pytest.raises(NotImplementedError, match="not a rule of positions"):
+        pattern.positions(torch.zeros(1, 1), torch.zeros(1, 1))
+
+
+def test_flex_and_the_paged_kernels_ask_the_pattern_for_their_rule():
+    """No engine states the window's or the causal comparison again: flex's mask_mod
+    and the paged kernels call Pattern.positions."""
+    code = source_code()
+    for name in ("core/backends/flex.py", "core/kernels/paged.py"):
+        assert ". positions (" in code[name] and "causal_allows" not in code[name], name

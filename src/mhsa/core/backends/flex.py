@@ -19,8 +19,8 @@ from torch import Tensor
 
 from ..kernels.memo import PatternCache
 from ..kernels.scored import add_sinks
-from ..masks import Causal, Pattern, with_causal
-from ..masks.causal import causal_allows, causal_shift
+from ..masks import Pattern, with_causal
+from ..masks.causal import causal_shift
 from .common import combined_mask
 from .flex_plan import block_mask_from_kinds, pattern_block_mask
 from .registry import PAGED_REASON, AttentionSpec, Backend
@@ -78,17 +78,17 @@ _CACHE = PatternCache(size=64)
 
 def _build_block_mask(mask, causal: bool, shape: tuple, device):
     batch, heads, q_len, kv_len = shape
-    if mask is None:  # causal only: a closed form, no bitmaps
+    if mask is None or isinstance(mask, Pattern):
+        pattern = with_causal(mask, causal)
+        if not pattern.by_position:
+            return pattern_block_mask(pattern, batch, q_len, kv_len, BLOCK, device)
         shift = causal_shift(q_len, kv_len)
 
-        def causal_mod(b, h, q_idx, kv_idx):
-            return causal_allows(q_idx + shift, kv_idx)
+        def position_mod(b, h, q_idx, kv_idx):  # a closed form: no bitmaps
+            return pattern.positions(q_idx + shift, kv_idx)
 
-        kinds = Causal().kinds(q_len, kv_len, BLOCK, BLOCK)
-        return block_mask_from_kinds(kinds, causal_mod, q_len, kv_len, BLOCK, device)
-    if isinstance(mask, Pattern):
-        pattern = with_causal(mask, causal)
-        return pattern_block_mask(pattern, batch, q_len, kv_len, BLOCK, device)
+        kinds = pattern.kinds(q_len, kv_len, BLOCK, BLOCK)
+        return block_mask_from_kinds(kinds, position_mod, q_len, kv_len, BLOCK, device)
     dense = _dense_mask(mask, causal, q_len, kv_len, device)
     per_batch, per_head = dense.shape[0] > 1, dense.shape[1] > 1
 

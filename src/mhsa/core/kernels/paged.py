@@ -36,7 +36,8 @@ import torch
 from torch import Tensor
 
 from ..checks import int_at_least
-from ..masks.causal import causal_allows, causal_shift
+from ..masks.causal import causal_shift
+from ..masks.patterns import Causal, SlidingWindow
 from ..scores import ScoreFunction
 from .dense import grouped_scores, masked_softmax, probs_times_v, stats_dtype
 from .merge import merge_partials
@@ -70,9 +71,10 @@ def query_positions(lengths: Tensor, q_len: int) -> Tensor:
 
 
 def _allowed(q_pos: Tensor, k_pos: Tensor, window: int | None) -> Tensor:
-    """Causal (and windowed) visibility of keys k_pos (1, 1, 1, K) from q_pos."""
-    allowed = causal_allows(q_pos, k_pos)
-    return allowed if window is None else allowed & (k_pos >= q_pos - window)
+    """Whether queries at q_pos see keys at k_pos (1, 1, 1, K): the rule of Causal(),
+    or of SlidingWindow(window, 0) with a window."""
+    pattern = Causal() if window is None else SlidingWindow(window, 0)
+    return pattern.positions(q_pos, k_pos)
 
 
 def _scored(

@@ -52,6 +52,14 @@ class Pattern:
     # allows nothing that Causal() forbids, so that and-ing Causal() changes nothing
     # (with_causal then keeps the pattern alone, with its fast paths)
     within_causal: bool = False
+    # a rule of global positions alone (query row i at i + S - L, key j at j): flex's
+    # mask_mod and the paged kernels call positions() element by element, no bitmap
+    by_position: bool = False
+
+    def positions(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        """For a by_position pattern, whether queries at global positions q_pos see keys
+        at k_pos: bool, the two broadcast. allowed() is this at rows + S - L."""
+        raise NotImplementedError(f"{self!r} is not a rule of positions alone")
 
     def allowed(self, rows: Tensor, cols: Tensor, q_len: int, kv_len: int) -> Tensor:
         """Element mask for query indices rows (R, 1) and key indices cols (1, C):
@@ -237,6 +245,7 @@ class Union(Pattern):
         self.block_size = math.gcd(*blocks) if blocks else None
         self.plain_values = all(p.plain_values for p in parts)
         self.within_causal = self._within(p.within_causal for p in parts)
+        self.by_position = all(p.by_position for p in parts)
 
     # how parts' element masks join, and which block kind wins (EMPTY < PARTIAL < FULL)
     _join = staticmethod(torch.logical_or)
@@ -246,6 +255,9 @@ class Union(Pattern):
     def allowed(self, rows, cols, q_len, kv_len):
         masks = [p.allowed(rows, cols, q_len, kv_len) for p in self.parts]
         return functools.reduce(self._join, masks)
+
+    def positions(self, q_pos, k_pos):
+        return functools.reduce(self._join, [p.positions(q_pos, k_pos) for p in self.parts])
 
     def tile(self, q0, q1, cols, q_len, kv_len):
         tiles = [p.tile(q0, q1, cols, q_len, kv_len) for p in self.parts]

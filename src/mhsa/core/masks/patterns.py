@@ -61,8 +61,13 @@ class Full(Pattern):
 class Causal(Pattern):
     """Query at position p attends keys j <= p (bottom-right aligned)."""
 
+    by_position = True
+
+    def positions(self, q_pos, k_pos):
+        return causal_allows(q_pos, k_pos)
+
     def allowed(self, rows, cols, q_len, kv_len):
-        return causal_allows(rows + causal_shift(q_len, kv_len), cols)
+        return self.positions(rows + causal_shift(q_len, kv_len), cols)
 
     def kinds(self, q_len, kv_len, block_q, block_k):
         # a tile is full if its first row sees its last key, empty if its last row sees
@@ -133,9 +138,14 @@ class SlidingWindow(Pattern):
         self.left = int_at_least("left", left, 0)
         self.right = int_at_least("right", right, 0)
 
-    def allowed(self, rows, cols, q_len, kv_len):
-        offset = cols - (rows + causal_shift(q_len, kv_len))  # key minus query position
+    by_position = True
+
+    def positions(self, q_pos, k_pos):
+        offset = k_pos - q_pos
         return (offset >= -self.left) & (offset <= self.right)
+
+    def allowed(self, rows, cols, q_len, kv_len):
+        return self.positions(rows + causal_shift(q_len, kv_len), cols)
 
     def kinds(self, q_len, kv_len, block_q, block_k):
         p_first, p_last = _query_positions(q_len, kv_len, block_q)
