@@ -1,7 +1,9 @@
-"""No hidden state on the attention and decode paths: src/mhsa/core and src/mhsa/cache
+"""No hidden state on the attention and decode paths: src/mhsa/core, cache, nn and models
 keep no module-level mutable caches. What a decoding step needs travels in the step
-(mhsa.PagedStep), never in a module-global "last call" that the next call must guess is
-still valid. Found by reading the source (ast), so a new one fails here as it is added:
+(mhsa.PagedStep), and what a model keeps between calls (its compiled step, its captured
+graph) lives on the model (models.compiled_step.StepMemo), never in a module-global
+"last call" that the next call must guess is still valid. Found by reading the source
+(ast), so a new one fails here as it is added:
 
     a module-level dict, list or set (or any object made by a call) that the module
         mutates: an item stored or deleted, a mutating method called (for an object made
@@ -20,7 +22,7 @@ import ast
 from pathlib import Path
 
 SOURCE = Path(__file__).resolve().parents[1] / "src" / "mhsa"
-SCANNED = ("core", "cache")
+SCANNED = ("core", "cache", "nn", "models")
 
 # (file under src/mhsa, name): why it is not hidden state of a call
 ALLOWED = {
@@ -145,7 +147,7 @@ def all_findings() -> set[tuple[str, str]]:
     }
 
 
-def test_core_and_cache_keep_no_module_level_mutable_state():
+def test_the_attention_and_decode_paths_keep_no_module_level_mutable_state():
     found = all_findings()
     assert found - set(ALLOWED) == set(), "module-level mutable state; pass it instead"
     assert set(ALLOWED) - found == set(), "ALLOWED names what is no longer there"

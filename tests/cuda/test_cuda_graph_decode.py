@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from helpers import assert_same_greedy
-from mhsa.models import GPT, GPTConfig, graph_step
+from mhsa.models import GPT, GPTConfig
+from mhsa.models.compiled_step import step_memo
 from mhsa.models.graph_step import StaticDecodeStep
 from mhsa.models.llama import Llama, LlamaConfig
 
@@ -90,10 +91,10 @@ def test_generate_captures_by_default_and_gives_plain_decodings_tokens(kind):
             got = model.generate(prompts, 20, temperature=0.0, eos_token=[])
         want = model.generate(prompts, 20, temperature=0.0, eos_token=[], cuda_graph=False)
         _greedy_agrees(model, got, want, prompts)
-        steps.append(graph_step._LEASES[model].step)
+        steps.append(step_memo(model).lease.step)
     assert steps[0] is steps[1] and steps[2] is not steps[1]
     assert all(step.graph is not None for step in steps)
-    assert model not in graph_step._REFUSED
+    assert step_memo(model).refused is None
 
 
 def test_sampling_through_the_graph_draws_as_plain_decoding():
@@ -118,4 +119,4 @@ def test_bf16_llama_decodes_through_the_graph_to_the_last_slot():
     prompt = _prompts((250,))[0].view(1, -1)  # 250 + 6 = 256: the bucket's every slot
     out = model.generate(prompt, 6, temperature=0.0, eos_token=[], cuda_graph=True)
     assert out.shape == (1, 256)
-    assert graph_step._LEASES[model].step.written == 255  # the last token is not fed
+    assert step_memo(model).lease.step.written == 255  # the last token is not fed

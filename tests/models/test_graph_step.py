@@ -10,7 +10,8 @@ import torch
 
 from helpers import assert_same_greedy
 from mhsa.cache import KVCache, SlidingWindowCache
-from mhsa.models import GPT, GPTConfig, decoding, graph_step
+from mhsa.models import GPT, GPTConfig, decoding
+from mhsa.models.compiled_step import step_memo
 from mhsa.models.gemma3 import Gemma3, Gemma3Config
 from mhsa.models.graph_step import GraphLease, StaticDecodeStep, fixed_slots_problem
 from mhsa.models.llama import Llama, LlamaConfig
@@ -208,7 +209,7 @@ def test_a_failed_capture_falls_back_to_plain_decoding_with_a_warning(monkeypatc
     with pytest.warns(RuntimeWarning, match="decodes uncaptured"):
         got = model.generate(prompt, 8, temperature=0.0)
     assert torch.equal(got, want)
-    assert model in graph_step._REFUSED
+    assert step_memo(model).refused  # generate does not try this model again
     with pytest.raises(ValueError, match="CUDA device"):
         model.generate(prompt, 8, temperature=0.0, cuda_graph=True)
 
@@ -229,3 +230,30 @@ def test_the_compiled_static_step_gives_generates_greedy_tokens():
         got.append(logits.argmax(dim=-1))
         logits = step(got[-1].view(-1, 1))
     _assert_greedy_as_generate(model, prompts, torch.stack(got, dim=1).tolist())
+
+
+def test_what_a_model_keeps_between_calls_lives_on_it_and_a_copy_starts_empty(tmp_path):
+    """compiled_once keeps the compiled function in the model's StepMemo (no module
+    dictionary); a deepcopy or a pickle of the model gets an empty memo, since compiled
+    code and captured graphs belong to the original's weights."""
+    import copy
+
+    model = GPT(GPTConfig(vocab_size=VOCAB, max_len=32, d_model=32, n_layer=1, n_head=2))
+    step = decoding.compiled_once(model, _double, lambda x: (x,))
+    memo = step_memo(model)
+    assert _double in memo.compiled and memo.compile_seconds is None
+    assert torch.equal(step(torch.ones(2)), torch.full((2,), 2.0))
+    assert memo.compile_seconds is not None and memo is step_memo(model)
+    memo.refused = "a planted capture failure"
+    for twin in (copy.deepcopy(model), _pickled(model, tmp_path)):
+        assert step_memo(twin).compiled == {} and step_memo(twin).refused is None
+        assert torch.equal(twin.tok_emb.weight, model.tok_emb.weight)
+
+
+def _double(x):
+    return x * 2
+
+
+def _pickled(model, tmp_path):
+    torch.save(model, tmp_path / "model.pt")
+    return torch.load(tmp_path / "model.pt", weights_only=False)

@@ -253,10 +253,10 @@ def _hf_static(hf, hf_generate, new: int) -> list[int]:
 def _graph_facts(model) -> dict:
     """Whether the captured path really ran (a capture that failed is an error under
     cuda_graph=True), and the compile seconds."""
-    from mhsa.models import graph_step
+    from mhsa.models.compiled_step import step_memo
     from mhsa.models.decoding import compile_seconds
 
-    lease = graph_step._LEASES.get(model)
+    lease = step_memo(model).lease
     step = None if lease is None else lease.step
     return {
         "captured": step is not None and step.graph is not None,

@@ -4,6 +4,7 @@
     compiled_once(model, function, args)  torch.compile(function) made once per model
     static_caches(caches)                 StaticKVCaches continuing prefilled KVCaches
     compile_seconds(model)                what the first compiled call took
+    step_memo(model)                      all a model keeps between decoding calls
 
 mhsa.models.graph_step captures this step in a CUDA graph.
 """
@@ -11,7 +12,6 @@ mhsa.models.graph_step captures this step in a CUDA graph.
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import Callable
 
 import torch
@@ -20,10 +20,34 @@ from torch import Tensor, nn
 from ..cache import StaticKVCache
 from .decoder import Decoder
 
-# per model: its compiled functions (by the function compiled), and how long the first
-# call took (compiling)
-_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_COMPILE_SECONDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+class StepMemo:
+    """What a model keeps between decoding calls, on the model itself
+    (model.decoding_memo), never in a module: its compiled functions (by the function
+    compiled), the seconds the first compiled call took, generate's GraphLease and why
+    a capture failed (generate does not try that model again). A copy or a pickle of
+    the model starts with an empty memo: compiled code and captured graphs belong to
+    the original's weights."""
+
+    def __init__(self) -> None:
+        self.compiled: dict[Callable, Callable] = {}
+        self.compile_seconds: float | None = None
+        self.lease = None  # graph_step.GraphLease | None
+        self.refused: str | None = None
+
+    def __deepcopy__(self, memo: dict) -> StepMemo:
+        return StepMemo()
+
+    def __reduce__(self) -> tuple:
+        return StepMemo, ()
+
+
+def step_memo(model: nn.Module) -> StepMemo:
+    """model's StepMemo, made on first use."""
+    memo = model.__dict__.get("decoding_memo")
+    if memo is None:
+        memo = model.decoding_memo = StepMemo()
+    return memo
 
 
 def compiled_decode_step(model: nn.Module, caches: list) -> Callable[[Tensor], Tensor]:
@@ -47,7 +71,8 @@ def static_caches(caches: list) -> list[StaticKVCache]:
 def compiled_once(model: nn.Module, function: Callable, arguments: Callable) -> Callable:
     """x -> function(*arguments(x)), through torch.compile(function) made once per model
     (fullgraph); the first call's seconds (compiling included) go to compile_seconds."""
-    made = _COMPILED.setdefault(model, {})
+    memo = step_memo(model)
+    made = memo.compiled
     first = function not in made
     if first:
         made[function] = torch.compile(function, fullgraph=True, dynamic=False)
@@ -58,7 +83,7 @@ def compiled_once(model: nn.Module, function: Callable, arguments: Callable) -> 
         started = time.perf_counter()
         result = compiled(*arguments(x))
         if first:
-            _COMPILE_SECONDS[model], first = time.perf_counter() - started, False
+            memo.compile_seconds, first = time.perf_counter() - started, False
         return result
 
     return call
@@ -72,4 +97,4 @@ def decode_step(model: Decoder, token: Tensor, caches: list) -> Tensor:
 def compile_seconds(model: nn.Module) -> float | None:
     """Seconds the first compiled decoding step of model took (compiling included), or
     None before generate(..., compile=True)."""
-    return _COMPILE_SECONDS.get(model)
+    return step_memo(model).compile_seconds

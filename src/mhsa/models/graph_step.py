@@ -4,7 +4,7 @@ decoding step is bound by Python and kernel launches, not by the GPU (issue 45).
     StaticDecodeStep(model, caches, compile=, capture=)   token (B, 1) -> logits (B, V)
     graph_lease(model, batch, length, cuda_graph)         generate's captured step and
                                                           the caches it continues, kept
-                                                          per model between calls
+                                                          on the model between calls
 
 The step continues prefilled KVCaches through StaticKVCaches (mhsa.cache), which share
 their storage: every step attends over all max_len slots, those not yet written masked
@@ -31,17 +31,13 @@ import torch
 from torch import Tensor, nn
 
 from ..cache import KVCache, StaticKVCache
-from .compiled_step import compiled_once, decode_step, static_caches
+from .compiled_step import compiled_once, decode_step, static_caches, step_memo
 
 __all__ = ["SLOT_BUCKET", "GraphLease", "StaticDecodeStep", "fixed_slots_problem", "graph_lease"]
 
 # generate's captured caches hold a multiple of this many slots, so that prompts and
 # lengths that differ a little share one capture
 SLOT_BUCKET = 256
-# per model: the last GraphLease generate made (reused while its shape fits), and why
-# a capture failed where generate tried one by default (it does not try again)
-_LEASES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_REFUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def fixed_slots_problem(caches: object) -> str | None:
@@ -175,7 +171,7 @@ class StaticDecodeStep:
 
 class GraphLease:
     """One generate call's hold on a model's captured step and the caches it continues
-    (kept per model, so the next call of the same shape replays the same graph): take
+    (kept in the model's StepMemo, so the next call of the same shape replays the same graph): take
     `caches`, prefill them, then `begin()` for the step; `release()` when done.
     compile, capture: StaticDecodeStep's (both off: the step generate's tests run on
     the CPU)."""
@@ -217,9 +213,10 @@ class GraphLease:
         except Exception as error:
             if strict:
                 raise
-            _REFUSED[model] = reason = f"{type(error).__name__}: {error}"
-            if _LEASES.get(model) is self:
-                del _LEASES[model]
+            memo = step_memo(model)
+            memo.refused = reason = f"{type(error).__name__}: {error}"
+            if memo.lease is self:
+                memo.lease = None
             warnings.warn(
                 f"generate decodes uncaptured: its step could not be captured in a CUDA "
                 f"graph ({reason[:300]}); pass cuda_graph=False not to try",
@@ -249,12 +246,13 @@ def graph_lease(
                 f"model is on {device}: move it (model.to('cuda')) or leave cuda_graph unset"
             )
         return None
-    if not strict and (not getattr(model, "graph_decoding", False) or model in _REFUSED):
+    memo = step_memo(model)
+    if not strict and (not getattr(model, "graph_decoding", False) or memo.refused):
         return None
     slots = -(-length // SLOT_BUCKET) * SLOT_BUCKET
     weights = tuple(t.data_ptr() for t in itertools.chain(model.parameters(), model.buffers()))
     key = (batch, slots, weights)
-    held = _LEASES.get(model)
+    held = memo.lease
     if held is not None and held.key == key and held.take():
         for cache in held.caches:
             cache.reset()
@@ -270,5 +268,5 @@ def graph_lease(
     if held is None or held.take():  # (a held lease another call uses stays its own)
         if held is not None:
             held.release()
-        _LEASES[model] = lease
+        memo.lease = lease
     return lease
