@@ -360,12 +360,15 @@ def _fused(call: PagedCall, layout) -> Tensor:
         shape = (batch, num_kv_heads, group * rows)
         out = q.new_zeros(*shape, call.v_pool.shape[3], dtype=stats_dtype(q.dtype))
         lse = torch.full(shape, -torch.inf, dtype=out.dtype, device=q.device)
-        for fused in tiles:
+        for index, fused in enumerate(tiles):
             active = fused.tile.active
             keys, values = _gathered(call, fused.tile)
             out_t, lse_t = fused_row_blocks(grouped[:active], keys, values, fused.masks, call.scale)
             if fused.keyless is not None:  # the kernel reports lse 0 for rows with no key
                 lse_t = lse_t.masked_fill(fused.keyless, -torch.inf)
+            if index == 0:  # nothing to merge with yet: the common one-tile decoding step
+                out[:active], lse[:active] = out_t, lse_t
+                continue
             parts = [(out[:active], lse[:active]), (out_t.to(out.dtype), lse_t.to(out.dtype))]
             out[:active], lse[:active] = merge_partials(parts)
         out = out.reshape(batch, num_kv_heads, group, rows, -1)
