@@ -9,7 +9,7 @@ import torch
 
 import mhsa
 from helpers import assert_matches_golden, golden_attention, max_error
-from mhsa.core.kernels import plain as plain_kernel
+from mhsa.core.kernels import unfused as unfused_kernel
 from mhsa.core.masks import SlidingWindow, bigbird
 from mhsa.core.scores import ALiBi, Compose, RelativeBias, ScoreMod, Softcap, t5_bucket
 from mhsa.nn.positional import alibi_slopes
@@ -305,8 +305,8 @@ def test_long_causal_alibi_runs_left_of_the_diagonal_as_key_and_row_terms(
 ):
     """A causal ALiBi call long enough for runs left of the diagonal: the fused kernel
     reads one row of values per run (frozen slopes); learned slopes and an lse gradient
-    take the plain backward, which cuts the fused plan's long runs into pieces."""
-    monkeypatch.setattr(plain_kernel, "PLAIN_KEYS", 512)  # pieces across keys too
+    take the unfused backward, which cuts the fused plan's long runs into pieces."""
+    monkeypatch.setattr(unfused_kernel, "UNFUSED_KEYS", 512)  # pieces across keys too
     torch.manual_seed(0)
     q = torch.randn(1, HEADS, q_len, 16, requires_grad=True)
     k, v = (torch.randn(1, HEADS, kv_len, 16, requires_grad=True) for _ in range(2))

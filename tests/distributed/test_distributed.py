@@ -22,7 +22,7 @@ TOLERANCE = 1e-5
 # name: (layout, causal, window, key padding, heads, kv_heads, value_dim, chunk)
 CASES = {
     "full": ("contiguous", False, None, False, 4, 4, 8, 3),
-    "full, plain kernel (D_v != D)": ("zigzag", False, None, False, 2, 2, 6, 3),
+    "full, unfused kernel (D_v != D)": ("zigzag", False, None, False, 2, 2, 6, 3),
     "causal contiguous": ("contiguous", True, None, False, 4, 4, 8, 3),
     "causal zigzag": ("zigzag", True, None, False, 4, 4, 8, 3),
     "window contiguous": ("contiguous", False, (4, 2), False, 2, 2, 8, 3),

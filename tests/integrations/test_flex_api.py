@@ -211,7 +211,7 @@ def test_grouped_query_attention_with_a_per_head_mask():
     q = torch.randn(2, 4, 150, 16, requires_grad=True)
     k, v = (torch.randn(2, 2, 150, 16, requires_grad=True) for _ in range(2))
     block_mask = create_block_mask(per_head, None, 4, 150, 150, "cpu", 32)
-    for score_mod in (alibi, None):  # plain tiles and the fused kernel
+    for score_mod in (alibi, None):  # unfused tiles and the fused kernel
         out, lse = flex_attention(q, k, v, score_mod, block_mask, enable_gqa=True, return_lse=True)
         theirs, their_lse = torch_flex(
             q.detach(), k.detach(), v.detach(), score_mod, block_mask, enable_gqa=True
@@ -246,7 +246,7 @@ def test_rows_with_no_allowed_key_give_zero_and_lse_minus_inf():
 
     q, k, v = (torch.randn(1, 2, 64, 8, requires_grad=True) for _ in range(3))
     block_mask = create_block_mask(holes, None, None, 64, 64, "cpu", 16)
-    for score_mod in (None, softcap):  # the fused kernel and the plain tiles
+    for score_mod in (None, softcap):  # the fused kernel and the unfused tiles
         out, lse = flex_attention(q, k, v, score_mod, block_mask, return_lse=True)
         dead = torch.arange(64) % 7 == 3
         assert torch.isneginf(lse[..., dead]).all() and torch.isfinite(lse[..., ~dead]).all()
@@ -317,7 +317,7 @@ def test_a_block_mask_from_blocks_alone_allows_exactly_its_blocks():
 def test_mask_mod_runs_on_partial_blocks_only():
     """A causal mask of 4 x 4 blocks of 128 (FlexAttention's default): flex_attention,
     forward and backward, calls mask_mod only inside the diagonal blocks (the others
-    are skipped or full), on the fused kernel's path and on the plain tiles'."""
+    are skipped or full), on the fused kernel's path and on the unfused tiles'."""
     seen = []
 
     def recording(b, h, q_idx, kv_idx):
@@ -450,7 +450,7 @@ def test_bfloat16_within_twice_the_naive_error():
     scores = alibi(scores, 0, torch.arange(4).view(-1, 1, 1), *index)
     scores = scores.masked_fill(~window(0, 0, *index), -torch.inf).to(torch.bfloat16)
     naive = torch.softmax(scores, dim=-1) @ v
-    for score_mod in (alibi, ALiBi(SLOPES)):  # plain tiles and the fused kernel
+    for score_mod in (alibi, ALiBi(SLOPES)):  # unfused tiles and the fused kernel
         out = flex_attention(q, k, v, score_mod, block_mask)
         assert out.dtype == torch.bfloat16
         error = (out.double() - expected).abs().max()

@@ -19,7 +19,7 @@ from mhsa.core.kernels.flash import flash_attention
 from mhsa.core.kernels.plan import build_plan
 from mhsa.core.masks import EMPTY, FULL, PARTIAL, BoolMask, Causal, with_causal
 
-KERNELS = ["fused", "gather", "plain"]
+KERNELS = ["fused", "gather", "unfused"]
 
 
 def run_flash(
@@ -43,13 +43,13 @@ def run_flash(
         k.shape[2],
         block_q=block,
         block_k=block // 2,
-        max_run_keys=3 * block // 2 if kernel == "plain" else None,
-        merge_rows=kernel != "plain",
+        max_run_keys=3 * block // 2 if kernel == "unfused" else None,
+        merge_rows=kernel != "unfused",
         gather=kernel == "gather",
     )
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return flash_attention(
-        q, k, v, plan, bias=bias, scale=scale, dropout=dropout, fused=kernel != "plain"
+        q, k, v, plan, bias=bias, scale=scale, dropout=dropout, fused=kernel != "unfused"
     )
 
 
@@ -96,7 +96,7 @@ def test_engine_matches_float64_reference(kernel, case):
 
 @pytest.mark.parametrize("case", ["causal-LneS", "everything"])
 def test_lse_gradient_flows(case):
-    """Merging by logsumexp (ring attention) needs d lse; the plain kernel serves it."""
+    """Merging by logsumexp (ring attention) needs d lse; the unfused kernel serves it."""
     q, k, v, mask, bias, causal = make_case(case)
     out, lse = run_flash(q, k, v, mask, causal=causal, bias=bias, kernel="fused")
     grad_out, grad_lse = torch.randn_like(out), torch.randn_like(lse)
@@ -152,7 +152,7 @@ def test_gradcheck_with_dropout_fixed_seed():
     q, k, v = make_qkv(1, 2, 1, 7, 10, 4, dtype=torch.float64, requires_grad=True)
 
     def fn(q, k, v):
-        return run_flash(q, k, v, causal=True, kernel="plain", block=4, dropout=(0.3, 1234))[0]
+        return run_flash(q, k, v, causal=True, kernel="unfused", block=4, dropout=(0.3, 1234))[0]
 
     assert torch.autograd.gradcheck(fn, (q, k, v))
 
@@ -262,7 +262,7 @@ def test_square_causal_uses_triangular_runs(kernel):
     source = with_causal(None, True)
     plan = build_plan(source, 203, 203, block_q=32, block_k=32, merge_rows=False)
     assert sum(run.triangle == "lower" for row in plan.rows for run in row.runs) == 7
-    out, lse = flash_attention(q, k, v, plan, scale=32**-0.5, fused=kernel != "plain")
+    out, lse = flash_attention(q, k, v, plan, scale=32**-0.5, fused=kernel != "unfused")
     grad_out = torch.randn_like(out)
     out.backward(grad_out)
     ref_out, ref_lse, ref_grads = reference_with_grads(q, k, v, None, None, True, grad_out)

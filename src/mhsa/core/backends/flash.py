@@ -2,9 +2,9 @@
 
 The call's mask and causal flag become a block plan (empty tiles skipped, full tiles
 unmasked); the engine in mhsa.core.kernels.flash computes it with PyTorch's fused CPU
-kernel per run, or plain torch (any device, dropout). Paged keys go to the tiled paged
-engine (mhsa.core.kernels.paged: one tile of pages at a time, an online softmax), which
-serves inference only.
+kernel per run, or with its unfused kernel (torch matmuls: any device, dropout). Paged
+keys go to the tiled paged engine (mhsa.core.kernels.paged: one tile of pages at a
+time, an online softmax), which serves inference only.
 """
 
 from __future__ import annotations
@@ -45,11 +45,11 @@ class FlashBackend(Backend):
         self, q, k, v, *, mask, bias, causal, scale, dropout_p, return_lse, score=None, sinks=None
     ):
         band = band_of(mask)
-        plain = bias is None and score is None and sinks is None
+        bare = bias is None and score is None and sinks is None  # no bias, score function or sinks
         if band is not None and band.dilation == 1:
-            # the plain window, whatever pattern said it: its plan has the band and triangles
+            # the undilated window, whatever pattern said it: its plan has the band and triangles
             mask = SlidingWindow(band.left, band.right)
-        elif band is not None and band.left == band.right and plain and not dropout_p:
+        elif band is not None and band.left == band.right and bare and not dropout_p:
             classes = residue_classes(band.left, band.dilation, causal, q.shape[2], k.shape[2])
             if classes is not None:
                 out, lse = self._by_residue(q, k, v, classes, band.dilation, scale)

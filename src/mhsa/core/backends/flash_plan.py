@@ -7,12 +7,12 @@ from ..kernels.flash import FlashCall, fused_available
 from ..kernels.plan import build_plan
 from ..masks import Band, Pattern, with_causal
 
-# Tile sizes: the fused kernel tiles internally, so its runs can be long; plain torch
-# materialises (rows x run) scores, so its runs are capped.
+# Tile sizes: the fused kernel tiles internally, so its runs can be long; the unfused
+# kernel materialises (rows x run) scores, so its runs are capped.
 FUSED_BLOCK = 256
-PLAIN_BLOCK_Q = 128
-PLAIN_BLOCK_K = 128
-PLAIN_MAX_RUN = 1024
+UNFUSED_BLOCK_Q = 128
+UNFUSED_BLOCK_K = 128
+UNFUSED_MAX_RUN = 1024
 # the fused kernel reads a score function's values as a float tile: runs are capped so
 # that a tile stays small (8 heads x 256 x 2048 floats: 16 MiB)
 FUSED_SCORED_MAX_RUN = 2048
@@ -58,9 +58,9 @@ def plan_for(mask, causal: bool, q_len: int, kv_len: int, device, fused: bool, s
         pattern,
         q_len,
         kv_len,
-        block_q=PLAIN_BLOCK_Q,
-        block_k=PLAIN_BLOCK_K,
-        max_run_keys=PLAIN_MAX_RUN,
+        block_q=UNFUSED_BLOCK_Q,
+        block_k=UNFUSED_BLOCK_K,
+        max_run_keys=UNFUSED_MAX_RUN,
         merge_rows=False,
     )
 

@@ -186,7 +186,7 @@ class FlexBackend(Backend):
         return None
 
     def preference(self, spec: AttentionSpec) -> float:
-        # On CUDA: the choice for patterns (sdpa wins plain and aligned-causal calls)
+        # On CUDA: the choice for patterns (sdpa wins unmasked and aligned-causal calls)
         return 2.5 if spec.has_mask or spec.causal else 0.5
 
     def forward(

@@ -68,13 +68,13 @@ class SdpaBackend(Backend):
         # Small score matrices cost nothing to materialise: one call beats a plan.
         if spec.q_len * spec.kv_len <= SMALL_SCORES:
             return 3.0
-        plain = not spec.has_mask and not spec.has_bias
+        bare = not spec.has_mask and not spec.has_bias  # no mask, no bias
         aligned = not spec.causal or spec.q_len == spec.kv_len
         if spec.device.type == "cpu":
             fused = spec.dropout_p == 0.0 and spec.head_dim == spec.value_dim
         else:
             fused = True
-        return 3.0 if plain and aligned and fused else 1.0
+        return 3.0 if bare and aligned and fused else 1.0
 
     def forward(
         self, q, k, v, *, mask, bias, causal, scale, dropout_p, return_lse, score=None, sinks=None

@@ -105,7 +105,7 @@ class TritonBackend(Backend):
             return 4.0
         if triton_leads(spec) or triton_band_leads(spec):  # measured (preference.py)
             return 2.9  # above flex's 2.5 for patterns, below sdpa's 3.0 for tiny calls
-        return 0.8  # below sdpa (1.0 / 3.0), above the plain-torch flash engine (0.5)
+        return 0.8  # below sdpa (1.0 / 3.0), above the unfused flash engine (0.5)
 
     def prepare_paged(self, call):
         """The paged kernel's launch (lengths on the device, grid) for a decoding step."""

@@ -9,7 +9,7 @@ O(L + S) per head. Empty tiles are never visited; full runs apply no mask.
 Each run is computed by one of two segment kernels:
 - fused: PyTorch's own CPU flash-attention kernel on the run (fast, float
   additive tile masks), for CPU calls without dropout and with D == D_v;
-- plain: matmuls and a softmax in plain torch (kernels.plain), on any device, with
+- unfused: matmuls and a softmax in torch (kernels.unfused), on any device, with
   dropout and any score function.
 """
 
@@ -25,10 +25,10 @@ from ..scores import ScoreFunction
 from .band import band_forward, interior_rows
 from .dense import stats_dtype
 from .merge import merge_partials
-from .plain import PlainBackward, RunGrads, plain_backward, run_forward
 from .plan import BlockPlan
 from .runs import add_keys, key_row_bias, run_keys, tile_bias
 from .scored import add_sinks, sink_grad
+from .unfused import RunGrads, UnfusedBackward, run_forward, unfused_backward
 
 _FUSED_FORWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FUSED_BACKWARD = getattr(
@@ -255,7 +255,7 @@ def flash_backward(
             delta = delta - grad_lse.to(dtype)
     if not fused:
         grads = RunGrads(dq, dk, dv, dbias, param_grads)
-        plain = PlainBackward(
+        unfused = UnfusedBackward(
             grad_out,
             q,
             k,
@@ -275,7 +275,7 @@ def flash_backward(
         q_blk, go_blk = q[:, :, q0:q1], grad_out[:, :, q0:q1]
         for run in rows.runs:
             if not fused:
-                plain_backward(plain, run, q0, q1)
+                unfused_backward(unfused, run, q0, q1)
                 continue
             cols, index, k_run, v_run = run_keys(k, v, run, plan)
             attn, row_term = _fused_bias(
@@ -345,7 +345,7 @@ def flash_attention(
 
     score: an mhsa.core.scores function applied to each tile's scaled scores (before the
     bias and the mask); sinks (H,): per-head logits of a key without a value.
-    fused=None picks the fused CPU kernel where it applies; False forces plain torch.
+    fused=None picks the fused CPU kernel where it applies; False forces the unfused kernel.
     """
     can_fuse = fused_available(q, v, dropout[0] if dropout else 0.0)
     can_fuse = can_fuse and (score is None or score.additive)

@@ -20,7 +20,7 @@ Score functions get per-sequence positions: q_pos (N, 1, T, 1), k_pos (1, 1, 1, 
 Without one, on CPU, each tile runs on PyTorch's fused flash kernel (the query heads of
 a group as rows of their kv head, in blocks that make every row's result independent of
 the call's other rows: see fused_row_blocks) and the tiles merge by their logsumexp;
-with one, the tiles are computed in plain torch. A tile's slots past a sequence's end
+with one, the tiles are computed unfused (torch matmuls). A tile's slots past a sequence's end
 may hold anything (nan, inf): its keys and values there are zeroed before use, as the
 fused kernel adds its -inf mask to their scores. Statistics are float32 (float64 for
 float64 inputs).
@@ -182,7 +182,7 @@ class _Tile(NamedTuple):
 
 
 def _runs_fused(call: PagedCall) -> bool:
-    """Whether the call's tiles run on the fused CPU kernel (else in plain torch)."""
+    """Whether the call's tiles run on the fused CPU kernel (else unfused, in torch matmuls)."""
     return (
         call.score is None
         and _FUSED is not None
@@ -244,7 +244,7 @@ def _gathered(call: PagedCall, tile: _Tile) -> tuple[Tensor, Tensor]:
 
 
 def _tiled_rows(call: PagedCall, chunk: _Chunk, batch_ids: Tensor, tile_size: int) -> Tensor:
-    """Online softmax over key tiles for a chunk of query rows, in plain torch."""
+    """Online softmax over key tiles for a chunk of query rows, unfused (torch matmuls)."""
     q, q_pos, v_pool = call.q[:, :, chunk.start : chunk.stop], chunk.q_pos, call.v_pool
     scale, score, window = call.scale, call.score, call.window
     batch, num_heads, rows, head_dim = q.shape

@@ -121,7 +121,7 @@ def build_plan(
 ) -> BlockPlan:
     """Turn a pattern (or None for full attention) into a BlockPlan.
 
-    max_run_keys caps a run's length (bounds the scores a plain tile materialises);
+    max_run_keys caps a run's length (bounds the scores an unfused tile materialises);
     merge_rows joins adjacent query blocks whose runs are identical and all full, makes
     a wholly lower-triangular mask a single causal run and a pattern's diagonal pieces
     (packed sequences) one run each; gather puts all of a

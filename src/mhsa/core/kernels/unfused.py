@@ -1,6 +1,6 @@
-"""The plain segment kernel of the flash engine: one run (query rows x key run) on
-materialised float tiles in plain torch, forward and backward, on any device, with
-dropout and any score function.
+"""The unfused segment kernel of the flash engine: one run (query rows x key run) on
+materialised float tiles, by torch matmuls and a softmax, forward and backward, on
+any device, with dropout and any score function.
 
 Each tile is a scratch buffer, so the elementwise steps work on it in place (a score
 tile becomes probabilities, then score gradients) rather than allocating a new tile
@@ -128,9 +128,9 @@ def run_backward(
     return dq, dk, dv
 
 
-# the plain backward's tiles: a run of a plan made for the fused kernel (which tiles
+# the unfused backward's tiles: a run of a plan made for the fused kernel (which tiles
 # internally) is cut into pieces of at most this many rows and keys
-PLAIN_ROWS, PLAIN_KEYS = 256, 2048
+UNFUSED_ROWS, UNFUSED_KEYS = 256, 2048
 
 
 class RunGrads(NamedTuple):
@@ -145,8 +145,8 @@ class RunGrads(NamedTuple):
     param_grads: list
 
 
-class PlainBackward(NamedTuple):
-    """What every run's plain backward of one call reads, built once per call: grad_out,
+class UnfusedBackward(NamedTuple):
+    """What every run's unfused backward of one call reads, built once per call: grad_out,
     q, k, v, the bias as 4-d (or None), the final lse (+inf on rows with no allowed key)
     and delta = rowsum(dO * O) - dlse (B, H, L), the call's plan, scale, dropout (p,
     seed) or None, score function, its params, and the accumulators."""
@@ -166,16 +166,16 @@ class PlainBackward(NamedTuple):
     grads: RunGrads
 
 
-def plain_backward(call: PlainBackward, run, q0: int, q1: int) -> None:
+def unfused_backward(call: UnfusedBackward, run, q0: int, q1: int) -> None:
     """Add the gradients of run for rows q0..q1 to call.grads, piece by piece."""
     grad_out, q, k, v, bias4, lse_inv, delta, plan, scale, dropout, score, params, grads = call
     dq, dk, dv, dbias, param_grads = grads
     dtype, shift = dq.dtype, causal_shift(plan.q_len, plan.kv_len)
     cols_all, index, k_run, v_run = run_keys(k, v, run, plan)
-    for r0 in range(q0, q1, PLAIN_ROWS):
-        r1 = min(q1, r0 + PLAIN_ROWS)
-        for c0 in range(0, len(cols_all), PLAIN_KEYS):
-            c1 = min(len(cols_all), c0 + PLAIN_KEYS)
+    for r0 in range(q0, q1, UNFUSED_ROWS):
+        r1 = min(q1, r0 + UNFUSED_ROWS)
+        for c0 in range(0, len(cols_all), UNFUSED_KEYS):
+            c1 = min(len(cols_all), c0 + UNFUSED_KEYS)
             cols = cols_all[c0:c1]
             attn = tile_bias(plan, bias4, r0, r1, run, cols, dtype)
             on_grad = None
