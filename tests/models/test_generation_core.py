@@ -161,7 +161,7 @@ def _decoders():
     yield (
         "seq2seq",
         Seq2SeqDecoder(seq2seq, source, padding),
-        lambda tokens: seq2seq.decode(tokens, source, padding)[:, -1],
+        lambda tokens: seq2seq.run_decoder(tokens, source, padding)[:, -1],
         CacheLayout(2, 2, 8, torch.float64, torch.device("cpu")),
     )
 

@@ -189,7 +189,7 @@ class CausalLMDecoding:
         """The stop tokens generate() uses when it is given none."""
         return None
 
-    def _decode(self, logits, tokens, start, caches, step, sampling, stop, generator) -> Tensor:
+    def _new_tokens(self, logits, tokens, start, caches, step, sampling, stop, generator) -> Tensor:
         """generate's new tokens (B, N) from the prompt's logits (B, V), ended rows
         repeating the first stop token (mhsa.models.sampling.token_loop): each token fed
         to `step` (a compiled or captured one), else to model.step over caches, else
@@ -289,7 +289,9 @@ class CausalLMDecoding:
             step = None if lease is None else lease.begin(strict=cuda_graph is True)
             if step is None and compile:
                 step = compiled_decode_step(self, caches)
-            generated = self._decode(logits, tokens, start, caches, step, sampling, stop, generator)
+            generated = self._new_tokens(
+                logits, tokens, start, caches, step, sampling, stop, generator
+            )
         finally:
             if lease is not None:
                 lease.release()

@@ -91,7 +91,7 @@ class Seq2Seq(nn.Module):
         padding = src != self.config.pad_id
         return self.encoder(self._embed(self.src_embed, src), key_padding_mask=padding), padding
 
-    def decode(
+    def run_decoder(
         self, tgt: Tensor, memory: Tensor, padding: Tensor, cache: DecoderCache | None = None
     ) -> Tensor:
         """tgt (B, T) ids (only the new ones with a cache) -> logits (B, T, tgt_vocab)."""
@@ -103,7 +103,7 @@ class Seq2Seq(nn.Module):
     def forward(self, src: Tensor, tgt: Tensor) -> Tensor:
         """Teacher forcing: src (B, S), tgt (B, T) decoder inputs -> logits (B, T, V)."""
         _check_ids("tgt", tgt, self.config.tgt_vocab, self.config.max_len)
-        return self.decode(tgt, *self.encode(src))
+        return self.run_decoder(tgt, *self.encode(src))
 
     def loss(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor) -> Tensor:
         """Cross-entropy of tgt_out (B, T) given src and tgt_in, padding ignored."""
@@ -184,11 +184,11 @@ class Seq2SeqDecoder:
         """Target tokens (B, T) -> logits (B, tgt_vocab) of the last; never left-padded."""
         if start is not None:
             raise ValueError("target prefixes are never left-padded: pass start=None")
-        return self.model.decode(tokens, self.memory, self.padding, caches)[:, -1]
+        return self.model.run_decoder(tokens, self.memory, self.padding, caches)[:, -1]
 
     def step(self, tokens: Tensor, caches: DecoderCache) -> Tensor:
         """tokens (B, 1) -> logits (B, tgt_vocab)."""
-        return self.model.decode(tokens, self.memory, self.padding, caches)[:, -1]
+        return self.model.run_decoder(tokens, self.memory, self.padding, caches)[:, -1]
 
 
 def _check_ids(name: str, ids: Tensor, vocab: int, max_len: int) -> None:

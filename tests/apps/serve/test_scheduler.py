@@ -71,7 +71,7 @@ def _run(scheduler: Scheduler, plan: Plan, fed: dict | None = None) -> None:
     """The runner's part: write each chunk into the pool, give each chunk that ends
     its request's context the next token, end requests at max_tokens."""
     pool = scheduler.pool
-    for chunk in [*plan.decode, *plan.prefills]:
+    for chunk in [*plan.decoding, *plan.prefills]:
         request = chunk.request
         pool.write(request.seq, len(chunk.tokens))
         if fed is not None:
@@ -182,7 +182,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_another_decodes():
         _run(scheduler, plans[-1], fed)
     assert len(plans) == 7  # 100 tokens in chunks of 16
     for plan in plans:  # each step: short's one token, one chunk of long's prompt
-        assert [chunk.request for chunk in plan.decode] == [short]
+        assert [chunk.request for chunk in plan.decoding] == [short]
         assert [chunk.request for chunk in plan.prefills] == [long]
         assert plan.prefills[0].samples == (plan is plans[-1])
     assert [len(chunk) for chunk in fed[1]] == [16] * 6 + [4]
@@ -214,7 +214,7 @@ def test_a_short_prompt_behind_a_long_prefill_is_prefilled_in_the_next_step():
     assert len(short.output) == 1
     plans = _serve(scheduler, [])
     assert all(sum(n for _, n, _ in _prefills(p)) <= 16 for p in plans)
-    assert [c.request for c in plans[0].decode] == [short]
+    assert [c.request for c in plans[0].decoding] == [short]
     assert _prefills(plans[0]) == [(0, 16, False)]  # the whole budget again
     for request in (long, short):
         assert request.finish_reason == "length" and request.output == _alone(request)
@@ -262,8 +262,8 @@ def test_each_step_keeps_the_prefill_budget_and_decodes_every_decoding_request()
             break
         decoding = [r for r in scheduler.running if r.decoding]
         plan = scheduler.schedule()
-        assert [c.request for c in plan.decode] == decoding
-        assert all(len(c.tokens) == 1 for c in plan.decode)
+        assert [c.request for c in plan.decoding] == decoding
+        assert all(len(c.tokens) == 1 for c in plan.decoding)
         assert len(plan.requests) == len(set(plan.requests))
         prefill = sum(len(c.tokens) for c in plan.prefills)
         waiting = sum(r.context_length - r.computed for r in scheduler.running if not r.decoding)
@@ -290,7 +290,7 @@ def test_a_long_prefill_goes_on_under_a_stream_of_short_prompts():
         scheduler.add(shorts[-1])
         before = long.computed
         plan = scheduler.schedule()
-        prefilling = len(scheduler.running) - len(plan.decode)
+        prefilling = len(scheduler.running) - len(plan.decoding)
         assert long.computed - before >= min(200 - before, math.ceil(16 / prefilling))
         _run(scheduler, plan)
     _serve(scheduler, [])

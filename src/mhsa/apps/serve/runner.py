@@ -69,16 +69,16 @@ class Runner:
     def run(self, plan: Plan) -> Iterator[Chosen]:
         """Execute plan: after each forward pass, the (request, Choices) of each request
         whose context it completed (one Choice each, or more with drafts that stood)."""
-        if plan.decode and self.speculator is not None:
-            yield from self._speculate(plan.decode)
-        elif plan.decode:
-            logits = self.decode(plan.decode)
-            yield self._choose([chunk.request for chunk in plan.decode], logits)
+        if plan.decoding and self.speculator is not None:
+            yield from self._speculate(plan.decoding)
+        elif plan.decoding:
+            logits = self.step_decoding(plan.decoding)
+            yield self._choose([chunk.request for chunk in plan.decoding], logits)
         for chunk in plan.prefills:
             logits = self.prefill(chunk)
             yield self._choose([chunk.request], logits) if chunk.samples else []
 
-    def decode(self, chunks: list[Chunk]) -> Tensor:
+    def step_decoding(self, chunks: list[Chunk]) -> Tensor:
         """One token of each request, in one forward pass -> logits (N, V)."""
         tokens = self._tensor([chunk.tokens for chunk in chunks])
         caches = self.cache.batch([chunk.request.seq for chunk in chunks], 1)

@@ -150,7 +150,7 @@ class Plan:
     prompt comes before the long ones' chunks are computed), and the requests this
     scheduling ended (cancelled) or preempted."""
 
-    decode: list[Chunk] = field(default_factory=list)
+    decoding: list[Chunk] = field(default_factory=list)
     prefills: list[Chunk] = field(default_factory=list)
     ended: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
@@ -158,11 +158,11 @@ class Plan:
     @property
     def requests(self) -> list[Request]:
         """The requests that run in this step."""
-        return [chunk.request for chunk in self.decode + self.prefills]
+        return [chunk.request for chunk in self.decoding + self.prefills]
 
     @property
     def empty(self) -> bool:
-        return not self.decode and not self.prefills
+        return not self.decoding and not self.prefills
 
 
 class Scheduler:
@@ -238,20 +238,20 @@ class Scheduler:
         plan = Plan(ended=self.end_cancelled())
         self._admit()
         while True:
-            decode = [
+            decoding = [
                 Chunk(r, [r.output[-1]], True, self._lookahead(r))
                 for r in self.running
                 if r.decoding
             ]
             prefills = self._prefill_chunks()
-            chunks = decode + prefills
+            chunks = decoding + prefills
             needed = sum(
                 self.pool.blocks_needed(c.request.seq, len(c.tokens) + c.lookahead) for c in chunks
             )
             if needed <= self.pool.free_blocks or len(self.running) < 2:
                 break
             plan.preempted.append(self.preempt(self.running[-1]))
-        plan.decode, plan.prefills = decode, prefills
+        plan.decoding, plan.prefills = decoding, prefills
         for chunk in chunks:  # the runner writes them into the pool in this step
             chunk.request.computed += len(chunk.tokens)
         return plan
