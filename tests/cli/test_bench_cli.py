@@ -6,7 +6,9 @@ import argparse
 import json
 
 import pytest
+import torch
 
+from mhsa.benchmarks.placement import CPU, Placement
 from mhsa.cli import build_parser, main
 
 
@@ -178,7 +180,12 @@ def test_hf_passes_its_options_to_the_benchmark(capsys, monkeypatch):
     monkeypatch.setattr("mhsa.benchmarks.hf.report", lambda result: "report")
     assert main(["bench", "hf", "--quick", "--repeat", "3"]) == 0
     assert main(["bench", "hf", "--json"]) == 0
-    assert seen == [{"quick": True, "repeat": 3}, {"quick": False, "repeat": 2}]
+    assert main(["bench", "hf", "--device", "cpu", "--dtype", "bf16"]) == 0
+    assert seen == [
+        {"quick": True, "repeat": 3, "on": CPU},
+        {"quick": False, "repeat": 2, "on": CPU},
+        {"quick": False, "repeat": 2, "on": Placement("cpu", torch.bfloat16)},
+    ]
 
 
 def test_flex_passes_its_options_to_the_benchmark(capsys, monkeypatch):
@@ -192,7 +199,7 @@ def test_flex_passes_its_options_to_the_benchmark(capsys, monkeypatch):
     assert main(["bench", "flex", "--length", "512", "--heads", "4", "--repeat", "2"]) == 0
     assert main(["bench", "flex", "--quick", "--json"]) == 0
     assert seen == [
-        {"length": 512, "heads": 4, "repeat": 2, "quick": False},
-        {"length": 2048, "heads": 8, "repeat": 3, "quick": True},
+        {"length": 512, "heads": 4, "repeat": 2, "quick": False, "on": CPU},
+        {"length": 2048, "heads": 8, "repeat": 3, "quick": True, "on": CPU},
     ]
     assert "mhsa.flex.flex_attention vs torch's flex_attention" in capsys.readouterr().out

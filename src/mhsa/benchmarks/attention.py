@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from mhsa.core.attention import attention
 
 from .memory import measure_in_subprocess
+from .placement import CPU, Placement
 from .timing import best_times, matmul_gflops
 
 GIB = 2**30
@@ -41,15 +42,12 @@ def timing_cases(
     heads: int,
     head_dim: int,
     repeat: int,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
+    on: Placement = CPU,
 ) -> list[dict]:
     """Dense and causal forward, causal forward+backward: sdpa vs flash (and auto)."""
-    placed = {"device": device, "dtype": dtype}
-    q, k, v = _inputs(heads, length, head_dim, **placed)
+    q, k, v = _inputs(heads, length, head_dim, **on.kwargs)
     fwd_flops = 4 * heads * length * length * head_dim
-    grads = _inputs(heads, length, head_dim, grad=True, **placed)
-    on_cpu = torch.device(device).type == "cpu"  # the targets are the CPU's
+    grads = _inputs(heads, length, head_dim, grad=True, **on.kwargs)
     cases = [
         (
             "dense forward",
@@ -86,8 +84,8 @@ def timing_cases(
     ]
     rows = []
     for name, flops, fns, targets in cases:
-        times = best_times(fns, repeat, device)
-        targets = targets if on_cpu else {}
+        times = best_times(fns, repeat, on.device)
+        targets = targets if on.cpu else {}  # the targets are the CPU's
         for backend, seconds in times.items():
             rows.append(
                 {
@@ -128,21 +126,19 @@ def run(
     repeat: int = 5,
     memory: bool = True,
     long: bool = False,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
+    on: Placement = CPU,
 ) -> dict:
-    """The timings (and, on the CPU, the memory cases) on device in dtype."""
+    """The timings, placed by `on` (and, on the CPU, the memory cases)."""
     torch.manual_seed(0)
-    cpu = torch.device(device).type == "cpu"
     result = {
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "matmul_gflops": matmul_gflops(2048 if cpu else 8192, device=device, dtype=dtype),
-        "timing": timing_cases(length, heads, head_dim, repeat, device, dtype),
+        "matmul_gflops": matmul_gflops(2048 if on.cpu else 8192, **on.kwargs),
+        "timing": timing_cases(length, heads, head_dim, repeat, on),
     }
-    if not cpu:
-        result.update(device=str(device), dtype=str(dtype).removeprefix("torch."))
-    result["memory"] = memory_cases(long) if memory and cpu else []
+    if not on.cpu:
+        result.update(device=str(on.device), dtype=on.dtype_name)
+    result["memory"] = memory_cases(long) if memory and on.cpu else []
     return result
 
 

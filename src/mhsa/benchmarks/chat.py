@@ -6,7 +6,7 @@ against the weight-streaming bound measured in the same run: one matrix-vector p
 over the float32 model's weights. Then batch 8 (prompts of different lengths): total
 new tokens/s. Each mode runs in a fresh process, which also gives its peak memory.
 
-On a GPU (run's device and dtype) the modes are ours and transformers' in that dtype,
+On a GPU (run's `on`) the modes are ours and transformers' in that dtype,
 eager and (ours) compiled; the file's quantised weights are the CPU's and are left
 out; the bound is the matrix-vector pass on the GPU, the peak its allocator's.
 """
@@ -20,6 +20,8 @@ import time
 
 import torch
 
+from .placement import CPU, Placement
+
 MODES = (
     "mhsa float32",
     "mhsa float32, compiled",
@@ -29,11 +31,11 @@ MODES = (
 )
 
 
-def modes(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> tuple:
-    """The modes measured on device in dtype: MODES on the CPU in float32; elsewhere ours
-    (eager, compiled) and transformers' in dtype."""
-    name = str(dtype).removeprefix("torch.")
-    if torch.device(device).type == "cpu" and name == "float32":
+def modes(on: Placement = CPU) -> tuple:
+    """The modes measured where `on` says: MODES on the CPU in float32; elsewhere ours
+    (eager, compiled) and transformers' in on.dtype."""
+    name = on.dtype_name
+    if on.cpu and name == "float32":
         return MODES
     return (f"mhsa {name}", f"mhsa {name}, compiled", f"transformers {name}")
 
@@ -119,10 +121,8 @@ def _transformers(device="cpu", dtype=torch.float32):
     return tokenizer, prefill, step, batch
 
 
-def _streaming_bound(
-    repeat: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
-) -> tuple[float, float]:
-    """Seconds of one matrix-vector pass over the model's weights in dtype on device (every
+def _streaming_bound(repeat: int, on: Placement = CPU) -> tuple[float, float]:
+    """Seconds of one matrix-vector pass over the model's weights where `on` says (every
     linear and the output head): what reading all weights once per token costs there.
     Two layouts: (out, in) through F.linear, as transformers stores them, and (in, out)
     through a matmul, as our decoding layout does (mhsa.nn.layout)."""
@@ -132,14 +132,12 @@ def _streaming_bound(
     model = load_chat_model(quantize="none").model
     stored = [m.weight_t for m in model.modules() if isinstance(m, TransposedLinear)]
     stored.append(model.embed.weight.T)  # the tied head, (in, out) in our layout
-    stored = [w.to(device=device, dtype=dtype) for w in stored]
-    cuda = torch.device(device).type == "cuda"
+    stored = [w.to(**on.kwargs) for w in stored]
+    cuda = on.device.type == "cuda"
 
     def best(weights: list[torch.Tensor], multiply) -> float:
         vectors = [
-            torch.randn(
-                1, w.shape[0] if multiply is torch.mm else w.shape[1], device=device, dtype=dtype
-            )
+            torch.randn(1, w.shape[0] if multiply is torch.mm else w.shape[1], **on.kwargs)
             for w in weights
         ]
         fastest = float("inf")
@@ -149,7 +147,7 @@ def _streaming_bound(
                 for w, vector in zip(weights, vectors, strict=True):
                     multiply(vector, w)
                 if cuda:
-                    torch.cuda.synchronize(device)
+                    torch.cuda.synchronize(on.device)
                 fastest = min(fastest, time.perf_counter() - start)
         return fastest
 
@@ -217,18 +215,17 @@ def run(
     new: int = 128,
     repeat: int = 2,
     threads: int | None = None,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
+    on: Placement = CPU,
 ) -> dict:
-    """Each mode (modes(device, dtype)) measured in a fresh process with `threads` torch
+    """Each mode (modes(on)) measured in a fresh process with `threads` torch
     threads (default: this process's count), then the weight-streaming bound in this
     process."""
     threads = torch.get_num_threads() if threads is None else threads
     results = {"prompt": prompt, "new": new, "threads": threads, "modes": {}}
-    where = str(device)
-    if torch.device(device).type != "cpu":
-        results["device"], results["dtype"] = where, str(dtype).removeprefix("torch.")
-    for mode in modes(device, dtype):
+    where = str(on.device)
+    if not on.cpu:
+        results["device"], results["dtype"] = where, on.dtype_name
+    for mode in modes(on):
         code = (
             "import json, sys, torch; from mhsa.benchmarks.chat import measure; "
             f"torch.set_num_threads({threads}); "
@@ -240,7 +237,7 @@ def run(
             results["modes"][mode] = {"error": last}
             continue
         results["modes"][mode] = json.loads(done.stdout.strip().splitlines()[-1])
-    usual, transposed = _streaming_bound(repeat, device, dtype)
+    usual, transposed = _streaming_bound(repeat, on)
     results["streaming_pass_seconds"] = {"F.linear (out, in)": usual, "mm (in, out)": transposed}
     results["streaming_bound_tokens_per_s"] = 1 / min(usual, transposed)
     return results

@@ -20,6 +20,7 @@ from mhsa.core.masks import SlidingWindow
 from mhsa.core.scores import ScoreMod
 from mhsa.flex import create_block_mask, flex_attention
 
+from .placement import CPU, Placement
 from .timing import best_times
 
 CASES = ("causal", "causal + relative bias table", "sliding window of 256")
@@ -39,12 +40,12 @@ def _mask_mod(case: str):
     return _window if case.startswith("sliding window") else _causal
 
 
-def _score_mod(case: str, heads: int, length: int, on: dict | None = None):
+def _score_mod(case: str, heads: int, length: int, on: Placement = CPU):
     """None, or a tensor-indexed score_mod (a learned (H, 2L - 1) table of relative
-    biases, as a FlexAttention user writes one) and its table (on: device and dtype)."""
+    biases, as a FlexAttention user writes one) and its table, placed by `on`."""
     if case != "causal + relative bias table":
         return None, None
-    table = (0.1 * torch.randn(heads, 2 * length - 1)).to(**(on or {})).requires_grad_()
+    table = (0.1 * torch.randn(heads, 2 * length - 1)).to(**on.kwargs).requires_grad_()
 
     def relative_bias(score, b, h, q_idx, kv_idx):
         return score + table[h, kv_idx - q_idx + length - 1]
@@ -94,16 +95,15 @@ def _torch_backward(score_mod, block_mask, q, k, v) -> str | None:
 
 
 def run_case(
-    case: str, length: int, heads: int, head_dim: int, repeat: int, on: dict | None = None
+    case: str, length: int, heads: int, head_dim: int, repeat: int, on: Placement = CPU
 ) -> dict:
     """Seconds of each implementation on one case, the compile time, what could not
-    run, and the largest output difference against mhsa's (on: device and dtype; by
-    default the CPU's float32)."""
-    on = on or {"device": torch.device("cpu"), "dtype": torch.float32}
-    device = on["device"]
+    run, and the largest output difference against mhsa's, placed by `on`."""
+    device = on.device
     score_mod, table = _score_mod(case, heads, length, on)
     block_mask = create_block_mask(_mask_mod(case), None, None, length, length, device)
-    q, k, v = (torch.randn(1, heads, length, head_dim, **on).requires_grad_() for _ in range(3))
+    shape = (1, heads, length, head_dim)
+    q, k, v = (torch.randn(shape, **on.kwargs).requires_grad_() for _ in range(3))
     params = [q, k, v] + ([table] if table is not None else [])
 
     # the same call through mhsa's own API (L = S: Flex's indices are its positions)
@@ -184,19 +184,16 @@ def run(
     head_dim: int = 64,
     repeat: int = 3,
     quick: bool = False,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
+    on: Placement = CPU,
 ) -> dict:
-    """Every case at L = S = length (256 and one run with quick), on device in dtype."""
+    """Every case at L = S = length (256 and one run with quick), placed by `on`."""
     torch.manual_seed(0)
     if quick:
         length, repeat = 256, 1
-    on = {"device": torch.device(device), "dtype": dtype}
     with warnings.catch_warnings():  # torch warns that its eager flex_attention is slow
         warnings.simplefilter("ignore")
         cases = [run_case(case, length, heads, head_dim, repeat, on) for case in CASES]
-    placement = f"{'CPU' if on['device'].type == 'cpu' else on['device']} "
-    return {"cases": cases, "placement": placement + str(dtype).removeprefix("torch.")}
+    return {"cases": cases, "placement": on.label}
 
 
 def _versus(mine: float, theirs: float) -> str:

@@ -2,7 +2,7 @@
 transformers' GPT-2, and with a sliding-window cache at a long prompt.
 
 A 6-layer, d_model 384, 6-head GPT with random weights; batch 1, greedy. On another
-device and dtype (run's) ours and transformers' run there; CTranslate2 (and the rows
+device and dtype (run's `on`) ours and transformers' run there; CTranslate2 (and the rows
 compared with it) only on the CPU.
 """
 
@@ -15,15 +15,13 @@ import torch
 
 from ..cache import KVCache
 from ..models import GPT, GPTConfig
+from .placement import CPU, Placement
 
 LAYERS, D_MODEL, HEADS = 6, 384, 6
 BATCH = 8  # the batched rows: copies of the prompt
 
 
-CPU = {"device": torch.device("cpu"), "dtype": torch.float32}  # the default placement
-
-
-def _tokens_per_s(fn, new_tokens: int, repeat: int, device: torch.device = CPU["device"]):
+def _tokens_per_s(fn, new_tokens: int, repeat: int, device: torch.device = CPU.device):
     def timed() -> float:
         start = time.perf_counter()
         fn()
@@ -35,13 +33,13 @@ def _tokens_per_s(fn, new_tokens: int, repeat: int, device: torch.device = CPU["
     return new_tokens / min(timed() for _ in range(repeat))
 
 
-def cache_case(prompt: int, new: int, repeat: int, on: dict = CPU) -> dict:
+def cache_case(prompt: int, new: int, repeat: int, on: Placement = CPU) -> dict:
     config = GPTConfig(
         vocab_size=256, n_layer=LAYERS, n_head=HEADS, d_model=D_MODEL, max_len=prompt + new
     )
-    model = GPT(config).eval().to(**on)
-    idx = torch.randint(0, 256, (1, prompt)).to(on["device"])
-    device = on["device"]
+    model = GPT(config).eval().to(**on.kwargs)
+    device = on.device
+    idx = torch.randint(0, 256, (1, prompt)).to(device)
     rates = {
         "mhsa, cache": _tokens_per_s(
             lambda: model.generate(idx, new, temperature=0), new, repeat, device
@@ -65,8 +63,8 @@ def cache_case(prompt: int, new: int, repeat: int, on: dict = CPU) -> dict:
             eos_token_id=None,
         )
         hf = transformers.GPT2LMHeadModel(hf_config).eval()
-        ours = GPT.from_hf_gpt2(hf.state_dict(), config).eval().to(**on)
-        hf.to(**on)
+        ours = GPT.from_hf_gpt2(hf.state_dict(), config).eval().to(**on.kwargs)
+        hf.to(**on.kwargs)
         same = torch.equal(
             ours.generate(idx, 16, temperature=0),
             hf.generate(idx, max_new_tokens=16, do_sample=False, pad_token_id=0),
@@ -139,7 +137,7 @@ def _hf_generate(hf, idx: torch.Tensor, new: int) -> None:
         )
 
 
-def window_case(prompt: int, new: int, window: int, repeat: int, on: dict = CPU) -> dict:
+def window_case(prompt: int, new: int, window: int, repeat: int, on: Placement = CPU) -> dict:
     config = GPTConfig(
         vocab_size=256,
         n_layer=LAYERS,
@@ -149,13 +147,13 @@ def window_case(prompt: int, new: int, window: int, repeat: int, on: dict = CPU)
         position="rotary",
         window=window,
     )
-    model = GPT(config).eval().to(**on)
-    idx = torch.randint(0, 256, (1, prompt)).to(on["device"])
+    model = GPT(config).eval().to(**on.kwargs)
+    idx = torch.randint(0, 256, (1, prompt)).to(on.device)
     head_dim = D_MODEL // HEADS
 
     def run(full: bool):
         if full:  # a full cache for the same windowed model
-            caches = [KVCache(1, HEADS, prompt + new, head_dim, **on) for _ in model.blocks]
+            caches = [KVCache(1, HEADS, prompt + new, head_dim, **on.kwargs) for _ in model.blocks]
         else:
             caches = model.make_caches(1, prompt + new)
         with torch.no_grad():
@@ -169,21 +167,15 @@ def window_case(prompt: int, new: int, window: int, repeat: int, on: dict = CPU)
     for name, full in (("sliding-window cache", False), ("full cache", True)):
         memory = run(full)
         rows[name] = {
-            "tokens_per_s": _tokens_per_s(lambda full=full: run(full), new, repeat, on["device"]),
+            "tokens_per_s": _tokens_per_s(lambda full=full: run(full), new, repeat, on.device),
             "cache_bytes": memory,
         }
     return {"prompt": prompt, "new_tokens": new, "window": window, "results": rows}
 
 
-def run(
-    repeat: int = 3,
-    quick: bool = False,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-) -> dict:
-    """Both cases on device in dtype (CTranslate2's rows on the CPU only)."""
+def run(repeat: int = 3, quick: bool = False, on: Placement = CPU) -> dict:
+    """Both cases, placed by `on` (CTranslate2's rows on the CPU only)."""
     torch.manual_seed(0)
-    on = {"device": torch.device(device), "dtype": dtype}
     if quick:
         result = {"cache": cache_case(32, 16, 1, on), "window": window_case(64, 8, 16, 1, on)}
     else:
@@ -192,7 +184,7 @@ def run(
             "window": window_case(2048, 256, 256, repeat, on),
         }
     if on != CPU:
-        result["placement"] = f"{device}, {str(dtype).removeprefix('torch.')}"
+        result["placement"] = str(on)
     return result
 
 

@@ -9,7 +9,7 @@ eager attention, in one run.
   sdpa given the same pattern as a dense 4-D mask; peak memory and time, each in a
   fresh process so that peaks do not mix.
 
-On another device and dtype (run's) both run there: the window case's peak is then
+On another device and dtype (run's `on`) both run there: the window case's peak is then
 the device's allocator peak (torch.cuda.max_memory_allocated), not resident memory.
 
     python -m mhsa.benchmarks.hf --window-case mhsa --length 16384 --window 512
@@ -26,6 +26,7 @@ import time
 import torch
 
 from .memory import peak_bytes, reset_peak, rss_bytes
+from .placement import CPU, Placement
 from .timing import best_times
 
 IMPLEMENTATIONS = ("mhsa", "sdpa", "eager")
@@ -49,12 +50,12 @@ def speed(
     lengths=(512, 4096),
     new: int = 32,
     repeat: int = 2,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
+    on: Placement = CPU,
 ) -> dict:
-    """Prefill seconds at each length and decoding tokens/s, per implementation, on
-    device in dtype."""
-    model = _smollm2(dtype).to(device)
+    """Prefill seconds at each length and decoding tokens/s, per implementation, placed
+    by `on`."""
+    device = on.device
+    model = _smollm2(on.dtype).to(device)
     vocab = model.config.vocab_size
 
     def use(name: str):
@@ -84,10 +85,10 @@ def speed(
             token = out.logits[:, -1].argmax(-1, keepdim=True)
 
     decoding = best_times({n: use(n)(decode) for n in IMPLEMENTATIONS}, repeat, device)
-    where = "" if torch.device(device).type == "cpu" else f", on {device}"
+    where = "" if on.cpu else f", on {device}"
     return {
         "model": "SmolLM2-135M-Instruct (transformers, from the packaged GGUF, "
-        f"{str(dtype).removeprefix('torch.')}{where})",
+        f"{on.dtype_name}{where})",
         "threads": torch.get_num_threads(),
         "prefill_seconds": {str(length): times for length, times in prefill.items()},
         "decode": {"prompt": 128, "new_tokens": new, "seconds": decoding},
@@ -161,18 +162,14 @@ def window_in_subprocess(
     return json.loads(ran.stdout.strip().splitlines()[-1])
 
 
-def run(
-    quick: bool = False,
-    repeat: int = 2,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-) -> dict:
-    """Both cases on device; the speed case in dtype (the window case trains: float32)."""
+def run(quick: bool = False, repeat: int = 2, on: Placement = CPU) -> dict:
+    """Both cases on on.device; the speed case in on.dtype (the window case trains:
+    float32)."""
     lengths, new, window_length = ((128, 512), 8, 2048) if quick else ((512, 4096), 32, 16384)
     return {
-        "speed": speed(lengths, new, repeat, device, dtype),
+        "speed": speed(lengths, new, repeat, on),
         "window": [
-            window_in_subprocess(name, window_length, 512, device) for name in ("mhsa", "sdpa")
+            window_in_subprocess(name, window_length, 512, on.device) for name in ("mhsa", "sdpa")
         ],
     }
 

@@ -14,6 +14,7 @@ from mhsa.core.attention import attention
 from mhsa.core.moba import moba_attention, moba_select
 
 from .memory import measure_in_subprocess
+from .placement import CPU, Placement
 from .timing import best_times
 
 MIB = 2**20
@@ -39,15 +40,14 @@ def run(
     repeat: int = 1,
     quick: bool = False,
     memory: bool = True,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
+    on: Placement = CPU,
 ) -> dict:
     """Times and peak memory of MoBA and dense causal attention (both backend="flash"),
-    on device in dtype (memory on the CPU only)."""
+    placed by `on` (memory on the CPU only)."""
     if quick:
         length, block_size, heads = 1024, 128, 2
-    on = {"device": torch.device(device), "dtype": dtype}
-    q, k, v = (torch.randn(1, heads, length, head_dim, **on).requires_grad_() for _ in range(3))
+    shape = (1, heads, length, head_dim)
+    q, k, v = (torch.randn(shape, **on.kwargs).requires_grad_() for _ in range(3))
 
     def moba() -> None:
         moba_attention(q, k, v, block_size, top_k, backend="flash").sum().backward()
@@ -55,7 +55,7 @@ def run(
     def causal() -> None:
         attention(q, k, v, causal=True, backend="flash").sum().backward()
 
-    seconds = best_times({"moba": moba, "dense causal": causal}, repeat, on["device"])
+    seconds = best_times({"moba": moba, "dense causal": causal}, repeat, on.device)
     result = {
         "length": length,
         "block_size": block_size,
@@ -68,9 +68,9 @@ def run(
             moba_select(q, k, block_size, top_k).cpu(), length, block_size
         ),
         "threads": torch.get_num_threads(),
-        "placement": f"{on['device']}, {str(dtype).removeprefix('torch.')}",
+        "placement": str(on),
     }
-    if memory and on["device"].type == "cpu":
+    if memory and on.cpu:
         rows = {
             "moba": measure_in_subprocess(
                 "flash", length, heads, head_dim, moba=(block_size, top_k)

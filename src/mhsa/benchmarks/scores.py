@@ -6,7 +6,7 @@ Time: best of `repeat`, interleaved. Memory: peak extra resident memory of one
 forward + backward in a fresh process (mhsa.benchmarks.memory), against the same call
 without a score function and against ALiBi given as the dense (H, L, S) bias it was
 before score functions (estimated: H * L * S * 4 bytes, twice with its gradient).
-On another device or dtype (run's device and dtype) the timings run there; the memory
+On another device or dtype (run's `on`) the timings run there; the memory
 figures are the CPU's and are left out.
 """
 
@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from .memory import measure_in_subprocess, score_named
-from .sparse import CPU, compiled_flex
+from .placement import CPU, Placement
+from .sparse import compiled_flex
 from .timing import best_times
 
 HEADS, HEAD_DIM = 8, 64
@@ -47,14 +48,14 @@ def _flex_score_mods(heads: int, device: torch.device | str = "cpu") -> dict:
     return {"alibi": alibi, "softcap": softcap}
 
 
-def flex_forward(length: int, repeat: int, on: dict = CPU) -> dict:
+def flex_forward(length: int, repeat: int, on: Placement = CPU) -> dict:
     """Forward-only seconds of the flash engine and compiled FlexAttention (causal
     BlockMask) for each score function, and the largest difference of their outputs."""
     from mhsa.core.attention import attention
 
-    q, k, v = (torch.randn(1, HEADS, length, HEAD_DIM, **on) for _ in range(3))
+    q, k, v = (torch.randn(1, HEADS, length, HEAD_DIM, **on.kwargs) for _ in range(3))
     result: dict = {"seconds": {}, "max_difference": {}, "setup_seconds": {}}
-    for name, score_mod in _flex_score_mods(HEADS, on["device"]).items():
+    for name, score_mod in _flex_score_mods(HEADS, on.device).items():
         # a second score_mod compiled in the same process can fail to lower (torch
         # 2.13, CPU: "unbacked_bindings"); each is measured on a fresh dynamo state
         torch._dynamo.reset()
@@ -70,7 +71,7 @@ def flex_forward(length: int, repeat: int, on: dict = CPU) -> dict:
             ),
             f"flex {name}": lambda f=flex: f(q, k, v),
         }
-        result["seconds"].update(best_times(fns, repeat, on["device"]))
+        result["seconds"].update(best_times(fns, repeat, on.device))
         difference = (fns[f"flash {name}"]() - fns[f"flex {name}"]()).float().abs().max().item()
         result["max_difference"][name], result["setup_seconds"][name] = difference, setup
     return result
@@ -81,19 +82,18 @@ def run(
     repeat: int = 3,
     memory: bool = True,
     flex: bool = True,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
+    on: Placement = CPU,
 ) -> dict:
-    """The timings on device in dtype; the memory figures on the CPU only."""
+    """The timings, placed by `on`; the memory figures on the CPU only."""
     torch.manual_seed(0)
-    on = {"device": torch.device(device), "dtype": dtype}
-    q, k, v = (torch.randn(1, HEADS, length, HEAD_DIM, **on).requires_grad_() for _ in range(3))
+    shape = (1, HEADS, length, HEAD_DIM)
+    q, k, v = (torch.randn(shape, **on.kwargs).requires_grad_() for _ in range(3))
     fns = {str(name): _step(q, k, v, _score(name, on)) for name in SCORES}
-    seconds = best_times(fns, repeat, on["device"])
+    seconds = best_times(fns, repeat, on.device)
     result = {"length": length, "heads": HEADS, "head_dim": HEAD_DIM, "seconds": seconds}
     if on != CPU:
-        result["placement"] = f"{on['device']} {str(dtype).removeprefix('torch.')}"
-    if memory and on["device"].type == "cpu":
+        result["placement"] = f"{on.device} {on.dtype_name}"
+    if memory and on.cpu:
         result["extra_bytes"] = {
             str(name): measure_in_subprocess(
                 "flash", length, HEADS, HEAD_DIM, causal=True, score=name
@@ -106,13 +106,13 @@ def run(
     return result
 
 
-def _score(name: str | None, on: dict):
-    """score_named's score function with its tensors (ALiBi's slopes) on on's device."""
+def _score(name: str | None, on: Placement):
+    """score_named's score function with its tensors (ALiBi's slopes) on on.device."""
     score = score_named(name, HEADS)
-    if name == "alibi" and on["device"].type != "cpu":
+    if name == "alibi" and not on.cpu:
         from mhsa.core.scores import ALiBi
 
-        score = ALiBi(score.slopes.to(on["device"]))
+        score = ALiBi(score.slopes.to(on.device))
     return score
 
 

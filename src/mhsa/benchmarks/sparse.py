@@ -17,20 +17,18 @@ from mhsa.core import masks
 from mhsa.core.attention import attention
 
 from .memory import measure_in_subprocess, pattern_named
+from .placement import CPU, Placement
 from .timing import best_times
 
 GIB = 2**30
 
 
-CPU = {"device": torch.device("cpu"), "dtype": torch.float32}  # the default placement
+def _inputs(length: int, heads: int, grad: bool = False, on: Placement = CPU):
+    """q, k, v (1, heads, length, 64), placed by `on`."""
+    return [torch.randn(1, heads, length, 64, **on.kwargs).requires_grad_(grad) for _ in range(3)]
 
 
-def _inputs(length: int, heads: int, grad: bool = False, on: dict = CPU):
-    """q, k, v (1, heads, length, 64) on on["device"] in on["dtype"]."""
-    return [torch.randn(1, heads, length, 64, **on).requires_grad_(grad) for _ in range(3)]
-
-
-def compiled_flex(mask_mod, length: int, score_mod=None, on: dict = CPU):
+def compiled_flex(mask_mod, length: int, score_mod=None, on: Placement = CPU):
     """Compiled flex_attention with mask_mod as a BlockMask (and score_mod): (fn, seconds
     to build the mask and compile), or (None, reason) where FlexAttention is
     unavailable."""
@@ -40,8 +38,7 @@ def compiled_flex(mask_mod, length: int, score_mod=None, on: dict = CPU):
         return None, str(error)
     start = time.perf_counter()
     try:
-        device = on["device"]
-        block_mask = create_block_mask(mask_mod, None, None, length, length, device=device)
+        block_mask = create_block_mask(mask_mod, None, None, length, length, device=on.device)
         compiled = torch.compile(flex_attention)
         q, k, v = _inputs(length, 8, on=on)
         compiled(q, k, v, block_mask=block_mask, score_mod=score_mod)
@@ -51,7 +48,7 @@ def compiled_flex(mask_mod, length: int, score_mod=None, on: dict = CPU):
     return (lambda q, k, v: compiled(q, k, v, block_mask=block_mask, score_mod=score_mod)), seconds
 
 
-def _flex_backward_reason(flex, length: int, on: dict = CPU) -> str | None:
+def _flex_backward_reason(flex, length: int, on: Placement = CPU) -> str | None:
     """None if compiled FlexAttention runs a backward here, else its error."""
     q, k, v = _inputs(length, 8, grad=True, on=on)
     try:
@@ -61,10 +58,10 @@ def _flex_backward_reason(flex, length: int, on: dict = CPU) -> str | None:
     return None
 
 
-def window_cases(length: int, repeat: int, on: dict = CPU) -> dict:
+def window_cases(length: int, repeat: int, on: Placement = CPU) -> dict:
     pattern = masks.SlidingWindow(256, 256)
     q, k, v = _inputs(length, 8, on=on)
-    dense = pattern.dense(length, length).to(on["device"])
+    dense = pattern.dense(length, length).to(on.device)
 
     def window_mod(b, h, q_idx, kv_idx):  # the same window, as FlexAttention's mask_mod
         return (kv_idx - q_idx >= -256) & (kv_idx - q_idx <= 256)
@@ -76,7 +73,7 @@ def window_cases(length: int, repeat: int, on: dict = CPU) -> dict:
     }
     if flex is not None:
         fns["flex"] = lambda: flex(q, k, v)
-    forward = best_times(fns, repeat, on["device"])
+    forward = best_times(fns, repeat, on.device)
     grads = _inputs(length, 8, grad=True, on=on)
 
     def flash_step():
@@ -84,7 +81,7 @@ def window_cases(length: int, repeat: int, on: dict = CPU) -> dict:
             t.grad = None
         attention(*grads, pattern, backend="flash").sum().backward()
 
-    backward = {"flash": best_times({"flash": flash_step}, repeat, on["device"])["flash"]}
+    backward = {"flash": best_times({"flash": flash_step}, repeat, on.device)["flash"]}
     flex_backward = None if flex is None else _flex_backward_reason(flex, length, on)
     if flex is not None and flex_backward is None:
 
@@ -93,7 +90,7 @@ def window_cases(length: int, repeat: int, on: dict = CPU) -> dict:
                 t.grad = None
             flex(*grads).sum().backward()
 
-        backward["flex"] = best_times({"flex": flex_step}, repeat, on["device"])["flex"]
+        backward["flex"] = best_times({"flex": flex_step}, repeat, on.device)["flex"]
     return {
         "pattern": repr(pattern),
         "length": length,
@@ -105,7 +102,7 @@ def window_cases(length: int, repeat: int, on: dict = CPU) -> dict:
     }
 
 
-def scaling_case(short: int, long: int, repeat: int, on: dict = CPU) -> dict:
+def scaling_case(short: int, long: int, repeat: int, on: Placement = CPU) -> dict:
     pattern = masks.SlidingWindow(256, 256)
     times = {}
     for length in (short, long):
@@ -114,7 +111,7 @@ def scaling_case(short: int, long: int, repeat: int, on: dict = CPU) -> dict:
         def forward(q=q, k=k, v=v):
             return attention(q, k, v, pattern, backend="flash")
 
-        times[length] = best_times({"flash": forward}, repeat, on["device"])["flash"]
+        times[length] = best_times({"flash": forward}, repeat, on.device)["flash"]
     return {
         "pattern": repr(pattern),
         "seconds": times,
@@ -123,17 +120,17 @@ def scaling_case(short: int, long: int, repeat: int, on: dict = CPU) -> dict:
     }
 
 
-def bigbird_case(length: int, repeat: int, on: dict = CPU) -> dict:
+def bigbird_case(length: int, repeat: int, on: Placement = CPU) -> dict:
     pattern = masks.bigbird(64)
     q, k, v = _inputs(length, 8, on=on)
-    dense = pattern.dense(length, length).to(on["device"])
+    dense = pattern.dense(length, length).to(on.device)
     times = best_times(
         {
             "flash": lambda: attention(q, k, v, pattern, backend="flash"),
             "sdpa dense mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense),
         },
         repeat,
-        on["device"],
+        on.device,
     )
     return {
         "pattern": repr(pattern),
@@ -143,12 +140,12 @@ def bigbird_case(length: int, repeat: int, on: dict = CPU) -> dict:
     }
 
 
-def dilated_case(length: int, repeat: int, on: dict = CPU) -> dict:
+def dilated_case(length: int, repeat: int, on: Placement = CPU) -> dict:
     """Dilated(64, 4) against a sliding window with as many allowed keys per query (129):
     cost that follows the allowed entries makes the two alike."""
     dilated, window = masks.Dilated(64, 4), masks.SlidingWindow(64, 64)
     q, k, v = _inputs(length, 8, on=on)
-    dense = dilated.dense(length, length).to(on["device"])
+    dense = dilated.dense(length, length).to(on.device)
     times = best_times(
         {
             "flash": lambda: attention(q, k, v, dilated, backend="flash"),
@@ -156,7 +153,7 @@ def dilated_case(length: int, repeat: int, on: dict = CPU) -> dict:
             "sdpa dense mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense),
         },
         repeat,
-        on["device"],
+        on.device,
     )
     return {"pattern": repr(dilated), "length": length, "forward": times}
 
@@ -174,10 +171,9 @@ CURVES = [
 ]
 
 
-def curves(lengths: list[int], repeat: int, on: dict = CPU) -> list[dict]:
+def curves(lengths: list[int], repeat: int, on: Placement = CPU) -> list[dict]:
     """Forward time and forward+backward peak memory against L, per curve (memory on the
     CPU only)."""
-    cpu = on["device"].type == "cpu"
     rows = []
     for label, backend, causal, name in CURVES:
         pattern = pattern_named(name)
@@ -187,10 +183,10 @@ def curves(lengths: list[int], repeat: int, on: dict = CPU) -> list[dict]:
             def forward(q=q, k=k, v=v, pattern=pattern, causal=causal, backend=backend):
                 return attention(q, k, v, pattern, causal=causal, backend=backend)
 
-            seconds = best_times({label: forward}, repeat, on["device"])[label]
+            seconds = best_times({label: forward}, repeat, on.device)[label]
             memory = (
                 measure_in_subprocess(backend, length, 8, causal=causal, pattern=name)
-                if cpu
+                if on.cpu
                 else {}
             )
             rows.append(
@@ -204,24 +200,17 @@ def curves(lengths: list[int], repeat: int, on: dict = CPU) -> list[dict]:
     return rows
 
 
-def run(
-    repeat: int = 3,
-    quick: bool = False,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-) -> dict:
-    """Every case on device in dtype (the memory figures on the CPU only)."""
+def run(repeat: int = 3, quick: bool = False, on: Placement = CPU) -> dict:
+    """Every case, placed by `on` (the memory figures on the CPU only)."""
     torch.manual_seed(0)
-    on = {"device": torch.device(device), "dtype": dtype}
-    cpu = on["device"].type == "cpu"
-    where = {"placement": f"{'CPU' if cpu else on['device']} {str(dtype).removeprefix('torch.')}"}
+    where = {"placement": on.label}
     if quick:  # a small smoke run of every case
         return {
             "window": window_cases(2048, 1, on),
             "scaling": scaling_case(1024, 4096, 1, on),
             "bigbird": bigbird_case(1024, 1, on),
             "dilated": dilated_case(1024, 1, on),
-            "memory": memory_scaling([1024, 2048]) if cpu else [],
+            "memory": memory_scaling([1024, 2048]) if on.cpu else [],
             "curves": curves([512, 1024], 1, on),
             **where,
         }
@@ -230,7 +219,7 @@ def run(
         "scaling": scaling_case(8192, 32768, repeat, on),
         "bigbird": bigbird_case(8192, repeat, on),
         "dilated": dilated_case(16384, repeat, on),
-        "memory": memory_scaling([4096, 8192, 16384, 32768]) if cpu else [],
+        "memory": memory_scaling([4096, 8192, 16384, 32768]) if on.cpu else [],
         "curves": curves([1024, 2048, 4096, 8192], repeat, on),
         **where,
     }

@@ -15,7 +15,7 @@ Memory: peak extra resident memory of one attention forward + backward (causal,
 H=8, D=64) in a fresh process: 65536 tokens as 64 packed sequences of 1024
 (mhsa.attention_varlen) against a (64, 8, 1024, 64) batch (mhsa.attention).
 
-On another device (run's device) the speed case runs there, under autocast to run's
+On another device (run's `on`) the speed case runs there, under autocast to on's
 dtype (a training step: float32 weights); the memory case is the CPU's.
 """
 
@@ -30,6 +30,7 @@ import time
 import torch
 
 from .memory import peak_bytes, reset_peak, rss_bytes
+from .placement import CPU, Placement
 from .timing import best_times
 
 HEADS, HEAD_DIM = 8, 64
@@ -93,15 +94,12 @@ def _planning(model, packed: dict, device: torch.device | str = "cpu") -> None:
         plan_for(row.pattern(causal=True), False, total, total, device, fused=True)
 
 
-def speed_case(
-    settings: dict,
-    repeat: int,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-) -> dict:
-    """The packed and padded steps (and the planning) on device, under autocast to dtype."""
+def speed_case(settings: dict, repeat: int, on: Placement = CPU) -> dict:
+    """The packed and padded steps (and the planning) on on.device, under autocast to
+    on.dtype."""
     from mhsa.apps.train.throughput import autocast, to_device
 
+    device = on.device
     lengths = long_tailed_lengths(
         settings["budget"], settings["low"], settings["high"], settings["median"]
     )
@@ -111,7 +109,7 @@ def speed_case(
     def step(batch):
         def run() -> None:
             model.zero_grad(set_to_none=True)
-            with autocast(device, dtype):
+            with autocast(device, on.dtype):
                 loss = model.loss(**batch)
             loss.backward()
 
@@ -192,26 +190,21 @@ def memory_case(segments: int, length: int) -> dict:
     }
 
 
-def run(
-    repeat: int = 3,
-    quick: bool = False,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-) -> dict:
-    """The speed case on device (autocast to dtype); the memory case on the CPU only."""
+def run(repeat: int = 3, quick: bool = False, on: Placement = CPU) -> dict:
+    """The speed case on on.device (autocast to on.dtype); the memory case on the CPU
+    only."""
     settings = QUICK if quick else FULL
-    cpu = torch.device(device).type == "cpu"
-    if not cpu:
+    if not on.cpu:
         memory = {"error": "measured on the CPU only (resident memory of a fresh process)"}
     else:
         memory = memory_case(4, 128) if quick else memory_case(64, 1024)
     result = {
-        "speed": speed_case(settings, repeat, device, dtype),
+        "speed": speed_case(settings, repeat, on),
         "memory": memory,
         "threads": torch.get_num_threads(),
     }
-    if not cpu or dtype != torch.float32:
-        result["placement"] = f"{device}, {str(dtype).removeprefix('torch.')} autocast"
+    if on != CPU:
+        result["placement"] = f"{on} autocast"
     return result
 
 

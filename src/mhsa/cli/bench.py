@@ -9,23 +9,23 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from .common import add_option, positive_int, threads_option, with_threads
 from .device import device_options, placement
 
+if TYPE_CHECKING:
+    from ..benchmarks.placement import Placement
+
 CPU_ONLY = ("ring", "transcribe")  # suites without --device: CPU processes
 
 
-def _placed(args: argparse.Namespace, training: bool = False) -> dict:
-    """run()'s device and dtype of --device and --dtype, said once and before any work;
-    nothing where they are the suites' own default (the CPU in float32), so that a CPU
-    run calls run() as it always did."""
-    import torch
+def _placed(args: argparse.Namespace, training: bool = False) -> Placement:
+    """run()'s `on` of --device and --dtype, resolved before any work (a device or dtype
+    that cannot be had: one line, exit 2)."""
+    from ..benchmarks.placement import Placement
 
-    device, dtype = placement(args, training=training)
-    if device.type == "cpu" and dtype == torch.float32:
-        return {}
-    return {"device": device, "dtype": dtype}
+    return Placement(*placement(args, training=training))
 
 
 def _show(args: argparse.Namespace, result, text: str) -> int:
@@ -41,7 +41,6 @@ def bench_attention(args: argparse.Namespace) -> int:
     """time of each backend against SDPA; peak memory of forward+backward"""
     from ..benchmarks import attention
 
-    placed = _placed(args)
     result = attention.run(
         length=args.length or (512 if args.quick else 4096),
         heads=args.heads,
@@ -49,7 +48,7 @@ def bench_attention(args: argparse.Namespace) -> int:
         repeat=args.repeat or (1 if args.quick else 5),
         memory=not (args.no_memory or args.quick),
         long=args.long,
-        **placed,
+        on=_placed(args),
     )
     return _show(args, result, attention.report(result))
 
@@ -59,8 +58,7 @@ def bench_sparse(args: argparse.Namespace) -> int:
     """sliding windows, BigBird, dilated windows against SDPA's dense mask and FlexAttention"""
     from ..benchmarks import sparse
 
-    placed = _placed(args)
-    result = sparse.run(repeat=args.repeat, quick=args.quick, **placed)
+    result = sparse.run(repeat=args.repeat, quick=args.quick, on=_placed(args))
     text = sparse.report(result)
     if args.plot:
         sparse.plot(result, args.plot)
@@ -73,8 +71,7 @@ def bench_generate(args: argparse.Namespace) -> int:
     """tokens/s of a GPT with a KV cache against transformers and CTranslate2"""
     from ..benchmarks import generate
 
-    placed = _placed(args)
-    result = generate.run(repeat=args.repeat, quick=args.quick, **placed)
+    result = generate.run(repeat=args.repeat, quick=args.quick, on=_placed(args))
     return _show(args, result, generate.report(result))
 
 
@@ -83,9 +80,10 @@ def bench_scores(args: argparse.Namespace) -> int:
     """ALiBi and softcapping against no score function and FlexAttention"""
     from ..benchmarks import scores
 
-    placed = _placed(args)
     length = args.length or (1024 if args.quick else 4096)
-    result = scores.run(length=length, repeat=args.repeat, memory=not args.no_memory, **placed)
+    result = scores.run(
+        length=length, repeat=args.repeat, memory=not args.no_memory, on=_placed(args)
+    )
     return _show(args, result, scores.report(result))
 
 
@@ -94,7 +92,6 @@ def bench_moba(args: argparse.Namespace) -> int:
     """MoBA's block choice on the flash engine against dense causal attention"""
     from ..benchmarks import moba
 
-    placed = _placed(args)
     result = moba.run(
         length=args.length,
         block_size=args.block_size,
@@ -103,7 +100,7 @@ def bench_moba(args: argparse.Namespace) -> int:
         repeat=args.repeat,
         quick=args.quick,
         memory=not args.no_memory,
-        **placed,
+        on=_placed(args),
     )
     return _show(args, result, moba.report(result))
 
@@ -113,8 +110,7 @@ def bench_hf(args: argparse.Namespace) -> int:
     """transformers models with attn_implementation="mhsa" against their sdpa and eager"""
     from ..benchmarks import hf
 
-    placed = _placed(args)
-    result = hf.run(quick=args.quick, repeat=args.repeat, **placed)
+    result = hf.run(quick=args.quick, repeat=args.repeat, on=_placed(args))
     return _show(args, result, hf.report(result))
 
 
@@ -122,13 +118,12 @@ def bench_flex(args: argparse.Namespace) -> int:
     """mhsa.flex.flex_attention against torch's flex_attention, eager and compiled"""
     from ..benchmarks import flex
 
-    placed = _placed(args)
     result = flex.run(
         length=args.length or 2048,
         heads=args.heads,
         repeat=args.repeat,
         quick=args.quick,
-        **placed,
+        on=_placed(args),
     )
     return _show(args, result, flex.report(result))
 
@@ -159,13 +154,12 @@ def bench_chat(args: argparse.Namespace) -> int:
     """SmolLM2 prefill and decode against transformers and the weight-streaming bound"""
     from ..benchmarks import chat
 
-    placed = _placed(args)
     result = chat.run(
         prompt=128 if args.quick else 512,
         new=16 if args.quick else 128,
         repeat=1 if args.quick else args.repeat,
         threads=args.threads,
-        **placed,
+        on=_placed(args),
     )
     return _show(args, result, chat.report(result))
 
@@ -196,8 +190,8 @@ def bench_varlen(args: argparse.Namespace) -> int:
     """a GPT training step on packed sequences against a padded batch; packed memory"""
     from ..benchmarks import varlen
 
-    placed = _placed(args, training=True)  # a training step: --dtype is autocast's
-    result = varlen.run(repeat=args.repeat, quick=args.quick, **placed)
+    on = _placed(args, training=True)  # a training step: --dtype is autocast's
+    result = varlen.run(repeat=args.repeat, quick=args.quick, on=on)
     return _show(args, result, varlen.report(result))
 
 
