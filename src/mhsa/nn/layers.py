@@ -33,6 +33,24 @@ class DecoderMasks(SelfAttentionMasks, total=False):
     memory_key_padding_mask: Tensor | None
 
 
+# torch.nn.Transformer's layer norm epsilon, the layers' default and the stacks'
+LAYER_NORM_EPS = 1e-5
+
+
+class LayerOptions(TypedDict, total=False):
+    """A layer's keywords after (d_model, num_heads), as TransformerEncoderLayer takes
+    them (its signature holds the defaults); Transformer gives them to every layer."""
+
+    dim_feedforward: int
+    dropout: float
+    activation: str
+    norm_first: bool
+    layer_norm_eps: float
+    num_kv_heads: int | None
+    bias: bool
+    backend: str
+
+
 class _TransformerLayer(nn.Module):
     """What both layers share: the constructor, with torch.nn.Transformer*Layer's options,
     and from_torch. A layer holds self_attn, cross_attn (decoder only) and feed_forward,
@@ -50,7 +68,7 @@ class _TransformerLayer(nn.Module):
         dropout: float = 0.1,
         activation: str = "relu",
         norm_first: bool = False,
-        layer_norm_eps: float = 1e-5,
+        layer_norm_eps: float = LAYER_NORM_EPS,
         num_kv_heads: int | None = None,
         bias: bool = True,
         backend: str = "auto",

@@ -11,7 +11,9 @@ from torch import Tensor, nn
 
 from ..cache import DecoderCache
 from .layers import (
+    LAYER_NORM_EPS,
     DecoderMasks,
+    LayerOptions,
     SelfAttentionMasks,
     TransformerDecoderLayer,
     TransformerEncoderLayer,
@@ -101,35 +103,22 @@ class Transformer(nn.Module):
         *,
         num_encoder_layers: int = 6,
         num_decoder_layers: int = 6,
-        dim_feedforward: int = 2048,
-        dropout: float = 0.1,
-        activation: str = "relu",
-        norm_first: bool = False,
-        layer_norm_eps: float = 1e-5,
-        num_kv_heads: int | None = None,
-        bias: bool = True,
-        backend: str = "auto",
+        **layer_options: Unpack[LayerOptions],
     ) -> None:
+        """layer_options: the layers' keywords (LayerOptions: dim_feedforward, dropout,
+        activation, norm_first, layer_norm_eps, num_kv_heads, bias, backend), with
+        torch.nn.Transformer's defaults; the stacks' final norms take layer_norm_eps."""
         super().__init__()
-        options = {
-            "dim_feedforward": dim_feedforward,
-            "dropout": dropout,
-            "activation": activation,
-            "norm_first": norm_first,
-            "layer_norm_eps": layer_norm_eps,
-            "num_kv_heads": num_kv_heads,
-            "bias": bias,
-            "backend": backend,
-        }
+        eps = layer_options.get("layer_norm_eps", LAYER_NORM_EPS)
         self.encoder = TransformerEncoder(
-            TransformerEncoderLayer(d_model, num_heads, **options),
+            TransformerEncoderLayer(d_model, num_heads, **layer_options),
             num_encoder_layers,
-            nn.LayerNorm(d_model, eps=layer_norm_eps),
+            nn.LayerNorm(d_model, eps=eps),
         )
         self.decoder = TransformerDecoder(
-            TransformerDecoderLayer(d_model, num_heads, **options),
+            TransformerDecoderLayer(d_model, num_heads, **layer_options),
             num_decoder_layers,
-            nn.LayerNorm(d_model, eps=layer_norm_eps),
+            nn.LayerNorm(d_model, eps=eps),
         )
 
     def forward(
