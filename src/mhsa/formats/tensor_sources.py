@@ -24,6 +24,10 @@ class TensorSource(Protocol):
     def read(self, name: str) -> Tensor: ...
 
 
+# what a loader takes: a state dict, or a TensorSource such as SafetensorsFiles
+Weights = Mapping[str, Tensor] | TensorSource
+
+
 class TensorDict:
     """A state dict in memory as a source; `name` says where it came from."""
 
@@ -37,9 +41,7 @@ class TensorDict:
         return self.tensors[name]
 
 
-def as_source(
-    weights: Mapping[str, Tensor] | TensorSource, name: str = "the state dict"
-) -> TensorSource:
+def as_source(weights: Weights, name: str = "the state dict") -> TensorSource:
     """weights as a TensorSource: a source as it is, a state dict as a TensorDict."""
     return weights if hasattr(weights, "shapes") else TensorDict(weights, name)
 

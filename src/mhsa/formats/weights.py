@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .tensor_sources import SafetensorsFiles, TensorDict, TensorSource, as_source
+from .tensor_sources import SafetensorsFiles, TensorDict, TensorSource, Weights, as_source
 
 __all__ = [  # the sources are re-exported: models import the loader's names from here
     "NameTable",
@@ -42,6 +42,7 @@ __all__ = [  # the sources are re-exported: models import the loader's names fro
     "SafetensorsFiles",
     "TensorDict",
     "TensorSource",
+    "Weights",
     "as_source",
     "load_weights",
     "read_tensors",

@@ -9,7 +9,6 @@ MLM head: dense -> GELU -> layer norm -> tied word embeddings -> vocabulary logi
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from ..formats.weights import (
     NameTable,
     Rule,
     SafetensorsFiles,
-    TensorSource,
+    Weights,
     as_source,
     load_weights,
 )
@@ -179,7 +178,7 @@ class Bert(nn.Module):
         model.load_hf_weights(SafetensorsFiles(directory / "model.safetensors"))
         return model.eval()
 
-    def load_hf_weights(self, weights: Mapping[str, Tensor] | TensorSource) -> None:
+    def load_hf_weights(self, weights: Weights) -> None:
         """Load weights named as in transformers' BertModel (a state dict or a
         TensorSource) into this model, every name and shape checked first (BERT_NAMES;
         the pooler and the MLM head are optional: a BertModel file has no MLM head)."""

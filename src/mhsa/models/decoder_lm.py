@@ -10,7 +10,7 @@ shards) and module names, and shares the rest."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ from typing_extensions import Self
 
 from ..cache import KVCache, SlidingWindowCache
 from ..core.masks import Pattern
-from ..formats.weights import NameTable, SafetensorsFiles, TensorSource, as_source, load_weights
+from ..formats.weights import NameTable, SafetensorsFiles, Weights, as_source, load_weights
 from ..nn import MultiHeadAttention, RMSNorm
 from ..nn.layout import decoding_layout
 from .decoder import CacheLayout
@@ -260,7 +260,7 @@ class DecoderLM(nn.Module, CausalLMDecoding):
     @classmethod
     def _load_hf(
         cls,
-        state_dict: Mapping[str, Tensor] | TensorSource,
+        state_dict: Weights,
         config,
         *,
         dtype: torch.dtype | None,
@@ -299,13 +299,7 @@ class DecoderLM(nn.Module, CausalLMDecoding):
         return model
 
     @classmethod
-    def from_hf(
-        cls,
-        state_dict: Mapping[str, Tensor] | TensorSource,
-        config,
-        *,
-        dtype: torch.dtype | None = None,
-    ) -> Self:
+    def from_hf(cls, state_dict: Weights, config, *, dtype: torch.dtype | None = None) -> Self:
         """Build one from weights named as in its transformers model (hf_names: e.g.
         model.embed_tokens, model.layers.N.self_attn.q_proj, ..., lm_head): a state dict
         or a TensorSource. Every name and shape is checked before any weight is used;

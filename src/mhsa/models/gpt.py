@@ -15,7 +15,6 @@ GPTConfig.from_hf_config(d))`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +23,7 @@ from torch import Tensor, nn
 from ..cache import KVCache
 from ..core.masks import SlidingWindow
 from ..core.validate import check_dropout, int_at_least
-from ..formats.weights import NameTable, Rule, TensorSource, as_source, load_weights
+from ..formats.weights import NameTable, Rule, Weights, as_source, load_weights
 from ..nn import encoder_layers
 from ..nn.differential import DiffAttention
 from ..nn.latent import LatentAttention
@@ -331,11 +330,7 @@ class GPT(DecoderLM):
 
     @classmethod
     def from_hf(
-        cls,
-        state_dict: Mapping[str, Tensor] | TensorSource,
-        config: GPTConfig,
-        *,
-        dtype: torch.dtype | None = None,
+        cls, state_dict: Weights, config: GPTConfig, *, dtype: torch.dtype | None = None
     ) -> GPT:
         """Build a GPT from weights named as in transformers' GPT2LMHeadModel (a state
         dict, or a TensorSource such as SafetensorsFiles), every name and shape checked
@@ -346,9 +341,7 @@ class GPT(DecoderLM):
         return (model if dtype is None else model.to(dtype)).eval()
 
     @classmethod
-    def from_hf_gpt2(
-        cls, state_dict: Mapping[str, Tensor] | TensorSource, config: GPTConfig
-    ) -> GPT:
+    def from_hf_gpt2(cls, state_dict: Weights, config: GPTConfig) -> GPT:
         """from_hf, in float32 and left in training mode (its older name)."""
         if config.position != "learned" or config.n_kv_head not in (None, config.n_head):
             raise ValueError("GPT-2 weights need position='learned' and no grouped-query heads")

@@ -29,7 +29,6 @@ and the temperature alike: a left-padded row gets the logits it gets alone.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -37,7 +36,7 @@ from torch import Tensor, nn
 
 from ..core.masks import Chunked, Document, Pattern
 from ..core.validate import int_at_least
-from ..formats.weights import NameTable, TensorSource
+from ..formats.weights import NameTable, Weights
 from ..nn import GatedFeedForward, RMSNorm
 from ..nn.feedforward import ACTIVATIONS
 from ..nn.positional import AttentionPosition
@@ -329,11 +328,7 @@ class Llama4(DecoderLM):
 
     @classmethod
     def from_hf(
-        cls,
-        state_dict: Mapping[str, Tensor] | TensorSource,
-        config: Llama4Config,
-        *,
-        dtype: torch.dtype | None = None,
+        cls, state_dict: Weights, config: Llama4Config, *, dtype: torch.dtype | None = None
     ) -> Llama4:
         """Build from weights named as in transformers' Llama4ForCausalLM (every name
         and shape checked first, HF_NAMES); each head's q and k rows are permuted from
