@@ -20,6 +20,11 @@ if TYPE_CHECKING:
 CPU_ONLY = ("ring", "transcribe")  # suites without --device: CPU processes
 
 
+def _same_names(args: argparse.Namespace, *names: str) -> dict:
+    """The flags a suite's run() takes under the same names: {name: args.name}."""
+    return {name: getattr(args, name) for name in names}
+
+
 def _placed(args: argparse.Namespace, training: bool = False) -> Placement:
     """run()'s `on` of --device and --dtype, resolved before any work (a device or dtype
     that cannot be had: one line, exit 2)."""
@@ -92,16 +97,8 @@ def bench_moba(args: argparse.Namespace) -> int:
     """MoBA's block choice on the flash engine against dense causal attention"""
     from ..benchmarks import moba
 
-    result = moba.run(
-        length=args.length,
-        block_size=args.block_size,
-        top_k=args.top_k,
-        heads=args.heads,
-        repeat=args.repeat,
-        quick=args.quick,
-        memory=not args.no_memory,
-        on=_placed(args),
-    )
+    chosen = _same_names(args, "length", "block_size", "top_k", "heads", "repeat", "quick")
+    result = moba.run(**chosen, memory=not args.no_memory, on=_placed(args))
     return _show(args, result, moba.report(result))
 
 
@@ -171,15 +168,9 @@ def bench_serve(args: argparse.Namespace) -> int:
     placement(args)  # a device or dtype that cannot be had: one line, before any server
     placed = {name: getattr(args, name) for name in ("device", "dtype") if getattr(args, name)}
     try:
-        result = serve.run(
-            model=args.model,
-            quick=args.quick,
-            threads=args.threads,
-            quantize=args.quantize,
-            load=args.load,
-            draft_tokens=args.draft_tokens,
-            **placed,  # (the servers' own flags: mhsa serve --device --dtype)
-        )
+        chosen = _same_names(args, "model", "quick", "threads", "quantize", "load", "draft_tokens")
+        # placed: the servers' own flags (mhsa serve --device --dtype)
+        result = serve.run(**chosen, **placed)
     except RuntimeError as error:  # the server did not start
         raise SystemExit(str(error)) from error
     return _show(args, result, serve.report(result))
