@@ -6,13 +6,15 @@ from __future__ import annotations
 import pytest
 
 from mhsa.benchmarks import flex
+from mhsa.benchmarks.timing import Setup
 
 pytest.importorskip("torch.nn.attention.flex_attention")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # torch: eager flex is slow
 
 
 def test_cases_run_small_without_compiling(monkeypatch):
-    monkeypatch.setattr(flex, "_compiled", lambda *args: (None, "not compiled in this test"))
+    not_made = Setup(None, None, "not compiled in this test")
+    monkeypatch.setattr(flex, "_compiled", lambda *args: not_made)
     result = {"cases": [flex.run_case(case, 64, 2, 16, 1) for case in flex.CASES]}
     for row in result["cases"]:
         assert row["forward"]["mhsa"] > 0 and row["forward_backward"]["mhsa"] > 0

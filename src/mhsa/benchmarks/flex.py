@@ -10,7 +10,6 @@ Float32, B=1; best-of-N seconds, interleaved (mhsa.benchmarks.timing).
 
 from __future__ import annotations
 
-import time
 import warnings
 
 import torch
@@ -21,7 +20,7 @@ from mhsa.core.scores import ScoreMod
 from mhsa.flex import create_block_mask, flex_attention
 
 from .placement import CPU, Placement
-from .timing import best_times
+from .timing import Setup, best_times, error_line, timed_setup
 
 CASES = ("causal", "causal + relative bias table", "sliding window of 256")
 WINDOW = 256
@@ -53,10 +52,6 @@ def _score_mod(case: str, heads: int, length: int, on: Placement = CPU):
     return relative_bias, table
 
 
-def _error(error: Exception) -> str:
-    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-
-
 def _torch_api():
     from torch.nn.attention import flex_attention
 
@@ -67,22 +62,17 @@ def _torch_flex():
     return _torch_api().flex_attention
 
 
-def _compiled(score_mod, block_mask, q, k, v):
-    """(torch.compile(flex_attention) as fn(q, k, v), compile seconds) or (None, why)."""
+def _compiled(score_mod, block_mask, q, k, v) -> Setup:
+    """torch.compile(flex_attention) as fn(q, k, v), compiled on a first call."""
     torch._dynamo.reset()  # each score_mod on a fresh dynamo state (see benchmarks.scores)
-    start = time.perf_counter()
-    try:
+
+    def make():
         compiled = torch.compile(_torch_flex())
         with torch.no_grad():
             compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)
-    except Exception as error:  # no compiler toolchain, an unsupported platform, ...
-        return None, _error(error)
-    seconds = time.perf_counter() - start
+        return lambda q, k, v: compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)
 
-    def run(q, k, v):
-        return compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)
-
-    return run, seconds
+    return timed_setup(make)
 
 
 def _torch_backward(score_mod, block_mask, q, k, v) -> str | None:
@@ -90,7 +80,7 @@ def _torch_backward(score_mod, block_mask, q, k, v) -> str | None:
     try:
         _torch_flex()(q, k, v, score_mod=score_mod, block_mask=block_mask).sum().backward()
     except Exception as error:  # NotImplementedError on CPU
-        return _error(error)
+        return error_line(error)
     return None
 
 
@@ -140,7 +130,8 @@ def run_case(
         torch_time = best_times({"torch eager": torch_step}, repeat, device)
         backward["torch eager"] = torch_time["torch eager"]
     inputs = [t.detach() for t in (q, k, v)]
-    compiled, setup = _compiled(score_mod, block_mask, *inputs)
+    setup = _compiled(score_mod, block_mask, *inputs)
+    compiled = setup.fn
     forward_fns = {
         "mhsa": lambda: flex_attention(*inputs, score_mod, block_mask),
         NATIVE: lambda: native(*inputs),
@@ -172,8 +163,8 @@ def run_case(
         "forward_backward": backward,
         "torch_backward_unavailable": torch_backward,
         "forward": forward,
-        "compile_seconds": setup if compiled is not None else None,
-        "compiled_unavailable": None if compiled is not None else setup,
+        "compile_seconds": setup.seconds,
+        "compiled_unavailable": setup.unavailable,
         "max_difference": difference,
     }
 

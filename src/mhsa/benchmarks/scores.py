@@ -59,11 +59,11 @@ def flex_forward(length: int, repeat: int, on: Placement = CPU) -> dict:
         # a second score_mod compiled in the same process can fail to lower (torch
         # 2.13, CPU: "unbacked_bindings"); each is measured on a fresh dynamo state
         torch._dynamo.reset()
-        flex, setup = compiled_flex(
+        flex, setup, unavailable = compiled_flex(
             lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, length, score_mod, on
         )
         if flex is None:
-            return {"unavailable": setup}
+            return {"unavailable": unavailable}
         score = _score(name, on)
         fns = {
             f"flash {name}": lambda s=score: attention(

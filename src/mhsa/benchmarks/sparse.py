@@ -8,8 +8,6 @@ memory) are the CPU's: on CUDA they are left out.
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn.functional as F
 
@@ -18,7 +16,7 @@ from mhsa.core.attention import attention
 
 from .memory import measure_in_subprocess, pattern_named
 from .placement import CPU, Placement
-from .timing import best_times
+from .timing import Setup, best_times, error_line, timed_setup
 
 GIB = 2**30
 
@@ -28,24 +26,19 @@ def _inputs(length: int, heads: int, grad: bool = False, on: Placement = CPU):
     return [torch.randn(1, heads, length, 64, **on.kwargs).requires_grad_(grad) for _ in range(3)]
 
 
-def compiled_flex(mask_mod, length: int, score_mod=None, on: Placement = CPU):
-    """Compiled flex_attention with mask_mod as a BlockMask (and score_mod): (fn, seconds
-    to build the mask and compile), or (None, reason) where FlexAttention is
-    unavailable."""
-    try:
+def compiled_flex(mask_mod, length: int, score_mod=None, on: Placement = CPU) -> Setup:
+    """Compiled flex_attention with mask_mod as a BlockMask (and score_mod) as fn(q, k,
+    v); its seconds count building the mask and compiling."""
+
+    def make():
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    except ImportError as error:
-        return None, str(error)
-    start = time.perf_counter()
-    try:
+
         block_mask = create_block_mask(mask_mod, None, None, length, length, device=on.device)
         compiled = torch.compile(flex_attention)
-        q, k, v = _inputs(length, 8, on=on)
-        compiled(q, k, v, block_mask=block_mask, score_mod=score_mod)
-    except Exception as error:  # no compiler toolchain, unsupported platform, ...
-        return None, f"{type(error).__name__}: {str(error).splitlines()[0]}"
-    seconds = time.perf_counter() - start
-    return (lambda q, k, v: compiled(q, k, v, block_mask=block_mask, score_mod=score_mod)), seconds
+        compiled(*_inputs(length, 8, on=on), block_mask=block_mask, score_mod=score_mod)
+        return lambda q, k, v: compiled(q, k, v, block_mask=block_mask, score_mod=score_mod)
+
+    return timed_setup(make)
 
 
 def _flex_backward_reason(flex, length: int, on: Placement = CPU) -> str | None:
@@ -54,7 +47,7 @@ def _flex_backward_reason(flex, length: int, on: Placement = CPU) -> str | None:
     try:
         flex(q, k, v).sum().backward()
     except Exception as error:  # e.g. NotImplementedError on CPU
-        return f"{type(error).__name__}: {str(error).splitlines()[0]}"
+        return error_line(error)
     return None
 
 
@@ -66,7 +59,8 @@ def window_cases(length: int, repeat: int, on: Placement = CPU) -> dict:
     def window_mod(b, h, q_idx, kv_idx):  # the same window, as FlexAttention's mask_mod
         return (kv_idx - q_idx >= -256) & (kv_idx - q_idx <= 256)
 
-    flex, flex_setup = compiled_flex(window_mod, length, on=on)
+    setup = compiled_flex(window_mod, length, on=on)
+    flex = setup.fn
     fns = {
         "flash": lambda: attention(q, k, v, pattern, backend="flash"),
         "sdpa dense mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense),
@@ -96,8 +90,8 @@ def window_cases(length: int, repeat: int, on: Placement = CPU) -> dict:
         "length": length,
         "forward": forward,
         "forward_backward": backward,
-        "flex_setup_seconds": flex_setup if flex is not None else None,
-        "flex_unavailable": None if flex is not None else flex_setup,
+        "flex_setup_seconds": setup.seconds,
+        "flex_unavailable": setup.unavailable,
         "flex_backward_unavailable": flex_backward,
     }
 

@@ -1,11 +1,39 @@
-"""Timing helpers: interleaved best-of-N wall times, and a matmul yardstick."""
+"""Timing helpers: interleaved best-of-N wall times, a peer's timed setup, and a
+matmul yardstick."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
+
+
+class Setup(NamedTuple):
+    """A peer made for a comparison (say, compiled FlexAttention): fn and the seconds
+    making it took, compiling included; or fn None and why it could not be made."""
+
+    fn: Callable | None
+    seconds: float | None
+    unavailable: str | None
+
+
+def timed_setup(make: Callable[[], Callable]) -> Setup:
+    """make(), timed; where it raises (no compiler toolchain, an unsupported platform,
+    a torch without the API), the error's first line instead."""
+    start = time.perf_counter()
+    try:
+        fn = make()
+    except Exception as error:
+        return Setup(None, None, error_line(error))
+    return Setup(fn, time.perf_counter() - start, None)
+
+
+def error_line(error: Exception) -> str:
+    """ "TypeName: the message's first line"."""
+    text = str(error)
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def best_times(
