@@ -145,3 +145,15 @@ def test_output_tokens_and_the_finish_reason():
     ]
     assert choice(2, False, last=True).finish_reason() == "length"
     assert Choice(torch.tensor([2]), None, False).finish_reason() is None
+
+
+def test_samplings_fields_are_samples_keywords():
+    """sample_and_stop passes a Sampling's fields to sample() by name (vars)."""
+    import dataclasses
+    import inspect
+
+    from mhsa.models.sampling import Sampling, sample
+
+    keywords = inspect.signature(sample).parameters
+    assert all(field.name in keywords for field in dataclasses.fields(Sampling))
+    assert vars(Sampling(0.5, 3, 0.9)) == {"temperature": 0.5, "top_k": 3, "top_p": 0.9}

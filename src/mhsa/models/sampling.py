@@ -111,13 +111,7 @@ def sample_and_stop(
 ) -> Choice:
     """The next tokens from logits (B, V) and whether they end their sequences, each
     of which has `generated` new tokens before this one."""
-    tokens = sample(
-        logits,
-        temperature=sampling.temperature,
-        top_k=sampling.top_k,
-        top_p=sampling.top_p,
-        generator=generator,
-    )
+    tokens = sample(logits, **vars(sampling), generator=generator)  # its fields: sample's
     return Choice(tokens, stop.stopped(tokens), stop.is_last(generated))
 
 
