@@ -20,7 +20,7 @@ from ...masks.causal import causal_shift
 from ...masks.patterns import Causal
 from .band import BIG, _band_bwd_dkv, _band_bwd_dq, _band_fwd
 from .checks import interpreting
-from .options import kernel_options
+from .options import kernel_options, strides
 from .scores import KernelScore
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) of each kernel, by (16-bit inputs, head dim
@@ -136,10 +136,7 @@ def band_forward(
         v,
         out,
         lse,
-        *q.stride(),
-        *k.stride(),
-        *v.stride(),
-        *out.stride(),
+        *strides(q, k, v, out),
         num_heads,
         num_heads // num_kv_heads,
         q_len,
@@ -179,7 +176,7 @@ def band_backward(
     score_args = score.args(slopes, table, None, like=q)
     del score_args[3]  # (no sinks: their gradient comes from lse and delta)
     sizes = [q_len, kv_len, head_dim, scale, plan.shift, plan.left, plan.right, *score_args]
-    strides = [*q.stride(), *k.stride(), *v.stride(), *grad_out.stride()]
+    stride_args = strides(q, k, v, grad_out)
     lse, delta = lse.contiguous(), delta.contiguous()
     dq_config, dkv_config = configs or (None, None)
     options = _options("dq", q, score, dq_config)
@@ -192,7 +189,7 @@ def band_backward(
         lse,
         delta,
         dq,
-        *strides,
+        *stride_args,
         num_heads,
         num_heads // num_kv_heads,
         *sizes,
@@ -209,7 +206,7 @@ def band_backward(
         delta,
         dk,
         dv,
-        *strides,
+        *stride_args,
         num_heads,
         num_kv_heads,
         num_heads // num_kv_heads,

@@ -25,7 +25,7 @@ from ..scored import sink_grad
 from .attention import _attn_bwd_dkv, _attn_bwd_dq, _attn_fwd, _attn_probs, _keep_mask
 from .band_launch import BandPlan, band_backward, band_forward, band_plan
 from .checks import check_inputs, check_score, interpreting
-from .options import block_dim, kernel_options
+from .options import block_dim, kernel_options, strides
 from .scores import KernelScore, block_buckets, kernel_score
 from .tiles import TileLists, broadcast4d, build_tiles
 
@@ -126,10 +126,7 @@ def launch_forward(call: LaunchCall) -> tuple[Tensor, Tensor]:
         lse,
         *masks[:3],
         *_row_lists(tiles),
-        *q.stride(),
-        *k.stride(),
-        *v.stride(),
-        *out.stride(),
+        *strides(q, k, v, out),
         *masks[3:],
         num_heads,
         num_heads // num_kv_heads,
@@ -185,7 +182,7 @@ def launch_backward(
     d_table = torch.empty(*partial, block_nb, dtype=acc, device=q.device) if table_grad else q
     masks = _mask_args(tiles, bias, q, shape)
     common = dict(DROPOUT=dropout is not None, **_options(tiles, bias, score, q, value_dim))
-    strides = [*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *masks[3:]]
+    stride_args = [*strides(q, k, v, grad_out), *masks[3:]]
     sizes = [
         q_len,
         kv_len,
@@ -207,7 +204,7 @@ def launch_backward(
         dbias,
         *masks[:3],
         *_row_lists(tiles),
-        *strides,
+        *stride_args,
         num_heads,
         num_heads // num_kv_heads,
         *sizes,
@@ -233,7 +230,7 @@ def launch_backward(
         tiles.col_blk,
         tiles.col_kind,
         tiles.col_tile,
-        *strides,
+        *stride_args,
         num_heads,
         num_kv_heads,
         num_heads // num_kv_heads,
@@ -416,8 +413,7 @@ def triton_attention_weights(
         probs,
         *masks[:3],
         *_row_lists(tiles),
-        *q.stride(),
-        *k.stride(),
+        *strides(q, k),
         *masks[3:],
         num_heads,
         num_heads // k.shape[1],

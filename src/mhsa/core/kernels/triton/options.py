@@ -10,6 +10,11 @@ import triton.language as tl
 from .checks import interpreting
 
 
+def strides(*tensors: torch.Tensor) -> list[int]:
+    """Each tensor's strides, in order: a kernel's stride arguments."""
+    return [stride for t in tensors for stride in t.stride()]
+
+
 def dot_options(dtype: torch.dtype) -> dict:
     """IEEE float32 products unless torch allows TF32; bfloat16 dots are upcast under
     the interpreter, whose dot cannot take them; ACC is the statistics dtype."""
