@@ -53,7 +53,7 @@ HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 BATCHES = (1, 8, 64)
 CONTEXTS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 PAGES = (16, 64)
-# (block_n, num_warps, num_stages, split_keys)
+TUNED = ("block_n", "num_warps", "num_stages", "split_keys")  # the launch fields swept
 TUNING = (
     (64, 4, 2, 256),
     (32, 4, 2, 256),
@@ -253,21 +253,15 @@ def run_tune(rows: JsonRows, device, dtype, dry: bool, deadline: float) -> None:
         except Exception as error:  # noqa: BLE001
             rows.write({"section": "tune", "batch": batch, "failure": failure(error)})
             continue
-        for block_n, warps, stages, split_keys in tuning:
-            row = {"section": "tune", "batch": batch, "context": context, "block_n": block_n}
-            row |= {"num_warps": warps, "num_stages": stages, "split_keys": split_keys}
+        for values in tuning:
+            choice = dict(zip(TUNED, values, strict=True))
+            row = {"section": "tune", "batch": batch, "context": context, **choice}
             if time.perf_counter() > deadline:
                 rows.write(row | {"skipped": "past the budget"})
                 continue
             try:
-                splits = max(1, math.ceil(max(call.lengths) / split_keys))
-                launch = base._replace(
-                    block_n=block_n,
-                    num_warps=warps,
-                    num_stages=stages,
-                    split_keys=split_keys,
-                    splits=splits,
-                )
+                splits = max(1, math.ceil(max(call.lengths) / choice["split_keys"]))
+                launch = base._replace(**choice, splits=splits)
                 ok = check(first(call, 2), lambda c, launch=launch: _first_two(kernel, c, launch))
                 fn = functools.partial(kernel.triton_paged_attention, call, launch)
                 with torch.no_grad():
