@@ -18,7 +18,7 @@ Sections, in order (bf16, H=32 query heads over H_kv=8, D=128, unless said):
           into contiguous (N, H_kv, S, D) tensors (each kv head's G query heads as
           query rows: the flash kernel), the kernel's time over SDPA's; each row also
           checks the first two sequences against the float32 reference. flash (the
-          plain-torch tile engine that served CUDA before) at batch 8, contexts <= 4096
+          unfused tile engine, torch matmuls, that served CUDA before) at batch 8, contexts <= 4096
   tune    the kernel's launch (key block, warps, stages, keys per partition) at batch
           1 x 32768 and batch 64 x 4096, to choose kernels/triton/paged.py's defaults
 
