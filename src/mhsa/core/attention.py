@@ -15,9 +15,9 @@ from .backends.reference import attention_probs
 from .kernels.dense import apply_dropout, grouped_scores, probs_times_v, stats_dtype
 from .kernels.dropout import draw_seed
 from .kernels.scored import SelectedHeads, softmax_with_sinks
-from .masks import Pattern
+from .masks import Pattern, with_causal
 from .masks.base import part_kinds
-from .masks.causal import causal_allows, causal_shift
+from .masks.causal import causal_shift
 from .paged import attention_over_pages
 from .scores import ScoreFunction, apply_score, as_score, kinds
 
@@ -242,12 +242,12 @@ def attention_weights(
     q_sel = q.index_select(1, head_idx)
     k_sel = k.index_select(1, head_idx // (num_heads // k.shape[1]))
     keys = torch.arange(kv_len, device=q.device)
-    if mask is None or isinstance(mask, Tensor):
-        mask_sel = _select(mask, 1, head_idx)
-        allowed = None if mask_sel is None else _select(mask_sel, 2, row_idx)
-    else:  # a pattern, the same for every head: evaluate it on the selected rows only
-        mask_sel = mask
-        allowed = mask.allowed(row_idx.view(-1, 1), keys.view(1, -1), q_len, kv_len)
+    mask_sel = _select(mask, 1, head_idx) if isinstance(mask, Tensor) else mask
+    # what may attend: the mask and the causal rule as one pattern, on the selected rows
+    pattern = with_causal(mask_sel, causal)
+    allowed = None
+    if pattern is not None:
+        allowed = pattern.allowed(row_idx.view(-1, 1), keys.view(1, -1), q_len, kv_len)
     bias_sel = _select(bias, 1, head_idx)
     score_sel = None if score is None else SelectedHeads(score, head_idx, num_heads)
     sinks_sel = None if sinks is None else sinks.index_select(0, head_idx)
@@ -272,10 +272,6 @@ def attention_weights(
         scores = apply_score(score, scores, q_pos, keys, head_idx)
     if bias_sel is not None:
         scores = scores + _select(bias_sel, 2, row_idx).to(dtype)
-    if causal:
-        q_pos = row_idx.view(-1, 1) + causal_shift(q_len, kv_len)
-        visible = causal_allows(q_pos, keys.view(1, -1))
-        allowed = visible if allowed is None else allowed & visible
     if allowed is not None:
         scores = scores.masked_fill(~allowed, -torch.inf)
     if backend == "reference":

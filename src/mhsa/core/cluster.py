@@ -18,7 +18,8 @@ from . import validate
 from .checks import int_at_least
 from .kernels.dense import masked_softmax, stats_dtype
 from .kernels.merge import merge_partials
-from .masks.causal import causal_allows, causal_mask, causal_shift
+from .masks import Causal
+from .masks.causal import causal_shift
 
 
 def lsh_buckets(x: Tensor, num_buckets: int, seed: int) -> Tensor:
@@ -73,7 +74,7 @@ def _one_round(q, k, v, q_buckets, k_buckets, chunk_size, causal, scale):
     allowed = (k_pos >= 0).unsqueeze(-2) & ~wrapped.view(1, 1, num_chunks, 1, -1)
     if causal:
         q_at = q_pos.unsqueeze(-1) + causal_shift(q_len, kv_len)
-        allowed = allowed & causal_allows(q_at, k_pos.unsqueeze(-2))
+        allowed = allowed & Causal().positions(q_at, k_pos.unsqueeze(-2))
     scores = (qs @ ks.transpose(-1, -2)) * scale  # (B, H, nq, c, 2c)
     probs, lse = masked_softmax(scores.masked_fill(~allowed, -torch.inf))
     out = (probs @ vs).reshape(batch, heads, -1, v.shape[-1])[:, :, :q_len]
@@ -148,5 +149,5 @@ def implied_counts(
         delta = (q_rank // chunk_size).unsqueeze(-1) - (k_rank // chunk_size).unsqueeze(-2)
         counts += ((delta == 0) | (delta == 1)).long()
     if causal:
-        counts = counts * causal_mask(q_len, kv_len, q.device)
+        counts = counts * Causal().dense(q_len, kv_len, q.device)
     return counts
