@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..core.checks import int_at_least, int_list
+from ..core.checks import int_at_least, int_list, is_int
 from ..core.paged_step import PagedStep
 from .base import MultiLayerCache
 from .blocks import BlockAllocator, PoolExhausted, chain_hashes
@@ -346,7 +346,7 @@ def _token_ids(tokens: Sequence[int] | Tensor) -> list[int]:
     tokens = int_list("tokens", tokens)
     if not tokens:
         raise ValueError("tokens must hold the prompt's token ids, at least one")
-    bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**63]
+    bad = [t for t in tokens if not is_int(t) or not 0 <= t < 2**63]
     if bad:
         raise ValueError(f"tokens must be token ids (ints >= 0), got {bad[0]!r}")
     return tokens

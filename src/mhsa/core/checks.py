@@ -9,10 +9,23 @@ import torch
 from torch import Tensor
 
 
+def is_int(value: object) -> bool:
+    """Whether value is an int and not a bool (which Python counts as one)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def int_at_least(name: str, value: int, low: int, hint: str = "") -> int:
     """value, if it is an int (not a bool) >= low; else ValueError naming `name`."""
+    # is_int's rule, inlined: called per layer on the decode path
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an int >= {low}{hint}, got {value!r}")
+    return value
+
+
+def an_int(name: str, value: int, hint: str = "") -> int:
+    """value, if it is an int (not a bool); else TypeError naming `name`."""
+    if not is_int(value):
+        raise TypeError(f"{name} must be an int{hint}, got {value!r}")
     return value
 
 

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from . import validate
 from .attention import attention
-from .checks import int_at_least
+from .checks import int_at_least, is_int
 from .kernels.paged import gather_pages
 from .masks.blocks import num_blocks
 from .masks.causal import causal_shift, strictly_earlier
@@ -69,7 +69,7 @@ def moba_select(q: Tensor, k: Tensor, block_size: int, top_k: int) -> Tensor:
 def _check_sizes(q_len: int, kv_len: int, block_size: int, top_k: int) -> int:
     int_at_least("block_size", block_size, 1)
     n = num_blocks(kv_len, block_size)
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= max(n, 1):
+    if not is_int(top_k) or not 1 <= top_k <= max(n, 1):
         raise ValueError(
             f"top_k must be an int in 1..{n} (the number of key blocks: S = {kv_len} in "
             f"blocks of {block_size}), got {top_k!r}"

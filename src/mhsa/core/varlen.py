@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from .attention import attention
-from .checks import tensors_of_rank
+from .checks import an_int, tensors_of_rank
 from .kernels.scored import AtPositions
 from .masks.causal import causal_shift
 from .masks.segments import Segments, check_cu_seqlens, check_segment_counts
@@ -131,8 +131,7 @@ def _check_packed(q: Tensor, k: Tensor, v: Tensor) -> None:
 
 
 def _check_max_seqlen(name: str, value: int, cu: Tensor) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    an_int(name, value)
     longest = int(cu.diff().max()) if cu.numel() > 1 else 0
     if value < longest:
         at = int(cu.diff().argmax())

@@ -8,7 +8,7 @@ from typing import ClassVar, NamedTuple
 
 from typing_extensions import Self
 
-from ..core.validate import int_at_least
+from ..core.checks import int_at_least, is_int
 from ..nn.positional import RotaryEmbedding, rope_frequencies, rope_type
 
 HF_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
@@ -69,7 +69,7 @@ class CausalLMConfig(ModelConfig):
         for name in ("vocab_size", "n_layer", "n_head", "d_model"):
             int_at_least(name, getattr(self, name), 1)
         kv = self.n_head if self.n_kv_head is None else self.n_kv_head
-        if isinstance(kv, bool) or not isinstance(kv, int) or kv < 1 or self.n_head % kv:
+        if not is_int(kv) or kv < 1 or self.n_head % kv:
             raise ValueError(
                 f"n_kv_head must divide n_head ({self.n_head}) or be None, got {self.n_kv_head!r}"
             )

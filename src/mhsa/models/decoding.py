@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..core.checks import int_at_least
+from ..core.checks import an_int, int_at_least
 from .compiled_step import compile_seconds, compiled_decode_step, compiled_once, static_caches
 from .decoder import Decoder
 from .graph_step import graph_lease
@@ -245,8 +245,7 @@ class CausalLMDecoding:
         if eos_token is not None and not isinstance(eos_token, int) and len(eos_token) == 0:
             eos_token = None
         vocab_size, max_len = self.config.vocab_size, self.position_limit()
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
-            raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
+        an_int("max_new_tokens", max_new_tokens)
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         sampling = Sampling(temperature, top_k, top_p)

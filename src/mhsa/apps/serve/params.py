@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ...core.checks import is_int
 from ...formats.chat_template import TemplateLimitError, render_limits
 from . import errors
 from .limits import Limits
@@ -291,7 +292,7 @@ def _stop(stop: Any) -> tuple[str, ...]:
 
 
 def _integer(param: str, value: Any, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise errors.invalid_type(param, "an integer", value)
     if value < minimum:
         raise errors.below_minimum(param, minimum, value)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import int_at_least
+from ..checks import an_int, int_at_least
 from .base import Pattern, block_ranges
 from .blocks import EMPTY, FULL, PARTIAL
 from .causal import causal_allows, causal_shift
@@ -40,9 +40,7 @@ class Chunked(Pattern):
 
     def __init__(self, size: int, *, start: int = 0) -> None:
         self.size = int_at_least("size", size, 1, " (positions per chunk)")
-        if isinstance(start, bool) or not isinstance(start, int):
-            raise TypeError(f"start must be an int (the position of key 0), got {start!r}")
-        self.start = start
+        self.start = an_int("start", start, " (the position of key 0)")
 
     def _query_position(self, q_len: int, kv_len: int) -> int:
         """The position of query row 0."""
