@@ -52,6 +52,9 @@ DKV = [
     (64, 128, 4, 3),
 ]
 CASES = {"dense": (None, False), "causal": (None, True), "window": (SlidingWindow(1024, 0), True)}
+# gpu_hf's Llama: B=1, 16 query heads over 4 KV heads, L=4096, D=128 (its 512 window
+# made the training step's attention slower than full causal on 2026-12-04)
+HF_SHAPE, HF_KV_HEADS = (1, 16, 4096, 128), 4
 
 
 def _inputs(shape, kv_heads, dtype, device, grad=False):
@@ -205,11 +208,42 @@ def run_peers(rows: JsonRows, device, lengths, peak: float, repeat: int, cases=C
             measure.release()
 
 
+def run_hf_shape(rows: JsonRows, device, repeat: int) -> None:
+    """At gpu_hf's shape: the band kernels forward and backward on causal and on a 512
+    window, the window's backward under every dq and dK/dV config, and SDPA's causal
+    forward+backward, so that one run tells which kernel the window loses time in."""
+    qkv = _inputs(HF_SHAPE, HF_KV_HEADS, torch.bfloat16, device)
+    cases = {"causal": (None, True), "window 512": (SlidingWindow(512, 0), True)}
+    fns = {}
+    for name, (mask, causal) in cases.items():
+        fns[f"{name} band forward"] = _band_call(*qkv, mask, causal)
+        fns[f"{name} band backward"] = _backward_call(*qkv, mask, causal, None)
+    window = cases["window 512"]
+    fns.update(
+        {f"window 512 band backward, dq {c}": _backward_call(*qkv, *window, (c, None)) for c in DQ}
+    )
+    fns.update(
+        {
+            f"window 512 band backward, dkv {c}": _backward_call(*qkv, *window, (None, c))
+            for c in DKV
+        }
+    )
+    trained = [t.detach().requires_grad_() for t in qkv]
+    grad = torch.randn_like(qkv[0])
+    fns["causal sdpa forward+backward"] = measure.train_call(
+        "sdpa", trained, grad, None, True, None, False
+    )
+    for what, row in measure.time_group(fns, repeat, device, 0.02, ()).items():
+        rows.add(section="hf_shape", what=what, shape=list(HF_SHAPE), **row)
+    del qkv, trained, grad
+    measure.release()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--quick", action="store_true", help="fewer repeats, L=4096")
-    parser.add_argument("--only", default="checks,sweep_forward,sweep_backward,peers")
+    parser.add_argument("--only", default="checks,sweep_forward,sweep_backward,peers,hf_shape")
     parser.add_argument("--cases", default=",".join(CASES), help="the peers' cases")
     parser.add_argument("--dims", default="128,64", help="head dims of the forward sweep")
     args = parser.parse_args(argv)
@@ -232,6 +266,8 @@ def main(argv: list[str] | None = None) -> None:
         run_sweep_forward(rows, device, length, peak, repeat, dims)
     if "sweep_backward" in parts:
         run_sweep_backward(rows, device, length, peak, repeat)
+    if "hf_shape" in parts:
+        run_hf_shape(rows, device, repeat)
     if "peers" in parts:
         cases = {name: CASES[name] for name in args.cases.split(",")}
         run_peers(rows, device, (length, 2 * length), peak, repeat, cases)
