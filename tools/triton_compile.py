@@ -40,14 +40,14 @@ FLOATS = ("scale", "cap")
 def compile_kernel(
     fn, constants: dict, arch: int, warps: int, stages: int, dtype="bf16", pointers=None
 ):
-    """Compile fn with its constexprs from constants (the rest: pointers by name, with
-    `pointers` overriding POINTERS, floats by name, else int32) for sm_{arch}; returns
-    the compiled kernel."""
+    """Compile fn with its constexprs from constants (and the arguments passed as None
+    at run time; the rest: pointers by name, with `pointers` overriding POINTERS, floats
+    by name, else int32) for sm_{arch}; returns the compiled kernel."""
     pointers = {**POINTERS, **(pointers or {})}
     signature, constexprs = {}, {}
     for index, param in enumerate(fn.params):
         name = param.name
-        if param.is_constexpr:
+        if param.is_constexpr or name in constants:  # (a None argument is a constexpr)
             signature[name] = "constexpr"
             constexprs[(index,)] = constants[name]
         elif name in DATA:
@@ -63,8 +63,9 @@ def compile_kernel(
 
 
 def band_kernels():
-    """(name, kernel, constexprs, warps, stages) of the band kernels' default configs,
-    with and without score functions."""
+    """(name, kernel, constexprs, warps, stages, pointers) of the band kernels' default
+    configs, with and without score functions, and the forward reading keys and values
+    through TMA tensor descriptors."""
     from mhsa.core.kernels.triton import band
     from mhsa.core.kernels.triton.band_launch import CONFIGS
 
@@ -73,14 +74,20 @@ def band_kernels():
     )
     scored = dict(plain, ALIBI=1, SOFTCAP=True)
     for label, base in (("plain", plain), ("alibi+softcap", scored)):
+        no_tma = dict(KDesc=None, VDesc=None, TMA=False)
         for kernel, fn, extra in (
-            ("forward", band._band_fwd, dict(HAS_SINKS=label != "plain")),
+            ("forward", band._band_fwd, dict(HAS_SINKS=label != "plain", **no_tma)),
             ("dq", band._band_bwd_dq, {}),
             ("dkv", band._band_bwd_dkv, dict(EVEN_M=True)),
         ):
             block_m, block_n, warps, stages = CONFIGS[kernel][(True, 128)]
             constants = dict(base, BLOCK_M=block_m, BLOCK_N=block_n, **extra)
             yield f"band {kernel} ({label})", fn, constants, warps, stages, None
+    block_m, block_n, warps, stages = CONFIGS["forward"][(True, 128)]
+    descriptor = f"tensordesc<bf16[1, 1, {block_n}, 128]>"
+    constants = dict(plain, BLOCK_M=block_m, BLOCK_N=block_n, HAS_SINKS=False, TMA=True)
+    descriptors = {"KDesc": descriptor, "VDesc": descriptor}
+    yield "band forward (TMA)", band._band_fwd, constants, warps, stages, descriptors
 
 
 def tile_kernels():

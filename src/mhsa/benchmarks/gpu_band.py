@@ -35,6 +35,7 @@ FORWARD = [
     (64, 64, 4, 3),
     (128, 64, 4, 3),
 ]
+TMA_FORWARD = FORWARD[:3]
 DQ = [
     (128, 32, 4, 3),
     (128, 32, 8, 3),
@@ -102,15 +103,41 @@ def run_checks(rows: JsonRows, device, shapes=CHECK_SHAPES) -> None:
                     )
                 except Exception as error:
                     rows.add(section="check", case=name, dim=dim, skipped=measure.failure(error))
+            _check_tma(rows, name, mask, causal, dtype, dim, q_len, kv_len, device)
 
 
-def _band_call(q, k, v, mask, causal, config=None):
+def _check_tma(rows: JsonRows, name, mask, causal, dtype, dim, q_len, kv_len, device) -> None:
+    """Whether the forward through TMA descriptors gives the pointer loads' bits, on
+    (B, L, H, D) storage as projections leave it."""
+    try:
+        torch.manual_seed(0)
+        q = torch.randn(2, q_len, 8, dim, device=device, dtype=dtype).transpose(1, 2)
+        k, v = (
+            torch.randn(2, kv_len, 2, dim, device=device, dtype=dtype).transpose(1, 2) for _ in "kv"
+        )
+        by_pointers = _band_call(q, k, v, mask, causal)()
+        by_tma = _band_call(q, k, v, mask, causal, tma=True)()
+        same = all(torch.equal(a, b) for a, b in zip(by_pointers, by_tma, strict=True))
+        difference = float((by_pointers[0].float() - by_tma[0].float()).abs().max())
+        rows.add(
+            section="check_tma",
+            case=name,
+            dtype=str(dtype),
+            dim=dim,
+            same_bits=same,
+            max_difference=difference,
+        )
+    except Exception as error:
+        rows.add(section="check_tma", case=name, dim=dim, skipped=measure.failure(error))
+
+
+def _band_call(q, k, v, mask, causal, config=None, tma=False):
     from mhsa.core.kernels.triton.band_launch import band_forward, band_plan
     from mhsa.core.kernels.triton.scores import KernelScore
 
     plan = band_plan(q, k, v, mask, None, causal)
     scale = 1.0 / math.sqrt(q.shape[3])
-    return lambda: band_forward(q, k, v, plan, scale, KernelScore(), (None,) * 3, config)
+    return lambda: band_forward(q, k, v, plan, scale, KernelScore(), (None,) * 3, config, tma)
 
 
 def _backward_call(q, k, v, mask, causal, configs):
@@ -128,13 +155,16 @@ def _backward_call(q, k, v, mask, causal, configs):
 
 
 def run_sweep_forward(rows: JsonRows, device, length: int, peak: float, repeat: int, dims) -> None:
-    """Every forward config on dense and causal at each head dim."""
+    """Every forward config on dense and causal at each head dim, and the first three
+    with keys and values read through TMA descriptors."""
     for dim in dims:
         qkv = _inputs((4, 16, length, dim), 16, torch.bfloat16, device)
         for name in ("causal", "dense"):
             mask, causal = CASES[name]
             allowed = measure.allowed_entries(mask, causal, length, device)
             fns = {str(c): _band_call(*qkv, mask, causal, c) for c in FORWARD}
+            # keys and values through TMA descriptors (band_launch.USE_TMA), best configs
+            fns.update({f"{c} tma": _band_call(*qkv, mask, causal, c, True) for c in TMA_FORWARD})
             for config, row in measure.time_group(fns, repeat, device, 0.02, ()).items():
                 flop = measure.flops(allowed, qkv[0].shape, backward=False)
                 share = flop / (row["ms"] * 1e-3) / peak if "ms" in row else None

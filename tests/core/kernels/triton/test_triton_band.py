@@ -162,3 +162,37 @@ def test_tile_lists_serve_what_the_band_kernels_do_not():
             band=call["band"],
         )[0]
         assert not isinstance(plan, BandPlan)
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_keys_and_values_read_through_tma_descriptors_give_the_pointer_loads_bits(name):
+    """The forward's TMA path (tensor descriptors; off by default until a GPU run times
+    it) reads what the pointer loads read: the same out and lse to the bit, on
+    (B, L, H, D) storage as projections leave it, D=40 (reads past D as 0) and keys
+    off the tiles (past S as 0), with the golden forward's accuracy."""
+    import math
+
+    from mhsa.core.kernels.triton.band_launch import band_forward, tma_descriptors
+    from mhsa.core.kernels.triton.scores import KernelScore
+
+    q_len, kv_len, causal, mask, kv_heads, dim = SHAPES[name]
+    q, k, v = (t.detach() for t in _inputs(q_len, kv_len, kv_heads, dim, contiguous=False))
+    assert tma_descriptors(k, v, 16, 64)[0] is not None
+    plan, scale, score = band_plan(q, k, v, mask, None, causal), 1 / math.sqrt(dim), KernelScore()
+    by_pointers = band_forward(q, k, v, plan, scale, score, (None,) * 3, tma=False)
+    by_tma = band_forward(q, k, v, plan, scale, score, (None,) * 3, tma=True)
+    assert all(torch.equal(a, b) for a, b in zip(by_pointers, by_tma, strict=True))
+    ref_out, _ = golden_attention(q.double(), k.double(), v.double(), mask, causal=causal)
+    assert (by_tma[0].double() - ref_out).abs().max() < 1e-5
+
+
+def test_tma_descriptors_refuse_what_tma_cannot_read():
+    """A last dimension that is not contiguous, or a stride off 16 bytes: (None, None),
+    and the forward reads by pointers."""
+    from mhsa.core.kernels.triton.band_launch import tma_descriptors
+
+    k = torch.randn(1, 2, 8, 16)
+    assert tma_descriptors(k.transpose(2, 3), k.transpose(2, 3), 16, 16) == (None, None)
+    odd = torch.randn(1, 2, 8, 18)[..., :17]  # rows of 18 floats: 72 bytes
+    assert tma_descriptors(odd, odd, 16, 32) == (None, None)
+    assert tma_descriptors(k, k, 16, 16)[0] is not None

@@ -95,18 +95,25 @@ def _scores2(qk, offset, scale, slope, table, stn, Buckets, span, cap,
 
 @triton.jit
 def _key_block(q, rows, block, k_base, v_base, sks, skd, svs, svd, head_dim, kv_len, scale,
-               shift, left, right, slope, table, stn, Buckets, span, cap,
+               shift, left, right, slope, table, stn, Buckets, span, cap, k_desc, v_desc, b, hk,
                MASKED: tl.constexpr, ALIBI: tl.constexpr, RELATIVE: tl.constexpr,
                SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-               EVEN_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+               EVEN_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+               TMA: tl.constexpr):
     """Key block `block` of the query rows of q (the forward and dQ kernels): its keys
     (BLOCK_N, BLOCK_D), values, base-2 scores (BLOCK_M, BLOCK_N), the softcap's tanh,
     and where the band allows (with MASKED; else True). Each caller applies the mask
-    where it fuses best: the forward to the scores, dQ to the probabilities."""
+    where it fuses best: the forward to the scores, dQ to the probabilities. With TMA
+    the keys and values come through the tensor descriptors k_desc, v_desc of (B,
+    H_kv, S, D) at batch b, kv head hk (Hopper's TMA; it reads past S and D as 0)."""
     cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
-    k = _tile(k_base, cols, kv_len, sks, dims, head_dim, skd, MASKED or not EVEN_D)
-    v = _tile(v_base, cols, kv_len, svs, dims, head_dim, svd, MASKED or not EVEN_D)
+    if TMA:
+        k = k_desc.load([b, hk, block * BLOCK_N, 0]).reshape([BLOCK_N, BLOCK_D])
+        v = v_desc.load([b, hk, block * BLOCK_N, 0]).reshape([BLOCK_N, BLOCK_D])
+    else:
+        k = _tile(k_base, cols, kv_len, sks, dims, head_dim, skd, MASKED or not EVEN_D)
+        v = _tile(v_base, cols, kv_len, svs, dims, head_dim, svd, MASKED or not EVEN_D)
     qk = _dot(q, tl.trans(k), PREC, UPCAST, tl.float32)
     offset = key_offsets(rows, cols, shift)
     s, t = _scores2(qk, offset, scale, slope, table, stn, Buckets, span, cap,
@@ -120,16 +127,18 @@ def _key_block(q, rows, block, k_base, v_base, sks, skd, svs, svd, head_dim, kv_
 @triton.jit
 def _fwd_blocks(acc, l_i, m_i, q, rows, k_base, v_base, sks, skd, svs, svd, lo, hi,
                 head_dim, q_len, kv_len, scale, shift, left, right, slope, table, stn,
-                Buckets, span, cap,
+                Buckets, span, cap, k_desc, v_desc, b, hk,
                 MASKED: tl.constexpr, ALIBI: tl.constexpr, RELATIVE: tl.constexpr,
                 SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                EVEN_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+                EVEN_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+                TMA: tl.constexpr):
     """The online softmax over key blocks lo..hi-1; MASKED applies the band."""
     for block in range(lo, hi):
         k, v, s, _, allowed = _key_block(q, rows, block, k_base, v_base, sks, skd, svs, svd,
                                          head_dim, kv_len, scale, shift, left, right, slope,
-                                         table, stn, Buckets, span, cap, MASKED, ALIBI, RELATIVE,
-                                         SOFTCAP, BLOCK_N, BLOCK_D, EVEN_D, PREC, UPCAST)
+                                         table, stn, Buckets, span, cap, k_desc, v_desc, b, hk,
+                                         MASKED, ALIBI, RELATIVE, SOFTCAP, BLOCK_N, BLOCK_D,
+                                         EVEN_D, PREC, UPCAST, TMA)
         if MASKED:
             s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -147,15 +156,17 @@ def _fwd_blocks(acc, l_i, m_i, q, rows, k_base, v_base, sks, skd, svs, svd, lo, 
 def _band_fwd(
     Q, K, V, Out, Lse, sqb, sqh, sql, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
     sob, soh, sol, sod, num_heads, group, q_len, kv_len, head_dim, scale, shift, left, right,
-    Slopes, Table, Buckets, Sinks, stn, sth, span, cap,
+    Slopes, Table, Buckets, Sinks, stn, sth, span, cap, KDesc, VDesc,
     ALIBI: tl.constexpr, RELATIVE: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
     """Grid (query blocks, B * H): out (B, H, L, D) and lse (B, H, L) float32 of one
-    query block. With HAS_SINKS each row starts at max = its sink and sum = 1."""
+    query block. With HAS_SINKS each row starts at max = its sink and sum = 1. With TMA,
+    keys and values are read through the tensor descriptors KDesc, VDesc (else None)."""
     qi, bh = tl.program_id(0), tl.program_id(1)
     b64, h64, hk64 = _program_heads(bh, num_heads, group)
+    b, hk = bh // num_heads, bh % num_heads // group  # (int32: the descriptors' indices)
     slope, table, sink = _head_score(Slopes, Table, Sinks, h64, sth, ALIBI, HAS_SINKS, tl.float32)
     rows = qi * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
@@ -171,16 +182,19 @@ def _band_fwd(
                                                 shift, left, right, kv_len, BLOCK_N)
     acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, rows, k_base, v_base, sks, skd, svs, svd,
                                 first, full_lo, head_dim, q_len, kv_len, scale, shift, left,
-                                right, slope, table, stn, Buckets, span, cap, True, ALIBI,
-                                RELATIVE, SOFTCAP, BLOCK_N, BLOCK_D, EVEN_D, PREC, UPCAST)
+                                right, slope, table, stn, Buckets, span, cap, KDesc, VDesc, b,
+                                hk, True, ALIBI, RELATIVE, SOFTCAP, BLOCK_N, BLOCK_D, EVEN_D,
+                                PREC, UPCAST, TMA)
     acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, rows, k_base, v_base, sks, skd, svs, svd,
                                 full_lo, full_hi, head_dim, q_len, kv_len, scale, shift, left,
-                                right, slope, table, stn, Buckets, span, cap, False, ALIBI,
-                                RELATIVE, SOFTCAP, BLOCK_N, BLOCK_D, EVEN_D, PREC, UPCAST)
+                                right, slope, table, stn, Buckets, span, cap, KDesc, VDesc, b,
+                                hk, False, ALIBI, RELATIVE, SOFTCAP, BLOCK_N, BLOCK_D, EVEN_D,
+                                PREC, UPCAST, TMA)
     acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, rows, k_base, v_base, sks, skd, svs, svd,
                                 full_hi, end, head_dim, q_len, kv_len, scale, shift, left,
-                                right, slope, table, stn, Buckets, span, cap, True, ALIBI,
-                                RELATIVE, SOFTCAP, BLOCK_N, BLOCK_D, EVEN_D, PREC, UPCAST)
+                                right, slope, table, stn, Buckets, span, cap, KDesc, VDesc, b,
+                                hk, True, ALIBI, RELATIVE, SOFTCAP, BLOCK_N, BLOCK_D, EVEN_D,
+                                PREC, UPCAST, TMA)
     alive = l_i > 0.0
     lse = tl.where(alive, (m_i + tl.log2(tl.where(alive, l_i, 1.0))) * LN2, float("-inf"))
     out = acc / tl.where(alive, l_i, 1.0)[:, None]
@@ -209,8 +223,9 @@ def _dq_blocks(dq, q, do, lse2, delta, rows, k_base, v_base, sks, skd, svs, svd,
     for block in range(lo, hi):
         k, v, s, t, allowed = _key_block(q, rows, block, k_base, v_base, sks, skd, svs, svd,
                                          head_dim, kv_len, scale, shift, left, right, slope,
-                                         table, stn, Buckets, span, cap, MASKED, ALIBI, RELATIVE,
-                                         SOFTCAP, BLOCK_N, BLOCK_D, EVEN_D, PREC, UPCAST)
+                                         table, stn, Buckets, span, cap, None, None, 0, 0,
+                                         MASKED, ALIBI, RELATIVE, SOFTCAP, BLOCK_N, BLOCK_D,
+                                         EVEN_D, PREC, UPCAST, False)
         p = tl.exp2(s - lse2[:, None])
         if MASKED:
             p = tl.where(allowed, p, 0.0)

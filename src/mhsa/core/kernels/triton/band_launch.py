@@ -105,6 +105,27 @@ def band_plan(q: Tensor, k: Tensor, v: Tensor | None, mask, bias, causal: bool):
     return BandPlan(band[0], band[1], causal_shift(q.shape[2], k.shape[2]))
 
 
+# Hopper's TMA (tensor descriptors) for the forward's keys and values: off until a
+# device run measures it against pointer loads (gpu_band's sweep_forward, "tma")
+USE_TMA = False
+
+
+def tma_descriptors(k: Tensor, v: Tensor, block_n: int, block_d: int) -> tuple:
+    """TensorDescriptors of k and v (B, H_kv, S, D) in blocks (1, 1, block_n, block_d),
+    or (None, None) where TMA cannot read them: before Hopper, or a tensor whose last
+    dimension is not contiguous or whose base or other strides are not 16-byte aligned."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if k.device.type == "cuda" and torch.cuda.get_device_capability(k.device)[0] < 9:
+        return None, None
+    for t in (k, v):
+        size = t.element_size()
+        if t.stride(3) != 1 or t.data_ptr() % 16 or any(s * size % 16 for s in t.stride()[:3]):
+            return None, None
+    block = [1, 1, block_n, block_d]
+    return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), block) for t in (k, v))
+
+
 def _options(kernel: str, q: Tensor, score: KernelScore, config) -> dict:
     """The constexprs and launch options of one kernel."""
     launch = config or band_config(kernel, q.shape[3], q.dtype)
@@ -121,14 +142,19 @@ def band_forward(
     score: KernelScore,
     tensors: tuple,
     config: tuple | None = None,
+    tma: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(out (B, H, L, D) in q's dtype, lse (B, H, L) float32) of a band call; tensors
-    (slopes, table, sinks), None where absent; config overrides the launch."""
+    (slopes, table, sinks), None where absent; config overrides the launch; tma: read
+    keys and values through tensor descriptors where they allow it (default USE_TMA)."""
     batch, num_heads, q_len, head_dim = q.shape
     num_kv_heads, kv_len = k.shape[1], k.shape[2]
     out = q.new_empty(batch, num_heads, q_len, head_dim)
     lse = torch.empty(batch, num_heads, q_len, dtype=torch.float32, device=q.device)
     options = _options("forward", q, score, config)
+    descriptors = (None, None)
+    if USE_TMA if tma is None else tma:
+        descriptors = tma_descriptors(k, v, options["BLOCK_N"], options["BLOCK_D"])
     grid = (-(-q_len // options["BLOCK_M"]), batch * num_heads)
     _band_fwd[grid](
         q,
@@ -147,7 +173,9 @@ def band_forward(
         plan.left,
         plan.right,
         *score.args(*tensors, like=q),
+        *descriptors,
         HAS_SINKS=tensors[2] is not None,
+        TMA=descriptors[0] is not None,
         **options,
     )
     return out, lse
