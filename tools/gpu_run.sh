@@ -18,7 +18,7 @@ timeout 100 python -m mhsa.benchmarks.gpu_decode --out $R >> $LOG 2>&1
 step band-sweeps
 timeout 80 python -m mhsa.benchmarks.gpu_band --out $R --only sweep_forward,sweep_backward --dims 128 >> $LOG 2>&1
 step band-hf-shape
-timeout 60 python -m mhsa.benchmarks.gpu_band --out $R --only hf_shape --quick >> $LOG 2>&1
+timeout 90 python -m mhsa.benchmarks.gpu_band --out $R --only hf_shape --quick >> $LOG 2>&1
 step gpu-quick
 timeout 60 python -m mhsa.benchmarks.gpu --quick --sections bench scores --budget 40 --out $R >> $LOG 2>&1
 rm -f $R/gpu.md
