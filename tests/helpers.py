@@ -4,12 +4,16 @@
 from __future__ import annotations
 
 import io
+import math
 import re
 import tokenize
 from pathlib import Path
 
 import torch
 from torch import Tensor
+
+import mhsa
+from mhsa.core.masks import SlidingWindow
 
 
 def make_qkv(
@@ -242,3 +246,63 @@ def skipped_block(page: Path, name: str) -> str:
     marker = next(m for m in SKIP.finditer(text) if m.group(1) == name)
     start = text.index("```python\n", marker.end()) + len("```python\n")
     return text[start : text.index("\n```", start)]
+
+
+# paged keys: a batch of sequences in a shuffled block pool, and the answer each one
+# gets alone (tests/core/kernels/test_paged_attention.py, test_paged_plans.py)
+def paged_case(
+    lengths,
+    block_size,
+    num_heads=4,
+    num_kv_heads=2,
+    q_len=1,
+    head_dim=7,
+    value_dim=5,
+    dtype=torch.float64,
+    num_blocks=None,
+):
+    """Random q (N, H, T, D), pools whose unused blocks hold NaN, a shuffled block
+    table padded with -1, and each sequence's keys and values (1, H_kv, len, D) gathered
+    by hand."""
+    counts = [math.ceil(n / block_size) for n in lengths]
+    num_blocks = num_blocks or sum(counts) + 3
+    k_pool = torch.full((num_blocks, block_size, num_kv_heads, head_dim), torch.nan, dtype=dtype)
+    v_pool = torch.full((num_blocks, block_size, num_kv_heads, value_dim), torch.nan, dtype=dtype)
+    table = torch.full((len(lengths), max(counts) + 1), -1, dtype=torch.long)
+    ids, keys, values = torch.randperm(num_blocks).tolist(), [], []
+    for n, (length, count) in enumerate(zip(lengths, counts, strict=True)):
+        blocks, ids = ids[:count], ids[count:]
+        table[n, :count] = torch.tensor(blocks, dtype=torch.long)
+        k = torch.randn(1, num_kv_heads, length, head_dim, dtype=dtype)
+        v = torch.randn(1, num_kv_heads, length, value_dim, dtype=dtype)
+        for j in range(length):  # slots past a sequence's length stay NaN
+            k_pool[blocks[j // block_size], j % block_size] = k[0, :, j]
+            v_pool[blocks[j // block_size], j % block_size] = v[0, :, j]
+        keys.append(k)
+        values.append(v)
+    q = torch.randn(len(lengths), num_heads, q_len, head_dim, dtype=dtype)
+    return q, k_pool, v_pool, table, keys, values
+
+
+def paged_golden(q, keys, values, lengths, window=None, modify=None, scale=None):
+    """Each sequence alone: dense causal attention over its keys (float64)."""
+    outs = []
+    for n, length in enumerate(lengths):
+        q_len = q.shape[2]
+        mask = None
+        if window is not None:
+            rows = torch.arange(length - q_len, length).view(-1, 1)
+            mask = torch.arange(length).view(1, -1) >= rows - window
+        outs.append(
+            golden_attention(
+                q[n : n + 1], keys[n], values[n], mask, causal=True, modify=modify, scale=scale
+            )[0]
+        )
+    return torch.cat(outs)
+
+
+def paged_call(q, k_pool, v_pool, table, lengths, window=None, **options):
+    """mhsa.attention over the pages, causal, within SlidingWindow(window, 0) if given."""
+    mask = None if window is None else SlidingWindow(window, 0)
+    options = {"causal": True, **options}
+    return mhsa.attention(q, k_pool, v_pool, mask, block_table=table, seq_lens=lengths, **options)

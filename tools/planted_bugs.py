@@ -91,7 +91,7 @@ BUGS = {
         "core/paged.py",
         "        window,\n        scale,\n",
         "        scale,\n",
-        "tests/core/kernels/test_paged_attention.py",
+        "tests/core/kernels/test_paged_plans.py",
     ),
     "a stop token is output before the request ends": (
         "models/sampling.py",
