@@ -306,3 +306,17 @@ def paged_call(q, k_pool, v_pool, table, lengths, window=None, **options):
     mask = None if window is None else SlidingWindow(window, 0)
     options = {"causal": True, **options}
     return mhsa.attention(q, k_pool, v_pool, mask, block_table=table, seq_lens=lengths, **options)
+
+
+def tiny_hf_gpt2(**sizes):
+    """transformers' GPT2LMHeadModel with random weights (seed 0), in eval mode, no
+    dropout and no bos/eos: 101 tokens, 64 positions, width 48, 2 layers of 4 heads
+    unless `sizes` (GPT2Config's names) say otherwise."""
+    from optional import needs
+
+    transformers = needs("transformers")
+    options = dict(vocab_size=101, n_positions=64, n_embd=48, n_layer=2, n_head=4)
+    options.update(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    options.update(bos_token_id=None, eos_token_id=None, **sizes)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(**options)).eval()

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import max_error
+from helpers import max_error, tiny_hf_gpt2
 from mhsa.checkpoint import load_checkpoint, save_checkpoint
 from mhsa.formats.weights import NameTable, Rule, SafetensorsFiles, TensorDict, load_weights
 from mhsa.models import GPT, Bert, GPTConfig, Llama, Whisper
@@ -162,17 +162,8 @@ def edit_safetensors(path: Path, edit: Callable[[dict], None]) -> None:
 
 
 def write_gpt2(folder: Path) -> Path:
-    transformers = needs("transformers")
-    config = transformers.GPT2Config(
-        vocab_size=11,
-        n_positions=8,
-        n_embd=8,
-        n_layer=1,
-        n_head=2,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    transformers.GPT2LMHeadModel(config).save_pretrained(folder)
+    hf = tiny_hf_gpt2(vocab_size=11, n_positions=8, n_embd=8, n_layer=1, n_head=2)
+    hf.save_pretrained(folder)
     return folder / "model.safetensors"
 
 

@@ -7,11 +7,10 @@ import math
 import pytest
 import torch
 
-from helpers import max_error
+from helpers import max_error, tiny_hf_gpt2
 from mhsa.cache import KVCache, SlidingWindowCache
 from mhsa.models import GPT, GPTConfig
 from mhsa.models.gpt import sample
-from optional import needs
 
 
 def small(**changes) -> GPT:
@@ -154,21 +153,7 @@ def test_sliding_window_cache_memory_is_bounded():
 
 
 def test_logits_equal_transformers_gpt2():
-    transformers = needs("transformers")
-    hf_config = transformers.GPT2Config(
-        vocab_size=101,
-        n_positions=64,
-        n_embd=48,
-        n_layer=3,
-        n_head=4,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    torch.manual_seed(0)
-    hf = transformers.GPT2LMHeadModel(hf_config).eval()
+    hf = tiny_hf_gpt2(n_layer=3)
     config = GPTConfig(vocab_size=101, n_layer=3, n_head=4, d_model=48, max_len=64)
     ours = GPT.from_hf_gpt2(hf.state_dict(), config).eval()
     idx = torch.randint(0, 101, (2, 30))

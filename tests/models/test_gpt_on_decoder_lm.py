@@ -7,12 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_same_greedy, max_error
+from helpers import assert_same_greedy, max_error, tiny_hf_gpt2
 from mhsa.cache import KVCache, SlidingWindowCache
 from mhsa.models import GPT, GPTConfig
 from mhsa.models.decoder_lm import DecoderLM
 from mhsa.models.graph_step import StaticDecodeStep, fixed_slots_problem
-from optional import needs
 
 
 def small(**changes) -> GPT:
@@ -100,19 +99,7 @@ def test_decoding_layout_fuses_every_attention_and_keeps_the_logits():
 
 
 def test_gpt2_loads_from_a_transformers_directory(tmp_path):
-    transformers = needs("transformers")
-    hf_config = transformers.GPT2Config(
-        vocab_size=101,
-        n_positions=64,
-        n_embd=48,
-        n_layer=2,
-        n_head=4,
-        n_inner=80,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    torch.manual_seed(0)
-    hf = transformers.GPT2LMHeadModel(hf_config).eval()
+    hf = tiny_hf_gpt2(n_inner=80)
     hf.save_pretrained(tmp_path)
     ours = GPT.from_pretrained(tmp_path)
     assert not ours.training
