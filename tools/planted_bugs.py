@@ -83,8 +83,8 @@ BUGS = {
     ),
     "paged attention lets a query see its own key late": (
         "core/kernels/paged.py",
-        "return pattern.positions(q_pos, k_pos)",
-        "return pattern.positions(q_pos - 1, k_pos)",
+        "visible.positions(row_pos[: tile.active], tile.k_pos)",
+        "visible.positions(row_pos[: tile.active] - 1, tile.k_pos)",
         "tests/core/kernels/test_paged_attention.py",
     ),
     "paged step's plan kept for another window": (

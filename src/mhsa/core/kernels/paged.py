@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from ..checks import int_at_least
+from ..masks.base import Pattern
 from ..masks.causal import causal_shift
 from ..masks.patterns import Causal, SlidingWindow
 from ..scores import ScoreFunction
@@ -70,11 +71,10 @@ def query_positions(lengths: Tensor, q_len: int) -> Tensor:
     return (rows + causal_shift(q_len, lengths.view(-1, 1))).view(-1, 1, q_len, 1)
 
 
-def _allowed(q_pos: Tensor, k_pos: Tensor, window: int | None) -> Tensor:
-    """Whether queries at q_pos see keys at k_pos (1, 1, 1, K): the rule of Causal(),
-    or of SlidingWindow(window, 0) with a window."""
-    pattern = Causal() if window is None else SlidingWindow(window, 0)
-    return pattern.positions(q_pos, k_pos)
+def _visibility(window: int | None) -> Pattern:
+    """What a paged call's queries see, as a rule of positions (Pattern.positions):
+    Causal(), or SlidingWindow(window, 0) with a window. Made once a call, not a tile."""
+    return Causal() if window is None else SlidingWindow(window, 0)
 
 
 def _scored(
@@ -112,7 +112,7 @@ def paged_reference(call: PagedCall) -> Tensor:
     k_pos = torch.arange(keys.shape[2], device=q.device).view(1, 1, 1, -1)
     scores = grouped_scores(q, keys, scale, dtype)
     scores = _scored(score, scores, torch.arange(batch, device=q.device), q_pos, k_pos)
-    scores = scores.masked_fill(~_allowed(q_pos, k_pos, window), -torch.inf)
+    scores = scores.masked_fill(~_visibility(window).positions(q_pos, k_pos), -torch.inf)
     probs, _ = masked_softmax(scores)
     real = (k_pos < lens.view(-1, 1, 1, 1)).transpose(2, 3)  # (N, 1, S, 1)
     values = values.masked_fill(~real, 0)  # unwritten slots may hold anything
@@ -246,7 +246,7 @@ def _gathered(call: PagedCall, tile: _Tile) -> tuple[Tensor, Tensor]:
 def _tiled_rows(call: PagedCall, chunk: _Chunk, batch_ids: Tensor, tile_size: int) -> Tensor:
     """Online softmax over key tiles for a chunk of query rows, unfused (torch matmuls)."""
     q, q_pos, v_pool = call.q[:, :, chunk.start : chunk.stop], chunk.q_pos, call.v_pool
-    scale, score, window = call.scale, call.score, call.window
+    scale, score, visible = call.scale, call.score, _visibility(call.window)
     batch, num_heads, rows, head_dim = q.shape
     num_kv_heads = call.k_pool.shape[2]
     dtype = stats_dtype(q.dtype)
@@ -260,7 +260,7 @@ def _tiled_rows(call: PagedCall, chunk: _Chunk, batch_ids: Tensor, tile_size: in
         scores = scores.view(active, num_heads, rows, -1)
         scores = _scored(score, scores, batch_ids[:active], q_pos[:active], k_pos)
         if tile.masked:
-            scores = scores.masked_fill_(~_allowed(q_pos[:active], k_pos, window), -torch.inf)
+            scores = scores.masked_fill_(~visible.positions(q_pos[:active], k_pos), -torch.inf)
         probs, lse_t = masked_softmax(scores)
         out_t = probs.view(active, num_kv_heads, -1, keys.shape[2]) @ values
         out[:active], lse[:active] = merge_partials(
@@ -333,12 +333,12 @@ def _fused_chunks(call: PagedCall, tile_size: int):
 
 def _fused_tiles(call: PagedCall, chunk: _Chunk, row_pos: Tensor, tile_size: int):
     """A chunk's tiles with their masks, for query rows at row_pos (N, 1, G*R, 1)."""
-    blocks = kernel_row_blocks(row_pos.shape[2])
+    blocks, visible = kernel_row_blocks(row_pos.shape[2]), _visibility(call.window)
     for tile in _page_tiles(call, chunk, tile_size):
         if not tile.masked:
             yield _FusedTile(tile, [None] * len(blocks), None)
             continue
-        allowed = _allowed(row_pos[: tile.active], tile.k_pos, call.window)  # (a, 1, G*R, K)
+        allowed = visible.positions(row_pos[: tile.active], tile.k_pos)  # (a, 1, G*R, K)
         mask = torch.zeros(allowed.shape, dtype=call.q.dtype, device=call.q.device)
         mask.masked_fill_(~allowed, -torch.inf)
         masks = [_pad_rows(mask[:, :, r0:r1]) for r0, r1 in blocks]
