@@ -166,7 +166,7 @@ def bench_serve(args: argparse.Namespace) -> int:
     from ..benchmarks import serve
 
     placement(args)  # a device or dtype that cannot be had: one line, before any server
-    placed = {name: getattr(args, name) for name in ("device", "dtype") if getattr(args, name)}
+    placed = {name: value for name, value in _same_names(args, "device", "dtype").items() if value}
     try:
         chosen = _same_names(args, "model", "quick", "threads", "quantize", "load", "draft_tokens")
         # placed: the servers' own flags (mhsa serve --device --dtype)
