@@ -16,7 +16,7 @@ wait
 step gpu_decode
 timeout 100 python -m mhsa.benchmarks.gpu_decode --out $R >> $LOG 2>&1
 step band-sweeps
-timeout 80 python -m mhsa.benchmarks.gpu_band --out $R --only sweep_forward,sweep_backward --dims 128 >> $LOG 2>&1
+timeout 100 python -m mhsa.benchmarks.gpu_band --out $R --only sweep_forward,sweep_backward,scores --dims 128 >> $LOG 2>&1
 step band-hf-shape
 timeout 90 python -m mhsa.benchmarks.gpu_band --out $R --only hf_shape --quick >> $LOG 2>&1
 step gpu-quick

@@ -86,3 +86,22 @@ def test_gpu_script_records_a_failing_backend(tmp_path, monkeypatch):
     assert all("ms" in row and "vs_flex" not in row for row in triton)
     assert result["scores"] == [] and result["long"] == []  # sections not asked for
     assert json.loads((tmp_path / "gpu.json").read_text()) == result
+
+
+def test_gpu_band_scores_section_runs_on_the_cpu():
+    """gpu_band's score-function section (plain, ALiBi, Softcap with tanh from exp and
+    with tanh.approx, whose choice falls back to exp off the GPU) at a tiny shape."""
+    import torch
+
+    from mhsa.benchmarks.gpu_band import run_scores
+    from mhsa.benchmarks.gpu_measure import JsonRows
+
+    rows = JsonRows(None, "band.jsonl")
+    run_scores(rows, torch.device("cpu"), 1e12, 1, shape=(1, 2, 64, 16))
+    assert [(r["score"], r["backward"]) for r in rows.rows] == [
+        (score, backward)
+        for backward in (False, True)
+        for score in ("none", "alibi", "softcap(30), tanh from exp", "softcap(30), tanh.approx")
+    ]
+    for row in rows.rows:
+        assert row["ms"] > 0 and row["vs_plain"] > 0 and row["of_matmul"] > 0, row

@@ -131,27 +131,29 @@ def _check_tma(rows: JsonRows, name, mask, causal, dtype, dim, q_len, kv_len, de
         rows.add(section="check_tma", case=name, dim=dim, skipped=measure.failure(error))
 
 
-def _band_call(q, k, v, mask, causal, config=None, tma=False):
+def _band_call(q, k, v, mask, causal, config=None, tma=False, score=None, slopes=None):
+    """The band forward of one call, to time; score a KernelScore (default none)."""
     from mhsa.core.kernels.triton.band_launch import band_forward, band_plan
     from mhsa.core.kernels.triton.scores import KernelScore
 
     plan = band_plan(q, k, v, mask, None, causal)
-    scale = 1.0 / math.sqrt(q.shape[3])
-    return lambda: band_forward(q, k, v, plan, scale, KernelScore(), (None,) * 3, config, tma)
+    scale, score = 1.0 / math.sqrt(q.shape[3]), score or KernelScore()
+    tensors = (slopes, None, None)  # (slopes, table, sinks)
+    return lambda: band_forward(q, k, v, plan, scale, score, tensors, config, tma)
 
 
-def _backward_call(q, k, v, mask, causal, configs):
+def _backward_call(q, k, v, mask, causal, configs, score=None, slopes=None):
+    """The band backward of one call (its forward run once first), to time."""
     from mhsa.core.kernels.triton.band_launch import band_backward, band_forward, band_plan
     from mhsa.core.kernels.triton.scores import KernelScore
 
     plan = band_plan(q, k, v, mask, None, causal)
-    scale, score = 1.0 / math.sqrt(q.shape[3]), KernelScore()
-    out, lse = band_forward(q, k, v, plan, scale, score, (None,) * 3)
+    scale, score = 1.0 / math.sqrt(q.shape[3]), score or KernelScore()
+    tensors = (slopes, None, None)  # (slopes, table, sinks)
+    out, lse = band_forward(q, k, v, plan, scale, score, tensors)
     grad = torch.randn_like(out)
     delta = (grad.float() * out.float()).sum(-1)
-    return lambda: band_backward(
-        q, k, v, grad, delta, lse, plan, scale, score, (None,) * 3, configs
-    )
+    return lambda: band_backward(q, k, v, grad, delta, lse, plan, scale, score, tensors, configs)
 
 
 def run_sweep_forward(rows: JsonRows, device, length: int, peak: float, repeat: int, dims) -> None:
@@ -265,11 +267,53 @@ def run_hf_shape(rows: JsonRows, device, repeat: int) -> None:
     measure.release()
 
 
+def run_scores(rows: JsonRows, device, peak: float, repeat: int, shape=(4, 16, 4096, 128)) -> None:
+    """The band kernels on causal (B, H, L, D = shape, bf16) with no score function,
+    ALiBi, and Softcap(30) with tanh from exp and with the hardware's tanh.approx,
+    forward and backward: what each costs over plain causal."""
+    from mhsa.core.kernels.triton.scores import KernelScore
+    from mhsa.nn.positional import alibi_slopes
+
+    qkv = _inputs(shape, shape[1], torch.bfloat16, device)
+    slopes = alibi_slopes(shape[1]).to(device)
+    scores = {
+        "none": (KernelScore(), None),
+        "alibi": (KernelScore(alibi=1), slopes),
+        "softcap(30), tanh from exp": (KernelScore(cap=30.0, hardware_tanh=False), None),
+        "softcap(30), tanh.approx": (KernelScore(cap=30.0), None),
+    }
+    allowed = measure.allowed_entries(None, True, shape[2], device)
+    for backward in (False, True):
+        fns = {}
+        for name, (score, score_slopes) in scores.items():
+            call = _backward_call if backward else _band_call
+            args = (None,) if backward else ()
+            fns[name] = call(*qkv, None, True, *args, score=score, slopes=score_slopes)
+        flop = measure.flops(allowed, shape, backward=False)
+        flop *= measure.BACKWARD_FLOPS if backward else 1
+        timed = measure.time_group(fns, repeat, device, 0.02, ())
+        plain = timed.get("none", {}).get("ms")
+        for name, row in timed.items():
+            rows.add(
+                section="scores",
+                score=name,
+                backward=backward,
+                shape=list(shape),
+                of_matmul=flop / (row["ms"] * 1e-3) / peak if "ms" in row else None,
+                vs_plain=row["ms"] / plain if "ms" in row and plain else None,
+                **row,
+            )
+    del qkv
+    measure.release()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--quick", action="store_true", help="fewer repeats, L=4096")
-    parser.add_argument("--only", default="checks,sweep_forward,sweep_backward,peers,hf_shape")
+    parser.add_argument(
+        "--only", default="checks,sweep_forward,sweep_backward,scores,peers,hf_shape"
+    )
     parser.add_argument("--cases", default=",".join(CASES), help="the peers' cases")
     parser.add_argument("--dims", default="128,64", help="head dims of the forward sweep")
     args = parser.parse_args(argv)
@@ -292,6 +336,8 @@ def main(argv: list[str] | None = None) -> None:
         run_sweep_forward(rows, device, length, peak, repeat, dims)
     if "sweep_backward" in parts:
         run_sweep_backward(rows, device, length, peak, repeat)
+    if "scores" in parts:
+        run_scores(rows, device, peak, repeat)
     if "hf_shape" in parts:
         run_hf_shape(rows, device, repeat)
     if "peers" in parts:

@@ -146,6 +146,7 @@ def test_tile_lists_serve_what_the_band_kernels_do_not():
         dict(q=q, band=False),  # dropout (the caller says so)
         dict(q=q, band=True, score=table),  # a table that wants its gradient
         dict(q=q, band=True, blocks=(16, 16)),  # blocks name the tile lists' tiles
+        dict(q=q, band=True, scale=-0.5),  # the band forward's raw row max needs scale > 0
     ):
         qq = call["q"]
         kk, vv = (t.to(qq.dtype) for t in (k, v))
@@ -156,12 +157,25 @@ def test_tile_lists_serve_what_the_band_kernels_do_not():
             None,
             None,
             True,
-            None,
+            call.get("scale"),
             call.get("blocks"),
             call.get("score"),
             band=call["band"],
         )[0]
         assert not isinstance(plan, BandPlan)
+
+
+def test_a_negative_scale_matches_the_golden_formula():
+    """scale < 0 turns the scores' order around: the band forward, which takes the row
+    max before scaling, leaves such calls to the tile kernels."""
+    q, k, v = _inputs(33, 40, 2, 16)
+    q = q * 30  # scores of +-100: a max taken the wrong way round would overflow exp2
+    out, lse = triton_attention(q, k, v, causal=True, scale=-0.3)
+    ref_out, ref_lse = golden_attention(
+        *(t.detach().double() for t in (q, k, v)), causal=True, scale=-0.3
+    )
+    assert (out.double() - ref_out).abs().max() < 1e-4
+    assert (lse.double() - ref_lse).abs().max() < 1e-4
 
 
 @pytest.mark.parametrize("name", list(SHAPES))

@@ -311,3 +311,29 @@ def test_backend_serves_kernel_scores_and_declines_the_rest():
         triton_attention(q, k, v, sinks=torch.zeros(3))
     with pytest.raises(ValueError, match="have 8 heads but the call has 2"):
         triton_attention(q, k, v, score=ALiBi(slopes))
+
+
+def test_softcap_takes_the_hardware_tanh_only_for_16_bit_inputs_on_a_gpu(monkeypatch):
+    """SOFTCAP 2 (tanh.approx.f32, error about 2**-11) only where the inputs' own
+    rounding is coarser: bf16/fp16 on CUDA outside the interpreter; 1 (tanh from exp)
+    elsewhere, or when asked; 0 without a softcap."""
+    from types import SimpleNamespace
+
+    from mhsa.core.kernels.triton import scores
+
+    capped = kernel_score(Softcap(30.0))[0]
+    monkeypatch.setattr(scores, "interpreting", lambda: False)
+    for dtype, on_gpu, want in [
+        (torch.bfloat16, True, 2),
+        (torch.float16, True, 2),
+        (torch.float32, True, 1),
+        (torch.bfloat16, False, 1),
+    ]:
+        q = SimpleNamespace(is_cuda=on_gpu, dtype=dtype)
+        assert capped.constants(q)["SOFTCAP"] == want, (dtype, on_gpu)
+    gpu_bf16 = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)
+    exp_only = scores.KernelScore(cap=30.0, hardware_tanh=False)
+    assert exp_only.constants(gpu_bf16)["SOFTCAP"] == 1
+    assert kernel_score(None)[0].constants(gpu_bf16)["SOFTCAP"] == 0
+    monkeypatch.setattr(scores, "interpreting", lambda: True)  # no inline PTX there
+    assert capped.constants(gpu_bf16)["SOFTCAP"] == 1

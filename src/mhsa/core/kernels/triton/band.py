@@ -83,14 +83,28 @@ def _tile(base, idx, limit, stride, dims, dim, stride_d, CHECK: tl.constexpr):
 # fmt: off
 @triton.jit
 def _scores2(qk, offset, scale, slope, table, stn, Buckets, span, cap,
-             ALIBI: tl.constexpr, RELATIVE: tl.constexpr, SOFTCAP: tl.constexpr):
+             ALIBI: tl.constexpr, RELATIVE: tl.constexpr, SOFTCAP: tl.constexpr,
+             RAW: tl.constexpr = False):
     """(base-2 scores of the dot products qk, tanh of the softcap for the backward);
-    offset: the keys' offsets from the queries, in qk's orientation."""
+    offset: the keys' offsets from the queries, in qk's orientation. With RAW and no
+    score function: qk itself, for the caller to multiply by _unit."""
     if ALIBI or RELATIVE or SOFTCAP:
         s, t = _score_fn(qk * scale, offset, slope, table, stn, Buckets, span, cap,
                          ALIBI, RELATIVE, SOFTCAP, tl.float32)
         return s * LOG2E, t
+    if RAW:
+        return qk, qk
     return qk * (scale * LOG2E), qk
+
+
+@triton.jit
+def _unit(scale, ALIBI: tl.constexpr, RELATIVE: tl.constexpr, SOFTCAP: tl.constexpr):
+    """What scores from _scores2(RAW=True) are multiplied by to be base 2: 1 where a
+    score function made them, else scale * log2(e)."""
+    unit = scale * LOG2E
+    if ALIBI or RELATIVE or SOFTCAP:
+        unit = 1.0
+    return unit
 
 
 @triton.jit
@@ -99,13 +113,14 @@ def _key_block(q, rows, block, k_base, v_base, sks, skd, svs, svd, head_dim, kv_
                MASKED: tl.constexpr, ALIBI: tl.constexpr, RELATIVE: tl.constexpr,
                SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                EVEN_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-               TMA: tl.constexpr):
+               TMA: tl.constexpr, RAW: tl.constexpr = False):
     """Key block `block` of the query rows of q (the forward and dQ kernels): its keys
-    (BLOCK_N, BLOCK_D), values, base-2 scores (BLOCK_M, BLOCK_N), the softcap's tanh,
-    and where the band allows (with MASKED; else True). Each caller applies the mask
-    where it fuses best: the forward to the scores, dQ to the probabilities. With TMA
-    the keys and values come through the tensor descriptors k_desc, v_desc of (B,
-    H_kv, S, D) at batch b, kv head hk (Hopper's TMA; it reads past S and D as 0)."""
+    (BLOCK_N, BLOCK_D), values, base-2 scores (BLOCK_M, BLOCK_N; with RAW as
+    _scores2), the softcap's tanh, and where the band allows (with MASKED; else True).
+    Each caller applies the mask where it fuses best: the forward to the scores, dQ to
+    the probabilities. With TMA the keys and values come through the tensor
+    descriptors k_desc, v_desc of (B, H_kv, S, D) at batch b, kv head hk (Hopper's TMA;
+    it reads past S and D as 0)."""
     cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     if TMA:
@@ -117,7 +132,7 @@ def _key_block(q, rows, block, k_base, v_base, sks, skd, svs, svd, head_dim, kv_
     qk = _dot(q, tl.trans(k), PREC, UPCAST, tl.float32)
     offset = key_offsets(rows, cols, shift)
     s, t = _scores2(qk, offset, scale, slope, table, stn, Buckets, span, cap,
-                    ALIBI, RELATIVE, SOFTCAP)
+                    ALIBI, RELATIVE, SOFTCAP, RAW)
     allowed = True
     if MASKED:
         allowed = _allowed(offset, cols[None, :] < kv_len, left, right)
@@ -132,19 +147,23 @@ def _fwd_blocks(acc, l_i, m_i, q, rows, k_base, v_base, sks, skd, svs, svd, lo, 
                 SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 EVEN_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
                 TMA: tl.constexpr):
-    """The online softmax over key blocks lo..hi-1; MASKED applies the band."""
+    """The online softmax over key blocks lo..hi-1; MASKED applies the band. Without a
+    score function the row max is taken over the raw products and then scaled: for
+    scale > 0 rounding keeps their order, so it is the max of the scaled scores, bit
+    for bit, and each score is scaled once, inside exp2's argument."""
+    unit = _unit(scale, ALIBI, RELATIVE, SOFTCAP)
     for block in range(lo, hi):
         k, v, s, _, allowed = _key_block(q, rows, block, k_base, v_base, sks, skd, svs, svd,
                                          head_dim, kv_len, scale, shift, left, right, slope,
                                          table, stn, Buckets, span, cap, k_desc, v_desc, b, hk,
                                          MASKED, ALIBI, RELATIVE, SOFTCAP, BLOCK_N, BLOCK_D,
-                                         EVEN_D, PREC, UPCAST, TMA)
+                                         EVEN_D, PREC, UPCAST, TMA, True)
         if MASKED:
             s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * unit)
         if MASKED:
             m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet
-        p = tl.exp2(s - m_new[:, None])
+        p = tl.exp2(s * unit - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, UPCAST, tl.float32)

@@ -304,12 +304,15 @@ def _prepare(q, k, v, mask, bias, causal, scale, blocks, score=None, sinks=None,
     The plan is a BandPlan where band allows it (no dropout, no score-tensor gradient
     wanted by the caller) and the band kernels serve the call, else the tile lists.
     The band kernels do not accumulate in float64, give no gradient to ALiBi slopes or
-    RelativeBias tables, and do not take blocks."""
+    RelativeBias tables, do not take blocks, and take scale > 0 (their forward takes the
+    row max of the unscaled products)."""
     kernel, slopes, table = kernel_score(score)
     check_inputs(q, k, v, mask, bias)
     check_score(score, sinks, q)
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
-    band = band and not any(t is not None and t.requires_grad for t in (slopes, table))
+    band = (
+        band and scale > 0 and not any(t is not None and t.requires_grad for t in (slopes, table))
+    )
     if band and blocks is None and q.dtype != torch.float64:
         plan = band_plan(q, k, v, mask, bias, causal)
         if plan is not None:

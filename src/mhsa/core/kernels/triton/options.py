@@ -40,7 +40,7 @@ def kernel_options(q, score, launch: tuple[int, int, int, int], acc: bool = True
         del options["ACC"]
     return dict(
         **options,
-        **score.constants(),
+        **score.constants(q),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_D=block_dim(q.shape[3]),

@@ -271,7 +271,7 @@ def triton_paged_attention(
     sizes += (call.scale, call.window or 0, launch.split_keys, launch.m_blocks)
     constants = {
         "HAS_WINDOW": call.window is not None,
-        **ks.constants(),
+        **ks.constants(q),
         "BLOCK_M": launch.block_m,
         "BLOCK_N": launch.block_n,
         "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),

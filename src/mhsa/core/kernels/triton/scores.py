@@ -9,7 +9,11 @@ at r + S - L), and never build an (L, S) tensor:
                   is looked up in a (2 * span + 1,) int32 vector made by
                   mhsa.core.scores.t5_bucket itself, so kernel and torch buckets agree
                   exactly, with no float log in the kernel;
-    Softcap       cap * tanh(s / cap); its backward multiplies dS by 1 - tanh**2.
+    Softcap       cap * tanh(s / cap); its backward multiplies dS by 1 - tanh**2. With
+                  16-bit inputs on a GPU, tanh is the hardware's tanh.approx.f32 (one
+                  special-function op, relative error about 2**-11, below the inputs'
+                  own rounding); else it is made from exp and a division, which cost
+                  two more of those ops for each score.
 Each additive function has a stage: 1 before the softcap (or without one), 2 after it,
 so a composition holds each kind at most once. Sinks (H,) start each row's online
 softmax at (max = sink, sum = 1): the denominator includes exp(sink) and a row with no
@@ -32,13 +36,20 @@ import triton.language as tl
 from torch import Tensor
 
 from ...scores import ALiBi, Compose, RelativeBias, ScoreFunction, Softcap, t5_bucket
+from .checks import interpreting
 
 KERNEL_SCORES = (ALiBi, RelativeBias, Softcap)
+HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _tanh(x):
-    """tanh from exp (no libdevice: the interpreter and every GPU run it)."""
+def _tanh(x, HARDWARE: tl.constexpr):
+    """tanh of float32 x: the GPU's tanh.approx.f32 with HARDWARE, else from exp (no
+    libdevice: the interpreter and every GPU run it)."""
+    if HARDWARE:
+        return tl.inline_asm_elementwise(
+            "tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
     e = tl.exp(-2.0 * tl.abs(x))
     t = (1.0 - e) / (1.0 + e)
     return tl.where(x < 0, -t, t)
@@ -82,7 +93,7 @@ def _score_fn(s, offset, slope, table, stn, Buckets, span, cap,
                   ALIBI, RELATIVE, ACC)
     t = s
     if SOFTCAP:
-        t = _tanh(s / cap)
+        t = _tanh(s * (1.0 / cap), SOFTCAP == 2)
         s = cap * t
         s = _additive(s, offset, slope, table, stn, Buckets, span, 2,
                       ALIBI, RELATIVE, ACC)
@@ -139,7 +150,8 @@ def _head_score(
 class KernelScore:
     """A call's score function as the kernels evaluate it: each additive function's
     stage (0 absent, 1 before the softcap or without one, 2 after it), the cap (0.0
-    without one) and RelativeBias's bucketing."""
+    without one), RelativeBias's bucketing, and whether the softcap may take the GPU's
+    tanh.approx for 16-bit inputs (hardware_tanh)."""
 
     alibi: int = 0
     relative: int = 0
@@ -147,10 +159,16 @@ class KernelScore:
     num_buckets: int = 0
     max_distance: int = 0
     bidirectional: bool = True
+    hardware_tanh: bool = True
 
-    def constants(self) -> dict:
-        """The kernels' constexpr arguments."""
-        return {"ALIBI": self.alibi, "RELATIVE": self.relative, "SOFTCAP": self.cap > 0}
+    def constants(self, q: Tensor) -> dict:
+        """The kernels' constexpr arguments for queries q: SOFTCAP 0 without a softcap,
+        1 with tanh from exp, 2 with the hardware's tanh (16-bit q on CUDA)."""
+        softcap = 0
+        if self.cap > 0:
+            hardware = q.is_cuda and q.dtype in HALF_DTYPES and not interpreting()
+            softcap = 2 if hardware and self.hardware_tanh else 1
+        return {"ALIBI": self.alibi, "RELATIVE": self.relative, "SOFTCAP": softcap}
 
     def args(
         self, slopes: Tensor | None, table: Tensor | None, sinks: Tensor | None, like: Tensor
