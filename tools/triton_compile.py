@@ -2,18 +2,25 @@
 passes and ptxas run on the CPU, so a kernel that the GPU's Triton cannot compile
 fails here first, for a device run's cost of nothing.
 
-    python tools/triton_compile.py [--arch 90]
+    python tools/triton_compile.py [--arch 90] [--sass] [--only NAME]
 
 Run it under the GPU machine's Triton too (pip install --target DIR triton==X, then
 PYTHONPATH=DIR:src): kernels that one version compiles can fail in another. Prints
-each kernel's shared memory and fails on the first error.
+each kernel's shared memory and fails on the first error. --sass also counts, in the
+machine code (nvdisasm), what a kernel's speed turns on: tensor-core ops, special-
+function ops (exp2, tanh), float32 ops, loads, and register spills to local memory.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
+import re
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # the real compiler, not the interpreter
 
@@ -171,9 +178,40 @@ def paged_kernels():
     yield "paged merge", paged._merge_splits, merge, 4, 1, None
 
 
+# machine-code opcodes by what they cost: tensor cores, the special-function unit,
+# float32 arithmetic, loads (global, asynchronous copies to shared, TMA) and spills
+SASS_GROUPS = {
+    "tensor": ("HGMMA", "HMMA"),
+    "special": ("MUFU",),
+    "fp32": ("FFMA", "FMUL", "FADD", "FMNMX", "FSEL", "FSETP"),
+    "loads": ("LDG", "LDGSTS", "UTMALDG"),
+    "spills": ("LDL", "STL"),
+}
+
+
+def sass_counts(kernel) -> dict[str, int]:
+    """How many instructions of each SASS_GROUPS group the kernel's machine code holds
+    (static counts, loops once), by Triton's own nvdisasm."""
+    from triton.backends.nvidia import compiler
+
+    disassembler = Path(compiler.__file__).parent / "bin" / "nvdisasm"
+    with tempfile.TemporaryDirectory() as folder:
+        cubin = Path(folder) / "kernel.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        text = subprocess.run(
+            [str(disassembler), "-c", str(cubin)], capture_output=True, text=True, check=True
+        ).stdout
+    opcodes = collections.Counter(
+        op.split(".")[0] for op in re.findall(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9.]*)", text)
+    )
+    return {group: sum(opcodes[o] for o in ops) for group, ops in SASS_GROUPS.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--sass", action="store_true", help="count machine-code instructions")
+    parser.add_argument("--only", default="", help="kernels whose name holds this text")
     args = parser.parse_args()
     print(f"triton {triton.__version__}, sm_{args.arch}")
     for name, fn, constants, warps, stages, pointers in (
@@ -181,10 +219,13 @@ def main() -> None:
         *tile_kernels(),
         *paged_kernels(),
     ):
+        if args.only not in name:
+            continue
         start = time.perf_counter()
         kernel = compile_kernel(fn, constants, args.arch, warps, stages, pointers=pointers)
         seconds = time.perf_counter() - start
-        print(f"{name}: ok in {seconds:.1f} s, shared memory {kernel.metadata.shared} B")
+        counts = f", {sass_counts(kernel)}" if args.sass else ""
+        print(f"{name}: ok in {seconds:.1f} s, shared memory {kernel.metadata.shared} B{counts}")
 
 
 if __name__ == "__main__":
