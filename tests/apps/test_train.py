@@ -410,12 +410,16 @@ class Terminal(io.StringIO):
 
 def test_a_run_equals_its_written_out_optimisation_and_reports_it(tmp_path, monkeypatch):
     """Weights, history, metrics, log lines, progress line and statistics of a 7-step run
-    of a linear model, under a clock whose first step takes 0.5 s and every later
-    one 1/16 s (0.9375 s in all)."""
+    of a linear model, under a clock whose first step takes 0.5 s, every later one 1/16
+    s, and each of the evaluations after steps 3 and 6 1/4 s (1.375 s in all); the
+    rate leaves out the evaluations and, from step 2 on, the first step."""
     config = TrainConfig(**LINE)
     expected, losses, history, clipped = line_reference(config)
     assert 0 < clipped < 7  # the run clips some steps, not all
-    times = iter([100.0] + [100.5 + i / 16 for i in range(8)])  # exact in binary
+    ends = [100.5 + i / 16 + (i >= 3) / 4 + (i >= 6) / 4 for i in range(7)]  # exact in binary
+    starts = [100.0] + [end + (s in (3, 6)) / 4 for s, end in enumerate(ends[:-1], 1)]
+    # the run's start, then each step's start and end, then the run's end
+    times = iter([100.0, *(t for pair in zip(starts, ends, strict=True) for t in pair), ends[-1]])
     monkeypatch.setattr(train_module, "time", SimpleNamespace(perf_counter=lambda: next(times)))
     screen = Terminal()  # the bar is redrawn on a terminal (a log gets plain lines)
     monkeypatch.setattr("sys.stderr", screen)
@@ -424,8 +428,8 @@ def test_a_run_equals_its_written_out_optimisation_and_reports_it(tmp_path, monk
         torch.testing.assert_close(getattr(model, name), want, rtol=1e-5, atol=1e-6, msg=name)
     assert torch.equal(model.frozen, torch.ones(2, 2)) and model.training
     assert list(result) == ["step", "seconds", "history", "tokens_per_second", "steps_this_run"]
-    assert result["step"] == 7 and result["seconds"] == 0.9375 and result["steps_this_run"] == 7
-    assert result["tokens_per_second"] == pytest.approx(7 * 525 / 0.9375)
+    assert result["step"] == 7 and result["seconds"] == 1.375 and result["steps_this_run"] == 7
+    assert result["tokens_per_second"] == pytest.approx(16 * 525)  # steps 2..7, 1/16 s each
     assert [r["step"] for r in result["history"]] == [3, 6, 7]
     for got, want in zip(result["history"], history, strict=True):
         assert list(got) == ["step", "train_loss", "val_loss", "bias_error", "gain"]
@@ -436,18 +440,18 @@ def test_a_run_equals_its_written_out_optimisation_and_reports_it(tmp_path, monk
         f"gain {r['gain']:.4f}"
         for r in result["history"]
     ]
-    # the progress line: a 24-character bar, the step, its training loss, the tokens per
-    # second so far and the time left at the mean time per step so far; a line break
-    # after each evaluation
+    # the progress line: a 24-character bar, the step, its training loss, the steps'
+    # tokens per second so far (the first step's own at step 1) and the time left at the
+    # mean wall time per step so far; a line break after each evaluation
     err = screen.getvalue()
     shown = re.findall(r"\r\[([#-]{24})\] step (\d)/7  loss (\S+)  (\S+)k tok/s  eta +(\d+)s ", err)
-    elapsed = [0.5 + i / 16 for i in range(7)]
+    elapsed = [end - 100.0 for end in ends]
     assert [(bar, int(s), float(loss), rate, int(eta)) for bar, s, loss, rate, eta in shown] == [
         (
             "#" * (24 * s // 7) + "-" * (24 - 24 * s // 7),
             s,
             pytest.approx(x, abs=1e-4),
-            f"{525 * s / t / 1e3:.1f}",
+            "1.1" if s == 1 else "8.4",  # 525 tokens in 0.5 s, then in 1/16 s each
             round(t / s * (7 - s)),
         )
         for s, x, t in zip(range(1, 8), losses, elapsed, strict=True)
@@ -502,13 +506,14 @@ def test_a_resumed_run_reports_only_its_own_steps_and_time(tmp_path, monkeypatch
     out = tmp_path / "split"
     _, _, first, _ = train_line(out, config, stop_after=4)
     assert (first["step"], first["steps_this_run"]) == (4, 4)
-    times = iter([100.0, 100.5, 101.0, 101.5, 101.5])  # start, each step, the end
+    # the run's start, each step's start and end (1/2 s each), the run's end
+    times = iter([100.0, 100.0, 100.5, 100.5, 101.0, 101.0, 101.5, 101.5])
     monkeypatch.setattr(train_module, "time", SimpleNamespace(perf_counter=lambda: next(times)))
     screen = Terminal()  # every step's line (a log gets one every few seconds)
     monkeypatch.setattr("sys.stderr", screen)
     _, _, second, _ = train_line(out, config, resume=True)
     assert (second["step"], second["steps_this_run"], second["seconds"]) == (7, 3, 1.5)
-    assert second["tokens_per_second"] == pytest.approx(3 * 525 / 1.5)
+    assert second["tokens_per_second"] == pytest.approx(525 / 0.5)  # its steps after its first
     etas = re.findall(r"step (\d)/7 .*? eta +(\d+)s ", screen.getvalue())
     assert etas == [("5", "1"), ("6", "0"), ("7", "0")]  # 0.5 s per step: 1 s, 0.5 s, 0 s left
 

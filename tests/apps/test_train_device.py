@@ -131,3 +131,20 @@ def test_nproc_with_cuda_is_refused_before_any_work(tmp_path, capsys, monkeypatc
     assert main(argv) == 2  # cuda by default where torch sees a GPU
     err = capsys.readouterr().err.strip()
     assert err.startswith("mhsa train: --nproc 2 runs CPU processes (gloo)") and "torchrun" in err
+
+
+def test_the_step_clock_leaves_out_the_first_step_and_what_falls_between_steps():
+    """A first step of 10 s (a compile) and two of 1 s with an evaluation of 5 s between
+    them: 100 tokens each, so 100 tokens/s once the second step is done (the first
+    step's own 10 before)."""
+    from mhsa.apps.train.throughput import StepClock
+
+    clock, now = StepClock(), 0.0
+    for seconds, pause in ((10.0, 0.0), (1.0, 5.0), (1.0, 0.0)):
+        clock.start(now)
+        now += seconds
+        clock.stop(100, now)
+        if clock.seconds == 10.0:
+            assert clock.tokens_per_second() == 10.0
+        now += pause  # an evaluation or a checkpoint
+    assert clock.tokens_per_second() == 100.0

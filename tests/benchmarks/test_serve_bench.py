@@ -3,6 +3,8 @@ timings are the benchmark's, not a test's: no timing asserts)."""
 
 from __future__ import annotations
 
+import pytest
+
 from mhsa.benchmarks import serve
 
 
@@ -25,3 +27,46 @@ def test_the_head_of_line_table_says_what_it_compares_and_whether_each_goal_was_
     assert "met: <= 2x alone + 1 chunk = 580 ms (300, 200, 500 ms)" in behind_one
     assert "4 long (2 running, 2 waiting)" in behind_four and "22.5x" in behind_four
     assert "MISSED: <= 3x alone + 1 chunk = 620 ms" in behind_four
+
+
+def test_clients_grow_the_requests_and_the_serial_run_sends_the_first_ones(monkeypatch):
+    """--clients 40: the server's --max-batch 40 and 80 requests (2 per client);
+    --serial-requests 5: the one-at-a-time run sends the first 5 of them; with
+    --throughput-only no speculative server starts and no head-of-line case runs. The
+    server is replaced by stand-ins that record what they were asked."""
+    started, loads = [], []
+
+    class Server:
+        def terminate(self):
+            pass
+
+        def wait(self, timeout):
+            pass
+
+    def start(model, port, options):
+        started.append(options)
+        return Server()
+
+    def load(port, name, requests, clients):
+        loads.append((len(requests), clients, requests[0]))
+        return {"tokens_per_second": 10.0 * clients}
+
+    def get(port, path):
+        if path == "/v1/models":
+            return {"data": [{"id": "m"}]}
+        return {"cache": {}}
+
+    monkeypatch.setattr(serve, "_start_server", start)
+    monkeypatch.setattr(serve, "_wait_ready", lambda port, server: {"cache": {}})
+    monkeypatch.setattr(serve, "_get", get)
+    monkeypatch.setattr(serve, "_load", load)
+    monkeypatch.setattr(serve, "head_of_line", lambda *a, **k: pytest.fail("head of line ran"))
+    result = serve.run(clients=40, serial_requests=5, throughput_only=True)
+    assert started == [["--max-batch", "40"]]  # one server, no --speculate
+    (warm, _, _), (concurrent, clients, first), (serial, one, serial_first) = loads
+    assert (warm, concurrent, clients, serial, one) == (2, 80, 40, 5, 1)
+    assert serial_first == first  # the same requests, the first of them
+    assert result["speedup"] == 40.0 and result["load"]["serial_requests"] == 5
+    assert "speculative" not in result and "head_of_line" not in result
+    with pytest.raises(ValueError, match="clients"):
+        serve.run(clients=0)

@@ -134,12 +134,23 @@ def test_serve_passes_load_to_the_benchmark(capsys, monkeypatch):
             "quantize": "int8",
             "load": "long-prompts",
             "draft_tokens": 4,
+            "clients": None,
+            "serial_requests": None,
+            "throughput_only": False,
         }
     ]
     seen.clear()
     with pytest.raises(SystemExit, match="the server did not start"):
         main([*argv, "--device", "cpu", "--dtype", "float32"])
     assert seen[0]["device"] == "cpu" and seen[0]["dtype"] == "float32"  # the servers' flags
+    with pytest.raises(SystemExit, match="the server did not start"):
+        main([*argv, "--clients", "64", "--serial-requests", "16", "--throughput-only"])
+    assert (seen[1]["clients"], seen[1]["serial_requests"], seen[1]["throughput_only"]) == (
+        64,
+        16,
+        True,
+    )
+    seen[1:] = []
     assert main([*argv, "--device", "cuda:7"]) == 2  # refused before any server starts
     assert len(seen) == 1 and "--device cuda:7" in capsys.readouterr().err
 

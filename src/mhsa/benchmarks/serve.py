@@ -39,6 +39,7 @@ import threading
 import time
 from pathlib import Path
 
+from ..core.checks import int_at_least
 from . import speculation
 
 # "chat": short questions, longer answers; "long-prompts": prompts about twice the
@@ -196,13 +197,25 @@ def run(
     draft_tokens: int = 4,
     device: str | None = None,
     dtype: str | None = None,
+    clients: int | None = None,
+    serial_requests: int | None = None,
+    throughput_only: bool = False,
 ) -> dict:
     """Both runs of a load (one of LOADS) against one server; see the module docstring.
-    device and dtype: the servers' --device and --dtype (default: mhsa serve's own)."""
+    device and dtype: the servers' --device and --dtype (default: mhsa serve's own).
+    clients: concurrent clients (default the load's; the server's --max-batch, and at
+    least 2 requests each); serial_requests: how many of the requests the one-at-a-time
+    run sends (default all; tokens/s is a rate, so a GPU run can time fewer);
+    throughput_only: leave out speculative decoding and head of line."""
     name = "quick" if quick else load
     if name not in LOADS:
         raise ValueError(f"load must be one of {', '.join(LOADS)}, got {load!r}")
     load = dict(LOADS[name], name=name)
+    if clients is not None:
+        int_at_least("clients", clients, 1)
+        load.update(clients=clients, requests=max(load["requests"], 2 * clients))
+    if serial_requests is not None:
+        int_at_least("serial_requests", serial_requests, 1)
     rng = random.Random(1)
     prompts = _prompts(load["requests"], load["prompt"])
     requests = [(p, rng.randint(*load["new"])) for p in prompts]
@@ -213,28 +226,31 @@ def run(
     own += ["--dtype", dtype] if dtype else []
     options = ["--max-batch", str(load["clients"]), *own]
     server = _start_server(model, port, options)
-    fast_port = _free_port()
-    fast = _start_server(
-        model,
-        fast_port,
-        [*options, "--speculate", "prompt-lookup", "--draft-tokens", str(draft_tokens)],
-    )
+    fast, fast_port, extras = None, _free_port(), {}
+    if not throughput_only:
+        speculate = ["--speculate", "prompt-lookup", "--draft-tokens", str(draft_tokens)]
+        fast = _start_server(model, fast_port, [*options, *speculate])
     try:
         health = _wait_ready(port, server)
-        _wait_ready(fast_port, fast)
         name = _get(port, "/v1/models")["data"][0]["id"]
         _load(port, name, requests[:2], 1)  # warm-up
-        _load(fast_port, name, requests[:2], 1)
+        if fast is not None:
+            _wait_ready(fast_port, fast)
+            _load(fast_port, name, requests[:2], 1)
         concurrent = _load(port, name, requests, load["clients"])
         peak = _get(port, "/health")["cache"]
-        serial = _load(port, name, requests, 1)
-        ports = {"plain": port, "speculative": fast_port}
-        speculative = speculation.compare(ports, name, quick=name_is_quick(load))
+        serial = _load(port, name, requests[:serial_requests], 1)
+        if not throughput_only:
+            ports = {"plain": port, "speculative": fast_port}
+            extras["speculative"] = speculation.compare(ports, name, quick=name_is_quick(load))
     finally:
         for process in (server, fast):
-            process.terminate()
-            process.wait(30)
-    head = head_of_line(model, own, quick=name_is_quick(load))
+            if process is not None:
+                process.terminate()
+                process.wait(30)
+    if not throughput_only:
+        extras["head_of_line"] = head_of_line(model, own, quick=name_is_quick(load))
+    load["serial_requests"] = len(requests[:serial_requests])
     return {
         "model": name,
         "quantize": quantize or "default",
@@ -244,9 +260,8 @@ def run(
         "concurrent": concurrent,
         "one_at_a_time": serial,
         "speedup": concurrent["tokens_per_second"] / serial["tokens_per_second"],
-        "speculative": speculative,
+        **extras,
         "draft_tokens": draft_tokens,
-        "head_of_line": head,
         "cpu": _cpu_name(),
     }
 
@@ -362,9 +377,10 @@ def report(result: dict) -> str:
         f"{load['new'][1]} new tokens), {result['cpu']}",
         f"{'load':<28}{'tokens/s':>10}{'TTFT p50':>10}{'p95':>9}{'ITL p50':>10}{'p95':>9}",
     ]
+    serial = load.get("serial_requests", load["requests"])
     for label, key in (
         (f"{load['clients']} concurrent clients", "concurrent"),
-        ("one request at a time", "one_at_a_time"),
+        (f"one at a time ({serial} requests)", "one_at_a_time"),
     ):
         r = result[key]
         lines.append(

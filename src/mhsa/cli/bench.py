@@ -162,13 +162,18 @@ def bench_chat(args: argparse.Namespace) -> int:
 
 
 def bench_serve(args: argparse.Namespace) -> int:
-    """the server under 16 concurrent clients against one at a time; prompt lookup at batch 1"""
+    """the server under 16 (--clients) concurrent clients against one at a time; prompt
+    lookup at batch 1"""
     from ..benchmarks import serve
 
     placement(args)  # a device or dtype that cannot be had: one line, before any server
     placed = {name: value for name, value in _same_names(args, "device", "dtype").items() if value}
     try:
-        chosen = _same_names(args, "model", "quick", "threads", "quantize", "load", "draft_tokens")
+        chosen = _same_names(
+            args,
+            *("model", "quick", "threads", "quantize", "load", "draft_tokens"),
+            *("clients", "serial_requests", "throughput_only"),
+        )
         # placed: the servers' own flags (mhsa serve --device --dtype)
         result = serve.run(**chosen, **placed)
     except RuntimeError as error:  # the server did not start
@@ -328,4 +333,20 @@ def add_parser(commands) -> None:
         type=int,
         default=4,
         help="--draft-tokens of the server with --speculate prompt-lookup (default 4)",
+    )
+    serve.add_argument(
+        "--clients",
+        type=int,
+        help="concurrent clients, the server's --max-batch (default 16; the requests "
+        "grow to 2 per client)",
+    )
+    serve.add_argument(
+        "--serial-requests",
+        type=int,
+        help="how many of the requests the one-at-a-time run sends (default all)",
+    )
+    serve.add_argument(
+        "--throughput-only",
+        action="store_true",
+        help="time the two loads only: no speculative decoding, no head of line",
     )

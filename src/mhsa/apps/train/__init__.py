@@ -50,7 +50,7 @@ from .parallel import (
     local_rows,
     mean_over_ranks,
 )
-from .throughput import MatmulRate, autocast, measure_matmul, to_device
+from .throughput import MatmulRate, StepClock, autocast, measure_matmul, to_device
 
 __all__ = [
     "TrainConfig",
@@ -207,10 +207,11 @@ def train(
     if config.compile:
         compute_loss = torch.compile(compute_loss)
     rate = None if flops_per_token is None else measure_matmul(device, config.dtype)
-    start, tokens_done, skipped, first_step = time.perf_counter(), 0, 0, step
+    start, skipped, first_step, clock = time.perf_counter(), 0, step, StepClock()
     end = config.steps if stop_after is None else min(config.steps, step + stop_after)
     progress = _Progress(first_step, config.steps, end, rate, flops_per_token)
     while step < end:
+        clock.start(time.perf_counter())
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, config)
         # every rank draws the same global batch; data parallel: each takes its share of
@@ -234,14 +235,15 @@ def train(
                 raise TrainingDiverged(_divergence_message(out_dir, step, loss, config, skipped))
             log(f"step {step + 1}: non-finite loss or gradient, step skipped")
         step += 1
-        tokens_done += task.tokens_per_batch()
-        elapsed = time.perf_counter() - start
         loss = mean_over_ranks(loss.detach(), world)
+        now = time.perf_counter()
+        clock.stop(task.tokens_per_batch(), now)
+        elapsed = now - start
         if rank:  # rank 0 alone reports, evaluates and writes checkpoints
             if step % config.checkpoint_every == 0 or step == end:
                 dist.barrier()
             continue
-        progress.step(step, loss.item(), tokens_done / elapsed, elapsed)
+        progress.step(step, loss.item(), clock.tokens_per_second(), elapsed)
         if step % config.eval_every == 0 or step == config.steps:
             val = evaluate(model, task, config.dtype)
             record = {"step": step, "train_loss": loss.item(), "val_loss": val}
@@ -281,7 +283,7 @@ def train(
         "step": step,
         "seconds": seconds,
         "history": history,
-        "tokens_per_second": tokens_done / max(seconds, 1e-9),
+        "tokens_per_second": clock.tokens_per_second(),  # (StepClock: the steps' own rate)
         "steps_this_run": step - first_step,  # seconds and tokens/s are this run's too
     }
     if rate is not None:

@@ -20,6 +20,7 @@ from torch import nn
 
 __all__ = [
     "MatmulRate",
+    "StepClock",
     "autocast",
     "flops_per_token",
     "matmul_params",
@@ -101,6 +102,34 @@ class MatmulRate:
     def mfu(self, tokens_per_second: float, flops_per_token: float) -> float:
         """The share of this rate that tokens_per_second x flops_per_token is."""
         return tokens_per_second * flops_per_token / self.flops_per_second
+
+
+class StepClock:
+    """The training rate of a run: tokens over the time spent in training steps, leaving
+    out evaluations, checkpoints and the run's first step (torch.compile compiles there
+    and the allocator and GPU clocks warm up) once a second step is done. start(now)
+    before each step, stop(tokens, now) after it, with the caller's clock readings."""
+
+    def __init__(self) -> None:
+        self.started = 0.0
+        self.tokens, self.seconds = 0, 0.0
+        self.first: tuple[int, float] | None = None  # (tokens, seconds) of the first step
+
+    def start(self, now: float) -> None:
+        self.started = now
+
+    def stop(self, tokens: int, now: float) -> None:
+        self.tokens += tokens
+        self.seconds += now - self.started
+        if self.first is None:
+            self.first = (self.tokens, self.seconds)
+
+    def tokens_per_second(self) -> float:
+        """Tokens/s of the steps after the first; the first's own before there are any."""
+        tokens, seconds = self.tokens, self.seconds
+        if self.first is not None and tokens > self.first[0]:
+            tokens, seconds = tokens - self.first[0], seconds - self.first[1]
+        return tokens / max(seconds, 1e-9)
 
 
 def measure_matmul(
