@@ -96,9 +96,10 @@ def band_kernels():
         for kernel, fn, extra in (
             ("forward", band._band_fwd, dict(HAS_SINKS=label != "plain", **no_tma)),
             ("dq", band._band_bwd_dq, {}),
-            ("dkv", band._band_bwd_dkv, dict(EVEN_M=True)),
+            ("dkv", band._band_bwd_dkv, dict(EVEN_M=True, PER_HEAD=False)),
+            ("dkv per query head", band._band_bwd_dkv, dict(EVEN_M=True, PER_HEAD=True)),
         ):
-            block_m, block_n, warps, stages = CONFIGS[kernel][(True, 128)]
+            block_m, block_n, warps, stages = CONFIGS[kernel.split()[0]][(True, 128)]
             constants = dict(base, BLOCK_M=block_m, BLOCK_N=block_n, **extra)
             yield f"band {kernel} ({label})", fn, constants, warps, stages, None
     block_m, block_n, warps, stages = CONFIGS["forward"][(True, 128)]

@@ -105,3 +105,23 @@ def test_gpu_band_scores_section_runs_on_the_cpu():
     ]
     for row in rows.rows:
         assert row["ms"] > 0 and row["vs_plain"] > 0 and row["of_matmul"] > 0, row
+
+
+@pytest.mark.slow
+def test_gpu_band_hf_shape_section_runs_on_the_cpu():
+    """gpu_band's transformers-shape section at a tiny shape: the band kernels forward
+    and backward (dK/dV per query head and per KV head), SDPA's forward+backward, and the
+    window's backward under each dq and dK/dV config."""
+    import torch
+
+    from mhsa.benchmarks.gpu_band import DKV, DQ, run_hf_shape
+    from mhsa.benchmarks.gpu_measure import JsonRows
+
+    rows = JsonRows(None, "band.jsonl")
+    run_hf_shape(rows, torch.device("cpu"), 1, shape=(1, 4, 64, 16), kv_heads=2)
+    timed = {row["what"]: row for row in rows.rows}
+    for case in ("causal", "window 512"):
+        for what in ("forward", "backward", "backward, dkv per KV head"):
+            assert timed[f"{case} band {what}"]["ms"] > 0
+    assert timed["causal sdpa forward+backward"]["ms"] > 0
+    assert len(timed) == 7 + len(DQ) + len(DKV)

@@ -142,8 +142,9 @@ def _band_call(q, k, v, mask, causal, config=None, tma=False, score=None, slopes
     return lambda: band_forward(q, k, v, plan, scale, score, tensors, config, tma)
 
 
-def _backward_call(q, k, v, mask, causal, configs, score=None, slopes=None):
-    """The band backward of one call (its forward run once first), to time."""
+def _backward_call(q, k, v, mask, causal, configs, score=None, slopes=None, per_head=None):
+    """The band backward of one call (its forward run once first), to time; per_head as
+    band_backward's (default its own choice)."""
     from mhsa.core.kernels.triton.band_launch import band_backward, band_forward, band_plan
     from mhsa.core.kernels.triton.scores import KernelScore
 
@@ -153,7 +154,9 @@ def _backward_call(q, k, v, mask, causal, configs, score=None, slopes=None):
     out, lse = band_forward(q, k, v, plan, scale, score, tensors)
     grad = torch.randn_like(out)
     delta = (grad.float() * out.float()).sum(-1)
-    return lambda: band_backward(q, k, v, grad, delta, lse, plan, scale, score, tensors, configs)
+    return lambda: band_backward(
+        q, k, v, grad, delta, lse, plan, scale, score, tensors, configs, per_head
+    )
 
 
 def run_sweep_forward(rows: JsonRows, device, length: int, peak: float, repeat: int, dims) -> None:
@@ -240,17 +243,24 @@ def run_peers(rows: JsonRows, device, lengths, peak: float, repeat: int, cases=C
             measure.release()
 
 
-def run_hf_shape(rows: JsonRows, device, repeat: int) -> None:
+def run_hf_shape(
+    rows: JsonRows, device, repeat: int, shape=HF_SHAPE, kv_heads=HF_KV_HEADS
+) -> None:
     """At gpu_hf's shape: the band kernels forward and backward on causal and on a 512
-    window beside SDPA's causal forward+backward, then the window's backward under
+    window (the backward's dK/dV per query head, its default here, and per KV head)
+    beside SDPA's causal forward+backward, then the window's backward under
     every dq and dK/dV config (two groups: the first one's rows are written even if the
     sweep runs out of time), so that one run tells which kernel the window loses time in."""
-    qkv = _inputs(HF_SHAPE, HF_KV_HEADS, torch.bfloat16, device)
+    qkv = _inputs(shape, kv_heads, torch.bfloat16, device)
     cases = {"causal": (None, True), "window 512": (SlidingWindow(512, 0), True)}
     headline = {}
     for name, (mask, causal) in cases.items():
         headline[f"{name} band forward"] = _band_call(*qkv, mask, causal)
         headline[f"{name} band backward"] = _backward_call(*qkv, mask, causal, None)
+        # dK/dV with one program per KV head (4 here) against the default, per query head
+        headline[f"{name} band backward, dkv per KV head"] = _backward_call(
+            *qkv, mask, causal, None, per_head=False
+        )
     trained = [t.detach().requires_grad_() for t in qkv]
     grad = torch.randn_like(qkv[0])
     headline["causal sdpa forward+backward"] = measure.train_call(
@@ -262,7 +272,7 @@ def run_hf_shape(rows: JsonRows, device, repeat: int) -> None:
         sweep[f"window 512 backward, dkv {c}"] = _backward_call(*qkv, *window, (None, c))
     for fns in (headline, sweep):
         for what, row in measure.time_group(fns, repeat, device, 0.02, ()).items():
-            rows.add(section="hf_shape", what=what, shape=list(HF_SHAPE), **row)
+            rows.add(section="hf_shape", what=what, shape=list(shape), **row)
     del qkv, trained, grad
     measure.release()
 

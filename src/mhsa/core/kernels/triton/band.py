@@ -340,12 +340,20 @@ def _band_bwd_dkv(
     left, right, Slopes, Table, Buckets, stn, sth, span, cap,
     ALIBI: tl.constexpr, RELATIVE: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr,
-    EVEN_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    EVEN_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, PER_HEAD: tl.constexpr,
 ):
     """Grid (key blocks, B * H_kv): dK, dV (B, H_kv, S, D) of one key block, contiguous,
-    in k's dtype, summed over the query heads of its group: no atomics."""
+    in DK's dtype, summed over the query heads of its group: no atomics. With PER_HEAD
+    the grid is (key blocks, B * H) and each program writes one query head's share into
+    DK, DV (B, H, S, D), for the caller to sum over each group (more programs where
+    B * H_kv is small)."""
     kj, bhk = tl.program_id(0), tl.program_id(1)
-    b, hk = bhk // num_kv_heads, bhk % num_kv_heads
+    if PER_HEAD:  # bhk runs over B * H: one query head h of kv head h // group
+        b, h = bhk // num_heads, bhk % num_heads
+        hk, g_lo, g_hi = h // group, h % group, h % group + 1
+    else:
+        b, hk = bhk // num_kv_heads, bhk % num_kv_heads
+        g_lo, g_hi = 0, group
     b64, hk64 = b.to(tl.int64), hk.to(tl.int64)
     cols = kj * BLOCK_N + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
@@ -355,7 +363,7 @@ def _band_bwd_dkv(
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     first, full_lo, full_hi, end = _query_blocks(kj * BLOCK_N, kj * BLOCK_N + BLOCK_N - 1,
                                                  shift, left, right, q_len, kv_len, BLOCK_M)
-    for g in range(0, group):
+    for g in range(g_lo, g_hi):
         h64 = hk64 * group + g
         slope, table, _ = _head_score(Slopes, Table, Slopes, h64, sth, ALIBI, False, tl.float32)
         q_base, do_base = Q + b64 * sqb + h64 * sqh, DO + b64 * sdb + h64 * sdh

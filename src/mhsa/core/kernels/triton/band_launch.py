@@ -60,6 +60,12 @@ CONFIGS = {
 }
 
 
+# the dK/dV kernel runs one program per query head, not per KV head, where the KV heads
+# give it fewer programs than this (B=1 with grouped-query heads: 256 at L=4096 with 4
+# KV heads, about 2 per SM of an H200)
+PER_HEAD_BELOW = 1024
+
+
 def band_config(kernel: str, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of kernel ("forward", "dq" or "dkv");
     16 x 16 tiles under the interpreter."""
@@ -193,13 +199,17 @@ def band_backward(
     score: KernelScore,
     tensors: tuple,
     configs: tuple | None = None,
+    per_head: bool | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) in the inputs' dtype of a band call, given dO (B, H, L, D), delta =
     rowsum(dO * O) - dlse (B, H, L) float32 and the forward's lse; configs (dq, dkv)
-    overrides the launches."""
+    overrides the launches; per_head: the dK/dV kernel's programs per query head, their
+    shares summed over each group after it (default: with grouped-query heads, where
+    per KV head gives fewer than PER_HEAD_BELOW programs)."""
     batch, num_heads, q_len, head_dim = q.shape
     num_kv_heads, kv_len = k.shape[1], k.shape[2]
-    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    group = num_heads // num_kv_heads
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     slopes, table, _ = tensors
     score_args = score.args(slopes, table, None, like=q)
     del score_args[3]  # (no sinks: their gradient comes from lse and delta)
@@ -224,7 +234,16 @@ def band_backward(
         **options,
     )
     options = _options("dkv", q, score, dkv_config)
-    grid = (-(-kv_len // options["BLOCK_N"]), batch * num_kv_heads)
+    key_blocks = -(-kv_len // options["BLOCK_N"])
+    if per_head is None:
+        per_head = group > 1 and key_blocks * batch * num_kv_heads < PER_HEAD_BELOW
+    heads = num_heads if per_head else num_kv_heads
+    shares = (batch, heads, kv_len, head_dim)  # per query head: float32, summed below
+    dk, dv = (
+        torch.empty(shares, dtype=torch.float32 if per_head else k.dtype, device=k.device)
+        for _ in "kv"
+    )
+    grid = (key_blocks, batch * heads)
     _band_bwd_dkv[grid](
         q,
         k,
@@ -240,6 +259,10 @@ def band_backward(
         num_heads // num_kv_heads,
         *sizes,
         EVEN_M=q_len % options["BLOCK_M"] == 0,
+        PER_HEAD=per_head,
         **options,
     )
+    if per_head:  # each group's query heads in order: the same sum every run
+        dk, dv = (t.view(batch, num_kv_heads, group, kv_len, head_dim).sum(2) for t in (dk, dv))
+        dk, dv = dk.to(k.dtype), dv.to(v.dtype)
     return dq, dk, dv
