@@ -243,9 +243,7 @@ def run_peers(rows: JsonRows, device, lengths, peak: float, repeat: int, cases=C
             measure.release()
 
 
-def run_hf_shape(
-    rows: JsonRows, device, repeat: int, shape=HF_SHAPE, kv_heads=HF_KV_HEADS
-) -> None:
+def run_hf_shape(rows: JsonRows, device, repeat: int, shape=HF_SHAPE, kv_heads=HF_KV_HEADS) -> None:
     """At gpu_hf's shape: the band kernels forward and backward on causal and on a 512
     window (the backward's dK/dV per query head, its default here, and per KV head)
     beside SDPA's causal forward+backward, then the window's backward under

@@ -26,6 +26,16 @@ import triton.language as tl
 
 from .scores import _head_score, _score_fn, _score_grad, key_offsets
 
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _exp_from(s, m):
+    """exp(s - m) as exp2(s * log2(e) - m * log2(e)): a multiply-add and the GPU's
+    flush-to-zero exp2 per entry, where tl.exp wraps its exp2 in a fix-up for results
+    below 2**-126 (nothing, as a probability) that costs four more instructions."""
+    return tl.exp2(s * LOG2E - m * LOG2E)
+
 
 @triton.jit
 def _mix32(x):
@@ -198,8 +208,8 @@ def _attn_fwd(
             True, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PREC, UPCAST, ACC)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
+        p = _exp_from(s, m_safe[:, None])
+        alpha = _exp_from(m_i, m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
             p = tl.where(_keep(seed, bh, rows, cols, threshold), p * keep_scale, 0.0)
@@ -258,7 +268,7 @@ def _attn_bwd_dq(
             value_dim, bias, sbl, sbs, mask, sml, sms, tiles, scale, q_len, kv_len, shift, slope,
             table, stn, Buckets, span, cap, HAS_BIAS, MASK_MODE, CAUSAL, ALIBI, RELATIVE, SOFTCAP,
             True, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PREC, UPCAST, ACC)
-        p = tl.exp(s - lse[:, None])
+        p = _exp_from(s, lse[:, None])
         dp = _dot(do, tl.trans(v), PREC, UPCAST, ACC)
         if DROPOUT:
             dp = tl.where(_keep(seed, bh, rows, cols, threshold), dp * keep_scale, 0.0)
@@ -325,7 +335,7 @@ def _attn_bwd_dkv(
                            scale, q_len, kv_len, shift, slope, table, stn, Buckets, span, cap,
                            HAS_BIAS, MASK_MODE, CAUSAL, ALIBI, RELATIVE, SOFTCAP,
                            BLOCK_M, BLOCK_N, PREC, UPCAST, ACC)
-            p = tl.exp(s - lse[:, None])
+            p = _exp_from(s, lse[:, None])
             dp = _dot(do, tl.trans(v), PREC, UPCAST, ACC)
             if DROPOUT:
                 keep = _keep(seed, bh, rows, cols, threshold)
@@ -374,7 +384,7 @@ def _attn_probs(
             table, stn, Buckets, span, cap, HAS_BIAS, MASK_MODE, CAUSAL, ALIBI, RELATIVE, SOFTCAP,
             False, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_D, PREC, UPCAST, ACC)
         offs = (bh.to(tl.int64) * q_len + rows.to(tl.int64))[:, None] * kv_len + cols[None, :]
-        tl.store(P + offs, tl.exp(s - lse[:, None]),
+        tl.store(P + offs, _exp_from(s, lse[:, None]),
                  mask=(rows[:, None] < q_len) & (cols[None, :] < kv_len))
 # fmt: on
 

@@ -20,10 +20,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .attention import _dot, _program_heads
+from .attention import LOG2E, _dot, _program_heads
 from .scores import _head_score, _score_fn, key_offsets
 
-LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 BIG = 1 << 30  # a window side that covers any length
 

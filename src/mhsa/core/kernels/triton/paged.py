@@ -44,7 +44,7 @@ from torch import Tensor
 from ...checks import int_at_least
 from ..dense import stats_dtype
 from ..paged import PagedCall
-from .attention import _dot
+from .attention import _dot, _exp_from
 from .checks import DTYPES, MAX_HEAD_DIM, interpreting
 from .scores import _score_fn, kernel_score
 
@@ -125,8 +125,8 @@ def _paged_fwd(
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
+        p = _exp_from(s, m_safe[:, None])
+        alpha = _exp_from(m_i, m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, UPCAST, ACC)
         m_i = m_new
