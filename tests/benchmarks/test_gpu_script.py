@@ -125,3 +125,24 @@ def test_gpu_band_hf_shape_section_runs_on_the_cpu():
             assert timed[f"{case} band {what}"]["ms"] > 0
     assert timed["causal sdpa forward+backward"]["ms"] > 0
     assert len(timed) == 7 + len(DQ) + len(DKV)
+
+
+def test_gpu_band_tile_sweep_runs_on_the_cpu():
+    """gpu_band's sweep of the tile-list kernels' launch configs (bigbird, packed
+    segments, causal through the tile lists; forward and forward+backward) at a tiny
+    shape with the interpreter's tiles."""
+    import torch
+
+    from mhsa.benchmarks.gpu_band import run_sweep_tiles
+    from mhsa.benchmarks.gpu_measure import JsonRows
+
+    rows = JsonRows(None, "band.jsonl")
+    configs = [(16, 16, 4, 1), (32, 16, 4, 1)]
+    run_sweep_tiles(rows, torch.device("cpu"), 0, 1e12, 1, (1, 2, 64, 16), configs)
+    assert [(r["case"], r["backward"], r["config"]) for r in rows.rows] == [
+        (case, backward, str(config))
+        for case in ("bigbird(64)", "segments", "causal")
+        for backward in (False, True)
+        for config in configs
+    ]
+    assert all(r["ms"] > 0 and r["of_matmul"] > 0 for r in rows.rows), rows.rows

@@ -52,6 +52,9 @@ DKV = [
     (32, 64, 4, 3),
     (64, 128, 4, 3),
 ]
+# the tile-list kernels' (function._LAUNCH) default at D=128 first, untimed when chosen;
+# (128, 64, 8, *) runs half the instructions per score at sm_90 (tools/triton_compile.py)
+TILES = [(64, 64, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3)]
 CASES = {"dense": (None, False), "causal": (None, True), "window": (SlidingWindow(1024, 0), True)}
 # gpu_hf's Llama: B=1, 16 query heads over 4 KV heads, L=4096, D=128 (its 512 window
 # made the training step's attention slower than full causal on 2026-12-04)
@@ -184,6 +187,52 @@ def run_sweep_forward(rows: JsonRows, device, length: int, peak: float, repeat: 
                 )
         del qkv
         measure.release()
+
+
+def _tiles_call(qkv, grad, mask, config, backward: bool):
+    """The tile-list kernels' forward (and backward) under one launch config, to time;
+    mask None: causal."""
+    from mhsa.core.kernels.triton import triton_attention
+
+    def call():
+        out = triton_attention(*qkv, mask, causal=mask is None, blocks=config)[0]
+        return torch.autograd.grad(out, qkv, grad) if backward else out
+
+    return call
+
+
+def run_sweep_tiles(
+    rows: JsonRows, device, length: int, peak: float, repeat: int, shape=None, configs=TILES
+) -> None:
+    """The tile-list kernels (what serves bigbird, varlen segments and other patterns)
+    under each launch config of configs, forward and forward+backward, on bigbird(64),
+    three packed sequences (Segments) and causal through the tile lists (B=4, H=16,
+    L=length, D=128, bf16 unless shape)."""
+    from mhsa.core.masks import Segments, bigbird
+
+    shape = shape or (4, 16, length, 128)
+    length = shape[2]
+    qkv = _inputs(shape, shape[1], torch.bfloat16, device, grad=True)
+    grad = torch.randn_like(qkv[0])
+    starts = torch.tensor([0, length // 2, length * 3 // 4, length])
+    cases = {"bigbird(64)": bigbird(64, seed=0), "segments": Segments(starts), "causal": None}
+    for name, mask in cases.items():
+        allowed = measure.allowed_entries(mask, mask is None, length, device)
+        for backward in (False, True):
+            fns = {str(c): _tiles_call(qkv, grad, mask, c, backward) for c in configs}
+            flop = measure.flops(allowed, shape, backward)
+            for config, row in measure.time_group(fns, repeat, device, 0.02, ()).items():
+                rows.add(
+                    section="sweep_tiles",
+                    case=name,
+                    backward=backward,
+                    length=length,
+                    config=config,
+                    of_matmul=flop / (row["ms"] * 1e-3) / peak if "ms" in row else None,
+                    **row,
+                )
+    del qkv, grad
+    measure.release()
 
 
 def run_sweep_backward(rows: JsonRows, device, length: int, peak: float, repeat: int) -> None:
@@ -320,7 +369,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--quick", action="store_true", help="fewer repeats, L=4096")
     parser.add_argument(
-        "--only", default="checks,sweep_forward,sweep_backward,scores,peers,hf_shape"
+        "--only", default="checks,sweep_forward,sweep_backward,sweep_tiles,scores,peers,hf_shape"
     )
     parser.add_argument("--cases", default=",".join(CASES), help="the peers' cases")
     parser.add_argument("--dims", default="128,64", help="head dims of the forward sweep")
@@ -344,6 +393,8 @@ def main(argv: list[str] | None = None) -> None:
         run_sweep_forward(rows, device, length, peak, repeat, dims)
     if "sweep_backward" in parts:
         run_sweep_backward(rows, device, length, peak, repeat)
+    if "sweep_tiles" in parts:
+        run_sweep_tiles(rows, device, length, peak, repeat)
     if "scores" in parts:
         run_scores(rows, device, peak, repeat)
     if "hf_shape" in parts:
