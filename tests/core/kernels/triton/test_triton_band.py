@@ -164,6 +164,20 @@ def test_which_calls_are_band_calls():
     assert band_plan(q, k, v, None, None, True) == BandPlan(BIG, 0, 0)
 
 
+def test_alibi_calls_past_2_24_positions_go_to_the_tile_lists():
+    """The band kernels form ALiBi's offsets from float32 positions, exact below 2**24:
+    a longer call with ALiBi gets no band plan (the tile kernels keep integer offsets);
+    without ALiBi, or at the limit, it does."""
+    from mhsa.core.kernels.triton.band_launch import ALIBI_POSITIONS
+
+    def qkv(length):
+        return [torch.empty(1, 1, length, 16, device="meta") for _ in "qkv"]
+
+    assert band_plan(*qkv(ALIBI_POSITIONS + 1), None, None, True, alibi=True) is None
+    assert band_plan(*qkv(ALIBI_POSITIONS + 1), None, None, True) is not None
+    assert band_plan(*qkv(ALIBI_POSITIONS), None, None, True, alibi=True) is not None
+
+
 def test_tile_lists_serve_what_the_band_kernels_do_not():
     q, k, v = _inputs(20, 20, 4, 16)
     table = RelativeBias(torch.randn(32, 4, requires_grad=True), 32, 128)

@@ -61,6 +61,15 @@ def _query_blocks(c0, c1, shift, left, right, q_len, kv_len, BLOCK_M: tl.constex
 
 
 @triton.jit
+def _float_positions(first, BLOCK: tl.constexpr):
+    """(BLOCK,) float32 positions first, first + 1, ...: one conversion for the block.
+    ALiBi's offsets are taken from these (an add per entry, where an integer offset
+    costs an add and a quarter-rate conversion beside exp2); exact below 2**24, which
+    band_plan ensures for calls with ALiBi."""
+    return tl.cast(first, tl.float32) + tl.arange(0, BLOCK).to(tl.float32)
+
+
+@triton.jit
 def _allowed(offset, col_ok, left, right):
     """Where the band allows a key at offset (key minus query position) and col_ok
     (the key bound, broadcast alike)."""
@@ -130,7 +139,11 @@ def _key_block(q, rows, block, k_base, v_base, sks, skd, svs, svd, head_dim, kv_
         v = _tile(v_base, cols, kv_len, svs, dims, head_dim, svd, MASKED or not EVEN_D)
     qk = _dot(q, tl.trans(k), PREC, UPCAST, tl.float32)
     offset = key_offsets(rows, cols, shift)
-    s, t = _scores2(qk, offset, scale, slope, table, stn, Buckets, span, cap,
+    score_offset = offset  # (RelativeBias looks buckets up by integer offset)
+    if ALIBI and not RELATIVE:
+        keys = _float_positions(block * BLOCK_N, BLOCK_N)
+        score_offset = keys[None, :] - (rows + shift).to(tl.float32)[:, None]
+    s, t = _scores2(qk, score_offset, scale, slope, table, stn, Buckets, span, cap,
                     ALIBI, RELATIVE, SOFTCAP, RAW)
     allowed = True
     if MASKED:
@@ -318,7 +331,11 @@ def _dkv_blocks(dk, dv, k, v, cols, q_base, do_base, sql, sqd, sdl, sdd, Lse, De
         delta = tl.load(Delta + row0 + rows, mask=rows < q_len, other=0.0)
         qk_t = _dot(k, tl.trans(q), PREC, UPCAST, tl.float32)
         offset_t = cols[:, None] - (rows + shift)[None, :]
-        s_t, t_t = _scores2(qk_t, offset_t, scale, slope, table, stn, Buckets, span, cap,
+        score_offset = offset_t
+        if ALIBI and not RELATIVE:
+            queries = _float_positions(block * BLOCK_M + shift, BLOCK_M)
+            score_offset = cols.to(tl.float32)[:, None] - queries[None, :]
+        s_t, t_t = _scores2(qk_t, score_offset, scale, slope, table, stn, Buckets, span, cap,
                             ALIBI, RELATIVE, SOFTCAP)
         p_t = tl.exp2(s_t - lse2[None, :])
         if MASKED:

@@ -101,9 +101,19 @@ class BandPlan:
     shift: int
 
 
-def band_plan(q: Tensor, k: Tensor, v: Tensor | None, mask, bias, causal: bool):
-    """The BandPlan of a call without dropout that the band kernels serve, else None."""
+# positions the band kernels take ALiBi at: they form its offsets in float32, exact
+# below 2**24 (the tile-list kernels take longer ALiBi calls)
+ALIBI_POSITIONS = 2**24 - 1024
+
+
+def band_plan(
+    q: Tensor, k: Tensor, v: Tensor | None, mask, bias, causal: bool, alibi: bool = False
+):
+    """The BandPlan of a call without dropout that the band kernels serve, else None;
+    alibi: the call has an ALiBi score function."""
     if bias is not None or v is None or v.shape[3] != q.shape[3]:
+        return None
+    if alibi and max(q.shape[2], k.shape[2]) > ALIBI_POSITIONS:  # (|positions| <= max(L, S))
         return None
     band = mask_band(mask, causal)
     if band is None:

@@ -314,7 +314,7 @@ def _prepare(q, k, v, mask, bias, causal, scale, blocks, score=None, sinks=None,
         band and scale > 0 and not any(t is not None and t.requires_grad for t in (slopes, table))
     )
     if band and blocks is None and q.dtype != torch.float64:
-        plan = band_plan(q, k, v, mask, bias, causal)
+        plan = band_plan(q, k, v, mask, bias, causal, alibi=kernel.alibi > 0)
         if plan is not None:
             return plan, scale, kernel, slopes, table
     value_dim = q.shape[3] if v is None else v.shape[3]
