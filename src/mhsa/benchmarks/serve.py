@@ -52,6 +52,7 @@ LOADS = {
 
 
 JSON = {"Content-Type": "application/json"}
+WORST_TOKENS_PER_WORD = 4  # the prompts are words of Python source
 
 
 def _free_port() -> int:
@@ -211,9 +212,13 @@ def run(
     if name not in LOADS:
         raise ValueError(f"load must be one of {', '.join(LOADS)}, got {load!r}")
     load = dict(LOADS[name], name=name)
+    pool = []  # the server's default pool (512 blocks of 16) unless clients need more
     if clients is not None:
         int_at_least("clients", clients, 1)
         load.update(clients=clients, requests=max(load["requests"], 2 * clients))
+        # room for every client's longest request at once (a word is at most 4 tokens)
+        longest = load["prompt"][1] * WORST_TOKENS_PER_WORD + load["new"][1]
+        pool = ["--num-blocks", str(max(512, clients * -(-longest // 16)))]
     if serial_requests is not None:
         int_at_least("serial_requests", serial_requests, 1)
     rng = random.Random(1)
@@ -224,7 +229,7 @@ def run(
     own += ["--quantize", quantize] if quantize else []
     own += ["--device", device] if device else []
     own += ["--dtype", dtype] if dtype else []
-    options = ["--max-batch", str(load["clients"]), *own]
+    options = ["--max-batch", str(load["clients"]), *pool, *own]
     server = _start_server(model, port, options)
     fast, fast_port, extras = None, _free_port(), {}
     if not throughput_only:
