@@ -173,20 +173,20 @@ def run_sweep_forward(rows: JsonRows, device, length: int, peak: float, repeat: 
             fns = {str(c): _band_call(*qkv, mask, causal, c) for c in FORWARD}
             # keys and values through TMA descriptors (band_launch.USE_TMA), best configs
             fns.update({f"{c} tma": _band_call(*qkv, mask, causal, c, True) for c in TMA_FORWARD})
-            for config, row in measure.time_group(fns, repeat, device, 0.02, ()).items():
-                flop = measure.flops(allowed, qkv[0].shape, backward=False)
-                share = flop / (row["ms"] * 1e-3) / peak if "ms" in row else None
-                rows.add(
-                    section="sweep_forward",
-                    case=name,
-                    dim=dim,
-                    length=length,
-                    config=config,
-                    of_matmul=share,
-                    **row,
-                )
+            timed = measure.time_group(fns, repeat, device, 0.02, ())
+            flop = measure.flops(allowed, qkv[0].shape, backward=False)
+            fields = dict(case=name, dim=dim, length=length)
+            _add_configs(rows, timed, flop, peak, "sweep_forward", **fields)
         del qkv
         measure.release()
+
+
+def _add_configs(rows: JsonRows, timed: dict, flop: float, peak: float, section: str, **fields):
+    """One row per launch config timed (time_group's rows by config), with its share of
+    the matmul for flop floating-point operations."""
+    for config, row in timed.items():
+        share = flop / (row["ms"] * 1e-3) / peak if "ms" in row else None
+        rows.add(section=section, **fields, config=config, of_matmul=share, **row)
 
 
 def _tiles_call(qkv, grad, mask, config, backward: bool):
@@ -220,17 +220,10 @@ def run_sweep_tiles(
         allowed = measure.allowed_entries(mask, mask is None, length, device)
         for backward in (False, True):
             fns = {str(c): _tiles_call(qkv, grad, mask, c, backward) for c in configs}
+            timed = measure.time_group(fns, repeat, device, 0.02, ())
             flop = measure.flops(allowed, shape, backward)
-            for config, row in measure.time_group(fns, repeat, device, 0.02, ()).items():
-                rows.add(
-                    section="sweep_tiles",
-                    case=name,
-                    backward=backward,
-                    length=length,
-                    config=config,
-                    of_matmul=flop / (row["ms"] * 1e-3) / peak if "ms" in row else None,
-                    **row,
-                )
+            fields = dict(case=name, backward=backward, length=length)
+            _add_configs(rows, timed, flop, peak, "sweep_tiles", **fields)
     del qkv, grad
     measure.release()
 
@@ -244,17 +237,8 @@ def run_sweep_backward(rows: JsonRows, device, length: int, peak: float, repeat:
     flop = measure.flops(allowed, qkv[0].shape, backward=False) * measure.BACKWARD_FLOPS
     fns = {f"dq {c}": _backward_call(*qkv, mask, causal, (c, None)) for c in DQ}
     fns.update({f"dkv {c}": _backward_call(*qkv, mask, causal, (None, c)) for c in DKV})
-    for config, row in measure.time_group(fns, repeat, device, 0.02, ()).items():
-        share = flop / (row["ms"] * 1e-3) / peak if "ms" in row else None
-        rows.add(
-            section="sweep_backward",
-            case="causal",
-            dim=128,
-            length=length,
-            config=config,
-            of_matmul=share,
-            **row,
-        )
+    timed = measure.time_group(fns, repeat, device, 0.02, ())
+    _add_configs(rows, timed, flop, peak, "sweep_backward", case="causal", dim=128, length=length)
 
 
 def run_peers(rows: JsonRows, device, lengths, peak: float, repeat: int, cases=CASES) -> None:
