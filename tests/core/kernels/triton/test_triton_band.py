@@ -71,6 +71,15 @@ def test_band_calls_match_the_golden_forward_and_backward(name):
     _check(q, k, v, mask, causal, lse_weight=0.5)
 
 
+def test_dk_dv_run_per_query_head_where_kv_heads_leave_the_gpu_idle():
+    from mhsa.core.kernels.triton.band_launch import dkv_per_head
+
+    assert dkv_per_head((1, 4, 4096, 128), 16, 64)  # gpu_hf's Llama: 256 programs
+    assert not dkv_per_head((1, 16, 4096, 128), 16, 64)  # no grouped heads
+    assert not dkv_per_head((4, 4, 4096, 128), 16, 64)  # 1024 programs already
+    assert not dkv_per_head((1, 1, 65536 - 64, 128), 32, 64)  # shares of 2 GiB
+
+
 @pytest.mark.parametrize("name", ["wide-dense-gqa-d40", "tall-causal-dead-rows-mqa", "window-gqa"])
 @pytest.mark.parametrize("per_head", [False, True])
 def test_dk_dv_per_kv_head_and_per_query_head_match_the_golden_gradients(name, per_head):

@@ -62,8 +62,20 @@ CONFIGS = {
 
 # the dK/dV kernel runs one program per query head, not per KV head, where the KV heads
 # give it fewer programs than this (B=1 with grouped-query heads: 256 at L=4096 with 4
-# KV heads, about 2 per SM of an H200)
+# KV heads, about 2 per SM of an H200) and the heads' float32 shares of dK and dV fit
+# in PER_HEAD_BYTES (64 MiB at that shape)
 PER_HEAD_BELOW = 1024
+PER_HEAD_BYTES = 512 * 2**20
+
+
+def dkv_per_head(key_shape: tuple, num_heads: int, block_n: int) -> bool:
+    """Whether the dK/dV kernel for keys of key_shape (B, H_kv, S, D) and num_heads
+    query heads runs one program per query head (see PER_HEAD_BELOW)."""
+    batch, num_kv_heads, kv_len, head_dim = key_shape
+    programs = -(-kv_len // block_n) * batch * num_kv_heads
+    share_bytes = 2 * 4 * batch * num_heads * kv_len * head_dim  # float32 dK and dV
+    grouped = num_heads > num_kv_heads
+    return grouped and programs < PER_HEAD_BELOW and share_bytes <= PER_HEAD_BYTES
 
 
 def band_config(kernel: str, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
@@ -215,7 +227,8 @@ def band_backward(
     rowsum(dO * O) - dlse (B, H, L) float32 and the forward's lse; configs (dq, dkv)
     overrides the launches; per_head: the dK/dV kernel's programs per query head, their
     shares summed over each group after it (default: with grouped-query heads, where
-    per KV head gives fewer than PER_HEAD_BELOW programs)."""
+    per KV head gives fewer than PER_HEAD_BELOW programs and the shares fit in
+    PER_HEAD_BYTES)."""
     batch, num_heads, q_len, head_dim = q.shape
     num_kv_heads, kv_len = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
@@ -246,7 +259,7 @@ def band_backward(
     options = _options("dkv", q, score, dkv_config)
     key_blocks = -(-kv_len // options["BLOCK_N"])
     if per_head is None:
-        per_head = group > 1 and key_blocks * batch * num_kv_heads < PER_HEAD_BELOW
+        per_head = dkv_per_head(k.shape, num_heads, options["BLOCK_N"])
     heads = num_heads if per_head else num_kv_heads
     shares = (batch, heads, kv_len, head_dim)  # per query head: float32, summed below
     dk, dv = (
