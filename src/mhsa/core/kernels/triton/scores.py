@@ -12,8 +12,8 @@ at r + S - L), and never build an (L, S) tensor:
     Softcap       cap * tanh(s / cap); its backward multiplies dS by 1 - tanh**2. With
                   16-bit inputs on a GPU, tanh is the hardware's tanh.approx.f32 (one
                   special-function op, relative error about 2**-11, below the inputs'
-                  own rounding); else it is made from exp and a division, which cost
-                  two more of those ops for each score.
+                  own rounding); else it is made from exp and a division, two such
+                  ops for each score.
 Each additive function has a stage: 1 before the softcap (or without one), 2 after it,
 so a composition holds each kind at most once. Sinks (H,) start each row's online
 softmax at (max = sink, sum = 1): the denominator includes exp(sink) and a row with no
