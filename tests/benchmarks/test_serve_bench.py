@@ -49,7 +49,7 @@ def test_clients_grow_the_requests_and_the_serial_run_sends_the_first_ones(monke
 
     def load(port, name, requests, clients):
         loads.append((len(requests), clients, requests[0]))
-        return {"tokens_per_second": 10.0 * clients}
+        return {"tokens_per_second": 10.0 * clients, "tokens": 100}
 
     def get(port, path):
         if path == "/v1/models":
@@ -72,3 +72,19 @@ def test_clients_grow_the_requests_and_the_serial_run_sends_the_first_ones(monke
     assert "speculative" not in result and "head_of_line" not in result
     with pytest.raises(ValueError, match="clients"):
         serve.run(clients=0)
+
+
+def test_a_failed_request_stops_the_benchmark_with_the_servers_answer(monkeypatch):
+    """A client thread's error (here a 400 for a prompt past the model's context) is
+    raised once every client is done, not dropped from the totals."""
+
+    def stream(port, model, prompt, new):
+        if prompt == "long":
+            raise RuntimeError("the server answered 400: context_length_exceeded")
+        return {"tokens": new, "ttft": 0.1, "gaps": [0.01] * (new - 1)}
+
+    monkeypatch.setattr(serve, "_stream", stream)
+    done = serve._load(0, "m", [("short", 4), ("short", 6)], 2)
+    assert (done["requests"], done["tokens"]) == (2, 10)
+    with pytest.raises(RuntimeError, match="a client's request failed: .*400"):
+        serve._load(0, "m", [("short", 4), ("long", 6), ("short", 5)], 2)

@@ -121,13 +121,18 @@ def _stream(port: int, model: str, prompt: str | list[int], max_tokens: int) -> 
 def _load(port: int, model: str, requests: list[tuple[str, int]], clients: int) -> dict:
     """Run requests from `clients` threads (each its share, in turn); totals and latencies."""
     results: list[dict] = []
+    errors: list[Exception] = []
     lock = threading.Lock()
 
     def client_loop(share: list[tuple[str, int]]) -> None:
-        for prompt, new in share:
-            result = _stream(port, model, prompt, new)
+        try:
+            for prompt, new in share:
+                result = _stream(port, model, prompt, new)
+                with lock:
+                    results.append(result)
+        except Exception as error:  # raised in the caller's thread, after the others end
             with lock:
-                results.append(result)
+                errors.append(error)
 
     threads = [
         threading.Thread(target=client_loop, args=(requests[i::clients],)) for i in range(clients)
@@ -137,6 +142,8 @@ def _load(port: int, model: str, requests: list[tuple[str, int]], clients: int) 
         t.start()
     for t in threads:
         t.join()
+    if errors:
+        raise RuntimeError(f"a client's request failed: {errors[0]}") from errors[0]
     seconds = time.perf_counter() - start
     tokens = sum(r["tokens"] for r in results)
     ttft = [r["ttft"] for r in results if r["ttft"] is not None]
@@ -245,6 +252,8 @@ def run(
         concurrent = _load(port, name, requests, load["clients"])
         peak = _get(port, "/health")["cache"]
         serial = _load(port, name, requests[:serial_requests], 1)
+        if not serial["tokens"]:
+            raise RuntimeError(f"{name} ended every one-at-a-time answer before its first token")
         if not throughput_only:
             ports = {"plain": port, "speculative": fast_port}
             extras["speculative"] = speculation.compare(ports, name, quick=name_is_quick(load))
