@@ -8,7 +8,9 @@ Run it under the GPU machine's Triton too (pip install --target DIR triton==X, t
 PYTHONPATH=DIR:src): kernels that one version compiles can fail in another. Prints
 each kernel's shared memory and fails on the first error. --sass also counts, in the
 machine code (nvdisasm), what a kernel's speed turns on: tensor-core ops, special-
-function ops (exp2, tanh), float32 ops, loads, and register spills to local memory.
+function ops (exp2, tanh), float32 ops, loads, conversions and register spills to
+local memory; and for each loop, the (instructions, special-function ops,
+conversions) one iteration issues on its straight path.
 """
 
 from __future__ import annotations
@@ -103,6 +105,12 @@ def band_kernels():
             constants = dict(base, BLOCK_M=block_m, BLOCK_N=block_n, **extra)
             yield f"band {kernel} ({label})", fn, constants, warps, stages, None
     block_m, block_n, warps, stages = CONFIGS["forward"][(True, 128)]
+    one_score = dict(KDesc=None, VDesc=None, TMA=False, HAS_SINKS=False)
+    for label, score in (("alibi", dict(ALIBI=1)), ("softcap", dict(SOFTCAP=2))):
+        constants = dict(plain, BLOCK_M=block_m, BLOCK_N=block_n, **one_score, **score)
+        yield f"band forward ({label})", band._band_fwd, constants, warps, stages, None
+    constants = dict(plain, BLOCK_M=block_m, BLOCK_N=block_n, **one_score, SOFTCAP=1)
+    yield "band forward (softcap, tanh from exp)", band._band_fwd, constants, warps, stages, None
     descriptor = f"tensordesc<bf16[1, 1, {block_n}, 128]>"
     constants = dict(plain, BLOCK_M=block_m, BLOCK_N=block_n, HAS_SINKS=False, TMA=True)
     descriptors = {"KDesc": descriptor, "VDesc": descriptor}
@@ -186,13 +194,18 @@ SASS_GROUPS = {
     "special": ("MUFU",),
     "fp32": ("FFMA", "FMUL", "FADD", "FMNMX", "FSEL", "FSETP"),
     "loads": ("LDG", "LDGSTS", "UTMALDG"),
+    "convert": ("I2F", "I2FP", "F2I"),
     "spills": ("LDL", "STL"),
 }
 
 
-def sass_counts(kernel) -> dict[str, int]:
-    """How many instructions of each SASS_GROUPS group the kernel's machine code holds
-    (static counts, loops once), by Triton's own nvdisasm."""
+INSTRUCTION = re.compile(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9.]*)")
+LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+BRANCH = re.compile(r"BRA `\((\.L_x_\d+)\)")
+
+
+def disassemble(kernel) -> list[str]:
+    """The kernel's machine code (SASS), a line each, by Triton's own nvdisasm."""
     from triton.backends.nvidia import compiler
 
     disassembler = Path(compiler.__file__).parent / "bin" / "nvdisasm"
@@ -202,10 +215,44 @@ def sass_counts(kernel) -> dict[str, int]:
         text = subprocess.run(
             [str(disassembler), "-c", str(cubin)], capture_output=True, text=True, check=True
         ).stdout
-    opcodes = collections.Counter(
-        op.split(".")[0] for op in re.findall(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9.]*)", text)
+    return text.splitlines()
+
+
+def _opcodes(lines: list[str]) -> collections.Counter:
+    return collections.Counter(
+        m.group(1).split(".")[0] for m in map(INSTRUCTION.search, lines) if m
     )
+
+
+def sass_counts(lines: list[str]) -> dict[str, int]:
+    """How many instructions of each SASS_GROUPS group the machine code holds (static
+    counts: a loop once)."""
+    opcodes = _opcodes(lines)
     return {group: sum(opcodes[o] for o in ops) for group, ops in SASS_GROUPS.items()}
+
+
+def loop_costs(lines: list[str]) -> list[tuple[int, int, int]]:
+    """(instructions, special-function ops, conversions) of each loop body (a branch back
+    to a label), leaving out what a forward branch inside it can jump over: the
+    instructions one iteration issues per thread on its straight path."""
+    labels, costs = {}, []
+    for end, line in enumerate(lines):
+        if found := LABEL.match(line):
+            labels[found.group(1)] = end
+        target = BRANCH.search(line)
+        if not target or labels.get(target.group(1), end) >= end:
+            continue
+        body = lines[labels[target.group(1)] : end + 1]
+        inside = {m.group(1): at for at, b in enumerate(body) if (m := LABEL.match(b))}
+        skipped = set()
+        for at, inner in enumerate(body):
+            jump = BRANCH.search(inner)
+            if jump and "@" in inner and inside.get(jump.group(1), at) > at:  # conditional
+                skipped.update(range(at + 1, inside[jump.group(1)]))
+        ops = _opcodes([b for at, b in enumerate(body) if at not in skipped])
+        converts = sum(ops[o] for o in SASS_GROUPS["convert"])
+        costs.append((sum(ops.values()), ops["MUFU"], converts))
+    return costs
 
 
 def main() -> None:
@@ -225,7 +272,10 @@ def main() -> None:
         start = time.perf_counter()
         kernel = compile_kernel(fn, constants, args.arch, warps, stages, pointers=pointers)
         seconds = time.perf_counter() - start
-        counts = f", {sass_counts(kernel)}" if args.sass else ""
+        counts = ""
+        if args.sass:
+            lines = disassemble(kernel)
+            counts = f", {sass_counts(lines)}, loops {loop_costs(lines)}"
         print(f"{name}: ok in {seconds:.1f} s, shared memory {kernel.metadata.shared} B{counts}")
 
 
