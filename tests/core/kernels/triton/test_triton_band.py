@@ -214,6 +214,25 @@ def test_tile_lists_serve_what_the_band_kernels_do_not():
         assert not isinstance(plan, BandPlan)
 
 
+def test_large_scores_keep_their_row_max_and_their_rows():
+    """Scores of +-100 and more, through the band kernels: the row max taken over the
+    raw products and scaled once must be the scaled scores' max (else exp2 overflows),
+    and a row whose first key block holds none of its keys must keep its max at -inf
+    (set to 0, exp2 of scores near -140 underflows and the row reads as empty)."""
+    q, k, v = (t.detach() for t in _inputs(33, 40, 2, 16))
+    generator = torch.Generator().manual_seed(3)
+    far_q = torch.full((1, 1, 64, 16), -35.0)  # scores about -140 with these keys
+    far_k = 1.0 + 0.01 * torch.randn(1, 1, 64, 16, generator=generator)
+    far_v = torch.randn(1, 1, 64, 16, generator=generator)
+    for q_, k_, v_, mask in ((q * 30, k, v, None), (far_q, far_k, far_v, SlidingWindow(20, 0))):
+        plan = _prepare(q_, k_, v_, mask, None, True, None, None, band=True)[0]
+        assert isinstance(plan, BandPlan)
+        out, lse = triton_attention(q_, k_, v_, mask, causal=True)
+        ref = golden_attention(*(t.double() for t in (q_, k_, v_)), mask, causal=True)
+        assert torch.isfinite(lse).all() and (lse.double() - ref[1]).abs().max() < 1e-3
+        assert (out.double() - ref[0]).abs().max() < 1e-4
+
+
 def test_a_negative_scale_matches_the_golden_formula():
     """scale < 0 turns the scores' order around: the band forward, which takes the row
     max before scaling, leaves such calls to the tile kernels."""

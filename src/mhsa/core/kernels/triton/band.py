@@ -161,8 +161,8 @@ def _fwd_blocks(acc, l_i, m_i, q, rows, k_base, v_base, sks, skd, svs, svd, lo, 
                 TMA: tl.constexpr):
     """The online softmax over key blocks lo..hi-1; MASKED applies the band. Without a
     score function the row max is taken over the raw products and then scaled: for
-    scale > 0 rounding keeps their order, so it is the max of the scaled scores, bit
-    for bit, and each score is scaled once, inside exp2's argument."""
+    scale > 0 rounding keeps their order, so the max is that of the scaled scores, bit
+    for bit, and each score is scaled once, in exp2's multiply-add."""
     unit = _unit(scale, ALIBI, RELATIVE, SOFTCAP)
     for block in range(lo, hi):
         k, v, s, _, allowed = _key_block(q, rows, block, k_base, v_base, sks, skd, svs, svd,
@@ -173,10 +173,11 @@ def _fwd_blocks(acc, l_i, m_i, q, rows, k_base, v_base, sks, skd, svs, svd, lo, 
         if MASKED:
             s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * unit)
-        if MASKED:
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet
-        p = tl.exp2(s * unit - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
+        m_safe = m_new
+        if MASKED:  # rows with nothing yet subtract 0, and keep their max at -inf
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s * unit - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, UPCAST, tl.float32)
         m_i = m_new
