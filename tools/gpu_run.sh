@@ -17,9 +17,9 @@ wait
 step band-sweeps
 timeout 100 python -m mhsa.benchmarks.gpu_band --out $R --only sweep_forward,sweep_backward,scores --dims 128 >> $LOG 2>&1
 step band-hf-shape
-timeout 90 python -m mhsa.benchmarks.gpu_band --out $R --only hf_shape --quick >> $LOG 2>&1
+timeout 80 python -m mhsa.benchmarks.gpu_band --out $R --only hf_shape --quick >> $LOG 2>&1
 step tile-sweep
-timeout 75 python -m mhsa.benchmarks.gpu_band --out $R --only sweep_tiles >> $LOG 2>&1
+timeout 85 python -m mhsa.benchmarks.gpu_band --out $R --only sweep_tiles >> $LOG 2>&1
 step gpu-quick
 timeout 60 python -m mhsa.benchmarks.gpu --quick --sections bench scores --budget 40 --out $R >> $LOG 2>&1
 rm -f $R/gpu.md

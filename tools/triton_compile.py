@@ -157,6 +157,8 @@ def tile_kernels():
         "DV": "*fp32",
     }
     yield "tiles forward", attention._attn_fwd, dict(base, HAS_SINKS=True), warps, stages, tiles
+    softcap = dict(base, HAS_SINKS=False, ALIBI=0, SOFTCAP=2)  # (2: the hardware tanh)
+    yield "tiles forward (softcap)", attention._attn_fwd, softcap, warps, stages, tiles
     grads = dict(base, BIAS_GRAD=False, SLOPE_GRAD=True, TABLE_GRAD=False, BLOCK_NB=16)
     yield "tiles dq", attention._attn_bwd_dq, grads, warps, stages, tiles
     yield "tiles dkv", attention._attn_bwd_dkv, base, warps, stages, tiles

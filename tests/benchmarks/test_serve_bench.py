@@ -62,9 +62,11 @@ def test_clients_grow_the_requests_and_the_serial_run_sends_the_first_ones(monke
     monkeypatch.setattr(serve, "_load", load)
     monkeypatch.setattr(serve, "head_of_line", lambda *a, **k: pytest.fail("head of line ran"))
     result = serve.run(clients=40, serial_requests=5, throughput_only=True)
-    # one server, no --speculate, a pool with room for 40 of the longest requests (96
-    # words of at most 4 tokens and 192 new: 36 blocks of 16 each)
-    assert started == [["--max-batch", "40", "--num-blocks", str(40 * 36)]]
+    # one server, no --speculate, a pool with room for 40 of the longest requests (its
+    # prompt's bytes and 192 new, in blocks of 16)
+    prompts = serve._prompts(80, serve.LOADS["chat"]["prompt"])
+    longest = max(len(prompt.encode()) for prompt in prompts) + 192
+    assert started == [["--max-batch", "40", "--num-blocks", str(40 * -(-longest // 16))]]
     (warm, _, _), (concurrent, clients, first), (serial, one, serial_first) = loads
     assert (warm, concurrent, clients, serial, one) == (2, 80, 40, 5, 1)
     assert serial_first == first  # the same requests, the first of them

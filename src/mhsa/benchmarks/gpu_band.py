@@ -190,12 +190,11 @@ def _add_configs(rows: JsonRows, timed: dict, flop: float, peak: float, section:
 
 
 def _tiles_call(qkv, grad, mask, config, backward: bool):
-    """The tile-list kernels' forward (and backward) under one launch config, to time;
-    mask None: causal."""
+    """The tile-list kernels' forward (and backward) under one launch config, to time."""
     from mhsa.core.kernels.triton import triton_attention
 
     def call():
-        out = triton_attention(*qkv, mask, causal=mask is None, blocks=config)[0]
+        out = triton_attention(*qkv, mask, blocks=config)[0]
         return torch.autograd.grad(out, qkv, grad) if backward else out
 
     return call
@@ -205,9 +204,9 @@ def run_sweep_tiles(
     rows: JsonRows, device, length: int, peak: float, repeat: int, shape=None, configs=TILES
 ) -> None:
     """The tile-list kernels (what serves bigbird, varlen segments and other patterns)
-    under each launch config of configs, forward and forward+backward, on bigbird(64),
-    three packed sequences (Segments) and causal through the tile lists (B=4, H=16,
-    L=length, D=128, bf16 unless shape)."""
+    under each launch config of configs, forward and forward+backward, on bigbird(64)
+    and three packed sequences (Segments) (B=4, H=16, L=length, D=128, bf16 unless
+    shape)."""
     from mhsa.core.masks import Segments, bigbird
 
     shape = shape or (4, 16, length, 128)
@@ -215,9 +214,9 @@ def run_sweep_tiles(
     qkv = _inputs(shape, shape[1], torch.bfloat16, device, grad=True)
     grad = torch.randn_like(qkv[0])
     starts = torch.tensor([0, length // 2, length * 3 // 4, length])
-    cases = {"bigbird(64)": bigbird(64, seed=0), "segments": Segments(starts), "causal": None}
+    cases = {"bigbird(64)": bigbird(64, seed=0), "segments": Segments(starts)}
     for name, mask in cases.items():
-        allowed = measure.allowed_entries(mask, mask is None, length, device)
+        allowed = measure.allowed_entries(mask, False, length, device)
         for backward in (False, True):
             fns = {str(c): _tiles_call(qkv, grad, mask, c, backward) for c in configs}
             timed = measure.time_group(fns, repeat, device, 0.02, ())

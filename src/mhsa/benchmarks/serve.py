@@ -52,7 +52,6 @@ LOADS = {
 
 
 JSON = {"Content-Type": "application/json"}
-WORST_TOKENS_PER_WORD = 4  # the prompts are words of Python source
 
 
 def _free_port() -> int:
@@ -127,6 +126,8 @@ def _load(port: int, model: str, requests: list[tuple[str, int]], clients: int) 
     def client_loop(share: list[tuple[str, int]]) -> None:
         try:
             for prompt, new in share:
+                if errors:  # another client failed: the run stops
+                    return
                 result = _stream(port, model, prompt, new)
                 with lock:
                     results.append(result)
@@ -219,18 +220,20 @@ def run(
     if name not in LOADS:
         raise ValueError(f"load must be one of {', '.join(LOADS)}, got {load!r}")
     load = dict(LOADS[name], name=name)
-    pool = []  # the server's default pool (512 blocks of 16) unless clients need more
     if clients is not None:
         int_at_least("clients", clients, 1)
         load.update(clients=clients, requests=max(load["requests"], 2 * clients))
-        # room for every client's longest request at once (a word is at most 4 tokens)
-        longest = load["prompt"][1] * WORST_TOKENS_PER_WORD + load["new"][1]
-        pool = ["--num-blocks", str(max(512, clients * -(-longest // 16)))]
     if serial_requests is not None:
         int_at_least("serial_requests", serial_requests, 1)
     rng = random.Random(1)
     prompts = _prompts(load["requests"], load["prompt"])
     requests = [(p, rng.randint(*load["new"])) for p in prompts]
+    pool = []  # the server's default pool (512 blocks of 16) unless clients need more
+    if clients is not None:
+        # room for every client's longest request at once: a token holds at least a
+        # byte (byte-level and byte-fallback tokenizers), so bytes bound the tokens
+        longest = max(len(p.encode()) for p in prompts) + load["new"][1]
+        pool = ["--num-blocks", str(max(512, clients * -(-longest // 16)))]
     port = _free_port()
     own = [*(["--threads", str(threads)] if threads else [])]
     own += ["--quantize", quantize] if quantize else []

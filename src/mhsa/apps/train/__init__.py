@@ -236,6 +236,8 @@ def train(
             log(f"step {step + 1}: non-finite loss or gradient, step skipped")
         step += 1
         loss = mean_over_ranks(loss.detach(), world)
+        if device.type == "cuda":  # the step's kernels, the optimizer's included, are done
+            torch.cuda.synchronize(device)
         now = time.perf_counter()
         clock.stop(task.tokens_per_batch(), now)
         elapsed = now - start

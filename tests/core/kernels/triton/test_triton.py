@@ -280,7 +280,8 @@ for dtype, torch_dtype, dim, mask_mode in (("bf16", torch.bfloat16, 128, 1),
     constants = dict(HAS_BIAS=True, BIAS_GRAD=True, MASK_MODE=mask_mode, CAUSAL=True,
                      DROPOUT=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=dim, BLOCK_DV=dim,
                      PREC="ieee" if dtype == "fp32" else None, UPCAST=False, ACC=tl.float32,
-                     ALIBI=1, RELATIVE=2, SOFTCAP=True, HAS_SINKS=True, SLOPE_GRAD=True,
+                     ALIBI=1, RELATIVE=2, SOFTCAP=2 if dtype == "bf16" else 1,
+                     HAS_SINKS=True, SLOPE_GRAD=True,
                      TABLE_GRAD=True, BLOCK_NB=32)
     for kernel in ("_attn_fwd", "_attn_bwd_dq", "_attn_bwd_dkv", "_attn_probs"):
         fn = getattr(attention, kernel)
