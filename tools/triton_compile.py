@@ -127,6 +127,7 @@ def tile_kernels():
     base = dict(
         HAS_BIAS=False,
         MASK_MODE=2,
+        EVEN=True,  # (L and S multiples of the tiles, as at the benchmarks' lengths)
         CAUSAL=True,
         DROPOUT=False,
         ALIBI=1,

@@ -51,6 +51,8 @@ CASES = {
     "bigbird-causal": (2, 1, 80, 80, 16, 16, bigbird(16, 3, 1, 1), True, None, None),
     "key-padding-pattern": (2, 2, 20, 40, 16, 16, KeyPadding([40, 17]), False, None, None),
     "head-dim-256": (1, 1, 5, 7, 256, 256, None, True, None, None),
+    # L and S multiples of the tiles: no bounds check in the kernels (EVEN)
+    "aligned-bool-mask-dead-row": (2, 1, 64, 48, 16, 16, "dense", False, None, None),
 }
 
 
@@ -278,6 +280,7 @@ for dtype, torch_dtype, dim, mask_mode in (("bf16", torch.bfloat16, 128, 1),
     block_m, block_n, warps, stages = block_sizes(dim, dim, torch_dtype)
     # every score path: ALiBi before the softcap, RelativeBias after it, sinks, gradients
     constants = dict(HAS_BIAS=True, BIAS_GRAD=True, MASK_MODE=mask_mode, CAUSAL=True,
+                     EVEN=dtype == "bf16",
                      DROPOUT=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=dim, BLOCK_DV=dim,
                      PREC="ieee" if dtype == "fp32" else None, UPCAST=False, ACC=tl.float32,
                      ALIBI=1, RELATIVE=2, SOFTCAP=2 if dtype == "bf16" else 1,

@@ -113,10 +113,11 @@ def _scores(
     HAS_BIAS: tl.constexpr, MASK_MODE: tl.constexpr, CAUSAL: tl.constexpr,
     ALIBI: tl.constexpr, RELATIVE: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-    ACC: tl.constexpr,
+    ACC: tl.constexpr, EVEN: tl.constexpr,
 ):
     """(BLOCK_M, BLOCK_N) ACC scores score_fn(q k^T * scale) + bias, -inf where not
-    allowed, and the softcap's tanh for the backward (see scores._score_fn).
+    allowed, and the softcap's tanh for the backward (see scores._score_fn). EVEN: L and
+    S are multiples of the tiles, so no tile reaches past them.
 
     bias and mask point at this (batch, head)'s (L, S) slice (row/column strides sbl,
     sbs and sml, sms); tiles at this batch's compact partial-tile buffer; slope, table
@@ -130,7 +131,8 @@ def _scores(
     if HAS_BIAS:
         offs = rows64[:, None] * sbl + cols64[None, :] * sbs
         s += tl.load(bias + offs, mask=inside, other=0.0).to(ACC)
-    s = tl.where(inside, s, float("-inf"))
+    if not EVEN:
+        s = tl.where(inside, s, float("-inf"))
     # the branch yields the float scores, not a bool mask: an i1 tensor crossing the
     # branch can need a layout conversion through shared memory, which i1 cannot take
     if kind == 1:  # PARTIAL
@@ -154,7 +156,7 @@ def _key_tile(
     HAS_BIAS: tl.constexpr, MASK_MODE: tl.constexpr, CAUSAL: tl.constexpr,
     ALIBI: tl.constexpr, RELATIVE: tl.constexpr, SOFTCAP: tl.constexpr, VALUES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr, EVEN: tl.constexpr,
 ):
     """Entry e of a query block's tile list (the forward, dQ and probability kernels):
     (its key columns, the key tile (BLOCK_N, BLOCK_D), the value tile (BLOCK_N,
@@ -167,7 +169,7 @@ def _key_tile(
     s, t = _scores(q, k, rows, cols, kind, tile, bias, sbl, sbs, mask, sml, sms, tiles,
                    scale, q_len, kv_len, shift, slope, table, stn, Buckets, span, cap,
                    HAS_BIAS, MASK_MODE, CAUSAL, ALIBI, RELATIVE, SOFTCAP,
-                   BLOCK_M, BLOCK_N, PREC, UPCAST, ACC)
+                   BLOCK_M, BLOCK_N, PREC, UPCAST, ACC, EVEN)
     return cols, k, v, s, t
 
 
@@ -182,7 +184,7 @@ def _attn_fwd(
     DROPOUT: tl.constexpr, ALIBI: tl.constexpr, RELATIVE: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PREC: tl.constexpr,
-    UPCAST: tl.constexpr, ACC: tl.constexpr,
+    UPCAST: tl.constexpr, ACC: tl.constexpr, EVEN: tl.constexpr,
 ):
     """Grid (query blocks, B * H): out (B, H, L, D_v) and lse (B, H, L) of one block.
     With HAS_SINKS each row starts at max = its head's sink and sum = exp(0) = 1."""
@@ -205,7 +207,7 @@ def _attn_fwd(
             e, blk_idx, blk_kind, blk_tile, q, rows, k_base, sks, skd, head_dim, v_base, svs, svd,
             value_dim, bias, sbl, sbs, mask, sml, sms, tiles, scale, q_len, kv_len, shift, slope,
             table, stn, Buckets, span, cap, HAS_BIAS, MASK_MODE, CAUSAL, ALIBI, RELATIVE, SOFTCAP,
-            True, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PREC, UPCAST, ACC)
+            True, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PREC, UPCAST, ACC, EVEN)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet
         p = _exp_from(s, m_safe[:, None])
@@ -239,7 +241,7 @@ def _attn_bwd_dq(
     SOFTCAP: tl.constexpr, SLOPE_GRAD: tl.constexpr, TABLE_GRAD: tl.constexpr,
     BLOCK_NB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-    ACC: tl.constexpr,
+    ACC: tl.constexpr, EVEN: tl.constexpr,
 ):
     """Grid (query blocks, B * H): dQ (B, H, L, D) in ACC of one block; with BIAS_GRAD
     also the block's dS tiles into dBias (B, H, L, S) ACC (each entry written once);
@@ -267,7 +269,7 @@ def _attn_bwd_dq(
             e, blk_idx, blk_kind, blk_tile, q, rows, k_base, sks, skd, head_dim, v_base, svs, svd,
             value_dim, bias, sbl, sbs, mask, sml, sms, tiles, scale, q_len, kv_len, shift, slope,
             table, stn, Buckets, span, cap, HAS_BIAS, MASK_MODE, CAUSAL, ALIBI, RELATIVE, SOFTCAP,
-            True, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PREC, UPCAST, ACC)
+            True, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PREC, UPCAST, ACC, EVEN)
         p = _exp_from(s, lse[:, None])
         dp = _dot(do, tl.trans(v), PREC, UPCAST, ACC)
         if DROPOUT:
@@ -302,7 +304,7 @@ def _attn_bwd_dkv(
     DROPOUT: tl.constexpr, ALIBI: tl.constexpr, RELATIVE: tl.constexpr,
     SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-    ACC: tl.constexpr,
+    ACC: tl.constexpr, EVEN: tl.constexpr,
 ):
     """Grid (key blocks, B * H_kv): dK (B, H_kv, S, D) and dV (B, H_kv, S, D_v) in ACC of
     one key block, summed over the query heads of its group and the query blocks that
@@ -334,7 +336,7 @@ def _attn_bwd_dkv(
             s, t = _scores(q, k, rows, cols, kind, tile, bias, sbl, sbs, mask, sml, sms, tiles,
                            scale, q_len, kv_len, shift, slope, table, stn, Buckets, span, cap,
                            HAS_BIAS, MASK_MODE, CAUSAL, ALIBI, RELATIVE, SOFTCAP,
-                           BLOCK_M, BLOCK_N, PREC, UPCAST, ACC)
+                           BLOCK_M, BLOCK_N, PREC, UPCAST, ACC, EVEN)
             p = _exp_from(s, lse[:, None])
             dp = _dot(do, tl.trans(v), PREC, UPCAST, ACC)
             if DROPOUT:
@@ -365,7 +367,7 @@ def _attn_probs(
     HAS_BIAS: tl.constexpr, MASK_MODE: tl.constexpr, CAUSAL: tl.constexpr,
     ALIBI: tl.constexpr, RELATIVE: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr, EVEN: tl.constexpr,
 ):
     """Grid (query blocks, B * H): probabilities exp(s - lse) of the visited tiles into
     P (B, H, L, S) ACC (zero-filled by the caller: empty tiles stay 0)."""
@@ -382,7 +384,7 @@ def _attn_probs(
             e, blk_idx, blk_kind, blk_tile, q, rows, k_base, sks, skd, head_dim, k_base, sks, skd,
             head_dim, bias, sbl, sbs, mask, sml, sms, tiles, scale, q_len, kv_len, shift, slope,
             table, stn, Buckets, span, cap, HAS_BIAS, MASK_MODE, CAUSAL, ALIBI, RELATIVE, SOFTCAP,
-            False, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_D, PREC, UPCAST, ACC)
+            False, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_D, PREC, UPCAST, ACC, EVEN)
         offs = (bh.to(tl.int64) * q_len + rows.to(tl.int64))[:, None] * kv_len + cols[None, :]
         tl.store(P + offs, _exp_from(s, lse[:, None]),
                  mask=(rows[:, None] < q_len) & (cols[None, :] < kv_len))

@@ -95,13 +95,15 @@ def _row_lists(tiles: TileLists) -> list[Tensor]:
 
 def _options(tiles: TileLists, bias, score: KernelScore, q: Tensor, value_dim=None) -> dict:
     """The constexprs and launch options that every kernel takes (BLOCK_DV with
-    value_dim)."""
+    value_dim; EVEN where L and S are multiples of the tiles, S = L + shift)."""
     launch = (tiles.block_m, tiles.block_n, tiles.num_warps, tiles.num_stages)
+    q_len = q.shape[2]
     options = dict(
         kernel_options(q, score, launch),
         HAS_BIAS=bias is not None,
         MASK_MODE=tiles.mask_mode,
         CAUSAL=tiles.causal,
+        EVEN=q_len % tiles.block_m == 0 and (q_len + tiles.shift) % tiles.block_n == 0,
     )
     if value_dim is not None:
         options["BLOCK_DV"] = block_dim(value_dim)
