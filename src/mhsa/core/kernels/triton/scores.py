@@ -10,10 +10,10 @@ at r + S - L), and never build an (L, S) tensor:
                   mhsa.core.scores.t5_bucket itself, so kernel and torch buckets agree
                   exactly, with no float log in the kernel;
     Softcap       cap * tanh(s / cap); its backward multiplies dS by 1 - tanh**2. With
-                  16-bit inputs on a GPU, tanh is the hardware's tanh.approx.f32 (one
-                  special-function op, relative error about 2**-11, below the inputs'
-                  own rounding); else it is made from exp and a division, two such
-                  ops for each score.
+                  bfloat16 inputs on a GPU, tanh is the hardware's tanh.approx.f32 (one
+                  special-function op, relative error about 2**-11, below bfloat16's
+                  2**-9; float16 rounds at 2**-11 itself); else it is made from exp and
+                  a division, two such ops for each score.
 Each additive function has a stage: 1 before the softcap (or without one), 2 after it,
 so a composition holds each kind at most once. Sinks (H,) start each row's online
 softmax at (max = sink, sum = 1): the denominator includes exp(sink) and a row with no
@@ -39,7 +39,6 @@ from ...scores import ALiBi, Compose, RelativeBias, ScoreFunction, Softcap, t5_b
 from .checks import interpreting
 
 KERNEL_SCORES = (ALiBi, RelativeBias, Softcap)
-HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @triton.jit
@@ -151,7 +150,7 @@ class KernelScore:
     """A call's score function as the kernels evaluate it: each additive function's
     stage (0 absent, 1 before the softcap or without one, 2 after it), the cap (0.0
     without one), RelativeBias's bucketing, and whether the softcap may take the GPU's
-    tanh.approx for 16-bit inputs (hardware_tanh)."""
+    tanh.approx for bfloat16 inputs (hardware_tanh)."""
 
     alibi: int = 0
     relative: int = 0
@@ -163,10 +162,10 @@ class KernelScore:
 
     def constants(self, q: Tensor) -> dict:
         """The kernels' constexpr arguments for queries q: SOFTCAP 0 without a softcap,
-        1 with tanh from exp, 2 with the hardware's tanh (16-bit q on CUDA)."""
+        1 with tanh from exp, 2 with the hardware's tanh (bfloat16 q on CUDA)."""
         softcap = 0
         if self.cap > 0:
-            hardware = q.is_cuda and q.dtype in HALF_DTYPES and not interpreting()
+            hardware = q.is_cuda and q.dtype == torch.bfloat16 and not interpreting()
             softcap = 2 if hardware and self.hardware_tanh else 1
         return {"ALIBI": self.alibi, "RELATIVE": self.relative, "SOFTCAP": softcap}
 
