@@ -134,32 +134,34 @@ def _check_tma(rows: JsonRows, name, mask, causal, dtype, dim, q_len, kv_len, de
         rows.add(section="check_tma", case=name, dim=dim, skipped=measure.failure(error))
 
 
-def _band_call(q, k, v, mask, causal, config=None, tma=False, score=None, slopes=None):
-    """The band forward of one call, to time; score a KernelScore (default none)."""
-    from mhsa.core.kernels.triton.band_launch import band_forward, band_plan
+def _band_args(q, k, v, mask, causal, score=None, slopes=None) -> tuple:
+    """(plan, scale, kernel score, (slopes, table, sinks)) of a band call; score a
+    KernelScore (default none)."""
+    from mhsa.core.kernels.triton.band_launch import band_plan
     from mhsa.core.kernels.triton.scores import KernelScore
 
     plan = band_plan(q, k, v, mask, None, causal)
-    scale, score = 1.0 / math.sqrt(q.shape[3]), score or KernelScore()
-    tensors = (slopes, None, None)  # (slopes, table, sinks)
-    return lambda: band_forward(q, k, v, plan, scale, score, tensors, config, tma)
+    return plan, 1.0 / math.sqrt(q.shape[3]), score or KernelScore(), (slopes, None, None)
+
+
+def _band_call(q, k, v, mask, causal, config=None, tma=False, score=None, slopes=None):
+    """The band forward of one call, to time."""
+    from mhsa.core.kernels.triton.band_launch import band_forward
+
+    args = _band_args(q, k, v, mask, causal, score, slopes)
+    return lambda: band_forward(q, k, v, *args, config, tma)
 
 
 def _backward_call(q, k, v, mask, causal, configs, score=None, slopes=None, per_head=None):
     """The band backward of one call (its forward run once first), to time; per_head as
     band_backward's (default its own choice)."""
-    from mhsa.core.kernels.triton.band_launch import band_backward, band_forward, band_plan
-    from mhsa.core.kernels.triton.scores import KernelScore
+    from mhsa.core.kernels.triton.band_launch import band_backward, band_forward
 
-    plan = band_plan(q, k, v, mask, None, causal)
-    scale, score = 1.0 / math.sqrt(q.shape[3]), score or KernelScore()
-    tensors = (slopes, None, None)  # (slopes, table, sinks)
-    out, lse = band_forward(q, k, v, plan, scale, score, tensors)
+    args = _band_args(q, k, v, mask, causal, score, slopes)
+    out, lse = band_forward(q, k, v, *args)
     grad = torch.randn_like(out)
     delta = (grad.float() * out.float()).sum(-1)
-    return lambda: band_backward(
-        q, k, v, grad, delta, lse, plan, scale, score, tensors, configs, per_head
-    )
+    return lambda: band_backward(q, k, v, grad, delta, lse, *args, configs, per_head)
 
 
 def run_sweep_forward(rows: JsonRows, device, length: int, peak: float, repeat: int, dims) -> None:
