@@ -15,7 +15,7 @@ step band-checks
 timeout 115 python -m mhsa.benchmarks.gpu_band --out $R --only checks >> $LOG 2>&1
 wait
 step band-sweeps
-timeout 100 python -m mhsa.benchmarks.gpu_band --out $R --only sweep_forward,sweep_backward,scores --dims 128 >> $LOG 2>&1
+timeout 120 python -m mhsa.benchmarks.gpu_band --out $R --only sweep_forward,sweep_backward,scores --dims 128 >> $LOG 2>&1
 step band-hf-shape
 timeout 80 python -m mhsa.benchmarks.gpu_band --out $R --only hf_shape --quick >> $LOG 2>&1
 step tile-sweep

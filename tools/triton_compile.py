@@ -68,7 +68,7 @@ def compile_kernel(
         elif name in FLOATS:
             signature[name] = "fp32"
         else:  # pointers (torch aligns them) and ints, all multiples of 16 as the JIT sees
-            signature[name] = f"*{dtype}" if name in DATA else pointers.get(name, "i32")
+            signature[name] = pointers.get(name, f"*{dtype}" if name in DATA else "i32")
             if not signature[name].startswith("tensordesc"):
                 attrs[(index,)] = [["tt.divisibility", 16]]
     options = {"num_warps": warps, "num_stages": stages}
@@ -95,15 +95,19 @@ def band_kernels():
     scored = dict(plain, ALIBI=1, SOFTCAP=2)  # 2: the hardware tanh
     for label, base in (("plain", plain), ("alibi+softcap", scored)):
         no_tma = dict(KDesc=None, VDesc=None, TMA=False)
-        for kernel, fn, extra in (
-            ("forward", band._band_fwd, dict(HAS_SINKS=label != "plain", **no_tma)),
-            ("dq", band._band_bwd_dq, {}),
-            ("dkv", band._band_bwd_dkv, dict(EVEN_M=True, PER_HEAD=False)),
-            ("dkv per query head", band._band_bwd_dkv, dict(EVEN_M=True, PER_HEAD=True)),
+        dkv = dict(EVEN_M=True, DQ=None, DQ_ATOMIC=False)
+        atomic = dict(EVEN_M=True, DQ_ATOMIC=True)  # (DQ: float32)
+        for kernel, config, fn, extra in (
+            ("forward", "forward", band._band_fwd, dict(HAS_SINKS=label != "plain", **no_tma)),
+            ("dq", "dq", band._band_bwd_dq, {}),
+            ("dkv", "dkv", band._band_bwd_dkv, dict(dkv, PER_HEAD=False)),
+            ("dkv per query head", "dkv", band._band_bwd_dkv, dict(dkv, PER_HEAD=True)),
+            ("dkv with atomic dq", "dkv+dq", band._band_bwd_dkv, dict(atomic, PER_HEAD=False)),
         ):
-            block_m, block_n, warps, stages = CONFIGS[kernel.split()[0]][(True, 128)]
+            block_m, block_n, warps, stages = CONFIGS[config][(True, 128)]
             constants = dict(base, BLOCK_M=block_m, BLOCK_N=block_n, **extra)
-            yield f"band {kernel} ({label})", fn, constants, warps, stages, None
+            pointers = {"DQ": "*fp32"} if "atomic" in kernel else None
+            yield f"band {kernel} ({label})", fn, constants, warps, stages, pointers
     block_m, block_n, warps, stages = CONFIGS["forward"][(True, 128)]
     one_score = dict(KDesc=None, VDesc=None, TMA=False, HAS_SINKS=False)
     for label, score in (("alibi", dict(ALIBI=1)), ("softcap", dict(SOFTCAP=2))):

@@ -121,10 +121,27 @@ def test_gpu_band_hf_shape_section_runs_on_the_cpu():
     run_hf_shape(rows, torch.device("cpu"), 1, shape=(1, 4, 64, 16), kv_heads=2)
     timed = {row["what"]: row for row in rows.rows}
     for case in ("causal", "window 512"):
-        for what in ("forward", "backward", "backward, dkv per KV head"):
+        for what in ("forward", "backward", "backward, dkv per KV head", "backward, dq by atomics"):
             assert timed[f"{case} band {what}"]["ms"] > 0
     assert timed["causal sdpa forward+backward"]["ms"] > 0
-    assert len(timed) == 7 + len(DQ) + len(DKV)
+    assert len(timed) == 9 + len(DQ) + len(DKV)
+
+
+def test_gpu_band_checks_compare_tma_loads_and_atomic_dq_on_the_cpu():
+    """gpu_band's variant checks at a tiny shape: the forward through TMA descriptors
+    gives the pointer loads' bits, and the backward with dQ added by atomics is within
+    float32 rounding of the dQ kernel's."""
+    import torch
+
+    from mhsa.benchmarks.gpu_band import _check_tma
+    from mhsa.benchmarks.gpu_measure import JsonRows
+
+    rows = JsonRows(None, "band.jsonl")
+    _check_tma(rows, "causal", None, True, torch.float32, 16, 40, 50, torch.device("cpu"))
+    tma, atomic = rows.rows
+    assert tma["section"] == "check_tma" and tma["same_bits"], tma
+    assert atomic["section"] == "check_dq_atomic" and max(atomic["max_differences"]) < 1e-5
+    assert len(atomic["max_differences"]) == 3
 
 
 def test_gpu_band_tile_sweep_runs_on_the_cpu():

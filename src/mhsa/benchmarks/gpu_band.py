@@ -52,6 +52,9 @@ DKV = [
     (32, 64, 4, 3),
     (64, 128, 4, 3),
 ]
+# the dK/dV kernel adding dQ with atomics (band_launch.DQ_IN_DKV): the default first;
+# (32, 128, 8, 3) is the one without register spills at sm_90
+DKV_DQ = [(64, 128, 8, 2), (64, 128, 8, 3), (64, 128, 8, 1), (32, 128, 8, 3), (64, 64, 8, 2)]
 # the tile-list kernels' (function._LAUNCH) default at D=128 first, untimed when chosen;
 # (128, 64, 8, *) runs half the instructions per score at sm_90 (tools/triton_compile.py)
 TILES = [(64, 64, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3)]
@@ -110,8 +113,9 @@ def run_checks(rows: JsonRows, device, shapes=CHECK_SHAPES) -> None:
 
 
 def _check_tma(rows: JsonRows, name, mask, causal, dtype, dim, q_len, kv_len, device) -> None:
-    """Whether the forward through TMA descriptors gives the pointer loads' bits, on
-    (B, L, H, D) storage as projections leave it."""
+    """Whether the forward through TMA descriptors gives the pointer loads' bits, and how
+    far dQ, dK, dV with dQ added by atomics are from the dQ kernel's (the dK/dV launch
+    differs too), on (B, L, H, D) storage as projections leave it."""
     try:
         torch.manual_seed(0)
         q = torch.randn(2, q_len, 8, dim, device=device, dtype=dtype).transpose(1, 2)
@@ -129,6 +133,20 @@ def _check_tma(rows: JsonRows, name, mask, causal, dtype, dim, q_len, kv_len, de
             dim=dim,
             same_bits=same,
             max_difference=difference,
+        )
+        # the backward with dQ added by atomics against the dQ kernel's, the same dO
+        grads = []
+        for dq_atomic in (False, True):
+            torch.manual_seed(1)
+            grads.append(_backward_call(q, k, v, mask, causal, None, dq_atomic=dq_atomic)())
+        rows.add(
+            section="check_dq_atomic",
+            case=name,
+            dtype=str(dtype),
+            dim=dim,
+            max_differences=[
+                float((a.float() - b.float()).abs().max()) for a, b in zip(*grads, strict=True)
+            ],
         )
     except Exception as error:
         rows.add(section="check_tma", case=name, dim=dim, skipped=measure.failure(error))
@@ -152,16 +170,18 @@ def _band_call(q, k, v, mask, causal, config=None, tma=False, score=None, slopes
     return lambda: band_forward(q, k, v, *args, config, tma)
 
 
-def _backward_call(q, k, v, mask, causal, configs, score=None, slopes=None, per_head=None):
-    """The band backward of one call (its forward run once first), to time; per_head as
-    band_backward's (default its own choice)."""
+def _backward_call(
+    q, k, v, mask, causal, configs, score=None, slopes=None, per_head=None, dq_atomic=None
+):
+    """The band backward of one call (its forward run once first), to time; per_head and
+    dq_atomic as band_backward's (default its own choice)."""
     from mhsa.core.kernels.triton.band_launch import band_backward, band_forward
 
     args = _band_args(q, k, v, mask, causal, score, slopes)
     out, lse = band_forward(q, k, v, *args)
     grad = torch.randn_like(out)
     delta = (grad.float() * out.float()).sum(-1)
-    return lambda: band_backward(q, k, v, grad, delta, lse, *args, configs, per_head)
+    return lambda: band_backward(q, k, v, grad, delta, lse, *args, configs, per_head, dq_atomic)
 
 
 def run_sweep_forward(rows: JsonRows, device, length: int, peak: float, repeat: int, dims) -> None:
@@ -230,7 +250,8 @@ def run_sweep_tiles(
 
 
 def run_sweep_backward(rows: JsonRows, device, length: int, peak: float, repeat: int) -> None:
-    """dq and dkv configs on causal, D=128 (the other kernel at its default); the
+    """dq and dkv configs on causal, D=128 (the other kernel at its default), both at
+    their defaults, and the dK/dV kernel adding dQ by atomics (DKV_DQ configs); the
     share of the matmul counts the backward's 2.5 forwards."""
     qkv = _inputs((4, 16, length, 128), 16, torch.bfloat16, device)
     mask, causal = CASES["causal"]
@@ -238,6 +259,10 @@ def run_sweep_backward(rows: JsonRows, device, length: int, peak: float, repeat:
     flop = measure.flops(allowed, qkv[0].shape, backward=False) * measure.BACKWARD_FLOPS
     fns = {f"dq {c}": _backward_call(*qkv, mask, causal, (c, None)) for c in DQ}
     fns.update({f"dkv {c}": _backward_call(*qkv, mask, causal, (None, c)) for c in DKV})
+    # both kernels at their defaults, against dQ added by the dK/dV kernel's atomics
+    fns["dq and dkv, defaults"] = _backward_call(*qkv, mask, causal, None, dq_atomic=False)
+    for c in DKV_DQ:
+        fns[f"dkv+dq {c}"] = _backward_call(*qkv, mask, causal, (None, c), dq_atomic=True)
     timed = measure.time_group(fns, repeat, device, 0.02, ())
     _add_configs(rows, timed, flop, peak, "sweep_backward", case="causal", dim=128, length=length)
 
@@ -279,7 +304,8 @@ def run_peers(rows: JsonRows, device, lengths, peak: float, repeat: int, cases=C
 
 def run_hf_shape(rows: JsonRows, device, repeat: int, shape=HF_SHAPE, kv_heads=HF_KV_HEADS) -> None:
     """At gpu_hf's shape: the band kernels forward and backward on causal and on a 512
-    window (the backward's dK/dV per query head, its default here, and per KV head)
+    window (the backward's dK/dV per query head, its default here, per KV head, and with
+    dQ added by atomics)
     beside SDPA's causal forward+backward, then the window's backward under
     every dq and dK/dV config (two groups: the first one's rows are written even if the
     sweep runs out of time), so that one run tells which kernel the window loses time in."""
@@ -292,6 +318,9 @@ def run_hf_shape(rows: JsonRows, device, repeat: int, shape=HF_SHAPE, kv_heads=H
         # dK/dV with one program per KV head (4 here) against the default, per query head
         headline[f"{name} band backward, dkv per KV head"] = _backward_call(
             *qkv, mask, causal, None, per_head=False
+        )
+        headline[f"{name} band backward, dq by atomics"] = _backward_call(
+            *qkv, mask, causal, None, dq_atomic=True
         )
     trained = [t.detach().requires_grad_() for t in qkv]
     grad = torch.randn_like(qkv[0])

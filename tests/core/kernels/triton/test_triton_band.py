@@ -82,10 +82,12 @@ def test_dk_dv_run_per_query_head_where_kv_heads_leave_the_gpu_idle():
 
 @pytest.mark.parametrize("name", ["wide-dense-gqa-d40", "tall-causal-dead-rows-mqa", "window-gqa"])
 @pytest.mark.parametrize("per_head", [False, True])
-def test_dk_dv_per_kv_head_and_per_query_head_match_the_golden_gradients(name, per_head):
+@pytest.mark.parametrize("dq_atomic", [False, True])
+def test_dk_dv_per_kv_head_and_per_query_head_match_the_golden_gradients(name, per_head, dq_atomic):
     """The dK/dV kernel summing a group's query heads itself (one program per KV head)
-    and one program per query head, the group summed after it: both give the golden
-    gradients (the automatic choice takes per query head at these small shapes)."""
+    and one program per query head, the group summed after it, each with dQ from its
+    own kernel and added by the dK/dV kernel's atomics: all give the golden gradients
+    (the automatic choice takes per query head at these small shapes)."""
     from mhsa.core.kernels.triton.band_launch import band_backward, band_forward
     from mhsa.core.kernels.triton.scores import KernelScore
 
@@ -95,8 +97,9 @@ def test_dk_dv_per_kv_head_and_per_query_head_match_the_golden_gradients(name, p
     out, lse = band_forward(q, k, v, plan, scale, KernelScore(), (None,) * 3)
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
     delta = (grad * out).sum(-1)
+    score = KernelScore()
     grads = band_backward(
-        q, k, v, grad, delta, lse, plan, scale, KernelScore(), (None,) * 3, per_head=per_head
+        q, k, v, grad, delta, lse, plan, scale, score, (None,) * 3, None, per_head, dq_atomic
     )
     ref_inputs = [t.double().requires_grad_() for t in (q, k, v)]
     ref_out, _ = golden_attention(*ref_inputs, mask, causal=causal)
@@ -104,6 +107,22 @@ def test_dk_dv_per_kv_head_and_per_query_head_match_the_golden_gradients(name, p
     for got, want in zip(grads, ref_grads, strict=True):
         assert got.dtype == torch.float32 and got.shape == want.shape
         assert (got.double() - want).abs().max() < 1e-4 * max(1.0, want.abs().max().item())
+
+
+def test_dq_takes_atomics_only_where_asked_and_never_under_deterministic_algorithms(
+    monkeypatch,
+):
+    from mhsa.core.kernels.triton import band_launch
+
+    assert not band_launch.dq_atomic_default()  # off until a device run measures it
+    monkeypatch.setattr(band_launch, "DQ_IN_DKV", True)
+    assert band_launch.dq_atomic_default()
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        assert not band_launch.dq_atomic_default()
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
 
 
 def test_non_contiguous_inputs_and_the_lse_alone():

@@ -312,15 +312,18 @@ def _band_bwd_dq(
 
 
 @triton.jit
-def _dkv_blocks(dk, dv, k, v, cols, q_base, do_base, sql, sqd, sdl, sdd, Lse, Delta, row0,
+def _dkv_blocks(dk, dv, k, v, cols, q_base, do_base, sql, sqd, sdl, sdd, Lse, Delta, DQ, row0,
                 lo, hi, head_dim, q_len, kv_len, scale, shift, left, right, slope, table, stn,
                 Buckets, span, cap, MASKED: tl.constexpr, ALIBI: tl.constexpr,
                 RELATIVE: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, EVEN_D: tl.constexpr,
-                PREC: tl.constexpr, UPCAST: tl.constexpr):
+                PREC: tl.constexpr, UPCAST: tl.constexpr, DQ_ATOMIC: tl.constexpr):
     """dk (unscaled) and dv of key block cols summed over query blocks lo..hi-1 of one
     query head. The tiles are transposed (keys by rows: sT, pT, dsT), so that dV and
-    dK are products of them without a transpose of a result."""
+    dK are products of them without a transpose of a result. With DQ_ATOMIC each query
+    block's share of dq (scaled) is also added to the float32 DQ (B, H, L, D) with
+    atomics: 5 products a tile where the dQ kernel's recomputation makes 7, in an order
+    that varies from run to run."""
     dims = tl.arange(0, BLOCK_D)
     for block in range(lo, hi):
         rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -346,24 +349,32 @@ def _dkv_blocks(dk, dv, k, v, cols, q_base, do_base, sql, sqd, sdl, sdd, Lse, De
         ds_t = p_t * (dp_t - delta[None, :])
         if SOFTCAP:
             ds_t = ds_t * (1.0 - t_t * t_t)
-        dk += _dot(ds_t.to(q.dtype), q, PREC, UPCAST, tl.float32)
+        ds_t = ds_t.to(q.dtype)
+        dk += _dot(ds_t, q, PREC, UPCAST, tl.float32)
+        if DQ_ATOMIC:
+            dq = _dot(tl.trans(ds_t), k, PREC, UPCAST, tl.float32) * scale
+            dq_ptrs = DQ + (row0 + rows.to(tl.int64))[:, None] * head_dim + dims[None, :]
+            inside = (rows[:, None] < q_len) & (dims[None, :] < head_dim)
+            tl.atomic_add(dq_ptrs, dq, mask=inside, sem="relaxed")
     return dk, dv
 
 
 @triton.jit
 def _band_bwd_dkv(
-    Q, K, V, DO, Lse, Delta, DK, DV, sqb, sqh, sql, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
-    sdb, sdh, sdl, sdd, num_heads, num_kv_heads, group, q_len, kv_len, head_dim, scale, shift,
-    left, right, Slopes, Table, Buckets, stn, sth, span, cap,
+    Q, K, V, DO, Lse, Delta, DK, DV, DQ, sqb, sqh, sql, sqd, skb, skh, sks, skd, svb, svh, svs,
+    svd, sdb, sdh, sdl, sdd, num_heads, num_kv_heads, group, q_len, kv_len, head_dim, scale,
+    shift, left, right, Slopes, Table, Buckets, stn, sth, span, cap,
     ALIBI: tl.constexpr, RELATIVE: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr,
     EVEN_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, PER_HEAD: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr,
 ):
     """Grid (key blocks, B * H_kv): dK, dV (B, H_kv, S, D) of one key block, contiguous,
     in DK's dtype, summed over the query heads of its group: no atomics. With PER_HEAD
     the grid is (key blocks, B * H) and each program writes one query head's share into
     DK, DV (B, H, S, D), for the caller to sum over each group (more programs where
-    B * H_kv is small)."""
+    B * H_kv is small). With DQ_ATOMIC the programs also add dQ into DQ (B, H, L, D)
+    float32 (see _dkv_blocks; else DQ is None and the dQ kernel makes it)."""
     kj, bhk = tl.program_id(0), tl.program_id(1)
     if PER_HEAD:  # bhk runs over B * H: one query head h of kv head h // group
         b, h = bhk // num_heads, bhk % num_heads
@@ -386,17 +397,20 @@ def _band_bwd_dkv(
         q_base, do_base = Q + b64 * sqb + h64 * sqh, DO + b64 * sdb + h64 * sdh
         row0 = (b64 * num_heads + h64) * q_len
         dk, dv = _dkv_blocks(dk, dv, k, v, cols, q_base, do_base, sql, sqd, sdl, sdd, Lse, Delta,
-                             row0, first, full_lo, head_dim, q_len, kv_len, scale, shift, left,
-                             right, slope, table, stn, Buckets, span, cap, True, ALIBI, RELATIVE,
-                             SOFTCAP, BLOCK_M, BLOCK_D, EVEN_M, EVEN_D, PREC, UPCAST)
+                             DQ, row0, first, full_lo, head_dim, q_len, kv_len, scale, shift,
+                             left, right, slope, table, stn, Buckets, span, cap, True, ALIBI,
+                             RELATIVE, SOFTCAP, BLOCK_M, BLOCK_D, EVEN_M, EVEN_D, PREC, UPCAST,
+                             DQ_ATOMIC)
         dk, dv = _dkv_blocks(dk, dv, k, v, cols, q_base, do_base, sql, sqd, sdl, sdd, Lse, Delta,
-                             row0, full_lo, full_hi, head_dim, q_len, kv_len, scale, shift, left,
-                             right, slope, table, stn, Buckets, span, cap, False, ALIBI,
-                             RELATIVE, SOFTCAP, BLOCK_M, BLOCK_D, EVEN_M, EVEN_D, PREC, UPCAST)
+                             DQ, row0, full_lo, full_hi, head_dim, q_len, kv_len, scale, shift,
+                             left, right, slope, table, stn, Buckets, span, cap, False, ALIBI,
+                             RELATIVE, SOFTCAP, BLOCK_M, BLOCK_D, EVEN_M, EVEN_D, PREC, UPCAST,
+                             DQ_ATOMIC)
         dk, dv = _dkv_blocks(dk, dv, k, v, cols, q_base, do_base, sql, sqd, sdl, sdd, Lse, Delta,
-                             row0, full_hi, end, head_dim, q_len, kv_len, scale, shift, left,
-                             right, slope, table, stn, Buckets, span, cap, True, ALIBI, RELATIVE,
-                             SOFTCAP, BLOCK_M, BLOCK_D, EVEN_M, EVEN_D, PREC, UPCAST)
+                             DQ, row0, full_hi, end, head_dim, q_len, kv_len, scale, shift,
+                             left, right, slope, table, stn, Buckets, span, cap, True, ALIBI,
+                             RELATIVE, SOFTCAP, BLOCK_M, BLOCK_D, EVEN_M, EVEN_D, PREC, UPCAST,
+                             DQ_ATOMIC)
     key = (bhk.to(tl.int64) * kv_len + cols.to(tl.int64))[:, None] * head_dim + dims[None, :]
     inside = (cols[:, None] < kv_len) & (dims[None, :] < head_dim)
     tl.store(DK + key, (dk * scale).to(DK.dtype.element_ty), mask=inside)

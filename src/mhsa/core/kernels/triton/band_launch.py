@@ -57,6 +57,17 @@ CONFIGS = {
         (False, 128): (32, 64, 4, 2),
         (False, 256): (32, 32, 8, 1),
     },
+    # the dK/dV kernel adding dQ with atomics (DQ_IN_DKV), untimed: at sm_90 (64, 128, 8,
+    # 2) issues 23 instructions a score for all five products, where the dQ and dK/dV
+    # kernels above issue 31 together for seven (tools/triton_compile.py --sass)
+    "dkv+dq": {
+        (True, 64): (64, 128, 8, 2),
+        (True, 128): (64, 128, 8, 2),
+        (True, 256): (32, 64, 8, 1),
+        (False, 64): (32, 64, 4, 2),
+        (False, 128): (32, 64, 4, 2),
+        (False, 256): (32, 32, 8, 1),
+    },
 }
 
 
@@ -79,8 +90,8 @@ def dkv_per_head(key_shape: tuple, num_heads: int, block_n: int) -> bool:
 
 
 def band_config(kernel: str, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of kernel ("forward", "dq" or "dkv");
-    16 x 16 tiles under the interpreter."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of kernel ("forward", "dq", "dkv" or
+    "dkv+dq"); 16 x 16 tiles under the interpreter."""
     if interpreting():
         return 16, 16, 4, 1
     dim = next(d for d in (64, 128, 256) if head_dim <= d)
@@ -131,6 +142,19 @@ def band_plan(
     if band is None:
         return None
     return BandPlan(band[0], band[1], causal_shift(q.shape[2], k.shape[2]))
+
+
+# dQ added by the dK/dV kernel with float32 atomics (5 products a tile, FlashAttention-2's
+# split) instead of recomputed by its own kernel (7, deterministic): off until a device
+# run measures it (gpu_band's sweep_backward, "atomic dq"); never under
+# torch.use_deterministic_algorithms, as the atomics' order varies
+DQ_IN_DKV = False
+
+
+def dq_atomic_default() -> bool:
+    """Whether band_backward adds dQ with atomics when not told (DQ_IN_DKV, unless
+    deterministic algorithms are asked for)."""
+    return DQ_IN_DKV and not torch.are_deterministic_algorithms_enabled()
 
 
 # Hopper's TMA (tensor descriptors) for the forward's keys and values: off until a
@@ -222,17 +246,20 @@ def band_backward(
     tensors: tuple,
     configs: tuple | None = None,
     per_head: bool | None = None,
+    dq_atomic: bool | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) in the inputs' dtype of a band call, given dO (B, H, L, D), delta =
     rowsum(dO * O) - dlse (B, H, L) float32 and the forward's lse; configs (dq, dkv)
     overrides the launches; per_head: the dK/dV kernel's programs per query head, their
     shares summed over each group after it (default: with grouped-query heads, where
     per KV head gives fewer than PER_HEAD_BELOW programs and the shares fit in
-    PER_HEAD_BYTES)."""
+    PER_HEAD_BYTES); dq_atomic: the dK/dV kernel adds dQ with atomics, no dQ kernel
+    (default dq_atomic_default())."""
     batch, num_heads, q_len, head_dim = q.shape
     num_kv_heads, kv_len = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if dq_atomic is None:
+        dq_atomic = dq_atomic_default()
     slopes, table, _ = tensors
     score_args = score.args(slopes, table, None, like=q)
     del score_args[3]  # (no sinks: their gradient comes from lse and delta)
@@ -240,23 +267,27 @@ def band_backward(
     stride_args = strides(q, k, v, grad_out)
     lse, delta = lse.contiguous(), delta.contiguous()
     dq_config, dkv_config = configs or (None, None)
-    options = _options("dq", q, score, dq_config)
-    grid = (-(-q_len // options["BLOCK_M"]), batch * num_heads)
-    _band_bwd_dq[grid](
-        q,
-        k,
-        v,
-        grad_out,
-        lse,
-        delta,
-        dq,
-        *stride_args,
-        num_heads,
-        num_heads // num_kv_heads,
-        *sizes,
-        **options,
-    )
-    options = _options("dkv", q, score, dkv_config)
+    if dq_atomic:  # float32 (B, H, L, D) that the dK/dV kernel adds into
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    else:
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        options = _options("dq", q, score, dq_config)
+        grid = (-(-q_len // options["BLOCK_M"]), batch * num_heads)
+        _band_bwd_dq[grid](
+            q,
+            k,
+            v,
+            grad_out,
+            lse,
+            delta,
+            dq,
+            *stride_args,
+            num_heads,
+            num_heads // num_kv_heads,
+            *sizes,
+            **options,
+        )
+    options = _options("dkv+dq" if dq_atomic else "dkv", q, score, dkv_config)
     key_blocks = -(-kv_len // options["BLOCK_N"])
     if per_head is None:
         per_head = dkv_per_head(k.shape, num_heads, options["BLOCK_N"])
@@ -276,6 +307,7 @@ def band_backward(
         delta,
         dk,
         dv,
+        dq if dq_atomic else None,
         *stride_args,
         num_heads,
         num_kv_heads,
@@ -283,8 +315,11 @@ def band_backward(
         *sizes,
         EVEN_M=q_len % options["BLOCK_M"] == 0,
         PER_HEAD=per_head,
+        DQ_ATOMIC=dq_atomic,
         **options,
     )
+    if dq_atomic:
+        dq = dq.to(q.dtype)
     if per_head:  # each group's query heads in order: the same sum every run
         dk, dv = (t.view(batch, num_kv_heads, group, kv_len, head_dim).sum(2) for t in (dk, dv))
         dk, dv = dk.to(k.dtype), dv.to(v.dtype)
