@@ -10,7 +10,8 @@ each kernel's shared memory and fails on the first error. --sass also counts, in
 machine code (nvdisasm), what a kernel's speed turns on: tensor-core ops, special-
 function ops (exp2, tanh), float32 ops, loads, conversions and register spills to
 local memory; and for each loop, the (instructions, special-function ops,
-conversions) one iteration issues on its straight path.
+conversions, special-function ops issued while a tensor-core op runs) one iteration
+issues on its straight path.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def band_kernels():
     """(name, kernel, constexprs, warps, stages, pointers) of the band kernels' default
     configs, with and without score functions, and the forward reading keys and values
     through TMA tensor descriptors."""
-    from mhsa.core.kernels.triton import band
+    from mhsa.core.kernels.triton import band, band_grad
     from mhsa.core.kernels.triton.band_launch import CONFIGS
 
     plain = dict(
@@ -94,29 +95,33 @@ def band_kernels():
     )
     scored = dict(plain, ALIBI=1, SOFTCAP=2)  # 2: the hardware tanh
     for label, base in (("plain", plain), ("alibi+softcap", scored)):
-        no_tma = dict(KDesc=None, VDesc=None, TMA=False)
+        no_tma = dict(KDesc=None, VDesc=None, TMA=False, AHEAD=False)
         dkv = dict(EVEN_M=True, DQ=None, DQ_ATOMIC=False)
         atomic = dict(EVEN_M=True, DQ_ATOMIC=True)  # (DQ: float32)
         for kernel, config, fn, extra in (
             ("forward", "forward", band._band_fwd, dict(HAS_SINKS=label != "plain", **no_tma)),
-            ("dq", "dq", band._band_bwd_dq, {}),
-            ("dkv", "dkv", band._band_bwd_dkv, dict(dkv, PER_HEAD=False)),
-            ("dkv per query head", "dkv", band._band_bwd_dkv, dict(dkv, PER_HEAD=True)),
-            ("dkv with atomic dq", "dkv+dq", band._band_bwd_dkv, dict(atomic, PER_HEAD=False)),
+            ("dq", "dq", band_grad._band_bwd_dq, {}),
+            ("dkv", "dkv", band_grad._band_bwd_dkv, dict(dkv, PER_HEAD=False)),
+            ("dkv per query head", "dkv", band_grad._band_bwd_dkv, dict(dkv, PER_HEAD=True)),
+            ("dkv with atomic dq", "dkv+dq", band_grad._band_bwd_dkv, dict(atomic, PER_HEAD=False)),
         ):
             block_m, block_n, warps, stages = CONFIGS[config][(True, 128)]
             constants = dict(base, BLOCK_M=block_m, BLOCK_N=block_n, **extra)
             pointers = {"DQ": "*fp32"} if "atomic" in kernel else None
             yield f"band {kernel} ({label})", fn, constants, warps, stages, pointers
     block_m, block_n, warps, stages = CONFIGS["forward"][(True, 128)]
-    one_score = dict(KDesc=None, VDesc=None, TMA=False, HAS_SINKS=False)
+    one_score = dict(KDesc=None, VDesc=None, TMA=False, HAS_SINKS=False, AHEAD=False)
     for label, score in (("alibi", dict(ALIBI=1)), ("softcap", dict(SOFTCAP=2))):
         constants = dict(plain, BLOCK_M=block_m, BLOCK_N=block_n, **one_score, **score)
         yield f"band forward ({label})", band._band_fwd, constants, warps, stages, None
     constants = dict(plain, BLOCK_M=block_m, BLOCK_N=block_n, **one_score, SOFTCAP=1)
     yield "band forward (softcap, tanh from exp)", band._band_fwd, constants, warps, stages, None
+    constants = dict(plain, BLOCK_M=block_m, BLOCK_N=block_n, **dict(one_score, AHEAD=True))
+    yield "band forward (scores a block ahead)", band._band_fwd, constants, warps, stages, None
     descriptor = f"tensordesc<bf16[1, 1, {block_n}, 128]>"
-    constants = dict(plain, BLOCK_M=block_m, BLOCK_N=block_n, HAS_SINKS=False, TMA=True)
+    constants = dict(
+        plain, BLOCK_M=block_m, BLOCK_N=block_n, HAS_SINKS=False, TMA=True, AHEAD=False
+    )
     descriptors = {"KDesc": descriptor, "VDesc": descriptor}
     yield "band forward (TMA)", band._band_fwd, constants, warps, stages, descriptors
 
@@ -238,10 +243,12 @@ def sass_counts(lines: list[str]) -> dict[str, int]:
     return {group: sum(opcodes[o] for o in ops) for group, ops in SASS_GROUPS.items()}
 
 
-def loop_costs(lines: list[str]) -> list[tuple[int, int, int]]:
-    """(instructions, special-function ops, conversions) of each loop body (a branch back
-    to a label), leaving out what a forward branch inside it can jump over: the
-    instructions one iteration issues per thread on its straight path."""
+def loop_costs(lines: list[str]) -> list[tuple[int, int, int, int]]:
+    """(instructions, special-function ops, conversions, special-function ops under a
+    tensor-core op) of each loop body (a branch back to a label), leaving out what a
+    forward branch inside it can jump over: what one iteration issues per thread on its
+    straight path. The last counts the exp2s issued between a warpgroup MMA (HGMMA) and
+    the wait for it (WARPGROUP.DEPBAR): those that run while the tensor cores work."""
     labels, costs = {}, []
     for end, line in enumerate(lines):
         if found := LABEL.match(line):
@@ -256,9 +263,15 @@ def loop_costs(lines: list[str]) -> list[tuple[int, int, int]]:
             jump = BRANCH.search(inner)
             if jump and "@" in inner and inside.get(jump.group(1), at) > at:  # conditional
                 skipped.update(range(at + 1, inside[jump.group(1)]))
-        ops = _opcodes([b for at, b in enumerate(body) if at not in skipped])
+        straight = [b for at, b in enumerate(body) if at not in skipped]
+        ops = _opcodes(straight)
         converts = sum(ops[o] for o in SASS_GROUPS["convert"])
-        costs.append((sum(ops.values()), ops["MUFU"], converts))
+        overlapped, mma_running = 0, False
+        for op in (m.group(1) for m in map(INSTRUCTION.search, straight) if m):
+            running = mma_running and not op.startswith("WARPGROUP.DEPBAR")
+            mma_running = op.startswith("HGMMA") or running
+            overlapped += mma_running and op.startswith("MUFU")
+        costs.append((sum(ops.values()), ops["MUFU"], converts, overlapped))
     return costs
 
 

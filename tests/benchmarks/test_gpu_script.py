@@ -127,10 +127,10 @@ def test_gpu_band_hf_shape_section_runs_on_the_cpu():
     assert len(timed) == 9 + len(DQ) + len(DKV)
 
 
-def test_gpu_band_checks_compare_tma_loads_and_atomic_dq_on_the_cpu():
+def test_gpu_band_checks_compare_tma_loads_ahead_scores_and_atomic_dq_on_the_cpu():
     """gpu_band's variant checks at a tiny shape: the forward through TMA descriptors
-    gives the pointer loads' bits, and the backward with dQ added by atomics is within
-    float32 rounding of the dQ kernel's."""
+    and the one with scores a block ahead give the plain forward's bits, and the
+    backward with dQ added by atomics is within float32 rounding of the dQ kernel's."""
     import torch
 
     from mhsa.benchmarks.gpu_band import _check_tma
@@ -138,8 +138,9 @@ def test_gpu_band_checks_compare_tma_loads_and_atomic_dq_on_the_cpu():
 
     rows = JsonRows(None, "band.jsonl")
     _check_tma(rows, "causal", None, True, torch.float32, 16, 40, 50, torch.device("cpu"))
-    tma, atomic = rows.rows
+    tma, ahead, atomic = rows.rows
     assert tma["section"] == "check_tma" and tma["same_bits"], tma
+    assert ahead["section"] == "check_ahead" and ahead["same_bits"], ahead
     assert atomic["section"] == "check_dq_atomic" and max(atomic["max_differences"]) < 1e-5
     assert len(atomic["max_differences"]) == 3
 

@@ -36,6 +36,9 @@ FORWARD = [
     (128, 64, 4, 3),
 ]
 TMA_FORWARD = FORWARD[:3]
+# the forward's scores a block ahead (band_launch.FORWARD_AHEAD): (128, 64, 8, 2) too,
+# whose 96 KiB of shared memory would let two programs share an SM
+AHEAD_FORWARD = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 2)]
 DQ = [
     (128, 32, 4, 3),
     (128, 32, 8, 3),
@@ -113,27 +116,27 @@ def run_checks(rows: JsonRows, device, shapes=CHECK_SHAPES) -> None:
 
 
 def _check_tma(rows: JsonRows, name, mask, causal, dtype, dim, q_len, kv_len, device) -> None:
-    """Whether the forward through TMA descriptors gives the pointer loads' bits, and how
-    far dQ, dK, dV with dQ added by atomics are from the dQ kernel's (the dK/dV launch
-    differs too), on (B, L, H, D) storage as projections leave it."""
+    """Whether the forward through TMA descriptors and the one with scores a block ahead
+    give the plain forward's bits, and how far dQ, dK, dV with dQ added by atomics are
+    from the dQ kernel's (the dK/dV launch differs too), on (B, L, H, D) storage as
+    projections leave it."""
     try:
         torch.manual_seed(0)
         q = torch.randn(2, q_len, 8, dim, device=device, dtype=dtype).transpose(1, 2)
         k, v = (
             torch.randn(2, kv_len, 2, dim, device=device, dtype=dtype).transpose(1, 2) for _ in "kv"
         )
-        by_pointers = _band_call(q, k, v, mask, causal)()
-        by_tma = _band_call(q, k, v, mask, causal, tma=True)()
-        same = all(torch.equal(a, b) for a, b in zip(by_pointers, by_tma, strict=True))
-        difference = float((by_pointers[0].float() - by_tma[0].float()).abs().max())
-        rows.add(
-            section="check_tma",
-            case=name,
-            dtype=str(dtype),
-            dim=dim,
-            same_bits=same,
-            max_difference=difference,
-        )
+        by_pointers = _band_call(q, k, v, mask, causal, ahead=False)()
+        for section, variant in (("check_tma", dict(tma=True)), ("check_ahead", dict(ahead=True))):
+            found = _band_call(q, k, v, mask, causal, **variant)()
+            rows.add(
+                section=section,
+                case=name,
+                dtype=str(dtype),
+                dim=dim,
+                same_bits=all(torch.equal(a, b) for a, b in zip(by_pointers, found, strict=True)),
+                max_difference=float((by_pointers[0].float() - found[0].float()).abs().max()),
+            )
         # the backward with dQ added by atomics against the dQ kernel's, the same dO
         grads = []
         for dq_atomic in (False, True):
@@ -162,12 +165,12 @@ def _band_args(q, k, v, mask, causal, score=None, slopes=None) -> tuple:
     return plan, 1.0 / math.sqrt(q.shape[3]), score or KernelScore(), (slopes, None, None)
 
 
-def _band_call(q, k, v, mask, causal, config=None, tma=False, score=None, slopes=None):
-    """The band forward of one call, to time."""
+def _band_call(q, k, v, mask, causal, config=None, tma=False, score=None, slopes=None, ahead=None):
+    """The band forward of one call, to time (ahead: as band_forward's)."""
     from mhsa.core.kernels.triton.band_launch import band_forward
 
     args = _band_args(q, k, v, mask, causal, score, slopes)
-    return lambda: band_forward(q, k, v, *args, config, tma)
+    return lambda: band_forward(q, k, v, *args, config, tma, ahead)
 
 
 def _backward_call(
@@ -195,6 +198,9 @@ def run_sweep_forward(rows: JsonRows, device, length: int, peak: float, repeat: 
             fns = {str(c): _band_call(*qkv, mask, causal, c) for c in FORWARD}
             # keys and values through TMA descriptors (band_launch.USE_TMA), best configs
             fns.update({f"{c} tma": _band_call(*qkv, mask, causal, c, True) for c in TMA_FORWARD})
+            # each block's scores issued before the previous block's softmax (FORWARD_AHEAD)
+            for c in AHEAD_FORWARD:
+                fns[f"{c} ahead"] = _band_call(*qkv, mask, causal, c, False, ahead=True)
             timed = measure.time_group(fns, repeat, device, 0.02, ())
             flop = measure.flops(allowed, qkv[0].shape, backward=False)
             fields = dict(case=name, dim=dim, length=length)

@@ -266,11 +266,14 @@ def test_a_negative_scale_matches_the_golden_formula():
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
-def test_keys_and_values_read_through_tma_descriptors_give_the_pointer_loads_bits(name):
-    """The forward's TMA path (tensor descriptors; off by default until a GPU run times
-    it) reads what the pointer loads read: the same out and lse to the bit, on
-    (B, L, H, D) storage as projections leave it, D=40 (reads past D as 0) and keys
-    off the tiles (past S as 0), with the golden forward's accuracy."""
+@pytest.mark.parametrize("variant", ["tma", "ahead", "tma+ahead"])
+def test_the_forwards_variants_give_the_plain_forwards_bits(name, variant):
+    """The forward's TMA path (tensor descriptors) reads what the pointer loads read,
+    and its loop with each block's scores issued before the previous block's softmax
+    (ahead) does the same arithmetic in the same order (both off by default until a
+    GPU run times them): the same out and lse to the bit, on (B, L, H, D) storage as
+    projections leave it, D=40 (reads past D as 0) and keys off the tiles (past S as 0),
+    with the golden forward's accuracy."""
     import math
 
     from mhsa.core.kernels.triton.band_launch import band_forward, tma_descriptors
@@ -280,11 +283,27 @@ def test_keys_and_values_read_through_tma_descriptors_give_the_pointer_loads_bit
     q, k, v = (t.detach() for t in _inputs(q_len, kv_len, kv_heads, dim, contiguous=False))
     assert tma_descriptors(k, v, 16, 64)[0] is not None
     plan, scale, score = band_plan(q, k, v, mask, None, causal), 1 / math.sqrt(dim), KernelScore()
-    by_pointers = band_forward(q, k, v, plan, scale, score, (None,) * 3, tma=False)
-    by_tma = band_forward(q, k, v, plan, scale, score, (None,) * 3, tma=True)
-    assert all(torch.equal(a, b) for a, b in zip(by_pointers, by_tma, strict=True))
+    plain = band_forward(q, k, v, plan, scale, score, (None,) * 3, tma=False, ahead=False)
+    tma, ahead = "tma" in variant, "ahead" in variant
+    found = band_forward(q, k, v, plan, scale, score, (None,) * 3, tma=tma, ahead=ahead)
+    assert all(torch.equal(a, b) for a, b in zip(plain, found, strict=True))
     ref_out, _ = golden_attention(q.double(), k.double(), v.double(), mask, causal=causal)
-    assert (by_tma[0].double() - ref_out).abs().max() < 1e-5
+    assert (found[0].double() - ref_out).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("window", [(0, 0), (16, 0), (40, 8), (BIG, BIG)])
+def test_scores_a_block_ahead_give_the_same_bits_with_score_functions_and_sinks(window):
+    """ALiBi, Softcap and sinks with the scores a block ahead, for windows whose rows
+    hold no, one and several unmasked blocks: the plain forward's bits."""
+    from mhsa.core.kernels.triton.band_launch import band_forward
+    from mhsa.core.kernels.triton.scores import kernel_score
+
+    q, k, v = (t.detach() for t in _inputs(70, 90, 2, 16))
+    plan = BandPlan(window[0], window[1], 20)
+    score, slopes, _ = kernel_score(Compose(ALiBi(alibi_slopes(4)), Softcap(20.0)))
+    tensors = (slopes, None, torch.randn(4, generator=torch.Generator().manual_seed(2)))
+    outs = [band_forward(q, k, v, plan, 0.25, score, tensors, ahead=a) for a in (False, True)]
+    assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
 
 
 def test_tma_descriptors_refuse_what_tma_cannot_read():

@@ -12,7 +12,7 @@ Softmax runs in base 2: scores are multiplied by scale * log2(e) once, exp2 repl
 exp, and lse is stored in the natural log as the other kernels store it. Score
 functions (mhsa.core.kernels.triton.scores) are applied to the natural scaled scores
 first. Padding rows and rows with no allowed key have lse +inf in the backward, so
-their probabilities recompute as exactly 0.
+their probabilities recompute as exactly 0. The gradients' kernels are in .band_grad.
 """
 
 from __future__ import annotations
@@ -116,6 +116,19 @@ def _unit(scale, ALIBI: tl.constexpr, RELATIVE: tl.constexpr, SOFTCAP: tl.conste
 
 
 @triton.jit
+def _rows_of(base, block, stride, stride_d, head_dim, kv_len, desc, b, hk,
+             MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+             EVEN_D: tl.constexpr, TMA: tl.constexpr):
+    """Key block `block` (BLOCK_N, BLOCK_D) of keys or values: from base, or with TMA
+    through the tensor descriptor desc of (B, H_kv, S, D) at batch b, kv head hk."""
+    if TMA:
+        return desc.load([b, hk, block * BLOCK_N, 0]).reshape([BLOCK_N, BLOCK_D])
+    cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    return _tile(base, cols, kv_len, stride, dims, head_dim, stride_d, MASKED or not EVEN_D)
+
+
+@triton.jit
 def _key_block(q, rows, block, k_base, v_base, sks, skd, svs, svd, head_dim, kv_len, scale,
                shift, left, right, slope, table, stn, Buckets, span, cap, k_desc, v_desc, b, hk,
                MASKED: tl.constexpr, ALIBI: tl.constexpr, RELATIVE: tl.constexpr,
@@ -130,13 +143,10 @@ def _key_block(q, rows, block, k_base, v_base, sks, skd, svs, svd, head_dim, kv_
     descriptors k_desc, v_desc of (B, H_kv, S, D) at batch b, kv head hk (Hopper's TMA;
     it reads past S and D as 0)."""
     cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, BLOCK_D)
-    if TMA:
-        k = k_desc.load([b, hk, block * BLOCK_N, 0]).reshape([BLOCK_N, BLOCK_D])
-        v = v_desc.load([b, hk, block * BLOCK_N, 0]).reshape([BLOCK_N, BLOCK_D])
-    else:
-        k = _tile(k_base, cols, kv_len, sks, dims, head_dim, skd, MASKED or not EVEN_D)
-        v = _tile(v_base, cols, kv_len, svs, dims, head_dim, svd, MASKED or not EVEN_D)
+    k = _rows_of(k_base, block, sks, skd, head_dim, kv_len, k_desc, b, hk, MASKED, BLOCK_N,
+                 BLOCK_D, EVEN_D, TMA)
+    v = _rows_of(v_base, block, svs, svd, head_dim, kv_len, v_desc, b, hk, MASKED, BLOCK_N,
+                 BLOCK_D, EVEN_D, TMA)
     qk = _dot(q, tl.trans(k), PREC, UPCAST, tl.float32)
     offset = key_offsets(rows, cols, shift)
     score_offset = offset  # (RelativeBias looks buckets up by integer offset)
@@ -158,30 +168,63 @@ def _fwd_blocks(acc, l_i, m_i, q, rows, k_base, v_base, sks, skd, svs, svd, lo, 
                 MASKED: tl.constexpr, ALIBI: tl.constexpr, RELATIVE: tl.constexpr,
                 SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 EVEN_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-                TMA: tl.constexpr):
+                TMA: tl.constexpr, AHEAD: tl.constexpr):
     """The online softmax over key blocks lo..hi-1; MASKED applies the band. Without a
     score function the row max is taken over the raw products and then scaled: for
     scale > 0 rounding keeps their order, so the max is that of the scaled scores, bit
-    for bit, and each score is scaled once, in exp2's multiply-add."""
+    for bit, and each score is scaled once, in exp2's multiply-add. With AHEAD (the
+    unmasked blocks) each block's q k^T is issued before the previous block's softmax,
+    whose exp2s then run while the tensor cores work; its values are carried in
+    registers to the next iteration, which stores them for the product (a load carried
+    so is not one Triton pipelines through shared memory, and the schedule falls back to
+    waiting for the scores)."""
     unit = _unit(scale, ALIBI, RELATIVE, SOFTCAP)
-    for block in range(lo, hi):
-        k, v, s, _, allowed = _key_block(q, rows, block, k_base, v_base, sks, skd, svs, svd,
-                                         head_dim, kv_len, scale, shift, left, right, slope,
-                                         table, stn, Buckets, span, cap, k_desc, v_desc, b, hk,
-                                         MASKED, ALIBI, RELATIVE, SOFTCAP, BLOCK_N, BLOCK_D,
-                                         EVEN_D, PREC, UPCAST, TMA, True)
-        if MASKED:
-            s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1) * unit)
-        m_safe = m_new
-        if MASKED:  # rows with nothing yet subtract 0, and keep their max at -inf
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s * unit - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, UPCAST, tl.float32)
-        m_i = m_new
+    if AHEAD and not MASKED:
+        if lo < hi:  # the first block's scores; then each block's, and the last's softmax
+            _, v, s, _, _ = _key_block(q, rows, lo, k_base, v_base, sks, skd, svs, svd,
+                                       head_dim, kv_len, scale, shift, left, right, slope,
+                                       table, stn, Buckets, span, cap, k_desc, v_desc, b, hk,
+                                       False, ALIBI, RELATIVE, SOFTCAP, BLOCK_N, BLOCK_D,
+                                       EVEN_D, PREC, UPCAST, TMA, True)
+            for block in range(lo + 1, hi):
+                _, v_next, s_next, _, _ = _key_block(
+                    q, rows, block, k_base, v_base, sks, skd, svs, svd, head_dim, kv_len,
+                    scale, shift, left, right, slope, table, stn, Buckets, span, cap, k_desc,
+                    v_desc, b, hk, False, ALIBI, RELATIVE, SOFTCAP, BLOCK_N, BLOCK_D, EVEN_D,
+                    PREC, UPCAST, TMA, True)
+                acc, l_i, m_i = _online_step(acc, l_i, m_i, s, v, True, unit, False, PREC,
+                                             UPCAST)
+                s = s_next
+                v = v_next
+            acc, l_i, m_i = _online_step(acc, l_i, m_i, s, v, True, unit, False, PREC, UPCAST)
+    else:
+        for block in range(lo, hi):
+            k, v, s, _, allowed = _key_block(q, rows, block, k_base, v_base, sks, skd, svs,
+                                             svd, head_dim, kv_len, scale, shift, left, right,
+                                             slope, table, stn, Buckets, span, cap, k_desc,
+                                             v_desc, b, hk, MASKED, ALIBI, RELATIVE, SOFTCAP,
+                                             BLOCK_N, BLOCK_D, EVEN_D, PREC, UPCAST, TMA, True)
+            acc, l_i, m_i = _online_step(acc, l_i, m_i, s, v, allowed, unit, MASKED, PREC,
+                                         UPCAST)
     return acc, l_i, m_i
+
+
+@triton.jit
+def _online_step(acc, l_i, m_i, s, v, allowed, unit, MASKED: tl.constexpr,
+                 PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """One key block of the online softmax: scores s (to be multiplied by unit), values
+    v; MASKED: only where allowed."""
+    if MASKED:
+        s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * unit)
+    m_safe = m_new
+    if MASKED:  # rows with nothing yet subtract 0, and keep their max at -inf
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s * unit - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, UPCAST, tl.float32)
+    return acc, l_i, m_new
 
 
 @triton.jit
@@ -191,7 +234,7 @@ def _band_fwd(
     Slopes, Table, Buckets, Sinks, stn, sth, span, cap, KDesc, VDesc,
     ALIBI: tl.constexpr, RELATIVE: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, AHEAD: tl.constexpr,
 ):
     """Grid (query blocks, B * H): out (B, H, L, D) and lse (B, H, L) float32 of one
     query block. With HAS_SINKS each row starts at max = its sink and sum = 1. With TMA,
@@ -216,17 +259,17 @@ def _band_fwd(
                                 first, full_lo, head_dim, q_len, kv_len, scale, shift, left,
                                 right, slope, table, stn, Buckets, span, cap, KDesc, VDesc, b,
                                 hk, True, ALIBI, RELATIVE, SOFTCAP, BLOCK_N, BLOCK_D, EVEN_D,
-                                PREC, UPCAST, TMA)
+                                PREC, UPCAST, TMA, AHEAD)
     acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, rows, k_base, v_base, sks, skd, svs, svd,
                                 full_lo, full_hi, head_dim, q_len, kv_len, scale, shift, left,
                                 right, slope, table, stn, Buckets, span, cap, KDesc, VDesc, b,
                                 hk, False, ALIBI, RELATIVE, SOFTCAP, BLOCK_N, BLOCK_D, EVEN_D,
-                                PREC, UPCAST, TMA)
+                                PREC, UPCAST, TMA, AHEAD)
     acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, rows, k_base, v_base, sks, skd, svs, svd,
                                 full_hi, end, head_dim, q_len, kv_len, scale, shift, left,
                                 right, slope, table, stn, Buckets, span, cap, KDesc, VDesc, b,
                                 hk, True, ALIBI, RELATIVE, SOFTCAP, BLOCK_N, BLOCK_D, EVEN_D,
-                                PREC, UPCAST, TMA)
+                                PREC, UPCAST, TMA, AHEAD)
     alive = l_i > 0.0
     lse = tl.where(alive, (m_i + tl.log2(tl.where(alive, l_i, 1.0))) * LN2, float("-inf"))
     out = acc / tl.where(alive, l_i, 1.0)[:, None]
@@ -235,184 +278,4 @@ def _band_fwd(
     tl.store(o_ptrs, out.to(Out.dtype.element_ty),
              mask=(rows[:, None] < q_len) & (dims[None, :] < head_dim))
     tl.store(Lse + bh.to(tl.int64) * q_len + rows, lse, mask=rows < q_len)
-
-
-@triton.jit
-def _lse2(Lse, row0, rows, q_len):
-    """Base-2 lse of rows (row0: this head's first entry), +inf for padding rows and
-    rows with no allowed key, so their probabilities recompute as 0."""
-    lse = tl.load(Lse + row0 + rows, mask=rows < q_len, other=float("inf"))
-    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-
-
-@triton.jit
-def _dq_blocks(dq, q, do, lse2, delta, rows, k_base, v_base, sks, skd, svs, svd, lo, hi,
-               head_dim, kv_len, scale, shift, left, right, slope, table, stn, Buckets, span,
-               cap, MASKED: tl.constexpr, ALIBI: tl.constexpr, RELATIVE: tl.constexpr,
-               SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-               EVEN_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """dq (unscaled) summed over key blocks lo..hi-1; MASKED applies the band."""
-    for block in range(lo, hi):
-        k, v, s, t, allowed = _key_block(q, rows, block, k_base, v_base, sks, skd, svs, svd,
-                                         head_dim, kv_len, scale, shift, left, right, slope,
-                                         table, stn, Buckets, span, cap, None, None, 0, 0,
-                                         MASKED, ALIBI, RELATIVE, SOFTCAP, BLOCK_N, BLOCK_D,
-                                         EVEN_D, PREC, UPCAST, False)
-        p = tl.exp2(s - lse2[:, None])
-        if MASKED:
-            p = tl.where(allowed, p, 0.0)
-        dp = _dot(do, tl.trans(v), PREC, UPCAST, tl.float32)
-        ds = p * (dp - delta[:, None])
-        if SOFTCAP:
-            ds = ds * (1.0 - t * t)
-        dq += _dot(ds.to(k.dtype), k, PREC, UPCAST, tl.float32)
-    return dq
-
-
-@triton.jit
-def _band_bwd_dq(
-    Q, K, V, DO, Lse, Delta, DQ, sqb, sqh, sql, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
-    sdb, sdh, sdl, sdd, num_heads, group, q_len, kv_len, head_dim, scale, shift, left, right,
-    Slopes, Table, Buckets, stn, sth, span, cap,
-    ALIBI: tl.constexpr, RELATIVE: tl.constexpr, SOFTCAP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr,
-):
-    """Grid (query blocks, B * H): dQ of one query block into DQ (B, H, L, D),
-    contiguous, in q's dtype."""
-    qi, bh = tl.program_id(0), tl.program_id(1)
-    b64, h64, hk64 = _program_heads(bh, num_heads, group)
-    slope, table, _ = _head_score(Slopes, Table, Slopes, h64, sth, ALIBI, False, tl.float32)
-    rows = qi * BLOCK_M + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, BLOCK_D)
-    q = _tile(Q + b64 * sqb + h64 * sqh, rows, q_len, sql, dims, head_dim, sqd, True)
-    do = _tile(DO + b64 * sdb + h64 * sdh, rows, q_len, sdl, dims, head_dim, sdd, True)
-    row0 = bh.to(tl.int64) * q_len
-    lse2 = _lse2(Lse, row0, rows, q_len)
-    delta = tl.load(Delta + row0 + rows, mask=rows < q_len, other=0.0)
-    k_base, v_base = K + b64 * skb + hk64 * skh, V + b64 * svb + hk64 * svh
-    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    first, full_lo, full_hi, end = _band_blocks(qi * BLOCK_M, qi * BLOCK_M + BLOCK_M - 1,
-                                                shift, left, right, kv_len, BLOCK_N)
-    dq = _dq_blocks(dq, q, do, lse2, delta, rows, k_base, v_base, sks, skd, svs, svd, first,
-                    full_lo, head_dim, kv_len, scale, shift, left, right, slope, table, stn,
-                    Buckets, span, cap, True, ALIBI, RELATIVE, SOFTCAP, BLOCK_N, BLOCK_D,
-                    EVEN_D, PREC, UPCAST)
-    dq = _dq_blocks(dq, q, do, lse2, delta, rows, k_base, v_base, sks, skd, svs, svd, full_lo,
-                    full_hi, head_dim, kv_len, scale, shift, left, right, slope, table, stn,
-                    Buckets, span, cap, False, ALIBI, RELATIVE, SOFTCAP, BLOCK_N, BLOCK_D,
-                    EVEN_D, PREC, UPCAST)
-    dq = _dq_blocks(dq, q, do, lse2, delta, rows, k_base, v_base, sks, skd, svs, svd, full_hi,
-                    end, head_dim, kv_len, scale, shift, left, right, slope, table, stn,
-                    Buckets, span, cap, True, ALIBI, RELATIVE, SOFTCAP, BLOCK_N, BLOCK_D,
-                    EVEN_D, PREC, UPCAST)
-    offs = (row0 + rows.to(tl.int64))[:, None] * head_dim + dims[None, :]
-    tl.store(DQ + offs, (dq * scale).to(DQ.dtype.element_ty),
-             mask=(rows[:, None] < q_len) & (dims[None, :] < head_dim))
-
-
-@triton.jit
-def _dkv_blocks(dk, dv, k, v, cols, q_base, do_base, sql, sqd, sdl, sdd, Lse, Delta, DQ, row0,
-                lo, hi, head_dim, q_len, kv_len, scale, shift, left, right, slope, table, stn,
-                Buckets, span, cap, MASKED: tl.constexpr, ALIBI: tl.constexpr,
-                RELATIVE: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, EVEN_D: tl.constexpr,
-                PREC: tl.constexpr, UPCAST: tl.constexpr, DQ_ATOMIC: tl.constexpr):
-    """dk (unscaled) and dv of key block cols summed over query blocks lo..hi-1 of one
-    query head. The tiles are transposed (keys by rows: sT, pT, dsT), so that dV and
-    dK are products of them without a transpose of a result. With DQ_ATOMIC each query
-    block's share of dq (scaled) is also added to the float32 DQ (B, H, L, D) with
-    atomics: 5 products a tile where the dQ kernel's recomputation makes 7, in an order
-    that varies from run to run."""
-    dims = tl.arange(0, BLOCK_D)
-    for block in range(lo, hi):
-        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-        q = _tile(q_base, rows, q_len, sql, dims, head_dim, sqd,
-                  MASKED or not (EVEN_M and EVEN_D))
-        do = _tile(do_base, rows, q_len, sdl, dims, head_dim, sdd,
-                   MASKED or not (EVEN_M and EVEN_D))
-        lse2 = _lse2(Lse, row0, rows, q_len)
-        delta = tl.load(Delta + row0 + rows, mask=rows < q_len, other=0.0)
-        qk_t = _dot(k, tl.trans(q), PREC, UPCAST, tl.float32)
-        offset_t = cols[:, None] - (rows + shift)[None, :]
-        score_offset = offset_t
-        if ALIBI and not RELATIVE:
-            queries = _float_positions(block * BLOCK_M + shift, BLOCK_M)
-            score_offset = cols.to(tl.float32)[:, None] - queries[None, :]
-        s_t, t_t = _scores2(qk_t, score_offset, scale, slope, table, stn, Buckets, span, cap,
-                            ALIBI, RELATIVE, SOFTCAP)
-        p_t = tl.exp2(s_t - lse2[None, :])
-        if MASKED:
-            p_t = tl.where(_allowed(offset_t, cols[:, None] < kv_len, left, right), p_t, 0.0)
-        dv += _dot(p_t.to(do.dtype), do, PREC, UPCAST, tl.float32)
-        dp_t = _dot(v, tl.trans(do), PREC, UPCAST, tl.float32)
-        ds_t = p_t * (dp_t - delta[None, :])
-        if SOFTCAP:
-            ds_t = ds_t * (1.0 - t_t * t_t)
-        ds_t = ds_t.to(q.dtype)
-        dk += _dot(ds_t, q, PREC, UPCAST, tl.float32)
-        if DQ_ATOMIC:
-            dq = _dot(tl.trans(ds_t), k, PREC, UPCAST, tl.float32) * scale
-            dq_ptrs = DQ + (row0 + rows.to(tl.int64))[:, None] * head_dim + dims[None, :]
-            inside = (rows[:, None] < q_len) & (dims[None, :] < head_dim)
-            tl.atomic_add(dq_ptrs, dq, mask=inside, sem="relaxed")
-    return dk, dv
-
-
-@triton.jit
-def _band_bwd_dkv(
-    Q, K, V, DO, Lse, Delta, DK, DV, DQ, sqb, sqh, sql, sqd, skb, skh, sks, skd, svb, svh, svs,
-    svd, sdb, sdh, sdl, sdd, num_heads, num_kv_heads, group, q_len, kv_len, head_dim, scale,
-    shift, left, right, Slopes, Table, Buckets, stn, sth, span, cap,
-    ALIBI: tl.constexpr, RELATIVE: tl.constexpr, SOFTCAP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr,
-    EVEN_D: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, PER_HEAD: tl.constexpr,
-    DQ_ATOMIC: tl.constexpr,
-):
-    """Grid (key blocks, B * H_kv): dK, dV (B, H_kv, S, D) of one key block, contiguous,
-    in DK's dtype, summed over the query heads of its group: no atomics. With PER_HEAD
-    the grid is (key blocks, B * H) and each program writes one query head's share into
-    DK, DV (B, H, S, D), for the caller to sum over each group (more programs where
-    B * H_kv is small). With DQ_ATOMIC the programs also add dQ into DQ (B, H, L, D)
-    float32 (see _dkv_blocks; else DQ is None and the dQ kernel makes it)."""
-    kj, bhk = tl.program_id(0), tl.program_id(1)
-    if PER_HEAD:  # bhk runs over B * H: one query head h of kv head h // group
-        b, h = bhk // num_heads, bhk % num_heads
-        hk, g_lo, g_hi = h // group, h % group, h % group + 1
-    else:
-        b, hk = bhk // num_kv_heads, bhk % num_kv_heads
-        g_lo, g_hi = 0, group
-    b64, hk64 = b.to(tl.int64), hk.to(tl.int64)
-    cols = kj * BLOCK_N + tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, BLOCK_D)
-    k = _tile(K + b64 * skb + hk64 * skh, cols, kv_len, sks, dims, head_dim, skd, True)
-    v = _tile(V + b64 * svb + hk64 * svh, cols, kv_len, svs, dims, head_dim, svd, True)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    first, full_lo, full_hi, end = _query_blocks(kj * BLOCK_N, kj * BLOCK_N + BLOCK_N - 1,
-                                                 shift, left, right, q_len, kv_len, BLOCK_M)
-    for g in range(g_lo, g_hi):
-        h64 = hk64 * group + g
-        slope, table, _ = _head_score(Slopes, Table, Slopes, h64, sth, ALIBI, False, tl.float32)
-        q_base, do_base = Q + b64 * sqb + h64 * sqh, DO + b64 * sdb + h64 * sdh
-        row0 = (b64 * num_heads + h64) * q_len
-        dk, dv = _dkv_blocks(dk, dv, k, v, cols, q_base, do_base, sql, sqd, sdl, sdd, Lse, Delta,
-                             DQ, row0, first, full_lo, head_dim, q_len, kv_len, scale, shift,
-                             left, right, slope, table, stn, Buckets, span, cap, True, ALIBI,
-                             RELATIVE, SOFTCAP, BLOCK_M, BLOCK_D, EVEN_M, EVEN_D, PREC, UPCAST,
-                             DQ_ATOMIC)
-        dk, dv = _dkv_blocks(dk, dv, k, v, cols, q_base, do_base, sql, sqd, sdl, sdd, Lse, Delta,
-                             DQ, row0, full_lo, full_hi, head_dim, q_len, kv_len, scale, shift,
-                             left, right, slope, table, stn, Buckets, span, cap, False, ALIBI,
-                             RELATIVE, SOFTCAP, BLOCK_M, BLOCK_D, EVEN_M, EVEN_D, PREC, UPCAST,
-                             DQ_ATOMIC)
-        dk, dv = _dkv_blocks(dk, dv, k, v, cols, q_base, do_base, sql, sqd, sdl, sdd, Lse, Delta,
-                             DQ, row0, full_hi, end, head_dim, q_len, kv_len, scale, shift,
-                             left, right, slope, table, stn, Buckets, span, cap, True, ALIBI,
-                             RELATIVE, SOFTCAP, BLOCK_M, BLOCK_D, EVEN_M, EVEN_D, PREC, UPCAST,
-                             DQ_ATOMIC)
-    key = (bhk.to(tl.int64) * kv_len + cols.to(tl.int64))[:, None] * head_dim + dims[None, :]
-    inside = (cols[:, None] < kv_len) & (dims[None, :] < head_dim)
-    tl.store(DK + key, (dk * scale).to(DK.dtype.element_ty), mask=inside)
-    tl.store(DV + key, dv.to(DV.dtype.element_ty), mask=inside)
 # fmt: on

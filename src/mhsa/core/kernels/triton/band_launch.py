@@ -18,7 +18,8 @@ from torch import Tensor
 from ...masks import Pattern
 from ...masks.causal import causal_shift
 from ...masks.patterns import Causal
-from .band import BIG, _band_bwd_dkv, _band_bwd_dq, _band_fwd
+from .band import BIG, _band_fwd
+from .band_grad import _band_bwd_dkv, _band_bwd_dq
 from .checks import interpreting
 from .options import kernel_options, strides
 from .scores import KernelScore
@@ -157,6 +158,14 @@ def dq_atomic_default() -> bool:
     return DQ_IN_DKV and not torch.are_deterministic_algorithms_enabled()
 
 
+# the forward's unmasked loop with each block's q k^T issued before the previous
+# block's softmax (band._fwd_blocks, AHEAD): at sm_90 ptxas then runs the exp2s while
+# the tensor cores compute the next scores (FlashAttention-3's overlap within a
+# warpgroup), where the plain loop waits for them; same bits. Off until a device run
+# times it (gpu_band's sweep_forward, "ahead")
+FORWARD_AHEAD = False
+
+
 # Hopper's TMA (tensor descriptors) for the forward's keys and values: off until a
 # device run measures it against pointer loads (gpu_band's sweep_forward, "tma")
 USE_TMA = False
@@ -195,10 +204,13 @@ def band_forward(
     tensors: tuple,
     config: tuple | None = None,
     tma: bool | None = None,
+    ahead: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(out (B, H, L, D) in q's dtype, lse (B, H, L) float32) of a band call; tensors
     (slopes, table, sinks), None where absent; config overrides the launch; tma: read
-    keys and values through tensor descriptors where they allow it (default USE_TMA)."""
+    keys and values through tensor descriptors where they allow it (default USE_TMA);
+    ahead: issue each block's scores before the previous block's softmax (default
+    FORWARD_AHEAD)."""
     batch, num_heads, q_len, head_dim = q.shape
     num_kv_heads, kv_len = k.shape[1], k.shape[2]
     out = q.new_empty(batch, num_heads, q_len, head_dim)
@@ -228,6 +240,7 @@ def band_forward(
         *descriptors,
         HAS_SINKS=tensors[2] is not None,
         TMA=descriptors[0] is not None,
+        AHEAD=FORWARD_AHEAD if ahead is None else ahead,
         **options,
     )
     return out, lse
