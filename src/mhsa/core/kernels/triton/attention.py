@@ -270,8 +270,8 @@ def _attn_bwd_dq(
             value_dim, bias, sbl, sbs, mask, sml, sms, tiles, scale, q_len, kv_len, shift, slope,
             table, stn, Buckets, span, cap, HAS_BIAS, MASK_MODE, CAUSAL, ALIBI, RELATIVE, SOFTCAP,
             True, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PREC, UPCAST, ACC, EVEN)
+        dp = _dot(do, tl.trans(v), PREC, UPCAST, ACC)  # (issued first: it runs beside exp2)
         p = _exp_from(s, lse[:, None])
-        dp = _dot(do, tl.trans(v), PREC, UPCAST, ACC)
         if DROPOUT:
             dp = tl.where(_keep(seed, bh, rows, cols, threshold), dp * keep_scale, 0.0)
         ds = p * (dp - delta[:, None])
@@ -337,8 +337,8 @@ def _attn_bwd_dkv(
                            scale, q_len, kv_len, shift, slope, table, stn, Buckets, span, cap,
                            HAS_BIAS, MASK_MODE, CAUSAL, ALIBI, RELATIVE, SOFTCAP,
                            BLOCK_M, BLOCK_N, PREC, UPCAST, ACC, EVEN)
+            dp = _dot(do, tl.trans(v), PREC, UPCAST, ACC)  # (issued first, as in dQ)
             p = _exp_from(s, lse[:, None])
-            dp = _dot(do, tl.trans(v), PREC, UPCAST, ACC)
             if DROPOUT:
                 keep = _keep(seed, bh, rows, cols, threshold)
                 kept = tl.where(keep, p * keep_scale, 0.0)

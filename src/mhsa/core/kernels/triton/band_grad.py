@@ -122,6 +122,9 @@ def _dkv_blocks(dk, dv, k, v, cols, q_base, do_base, sql, sqd, sdl, sdd, Lse, De
         lse2 = _lse2(Lse, row0, rows, q_len)
         delta = tl.load(Delta + row0 + rows, mask=rows < q_len, other=0.0)
         qk_t = _dot(k, tl.trans(q), PREC, UPCAST, tl.float32)
+        # (issued before the softmax needs qk_t, dO V^T runs on the tensor cores while
+        # the exp2s do)
+        dp_t = _dot(v, tl.trans(do), PREC, UPCAST, tl.float32)
         offset_t = cols[:, None] - (rows + shift)[None, :]
         score_offset = offset_t
         if ALIBI and not RELATIVE:
@@ -133,7 +136,6 @@ def _dkv_blocks(dk, dv, k, v, cols, q_base, do_base, sql, sqd, sdl, sdd, Lse, De
         if MASKED:
             p_t = tl.where(_allowed(offset_t, cols[:, None] < kv_len, left, right), p_t, 0.0)
         dv += _dot(p_t.to(do.dtype), do, PREC, UPCAST, tl.float32)
-        dp_t = _dot(v, tl.trans(do), PREC, UPCAST, tl.float32)
         ds_t = p_t * (dp_t - delta[None, :])
         if SOFTCAP:
             ds_t = ds_t * (1.0 - t_t * t_t)
