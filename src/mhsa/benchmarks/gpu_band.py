@@ -57,7 +57,7 @@ DKV = [
 ]
 # the dK/dV kernel adding dQ with atomics (band_launch.DQ_IN_DKV): the default first;
 # (32, 128, 8, 3) is the one without register spills at sm_90
-DKV_DQ = [(64, 128, 8, 2), (64, 128, 8, 3), (64, 128, 8, 1), (32, 128, 8, 3), (64, 64, 8, 2)]
+DKV_DQ = [(64, 128, 8, 3), (64, 128, 8, 2), (64, 128, 8, 1), (32, 128, 8, 3), (64, 64, 8, 2)]
 # the tile-list kernels' (function._LAUNCH) default at D=128 first, untimed when chosen;
 # (128, 64, 8, *) runs half the instructions per score at sm_90 (tools/triton_compile.py)
 TILES = [(64, 64, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3)]
