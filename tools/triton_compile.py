@@ -166,8 +166,11 @@ def tile_kernels():
         "DK": "*fp32",
         "DV": "*fp32",
     }
-    yield "tiles forward", attention._attn_fwd, dict(base, HAS_SINKS=True), warps, stages, tiles
-    softcap = dict(base, HAS_SINKS=False, ALIBI=0, SOFTCAP=2)  # (2: the hardware tanh)
+    forward = dict(base, HAS_SINKS=True, AHEAD=False)
+    yield "tiles forward", attention._attn_fwd, forward, warps, stages, tiles
+    ahead = dict(forward, AHEAD=True)
+    yield "tiles forward (scores a tile ahead)", attention._attn_fwd, ahead, warps, stages, tiles
+    softcap = dict(forward, HAS_SINKS=False, ALIBI=0, SOFTCAP=2)  # (2: the hardware tanh)
     yield "tiles forward (softcap)", attention._attn_fwd, softcap, warps, stages, tiles
     grads = dict(base, BIAS_GRAD=False, SLOPE_GRAD=True, TABLE_GRAD=False, BLOCK_NB=16)
     yield "tiles dq", attention._attn_bwd_dq, grads, warps, stages, tiles

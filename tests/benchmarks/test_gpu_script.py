@@ -157,10 +157,11 @@ def test_gpu_band_tile_sweep_runs_on_the_cpu():
     rows = JsonRows(None, "band.jsonl")
     configs = [(16, 16, 4, 1), (32, 16, 4, 1)]
     run_sweep_tiles(rows, torch.device("cpu"), 0, 1e12, 1, (1, 2, 64, 16), configs)
+    names = {False: [*map(str, configs), *(f"{c} ahead" for c in configs)], True: configs}
     assert [(r["case"], r["backward"], r["config"]) for r in rows.rows] == [
         (case, backward, str(config))
         for case in ("bigbird(64)", "segments")
         for backward in (False, True)
-        for config in configs
+        for config in names[backward]
     ]
     assert all(r["ms"] > 0 and r["of_matmul"] > 0 for r in rows.rows), rows.rows

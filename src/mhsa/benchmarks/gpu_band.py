@@ -228,13 +228,24 @@ def _tiles_call(qkv, grad, mask, config, backward: bool):
     return call
 
 
+def _tiles_ahead_call(qkv, mask, config):
+    """The tile-list forward under one launch config with each tile's scores issued
+    before the previous tile's softmax (launch_forward's ahead), to time."""
+    from mhsa.core.kernels.triton.function import LaunchCall, _prepare, launch_forward
+
+    q, k, v = (t.detach() for t in qkv)
+    tiles, scale, score, _, _ = _prepare(q, k, v, mask, None, False, None, config)
+    call = LaunchCall(q, k, v, None, tiles, scale, None, score)
+    return lambda: launch_forward(call, ahead=True)
+
+
 def run_sweep_tiles(
     rows: JsonRows, device, length: int, peak: float, repeat: int, shape=None, configs=TILES
 ) -> None:
     """The tile-list kernels (what serves bigbird, varlen segments and other patterns)
-    under each launch config of configs, forward and forward+backward, on bigbird(64)
-    and three packed sequences (Segments) (B=4, H=16, L=length, D=128, bf16 unless
-    shape)."""
+    under each launch config of configs, forward (also with the scores a tile ahead)
+    and forward+backward, on bigbird(64) and three packed sequences (Segments) (B=4,
+    H=16, L=length, D=128, bf16 unless shape)."""
     from mhsa.core.masks import Segments, bigbird
 
     shape = shape or (4, 16, length, 128)
@@ -247,6 +258,8 @@ def run_sweep_tiles(
         allowed = measure.allowed_entries(mask, False, length, device)
         for backward in (False, True):
             fns = {str(c): _tiles_call(qkv, grad, mask, c, backward) for c in configs}
+            if not backward:  # (the scores a tile ahead: band_launch.FORWARD_AHEAD)
+                fns.update({f"{c} ahead": _tiles_ahead_call(qkv, mask, c) for c in configs})
             timed = measure.time_group(fns, repeat, device, 0.02, ())
             flop = measure.flops(allowed, shape, backward)
             fields = dict(case=name, backward=backward, length=length)

@@ -95,6 +95,29 @@ def test_matches_float64_reference(case):
     assert_matches_reference(out, lse, (q, k, v, bias), ref_out, ref_lse, ref_grads)
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_scores_a_tile_ahead_give_the_plain_forwards_bits(case):
+    """The tile-list forward with each tile's scores issued before the previous tile's
+    softmax (ahead; off by default until a GPU run times it) does the same arithmetic in
+    the same order: the same out and lse to the bit, with biases, masks, dead rows and
+    score functions, sinks and dropout."""
+    from mhsa.core.kernels.triton.function import LaunchCall, _prepare, launch_forward
+    from mhsa.core.scores import ALiBi, Compose, Softcap
+    from mhsa.nn.positional import alibi_slopes
+
+    q, k, v, mask, bias, causal, blocks = (
+        t.detach() if isinstance(t, torch.Tensor) else t for t in make_case(case)
+    )
+    heads = q.shape[1]
+    score = Compose(ALiBi(alibi_slopes(heads)), Softcap(20.0)) if bias is None else None
+    sinks = torch.randn(heads) if bias is None else None
+    tiles, scale, kernel, slopes, table = _prepare(q, k, v, mask, bias, causal, None, blocks, score)
+    dropout = (0.2, 11) if case == "sliding-window" else None
+    call = LaunchCall(q, k, v, bias, tiles, scale, dropout, kernel, (slopes, table, sinks))
+    plain, ahead = (launch_forward(call, ahead=a) for a in (False, True))
+    assert all(torch.equal(a, b) for a, b in zip(plain, ahead, strict=True))
+
+
 def test_tiles_follow_the_block_plan():
     """Empty tiles are not listed; full tiles carry no mask; partial tiles of a pattern
     get a compact mask buffer (one (BLOCK_M, BLOCK_N) slice each)."""

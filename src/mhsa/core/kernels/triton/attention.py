@@ -174,6 +174,22 @@ def _key_tile(
 
 
 @triton.jit
+def _softmax_tile(acc, l_i, m_i, s, v, rows, cols, bh, seed, threshold, keep_scale,
+                  DROPOUT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+                  ACC: tl.constexpr):
+    """One tile of the online softmax: scores s (-inf where not allowed), values v."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet
+    p = _exp_from(s, m_safe[:, None])
+    alpha = _exp_from(m_i, m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if DROPOUT:
+        p = tl.where(_keep(seed, bh, rows, cols, threshold), p * keep_scale, 0.0)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, UPCAST, ACC)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _attn_fwd(
     Q, K, V, Out, Lse, Bias, Mask, Tiles, row_ptr, blk_idx, blk_kind, blk_tile,
     sqb, sqh, sql, sqd, skb, skh, sks, skd, svb, svh, svs, svd, sob, soh, sol, sod,
@@ -184,7 +200,7 @@ def _attn_fwd(
     DROPOUT: tl.constexpr, ALIBI: tl.constexpr, RELATIVE: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PREC: tl.constexpr,
-    UPCAST: tl.constexpr, ACC: tl.constexpr, EVEN: tl.constexpr,
+    UPCAST: tl.constexpr, ACC: tl.constexpr, EVEN: tl.constexpr, AHEAD: tl.constexpr,
 ):
     """Grid (query blocks, B * H): out (B, H, L, D_v) and lse (B, H, L) of one block.
     With HAS_SINKS each row starts at max = its head's sink and sum = exp(0) = 1."""
@@ -202,21 +218,39 @@ def _attn_fwd(
         m_i = tl.full([BLOCK_M], 0.0, ACC) + sink
         l_i = tl.full([BLOCK_M], 1.0, ACC)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], ACC)
-    for e in range(tl.load(row_ptr + qi), tl.load(row_ptr + qi + 1)):
-        cols, k, v, s, t = _key_tile(
-            e, blk_idx, blk_kind, blk_tile, q, rows, k_base, sks, skd, head_dim, v_base, svs, svd,
-            value_dim, bias, sbl, sbs, mask, sml, sms, tiles, scale, q_len, kv_len, shift, slope,
-            table, stn, Buckets, span, cap, HAS_BIAS, MASK_MODE, CAUSAL, ALIBI, RELATIVE, SOFTCAP,
-            True, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PREC, UPCAST, ACC, EVEN)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet
-        p = _exp_from(s, m_safe[:, None])
-        alpha = _exp_from(m_i, m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DROPOUT:
-            p = tl.where(_keep(seed, bh, rows, cols, threshold), p * keep_scale, 0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, UPCAST, ACC)
-        m_i = m_new
+    lo, hi = tl.load(row_ptr + qi), tl.load(row_ptr + qi + 1)
+    # With AHEAD each tile's scores are issued before the previous tile's softmax (as
+    # band._fwd_blocks does): ptxas then runs the exp2s while the tensor cores work
+    if AHEAD:
+        if lo < hi:
+            cols, _, v, s, _ = _key_tile(
+                lo, blk_idx, blk_kind, blk_tile, q, rows, k_base, sks, skd, head_dim, v_base,
+                svs, svd, value_dim, bias, sbl, sbs, mask, sml, sms, tiles, scale, q_len, kv_len,
+                shift, slope, table, stn, Buckets, span, cap, HAS_BIAS, MASK_MODE, CAUSAL, ALIBI,
+                RELATIVE, SOFTCAP, True, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PREC, UPCAST, ACC,
+                EVEN)
+            for e in range(lo + 1, hi):
+                cols_next, _, v_next, s_next, _ = _key_tile(
+                    e, blk_idx, blk_kind, blk_tile, q, rows, k_base, sks, skd, head_dim, v_base,
+                    svs, svd, value_dim, bias, sbl, sbs, mask, sml, sms, tiles, scale, q_len,
+                    kv_len, shift, slope, table, stn, Buckets, span, cap, HAS_BIAS, MASK_MODE,
+                    CAUSAL, ALIBI, RELATIVE, SOFTCAP, True, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
+                    PREC, UPCAST, ACC, EVEN)
+                acc, l_i, m_i = _softmax_tile(acc, l_i, m_i, s, v, rows, cols, bh, seed,
+                                              threshold, keep_scale, DROPOUT, PREC, UPCAST, ACC)
+                cols, v, s = cols_next, v_next, s_next
+            acc, l_i, m_i = _softmax_tile(acc, l_i, m_i, s, v, rows, cols, bh, seed, threshold,
+                                          keep_scale, DROPOUT, PREC, UPCAST, ACC)
+    else:
+        for e in range(lo, hi):
+            cols, _, v, s, _ = _key_tile(
+                e, blk_idx, blk_kind, blk_tile, q, rows, k_base, sks, skd, head_dim, v_base,
+                svs, svd, value_dim, bias, sbl, sbs, mask, sml, sms, tiles, scale, q_len, kv_len,
+                shift, slope, table, stn, Buckets, span, cap, HAS_BIAS, MASK_MODE, CAUSAL, ALIBI,
+                RELATIVE, SOFTCAP, True, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, PREC, UPCAST, ACC,
+                EVEN)
+            acc, l_i, m_i = _softmax_tile(acc, l_i, m_i, s, v, rows, cols, bh, seed, threshold,
+                                          keep_scale, DROPOUT, PREC, UPCAST, ACC)
     alive = l_i > 0.0
     lse = tl.where(alive, m_i + tl.log(tl.where(alive, l_i, 1.0)), float("-inf"))
     out = acc / tl.where(alive, l_i, 1.0)[:, None]

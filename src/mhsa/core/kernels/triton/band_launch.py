@@ -148,7 +148,7 @@ def band_plan(
 
 # dQ added by the dK/dV kernel with float32 atomics (5 products a tile, FlashAttention-2's
 # split) instead of recomputed by its own kernel (7, deterministic): off until a device
-# run measures it (gpu_band's sweep_backward, "atomic dq"); never under
+# run measures it (gpu_band's sweep_backward, "dkv+dq" rows); never under
 # torch.use_deterministic_algorithms, as the atomics' order varies
 DQ_IN_DKV = False
 
