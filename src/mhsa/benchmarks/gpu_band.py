@@ -258,7 +258,7 @@ def run_sweep_tiles(
         allowed = measure.allowed_entries(mask, False, length, device)
         for backward in (False, True):
             fns = {str(c): _tiles_call(qkv, grad, mask, c, backward) for c in configs}
-            if not backward:  # (the scores a tile ahead: band_launch.FORWARD_AHEAD)
+            if not backward:  # (the scores a tile ahead: band_launch.TILES_AHEAD)
                 fns.update({f"{c} ahead": _tiles_ahead_call(qkv, mask, c) for c in configs})
             timed = measure.time_group(fns, repeat, device, 0.02, ())
             flop = measure.flops(allowed, shape, backward)

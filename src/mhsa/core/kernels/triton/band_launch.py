@@ -165,6 +165,10 @@ def dq_atomic_default() -> bool:
 # warpgroup), where the plain loop waits for them; same bits. Off until a device run
 # times it (gpu_band's sweep_forward, "ahead")
 FORWARD_AHEAD = False
+# the same for the tile-list forward (function.launch_forward; gpu_band's sweep_tiles):
+# at sm_90 it overlaps 62 of 68 exp2s with (128, 64, 8, 2) tiles, but none with the
+# default (64, 64, 8, 2), whose plain loop overlaps 10 of 35
+TILES_AHEAD = False
 
 
 # Hopper's TMA (tensor descriptors) for the forward's keys and values: off until a

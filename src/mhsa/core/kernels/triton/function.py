@@ -23,7 +23,7 @@ from ..dense import stats_dtype
 from ..dropout import draw_seed
 from ..scored import sink_grad
 from .attention import _attn_bwd_dkv, _attn_bwd_dq, _attn_fwd, _attn_probs, _keep_mask
-from .band_launch import FORWARD_AHEAD, BandPlan, band_backward, band_forward, band_plan
+from .band_launch import TILES_AHEAD, BandPlan, band_backward, band_forward, band_plan
 from .checks import check_inputs, check_score, interpreting
 from .options import block_dim, kernel_options, strides
 from .scores import KernelScore, block_buckets, kernel_score
@@ -112,9 +112,9 @@ def _options(tiles: TileLists, bias, score: KernelScore, q: Tensor, value_dim=No
 
 def launch_forward(call: LaunchCall, ahead: bool | None = None) -> tuple[Tensor, Tensor]:
     """(out (B, H, L, D_v), lse (B, H, L)); ahead: each tile's scores issued before the
-    previous tile's softmax (same bits; default band_launch.FORWARD_AHEAD)."""
+    previous tile's softmax (same bits; default band_launch's FORWARD_AHEAD for band
+    calls, TILES_AHEAD for tile lists)."""
     q, k, v, bias, tiles, scale, dropout, score, tensors = call
-    ahead = FORWARD_AHEAD if ahead is None else ahead
     if isinstance(tiles, BandPlan):
         return band_forward(q, k, v, tiles, scale, score, tensors, ahead=ahead)
     batch, num_heads, q_len, head_dim = q.shape
@@ -144,7 +144,7 @@ def launch_forward(call: LaunchCall, ahead: bool | None = None) -> tuple[Tensor,
         *score.args(*tensors, like=q),
         HAS_SINKS=tensors[2] is not None,
         DROPOUT=dropout is not None,
-        AHEAD=ahead,
+        AHEAD=TILES_AHEAD if ahead is None else ahead,
         **_options(tiles, bias, score, q, value_dim),
     )
     return out, lse
