@@ -107,7 +107,10 @@ def band_kernels():
         ):
             block_m, block_n, warps, stages = CONFIGS[config][(True, 128)]
             constants = dict(base, BLOCK_M=block_m, BLOCK_N=block_n, **extra)
-            pointers = {"DQ": "*fp32"} if "atomic" in kernel else None
+            pointers = {  # (float32 buffers: dQ's atomics, dK and dV shares per head)
+                "dkv with atomic dq": {"DQ": "*fp32"},
+                "dkv per query head": {"DK": "*fp32", "DV": "*fp32"},
+            }.get(kernel)
             yield f"band {kernel} ({label})", fn, constants, warps, stages, pointers
     block_m, block_n, warps, stages = CONFIGS["forward"][(True, 128)]
     one_score = dict(KDesc=None, VDesc=None, TMA=False, HAS_SINKS=False, AHEAD=False)
@@ -250,8 +253,10 @@ def loop_costs(lines: list[str]) -> list[tuple[int, int, int, int]]:
     """(instructions, special-function ops, conversions, special-function ops under a
     tensor-core op) of each loop body (a branch back to a label), leaving out what a
     forward branch inside it can jump over: what one iteration issues per thread on its
-    straight path. The last counts the exp2s issued between a warpgroup MMA (HGMMA) and
-    the wait for it (WARPGROUP.DEPBAR): those that run while the tensor cores work."""
+    straight path. The last counts the special-function ops (exp2, tanh) issued between
+    a warpgroup MMA (HGMMA) and the next wait (WARPGROUP.DEPBAR): those that run while
+    the tensor cores work. A lower bound: a wait that leaves some MMAs running ends the
+    count too."""
     labels, costs = {}, []
     for end, line in enumerate(lines):
         if found := LABEL.match(line):

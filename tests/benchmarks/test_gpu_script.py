@@ -129,20 +129,26 @@ def test_gpu_band_hf_shape_section_runs_on_the_cpu():
 
 def test_gpu_band_checks_compare_tma_loads_ahead_scores_and_atomic_dq_on_the_cpu():
     """gpu_band's variant checks at a tiny shape: the forward through TMA descriptors
-    and the one with scores a block ahead give the plain forward's bits, and the
-    backward with dQ added by atomics is within float32 rounding of the dQ kernel's."""
+    and the ones with scores a block (band) or a tile (tile lists, bigbird) ahead give
+    the plain forwards' bits, and the backward with dQ added by atomics is within
+    float32 rounding of the dQ kernel's; a failing check gets its own row."""
     import torch
 
-    from mhsa.benchmarks.gpu_band import _check_tma
+    from mhsa.benchmarks.gpu_band import _check_variants
     from mhsa.benchmarks.gpu_measure import JsonRows
 
     rows = JsonRows(None, "band.jsonl")
-    _check_tma(rows, "causal", None, True, torch.float32, 16, 40, 50, torch.device("cpu"))
-    tma, ahead, atomic = rows.rows
-    assert tma["section"] == "check_tma" and tma["same_bits"], tma
-    assert ahead["section"] == "check_ahead" and ahead["same_bits"], ahead
-    assert atomic["section"] == "check_dq_atomic" and max(atomic["max_differences"]) < 1e-5
-    assert len(atomic["max_differences"]) == 3
+    _check_variants(rows, "dense", None, False, torch.float32, 16, 140, 150, torch.device("cpu"))
+    found = {row["section"]: row for row in rows.rows}
+    assert list(found) == ["check_tma", "check_ahead", "check_dq_atomic", "check_tiles_ahead"]
+    for section in ("check_tma", "check_ahead", "check_tiles_ahead"):
+        assert found[section]["same_bits"], found[section]
+    differences = found["check_dq_atomic"]["max_differences"]
+    assert len(differences) == 3 and max(differences) < 1e-5
+    rows = JsonRows(None, "band.jsonl")
+    _check_variants(rows, "causal", "not a mask", True, torch.float32, 16, 40, 50, "cpu")
+    assert [row["section"] for row in rows.rows] == ["check_tma", "check_ahead", "check_dq_atomic"]
+    assert all("skipped" in row for row in rows.rows)
 
 
 def test_gpu_band_tile_sweep_runs_on_the_cpu():

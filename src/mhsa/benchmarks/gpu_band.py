@@ -11,15 +11,21 @@ it measured). Shapes: B=4, H=16, D=128 (and D=64), bf16, L = S = 8192 by default
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 
 import torch
 
 from mhsa.core.attention import attention
-from mhsa.core.masks import SlidingWindow
+from mhsa.core.masks import SlidingWindow, bigbird
 
 from . import gpu_measure as measure
+from .gpu_band_calls import (
+    _backward_call,
+    _band_call,
+    _inputs,
+    _tiles_call,
+    _tiles_forward_call,
+)
 from .gpu_measure import JsonRows
 from .timing import matmul_gflops
 
@@ -36,9 +42,10 @@ FORWARD = [
     (128, 64, 4, 3),
 ]
 TMA_FORWARD = FORWARD[:3]
-# the forward's scores a block ahead (band_launch.FORWARD_AHEAD): (128, 64, 8, 2) too,
-# whose 96 KiB of shared memory would let two programs share an SM
-AHEAD_FORWARD = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 2)]
+# the forward's scores a block ahead (band_launch.FORWARD_AHEAD), at the D=128 configs
+# of TMA_FORWARD; (128, 64, 8, 2)'s 96 KiB of shared memory would let two programs
+# share an SM
+AHEAD_FORWARD = TMA_FORWARD
 DQ = [
     (128, 32, 4, 3),
     (128, 32, 8, 3),
@@ -65,13 +72,6 @@ CASES = {"dense": (None, False), "causal": (None, True), "window": (SlidingWindo
 # gpu_hf's Llama: B=1, 16 query heads over 4 KV heads, L=4096, D=128 (its 512 window
 # made the training step's attention slower than full causal on 2026-12-04)
 HF_SHAPE, HF_KV_HEADS = (1, 16, 4096, 128), 4
-
-
-def _inputs(shape, kv_heads, dtype, device, grad=False):
-    batch, heads, length, dim = shape
-    q = torch.randn(batch, heads, length, dim, device=device, dtype=dtype)
-    k, v = (torch.randn(batch, kv_heads, length, dim, device=device, dtype=dtype) for _ in "kv")
-    return [t.requires_grad_(grad) for t in (q, k, v)]
 
 
 CHECK_SHAPES = ((torch.bfloat16, 128, (300, 1037)), (torch.float32, 64, (1000, 1000)))
@@ -112,92 +112,73 @@ def run_checks(rows: JsonRows, device, shapes=CHECK_SHAPES) -> None:
                     )
                 except Exception as error:
                     rows.add(section="check", case=name, dim=dim, skipped=measure.failure(error))
-            _check_tma(rows, name, mask, causal, dtype, dim, q_len, kv_len, device)
+            _check_variants(rows, name, mask, causal, dtype, dim, q_len, kv_len, device)
 
 
-def _check_tma(rows: JsonRows, name, mask, causal, dtype, dim, q_len, kv_len, device) -> None:
+def _check_variants(rows: JsonRows, name, mask, causal, dtype, dim, q_len, kv_len, device):
     """Whether the forward through TMA descriptors and the one with scores a block ahead
     give the plain forward's bits, and how far dQ, dK, dV with dQ added by atomics are
     from the dQ kernel's (the dK/dV launch differs too), on (B, L, H, D) storage as
-    projections leave it."""
-    try:
-        torch.manual_seed(0)
-        q = torch.randn(2, q_len, 8, dim, device=device, dtype=dtype).transpose(1, 2)
-        k, v = (
-            torch.randn(2, kv_len, 2, dim, device=device, dtype=dtype).transpose(1, 2) for _ in "kv"
+    projections leave it; with mask None, also the tile-list forward with scores a tile
+    ahead on bigbird(64) (L = S). A row per check, or its failure."""
+    torch.manual_seed(0)
+    q = torch.randn(2, q_len, 8, dim, device=device, dtype=dtype).transpose(1, 2)
+    k, v = (
+        torch.randn(2, kv_len, 2, dim, device=device, dtype=dtype).transpose(1, 2) for _ in "kv"
+    )
+
+    def same_bits(plain, found) -> dict:
+        return dict(
+            same_bits=all(torch.equal(a, b) for a, b in zip(plain, found, strict=True)),
+            max_difference=float((plain[0].float() - found[0].float()).abs().max()),
         )
-        by_pointers = _band_call(q, k, v, mask, causal, ahead=False)()
-        for section, variant in (("check_tma", dict(tma=True)), ("check_ahead", dict(ahead=True))):
-            found = _band_call(q, k, v, mask, causal, **variant)()
-            rows.add(
-                section=section,
-                case=name,
-                dtype=str(dtype),
-                dim=dim,
-                same_bits=all(torch.equal(a, b) for a, b in zip(by_pointers, found, strict=True)),
-                max_difference=float((by_pointers[0].float() - found[0].float()).abs().max()),
-            )
-        # the backward with dQ added by atomics against the dQ kernel's, the same dO
+
+    def band_bits(**variant) -> dict:
+        plain = _band_call(q, k, v, mask, causal, tma=False, ahead=False)()
+        return same_bits(plain, _band_call(q, k, v, mask, causal, **variant)())
+
+    def atomic_distance() -> dict:
         grads = []
         for dq_atomic in (False, True):
             torch.manual_seed(1)
             grads.append(_backward_call(q, k, v, mask, causal, None, dq_atomic=dq_atomic)())
-        rows.add(
-            section="check_dq_atomic",
-            case=name,
-            dtype=str(dtype),
-            dim=dim,
-            max_differences=[
-                float((a.float() - b.float()).abs().max()) for a, b in zip(*grads, strict=True)
-            ],
-        )
-    except Exception as error:
-        rows.add(section="check_tma", case=name, dim=dim, skipped=measure.failure(error))
+        pairs = zip(*grads, strict=True)
+        return dict(max_differences=[float((a.float() - b.float()).abs().max()) for a, b in pairs])
 
+    def tiles_bits() -> dict:
+        keys = [t[:, :, : min(q_len, kv_len)] for t in (q, k, v)]
+        calls = (_tiles_forward_call(keys, bigbird(64, seed=0), None, a) for a in (False, True))
+        return same_bits(*(call() for call in calls))
 
-def _band_args(q, k, v, mask, causal, score=None, slopes=None) -> tuple:
-    """(plan, scale, kernel score, (slopes, table, sinks)) of a band call; score a
-    KernelScore (default none)."""
-    from mhsa.core.kernels.triton.band_launch import band_plan
-    from mhsa.core.kernels.triton.scores import KernelScore
-
-    plan = band_plan(q, k, v, mask, None, causal)
-    return plan, 1.0 / math.sqrt(q.shape[3]), score or KernelScore(), (slopes, None, None)
-
-
-def _band_call(q, k, v, mask, causal, config=None, tma=False, score=None, slopes=None, ahead=None):
-    """The band forward of one call, to time (ahead: as band_forward's)."""
-    from mhsa.core.kernels.triton.band_launch import band_forward
-
-    args = _band_args(q, k, v, mask, causal, score, slopes)
-    return lambda: band_forward(q, k, v, *args, config, tma, ahead)
-
-
-def _backward_call(
-    q, k, v, mask, causal, configs, score=None, slopes=None, per_head=None, dq_atomic=None
-):
-    """The band backward of one call (its forward run once first), to time; per_head and
-    dq_atomic as band_backward's (default its own choice)."""
-    from mhsa.core.kernels.triton.band_launch import band_backward, band_forward
-
-    args = _band_args(q, k, v, mask, causal, score, slopes)
-    out, lse = band_forward(q, k, v, *args)
-    grad = torch.randn_like(out)
-    delta = (grad.float() * out.float()).sum(-1)
-    return lambda: band_backward(q, k, v, grad, delta, lse, *args, configs, per_head, dq_atomic)
+    checks = {
+        "check_tma": lambda: band_bits(tma=True, ahead=False),
+        "check_ahead": lambda: band_bits(ahead=True),
+        "check_dq_atomic": atomic_distance,
+    }
+    if mask is None and not causal:
+        checks["check_tiles_ahead"] = tiles_bits
+    for section, check in checks.items():
+        fields = dict(section=section, case=name, dtype=str(dtype), dim=dim)
+        try:
+            rows.add(**fields, **check())
+        except Exception as error:
+            rows.add(**fields, skipped=measure.failure(error))
 
 
 def run_sweep_forward(rows: JsonRows, device, length: int, peak: float, repeat: int, dims) -> None:
-    """Every forward config on dense and causal at each head dim, and the first three
-    with keys and values read through TMA descriptors."""
+    """Every forward config on dense and causal at each head dim, the first three with
+    keys and values read through TMA descriptors, and AHEAD_FORWARD's with the scores a
+    block ahead (each variant alone, whatever band_launch's switches say)."""
     for dim in dims:
         qkv = _inputs((4, 16, length, dim), 16, torch.bfloat16, device)
         for name in ("causal", "dense"):
             mask, causal = CASES[name]
             allowed = measure.allowed_entries(mask, causal, length, device)
-            fns = {str(c): _band_call(*qkv, mask, causal, c) for c in FORWARD}
+            plain = dict(tma=False, ahead=False)  # (whatever the switches say)
+            fns = {str(c): _band_call(*qkv, mask, causal, c, **plain) for c in FORWARD}
             # keys and values through TMA descriptors (band_launch.USE_TMA), best configs
-            fns.update({f"{c} tma": _band_call(*qkv, mask, causal, c, True) for c in TMA_FORWARD})
+            for c in TMA_FORWARD:
+                fns[f"{c} tma"] = _band_call(*qkv, mask, causal, c, True, ahead=False)
             # each block's scores issued before the previous block's softmax (FORWARD_AHEAD)
             for c in AHEAD_FORWARD:
                 fns[f"{c} ahead"] = _band_call(*qkv, mask, causal, c, False, ahead=True)
@@ -217,28 +198,6 @@ def _add_configs(rows: JsonRows, timed: dict, flop: float, peak: float, section:
         rows.add(section=section, **fields, config=config, of_matmul=share, **row)
 
 
-def _tiles_call(qkv, grad, mask, config, backward: bool):
-    """The tile-list kernels' forward (and backward) under one launch config, to time."""
-    from mhsa.core.kernels.triton import triton_attention
-
-    def call():
-        out = triton_attention(*qkv, mask, blocks=config)[0]
-        return torch.autograd.grad(out, qkv, grad) if backward else out
-
-    return call
-
-
-def _tiles_ahead_call(qkv, mask, config):
-    """The tile-list forward under one launch config with each tile's scores issued
-    before the previous tile's softmax (launch_forward's ahead), to time."""
-    from mhsa.core.kernels.triton.function import LaunchCall, _prepare, launch_forward
-
-    q, k, v = (t.detach() for t in qkv)
-    tiles, scale, score, _, _ = _prepare(q, k, v, mask, None, False, None, config)
-    call = LaunchCall(q, k, v, None, tiles, scale, None, score)
-    return lambda: launch_forward(call, ahead=True)
-
-
 def run_sweep_tiles(
     rows: JsonRows, device, length: int, peak: float, repeat: int, shape=None, configs=TILES
 ) -> None:
@@ -246,7 +205,7 @@ def run_sweep_tiles(
     under each launch config of configs, forward (also with the scores a tile ahead)
     and forward+backward, on bigbird(64) and three packed sequences (Segments) (B=4,
     H=16, L=length, D=128, bf16 unless shape)."""
-    from mhsa.core.masks import Segments, bigbird
+    from mhsa.core.masks import Segments
 
     shape = shape or (4, 16, length, 128)
     length = shape[2]
@@ -257,9 +216,11 @@ def run_sweep_tiles(
     for name, mask in cases.items():
         allowed = measure.allowed_entries(mask, False, length, device)
         for backward in (False, True):
-            fns = {str(c): _tiles_call(qkv, grad, mask, c, backward) for c in configs}
-            if not backward:  # (the scores a tile ahead: band_launch.TILES_AHEAD)
-                fns.update({f"{c} ahead": _tiles_ahead_call(qkv, mask, c) for c in configs})
+            if backward:
+                fns = {str(c): _tiles_call(qkv, grad, mask, c, True) for c in configs}
+            else:  # both through one prepared call (the scores a tile ahead: TILES_AHEAD)
+                fns = {str(c): _tiles_forward_call(qkv, mask, c, False) for c in configs}
+                fns.update({f"{c} ahead": _tiles_forward_call(qkv, mask, c, True) for c in configs})
             timed = measure.time_group(fns, repeat, device, 0.02, ())
             flop = measure.flops(allowed, shape, backward)
             fields = dict(case=name, backward=backward, length=length)
@@ -276,8 +237,9 @@ def run_sweep_backward(rows: JsonRows, device, length: int, peak: float, repeat:
     mask, causal = CASES["causal"]
     allowed = measure.allowed_entries(mask, causal, length, device)
     flop = measure.flops(allowed, qkv[0].shape, backward=False) * measure.BACKWARD_FLOPS
-    fns = {f"dq {c}": _backward_call(*qkv, mask, causal, (c, None)) for c in DQ}
-    fns.update({f"dkv {c}": _backward_call(*qkv, mask, causal, (None, c)) for c in DKV})
+    split = dict(dq_atomic=False)  # (whatever band_launch.DQ_IN_DKV says)
+    fns = {f"dq {c}": _backward_call(*qkv, mask, causal, (c, None), **split) for c in DQ}
+    fns.update({f"dkv {c}": _backward_call(*qkv, mask, causal, (None, c), **split) for c in DKV})
     # both kernels at their defaults, against dQ added by the dK/dV kernel's atomics
     fns["dq and dkv, defaults"] = _backward_call(*qkv, mask, causal, None, dq_atomic=False)
     for c in DKV_DQ:
@@ -322,12 +284,12 @@ def run_peers(rows: JsonRows, device, lengths, peak: float, repeat: int, cases=C
 
 
 def run_hf_shape(rows: JsonRows, device, repeat: int, shape=HF_SHAPE, kv_heads=HF_KV_HEADS) -> None:
-    """At gpu_hf's shape: the band kernels forward and backward on causal and on a 512
-    window (the backward's dK/dV per query head, its default here, per KV head, and with
-    dQ added by atomics)
-    beside SDPA's causal forward+backward, then the window's backward under
-    every dq and dK/dV config (two groups: the first one's rows are written even if the
-    sweep runs out of time), so that one run tells which kernel the window loses time in."""
+    """At gpu_hf's shape: the band kernels forward and backward at their defaults on
+    causal and on a 512 window, the backward also with dK/dV per KV head (per query head
+    is the default here) and with dQ added by atomics, beside SDPA's causal
+    forward+backward; then the window's split backward under every dq and dK/dV config
+    (two groups: the first one's rows are written even if the sweep runs out of time),
+    so that one run tells which kernel the window loses time in."""
     qkv = _inputs(shape, kv_heads, torch.bfloat16, device)
     cases = {"causal": (None, True), "window 512": (SlidingWindow(512, 0), True)}
     headline = {}
@@ -336,7 +298,7 @@ def run_hf_shape(rows: JsonRows, device, repeat: int, shape=HF_SHAPE, kv_heads=H
         headline[f"{name} band backward"] = _backward_call(*qkv, mask, causal, None)
         # dK/dV with one program per KV head (4 here) against the default, per query head
         headline[f"{name} band backward, dkv per KV head"] = _backward_call(
-            *qkv, mask, causal, None, per_head=False
+            *qkv, mask, causal, None, per_head=False, dq_atomic=False
         )
         headline[f"{name} band backward, dq by atomics"] = _backward_call(
             *qkv, mask, causal, None, dq_atomic=True
@@ -347,9 +309,13 @@ def run_hf_shape(rows: JsonRows, device, repeat: int, shape=HF_SHAPE, kv_heads=H
         "sdpa", trained, grad, None, True, None, False
     )
     window = cases["window 512"]
-    sweep = {f"window 512 backward, dq {c}": _backward_call(*qkv, *window, (c, None)) for c in DQ}
+    split = dict(dq_atomic=False)
+    sweep = {
+        f"window 512 backward, dq {c}": _backward_call(*qkv, *window, (c, None), **split)
+        for c in DQ
+    }
     for c in DKV:
-        sweep[f"window 512 backward, dkv {c}"] = _backward_call(*qkv, *window, (None, c))
+        sweep[f"window 512 backward, dkv {c}"] = _backward_call(*qkv, *window, (None, c), **split)
     for fns in (headline, sweep):
         for what, row in measure.time_group(fns, repeat, device, 0.02, ()).items():
             rows.add(section="hf_shape", what=what, shape=list(shape), **row)

@@ -308,7 +308,7 @@ for dtype, torch_dtype, dim, mask_mode in (("bf16", torch.bfloat16, 128, 1),
                      PREC="ieee" if dtype == "fp32" else None, UPCAST=False, ACC=tl.float32,
                      ALIBI=1, RELATIVE=2, SOFTCAP=2 if dtype == "bf16" else 1,
                      HAS_SINKS=True, SLOPE_GRAD=True,
-                     TABLE_GRAD=True, BLOCK_NB=32)
+                     TABLE_GRAD=True, BLOCK_NB=32, AHEAD=dtype == "bf16")
     for kernel in ("_attn_fwd", "_attn_bwd_dq", "_attn_bwd_dkv", "_attn_probs"):
         fn = getattr(attention, kernel)
         consts = {k: v for k, v in constants.items() if k in fn.arg_names}

@@ -83,7 +83,9 @@ def test_dk_dv_run_per_query_head_where_kv_heads_leave_the_gpu_idle():
 @pytest.mark.parametrize("name", ["wide-dense-gqa-d40", "tall-causal-dead-rows-mqa", "window-gqa"])
 @pytest.mark.parametrize("per_head", [False, True])
 @pytest.mark.parametrize("dq_atomic", [False, True])
-def test_dk_dv_per_kv_head_and_per_query_head_match_the_golden_gradients(name, per_head, dq_atomic):
+def test_dk_dv_per_kv_or_query_head_and_dq_by_atomics_match_the_golden_gradients(
+    name, per_head, dq_atomic
+):
     """The dK/dV kernel summing a group's query heads itself (one program per KV head)
     and one program per query head, the group summed after it, each with dQ from its
     own kernel and added by the dK/dV kernel's atomics: all give the golden gradients
@@ -118,11 +120,41 @@ def test_dq_takes_atomics_only_where_asked_and_never_under_deterministic_algorit
     monkeypatch.setattr(band_launch, "DQ_IN_DKV", True)
     assert band_launch.dq_atomic_default()
     deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     try:
         torch.use_deterministic_algorithms(True)
         assert not band_launch.dq_atomic_default()
     finally:
-        torch.use_deterministic_algorithms(deterministic)
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+
+
+@pytest.mark.parametrize("score_name", ["alibi-then-softcap", "sinks"])
+def test_dq_by_atomics_through_autograd_with_score_functions_and_sinks(monkeypatch, score_name):
+    """With DQ_IN_DKV on, attention's backward takes dQ from the dK/dV kernel's atomics:
+    the golden gradients with ALiBi then Softcap (its 1 - tanh**2 on the atomic path),
+    and with sinks."""
+    from mhsa.core.kernels.triton import band_launch
+
+    monkeypatch.setattr(band_launch, "DQ_IN_DKV", True)
+
+    class NotLaunched:  # the dQ kernel, which this backward must not launch
+        def __getitem__(self, grid):
+            raise AssertionError("the dQ kernel ran")
+
+    monkeypatch.setattr(band_launch, "_band_bwd_dq", NotLaunched())
+    q, k, v = _inputs(45, 60, 2, 16)
+    slopes = alibi_slopes(4)
+
+    def alibi_softcap(s, i, j):
+        s = s - slopes.double().view(1, -1, 1, 1) * (i - j).abs()
+        return 20.0 * torch.tanh(s / 20.0)
+
+    if score_name == "sinks":
+        score, modify = None, None
+        sinks = torch.randn(4, generator=torch.Generator().manual_seed(2)).requires_grad_()
+    else:
+        score, modify, sinks = Compose(ALiBi(slopes), Softcap(20.0)), alibi_softcap, None
+    _check(q, k, v, SlidingWindow(12, 3), True, score, modify, sinks)
 
 
 def test_non_contiguous_inputs_and_the_lse_alone():
@@ -291,7 +323,7 @@ def test_the_forwards_variants_give_the_plain_forwards_bits(name, variant):
     assert (found[0].double() - ref_out).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("window", [(0, 0), (16, 0), (40, 8), (BIG, BIG)])
+@pytest.mark.parametrize("window", [(0, 0), (60, 0), (40, 8), (BIG, BIG)])
 def test_scores_a_block_ahead_give_the_same_bits_with_score_functions_and_sinks(window):
     """ALiBi, Softcap and sinks with the scores a block ahead, for windows whose rows
     hold no, one and several unmasked blocks: the plain forward's bits."""

@@ -177,7 +177,9 @@ def _key_tile(
 def _softmax_tile(acc, l_i, m_i, s, v, rows, cols, bh, seed, threshold, keep_scale,
                   DROPOUT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
                   ACC: tl.constexpr):
-    """One tile of the online softmax: scores s (-inf where not allowed), values v."""
+    """One tile of the online softmax: scores s (BLOCK_M, BLOCK_N), -inf where not
+    allowed, values v (BLOCK_N, BLOCK_DV). Returns acc (BLOCK_M, BLOCK_DV), l_i, m_i
+    (BLOCK_M,)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet
     p = _exp_from(s, m_safe[:, None])

@@ -45,22 +45,6 @@ def _band_blocks(r0, r1, shift, left, right, kv_len, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _query_blocks(c0, c1, shift, left, right, q_len, kv_len, BLOCK_M: tl.constexpr):
-    """Query blocks that see keys c0..c1, as _band_blocks: (first, first unmasked, end
-    of unmasked, end)."""
-    i_lo = tl.maximum(c0 - shift - right, 0)
-    i_hi = tl.minimum(c1 - shift + left + 1, q_len)  # one past the last row seeing them
-    first = i_lo // BLOCK_M
-    end = tl.maximum(tl.cdiv(i_hi, BLOCK_M), first)
-    full_lo = tl.cdiv(tl.maximum(c1 - shift - right, 0), BLOCK_M)
-    full_hi = tl.maximum(c0 - shift + left + 1, 0) // BLOCK_M
-    full_hi = tl.where(c1 < kv_len, full_hi, 0)  # past S: every tile needs the mask
-    full_lo = tl.minimum(tl.maximum(full_lo, first), end)
-    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), end)
-    return first, full_lo, full_hi, end
-
-
-@triton.jit
 def _float_positions(first, BLOCK: tl.constexpr):
     """(BLOCK,) float32 positions first, first + 1, ...: one conversion for the block.
     ALiBi's offsets are taken from these (an add per entry, where an integer offset
@@ -175,9 +159,9 @@ def _fwd_blocks(acc, l_i, m_i, q, rows, k_base, v_base, sks, skd, svs, svd, lo, 
     for bit, and each score is scaled once, in exp2's multiply-add. With AHEAD (the
     unmasked blocks) each block's q k^T is issued before the previous block's softmax,
     whose exp2s then run while the tensor cores work; its values are carried in
-    registers to the next iteration, which stores them for the product (a load carried
-    so is not one Triton pipelines through shared memory, and the schedule falls back to
-    waiting for the scores)."""
+    registers to the next iteration, which stores them for the product. (Loading each
+    block's values in its own iteration instead lets Triton pipeline them through shared
+    memory, but then the compiled code waits for the scores before the exp2s again.)"""
     unit = _unit(scale, ALIBI, RELATIVE, SOFTCAP)
     if AHEAD and not MASKED:
         if lo < hi:  # the first block's scores; then each block's, and the last's softmax
@@ -212,8 +196,9 @@ def _fwd_blocks(acc, l_i, m_i, q, rows, k_base, v_base, sks, skd, svs, svd, lo, 
 @triton.jit
 def _online_step(acc, l_i, m_i, s, v, allowed, unit, MASKED: tl.constexpr,
                  PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """One key block of the online softmax: scores s (to be multiplied by unit), values
-    v; MASKED: only where allowed."""
+    """One key block of the online softmax: scores s (BLOCK_M, BLOCK_N), to be
+    multiplied by unit, values v (BLOCK_N, BLOCK_D); MASKED: only where allowed.
+    Returns acc (BLOCK_M, BLOCK_D), l_i and m_i (BLOCK_M,)."""
     if MASKED:
         s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * unit)

@@ -15,11 +15,26 @@ from .band import (
     _band_blocks,
     _float_positions,
     _key_block,
-    _query_blocks,
     _scores2,
     _tile,
 )
 from .scores import _head_score
+
+
+@triton.jit
+def _query_blocks(c0, c1, shift, left, right, q_len, kv_len, BLOCK_M: tl.constexpr):
+    """Query blocks that see keys c0..c1, as _band_blocks: (first, first unmasked, end
+    of unmasked, end)."""
+    i_lo = tl.maximum(c0 - shift - right, 0)
+    i_hi = tl.minimum(c1 - shift + left + 1, q_len)  # one past the last row seeing them
+    first = i_lo // BLOCK_M
+    end = tl.maximum(tl.cdiv(i_hi, BLOCK_M), first)
+    full_lo = tl.cdiv(tl.maximum(c1 - shift - right, 0), BLOCK_M)
+    full_hi = tl.maximum(c0 - shift + left + 1, 0) // BLOCK_M
+    full_hi = tl.where(c1 < kv_len, full_hi, 0)  # past S: every tile needs the mask
+    full_lo = tl.minimum(tl.maximum(full_lo, first), end)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), end)
+    return first, full_lo, full_hi, end
 
 
 # Triton takes no structs: kernels and their helpers keep dense argument lists, which
@@ -160,7 +175,7 @@ def _band_bwd_dkv(
     DQ_ATOMIC: tl.constexpr,
 ):
     """Grid (key blocks, B * H_kv): dK, dV (B, H_kv, S, D) of one key block, contiguous,
-    in DK's dtype, summed over the query heads of its group: no atomics. With PER_HEAD
+    in DK's dtype, summed over the query heads of its group (no atomics for them). With PER_HEAD
     the grid is (key blocks, B * H) and each program writes one query head's share into
     DK, DV (B, H, S, D), for the caller to sum over each group (more programs where
     B * H_kv is small). With DQ_ATOMIC the programs also add dQ into DQ (B, H, L, D)

@@ -22,8 +22,9 @@ from ...scores import ScoreFunction
 from ..dense import stats_dtype
 from ..dropout import draw_seed
 from ..scored import sink_grad
+from . import band_launch
 from .attention import _attn_bwd_dkv, _attn_bwd_dq, _attn_fwd, _attn_probs, _keep_mask
-from .band_launch import TILES_AHEAD, BandPlan, band_backward, band_forward, band_plan
+from .band_launch import BandPlan, band_backward, band_forward, band_plan
 from .checks import check_inputs, check_score, interpreting
 from .options import block_dim, kernel_options, strides
 from .scores import KernelScore, block_buckets, kernel_score
@@ -144,7 +145,7 @@ def launch_forward(call: LaunchCall, ahead: bool | None = None) -> tuple[Tensor,
         *score.args(*tensors, like=q),
         HAS_SINKS=tensors[2] is not None,
         DROPOUT=dropout is not None,
-        AHEAD=TILES_AHEAD if ahead is None else ahead,
+        AHEAD=band_launch.TILES_AHEAD if ahead is None else ahead,
         **_options(tiles, bias, score, q, value_dim),
     )
     return out, lse
