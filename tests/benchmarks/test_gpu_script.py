@@ -138,7 +138,7 @@ def test_gpu_band_checks_compare_tma_loads_ahead_scores_and_atomic_dq_on_the_cpu
     from mhsa.benchmarks.gpu_measure import JsonRows
 
     rows = JsonRows(None, "band.jsonl")
-    _check_variants(rows, "dense", None, False, torch.float32, 16, 140, 150, torch.device("cpu"))
+    _check_variants(rows, "dense", None, False, torch.float32, 16, 64, 64, torch.device("cpu"))
     found = {row["section"]: row for row in rows.rows}
     assert list(found) == ["check_tma", "check_ahead", "check_dq_atomic", "check_tiles_ahead"]
     for section in ("check_tma", "check_ahead", "check_tiles_ahead"):
