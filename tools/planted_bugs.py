@@ -184,6 +184,24 @@ BUGS = {
         "if False:",
         "tests/integrations/test_flex_blocks.py",
     ),
+    "band forward a block ahead keeps the first block's values": (
+        "core/kernels/triton/band.py",
+        "                s = s_next\n                v = v_next\n",
+        "                s = s_next\n",
+        "tests/core/kernels/triton/test_triton_band.py",
+    ),
+    "dQ by atomics left unscaled": (
+        "core/kernels/triton/band_grad.py",
+        "dq = _dot(tl.trans(ds_t), k, PREC, UPCAST, tl.float32) * scale",
+        "dq = _dot(tl.trans(ds_t), k, PREC, UPCAST, tl.float32)",
+        "tests/core/kernels/triton/test_triton_band.py",
+    ),
+    "tile forward a tile ahead keeps the first tile's columns": (
+        "core/kernels/triton/attention.py",
+        "cols, v, s = cols_next, v_next, s_next",
+        "cols, v, s = cols, v_next, s_next",
+        "tests/core/kernels/triton/test_triton.py",
+    ),
 }
 
 
