@@ -90,7 +90,8 @@ def test_gpu_script_records_a_failing_backend(tmp_path, monkeypatch):
 
 def test_gpu_band_scores_section_runs_on_the_cpu():
     """gpu_band's score-function section (plain, ALiBi, Softcap with tanh from exp and
-    with tanh.approx, whose choice falls back to exp off the GPU) at a tiny shape."""
+    with tanh.approx, whose choice falls back to exp off the GPU; the kernels' variants
+    beside the plain ones) at a tiny shape."""
     import torch
 
     from mhsa.benchmarks.gpu_band import run_scores
@@ -98,13 +99,17 @@ def test_gpu_band_scores_section_runs_on_the_cpu():
 
     rows = JsonRows(None, "band.jsonl")
     run_scores(rows, torch.device("cpu"), 1e12, 1, shape=(1, 2, 64, 16))
+    names = {False: [], True: []}
+    for backward, suffix in ((False, ", ahead"), (True, ", dq by atomics")):
+        for score in ("none", "alibi", "softcap(30), tanh from exp", "softcap(30), tanh.approx"):
+            names[backward] += [score] + ([score + suffix] if "from exp" not in score else [])
     assert [(r["score"], r["backward"]) for r in rows.rows] == [
-        (score, backward)
-        for backward in (False, True)
-        for score in ("none", "alibi", "softcap(30), tanh from exp", "softcap(30), tanh.approx")
+        (score, backward) for backward in (False, True) for score in names[backward]
     ]
     for row in rows.rows:
         assert row["ms"] > 0 and row["vs_plain"] > 0 and row["of_matmul"] > 0, row
+    # each against plain causal in the same kernels
+    assert {r["score"]: r["vs_plain"] for r in rows.rows}["none, ahead"] == 1.0
 
 
 @pytest.mark.slow

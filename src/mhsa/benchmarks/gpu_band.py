@@ -326,7 +326,9 @@ def run_hf_shape(rows: JsonRows, device, repeat: int, shape=HF_SHAPE, kv_heads=H
 def run_scores(rows: JsonRows, device, peak: float, repeat: int, shape=(4, 16, 4096, 128)) -> None:
     """The band kernels on causal (B, H, L, D = shape, bf16) with no score function,
     ALiBi, and Softcap(30) with tanh from exp and with the hardware's tanh.approx,
-    forward and backward: what each costs over plain causal."""
+    forward and backward, the plain kernels and (", ahead": the forward's scores a block
+    ahead; ", dq by atomics": the backward's) their variants: what each score function
+    costs over plain causal in the same kernels (vs_plain)."""
     from mhsa.core.kernels.triton.scores import KernelScore
     from mhsa.nn.positional import alibi_slopes
 
@@ -340,23 +342,32 @@ def run_scores(rows: JsonRows, device, peak: float, repeat: int, shape=(4, 16, 4
     }
     allowed = measure.allowed_entries(None, True, shape[2], device)
     for backward in (False, True):
+        suffix, plain, variant = (
+            (", dq by atomics", dict(dq_atomic=False), dict(dq_atomic=True))
+            if backward
+            else (", ahead", dict(ahead=False), dict(ahead=True))
+        )
+        call, args = (_backward_call, (None,)) if backward else (_band_call, ())
         fns = {}
         for name, (score, score_slopes) in scores.items():
-            call = _backward_call if backward else _band_call
-            args = (None,) if backward else ()
-            fns[name] = call(*qkv, None, True, *args, score=score, slopes=score_slopes)
+            for label, options in ((name, plain), (name + suffix, variant)):
+                if label != name and "from exp" in name:
+                    continue
+                fns[label] = call(
+                    *qkv, None, True, *args, score=score, slopes=score_slopes, **options
+                )
         flop = measure.flops(allowed, shape, backward=False)
         flop *= measure.BACKWARD_FLOPS if backward else 1
         timed = measure.time_group(fns, repeat, device, 0.02, ())
-        plain = timed.get("none", {}).get("ms")
         for name, row in timed.items():
+            base = timed.get("none" + suffix if name.endswith(suffix) else "none", {}).get("ms")
             rows.add(
                 section="scores",
                 score=name,
                 backward=backward,
                 shape=list(shape),
                 of_matmul=flop / (row["ms"] * 1e-3) / peak if "ms" in row else None,
-                vs_plain=row["ms"] / plain if "ms" in row and plain else None,
+                vs_plain=row["ms"] / base if "ms" in row and base else None,
                 **row,
             )
     del qkv
