@@ -153,6 +153,7 @@ def _check_variants(rows: JsonRows, name, mask, causal, dtype, dim, q_len, kv_le
     checks = {
         "check_tma": lambda: band_bits(tma=True, ahead=False),
         "check_ahead": lambda: band_bits(ahead=True),
+        "check_tma_ahead": lambda: band_bits(tma=True, ahead=True),
         "check_dq_atomic": atomic_distance,
     }
     if mask is None and not causal:
@@ -167,8 +168,9 @@ def _check_variants(rows: JsonRows, name, mask, causal, dtype, dim, q_len, kv_le
 
 def run_sweep_forward(rows: JsonRows, device, length: int, peak: float, repeat: int, dims) -> None:
     """Every forward config on dense and causal at each head dim, the first three with
-    keys and values read through TMA descriptors, and AHEAD_FORWARD's with the scores a
-    block ahead (each variant alone, whatever band_launch's switches say)."""
+    keys and values read through TMA descriptors, AHEAD_FORWARD's with the scores a block
+    ahead (each variant alone, whatever band_launch's switches say), and the first with
+    both."""
     for dim in dims:
         qkv = _inputs((4, 16, length, dim), 16, torch.bfloat16, device)
         for name in ("causal", "dense"):
@@ -182,6 +184,8 @@ def run_sweep_forward(rows: JsonRows, device, length: int, peak: float, repeat: 
             # each block's scores issued before the previous block's softmax (FORWARD_AHEAD)
             for c in AHEAD_FORWARD:
                 fns[f"{c} ahead"] = _band_call(*qkv, mask, causal, c, False, ahead=True)
+            best = FORWARD[0]  # both variants at once
+            fns[f"{best} tma ahead"] = _band_call(*qkv, mask, causal, best, True, ahead=True)
             timed = measure.time_group(fns, repeat, device, 0.02, ())
             flop = measure.flops(allowed, qkv[0].shape, backward=False)
             fields = dict(case=name, dim=dim, length=length)
