@@ -1,7 +1,8 @@
 """Chat-template bombs are refused before they allocate: each asks, through a string method,
 a format width, a printf width, a replace, a concatenation, a filter or the repr of a shared
 container, for gigabytes that a template a few dozen characters long can name. They render
-under the server's limits (2 s, 1,000,000 characters) in one child process whose address
+under the server's size limit (1,000,000 characters; the time limit raised to 60 s, so
+that the size limit refuses them on any CPU) in one child process whose address
 space is capped at 1 GiB above what it holds after its imports: a refusal that came after
 the allocation shows as a MemoryError there, never as gigabytes in the test process."""
 

@@ -116,7 +116,8 @@ def test_dq_takes_atomics_only_where_asked_and_never_under_deterministic_algorit
 ):
     from mhsa.core.kernels.triton import band_launch
 
-    assert not band_launch.dq_atomic_default()  # off until a device run measures it
+    monkeypatch.setattr(band_launch, "DQ_IN_DKV", False)  # (off until a device run times it)
+    assert not band_launch.dq_atomic_default()
     monkeypatch.setattr(band_launch, "DQ_IN_DKV", True)
     assert band_launch.dq_atomic_default()
     deterministic = torch.are_deterministic_algorithms_enabled()

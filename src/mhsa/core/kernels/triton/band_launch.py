@@ -58,19 +58,13 @@ CONFIGS = {
         (False, 128): (32, 64, 4, 2),
         (False, 256): (32, 32, 8, 1),
     },
-    # the dK/dV kernel adding dQ with atomics (DQ_IN_DKV), untimed: at sm_90 and D=128,
-    # (64, 128, 8, 3) issues 24 instructions a score for all five products, where the dQ
-    # and dK/dV kernels above issue 31 together for seven, and spills the fewest
-    # registers inside its loops of the 64 x 128 tiles (tools/triton_compile.py --sass)
-    "dkv+dq": {
-        (True, 64): (64, 128, 8, 2),
-        (True, 128): (64, 128, 8, 3),
-        (True, 256): (32, 64, 8, 1),
-        (False, 64): (32, 64, 4, 2),
-        (False, 128): (32, 64, 4, 2),
-        (False, 256): (32, 32, 8, 1),
-    },
 }
+# the dK/dV kernel adding dQ with atomics (DQ_IN_DKV), untimed; dkv's launches but at
+# 16-bit D <= 128: at sm_90 and D=128, (64, 128, 8, 3) issues 24 instructions a score
+# for all five products, where the dQ and dK/dV kernels issue 31 together for seven, and
+# spills the fewest registers inside its loops of the 64 x 128 tiles
+# (tools/triton_compile.py --sass)
+CONFIGS["dkv+dq"] = {**CONFIGS["dkv"], (True, 64): (64, 128, 8, 2), (True, 128): (64, 128, 8, 3)}
 
 
 # the dK/dV kernel runs one program per query head, not per KV head, where the KV heads
