@@ -33,6 +33,14 @@ from .scores import KernelScore
 # forward at D=64 (128, 64, 4, 3), the best of 10 in the first run. dkv at D=64 follows
 # D=128 (its 32 x 128 tiles on 4 warps took twice the time there); the rest are
 # unmeasured.
+_DKV = {
+    (True, 64): (32, 64, 4, 3),
+    (True, 128): (32, 64, 4, 3),
+    (True, 256): (32, 64, 8, 1),
+    (False, 64): (32, 64, 4, 2),
+    (False, 128): (32, 64, 4, 2),
+    (False, 256): (32, 32, 8, 1),
+}
 CONFIGS = {
     "forward": {
         (True, 64): (128, 64, 4, 3),
@@ -50,21 +58,14 @@ CONFIGS = {
         (False, 128): (64, 32, 4, 2),
         (False, 256): (32, 32, 8, 1),
     },
-    "dkv": {
-        (True, 64): (32, 64, 4, 3),
-        (True, 128): (32, 64, 4, 3),
-        (True, 256): (32, 64, 8, 1),
-        (False, 64): (32, 64, 4, 2),
-        (False, 128): (32, 64, 4, 2),
-        (False, 256): (32, 32, 8, 1),
-    },
+    "dkv": _DKV,
+    # the dK/dV kernel adding dQ with atomics (DQ_IN_DKV), untimed; dkv's launches but at
+    # 16-bit D <= 128: at sm_90 and D=128, (64, 128, 8, 3) issues 24 instructions a
+    # score for all five products, where the dQ and dK/dV kernels issue 31 together for
+    # seven, and spills the fewest registers inside its loops of the 64 x 128 tiles
+    # (tools/triton_compile.py --sass)
+    "dkv+dq": {**_DKV, (True, 64): (64, 128, 8, 2), (True, 128): (64, 128, 8, 3)},
 }
-# the dK/dV kernel adding dQ with atomics (DQ_IN_DKV), untimed; dkv's launches but at
-# 16-bit D <= 128: at sm_90 and D=128, (64, 128, 8, 3) issues 24 instructions a score
-# for all five products, where the dQ and dK/dV kernels issue 31 together for seven, and
-# spills the fewest registers inside its loops of the 64 x 128 tiles
-# (tools/triton_compile.py --sass)
-CONFIGS["dkv+dq"] = {**CONFIGS["dkv"], (True, 64): (64, 128, 8, 2), (True, 128): (64, 128, 8, 3)}
 
 
 # the dK/dV kernel runs one program per query head, not per KV head, where the KV heads
