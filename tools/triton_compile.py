@@ -95,12 +95,12 @@ def band_kernels():
     )
     scored = dict(plain, ALIBI=1, SOFTCAP=2)  # 2: the hardware tanh
     for label, base in (("plain", plain), ("alibi+softcap", scored)):
-        no_tma = dict(KDesc=None, VDesc=None, TMA=False, AHEAD=False)
+        no_tma = dict(KDesc=None, VDesc=None, TMA=False, AHEAD=False, LAST_FIRST=False)
         dkv = dict(EVEN_M=True, DQ=None, DQ_ATOMIC=False)
         atomic = dict(EVEN_M=True, DQ_ATOMIC=True)  # (DQ: float32)
         for kernel, config, fn, extra in (
             ("forward", "forward", band._band_fwd, dict(HAS_SINKS=label != "plain", **no_tma)),
-            ("dq", "dq", band_grad._band_bwd_dq, {}),
+            ("dq", "dq", band_grad._band_bwd_dq, dict(LAST_FIRST=False)),
             ("dkv", "dkv", band_grad._band_bwd_dkv, dict(dkv, PER_HEAD=False)),
             ("dkv per query head", "dkv", band_grad._band_bwd_dkv, dict(dkv, PER_HEAD=True)),
             ("dkv with atomic dq", "dkv+dq", band_grad._band_bwd_dkv, dict(atomic, PER_HEAD=False)),
@@ -113,7 +113,9 @@ def band_kernels():
             }.get(kernel)
             yield f"band {kernel} ({label})", fn, constants, warps, stages, pointers
     block_m, block_n, warps, stages = CONFIGS["forward"][(True, 128)]
-    one_score = dict(KDesc=None, VDesc=None, TMA=False, HAS_SINKS=False, AHEAD=False)
+    one_score = dict(
+        KDesc=None, VDesc=None, TMA=False, HAS_SINKS=False, AHEAD=False, LAST_FIRST=False
+    )
     for label, score in (("alibi", dict(ALIBI=1)), ("softcap", dict(SOFTCAP=2))):
         constants = dict(plain, BLOCK_M=block_m, BLOCK_N=block_n, **one_score, **score)
         yield f"band forward ({label})", band._band_fwd, constants, warps, stages, None
@@ -121,9 +123,17 @@ def band_kernels():
     yield "band forward (softcap, tanh from exp)", band._band_fwd, constants, warps, stages, None
     constants = dict(plain, BLOCK_M=block_m, BLOCK_N=block_n, **dict(one_score, AHEAD=True))
     yield "band forward (scores a block ahead)", band._band_fwd, constants, warps, stages, None
+    constants = dict(plain, BLOCK_M=block_m, BLOCK_N=block_n, **dict(one_score, LAST_FIRST=True))
+    yield "band forward (last block first)", band._band_fwd, constants, warps, stages, None
     descriptor = f"tensordesc<bf16[1, 1, {block_n}, 128]>"
     constants = dict(
-        plain, BLOCK_M=block_m, BLOCK_N=block_n, HAS_SINKS=False, TMA=True, AHEAD=False
+        plain,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        HAS_SINKS=False,
+        TMA=True,
+        AHEAD=False,
+        LAST_FIRST=False,
     )
     descriptors = {"KDesc": descriptor, "VDesc": descriptor}
     yield "band forward (TMA)", band._band_fwd, constants, warps, stages, descriptors

@@ -115,8 +115,9 @@ def test_gpu_band_scores_section_runs_on_the_cpu():
 @pytest.mark.slow
 def test_gpu_band_hf_shape_section_runs_on_the_cpu():
     """gpu_band's transformers-shape section at a tiny shape: the band kernels forward
-    and backward (dK/dV per query head and per KV head), SDPA's forward+backward, and the
-    window's backward under each dq and dK/dV config."""
+    and backward (dK/dV per query head and per KV head, dQ by atomics, the query blocks
+    from the last), SDPA's forward+backward, and the window's backward under each dq and
+    dK/dV config."""
     import torch
 
     from mhsa.benchmarks.gpu_band import DKV, DQ, run_hf_shape
@@ -126,26 +127,40 @@ def test_gpu_band_hf_shape_section_runs_on_the_cpu():
     run_hf_shape(rows, torch.device("cpu"), 1, shape=(1, 4, 64, 16), kv_heads=2)
     timed = {row["what"]: row for row in rows.rows}
     for case in ("causal", "window 512"):
-        for what in ("forward", "backward", "backward, dkv per KV head", "backward, dq by atomics"):
+        for what in (
+            "forward",
+            "backward",
+            "backward, dkv per KV head",
+            "backward, dq by atomics",
+            "forward, last first",
+            "backward, last first",
+        ):
             assert timed[f"{case} band {what}"]["ms"] > 0
     assert timed["causal sdpa forward+backward"]["ms"] > 0
-    assert len(timed) == 9 + len(DQ) + len(DKV)
+    assert len(timed) == 13 + len(DQ) + len(DKV)
 
 
 def test_gpu_band_checks_compare_tma_loads_ahead_scores_and_atomic_dq_on_the_cpu():
-    """gpu_band's variant checks at a tiny shape: the forward through TMA descriptors
-    and the ones with scores a block (band) or a tile (tile lists, bigbird) ahead give
-    the plain forwards' bits, and the backward with dQ added by atomics is within
+    """gpu_band's variant checks at a tiny shape: the forward through TMA descriptors,
+    the ones with scores a block (band) or a tile (tile lists, bigbird) ahead and the
+    band forward and backward with the query blocks from the last give the plain
+    kernels' bits, and the backward with dQ added by atomics is within
     float32 rounding of the dQ kernel's; a failing check gets its own row."""
     import torch
 
-    from mhsa.benchmarks.gpu_band import _check_variants
+    from mhsa.benchmarks.gpu_band_checks import _check_variants
     from mhsa.benchmarks.gpu_measure import JsonRows
 
     rows = JsonRows(None, "band.jsonl")
     _check_variants(rows, "dense", None, False, torch.float32, 16, 64, 64, torch.device("cpu"))
     found = {row["section"]: row for row in rows.rows}
-    bits = ["check_tma", "check_ahead", "check_tma_ahead"]
+    bits = [
+        "check_tma",
+        "check_ahead",
+        "check_tma_ahead",
+        "check_last_first",
+        "check_dq_last_first",
+    ]
     assert list(found) == [*bits, "check_dq_atomic", "check_tiles_ahead"]
     for section in (*bits, "check_tiles_ahead"):
         assert found[section]["same_bits"], found[section]

@@ -11,22 +11,22 @@ it measured). Shapes: B=4, H=16, D=128 (and D=64), bf16, L = S = 8192 by default
 from __future__ import annotations
 
 import argparse
-import functools
 from pathlib import Path
 
 import torch
 
-from mhsa.core.attention import attention
 from mhsa.core.masks import SlidingWindow, bigbird
 
 from . import gpu_measure as measure
 from .gpu_band_calls import (
+    CASES,
     _backward_call,
     _band_call,
     _inputs,
     _tiles_call,
     _tiles_forward_call,
 )
+from .gpu_band_checks import run_checks
 from .gpu_measure import JsonRows
 from .timing import matmul_gflops
 
@@ -69,103 +69,9 @@ DKV_DQ = [(64, 128, 8, 3), (64, 128, 8, 2), (64, 128, 8, 1), (32, 128, 8, 3), (6
 # the tile-list kernels' (function._LAUNCH) default at D=128 first, untimed when chosen;
 # (128, 64, 8, *) runs half the instructions per score at sm_90 (tools/triton_compile.py)
 TILES = [(64, 64, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3)]
-CASES = {"dense": (None, False), "causal": (None, True), "window": (SlidingWindow(1024, 0), True)}
 # gpu_hf's Llama: B=1, 16 query heads over 4 KV heads, L=4096, D=128 (its 512 window
 # made the training step's attention slower than full causal on 2026-12-04)
 HF_SHAPE, HF_KV_HEADS = (1, 16, 4096, 128), 4
-
-
-CHECK_SHAPES = ((torch.bfloat16, 128, (300, 1037)), (torch.float32, 64, (1000, 1000)))
-
-
-def run_checks(rows: JsonRows, device, shapes=CHECK_SHAPES) -> None:
-    """Max errors of out, dq, dk, dv of backend='triton' (the band kernels) against the
-    float32 reference, at awkward shapes (dtype, D, (L, S)): L != S, GQA, D=64 and 128."""
-    from mhsa.nn.positional import alibi_slopes
-    from mhsa.scores import ALiBi, Softcap
-
-    for name, (mask, causal) in {**CASES, "longformer": (SlidingWindow(100, 100), False)}.items():
-        for dtype, dim, (q_len, kv_len) in shapes:
-            scores = (None, ALiBi(alibi_slopes(8).to(device)), Softcap(30.0))
-            for score in scores if name == "causal" else (None,):
-                try:
-                    torch.manual_seed(0)
-                    q = torch.randn(2, 8, q_len, dim, device=device, dtype=dtype)
-                    k, v = (
-                        torch.randn(2, 2, kv_len, dim, device=device, dtype=dtype) for _ in "kv"
-                    )
-                    grad = torch.randn_like(q)
-                    found = []
-                    for backend, cast in (("reference", torch.float32), ("triton", dtype)):
-                        inputs = [t.to(cast).requires_grad_() for t in (q, k, v)]
-                        out = attention(*inputs, mask, causal=causal, backend=backend, score=score)
-                        grads = torch.autograd.grad(out, inputs, grad.to(cast))
-                        found.append([t.detach().float() for t in (out, *grads)])
-                    errors = [float((a - b).abs().max()) for a, b in zip(*found, strict=True)]
-                    rows.add(
-                        section="check",
-                        case=name,
-                        dtype=str(dtype),
-                        dim=dim,
-                        lengths=[q_len, kv_len],
-                        score=repr(score)[:40],
-                        max_errors=errors,
-                    )
-                except Exception as error:
-                    rows.add(section="check", case=name, dim=dim, skipped=measure.failure(error))
-            _check_variants(rows, name, mask, causal, dtype, dim, q_len, kv_len, device)
-
-
-def _check_variants(rows: JsonRows, name, mask, causal, dtype, dim, q_len, kv_len, device):
-    """Whether the forward through TMA descriptors and the one with scores a block ahead
-    give the plain forward's bits, and how far dQ, dK, dV with dQ added by atomics are
-    from the dQ kernel's (the dK/dV launch differs too), on (B, L, H, D) storage as
-    projections leave it; with mask None, also the tile-list forward with scores a tile
-    ahead on bigbird(64) (L = S). A row per check, or its failure."""
-    torch.manual_seed(0)
-    q = torch.randn(2, q_len, 8, dim, device=device, dtype=dtype).transpose(1, 2)
-    k, v = (
-        torch.randn(2, kv_len, 2, dim, device=device, dtype=dtype).transpose(1, 2) for _ in "kv"
-    )
-
-    def same_bits(plain, found) -> dict:
-        return dict(
-            same_bits=all(torch.equal(a, b) for a, b in zip(plain, found, strict=True)),
-            max_difference=float((plain[0].float() - found[0].float()).abs().max()),
-        )
-
-    plain = functools.cache(_band_call(q, k, v, mask, causal, tma=False, ahead=False))
-
-    def band_bits(**variant) -> dict:  # (the plain forward runs once, for all three)
-        return same_bits(plain(), _band_call(q, k, v, mask, causal, **variant)())
-
-    def atomic_distance() -> dict:
-        grads = []
-        for dq_atomic in (False, True):
-            torch.manual_seed(1)
-            grads.append(_backward_call(q, k, v, mask, causal, None, dq_atomic=dq_atomic)())
-        pairs = zip(*grads, strict=True)
-        return dict(max_differences=[float((a.float() - b.float()).abs().max()) for a, b in pairs])
-
-    def tiles_bits() -> dict:
-        keys = [t[:, :, : min(q_len, kv_len)] for t in (q, k, v)]
-        calls = (_tiles_forward_call(keys, bigbird(64, seed=0), None, a) for a in (False, True))
-        return same_bits(*(call() for call in calls))
-
-    checks = {
-        "check_tma": lambda: band_bits(tma=True, ahead=False),
-        "check_ahead": lambda: band_bits(ahead=True),
-        "check_tma_ahead": lambda: band_bits(tma=True, ahead=True),
-        "check_dq_atomic": atomic_distance,
-    }
-    if mask is None and not causal:
-        checks["check_tiles_ahead"] = tiles_bits
-    for section, check in checks.items():
-        fields = dict(section=section, case=name, dtype=str(dtype), dim=dim)
-        try:
-            rows.add(**fields, **check())
-        except Exception as error:
-            rows.add(**fields, skipped=measure.failure(error))
 
 
 def run_sweep_forward(rows: JsonRows, device, length: int, peak: float, repeat: int, dims) -> None:
@@ -178,22 +84,34 @@ def run_sweep_forward(rows: JsonRows, device, length: int, peak: float, repeat: 
         for name in ("causal", "dense"):
             mask, causal = CASES[name]
             allowed = measure.allowed_entries(mask, causal, length, device)
-            plain = dict(tma=False, ahead=False)  # (whatever the switches say)
-            fns = {str(c): _band_call(*qkv, mask, causal, c, **plain) for c in FORWARD}
-            # keys and values through TMA descriptors (band_launch.USE_TMA), best configs
-            for c in TMA_FORWARD:
-                fns[f"{c} tma"] = _band_call(*qkv, mask, causal, c, True, ahead=False)
-            # each block's scores issued before the previous block's softmax (FORWARD_AHEAD)
-            for c in AHEAD_FORWARD:
-                fns[f"{c} ahead"] = _band_call(*qkv, mask, causal, c, False, ahead=True)
-            best = FORWARD[0]  # both variants at once
-            fns[f"{best} tma ahead"] = _band_call(*qkv, mask, causal, best, True, ahead=True)
+            fns = _forward_calls(qkv, mask, causal)
             timed = measure.time_group(fns, repeat, device, 0.02, ())
             flop = measure.flops(allowed, qkv[0].shape, backward=False)
             fields = dict(case=name, dim=dim, length=length)
             _add_configs(rows, timed, flop, peak, "sweep_forward", **fields)
         del qkv
         measure.release()
+
+
+def _forward_calls(qkv, mask, causal) -> dict:
+    """run_sweep_forward's calls by name: every FORWARD config with the plain kernel
+    (whatever band_launch's switches say), then its variants, each alone unless named
+    together."""
+    plain = dict(tma=False, ahead=False, last_first=False)
+    fns = {str(c): _band_call(*qkv, mask, causal, c, **plain) for c in FORWARD}
+
+    def variant(config, **changes):
+        return _band_call(*qkv, mask, causal, config, **{**plain, **changes})
+
+    # keys and values through TMA descriptors (band_launch.USE_TMA), best configs
+    fns.update({f"{c} tma": variant(c, tma=True) for c in TMA_FORWARD})
+    # each block's scores issued before the previous block's softmax (FORWARD_AHEAD)
+    fns.update({f"{c} ahead": variant(c, ahead=True) for c in AHEAD_FORWARD})
+    best = FORWARD[0]  # two at once; the query blocks from the last (LAST_FIRST)
+    fns[f"{best} tma ahead"] = variant(best, tma=True, ahead=True)
+    fns[f"{best} last first"] = variant(best, last_first=True)
+    fns[f"{best} ahead, last first"] = variant(best, ahead=True, last_first=True)
+    return fns
 
 
 def _add_configs(rows: JsonRows, timed: dict, flop: float, peak: float, section: str, **fields):
@@ -243,11 +161,15 @@ def run_sweep_backward(rows: JsonRows, device, length: int, peak: float, repeat:
     mask, causal = CASES["causal"]
     allowed = measure.allowed_entries(mask, causal, length, device)
     flop = measure.flops(allowed, qkv[0].shape, backward=False) * measure.BACKWARD_FLOPS
-    split = dict(dq_atomic=False)  # (whatever band_launch.DQ_IN_DKV says)
+    split = dict(dq_atomic=False, last_first=False)  # (whatever band_launch's switches say)
     fns = {f"dq {c}": _backward_call(*qkv, mask, causal, (c, None), **split) for c in DQ}
     fns.update({f"dkv {c}": _backward_call(*qkv, mask, causal, (None, c), **split) for c in DKV})
     # both kernels at their defaults, against dQ added by the dK/dV kernel's atomics
-    fns["dq and dkv, defaults"] = _backward_call(*qkv, mask, causal, None, dq_atomic=False)
+    fns["dq and dkv, defaults"] = _backward_call(*qkv, mask, causal, None, **split)
+    # the dQ kernel's query blocks from the last (band_launch.LAST_FIRST)
+    fns["dq and dkv, defaults, last first"] = _backward_call(
+        *qkv, mask, causal, None, dq_atomic=False, last_first=True
+    )
     for c in DKV_DQ:
         fns[f"dkv+dq {c}"] = _backward_call(*qkv, mask, causal, (None, c), dq_atomic=True)
     timed = measure.time_group(fns, repeat, device, 0.02, ())
@@ -308,6 +230,13 @@ def run_hf_shape(rows: JsonRows, device, repeat: int, shape=HF_SHAPE, kv_heads=H
         )
         headline[f"{name} band backward, dq by atomics"] = _backward_call(
             *qkv, mask, causal, None, dq_atomic=True
+        )
+        # 32 query blocks a head here: the tail, which launching the last first shortens
+        headline[f"{name} band forward, last first"] = _band_call(
+            *qkv, mask, causal, last_first=True
+        )
+        headline[f"{name} band backward, last first"] = _backward_call(
+            *qkv, mask, causal, None, dq_atomic=False, last_first=True
         )
     trained = [t.detach().requires_grad_() for t in qkv]
     grad = torch.randn_like(qkv[0])

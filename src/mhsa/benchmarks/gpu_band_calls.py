@@ -8,6 +8,11 @@ import math
 
 import torch
 
+from mhsa.core.masks import SlidingWindow
+
+# gpu_band's cases: (mask, causal)
+CASES = {"dense": (None, False), "causal": (None, True), "window": (SlidingWindow(1024, 0), True)}
+
 
 def _inputs(shape, kv_heads, dtype, device, grad=False):
     """[q (B, H, L, D), k, v (B, kv_heads, L, D)] of shape (B, H, L, D), random normal,
@@ -28,26 +33,25 @@ def _band_args(q, k, v, mask, causal, score=None, slopes=None) -> tuple:
     return plan, 1.0 / math.sqrt(q.shape[3]), score or KernelScore(), (slopes, None, None)
 
 
-def _band_call(q, k, v, mask, causal, config=None, tma=False, score=None, slopes=None, ahead=None):
-    """The band forward of one call, to time (ahead: as band_forward's)."""
+def _band_call(q, k, v, mask, causal, config=None, tma=False, score=None, slopes=None, **variants):
+    """The band forward of one call, to time; variants: band_forward's ahead and
+    last_first (default its own choice)."""
     from mhsa.core.kernels.triton.band_launch import band_forward
 
     args = _band_args(q, k, v, mask, causal, score, slopes)
-    return lambda: band_forward(q, k, v, *args, config, tma, ahead)
+    return lambda: band_forward(q, k, v, *args, config, tma, **variants)
 
 
-def _backward_call(
-    q, k, v, mask, causal, configs, score=None, slopes=None, per_head=None, dq_atomic=None
-):
-    """The band backward of one call (its forward run once first), to time; per_head and
-    dq_atomic as band_backward's (default its own choice)."""
+def _backward_call(q, k, v, mask, causal, configs, score=None, slopes=None, **variants):
+    """The band backward of one call (its forward run once first), to time; variants:
+    band_backward's per_head, dq_atomic and last_first (default its own choice)."""
     from mhsa.core.kernels.triton.band_launch import band_backward, band_forward
 
     args = _band_args(q, k, v, mask, causal, score, slopes)
     out, lse = band_forward(q, k, v, *args)
     grad = torch.randn_like(out)
     delta = (grad.float() * out.float()).sum(-1)
-    return lambda: band_backward(q, k, v, grad, delta, lse, *args, configs, per_head, dq_atomic)
+    return lambda: band_backward(q, k, v, grad, delta, lse, *args, configs, **variants)
 
 
 def _tiles_call(qkv, grad, mask, config, backward: bool):

@@ -299,12 +299,14 @@ def test_a_negative_scale_matches_the_golden_formula():
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
-@pytest.mark.parametrize("variant", ["tma", "ahead", "tma+ahead"])
+@pytest.mark.parametrize("variant", ["tma", "ahead", "tma+ahead", "last first"])
 def test_the_forwards_variants_give_the_plain_forwards_bits(name, variant):
     """The forward's TMA path (tensor descriptors) reads what the pointer loads read,
-    and its loop with each block's scores issued before the previous block's softmax
-    (ahead) does the same arithmetic in the same order (both off by default until a
-    GPU run times them): the same out and lse to the bit, on (B, L, H, D) storage as
+    its loop with each block's scores issued before the previous block's softmax
+    (ahead) does the same arithmetic in the same order, and each program of the
+    launch with the query blocks from the last computes the block it is given (all off
+    by default until a GPU run times them): the same out and lse to the bit, on
+    (B, L, H, D) storage as
     projections leave it, D=40 (reads past D as 0) and keys off the tiles (past S as 0),
     with the golden forward's accuracy."""
     import math
@@ -316,12 +318,52 @@ def test_the_forwards_variants_give_the_plain_forwards_bits(name, variant):
     q, k, v = (t.detach() for t in _inputs(q_len, kv_len, kv_heads, dim, contiguous=False))
     assert tma_descriptors(k, v, 16, 64)[0] is not None
     plan, scale, score = band_plan(q, k, v, mask, None, causal), 1 / math.sqrt(dim), KernelScore()
-    plain = band_forward(q, k, v, plan, scale, score, (None,) * 3, tma=False, ahead=False)
-    tma, ahead = "tma" in variant, "ahead" in variant
-    found = band_forward(q, k, v, plan, scale, score, (None,) * 3, tma=tma, ahead=ahead)
+    plain = band_forward(
+        q, k, v, plan, scale, score, (None,) * 3, tma=False, ahead=False, last_first=False
+    )
+    chosen = dict(tma="tma" in variant, ahead="ahead" in variant, last_first="last" in variant)
+    found = band_forward(q, k, v, plan, scale, score, (None,) * 3, **chosen)
     assert all(torch.equal(a, b) for a, b in zip(plain, found, strict=True))
     ref_out, _ = golden_attention(q.double(), k.double(), v.double(), mask, causal=causal)
     assert (found[0].double() - ref_out).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_the_dq_kernel_with_its_query_blocks_from_the_last_gives_the_same_gradients(name):
+    """band_backward with the dQ kernel's query blocks launched from the last: the
+    same dq, dk, dv to the bit (and so the golden gradients, which the plain launch
+    matches), with ALiBi, for every band shape."""
+    import math
+
+    from mhsa.core.kernels.triton.band_launch import band_backward, band_forward
+    from mhsa.core.kernels.triton.scores import kernel_score
+
+    q_len, kv_len, causal, mask, kv_heads, dim = SHAPES[name]
+    q, k, v = (t.detach() for t in _inputs(q_len, kv_len, kv_heads, dim))
+    plan, scale = band_plan(q, k, v, mask, None, causal), 1 / math.sqrt(dim)
+    score, slopes, _ = kernel_score(ALiBi(alibi_slopes(4)))
+    tensors = (slopes, None, None)
+    out, lse = band_forward(q, k, v, plan, scale, score, tensors)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    delta = (grad * out).sum(-1)
+    found = [
+        band_backward(
+            q,
+            k,
+            v,
+            grad,
+            delta,
+            lse,
+            plan,
+            scale,
+            score,
+            tensors,
+            dq_atomic=False,
+            last_first=last_first,
+        )
+        for last_first in (False, True)
+    ]
+    assert all(torch.equal(a, b) for a, b in zip(*found, strict=True))
 
 
 @pytest.mark.parametrize("window", [(0, 0), (60, 0), (40, 8), (BIG, BIG)])

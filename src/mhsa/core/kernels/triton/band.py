@@ -45,6 +45,19 @@ def _band_blocks(r0, r1, shift, left, right, kv_len, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _query_block(LAST_FIRST: tl.constexpr):
+    """The query block of a program on grid (query blocks, B * H): program_id(0), or
+    with LAST_FIRST counted from the last, so that with causal the blocks that see the
+    most keys start first and the short ones fill the GPU's tail (FlashAttention-3
+    schedules the longest first; here only within a head, whose programs run side by
+    side and share its keys in L2)."""
+    qi = tl.program_id(0)
+    if LAST_FIRST:
+        qi = tl.num_programs(0) - 1 - qi
+    return qi
+
+
+@triton.jit
 def _float_positions(first, BLOCK: tl.constexpr):
     """(BLOCK,) float32 positions first, first + 1, ...: one conversion for the block.
     ALiBi's offsets are taken from these (an add per entry, where an integer offset
@@ -220,11 +233,13 @@ def _band_fwd(
     ALIBI: tl.constexpr, RELATIVE: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, AHEAD: tl.constexpr,
+    LAST_FIRST: tl.constexpr,
 ):
     """Grid (query blocks, B * H): out (B, H, L, D) and lse (B, H, L) float32 of one
     query block. With HAS_SINKS each row starts at max = its sink and sum = 1. With TMA,
-    keys and values are read through the tensor descriptors KDesc, VDesc (else None)."""
-    qi, bh = tl.program_id(0), tl.program_id(1)
+    keys and values are read through the tensor descriptors KDesc, VDesc (else None).
+    With LAST_FIRST each head's query blocks are launched from the last."""
+    qi, bh = _query_block(LAST_FIRST), tl.program_id(1)
     b64, h64, hk64 = _program_heads(bh, num_heads, group)
     b, hk = bh // num_heads, bh % num_heads // group  # (int32: the descriptors' indices)
     slope, table, sink = _head_score(Slopes, Table, Sinks, h64, sth, ALIBI, HAS_SINKS, tl.float32)

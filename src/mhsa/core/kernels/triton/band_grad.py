@@ -15,6 +15,7 @@ from .band import (
     _band_blocks,
     _float_positions,
     _key_block,
+    _query_block,
     _scores2,
     _tile,
 )
@@ -79,11 +80,11 @@ def _band_bwd_dq(
     Slopes, Table, Buckets, stn, sth, span, cap,
     ALIBI: tl.constexpr, RELATIVE: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, LAST_FIRST: tl.constexpr,
 ):
     """Grid (query blocks, B * H): dQ of one query block into DQ (B, H, L, D),
-    contiguous, in q's dtype."""
-    qi, bh = tl.program_id(0), tl.program_id(1)
+    contiguous, in q's dtype; LAST_FIRST as the forward's."""
+    qi, bh = _query_block(LAST_FIRST), tl.program_id(1)
     b64, h64, hk64 = _program_heads(bh, num_heads, group)
     slope, table, _ = _head_score(Slopes, Table, Slopes, h64, sth, ALIBI, False, tl.float32)
     rows = qi * BLOCK_M + tl.arange(0, BLOCK_M)

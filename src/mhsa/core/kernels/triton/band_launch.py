@@ -166,6 +166,12 @@ FORWARD_AHEAD = False
 TILES_AHEAD = False
 
 
+# the forward's and dQ's query blocks launched from the last (band._query_block): with
+# causal the long rows first, the short ones in the tail; same bits. Off until a device
+# run times it (gpu_band's sweeps, "last first")
+LAST_FIRST = False
+
+
 # Hopper's TMA (tensor descriptors) for the forward's keys and values: off until a
 # device run measures it against pointer loads (gpu_band's sweep_forward, "tma")
 USE_TMA = False
@@ -205,12 +211,14 @@ def band_forward(
     config: tuple | None = None,
     tma: bool | None = None,
     ahead: bool | None = None,
+    last_first: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(out (B, H, L, D) in q's dtype, lse (B, H, L) float32) of a band call; tensors
     (slopes, table, sinks), None where absent; config overrides the launch; tma: read
     keys and values through tensor descriptors where they allow it (default USE_TMA);
     ahead: issue each block's scores before the previous block's softmax (default
-    FORWARD_AHEAD)."""
+    FORWARD_AHEAD); last_first: launch each head's query blocks from the last (default
+    LAST_FIRST)."""
     batch, num_heads, q_len, head_dim = q.shape
     num_kv_heads, kv_len = k.shape[1], k.shape[2]
     out = q.new_empty(batch, num_heads, q_len, head_dim)
@@ -241,6 +249,7 @@ def band_forward(
         HAS_SINKS=tensors[2] is not None,
         TMA=descriptors[0] is not None,
         AHEAD=FORWARD_AHEAD if ahead is None else ahead,
+        LAST_FIRST=LAST_FIRST if last_first is None else last_first,
         **options,
     )
     return out, lse
@@ -260,6 +269,7 @@ def band_backward(
     configs: tuple | None = None,
     per_head: bool | None = None,
     dq_atomic: bool | None = None,
+    last_first: bool | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) in the inputs' dtype of a band call, given dO (B, H, L, D), delta =
     rowsum(dO * O) - dlse (B, H, L) float32 and the forward's lse; configs (dq, dkv)
@@ -267,7 +277,8 @@ def band_backward(
     shares summed over each group after it (default: with grouped-query heads, where
     per KV head gives fewer than PER_HEAD_BELOW programs and the shares fit in
     PER_HEAD_BYTES); dq_atomic: the dK/dV kernel adds dQ with atomics, no dQ kernel
-    (default dq_atomic_default())."""
+    (default dq_atomic_default()); last_first: the dQ kernel's query blocks launched
+    from the last (default LAST_FIRST)."""
     batch, num_heads, q_len, head_dim = q.shape
     num_kv_heads, kv_len = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
@@ -298,6 +309,7 @@ def band_backward(
             num_heads,
             num_heads // num_kv_heads,
             *sizes,
+            LAST_FIRST=LAST_FIRST if last_first is None else last_first,
             **options,
         )
     options = _options("dkv+dq" if dq_atomic else "dkv", q, score, dkv_config)
