@@ -60,6 +60,7 @@ def test_the_timer_times_the_others_when_one_fails_while_timed():
     assert rows["never"]["skipped"].startswith("OutOfMemoryError: CUDA out of memory")
     good = rows["good"]
     assert good["ms"] <= good["ms_median"] and good["calls_per_sample"] >= 1
+    assert 0 < good["host_ms"] <= good["ms_median"]  # (on the CPU the host does it all)
     assert "ms" not in rows["bad"] and "first_call_s" in rows["bad"]
 
 

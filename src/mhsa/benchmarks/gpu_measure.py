@@ -124,8 +124,10 @@ def time_group(
     """Per function: first_call_s (compilation included), then ms (best) and ms_median
     of `repeat` samples taken interleaved (drift hits all alike); a sample runs the
     function n times, n chosen from one warm call so that it lasts >= min_sample (no
-    warm call when min_sample is 0). The rows of the keys in `observe` say which
-    backend auto picked.
+    warm call when min_sample is 0). host_ms: the least time the calls took to return,
+    before the device caught up; near ms, the host (Python, launches, or a sync inside
+    the call) is what the call waits on, not the device. The rows of the keys in
+    `observe` say which backend auto picked.
     A function that fails gets `skipped` and leaves the rotation."""
     rows: dict[str, dict] = {name: {} for name in fns}
     live: dict[str, tuple[Callable, int]] = {}
@@ -155,12 +157,14 @@ def time_group(
         if name not in live:  # (after the except: its traceback no longer holds memory)
             release()
     samples: dict[str, list[float]] = {name: [] for name in live}
+    host: dict[str, list[float]] = {name: [] for name in live}
     for _ in range(repeat):
         for name, (fn, n) in list(live.items()):
             try:
                 start = time.perf_counter()
                 for _ in range(n):
                     fn()
+                host[name].append((time.perf_counter() - start) / n)
                 sync(device)
                 samples[name].append((time.perf_counter() - start) / n)
             except Exception as error:
@@ -171,7 +175,10 @@ def time_group(
     for name, (_, n) in live.items():
         ordered = sorted(samples[name])
         rows[name].update(
-            ms=ordered[0] * 1e3, ms_median=ordered[len(ordered) // 2] * 1e3, calls_per_sample=n
+            ms=ordered[0] * 1e3,
+            ms_median=ordered[len(ordered) // 2] * 1e3,
+            host_ms=min(host[name]) * 1e3,
+            calls_per_sample=n,
         )
     return rows
 
