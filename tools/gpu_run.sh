@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 44's prepared device run (its timeouts add up to 560 s on an H200): the cuda
+# Issue 44's prepared device run (its timeouts add up to 575 s on an H200): the cuda
 # tests and the band kernels' checks side by side (both correctness), then the timed
 # runs one at a time, most important first (gpu_decode and gpu_paged, measured on 2026-12-04, are not
 # here). Run from a copy of the repository with OUT set (the device tool's run does:
@@ -22,6 +22,8 @@ step band-hf-shape
 timeout 95 python -m mhsa.benchmarks.gpu_band --out $R --only hf_shape --quick >> $LOG 2>&1
 step tile-sweep
 timeout 90 python -m mhsa.benchmarks.gpu_band --out $R --only sweep_tiles >> $LOG 2>&1
+step band-report
+timeout 15 python -m mhsa.benchmarks.gpu_band_report $R/band.jsonl > $R/band_report.md 2>> $LOG
 step gpu-quick
 timeout 55 python -m mhsa.benchmarks.gpu --quick --sections bench scores --budget 40 --out $R >> $LOG 2>&1
 rm -f $R/gpu.md

@@ -66,6 +66,7 @@ DKV = [
 # the dK/dV kernel adding dQ with atomics (band_launch.DQ_IN_DKV): the default first;
 # (32, 128, 8, 3) is the one without register spills at sm_90
 DKV_DQ = [(64, 128, 8, 3), (64, 128, 8, 2), (64, 128, 8, 1), (32, 128, 8, 3), (64, 64, 8, 2)]
+BACKWARD_DEFAULTS = "dq and dkv, defaults"  # sweep_backward's row of the plain kernels
 # the tile-list kernels' (function._LAUNCH) default at D=128 first, untimed when chosen;
 # (128, 64, 8, *) runs half the instructions per score at sm_90 (tools/triton_compile.py)
 TILES = [(64, 64, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3)]
@@ -165,9 +166,9 @@ def run_sweep_backward(rows: JsonRows, device, length: int, peak: float, repeat:
     fns = {f"dq {c}": _backward_call(*qkv, mask, causal, (c, None), **split) for c in DQ}
     fns.update({f"dkv {c}": _backward_call(*qkv, mask, causal, (None, c), **split) for c in DKV})
     # both kernels at their defaults, against dQ added by the dK/dV kernel's atomics
-    fns["dq and dkv, defaults"] = _backward_call(*qkv, mask, causal, None, **split)
+    fns[BACKWARD_DEFAULTS] = _backward_call(*qkv, mask, causal, None, **split)
     # the dQ kernel's query blocks from the last (band_launch.LAST_FIRST)
-    fns["dq and dkv, defaults, last first"] = _backward_call(
+    fns[f"{BACKWARD_DEFAULTS}, last first"] = _backward_call(
         *qkv, mask, causal, None, dq_atomic=False, last_first=True
     )
     for c in DKV_DQ:

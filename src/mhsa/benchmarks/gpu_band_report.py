@@ -1,0 +1,229 @@
+"""What a `python -m mhsa.benchmarks.gpu_band` run says to change: its band.jsonl read
+back into the checks that failed, each kernel variant's time against the plain
+kernel at the same launch config, and each band_launch switch the run supports
+turning on (or a launch config beating the default), with the numbers behind it.
+
+    python -m mhsa.benchmarks.gpu_band_report band.jsonl [--margin 0.02]
+
+Reads only the rows, so a run cut short reports what it measured. Ratios are time
+ratios (variant ms / plain ms): below 1 is faster; a variant timed at several launch
+configs is taken at its fastest, against the fastest plain config. A switch is proposed
+only where its variant is at least `margin` faster in every case that times it and
+none of its checks failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+from .gpu_band import BACKWARD_DEFAULTS
+
+# switch: (the sweep rows' suffix naming its variant, the checks that vouch for it)
+SWITCHES = {
+    "USE_TMA": (" tma", ("check_tma",)),
+    "FORWARD_AHEAD": (" ahead", ("check_ahead",)),
+    "LAST_FIRST": (" last first", ("check_last_first", "check_dq_last_first")),
+    "TILES_AHEAD": (" ahead", ("check_tiles_ahead",)),
+}
+CONFIG = re.compile(r"^(?P<config>\(\d+(?:, \d+){3}\))(?P<rest>.*)$")
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The JSON rows of a band.jsonl, skipping a last line cut off mid-write."""
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def failed_checks(rows: list[dict]) -> list[str]:
+    """One line per check row that failed: skipped, or a variant off the plain bits."""
+    lines = []
+    for row in rows:
+        section = row.get("section", "")
+        if not section.startswith("check"):
+            continue
+        parts = (section, row.get("case"), row.get("dtype"), f"D={row.get('dim')}")
+        where = " ".join(str(part) for part in parts if part is not None)
+        if "skipped" in row:
+            lines.append(f"{where}: {row['skipped']}")
+        elif row.get("same_bits") is False:
+            lines.append(f"{where}: not the plain kernel's bits ({row.get('max_difference')})")
+    return lines
+
+
+def _failed_sections(rows: list[dict]) -> set[str]:
+    return {
+        row["section"]
+        for row in rows
+        if row.get("section", "").startswith("check_")
+        and ("skipped" in row or row.get("same_bits") is False)
+    }
+
+
+def variant_ratios(rows: list[dict], section: str, suffix: str) -> list[tuple[str, float]]:
+    """Per group of `section` (case, dim, pass): (where, the fastest of the configs
+    named a launch config followed by exactly `suffix` (" ahead" is not " tma ahead")
+    / the fastest plain launch config), what switching the variant on and taking its
+    best config would give."""
+    groups: dict[tuple, dict[str, float]] = {}
+    for row in rows:
+        if row.get("section") == section and "ms" in row:
+            key = (row.get("case"), row.get("dim"), row.get("backward", False))
+            groups.setdefault(key, {})[row["config"]] = row["ms"]
+    ratios = []
+    for (case, dim, backward), times in groups.items():
+        plain, variant = {}, {}
+        for name, ms in times.items():
+            match = CONFIG.match(name)
+            if match and match["rest"] in ("", suffix):
+                (plain if match["rest"] == "" else variant)[match["config"]] = ms
+        if plain and variant:
+            best_plain = min(plain, key=plain.__getitem__)
+            best = min(variant, key=variant.__getitem__)
+            where = f"{case}{'' if dim is None else f' D={dim}'}"
+            where += " fwd+bwd" if backward else " fwd"
+            where += f" {best} against {best_plain}"
+            ratios.append((where, variant[best] / plain[best_plain]))
+    return ratios
+
+
+def _backward_ratio(rows: list[dict], variant: str, plain: str) -> list[tuple[str, float]]:
+    """(where, ms ratio) of two sweep_backward rows by config name, where both ran."""
+    times = {
+        r["config"]: r["ms"] for r in rows if r.get("section") == "sweep_backward" and "ms" in r
+    }
+    if variant in times and plain in times:
+        return [(f"causal backward {variant}", times[variant] / times[plain])]
+    return []
+
+
+def proposals(rows: list[dict], margin: float = 0.02) -> list[str]:
+    """Per switch: whether the run supports turning it on, with every ratio behind it."""
+    failed = _failed_sections(rows)
+    lines = []
+    for switch, (suffix, checks) in SWITCHES.items():
+        section = "sweep_tiles" if switch == "TILES_AHEAD" else "sweep_forward"
+        ratios = variant_ratios(rows, section, suffix)
+        if switch == "LAST_FIRST":
+            last_first = f"{BACKWARD_DEFAULTS}, last first"
+            ratios += _backward_ratio(rows, last_first, BACKWARD_DEFAULTS)
+        lines.append(_verdict(switch, ratios, failed & set(checks), margin))
+    dq_rows = [r for r in rows if r.get("section") == "sweep_backward" and "ms" in r]
+    atomic = [r for r in dq_rows if r["config"].startswith("dkv+dq ")]
+    if atomic:
+        best = min(atomic, key=lambda r: r["ms"])
+        ratios = _backward_ratio(rows, best["config"], BACKWARD_DEFAULTS)
+        lines.append(_verdict("DQ_IN_DKV", ratios, failed & {"check_dq_atomic"}, margin))
+    return lines
+
+
+def _verdict(switch: str, ratios: list[tuple[str, float]], failed: set, margin: float) -> str:
+    if not ratios:
+        return f"{switch}: not timed"
+    shown = ", ".join(f"{where} {ratio:.3f}x" for where, ratio in ratios)
+    if failed:
+        return f"{switch}: keep off, its checks failed ({', '.join(sorted(failed))}); {shown}"
+    if all(ratio <= 1 - margin for _, ratio in ratios):
+        return f"{switch}: turn on ({shown})"
+    return f"{switch}: keep off ({shown})"
+
+
+def best_configs(rows: list[dict], defaults: dict[str, tuple]) -> list[str]:
+    """Per sweep group, the fastest plain launch config against the default one."""
+    lines = []
+    groups: dict[tuple, dict[str, float]] = {}
+    for row in rows:
+        section = row.get("section")
+        if section in ("sweep_forward", "sweep_backward") and "ms" in row:
+            name = row["config"]
+            kernel = "forward" if section == "sweep_forward" else name.split(" ")[0]
+            config = name if section == "sweep_forward" else name.partition(" ")[2]
+            if CONFIG.match(config) and CONFIG.match(config)["rest"] == "":
+                key = (kernel, row.get("case"), row.get("dim", 128))
+                groups.setdefault(key, {})[config] = row["ms"]
+    for (kernel, case, dim), times in groups.items():
+        best = min(times, key=times.__getitem__)
+        default = str(defaults.get(kernel, {}).get((True, dim)))
+        line = f"{kernel} {case} D={dim}: best {best} {times[best]:.3f} ms"
+        if default in times:
+            line += f", default {default} {times[default]:.3f} ms"
+            line += f" ({times[best] / times[default]:.3f}x)"
+        lines.append(line)
+    return lines
+
+
+def score_costs(rows: list[dict], goal: float = 1.3) -> list[str]:
+    """The scores section: each score function's time over plain causal in the same
+    kernels, against issue 44's goal."""
+    lines = []
+    for row in rows:
+        if row.get("section") == "scores" and row.get("vs_plain") is not None:
+            ratio, what = row["vs_plain"], "fwd+bwd" if row.get("backward") else "fwd"
+            verdict = "met" if ratio <= goal else "missed"
+            lines.append(f"{row['score']} {what}: {ratio:.2f}x plain ({verdict}: <= {goal}x)")
+    return lines
+
+
+def hf_shape(rows: list[dict]) -> list[str]:
+    """The hf_shape section: each call's time and host time, then the 512 window's
+    forward+backward over full causal's, plain kernels (issue 44: at most 0.5)."""
+    times = {r["what"]: r for r in rows if r.get("section") == "hf_shape" and "ms" in r}
+    lines = [
+        f"{what}: {row['ms']:.3f} ms (host {row.get('host_ms', float('nan')):.3f} ms)"
+        for what, row in times.items()
+    ]
+    parts = [
+        f"{case} band {p}" for case in ("window 512", "causal") for p in ("forward", "backward")
+    ]
+    if all(part in times for part in parts):
+        window = times[parts[0]]["ms"] + times[parts[1]]["ms"]
+        causal = times[parts[2]]["ms"] + times[parts[3]]["ms"]
+        verdict = "met" if window <= 0.5 * causal else "missed"
+        lines.append(f"window 512 / causal, fwd+bwd: {window / causal:.2f}x ({verdict}: <= 0.5x)")
+    return lines
+
+
+def report(rows: list[dict], margin: float = 0.02) -> str:
+    """The markdown report of a band.jsonl's rows."""
+    from mhsa.core.kernels.triton.band_launch import CONFIGS
+
+    header = next((r for r in rows if r.get("section") == "header"), {})
+    parts = [
+        f"# gpu_band: {header.get('gpu', '?')}, torch {header.get('torch', '?')}, "
+        f"matmul {header.get('matmul_tflops', 0):.0f} TFLOP/s",
+        "",
+        "## Checks that failed",
+        *(f"- {line}" for line in failed_checks(rows) or ["none"]),
+        "",
+        "## Switches (band_launch)",
+        *(f"- {line}" for line in proposals(rows, margin)),
+        "",
+        "## Launch configs (plain kernels)",
+        *(f"- {line}" for line in best_configs(rows, CONFIGS) or ["not timed"]),
+        "",
+        "## Score functions over plain causal (band kernels)",
+        *(f"- {line}" for line in score_costs(rows) or ["not timed"]),
+        "",
+        "## At gpu_hf's shape",
+        *(f"- {line}" for line in hf_shape(rows) or ["not timed"]),
+    ]
+    return "\n".join(parts) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("rows", type=Path, help="a band.jsonl")
+    parser.add_argument("--margin", type=float, default=0.02)
+    args = parser.parse_args(argv)
+    print(report(read_rows(args.rows), args.margin), end="")
+
+
+if __name__ == "__main__":
+    main()
