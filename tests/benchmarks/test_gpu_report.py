@@ -64,6 +64,12 @@ def test_the_timer_times_the_others_when_one_fails_while_timed():
     assert "ms" not in rows["bad"] and "first_call_s" in rows["bad"]
 
 
+def test_the_timer_with_no_samples_calls_each_function_once_to_compile_it():
+    calls = []
+    rows = gpu_measure.time_group({"f": lambda: calls.append(1)}, 0, torch.device("cpu"))
+    assert calls == [1] and list(rows["f"]) == ["first_call_s"]
+
+
 def test_auto_choice_is_observed_and_select_restored():
     import mhsa.core.attention as core
 

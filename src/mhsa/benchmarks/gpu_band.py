@@ -319,12 +319,19 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--cases", default=",".join(CASES), help="the peers' cases")
     parser.add_argument("--dims", default="128,64", help="head dims of the forward sweep")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=None,
+        help="samples per call (default 3 with --quick, "
+        "else 7); 0: each call once, which compiles its kernels for a timed run to find",
+    )
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     rows = JsonRows(args.out, "band.jsonl")
-    repeat = 3 if args.quick else 7
+    repeat = (3 if args.quick else 7) if args.repeat is None else args.repeat
     length = 4096 if args.quick else 8192
-    peak = matmul_gflops(8192, repeat, device, torch.bfloat16) * 1e9
+    peak = matmul_gflops(8192, max(repeat, 1), device, torch.bfloat16) * 1e9
     rows.add(
         section="header",
         gpu=torch.cuda.get_device_name(),

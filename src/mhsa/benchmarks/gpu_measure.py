@@ -124,7 +124,8 @@ def time_group(
     """Per function: first_call_s (compilation included), then ms (best) and ms_median
     of `repeat` samples taken interleaved (drift hits all alike); a sample runs the
     function n times, n chosen from one warm call so that it lasts >= min_sample (no
-    warm call when min_sample is 0). host_ms: the least time the calls took to return,
+    warm call when min_sample is 0; with repeat 0 only the first call, to compile
+    ahead of a timed run). host_ms: the least time the calls took to return,
     before the device caught up; near ms, the host (Python, launches, or a sync inside
     the call) is what the call waits on, not the device. The rows of the keys in
     `observe` say which backend auto picked.
@@ -145,7 +146,7 @@ def time_group(
             sync(device)
             rows[name]["first_call_s"] = time.perf_counter() - start
             n = 1
-            if min_sample > 0:
+            if min_sample > 0 and repeat > 0:
                 start = time.perf_counter()
                 fn()
                 sync(device)
@@ -173,6 +174,8 @@ def time_group(
             if name not in live:
                 release()
     for name, (_, n) in live.items():
+        if not samples[name]:  # (repeat 0)
+            continue
         ordered = sorted(samples[name])
         rows[name].update(
             ms=ordered[0] * 1e3,
