@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 44's prepared device run (its timeouts add up to 575 s on an H200): the cuda
+# Issue 44's prepared device run (its timeouts add up to 585 s on an H200): the cuda
 # tests and the band kernels' checks side by side (both correctness), then the timed
 # runs one at a time, most important first (gpu_decode and gpu_paged, measured on 2026-12-04, are not
 # here). Run from a copy of the repository with OUT set (the device tool's run does:
@@ -17,17 +17,19 @@ WARM=$(mktemp -d)
 warm() { timeout 120 python -m mhsa.benchmarks.gpu_band --out $WARM/$1 --repeat 0 --only "$2" "${@:3}" > $WARM/$1.txt 2>&1; }
 warm sweeps sweep_forward,sweep_backward --dims 128 &
 warm others scores,sweep_tiles &
-warm hf hf_shape --quick &
+warm hf hf_shape,dispatch --quick &
 step band-checks
 timeout 120 python -m mhsa.benchmarks.gpu_band --out $R --only checks >> $LOG 2>&1
 wait
 tail -n 3 $WARM/*.txt >> $LOG; rm -rf $WARM
 step band-sweeps
-timeout 110 python -m mhsa.benchmarks.gpu_band --out $R --only sweep_forward,sweep_backward --dims 128 >> $LOG 2>&1
+timeout 100 python -m mhsa.benchmarks.gpu_band --out $R --only sweep_forward,sweep_backward --dims 128 >> $LOG 2>&1
 step band-scores
 timeout 45 python -m mhsa.benchmarks.gpu_band --out $R --only scores >> $LOG 2>&1
 step band-hf-shape
-timeout 95 python -m mhsa.benchmarks.gpu_band --out $R --only hf_shape --quick >> $LOG 2>&1
+timeout 90 python -m mhsa.benchmarks.gpu_band --out $R --only hf_shape --quick >> $LOG 2>&1
+step band-dispatch
+timeout 25 python -m mhsa.benchmarks.gpu_band --out $R --only dispatch --quick >> $LOG 2>&1
 step tile-sweep
 timeout 90 python -m mhsa.benchmarks.gpu_band --out $R --only sweep_tiles >> $LOG 2>&1
 step band-report

@@ -66,6 +66,9 @@ def test_the_report_names_failed_checks_and_configs_that_beat_the_default(tmp_pa
         dict(section="hf_shape", what="causal band backward", ms=3.0, host_ms=0.2),
         dict(section="hf_shape", what="window 512 band forward", ms=0.5, host_ms=0.1),
         dict(section="hf_shape", what="window 512 band backward", ms=1.0, host_ms=0.2),
+        dict(section="dispatch", what="triton", backward=False, ms=3.0, host_ms=0.3),
+        dict(section="dispatch", what="triton, isolate_nonfinite=False", backward=False,
+             ms=2.5, host_ms=0.1),
     ]  # fmt: skip
     path = tmp_path / "band.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows) + '{"section": "cut')
@@ -80,3 +83,6 @@ def test_the_report_names_failed_checks_and_configs_that_beat_the_default(tmp_pa
     assert "- alibi, ahead fwd+bwd: 1.40x plain (missed: <= 1.3x)" in text
     assert "- window 512 band backward: 1.000 ms (host 0.200 ms)" in text
     assert "- window 512 / causal, fwd+bwd: 0.38x (met: <= 0.5x)" in text
+    assert (
+        "- triton fwd: 3.000 ms (host 0.300 ms), 1.200x the time without isolate_nonfinite"
+    ) in text

@@ -172,6 +172,25 @@ def test_gpu_band_checks_compare_tma_loads_ahead_scores_and_atomic_dq_on_the_cpu
     assert all("skipped" in row for row in rows.rows)
 
 
+def test_gpu_band_dispatch_section_runs_on_the_cpu():
+    """gpu_band's dispatch section at a tiny shape: the band forward alone, then
+    mhsa.attention (triton, sdpa) with and without isolate_nonfinite and SDPA itself,
+    forward and forward+backward, each timed with its host time."""
+    import torch
+
+    from mhsa.benchmarks.gpu_band import run_dispatch
+    from mhsa.benchmarks.gpu_measure import JsonRows
+
+    rows = JsonRows(None, "band.jsonl")
+    run_dispatch(rows, torch.device("cpu"), 1, shape=(1, 2, 40, 16))
+    timed = {(row["what"], row["backward"]): row for row in rows.rows}
+    calls = ["triton", "sdpa", "triton, isolate_nonfinite=False", "sdpa, isolate_nonfinite=False"]
+    for backward in (False, True):
+        for what in [*calls, "torch sdpa"]:
+            assert timed[what, backward]["ms"] > 0 and timed[what, backward]["host_ms"] > 0
+    assert ("triton kernel", False) in timed and ("triton kernel", True) not in timed
+
+
 def test_gpu_band_tile_sweep_runs_on_the_cpu():
     """gpu_band's sweep of the tile-list kernels' launch configs (bigbird, packed
     segments; forward and forward+backward) at a tiny shape with the interpreter's

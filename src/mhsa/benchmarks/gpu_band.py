@@ -11,10 +11,12 @@ it measured). Shapes: B=4, H=16, D=128 (and D=64), bf16, L = S = 8192 by default
 from __future__ import annotations
 
 import argparse
+import functools
 from pathlib import Path
 
 import torch
 
+from mhsa.core.attention import attention
 from mhsa.core.masks import SlidingWindow, bigbird
 
 from . import gpu_measure as measure
@@ -310,12 +312,44 @@ def run_scores(rows: JsonRows, device, peak: float, repeat: int, shape=(4, 16, 4
     measure.release()
 
 
+def run_dispatch(rows: JsonRows, device, repeat: int, shape=(4, 16, 8192, 128)) -> None:
+    """Where the time goes between a kernel and mhsa.attention, causal (B, H, L, D =
+    shape, bf16, inputs requiring grad): the band forward alone, then mhsa.attention
+    with backend triton and sdpa, with and without isolate_nonfinite (whose check of the
+    keys and values waits for the device once a call), and SDPA called directly;
+    forward and forward+backward. host_ms says where the host is what a call waits on."""
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    qkv = _inputs(shape, shape[1], torch.bfloat16, device, grad=True)
+    grad = torch.randn_like(qkv[0])
+
+    def through(backend: str, isolate: bool):
+        return lambda: attention(*qkv, causal=True, backend=backend, isolate_nonfinite=isolate)
+
+    forwards = {"triton kernel": _band_call(*(t.detach() for t in qkv), None, True)}
+    for backend in ("triton", "sdpa"):
+        forwards[f"{backend}, isolate_nonfinite=False"] = through(backend, False)
+        forwards[backend] = through(backend, True)
+    forwards["torch sdpa"] = lambda: sdpa(*qkv, is_causal=True)
+    for backward in (False, True):
+        fns = {name: fn for name, fn in forwards.items() if not backward or "kernel" not in name}
+        if backward:  # (each forward's output, back to q, k and v)
+            fns = {name: functools.partial(_backward_of, fn, qkv, grad) for name, fn in fns.items()}
+        for name, row in measure.time_group(fns, repeat, device, 0.02, ()).items():
+            rows.add(section="dispatch", what=name, backward=backward, shape=list(shape), **row)
+
+
+def _backward_of(forward, inputs, grad):
+    return torch.autograd.grad(forward(), inputs, grad)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--quick", action="store_true", help="fewer repeats, L=4096")
     parser.add_argument(
-        "--only", default="checks,sweep_forward,sweep_backward,sweep_tiles,scores,peers,hf_shape"
+        "--only",
+        default="checks,sweep_forward,sweep_backward,sweep_tiles,scores,peers,hf_shape,dispatch",
     )
     parser.add_argument("--cases", default=",".join(CASES), help="the peers' cases")
     parser.add_argument("--dims", default="128,64", help="head dims of the forward sweep")
@@ -352,6 +386,8 @@ def main(argv: list[str] | None = None) -> None:
         run_scores(rows, device, peak, repeat)
     if "hf_shape" in parts:
         run_hf_shape(rows, device, repeat)
+    if "dispatch" in parts:
+        run_dispatch(rows, device, repeat)
     if "peers" in parts:
         cases = {name: CASES[name] for name in args.cases.split(",")}
         run_peers(rows, device, (length, 2 * length), peak, repeat, cases)

@@ -190,6 +190,25 @@ def hf_shape(rows: list[dict]) -> list[str]:
     return lines
 
 
+def dispatch(rows: list[dict]) -> list[str]:
+    """The dispatch section: each call's time and host time, and what isolate_nonfinite
+    costs each backend (default time over the time without it)."""
+    times = {
+        (r["what"], r.get("backward")): r
+        for r in rows
+        if r.get("section") == "dispatch" and "ms" in r
+    }
+    lines = []
+    for (what, backward), row in times.items():
+        name = f"{what} {'fwd+bwd' if backward else 'fwd'}"
+        line = f"{name}: {row['ms']:.3f} ms (host {row.get('host_ms', float('nan')):.3f} ms)"
+        off = times.get((f"{what}, isolate_nonfinite=False", backward))
+        if off is not None:
+            line += f", {row['ms'] / off['ms']:.3f}x the time without isolate_nonfinite"
+        lines.append(line)
+    return lines
+
+
 def report(rows: list[dict], margin: float = 0.02) -> str:
     """The markdown report of a band.jsonl's rows."""
     from mhsa.core.kernels.triton.band_launch import CONFIGS
@@ -213,6 +232,9 @@ def report(rows: list[dict], margin: float = 0.02) -> str:
         "",
         "## At gpu_hf's shape",
         *(f"- {line}" for line in hf_shape(rows) or ["not timed"]),
+        "",
+        "## From kernel to mhsa.attention (causal)",
+        *(f"- {line}" for line in dispatch(rows) or ["not timed"]),
     ]
     return "\n".join(parts) + "\n"
 
