@@ -190,6 +190,15 @@ def tile_kernels():
     yield "tiles dkv", attention._attn_bwd_dkv, base, warps, stages, tiles
 
 
+def delta_kernels():
+    """The backward's delta (rowsum(dO * O) - dlse) at D=128, bf16, as row_delta
+    launches it."""
+    from mhsa.core.kernels.triton.delta import _delta
+
+    constants = dict(HAS_DLSE=True, BLOCK_L=32, BLOCK_D=128, ACC=tl.float32)
+    yield "delta", _delta, constants, 4, 3, {"DLse": "*fp32"}
+
+
 def paged_kernels():
     """The paged decoding kernel (with a window and ALiBi, and without) and its merge."""
     from mhsa.core.kernels.triton import paged
@@ -303,6 +312,7 @@ def main() -> None:
     for name, fn, constants, warps, stages, pointers in (
         *band_kernels(),
         *tile_kernels(),
+        *delta_kernels(),
         *paged_kernels(),
     ):
         if args.only not in name:

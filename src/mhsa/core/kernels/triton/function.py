@@ -26,6 +26,7 @@ from . import band_launch
 from .attention import _attn_bwd_dkv, _attn_bwd_dq, _attn_fwd, _attn_probs, _keep_mask
 from .band_launch import BandPlan, band_backward, band_forward, band_plan
 from .checks import check_inputs, check_score, interpreting
+from .delta import row_delta
 from .options import block_dim, kernel_options, strides
 from .scores import KernelScore, block_buckets, kernel_score
 from .tiles import TileLists, broadcast4d, build_tiles
@@ -169,10 +170,8 @@ def launch_backward(
     shape = (batch, num_heads, q_len, kv_len)
     acc = stats_dtype(q.dtype)
     grad_out = grad_out.to(q.dtype)
-    delta = (grad_out.to(acc) * out.to(acc)).sum(dim=-1)  # (B, H, L)
-    if grad_lse is not None:  # d lse / d scores is P: it enters as a shift of delta
-        delta = delta - torch.where(torch.isfinite(lse), grad_lse.to(acc), 0.0)
-    delta = delta.contiguous()
+    # (B, H, L); d lse / d scores is P: grad_lse enters as a shift of delta
+    delta = row_delta(grad_out, out, lse, grad_lse)
     if isinstance(tiles, BandPlan):  # (only planned where no score tensor needs a gradient)
         dq, dk, dv = band_backward(q, k, v, grad_out, delta, lse, tiles, scale, score, tensors)
         dsinks = sink_grad(tensors[2], lse, delta) if wanted[0] else None
