@@ -1,7 +1,8 @@
 """What a `python -m mhsa.benchmarks.gpu_band` run says to change: its band.jsonl read
-back into the checks that failed, each kernel variant's time against the plain
-kernel at the same launch config, and each band_launch switch the run supports
-turning on (or a launch config beating the default), with the numbers behind it.
+back into the checks that failed, the band_launch switches the run supports turning
+on, the launch configs that beat the defaults, what score functions cost, the 512
+window against causal at transformers' shape, and what lies between a kernel and
+mhsa.attention, each with the numbers behind it.
 
     python -m mhsa.benchmarks.gpu_band_report band.jsonl [--margin 0.02]
 
@@ -173,7 +174,8 @@ def score_costs(rows: list[dict], goal: float = 1.3) -> list[str]:
 
 def hf_shape(rows: list[dict]) -> list[str]:
     """The hf_shape section: each call's time and host time, then the 512 window's
-    forward+backward over full causal's, plain kernels (issue 44: at most 0.5)."""
+    forward+backward over full causal's, kernels at their defaults (issue 44: at most
+    0.5)."""
     times = {r["what"]: r for r in rows if r.get("section") == "hf_shape" and "ms" in r}
     lines = [
         f"{what}: {row['ms']:.3f} ms (host {row.get('host_ms', float('nan')):.3f} ms)"
