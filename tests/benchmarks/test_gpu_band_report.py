@@ -58,8 +58,14 @@ def test_the_report_names_failed_checks_and_configs_that_beat_the_default(tmp_pa
     rows[5]["ms"] = 1.5  # a plain config faster than the default
     rows += [
         dict(section="check", case="dense", dim=64, skipped="RuntimeError: PassManager"),
-        dict(section="check_ahead", case="window", dtype="torch.bfloat16", dim=128,
-             same_bits=False, max_difference=0.5),
+        dict(
+            section="check_ahead",
+            case="window",
+            dtype="torch.bfloat16",
+            dim=128,
+            same_bits=False,
+            max_difference=0.5,
+        ),
         dict(section="scores", score="alibi", backward=False, vs_plain=1.2, ms=1.0),
         dict(section="scores", score="alibi, ahead", backward=True, vs_plain=1.4, ms=1.0),
         dict(section="hf_shape", what="causal band forward", ms=1.0, host_ms=0.1),
@@ -67,9 +73,14 @@ def test_the_report_names_failed_checks_and_configs_that_beat_the_default(tmp_pa
         dict(section="hf_shape", what="window 512 band forward", ms=0.5, host_ms=0.1),
         dict(section="hf_shape", what="window 512 band backward", ms=1.0, host_ms=0.2),
         dict(section="dispatch", what="triton", backward=False, ms=3.0, host_ms=0.3),
-        dict(section="dispatch", what="triton, isolate_nonfinite=False", backward=False,
-             ms=2.5, host_ms=0.1),
-    ]  # fmt: skip
+        dict(
+            section="dispatch",
+            what="triton, isolate_nonfinite=False",
+            backward=False,
+            ms=2.5,
+            host_ms=0.1,
+        ),
+    ]
     path = tmp_path / "band.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows) + '{"section": "cut')
     text = report.report(report.read_rows(path))
