@@ -175,9 +175,6 @@ def tile_kernels():
         "DBias": "*fp32",
         "DSlope": "*fp32",
         "DTable": "*fp32",
-        "DQ": "*fp32",
-        "DK": "*fp32",
-        "DV": "*fp32",
     }
     forward = dict(base, HAS_SINKS=True, AHEAD=False)
     yield "tiles forward", attention._attn_fwd, forward, warps, stages, tiles

@@ -152,6 +152,20 @@ def test_low_precision_by_the_2x_3x_rule(dtype):
     assert_2x_3x_rule(q, k, v, out, grad_out, ref_out, ref_grads)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_gradients_of_the_tile_lists_come_in_the_inputs_dtype(dtype):
+    """The tile-list kernels (blocks= names their tiles) store dQ, dK and dV in the
+    inputs' dtype, rounded once from their float32 sums: the 2x/3x rule on causal with
+    L != S and grouped-query heads, on (B, L, H, D) storage."""
+    q, k, v, _, _, _, _ = make_case("causal-LneS-gqa", dtype)
+    out, _ = triton_attention(q, k, v, causal=True, blocks=(16, 16))
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    assert all(t.grad.dtype == dtype for t in (q, k, v))
+    ref_out, _, ref_grads = reference_with_grads(q, k, v, None, None, True, grad_out)
+    assert_2x_3x_rule(q, k, v, out, grad_out, ref_out, ref_grads)
+
+
 @pytest.mark.parametrize("seed", [1, 2**31 - 2])
 @pytest.mark.parametrize("p", [0.1, 0.75])
 def test_dropout_mask_equals_cpu_keep_mask(seed, p):

@@ -320,7 +320,8 @@ def _attn_bwd_dq(
                                            BLOCK_NB, ACC)
         dq += _dot(ds.to(k.dtype), k, PREC, UPCAST, ACC)
     offs = (bh64 * q_len + rows.to(tl.int64))[:, None] * head_dim + dims[None, :]
-    tl.store(DQ + offs, dq * scale, mask=row_ok[:, None] & (dims[None, :] < head_dim))
+    tl.store(DQ + offs, (dq * scale).to(DQ.dtype.element_ty),
+             mask=row_ok[:, None] & (dims[None, :] < head_dim))
     partial = bh64 * tl.num_programs(0) + qi
     if SLOPE_GRAD:
         tl.store(DSlope + partial, d_slope)
@@ -387,9 +388,9 @@ def _attn_bwd_dkv(
                 ds = ds * (1.0 - t * t)
             dk += _dot(tl.trans(ds.to(q.dtype)), q, PREC, UPCAST, ACC)
     key = bhk.to(tl.int64) * kv_len + cols.to(tl.int64)
-    tl.store(DK + key[:, None] * head_dim + dims[None, :], dk * scale,
+    tl.store(DK + key[:, None] * head_dim + dims[None, :], (dk * scale).to(DK.dtype.element_ty),
              mask=col_ok[:, None] & (dims[None, :] < head_dim))
-    tl.store(DV + key[:, None] * value_dim + vdims[None, :], dv,
+    tl.store(DV + key[:, None] * value_dim + vdims[None, :], dv.to(DV.dtype.element_ty),
              mask=col_ok[:, None] & (vdims[None, :] < value_dim))
 
 

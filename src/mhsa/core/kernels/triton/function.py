@@ -176,9 +176,7 @@ def launch_backward(
         dq, dk, dv = band_backward(q, k, v, grad_out, delta, lse, tiles, scale, score, tensors)
         dsinks = sink_grad(tensors[2], lse, delta) if wanted[0] else None
         return dq, dk, dv, None, dsinks, None, None
-    dq = torch.empty(q.shape, dtype=acc, device=q.device)
-    dk = torch.empty(k.shape, dtype=acc, device=q.device)
-    dv = torch.empty(v.shape, dtype=acc, device=q.device)
+    dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     dbias = torch.zeros(shape, dtype=acc, device=q.device) if bias_grad else q
     slope_grad, table_grad = wanted[1] and score.alibi > 0, wanted[2] and score.relative > 0
     block_nb = block_buckets(score.num_buckets)
@@ -261,7 +259,7 @@ def launch_backward(
             else None
         ),
     ]
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), grad_bias, *grads
+    return dq, dk, dv, grad_bias, *grads
 
 
 class TritonAttention(torch.autograd.Function):
