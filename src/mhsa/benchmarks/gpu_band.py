@@ -68,7 +68,11 @@ DKV = [
 # the dK/dV kernel adding dQ with atomics (band_launch.DQ_IN_DKV): the default first;
 # (32, 128, 8, 3) is the one without register spills at sm_90
 DKV_DQ = [(64, 128, 8, 3), (64, 128, 8, 2), (64, 128, 8, 1), (32, 128, 8, 3), (64, 64, 8, 2)]
-BACKWARD_DEFAULTS = "dq and dkv, defaults"  # sweep_backward's row of the plain kernels
+# sweep_backward's rows by name: the plain kernels at their defaults, the same with
+# the dQ kernel's query blocks from the last, and the dK/dV kernel adding dQ (+ config)
+BACKWARD_DEFAULTS = "dq and dkv, defaults"
+BACKWARD_LAST_FIRST = f"{BACKWARD_DEFAULTS}, last first"
+ATOMIC_DQ = "dkv+dq"
 # the tile-list kernels' (function._LAUNCH) default at D=128 first, untimed when chosen;
 # (128, 64, 8, *) runs half the instructions per score at sm_90 (tools/triton_compile.py)
 TILES = [(64, 64, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3)]
@@ -170,11 +174,11 @@ def run_sweep_backward(rows: JsonRows, device, length: int, peak: float, repeat:
     # both kernels at their defaults, against dQ added by the dK/dV kernel's atomics
     fns[BACKWARD_DEFAULTS] = _backward_call(*qkv, mask, causal, None, **split)
     # the dQ kernel's query blocks from the last (band_launch.LAST_FIRST)
-    fns[f"{BACKWARD_DEFAULTS}, last first"] = _backward_call(
+    fns[BACKWARD_LAST_FIRST] = _backward_call(
         *qkv, mask, causal, None, dq_atomic=False, last_first=True
     )
     for c in DKV_DQ:
-        fns[f"dkv+dq {c}"] = _backward_call(*qkv, mask, causal, (None, c), dq_atomic=True)
+        fns[f"{ATOMIC_DQ} {c}"] = _backward_call(*qkv, mask, causal, (None, c), dq_atomic=True)
     timed = measure.time_group(fns, repeat, device, 0.02, ())
     _add_configs(rows, timed, flop, peak, "sweep_backward", case="causal", dim=128, length=length)
 

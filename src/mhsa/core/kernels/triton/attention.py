@@ -279,7 +279,8 @@ def _attn_bwd_dq(
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
     ACC: tl.constexpr, EVEN: tl.constexpr,
 ):
-    """Grid (query blocks, B * H): dQ (B, H, L, D) in ACC of one block; with BIAS_GRAD
+    """Grid (query blocks, B * H): dQ (B, H, L, D) of one block, summed in ACC and
+    stored in DQ's dtype; with BIAS_GRAD
     also the block's dS tiles into dBias (B, H, L, S) ACC (each entry written once);
     with SLOPE_GRAD / TABLE_GRAD the block's slope gradient and per-bucket table
     gradient sums into DSlope (B * H, query blocks) and DTable (B * H, query blocks,
@@ -343,9 +344,10 @@ def _attn_bwd_dkv(
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
     ACC: tl.constexpr, EVEN: tl.constexpr,
 ):
-    """Grid (key blocks, B * H_kv): dK (B, H_kv, S, D) and dV (B, H_kv, S, D_v) in ACC of
-    one key block, summed over the query heads of its group and the query blocks that
-    visit it (col_ptr/blk_* list them per key block): no atomics."""
+    """Grid (key blocks, B * H_kv): dK (B, H_kv, S, D) and dV (B, H_kv, S, D_v) of one
+    key block, summed in ACC over the query heads of its group and the query blocks
+    that visit it (col_ptr/blk_* list them per key block; no atomics), stored in DK's
+    and DV's dtype."""
     kj, bhk = tl.program_id(0), tl.program_id(1)
     b, hk = bhk // num_kv_heads, bhk % num_kv_heads
     b64, hk64 = b.to(tl.int64), hk.to(tl.int64)  # offsets of a head can pass 2**31
