@@ -13,8 +13,12 @@ from optional import needs
 
 needs("triton")  # the interpreter is switched on in conftest.py
 
+import triton
+import triton.language as tl
+
 from helpers import assert_matches_golden, golden_attention
 from mhsa.core.kernels.triton import triton_attention
+from mhsa.core.kernels.triton.band import _query_block
 from mhsa.core.kernels.triton.band_launch import BIG, BandPlan, band_plan, mask_band
 from mhsa.core.kernels.triton.function import _prepare
 from mhsa.core.masks import Causal, Dilated, SlidingWindow, bigbird
@@ -326,6 +330,23 @@ def test_the_forwards_variants_give_the_plain_forwards_bits(name, variant):
     assert all(torch.equal(a, b) for a, b in zip(plain, found, strict=True))
     ref_out, _ = golden_attention(q.double(), k.double(), v.double(), mask, causal=causal)
     assert (found[0].double() - ref_out).abs().max() < 1e-5
+
+
+@triton.jit
+def _query_blocks(Out, LAST_FIRST: tl.constexpr):
+    """Out (heads, query blocks): the query block of each program."""
+    tl.store(
+        Out + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), _query_block(LAST_FIRST)
+    )
+
+
+def test_last_first_gives_program_i_of_n_the_query_block_n_minus_1_minus_i():
+    """The mapping itself (the kernels' outputs cannot show it: each program computes
+    the block it is given, so the bits are the same either way)."""
+    for last_first, expected in ((False, [0, 1, 2, 3, 4]), (True, [4, 3, 2, 1, 0])):
+        out = torch.full((2, 5), -1, dtype=torch.int32)
+        _query_blocks[(5, 2)](out, LAST_FIRST=last_first)
+        assert out.tolist() == [expected, expected]
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
