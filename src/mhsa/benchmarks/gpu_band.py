@@ -85,7 +85,7 @@ def run_sweep_forward(rows: JsonRows, device, length: int, peak: float, repeat: 
     """Every forward config on dense and causal at each head dim, the first three with
     keys and values read through TMA descriptors, AHEAD_FORWARD's with the scores a block
     ahead (each variant alone, whatever band_launch's switches say), and the first with
-    both."""
+    both, with its query blocks from the last, and with both of those (_forward_calls)."""
     for dim in dims:
         qkv = _inputs((4, 16, length, dim), 16, torch.bfloat16, device)
         for name in ("causal", "dense"):
@@ -175,7 +175,7 @@ def run_sweep_backward(rows: JsonRows, device, length: int, peak: float, repeat:
     fns[BACKWARD_DEFAULTS] = _backward_call(*qkv, mask, causal, None, **split)
     # the dQ kernel's query blocks from the last (band_launch.LAST_FIRST)
     fns[BACKWARD_LAST_FIRST] = _backward_call(
-        *qkv, mask, causal, None, dq_atomic=False, last_first=True
+        *qkv, mask, causal, None, **dict(split, last_first=True)
     )
     for c in DKV_DQ:
         fns[f"{ATOMIC_DQ} {c}"] = _backward_call(*qkv, mask, causal, (None, c), dq_atomic=True)

@@ -61,10 +61,10 @@ def _check_variants(rows: JsonRows, name, mask, causal, dtype, dim, q_len, kv_le
     """Whether the forward through TMA descriptors, the one with scores a block ahead and
     the one with the query blocks from the last give the plain forward's bits (and the
     dQ kernel with its blocks from the last its gradients'), and how far dQ, dK, dV with
-    dQ added by atomics are
-    from the dQ kernel's (the dK/dV launch differs too), on (B, L, H, D) storage as
-    projections leave it; with mask None, also the tile-list forward with scores a tile
-    ahead on bigbird(64) (L = S). A row per check, or its failure."""
+    dQ added by atomics are from the dQ kernel's (the dK/dV launch differs too), on
+    (B, L, H, D) storage as projections leave it; with mask None, also the tile-list
+    forward with scores a tile ahead on bigbird(64) (L = S). A row per check, or its
+    failure."""
     torch.manual_seed(0)
     q = torch.randn(2, q_len, 8, dim, device=device, dtype=dtype).transpose(1, 2)
     k, v = (
@@ -80,25 +80,21 @@ def _check_variants(rows: JsonRows, name, mask, causal, dtype, dim, q_len, kv_le
     plain_variants = dict(tma=False, ahead=False, last_first=False)
     plain = functools.cache(_band_call(q, k, v, mask, causal, **plain_variants))
 
-    def band_bits(**variant) -> dict:  # (the plain forward runs once, for all)
-        return same_bits(plain(), _band_call(q, k, v, mask, causal, **variant)())
+    def band_bits(**changes) -> dict:  # (the plain forward runs once, for all)
+        return same_bits(
+            plain(), _band_call(q, k, v, mask, causal, **{**plain_variants, **changes})()
+        )
 
-    def dq_bits() -> dict:  # the dQ kernel's query blocks from the last
+    def backward_pair(flag: str) -> list:  # (dq, dk, dv) with flag off, then on
         grads = []
-        for last_first in (False, True):
-            torch.manual_seed(1)
-            call = _backward_call(
-                q, k, v, mask, causal, None, dq_atomic=False, last_first=last_first
-            )
-            grads.append(call())
-        return same_bits(*grads)
+        for on in (False, True):
+            torch.manual_seed(1)  # (the same dO)
+            variants = {"dq_atomic": False, "last_first": False, flag: on}
+            grads.append(_backward_call(q, k, v, mask, causal, None, **variants)())
+        return grads
 
     def atomic_distance() -> dict:
-        grads = []
-        for dq_atomic in (False, True):
-            torch.manual_seed(1)
-            grads.append(_backward_call(q, k, v, mask, causal, None, dq_atomic=dq_atomic)())
-        pairs = zip(*grads, strict=True)
+        pairs = zip(*backward_pair("dq_atomic"), strict=True)
         return dict(max_differences=[float((a.float() - b.float()).abs().max()) for a, b in pairs])
 
     def tiles_bits() -> dict:
@@ -107,11 +103,11 @@ def _check_variants(rows: JsonRows, name, mask, causal, dtype, dim, q_len, kv_le
         return same_bits(*(call() for call in calls))
 
     checks = {
-        "check_tma": lambda: band_bits(**dict(plain_variants, tma=True)),
-        "check_ahead": lambda: band_bits(**dict(plain_variants, ahead=True)),
-        "check_tma_ahead": lambda: band_bits(**dict(plain_variants, tma=True, ahead=True)),
-        "check_last_first": lambda: band_bits(**dict(plain_variants, last_first=True)),
-        "check_dq_last_first": dq_bits,
+        "check_tma": lambda: band_bits(tma=True),
+        "check_ahead": lambda: band_bits(ahead=True),
+        "check_tma_ahead": lambda: band_bits(tma=True, ahead=True),
+        "check_last_first": lambda: band_bits(last_first=True),
+        "check_dq_last_first": lambda: same_bits(*backward_pair("last_first")),
         "check_dq_atomic": atomic_distance,
     }
     if mask is None and not causal:

@@ -71,10 +71,10 @@ def failed_checks(rows: list[dict]) -> list[str]:
     lines = []
     for row in rows:
         section = row.get("section", "")
-        if section.startswith("check") and _failure(row) is not None:
+        if section.startswith("check") and (failure := _failure(row)) is not None:
             parts = (section, row.get("case"), row.get("dtype"), f"D={row.get('dim')}")
             where = " ".join(str(part) for part in parts if part is not None)
-            lines.append(f"{where}: {_failure(row)}")
+            lines.append(f"{where}: {failure}")
     return lines
 
 
@@ -170,7 +170,8 @@ def best_configs(rows: list[dict], defaults: dict[str, tuple]) -> list[str]:
             name = row["config"]
             kernel = "forward" if section == "sweep_forward" else name.split(" ")[0]
             config = name if section == "sweep_forward" else name.partition(" ")[2]
-            if CONFIG.match(config) and CONFIG.match(config)["rest"] == "":
+            match = CONFIG.match(config)
+            if match and not match["rest"]:  # (the plain kernel at a launch config)
                 key = (kernel, row.get("case"), row.get("dim", 128))
                 groups.setdefault(key, {})[config] = row["ms"]
     for (kernel, case, dim), times in groups.items():
@@ -196,15 +197,16 @@ def score_costs(rows: list[dict], goal: float = 1.3) -> list[str]:
     return lines
 
 
+def _timed(row: dict) -> str:
+    return f"{row['ms']:.3f} ms (host {row.get('host_ms', float('nan')):.3f} ms)"
+
+
 def hf_shape(rows: list[dict]) -> list[str]:
     """The hf_shape section: each call's time and host time, then the 512 window's
     forward+backward over full causal's, kernels at their defaults (issue 44: at most
     0.5)."""
     times = {r["what"]: r for r in rows if r.get("section") == "hf_shape" and "ms" in r}
-    lines = [
-        f"{what}: {row['ms']:.3f} ms (host {row.get('host_ms', float('nan')):.3f} ms)"
-        for what, row in times.items()
-    ]
+    lines = [f"{what}: {_timed(row)}" for what, row in times.items()]
     parts = [
         f"{case} band {p}" for case in ("window 512", "causal") for p in ("forward", "backward")
     ]
@@ -227,7 +229,7 @@ def dispatch(rows: list[dict]) -> list[str]:
     lines = []
     for (what, backward), row in times.items():
         name = f"{what} {'fwd+bwd' if backward else 'fwd'}"
-        line = f"{name}: {row['ms']:.3f} ms (host {row.get('host_ms', float('nan')):.3f} ms)"
+        line = f"{name}: {_timed(row)}"
         off = times.get((f"{what}, isolate_nonfinite=False", backward))
         if off is not None:
             line += f", {row['ms'] / off['ms']:.3f}x the time without isolate_nonfinite"

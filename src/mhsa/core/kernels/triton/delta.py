@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .options import block_dim, strides
+from .options import block_dim, dot_options, strides
 
 
 # fmt: off
@@ -66,6 +66,6 @@ def row_delta(grad_out: Tensor, out: Tensor, lse: Tensor, grad_lse: Tensor | Non
         HAS_DLSE=dlse is not None,
         BLOCK_L=block_l,
         BLOCK_D=block_d,
-        ACC=tl.float64 if lse.dtype == torch.float64 else tl.float32,
+        ACC=dot_options(out.dtype)["ACC"],  # (the statistics dtype, as the lse's)
     )
     return delta
