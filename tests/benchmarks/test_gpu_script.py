@@ -98,7 +98,7 @@ def test_gpu_band_scores_section_runs_on_the_cpu():
     from mhsa.benchmarks.gpu_measure import JsonRows
 
     rows = JsonRows(None, "band.jsonl")
-    run_scores(rows, torch.device("cpu"), 1e12, 1, shape=(1, 2, 64, 16))
+    run_scores(rows, torch.device("cpu"), 1e12, 1, shape=(1, 2, 32, 16))
     names = {False: [], True: []}
     for backward, suffix in ((False, ", ahead"), (True, ", dq by atomics")):
         for score in ("none", "alibi", "softcap(30), tanh from exp", "softcap(30), tanh.approx"):
@@ -124,7 +124,7 @@ def test_gpu_band_hf_shape_section_runs_on_the_cpu():
     from mhsa.benchmarks.gpu_measure import JsonRows
 
     rows = JsonRows(None, "band.jsonl")
-    run_hf_shape(rows, torch.device("cpu"), 1, shape=(1, 4, 64, 16), kv_heads=2)
+    run_hf_shape(rows, torch.device("cpu"), 1, shape=(1, 2, 32, 16), kv_heads=1)
     timed = {row["what"]: row for row in rows.rows}
     for case in ("causal", "window 512"):
         for what in (
