@@ -211,3 +211,36 @@ def test_gpu_band_tile_sweep_runs_on_the_cpu():
         for config in names[backward]
     ]
     assert all(r["ms"] > 0 and r["of_matmul"] > 0 for r in rows.rows), rows.rows
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--only", "checks,hf_shap"], "argument --only: unknown ['hf_shap']; choose from checks,"),
+        (["--dims", "128,12x"], "argument --dims: '128,12x' is not a comma-separated list of int"),
+        (["--cases", "causl"], "argument --cases: unknown ['causl']; choose from dense, causal"),
+        (["--only", "checks"], "no CUDA device: it times the kernels on a GPU"),
+    ],
+)
+def test_gpu_band_refuses_a_bad_call_in_one_line(args, says, capsys, monkeypatch):
+    """A misspelled section or case is an error, not a run that skips it silently."""
+    import torch
+
+    from mhsa.benchmarks import gpu_band
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exited:
+        gpu_band.main(args)
+    assert exited.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_gpu_hf_without_a_gpu_says_so_in_one_line(capsys, monkeypatch):
+    import torch
+
+    from mhsa.benchmarks import gpu_hf
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exited:
+        gpu_hf.main([])
+    assert exited.value.code == 2
+    assert "no CUDA device: run it on a GPU, or use --device cpu" in capsys.readouterr().err

@@ -347,16 +347,47 @@ def _backward_of(forward, inputs, grad):
     return torch.autograd.grad(forward(), inputs, grad)
 
 
+SECTIONS = (
+    "checks",
+    "sweep_forward",
+    "sweep_backward",
+    "sweep_tiles",
+    "scores",
+    "peers",
+    "hf_shape",
+    "dispatch",
+)
+
+
+def _comma_list(known, kind=str):
+    """An argparse type: a comma-separated list of kind, each in known (None: any)."""
+
+    def parse(text: str) -> list:
+        try:
+            items = [kind(item) for item in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a comma-separated list of {kind.__name__}"
+            ) from None
+        unknown = [item for item in items if known is not None and item not in known]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {', '.join(known)}")
+        return items
+
+    return parse
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--quick", action="store_true", help="fewer repeats, L=4096")
+    parser.add_argument("--only", type=_comma_list(SECTIONS), default=",".join(SECTIONS))
     parser.add_argument(
-        "--only",
-        default="checks,sweep_forward,sweep_backward,sweep_tiles,scores,peers,hf_shape,dispatch",
+        "--cases", type=_comma_list(CASES), default=",".join(CASES), help="the peers' cases"
     )
-    parser.add_argument("--cases", default=",".join(CASES), help="the peers' cases")
-    parser.add_argument("--dims", default="128,64", help="head dims of the forward sweep")
+    parser.add_argument(
+        "--dims", type=_comma_list(None, int), default="128,64", help="forward sweep head dims"
+    )
     parser.add_argument(
         "--repeat",
         type=int,
@@ -365,6 +396,8 @@ def main(argv: list[str] | None = None) -> None:
         "else 7); 0: each call once, which compiles its kernels for a timed run to find",
     )
     args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("no CUDA device: it times the kernels on a GPU (tests run them on CPU)")
     device = torch.device("cuda")
     rows = JsonRows(args.out, "band.jsonl")
     repeat = (3 if args.quick else 7) if args.repeat is None else args.repeat
@@ -376,12 +409,11 @@ def main(argv: list[str] | None = None) -> None:
         torch=torch.__version__,
         matmul_tflops=peak / 1e12,
     )
-    parts = args.only.split(",")
+    parts = args.only
     if "checks" in parts:
         run_checks(rows, device)
     if "sweep_forward" in parts:
-        dims = [int(d) for d in args.dims.split(",")]
-        run_sweep_forward(rows, device, length, peak, repeat, dims)
+        run_sweep_forward(rows, device, length, peak, repeat, args.dims)
     if "sweep_backward" in parts:
         run_sweep_backward(rows, device, length, peak, repeat)
     if "sweep_tiles" in parts:
@@ -393,7 +425,7 @@ def main(argv: list[str] | None = None) -> None:
     if "dispatch" in parts:
         run_dispatch(rows, device, repeat)
     if "peers" in parts:
-        cases = {name: CASES[name] for name in args.cases.split(",")}
+        cases = {name: CASES[name] for name in args.cases}
         run_peers(rows, device, (length, 2 * length), peak, repeat, cases)
 
 

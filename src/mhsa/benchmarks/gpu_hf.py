@@ -100,6 +100,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--device", default="cuda", help="cpu: a tiny model, a smoke test")
     args = parser.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error("no CUDA device: run it on a GPU, or use --device cpu")
     rows = measure.JsonRows(args.out, "gpu_hf.jsonl")
     try:
         run(rows, torch.device(args.device), args.prefill, args.train, args.repeat)
