@@ -152,7 +152,8 @@ def test_gpu_band_checks_compare_tma_loads_ahead_scores_and_atomic_dq_on_the_cpu
     from mhsa.benchmarks.gpu_measure import JsonRows
 
     rows = JsonRows(None, "band.jsonl")
-    _check_variants(rows, "dense", None, False, torch.float32, 16, 64, 64, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    _check_variants(rows, "dense", None, False, torch.float32, 16, 64, 64, cpu, heads=(1, 2, 1))
     found = {row["section"]: row for row in rows.rows}
     bits = [
         "check_tma",
@@ -167,7 +168,7 @@ def test_gpu_band_checks_compare_tma_loads_ahead_scores_and_atomic_dq_on_the_cpu
     differences = found["check_dq_atomic"]["max_differences"]
     assert len(differences) == 3 and max(differences) < 1e-5
     rows = JsonRows(None, "band.jsonl")
-    _check_variants(rows, "causal", "not a mask", True, torch.float32, 16, 40, 50, "cpu")
+    _check_variants(rows, "causal", "not a mask", True, torch.float32, 16, 40, 50, "cpu", (1, 2, 1))
     assert [row["section"] for row in rows.rows] == [*bits, "check_dq_atomic"]
     assert all("skipped" in row for row in rows.rows)
 

@@ -57,18 +57,22 @@ def run_checks(rows: JsonRows, device, shapes=CHECK_SHAPES) -> None:
             _check_variants(rows, name, mask, causal, dtype, dim, q_len, kv_len, device)
 
 
-def _check_variants(rows: JsonRows, name, mask, causal, dtype, dim, q_len, kv_len, device):
+def _check_variants(
+    rows: JsonRows, name, mask, causal, dtype, dim, q_len, kv_len, device, heads=(2, 8, 2)
+):
     """Whether the forward through TMA descriptors, the one with scores a block ahead and
     the one with the query blocks from the last give the plain forward's bits (and the
     dQ kernel with its blocks from the last its gradients'), and how far dQ, dK, dV with
     dQ added by atomics are from the dQ kernel's (the dK/dV launch differs too), on
     (B, L, H, D) storage as projections leave it; with mask None, also the tile-list
     forward with scores a tile ahead on bigbird(64) (L = S). A row per check, or its
-    failure."""
+    failure. heads: (batch, query heads, KV heads)."""
+    batch, num_heads, num_kv_heads = heads
     torch.manual_seed(0)
-    q = torch.randn(2, q_len, 8, dim, device=device, dtype=dtype).transpose(1, 2)
+    q = torch.randn(batch, q_len, num_heads, dim, device=device, dtype=dtype).transpose(1, 2)
     k, v = (
-        torch.randn(2, kv_len, 2, dim, device=device, dtype=dtype).transpose(1, 2) for _ in "kv"
+        torch.randn(batch, kv_len, num_kv_heads, dim, device=device, dtype=dtype).transpose(1, 2)
+        for _ in "kv"
     )
 
     def same_bits(plain, found) -> dict:
