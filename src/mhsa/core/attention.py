@@ -139,16 +139,6 @@ def attention(
     score = as_score(score)
     batch, num_heads, q_len, head_dim = q.shape
     kv_len, value_dim = k.shape[2], v.shape[3]
-    if q_len == 0 or kv_len == 0:
-        _check_common(q, k, mask, bias, causal, scale, score=score, sinks=sinks)
-        # exact zeros that stay in the autograd graph (zero gradients), as SDPA's do:
-        # a sum over no elements is 0 whatever the inputs hold, nan included
-        connected = sum(t.reshape(-1)[:0].sum() for t in (q, k, v))
-        out = q.new_zeros(batch, num_heads, q_len, value_dim) + connected
-        lse = q.new_full((batch, num_heads, q_len), -torch.inf, dtype=stats_dtype(q.dtype))
-        if sinks is not None:  # every row's only "key" is its sink
-            lse = sinks.to(lse.dtype).view(1, -1, 1).expand(batch, num_heads, q_len)
-        return (out, lse) if return_lse else out
     spec = AttentionSpec(
         batch=batch,
         num_heads=num_heads,
@@ -174,6 +164,12 @@ def attention(
             for t in (q, k, v, bias, sinks, *(score.tensors() if score is not None else ()))
         ),
     )
+    if batch == 0 or q_len == 0 or kv_len == 0:
+        # the backend is still checked: a misspelt or unfit one fails as it would on
+        # the same call with data in it
+        select(dataclasses.replace(spec, batch=1, q_len=1, kv_len=1), backend)
+        _check_common(q, k, mask, bias, causal, scale, score=score, sinks=sinks)
+        return _empty_result(q, k, v, sinks, return_lse)
     # one query aligned bottom-right sees every key (a decoding step): nothing to mask,
     # and backends take their unmasked fast paths; but a sharded (ring) backend's
     # causality is global, across the shards
@@ -185,8 +181,8 @@ def attention(
         causal = False
     resolved_scale = _check_common(q, k, mask, bias, causal, scale, chosen.sharded, score, sinks)
     call = dict(
-        mask=mask,
-        bias=bias,
+        mask=validate.as_4d(mask) if isinstance(mask, Tensor) else mask,
+        bias=validate.as_4d(bias),
         causal=causal,
         scale=resolved_scale,
         dropout_p=float(dropout_p),
@@ -197,6 +193,21 @@ def attention(
     out, lse = chosen.forward(q, k, v, **call)
     if isolate_nonfinite:
         out, lse = isolate_masked_nonfinite(chosen, q, k, v, out, lse, call)
+    return (out, lse) if return_lse else out
+
+
+def _empty_result(
+    q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, return_lse: bool
+) -> Tensor | tuple[Tensor, Tensor]:
+    """attention's answer when B, L or S is 0: exact zeros that stay in the autograd
+    graph (zero gradients), as SDPA's do; a sum over no elements is 0 whatever the
+    inputs hold, nan included. lse is -inf, or the sink's logit (a row's only "key")."""
+    batch, num_heads, q_len, _ = q.shape
+    connected = sum(t.reshape(-1)[:0].sum() for t in (q, k, v))
+    out = q.new_zeros(batch, num_heads, q_len, v.shape[3]) + connected
+    lse = q.new_full((batch, num_heads, q_len), -torch.inf, dtype=stats_dtype(q.dtype))
+    if sinks is not None:
+        lse = sinks.to(lse.dtype).view(1, -1, 1).expand(batch, num_heads, q_len)
     return (out, lse) if return_lse else out
 
 
@@ -242,7 +253,10 @@ def attention_weights(
     q_sel = q.index_select(1, head_idx)
     k_sel = k.index_select(1, head_idx // (num_heads // k.shape[1]))
     keys = torch.arange(kv_len, device=q.device)
-    mask_sel = _select(mask, 1, head_idx) if isinstance(mask, Tensor) else mask
+    if isinstance(mask, Tensor):
+        mask_sel = _select(mask, 1, head_idx)
+    else:
+        mask_sel = None if mask is None else mask.of_heads(head_idx)
     # what may attend: the mask and the causal rule as one pattern, on the selected rows
     pattern = with_causal(mask_sel, causal)
     allowed = None
@@ -312,7 +326,7 @@ def _select(t: Tensor | None, dim: int, idx: Tensor) -> Tensor | None:
     """Index a (B, H, L, S)-broadcastable tensor along dim 1 (heads) or 2 (rows)."""
     if t is None:
         return None
-    t = t.view((1,) * (4 - t.dim()) + tuple(t.shape))
+    t = validate.as_4d(t)
     return t if t.shape[dim] == 1 else t.index_select(dim, idx)
 
 

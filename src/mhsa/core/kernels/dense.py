@@ -41,7 +41,8 @@ def grouped_scores(q: Tensor, k: Tensor, scale: float, dtype: torch.dtype) -> Te
     """
     batch, num_heads, q_len, head_dim = q.shape
     num_kv_heads, kv_len = k.shape[1], k.shape[2]
-    grouped_q = q.to(dtype).reshape(batch, num_kv_heads, -1, head_dim)  # (B, H_kv, G*L, D)
+    group_rows = num_heads // num_kv_heads * q_len  # explicit, not -1: batch may be 0
+    grouped_q = q.to(dtype).reshape(batch, num_kv_heads, group_rows, head_dim)
     scores = (grouped_q @ k.to(dtype).transpose(-1, -2)).mul_(scale)  # (B, H_kv, G*L, S)
     return scores.view(batch, num_heads, q_len, kv_len)
 
@@ -49,7 +50,8 @@ def grouped_scores(q: Tensor, k: Tensor, scale: float, dtype: torch.dtype) -> Te
 def probs_times_v(probs: Tensor, v: Tensor) -> Tensor:
     """(B, H, L, S) @ (B, H_kv, S, D_v) -> (B, H, L, D_v), GQA without repeating v."""
     batch, num_heads, q_len, kv_len = probs.shape
-    grouped = probs.reshape(batch, v.shape[1], -1, kv_len)  # (B, H_kv, G*L, S)
+    num_kv_heads = v.shape[1]
+    grouped = probs.reshape(batch, num_kv_heads, num_heads // num_kv_heads * q_len, kv_len)
     out = grouped @ v.to(probs.dtype)
     return out.view(batch, num_heads, q_len, v.shape[-1])
 

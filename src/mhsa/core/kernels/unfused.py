@@ -26,7 +26,8 @@ from .scored import score_grads, score_tile
 
 def fold(t: Tensor, num_kv_heads: int) -> Tensor:
     """(B, H, rows, X) -> (B, H_kv, G * rows, X): query heads grouped by their kv head."""
-    return t.reshape(t.shape[0], num_kv_heads, -1, t.shape[-1])
+    batch, num_heads, rows, width = t.shape
+    return t.reshape(batch, num_kv_heads, num_heads // num_kv_heads * rows, width)
 
 
 def _exp_rows_(scores: Tensor) -> tuple[Tensor, Tensor, Tensor]:

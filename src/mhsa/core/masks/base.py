@@ -174,6 +174,11 @@ class Pattern:
         self._fingerprint = digest.hexdigest()
         return self._fingerprint
 
+    def of_heads(self, heads: Tensor) -> Pattern:
+        """The pattern of the query heads `heads` (1-D int64) alone, for attention over
+        a selection of heads; patterns that hold no per-head data are it already."""
+        return self
+
     def check_batch(self, batch: int) -> None:
         if self.batch_size is not None and self.batch_size not in (1, batch):
             raise ValueError(
@@ -271,6 +276,9 @@ class Union(Pattern):
     def check_lengths(self, q_len, kv_len):
         for p in self.parts:
             p.check_lengths(q_len, kv_len)
+
+    def of_heads(self, heads):
+        return type(self)(*(p.of_heads(heads) for p in self.parts))
 
     def __repr__(self) -> str:
         return " | ".join(map(repr, self.parts))

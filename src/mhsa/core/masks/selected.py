@@ -43,8 +43,15 @@ class SelectedBlocks(Pattern):
         self.block_size = int_at_least("block_size", block_size, 1)
         lower = strictly_earlier(selected.shape[-1])
         selected = selected.cpu() & lower  # only strictly earlier blocks count
-        self.selected = selected.view((1,) * (4 - selected.dim()) + tuple(selected.shape))
         self.batch_size = selected.shape[0] if selected.dim() > 2 else None
+        if selected.dim() == 3:  # (B, n, n): one selection for every head of a sequence
+            selected = selected.unsqueeze(1)
+        self.selected = selected.view((1,) * (4 - selected.dim()) + tuple(selected.shape))
+
+    def of_heads(self, heads: Tensor) -> SelectedBlocks:
+        if self.selected.shape[1] == 1:
+            return self
+        return SelectedBlocks(self.selected.index_select(1, heads.cpu()), self.block_size)
 
     def check_lengths(self, q_len: int, kv_len: int) -> None:
         n = num_blocks(kv_len, self.block_size)
