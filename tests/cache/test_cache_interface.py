@@ -197,3 +197,10 @@ def test_a_memory_cache_equals_projecting_the_memory_at_every_step():
                 want = module(step, memory, position=position)
                 assert max_error(got, want) < 1e-12
         assert cache.k.shape == (2, 4, 5, 4)
+
+
+def test_a_static_cache_refuses_to_truncate():
+    prefilled = KVCache(1, 1, 8, 4)
+    prefilled.update(torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4))
+    with pytest.raises(ValueError, match="truncate the prefilled KVCache"):
+        StaticKVCache(prefilled).truncate(2)

@@ -121,3 +121,24 @@ def test_kept_from_names_the_first_window_key_the_next_update_returns(sinks):
         stored = keys[0, 0, :, 0].tolist()
         assert first == max(sinks, position - 5)
         assert stored == list(range(min(sinks, position + 1))) + list(range(first, position + 1))
+
+
+def _positions(begin: int, end: int) -> torch.Tensor:
+    return torch.arange(begin, end, dtype=torch.float64).view(1, 1, -1, 1)
+
+
+@pytest.mark.parametrize("sinks", [0, 2])
+def test_truncate_drops_drafts_only_while_the_ring_keeps_the_window(sinks):
+    """A dropped token overwrote the key one window before it: before the ring wraps,
+    truncate is exact; after, it refuses rather than return the drafts as old keys."""
+    cache = SlidingWindowCache(1, 1, 6, 1, dtype=torch.float64, sink_tokens=sinks)
+    cache.update(_positions(0, 3), _positions(0, 3))
+    cache.update(_positions(100, 102), _positions(100, 102))  # drafts, rejected
+    cache.truncate(3)
+    keys, _ = cache.update(_positions(3, 4), _positions(3, 4))
+    assert keys.flatten().tolist() == [0.0, 1.0, 2.0, 3.0]
+    cache.update(_positions(4, 9 + sinks), _positions(4, 9 + sinks))  # the ring wraps
+    cache.update(_positions(100, 102), _positions(100, 102))
+    with pytest.raises(ValueError, match="overwrote the keys at positions"):
+        cache.truncate(9 + sinks)
+    cache.truncate(11 + sinks)  # dropping nothing is always exact

@@ -194,3 +194,41 @@ def test_training_mode_applies_dropout():
     assert max_error(layer(x), layer(x)) > 1e-3
     layer.eval()
     assert max_error(layer(x), layer(x)) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_from_torch_keeps_the_source_dtype(dtype):
+    theirs = randomize(
+        nn.Transformer(D_MODEL, HEADS, 1, 1, dim_feedforward=FF, batch_first=True)
+    ).to(dtype)
+    ours = Transformer.from_torch(theirs).eval()
+    assert {p.dtype for p in ours.parameters()} == {dtype}
+    src, tgt = torch.randn(2, 5, D_MODEL, dtype=dtype), torch.randn(2, 4, D_MODEL, dtype=dtype)
+    bound = 1e-12 if dtype == torch.float64 else 0.1
+    assert max_error(ours(src, tgt), theirs(src, tgt)) < bound
+
+
+def test_from_torch_copies_layers_without_biases():
+    """torch's bias=False drops the layer norms' biases too; so does ours."""
+    theirs = randomize(nn.Transformer(D_MODEL, HEADS, 1, 2, FF, batch_first=True, bias=False))
+    ours = Transformer.from_torch(theirs).eval()
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters())
+    built = Transformer(D_MODEL, HEADS, num_encoder_layers=1, num_decoder_layers=2, bias=False)
+    assert sorted(n for n, _ in built.named_parameters() if "norm" in n and "bias" in n) == []
+    src, tgt = torch.randn(2, 5, D_MODEL), torch.randn(2, 4, D_MODEL)
+    assert max_error(ours(src, tgt), theirs(src, tgt)) < 1e-5
+
+
+def test_from_torch_masks_splits_a_per_head_attn_mask():
+    theirs = randomize(nn.TransformerEncoderLayer(D_MODEL, HEADS, FF, batch_first=True))
+    ours = TransformerEncoderLayer.from_torch(theirs).eval()
+    x = torch.randn(2, 6, D_MODEL)
+    per_head = torch.rand(2 * HEADS, 6, 6) > 0.6  # torch: True = masked
+    per_head[:, :, 0] = False
+    mask, _, _ = from_torch_masks(per_head, num_heads=HEADS)
+    assert mask.shape == (2, HEADS, 6, 6)
+    assert max_error(ours(x, mask=mask), theirs(x, src_mask=per_head)) < 1e-5
+    with pytest.raises(ValueError, match="pass num_heads="):
+        from_torch_masks(per_head)
+    with pytest.raises(ValueError, match="num_heads"):
+        from_torch_masks(per_head, num_heads=3)

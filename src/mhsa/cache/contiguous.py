@@ -128,13 +128,16 @@ class KVCache(Cache):
     def truncate(self, length: int) -> None:
         """Keep the first `length` appended tokens (speculative decoding: drop the
         rejected drafts)."""
+        self._check_truncation(length)
+        self.length = length
+
+    def _check_truncation(self, length: int) -> None:
         if (
             isinstance(length, bool)
             or not isinstance(length, int)
             or not 0 <= length <= self.length
         ):
             raise ValueError(f"length must be an int in 0..{self.length}, got {length!r}")
-        self.length = length
 
     def reorder(self, index: Tensor) -> None:
         """Keep sequence index[b] as sequence b (beam search: the surviving beams)."""
@@ -239,6 +242,22 @@ class SlidingWindowCache(KVCache):
         self.length = end
         return k_all, v_all
 
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` appended tokens, where the ring still holds the keys
+        that they need: each dropped token overwrote the key one window before it, so
+        once the ring has wrapped past the kept window nothing can be dropped."""
+        self._check_truncation(length)
+        lost_from = max(self.sink_tokens, length - self.window)
+        lost_to = min(length, self.length - self.window)  # positions overwritten, kept
+        if lost_to > lost_from:
+            raise ValueError(
+                f"cannot truncate this SlidingWindowCache from {self.length} to {length} "
+                f"tokens: the dropped ones overwrote the keys at positions {lost_from}.."
+                f"{lost_to - 1}, which its window of {self.window} still needs; drop "
+                "tokens with a KVCache or a PagedKVCache (speculative decoding uses one)"
+            )
+        self.length = length
+
     def key_padding(self) -> Tensor | None:
         if not self.start.any():
             return None
@@ -307,6 +326,12 @@ class StaticKVCache(KVCache):
     def reorder(self, index: Tensor) -> None:
         raise ValueError(
             "a StaticKVCache does not reorder; reorder the prefilled KVCache and wrap it again"
+        )
+
+    def truncate(self, length: int) -> None:
+        raise ValueError(
+            "a StaticKVCache does not truncate (its length is max_len); truncate the "
+            "prefilled KVCache and wrap it again"
         )
 
 

@@ -8,19 +8,33 @@ import torch
 from torch import Tensor
 
 from ..cache import Cache
+from ..core.checks import int_at_least
 from ..core.masks import KeyPadding, Pattern
 from .positional import AttentionPosition, RotaryEmbedding
 
 
 def from_torch_masks(
-    attn_mask: Tensor | None = None, key_padding_mask: Tensor | None = None
+    attn_mask: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
+    num_heads: int | None = None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """Convert torch.nn.MultiheadAttention's masks to ours: (mask, key_padding_mask, bias).
 
     torch's bool masks mean "masked" where True; ours mean "may attend". torch's float
     masks are additive and become our bias. This is the one place polarity flips.
+    attn_mask is (L, S), or (B * num_heads, L, S) with num_heads given: it becomes
+    (B, num_heads, L, S).
     """
     mask = bias = padding = None
+    if attn_mask is not None and attn_mask.dim() == 3:
+        if num_heads is not None:
+            int_at_least("num_heads", num_heads, 1)
+        if num_heads is None or attn_mask.shape[0] % num_heads:
+            raise ValueError(
+                f"a 3-D attn_mask {tuple(attn_mask.shape)} is torch's (batch * num_heads, "
+                f"L, S): pass num_heads= (got {num_heads}), a divisor of its first dim"
+            )
+        attn_mask = attn_mask.view(-1, num_heads, *attn_mask.shape[1:])
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             mask = ~attn_mask

@@ -30,8 +30,11 @@ def torch_layer_options(layer: nn.Module) -> dict:
 
 def layer_from_torch(cls: type[nn.Module], layer: nn.Module) -> nn.Module:
     """A new `cls` layer with the options, self-attention and feed-forward weights of a
-    torch Transformer*Layer; the caller copies the rest (norms, cross-attention)."""
+    torch Transformer*Layer, in its dtype and on its device; the caller copies the rest
+    (norms, cross-attention)."""
     ours = cls(layer.self_attn.embed_dim, layer.self_attn.num_heads, **torch_layer_options(layer))
+    weight = layer.linear1.weight
+    ours = ours.to(device=weight.device, dtype=weight.dtype)
     ours.self_attn = MultiHeadAttention.from_torch(layer.self_attn)
     ours.feed_forward.linear1.load_state_dict(layer.linear1.state_dict())
     ours.feed_forward.linear2.load_state_dict(layer.linear2.state_dict())

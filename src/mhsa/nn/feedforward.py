@@ -93,11 +93,14 @@ class GatedFeedForward(nn.Module):
 
 
 class Residual(nn.Module):
-    """One sublayer wrapped in dropout, a residual connection and a layer norm."""
+    """One sublayer wrapped in dropout, a residual connection and a layer norm (with a
+    bias unless bias=False, as in torch.nn.Transformer*Layer)."""
 
-    def __init__(self, d_model: int, dropout: float, eps: float, norm_first: bool) -> None:
+    def __init__(
+        self, d_model: int, dropout: float, eps: float, norm_first: bool, bias: bool = True
+    ) -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(d_model, eps=eps)
+        self.norm = nn.LayerNorm(d_model, eps=eps, bias=bias)
         self.dropout = nn.Dropout(dropout)
         self.norm_first = norm_first
 

@@ -92,7 +92,7 @@ class _TransformerLayer(nn.Module):
             d_model, dim_feedforward, dropout=dropout, activation=activation, bias=bias
         )
         for name in self.blocks:
-            self.add_module(name, Residual(d_model, dropout, layer_norm_eps, norm_first))
+            self.add_module(name, Residual(d_model, dropout, layer_norm_eps, norm_first, bias))
 
     @classmethod
     def from_torch(cls, layer: nn.Module) -> Self:

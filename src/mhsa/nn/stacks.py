@@ -107,18 +107,20 @@ class Transformer(nn.Module):
     ) -> None:
         """layer_options: the layers' keywords (LayerOptions: dim_feedforward, dropout,
         activation, norm_first, layer_norm_eps, num_kv_heads, bias, backend), with
-        torch.nn.Transformer's defaults; the stacks' final norms take layer_norm_eps."""
+        torch.nn.Transformer's defaults; the stacks' final norms take layer_norm_eps and
+        bias."""
         super().__init__()
         eps = layer_options.get("layer_norm_eps", LAYER_NORM_EPS)
+        bias = layer_options.get("bias", True)
         self.encoder = TransformerEncoder(
             TransformerEncoderLayer(d_model, num_heads, **layer_options),
             num_encoder_layers,
-            nn.LayerNorm(d_model, eps=eps),
+            nn.LayerNorm(d_model, eps=eps, bias=bias),
         )
         self.decoder = TransformerDecoder(
             TransformerDecoderLayer(d_model, num_heads, **layer_options),
             num_decoder_layers,
-            nn.LayerNorm(d_model, eps=eps),
+            nn.LayerNorm(d_model, eps=eps, bias=bias),
         )
 
     def forward(
