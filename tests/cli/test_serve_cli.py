@@ -108,6 +108,32 @@ def test_mhsa_serve_bad_arguments_are_one_line_errors(tmp_path, capsys):
     assert "is not a checkpoint" in capsys.readouterr().err
 
 
+def test_a_port_out_of_range_or_in_use_is_a_one_line_error(tmp_path, capsys):
+    needs("starlette"), needs("uvicorn")
+    import socket
+
+    import torch
+
+    from mhsa.checkpoint import save_checkpoint
+    from mhsa.models.gpt import GPT, GPTConfig
+
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--port", "70000"])
+    assert exited.value.code == 2 and "in 0..65535, got 70000" in capsys.readouterr().err
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=256, max_len=32, d_model=32, n_head=2, n_layer=1)
+    save_checkpoint(tmp_path, 0, GPT(config), {"model": "gpt", "config": config.to_dict()}, {})
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        command = ["serve", "--model", str(tmp_path), "--port", port, "--num-blocks", "8"]
+        assert main(command) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("mhsa serve: the server could not start on 127.0.0.1:" + port)
+    assert not any("Traceback" in line for line in err)
+
+
 @pytest.mark.slow
 def test_mhsa_imports_without_the_serve_extra_and_serve_says_how_to_get_it():
     code = (

@@ -96,3 +96,26 @@ def test_quantize_linears_replaces_all_but_the_skipped():
         Int4Linear.from_float(torch.randn(16, 33))
     with pytest.raises(ValueError, match="divisible by 16"):
         Int4Linear.from_float(torch.randn(4, 32))
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_quantised_bfloat16_model_takes_bfloat16_activations(mode):
+    """The quantised projections name the dtype of the weights they replaced, fused or
+    not, and follow model.to(dtype) as those would."""
+    from mhsa.nn import MultiHeadAttention
+    from mhsa.nn.layout import fuse_linears
+
+    torch.manual_seed(0)
+    module = MultiHeadAttention(64, 4).to(torch.bfloat16).eval()
+    x = torch.randn(2, 5, 64, dtype=torch.bfloat16)
+    expected = module(x)
+    quantize_linears(module, mode)
+    assert module.q_proj.input_dtype == torch.bfloat16
+    out = module(x)
+    assert out.dtype == torch.bfloat16 and max_error(out, expected) < 0.1
+    fused = fuse_linears([module.q_proj, module.k_proj])
+    assert fused.input_dtype == torch.bfloat16
+    assert module.float().q_proj.input_dtype == torch.float32
+    assert max_error(module(x.float()), expected) < 0.1
+    with pytest.raises(TypeError, match="floating point dtype"):
+        Int8Linear(torch.zeros(2, 4, dtype=torch.int8), torch.ones(2), dtype=torch.int32)

@@ -105,24 +105,27 @@ def load_model(path: str, kinds: dict[str, tuple]) -> tuple:
     return model.eval(), state
 
 
-def _whole_number(minimum: int):
-    """An argparse type: an int >= minimum, with a message naming the bound."""
+def _whole_number(minimum: int, maximum: int | None = None):
+    """An argparse type: an int >= minimum (and <= maximum), with a message naming the
+    bounds."""
+    bounds = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             value = None
-        if value is None or value < minimum:
-            raise argparse.ArgumentTypeError(f"must be a whole number >= {minimum}, got {text}")
+        if value is None or value < minimum or (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(f"must be a whole number {bounds}, got {text}")
         return value
 
-    parse.__name__ = f"int >= {minimum}"  # what argparse calls it in its own messages
+    parse.__name__ = f"int {bounds}"  # what argparse calls it in its own messages
     return parse
 
 
 positive_int = _whole_number(1)
 non_negative_int = _whole_number(0)
+port_number = _whole_number(0, 65535)
 
 
 def add_option(

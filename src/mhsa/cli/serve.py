@@ -15,7 +15,7 @@ from .common import (
     add_option,
     chat_weight_options,
     chat_weights,
-    non_negative_int,
+    port_number,
     positive_int,
     progress_bar,
     speculate_options,
@@ -96,7 +96,10 @@ def _serve(args: argparse.Namespace, started: float, weights: dict) -> int:
         limits=limits,
         access=access,
     )
-    server.start()
+    try:
+        server.start()
+    except OSError as error:  # a port in use or not ours to bind: one line, not a traceback
+        raise ValueError(str(error)) from None
     engine = served.engine
     print(
         f"serving {served.name} at {server.url}/v1 (context {engine.context_length} tokens, "
@@ -282,7 +285,7 @@ def add_parser(commands) -> None:
         help="address to listen on (default 127.0.0.1: this machine only)",
     )
     cmd.add_argument(
-        "--port", type=non_negative_int, default=8000, help="port (default 8000; 0: any free one)"
+        "--port", type=port_number, default=8000, help="port (default 8000; 0: any free one)"
     )
     add_option(cmd, "--num-blocks", 512, "KV cache blocks in the pool", type=positive_int)
     add_option(cmd, "--block-size", 16, "tokens per cache block", type=positive_int)

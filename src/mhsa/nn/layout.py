@@ -161,9 +161,9 @@ def fuse_linears(layers: Sequence[nn.Module]) -> nn.Module:
     if kind is TransposedLinear:
         return TransposedLinear(cat("weight_t", dim=1), bias)
     if kind is Int4Linear:
-        return Int4Linear(cat("q"), cat("scale"), cat("zero"), bias)
+        return Int4Linear(cat("q"), cat("scale"), cat("zero"), bias, dtype=layers[0].input_dtype)
     if kind is Int8Linear:
-        return Int8Linear(cat("q"), cat("scale"), bias)
+        return Int8Linear(cat("q"), cat("scale"), bias, dtype=layers[0].input_dtype)
     raise TypeError(f"fuse_linears cannot fuse {kind.__name__} layers")
 
 

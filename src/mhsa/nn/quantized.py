@@ -30,9 +30,18 @@ class Int4Linear(nn.Module):
     """y = x @ W^T + b with W (N, K) stored as 4-bit q in groups of 32 along K:
     W = scale * (q - 8) + zero, one (scale, zero) per group."""
 
-    def __init__(self, q: Tensor, scale: Tensor, zero: Tensor, bias: Tensor | None = None):
+    def __init__(
+        self,
+        q: Tensor,
+        scale: Tensor,
+        zero: Tensor,
+        bias: Tensor | None = None,
+        *,
+        dtype: torch.dtype = torch.float32,
+    ):
         super().__init__()
         self.out_features, self.in_features = q.shape
+        _hold_input_dtype(self, dtype)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
         scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
         self.register_buffer("packed", packed)  # the kernel's format
@@ -44,8 +53,16 @@ class Int4Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @classmethod
-    def from_blocks(cls, q: Tensor, scale: Tensor, zero: Tensor, bias: Tensor | None = None):
-        """q (N, K) integers 0..15, scale and zero (N, K/32)."""
+    def from_blocks(
+        cls,
+        q: Tensor,
+        scale: Tensor,
+        zero: Tensor,
+        bias: Tensor | None = None,
+        *,
+        dtype: torch.dtype = torch.float32,
+    ):
+        """q (N, K) integers 0..15, scale and zero (N, K/32); dtype: the activations'."""
         rows, cols = q.shape
         if cols % GROUP or q.min() < 0 or q.max() > 15:
             raise ValueError(
@@ -59,11 +76,12 @@ class Int4Linear(nn.Module):
                 f"scale and zero must be (N, K/{GROUP}) = {(rows, cols // GROUP)}, "
                 f"got {tuple(scale.shape)} and {tuple(zero.shape)}"
             )
-        return cls(q, scale, zero, bias)
+        return cls(q, scale, zero, bias, dtype=dtype)
 
     @classmethod
     def from_float(cls, weight: Tensor, bias: Tensor | None = None) -> Int4Linear:
-        """Each group of 32 mapped onto 16 levels between its min and max."""
+        """Each group of 32 mapped onto 16 levels between its min and max; the layer
+        takes activations in weight's dtype."""
         rows, cols = weight.shape
         if cols % GROUP:
             raise ValueError(f"int4 needs in_features divisible by {GROUP}, got {cols}")
@@ -71,11 +89,12 @@ class Int4Linear(nn.Module):
         low, high = groups.amin(dim=-1), groups.amax(dim=-1)
         scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
         q = ((groups - low.unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, 15)
-        return cls.from_blocks(q.view(rows, cols).int(), scale, low + 8 * scale, bias)
+        q = q.view(rows, cols).int()
+        return cls.from_blocks(q, scale, low + 8 * scale, bias, dtype=weight.dtype)
 
     @property
     def input_dtype(self) -> torch.dtype:
-        return self.scale.dtype
+        return self.input_like.dtype
 
     def weight_float(self) -> Tensor:
         """The (N, K) float32 weights."""
@@ -86,7 +105,10 @@ class Int4Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         flat = x.reshape(-1, self.in_features)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            flat.to(torch.bfloat16).contiguous(), self.packed, GROUP, self.scales_and_zeros
+            flat.to(torch.bfloat16).contiguous(),
+            self.packed,
+            GROUP,
+            self.scales_and_zeros.to(torch.bfloat16),  # (a no-op unless module.to() cast it)
         ).to(x.dtype)
         out = out.view(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
@@ -95,9 +117,17 @@ class Int4Linear(nn.Module):
 class Int8Linear(nn.Module):
     """y = x @ W^T + b with W (N, K) = scale[n] * q[n, k], q int8."""
 
-    def __init__(self, q: Tensor, scale: Tensor, bias: Tensor | None = None) -> None:
+    def __init__(
+        self,
+        q: Tensor,
+        scale: Tensor,
+        bias: Tensor | None = None,
+        *,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = q.shape
+        _hold_input_dtype(self, dtype)
         self.register_buffer("q", q)
         self.register_buffer("scale", scale)
         self.register_buffer("scale_bf16", scale.to(torch.bfloat16))  # the kernel's
@@ -105,22 +135,32 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def from_float(cls, weight: Tensor, bias: Tensor | None = None) -> Int8Linear:
+        """Symmetric int8 per output channel; the layer takes activations in weight's
+        dtype."""
         w = weight.detach().float()
         scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
         q = (w / scale.unsqueeze(1)).round().clamp(-127, 127).to(torch.int8)
-        return cls(q, scale, bias)
+        return cls(q, scale, bias, dtype=weight.dtype)
 
     @property
     def input_dtype(self) -> torch.dtype:
-        return self.scale.dtype
+        return self.input_like.dtype
 
     def forward(self, x: Tensor) -> Tensor:
         flat = x.reshape(-1, self.in_features)
         out = torch.ops.aten._weight_int8pack_mm(
-            flat.to(torch.bfloat16).contiguous(), self.q, self.scale_bf16
+            flat.to(torch.bfloat16).contiguous(), self.q, self.scale_bf16.to(torch.bfloat16)
         ).to(x.dtype)
         out = out.view(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
+
+
+def _hold_input_dtype(layer: nn.Module, dtype: torch.dtype) -> None:
+    """The activations' dtype as an empty buffer, so that it follows layer.to(dtype) as
+    the float weight it replaces would (the weights themselves stay as they are)."""
+    if not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating point dtype, got {dtype}")
+    layer.register_buffer("input_like", torch.empty(0, dtype=dtype), persistent=False)
 
 
 def replace_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module | None]):

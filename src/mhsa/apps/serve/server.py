@@ -104,6 +104,8 @@ class Server:
     def _run(self) -> None:
         try:
             self._server.run()
+        except SystemExit:  # uvicorn's way out of a failed startup: start() reports it
+            pass
         finally:
             self._ended.set()
 
