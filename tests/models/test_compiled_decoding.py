@@ -66,3 +66,23 @@ def test_static_cache_and_compile_refuse_what_they_cannot_do():
     model = next(_models())
     with pytest.raises(ValueError, match="use_cache=True"):
         model.generate(torch.randint(0, 96, (1, 4)), 2, compile=True, use_cache=False)
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"window": 8}, "got SlidingWindowCache"),
+        ({"attention": "moba", "moba_block": 8, "moba_top_k": 1}, "MoBA routes each query"),
+    ],
+    ids=["window", "moba"],
+)
+def test_compile_refuses_models_whose_step_needs_more_than_static_caches(options, match):
+    """Said before anything is compiled or prefilled, and the eager path still decodes."""
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=96, n_layer=1, n_head=2, d_model=32, max_len=64, **options)
+    model = GPT(config).eval()
+    prompt = torch.randint(0, 96, (1, 10))  # longer than the window: a ring buffer
+    with pytest.raises(ValueError, match=f"compile=True decodes .*{match}.*without compile"):
+        model.generate(prompt, 3, compile=True, temperature=0.0)
+    assert compile_seconds(model) is None
+    assert model.generate(prompt, 3, temperature=0.0).shape == (1, 13)

@@ -24,7 +24,7 @@ from torch import Tensor
 from ..core.checks import an_int, int_at_least
 from .compiled_step import compile_seconds, compiled_decode_step, compiled_once, static_caches
 from .decoder import Decoder
-from .graph_step import graph_lease
+from .graph_step import graph_lease, static_step_problem
 from .sampling import GREEDY, Sampling, StopRule, check_sampling, sample, token_loop
 
 if TYPE_CHECKING:
@@ -284,6 +284,12 @@ class CausalLMDecoding:
             caches = lease.caches if lease is not None else None
             if caches is None and use_cache:
                 caches = self.make_caches(len(prompts), width + max_new_tokens)
+            problem = static_step_problem(self, caches) if compile and lease is None else None
+            if problem is not None:
+                raise ValueError(
+                    f"compile=True decodes through one compiled step over static caches, "
+                    f"and {problem}: decode without compile"
+                )
             logits = self.prefill(tokens, caches, start=start)
             step = None if lease is None else lease.begin(strict=cuda_graph is True)
             if step is None and compile:

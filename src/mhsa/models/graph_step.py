@@ -33,7 +33,14 @@ from torch import Tensor, nn
 from ..cache import KVCache, StaticKVCache
 from .compiled_step import compiled_once, decode_step, static_caches, step_memo
 
-__all__ = ["SLOT_BUCKET", "GraphLease", "StaticDecodeStep", "fixed_slots_problem", "graph_lease"]
+__all__ = [
+    "SLOT_BUCKET",
+    "GraphLease",
+    "StaticDecodeStep",
+    "fixed_slots_problem",
+    "graph_lease",
+    "static_step_problem",
+]
 
 # generate's captured caches hold a multiple of this many slots, so that prompts and
 # lengths that differ a little share one capture
@@ -53,6 +60,14 @@ def fixed_slots_problem(caches: object) -> str | None:
     if len(shapes) > 1:
         return f"the caches differ in (batch, max_len, length): {sorted(shapes)}"
     return None
+
+
+def static_step_problem(model: nn.Module, caches: object) -> str | None:
+    """Why model's decoding step cannot run over StaticKVCaches continuing `caches`, or
+    None: the caches' fixed_slots_problem, or the one an attention module declares in
+    `static_cache_problem` (MoBA)."""
+    declared = (getattr(module, "static_cache_problem", None) for module in model.modules())
+    return fixed_slots_problem(caches) or next(filter(None, declared), None)
 
 
 class StaticDecodeStep:
@@ -77,7 +92,7 @@ class StaticDecodeStep:
         capture: bool = False,
         warmup: int = 2,
     ) -> None:
-        problem = fixed_slots_problem(caches)
+        problem = static_step_problem(model, caches)
         if problem is not None:
             raise ValueError(f"StaticDecodeStep: {problem}")
         device = caches[0].k.device
@@ -258,7 +273,7 @@ def graph_lease(
             cache.reset()
         return held
     caches = model.make_caches(batch, slots)
-    problem = fixed_slots_problem(caches)
+    problem = static_step_problem(model, caches)
     if problem is not None:
         if strict:
             raise ValueError(f"cuda_graph=True: {problem}; pass cuda_graph=False")

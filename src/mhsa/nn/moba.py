@@ -41,6 +41,11 @@ class MoBA(MultiHeadAttention):
     causal_default = True
     self_attention_only = True
     returns_weights = False
+    # what StaticKVCache-based decoding (compile=True, CUDA graphs) asks of attention
+    static_cache_problem = (
+        "MoBA routes each query among the cached key blocks, which a static cache pads "
+        "with its unwritten slots"
+    )
 
     def __init__(
         self,
