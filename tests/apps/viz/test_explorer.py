@@ -495,3 +495,26 @@ def test_bad_input_is_a_one_line_error(tmp_path, capsys):
     err = one_line_error(capsys, ["viz", "--text", "x", "--html", html])
     assert "pass a GPT checkpoint folder" in err
     assert not Path(html).exists()
+
+
+@pytest.mark.parametrize(
+    ("options", "name"),
+    [
+        ({"attention": "diff"}, "DiffAttention"),
+        ({"attention": "latent"}, "LatentAttention"),
+        ({"attention": "moba", "moba_block": 8, "moba_top_k": 1}, "MoBA"),
+    ],
+)
+def test_attention_without_a_single_map_is_a_one_line_error(tmp_path, capsys, options, name):
+    """Differential, latent and MoBA layers return no probabilities of their own: viz
+    says so rather than fail (diff, latent) or draw plain causal maps (MoBA)."""
+    config = GPTConfig(vocab_size=256, n_layer=1, n_head=2, d_model=32, max_len=64, **options)
+    info = {"model": "gpt", "config": config.to_dict(), "tokenizer": "bytes"}
+    save_checkpoint(tmp_path / "run", 1, GPT(config), info, {})
+    for out in (["--html", str(tmp_path / "m.html")], ["--out", str(tmp_path / "m.png")]):
+        err = one_line_error(capsys, ["viz", str(tmp_path / "run"), "--text", "def f", *out])
+        assert err == (
+            f"mhsa viz: this model's attention ({name}) has no single probability map to draw: "
+            "attention maps are shown for standard multi-head attention"
+        )
+    assert not any(tmp_path.glob("m.*"))

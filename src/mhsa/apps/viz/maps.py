@@ -13,9 +13,26 @@ import torch
 from torch import Tensor, nn
 
 from ...nn import MultiHeadAttention
+from ...nn.attention_base import AttentionModule
 
 # on_call(index of the module in `modules`, the module, its positional args, its kwargs)
 OnCall = Callable[[int, MultiHeadAttention, tuple, dict], None]
+
+
+def mapped_attention(model: nn.Module) -> list[MultiHeadAttention]:
+    """model's attention modules, in module order, each of which can recompute its
+    probabilities (attention_map); ValueError for a model whose attention has no such
+    map (differential, latent or MoBA attention: the standard map would misstate it)."""
+    modules = [m for m in model.modules() if isinstance(m, AttentionModule)]
+    unmapped = sorted({type(m).__name__ for m in modules if not m.returns_weights})
+    if unmapped:
+        raise ValueError(
+            f"this model's attention ({', '.join(unmapped)}) has no single probability map "
+            "to draw: attention maps are shown for standard multi-head attention"
+        )
+    if not modules:
+        raise ValueError("this model has no attention layers to draw")
+    return modules
 
 
 @torch.no_grad()
@@ -46,7 +63,7 @@ def attention_maps(model: nn.Module, *inputs, **kwargs) -> list[Tensor]:
     """Run model(*inputs, **kwargs); return each MultiHeadAttention's probabilities
     (B, H, L, S), in the order the layers ran."""
     maps: list[Tensor] = []
-    modules = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
+    modules = mapped_attention(model)
     was_training = model.training
     model.eval()
     try:

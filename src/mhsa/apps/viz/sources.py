@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ...nn import MultiHeadAttention
+from .maps import mapped_attention
 
 FRAME_SECONDS = 0.02  # one Whisper encoder frame: 2 mel hops of 10 ms
 
@@ -50,8 +51,7 @@ class Source:
 
 
 def _attention_layers(model: torch.nn.Module) -> list[tuple[str, MultiHeadAttention]]:
-    modules = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
-    return [(f"layer {i}", m) for i, m in enumerate(modules)]
+    return [(f"layer {i}", m) for i, m in enumerate(mapped_attention(model))]
 
 
 def _visible(text: str) -> str:
