@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from .formats.permissions import as_if_created
 from .formats.weights import SafetensorsFiles, read_tensors
 
 _STEP_FOLDER = re.compile(r"^step-(\d+)$")
@@ -75,6 +76,8 @@ def save_checkpoint(out_dir: Path, step: int, model: nn.Module, info: dict, trai
         for name in _FILES:
             with open(tmp / name, "rb") as f:
                 os.fsync(f.fileno())
+            as_if_created(tmp / name)
+        as_if_created(tmp)  # (mkdtemp made it private)
         if final.exists():  # the same step again: move the old one aside, never rmtree first
             old = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out_dir))
             os.replace(final, old / final.name)

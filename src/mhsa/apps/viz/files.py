@@ -7,6 +7,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from ...formats.permissions import as_if_created
+
 
 def write_atomically(path: str | Path, write: Callable[[Path], None]) -> Path:
     """write(tmp) fills a temporary file in path's folder (made if missing), which then
@@ -25,6 +27,7 @@ def write_atomically(path: str | Path, write: Callable[[Path], None]) -> Path:
         write(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        as_if_created(tmp)  # (mkstemp made it private)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
