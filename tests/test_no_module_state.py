@@ -35,11 +35,14 @@ ALLOWED = {
     ("core/backends/registry.py", "_forced_generation"): (
         "counts use_backend entries, so that torch.compile guards a graph on the forced backend"
     ),
-    ("core/backends/op_scores.py", "_SCORE_MODS"): (
-        "each ScoreMod's name for the custom ops, keyed by it and dropped with it"
+    ("core/scores.py", "_LIVING"): (
+        "each ScoreMod under its name, for the custom ops and a traced graph's probe: weak "
+        "values, an entry leaves with its ScoreMod"
     ),
-    ("core/backends/op_scores.py", "_SCORE_MOD_TEXTS"): "the same, from the ScoreMod (weak keys)",
-    ("core/backends/op_scores.py", "_NUMBERS"): "numbers those names (a counter, never read back)",
+    ("core/scores.py", "_NAME_NUMBERS"): "numbers those names (a counter, never read back)",
+    ("core/backends/op_scores.py", "_PLACES"): (
+        "where a ScoreMod's function reads its tensors, found once (weak keys)"
+    ),
     ("core/backends/op_values.py", "_REBUILT"): (
         "a pattern per repr text, for the custom ops: keyed by the whole content"
     ),

@@ -11,8 +11,6 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from .tracing import constant_when_traced
-
 
 def tile_indices(batch: int, heads: Tensor | int, q_pos: Tensor, k_pos: Tensor):
     """(batch, head, q_pos, k_pos) index tensors shaped to broadcast against a
@@ -27,7 +25,6 @@ def tile_indices(batch: int, heads: Tensor | int, q_pos: Tensor, k_pos: Tensor):
     )
 
 
-@constant_when_traced  # a traced graph probes once, eagerly, unbroken
 def probe_once(fn: Callable, num_heads: int, device: torch.device, dtype: torch.dtype) -> bool:
     """check_elementwise once per (num_heads, device, dtype) of fn."""
     key = (num_heads, str(device), dtype)

@@ -18,7 +18,9 @@ tensors a ScoreMod closes over).
 
 from __future__ import annotations
 
+import itertools
 import math
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -33,6 +35,7 @@ from .score_checks import (
     tile_indices,
     unique_tensors,
 )
+from .tracing import constant_when_traced
 
 
 class ScoreFunction:
@@ -259,6 +262,19 @@ class ScoreMod(ScoreFunction):
         self.fn = fn
         self._tensors = tuple(tensors) + closure_tensors(fn)
         self._checked: set = set()
+        self._register()
+
+    def _register(self) -> None:
+        """Name it, "ScoreMod('qualname', n)", unique in this process, and list it among
+        the living under that name while it lives."""
+        number = next(_NAME_NUMBERS)
+        self.name = f"ScoreMod({getattr(self.fn, '__qualname__', '')!r}, {number})"
+        _LIVING[self.name] = self
+
+    def __setstate__(self, state: dict) -> None:
+        """A copy (copy.deepcopy, pickle) is a ScoreMod of its own, under its own name."""
+        self.__dict__.update(state)
+        self._register()
 
     def __call__(self, score, batch, head, q_pos, k_pos):
         return self.fn(score, batch, head, q_pos, k_pos)
@@ -267,10 +283,27 @@ class ScoreMod(ScoreFunction):
         return unique_tensors(self._tensors)
 
     def check(self, num_heads, device, dtype):
-        probe_once(self, int(num_heads), device, dtype)
+        _probe_living(self.name, int(num_heads), device, dtype)
 
     def __repr__(self) -> str:
         return f"ScoreMod({getattr(self.fn, '__name__', self.fn)!r})"
+
+
+# Every living ScoreMod by its name. The custom ops (backends.op_scores) and the probe of
+# a traced graph take the name, a constant, in place of the object: torch.compile before
+# torch 2.13 passes no other object to a function it calls while tracing.
+_LIVING: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_NAME_NUMBERS = itertools.count()
+
+
+def living_score_mod(name: str) -> ScoreMod | None:
+    """The ScoreMod of that name while it lives, else None."""
+    return _LIVING.get(name)
+
+
+@constant_when_traced  # a traced graph probes once, eagerly, unbroken
+def _probe_living(name: str, num_heads: int, device: torch.device, dtype: torch.dtype) -> bool:
+    return probe_once(_LIVING[name], num_heads, device, dtype)
 
 
 class Compose(ScoreFunction):

@@ -4,6 +4,7 @@ and a forced backend that is part of the graph's guards."""
 
 from __future__ import annotations
 
+import copy
 import gc
 
 import pytest
@@ -294,12 +295,12 @@ def test_the_flash_op_takes_score_functions_and_sinks(name, causal):
 def test_a_score_mod_is_named_while_it_lives():
     """The same ScoreMod gives the same text (no recompile); the op rebuilds it from the
     text while it lives, reading the op's tensors, and says so once it is gone."""
-    from mhsa.core.backends.op_scores import rebuild_score, score_mod_text, score_spec
+    from mhsa.core.backends.op_scores import rebuild_score, score_spec
 
     weight = torch.ones(4)
     score = ScoreMod(lambda s, b, h, qi, ki: s * weight[h])
-    text = score_mod_text(score)
-    assert score_mod_text(score) == text != score_mod_text(ScoreMod(score.fn))
+    text = score.name
+    assert score.name == text != ScoreMod(score.fn).name != copy.deepcopy(score).name
     assert score_spec(score) == (text, [weight])
     rebuilt = rebuild_score(text, [torch.full((4,), 3.0)])
     scores, head = torch.ones(1, 4, 1, 1), torch.arange(4).view(1, 4, 1, 1)

@@ -4,9 +4,9 @@ The ops rebuild the function from them; equal functions give equal texts, so a t
 graph never recompiles for the same one.
 
 ALiBi, RelativeBias and Softcap (composed in any order) are named by their constants.
-A ScoreMod holds arbitrary Python: it is named by a number registered in this process
-for as long as it lives (score_mod_text; a traced graph guards on the object, so the
-two go together), its tensors are its tensors(). Where each of them is a variable of
+A ScoreMod holds arbitrary Python: it goes by its name, unique in this process, under
+which the ops find it while it lives (a traced graph reads the name off the object and
+guards on it), and its tensors are its tensors(). Where each of them is a variable of
 its function's closure or a global it reads, the op hands the function its own tensor
 arguments in their place (gradcheck perturbs what the function reads); otherwise (a
 module's parameters, say) the function reads them itself, as eager does, and the
@@ -16,15 +16,20 @@ backward differentiates to those.
 from __future__ import annotations
 
 import ast
-import itertools
 import types
 import weakref
-from dataclasses import dataclass
 
 from torch import Tensor
 
-from ..scores import ALiBi, Compose, RelativeBias, ScoreFunction, ScoreMod, Softcap
-from ..tracing import constant_when_traced
+from ..scores import (
+    ALiBi,
+    Compose,
+    RelativeBias,
+    ScoreFunction,
+    ScoreMod,
+    Softcap,
+    living_score_mod,
+)
 
 
 def score_spec(score: ScoreFunction | None) -> tuple[str, list[Tensor]] | None:
@@ -45,41 +50,15 @@ def score_spec(score: ScoreFunction | None) -> tuple[str, list[Tensor]] | None:
         elif type(f) is Softcap:
             parts.append(f"Softcap({f.cap!r})")
         elif type(f) is ScoreMod:
-            parts.append(score_mod_text(f))
+            parts.append(f.name)
             tensors.extend(f.tensors())
         else:
             return None
     return ";".join(parts), tensors
 
 
-@dataclass(frozen=True)
-class _Registered:
-    """A ScoreMod as the ops rebuild it: its `count` tensors' places in its function,
-    as closure cells (cell index -> tensor index) and globals (name -> tensor index),
-    or places None where the function reads them itself."""
-
-    score: weakref.ref
-    count: int
-    places: tuple[dict[int, int], dict[str, int]] | None
-
-
-_SCORE_MODS: dict[str, _Registered] = {}  # an entry leaves with its ScoreMod
-_SCORE_MOD_TEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_NUMBERS = itertools.count()
-
-
-@constant_when_traced  # a traced graph holds the text, guarded on score
-def score_mod_text(score: ScoreMod) -> str:
-    """score's name for the ops, "ScoreMod('qualname', n)", registered on first sight."""
-    if score not in _SCORE_MOD_TEXTS:
-        text = f"ScoreMod({getattr(score.fn, '__qualname__', '')!r}, {next(_NUMBERS)})"
-        tensors = score.tensors()
-        _SCORE_MODS[text] = _Registered(
-            weakref.ref(score), len(tensors), _places(score.fn, tensors)
-        )
-        weakref.finalize(score, _SCORE_MODS.pop, text, None)
-        _SCORE_MOD_TEXTS[score] = text
-    return _SCORE_MOD_TEXTS[score]
+# where each ScoreMod's function reads its tensors (_places), found once per ScoreMod
+_PLACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _places(fn, tensors: tuple[Tensor, ...]) -> tuple[dict[int, int], dict[str, int]] | None:
@@ -110,16 +89,17 @@ def _cell_values(fn: types.FunctionType) -> list:
 
 def _rebuild_score_mod(text: str, tensors: list[Tensor]) -> ScoreMod:
     """The ScoreMod named text, reading tensors in place of its own where it can."""
-    entry = _SCORE_MODS.get(text)
-    score = None if entry is None else entry.score()
+    score = living_score_mod(text)
     if score is None:
         raise ValueError(
             f"the score function {text} is gone: a graph traced with a ScoreMod "
             "runs only while that ScoreMod lives"
         )
-    if entry.places is None:
+    if score not in _PLACES:
+        _PLACES[score] = _places(score.fn, score.tensors())
+    if _PLACES[score] is None:
         return score
-    cells, names = entry.places
+    cells, names = _PLACES[score]
     fn = score.fn
     closure = tuple(
         types.CellType(tensors[cells[c]]) if c in cells else cell
@@ -144,7 +124,8 @@ def rebuild_score(text: str, tensors: list[Tensor]) -> ScoreFunction | None:
         name, _, args = part.partition("(")
         values = ast.literal_eval(f"({args[:-1]},)") if args[:-1] else ()
         if name == "ScoreMod":
-            count = _SCORE_MODS[part].count if part in _SCORE_MODS else 0
+            living = living_score_mod(part)
+            count = 0 if living is None else len(living.tensors())
             functions.append(_rebuild_score_mod(part, [next(pending) for _ in range(count)]))
         elif name == "ALiBi":
             functions.append(ALiBi(next(pending)))
