@@ -116,6 +116,18 @@ def test_sampling_frequencies_follow_temperature_top_k_and_top_p():
     assert max_error(frequencies(top_p=0.8), nucleus) < 0.015
 
 
+def test_tiny_temperatures_and_top_p_sample_the_likeliest_token():
+    """Valid settings at the edge: a temperature of 1e-300 or a top_p below float32's
+    smallest number is a draw of the likeliest token (one of the tied ones), never nan."""
+    logits = torch.tensor([[0.0, 3.0, -1.0, 3.0], [2.0, -5.0, 1.0, 0.0]])
+    gen = torch.Generator().manual_seed(0)
+    for options in ({"temperature": 1e-300}, {"top_p": 1e-300}, {"top_p": 1e-50, "top_k": 3}):
+        draws = torch.stack([sample(logits, generator=gen, **options) for _ in range(50)])
+        assert set(draws[:, 0].tolist()) <= {1, 3} and set(draws[:, 1].tolist()) == {0}, options
+    big = torch.tensor([[3e38, -3e38, 1.0]])
+    assert sample(big, temperature=1e-3, generator=gen).item() == 0
+
+
 @pytest.mark.parametrize("position", ["learned", "rotary"])
 def test_window_attends_exactly_the_last_window_tokens(position):
     """With window 4, one layer: the logits at position 12 depend on tokens 9..12 only."""

@@ -277,14 +277,20 @@ def _filtered_probs(
     logits: Tensor, temperature: float, top_k: int | None, top_p: float | None
 ) -> Tensor:
     shape = logits.shape
-    logits = logits.reshape(-1, shape[-1]).float() / temperature
+    logits = logits.reshape(-1, shape[-1]).float()
+    # shifted first, so that a tiny temperature sends the others to -inf, never the
+    # largest to inf (inf - inf is nan in the softmax)
+    # (and at least float32's smallest normal number: a smaller one would be 0 here)
+    temperature = max(temperature, torch.finfo(torch.float32).tiny)
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, -torch.inf)
     if top_p is not None:
         sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
-        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p  # keep the first
+        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
+        drop[:, 0] = False  # the most likely token stays, however small top_p is
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), -torch.inf)
     return torch.softmax(logits, dim=-1).view(shape)
 
