@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -102,11 +104,13 @@ def write_gguf(
     metadata=None,
     sizes=None,
     token_ids=None,
+    tensors=None,
 ):
     """A GGUF file of a one-layer model with `weights` (HF names, HF row order) stored as
     `qtype` (norms always F32), and a byte-level tokenizer, the way llama.cpp writes one;
     sizes: metadata sizes to write instead ({"block_count": 10**8}: a damaged file);
-    token_ids: special token ids to write besides or instead ({"eos": 10**9}: another)."""
+    token_ids: special token ids to write besides or instead ({"eos": 10**9}: another);
+    tensors: more tensors under their GGUF names, written as they are (rope_freqs)."""
     weights = hf_weights(arch) if weights is None else weights
     writer = gguf.GGUFWriter(str(path), arch)
     sizes = {
@@ -152,6 +156,8 @@ def write_gguf(
             writer.add_tensor(gguf_name(name), value.astype(np.float16))
         else:
             writer.add_tensor(gguf_name(name), gguf.quants.quantize(value, qtype), raw_dtype=qtype)
+    for name, value in (tensors or {}).items():
+        writer.add_tensor(name, value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -284,6 +290,53 @@ def test_written_file_equals_transformers(tmp_path, arch):
         assert torch.equal(tensor, expected[name]), name
     assert ours.config["attention_bias"] == (arch == "qwen2")
     assert_same_config(ours.config, theirs.config.to_dict())
+
+
+def test_rope_freqs_scale_the_rotary_frequencies_as_llama3_does(tmp_path):
+    """llama.cpp's converter writes a Llama 3.1 model's llama3 scaling as one divisor per
+    frequency (rope_freqs) and no scaling metadata: read back, the model equals the same
+    weights under the llama3 scaling they came from."""
+    from mhsa.formats.weights import TensorDict
+    from mhsa.models.llama import Llama, LlamaConfig
+
+    llama3 = {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    frequencies = 1.0 / 10000.0 ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM)
+    wavelengths = 2 * math.pi / frequencies  # llama.cpp's converter, written out
+    smooth = (64 / wavelengths - 1.0) / (4.0 - 1.0)
+    factors = np.where(
+        wavelengths < 64 / 4.0,
+        1.0,
+        np.where(wavelengths > 64, 32.0, 1 / ((1 - smooth) / 32 + smooth)),
+    ).astype(np.float32)
+    path = write_gguf(tmp_path / "llama3.gguf", tensors={"rope_freqs.weight": factors})
+    model = read_gguf(path)
+    assert model.config["rope_scaling"] == {"rope_type": "factors", "factors": factors.tolist()}
+    ours = Llama.from_hf(
+        TensorDict(model.state_dict, str(path)), LlamaConfig.from_hf_config(model.config)
+    )
+    config = LlamaConfig.from_hf_config({**model.config, "rope_scaling": llama3})
+    scaled = Llama.from_hf(TensorDict(model.state_dict, str(path)), config)
+    plain = Llama.from_hf(
+        TensorDict(model.state_dict, str(path)),
+        LlamaConfig.from_hf_config({**model.config, "rope_scaling": None}),
+    )
+    ids = torch.randint(0, VOCAB, (1, 200), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want, unscaled = ours(ids), scaled(ids), plain(ids)
+    # (logits of tens, from random weights: float32 rounding of the factors shows as 2e-3)
+    assert (got - want).abs().max() < 1e-2 and (got - unscaled).abs().max() > 1.0
+    metadata = {"llama.rope.scaling.type": "linear"}
+    both = write_gguf(
+        tmp_path / "both.gguf", metadata=metadata, tensors={"rope_freqs.weight": factors}
+    )
+    with pytest.raises(ValueError, match="both rope scaling metadata"):
+        read_gguf(both)
 
 
 # ---------------------------------------------------------------- errors

@@ -88,7 +88,8 @@ class GGUFModel:
     """What `read_gguf` returns: the transformers `config` dict, the `state_dict` under
     transformers' names, the file's `metadata` (key -> value, arrays as lists) and the
     `architecture` as the file names it. `rope_freqs` holds llama.cpp's per-frequency rotary
-    divisors when the file has them (Llama 3.1 and later), else None."""
+    divisors when the file has them (Llama 3.1 and later), else None; the config then
+    carries them as rope_scaling {"rope_type": "factors", "factors": [...]}."""
 
     path: Path
     architecture: str
@@ -251,6 +252,15 @@ def read_gguf(
     rope_freqs = None
     if ROPE_FREQS in names:
         rope_freqs = torch.from_numpy(np.array(source.dequantised(ROPE_FREQS))).float()
+        if config["rope_scaling"] is not None:
+            raise ValueError(
+                f"{path}: the file holds both rope scaling metadata "
+                f"({config['rope_scaling']['rope_type']}) and rope_freqs, which we do not "
+                "combine"
+            )
+        # llama.cpp divides each rotary frequency by its factor (Llama 3.1's llama3
+        # scaling, written out by the converter): the model must do the same
+        config["rope_scaling"] = {"rope_type": "factors", "factors": rope_freqs.tolist()}
     expected = {name: _expected_shape(name, config) for name in _possible_names(config)}
     fix = f"a damaged or inconsistent GGUF file, or a {arch} variant we do not support"
     state_dict = read_tensors(

@@ -112,7 +112,7 @@ class AttentionPosition(nn.Module):
         return None
 
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "factors")
 
 
 def rope_type(scaling: dict | None) -> str:
@@ -142,6 +142,9 @@ def rope_frequencies(
                  beta_slow (1), truncate (True), attention_factor (else 0.1 ln(factor) + 1,
                  or the mscale / mscale_all_dim ratio): the ramp of YaRN, with cos and sin
                  scaled by the attention factor
+        factors  factors: dim/2 divisors, one per frequency, as llama.cpp applies the
+                 rope_freqs tensor of a GGUF file (Llama 3.1 and later carry their llama3
+                 scaling so)
     """
     _check_positive("dim", dim)
     scaling = dict(scaling or {})
@@ -154,6 +157,7 @@ def rope_frequencies(
         "dynamic": ("factor",),
         "yarn": (context,),
         "llama3": ("factor", "low_freq_factor", "high_freq_factor", context),
+        "factors": ("factors",),
     }
     needs = needs.get(kind, ())
     missing = [key for key in needs if scaling.get(key) is None]
@@ -174,6 +178,14 @@ def rope_frequencies(
         return _llama3(inv_freq, scaling), 1.0
     if kind == "yarn":
         return _yarn(dim, base, exponents, scaling, max_position_embeddings)
+    if kind == "factors":
+        factors = torch.tensor(scaling["factors"], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(
+                f"rope scaling 'factors' needs dim/2 = {inv_freq.numel()} factors, one per "
+                f"frequency, got {tuple(factors.shape)}"
+            )
+        return inv_freq / factors, 1.0
     return inv_freq, 1.0
 
 
