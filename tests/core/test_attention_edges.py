@@ -93,3 +93,14 @@ def test_attention_weights_of_some_heads_take_those_heads_of_a_per_head_pattern(
     union = pattern | masks.SlidingWindow(1, 0)
     got = mhsa.attention_weights(q, k, union, heads=[2], backend=backend)
     assert max_error(got, mhsa.attention_weights(q, k, union, backend="reference")[:, [2]]) < 1e-12
+
+
+def test_attention_weights_of_some_heads_narrow_a_per_head_bool_mask_pattern():
+    torch.manual_seed(0)
+    q, k, _ = make_qkv(1, 4, 2, 5, 5, 8, dtype=torch.float64)
+    mask = torch.rand(1, 4, 5, 5) > 0.5
+    pattern = masks.BoolMask(mask)
+    for mask_of_heads in (pattern, pattern | masks.SlidingWindow(1, 1)):
+        got = mhsa.attention_weights(q, k, mask_of_heads, heads=[0, 2])
+        want = mhsa.attention_weights(q, k, mask_of_heads, backend="reference")[:, [0, 2]]
+        assert got.shape == (1, 2, 5, 5) and max_error(got, want) < 1e-12

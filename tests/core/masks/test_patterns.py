@@ -122,8 +122,8 @@ def test_pattern_semantics():
     assert prefix[0].tolist() == [True, True, True, False, False]
     assert prefix[4].all()
     random = masks.RandomBlocks(3, 8, seed=5)
-    layout = random.layout_for(64, 80)
-    assert layout.sum(1).tolist() == [3] * 8
+    layout = random.layout_for(64, 80)  # over the blocks of positions 0..79
+    assert layout.sum(1).tolist() == [3] * 10
     assert torch.equal(layout, masks.RandomBlocks(3, 8, seed=5).layout_for(64, 80))
     assert not torch.equal(layout, masks.RandomBlocks(3, 8, seed=6).layout_for(64, 80))
 
@@ -246,3 +246,27 @@ def test_bad_lengths_and_indices_are_clear_errors():
     with pytest.raises(TypeError, match="indices must be integer positions"):
         masks.GlobalTokens([1.7])
     assert masks.GlobalTokens([]).dense(2, 2).sum() == 0
+
+
+@pytest.mark.parametrize("pattern", [masks.RandomBlocks(2, 8, seed=5), masks.bigbird(8, 1, 1, 1)])
+def test_random_blocks_sit_bottom_right_like_every_pattern(pattern):
+    """Query row i is position i + S - L: a decoding step's query, or the last rows of a
+    call, see what the same positions see in the whole prompt; positions before 0
+    (L > S) get no random block. The block plan agrees with the dense mask throughout."""
+    whole = pattern.dense(45, 45)
+    for q_len in (1, 7, 20):
+        assert torch.equal(pattern.dense(q_len, 45), whole[..., 45 - q_len :, :])
+    longer = pattern.dense(60, 45)
+    assert torch.equal(longer[..., 15:, :], whole)
+    if isinstance(pattern, masks.RandomBlocks):
+        assert not longer[..., :15, :].any()
+    for q_len, kv_len in ((45, 45), (20, 45), (1, 45), (60, 45)):
+        dense = pattern.dense(q_len, kv_len).reshape(-1, q_len, kv_len)
+        for block_q, block_k in ((8, 8), (16, 8), (5, 13)):
+            kinds = pattern.block_layout(q_len, kv_len, block_q, block_k)
+            for qi, kj in torch.cartesian_prod(*(torch.arange(n) for n in kinds.shape)).tolist():
+                tile = dense[
+                    :, qi * block_q : (qi + 1) * block_q, kj * block_k : (kj + 1) * block_k
+                ]
+                assert kinds[qi, kj] != EMPTY or not tile.any(), (q_len, qi, kj)
+                assert kinds[qi, kj] != FULL or tile.all(), (q_len, qi, kj)

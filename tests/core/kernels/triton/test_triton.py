@@ -34,10 +34,14 @@ from mhsa.core.kernels.triton import (
     triton_attention_weights,
     triton_keep_mask,
 )
-from mhsa.core.masks import KeyPadding, SlidingWindow, bigbird
+from mhsa.core.masks import KeyPadding, SelectedBlocks, SlidingWindow, bigbird
 
 assert interpreting(), "conftest.py sets TRITON_INTERPRET=1 before triton is imported"
 
+
+PER_HEAD = SelectedBlocks(
+    torch.rand(2, 2, 3, 3, generator=torch.Generator().manual_seed(0)) > 0.4, 16
+)
 
 CASES = {
     # name: (H, H_kv, L, S, D, D_v, mask, causal, bias shape, (BLOCK_M, BLOCK_N) or None)
@@ -51,6 +55,8 @@ CASES = {
     "bigbird-causal": (2, 1, 80, 80, 16, 16, bigbird(16, 3, 1, 1), True, None, None),
     "key-padding-pattern": (2, 2, 20, 40, 16, 16, KeyPadding([40, 17]), False, None, None),
     "head-dim-256": (1, 1, 5, 7, 256, 256, None, True, None, None),
+    # a selection per sequence and head: the tiles would differ by head (a dense mask)
+    "per-head-selected-blocks": (2, 1, 48, 48, 16, 16, PER_HEAD, False, None, (16, 16)),
     # L and S multiples of the tiles: no bounds check in the kernels (EVEN)
     "aligned-bool-mask-dead-row": (2, 1, 64, 48, 16, 16, "dense", False, None, None),
 }

@@ -93,7 +93,8 @@ def _pattern_tiles(
     pattern, qi: Tensor, kj: Tensor, q_len: int, kv_len: int, block_m: int, block_n: int, device
 ) -> Tensor:
     """(1 or B, tiles, BLOCK_M, BLOCK_N) uint8: the pattern's element mask on each tile
-    (query block qi, key block kj) in order (sorted by qi), one evaluation per query block."""
+    (query block qi, key block kj) in order (sorted by qi), one evaluation per query block;
+    None for a pattern that differs by head (the kernels index tiles by batch alone)."""
     pieces = []
     blocks, counts = qi.unique_consecutive(return_counts=True)
     for block, keys in zip(blocks.tolist(), kj.split(counts.tolist()), strict=True):
@@ -101,8 +102,10 @@ def _pattern_tiles(
         cols = (keys.view(-1, 1) * block_n + torch.arange(block_n, device=device)).flatten()
         q0, q1 = block * block_m, min(q_len, (block + 1) * block_m)
         keys_at = cols.clamp(max=kv_len - 1)
-        tile = pattern.tile(q0, q1, keys_at, q_len, kv_len)  # (B?, 1?, rows, n * BLOCK_N)
-        # patterns do not depend on the head; rows may broadcast (key padding)
+        tile = pattern.tile(q0, q1, keys_at, q_len, kv_len)  # (B?, H?, rows, n * BLOCK_N)
+        if tile.dim() == 4 and tile.shape[1] > 1:
+            return None
+        # rows may broadcast (key padding)
         tile = tile.reshape(-1, *tile.shape[-2:]).expand(-1, q1 - q0, cols.numel())
         tile = F.pad(tile.to(torch.uint8), (0, 0, 0, block_m - (q1 - q0)))
         pieces.append(tile.view(tile.shape[0], block_m, keys.numel(), block_n).transpose(1, 2))
@@ -155,6 +158,9 @@ def _build_tiles(mask, causal: bool, shape: tuple, device, blocks: tuple) -> Til
         tiles = _pattern_tiles(
             mask, qi[partial], kj[partial], q_len, kv_len, block_m, block_n, device
         )
+        if tiles is None:  # a per-head pattern (SelectedBlocks of (B, H, n, n)): dense
+            mask_mode, tile = MASK_TENSOR, torch.full_like(qi, -1)
+            dense = broadcast4d(mask.dense(q_len, kv_len, device), shape).view(torch.uint8)
     num_q, num_k = -(-q_len // block_m), -(-kv_len // block_n)
     order = torch.argsort(kj * num_q + qi)
 
