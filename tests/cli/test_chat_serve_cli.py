@@ -95,6 +95,29 @@ def test_reset_forgets_the_conversation_and_says_so(recording, monkeypatch, caps
     assert "[conversation forgotten]\n" in capsys.readouterr().err
 
 
+def test_a_turn_past_the_context_is_reported_and_the_chat_goes_on(monkeypatch, capsys):
+    """The conversation that no longer fits is said in one line; the turn is not kept,
+    and /reset and the next prompts are still read."""
+
+    class ShortContext(RecordingChat):
+        def reply(self, history, **options):
+            self.asked.append([dict(turn) for turn in history])
+            if "long" in history[-1]["content"]:
+                raise ValueError("the conversation is 9031 tokens, the model's context 8192")
+            yield "ok"
+
+    model = ShortContext()
+    monkeypatch.setattr("mhsa.apps.chat.load_chat_model", lambda *args, **kwargs: model)
+    _typed(monkeypatch, ["hi", "long " * 3, "next", "/reset", "again"])
+    assert main(["chat"]) == 0
+    err = capsys.readouterr().err
+    assert "mhsa chat: the conversation is 9031 tokens, the model's context 8192\n" in err
+    assert "[conversation forgotten]" in err
+    assert model.asked[-1] == [{"role": "user", "content": "again"}]
+    hi, ok = {"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}
+    assert model.asked[2] == [hi, ok, {"role": "user", "content": "next"}]  # no long turn
+
+
 def test_chat_says_what_it_loads_first_then_that_it_is_ready(recording, monkeypatch, capsys):
     _typed(monkeypatch, [])
     assert main(["chat"]) == 0

@@ -130,11 +130,15 @@ def _chat(args: argparse.Namespace, started: float, weights: dict) -> int:
             print(f"[conversation forgotten{kept}]", file=sys.stderr)
             continue
         if prompt.strip():
-            _answer(model, history, prompt, options)
+            try:
+                _answer(model, history, prompt, options)
+            except ValueError as error:  # a turn past the context: say so, keep chatting
+                print(f"mhsa chat: {error}", file=sys.stderr)
 
 
 def _answer(model, history: list[dict], prompt: str, options: dict) -> None:
-    """Stream the answer to prompt, add both turns to history, report tokens/s."""
+    """Stream the answer to prompt, add both turns to history, report tokens/s. A
+    ValueError (the conversation no longer fits the context) leaves history as it was."""
     history.append({"role": "user", "content": prompt})
     pieces = []
     try:
@@ -143,6 +147,9 @@ def _answer(model, history: list[dict], prompt: str, options: dict) -> None:
             print(piece, end="", flush=True)
     except KeyboardInterrupt:
         print(" [stopped]", end="")
+    except ValueError:
+        history.pop()
+        raise
     print()
     history.append({"role": "assistant", "content": "".join(pieces)})
     _report_compile(model.model)
