@@ -197,6 +197,18 @@ def test_what_real_templates_do_still_renders(template, variables, expected):
         assert render_chat(template, MESSAGES, **variables) == expected
 
 
+def test_generation_blocks_render_their_body_as_transformers_does():
+    """TRL's assistant-only-loss templates wrap the assistant's turns in
+    {% generation %}...{% endgeneration %}; rendering shows the body."""
+    needs("jinja2")
+    template = (
+        "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}"
+        "[{{ m.content }}]{% endgeneration %}{% else %}{{ m.content }}{% endif %}{% endfor %}"
+    )
+    messages = [*MESSAGES, {"role": "assistant", "content": "hello"}]
+    assert render_chat(template, messages, add_generation_prompt=False) == "hi[hello]"
+
+
 LOOP = "{{% set ns = namespace(s='a') %}}{{% for i in range({}) %}}{}{{% endfor %}}{{{{ ns.s }}}}"
 
 

@@ -337,11 +337,8 @@ class _DirectoryTokenizer:
         )
         if not self.template:
             raise ValueError(f"{path} has no chat template (tokenizer_config.json)")
-        self.special = {
-            key: settings[key]
-            for key in ("bos_token", "eos_token")
-            if isinstance(settings.get(key), str)
-        }
+        special = {key: _token_text(settings.get(key)) for key in ("bos_token", "eos_token")}
+        self.special = {key: text for key, text in special.items() if text is not None}
         eos = self.special.get("eos_token")
         self.eos_token_id = None if eos is None else self.tokenizer.token_to_id(eos)
         self._render = render
@@ -357,6 +354,14 @@ class _DirectoryTokenizer:
 
     def stream(self):
         return _TextStream(self.tokenizer)
+
+
+def _token_text(value) -> str | None:
+    """A special token as tokenizer_config.json spells it: a string, or an AddedToken
+    saved as {"__type": "AddedToken", "content": ...} (older Llama-style files)."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
 
 
 class _TextStream:

@@ -221,6 +221,22 @@ def _environment_class():
     return LimitedEnvironment
 
 
+def _generation_tag():
+    """The jinja2 extension of `{% generation %}...{% endgeneration %}`, which templates
+    made for training on the assistant's tokens alone wrap those in (transformers marks
+    them so): rendered as the body, as transformers renders it."""
+    import jinja2.ext
+
+    class Generation(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    return Generation
+
+
 @lru_cache(maxsize=8)
 def compile_template(template: str):
     """The compiled jinja2 template (cached: a chat renders the same one every turn)."""
@@ -230,7 +246,9 @@ def compile_template(template: str):
     except ImportError as error:
         raise ImportError(f"chat templates need the jinja2 package: {INSTALL_HINT}") from error
     env = _environment_class()(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[jinja2.ext.loopcontrols, _generation_tag()],
     )
     env.concat = _concat  # (what the compiled template joins blocks and macros with)
     env.finalize = _finalize

@@ -1,0 +1,39 @@
+"""A transformers directory's tokenizer settings as `mhsa chat --model DIR` reads them:
+special tokens written as strings or as saved AddedTokens render the same template."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mhsa.apps.chat import _DirectoryTokenizer
+from mhsa.formats import render_chat
+from optional import needs
+
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ '[' + m['role'] + '] ' + m['content'] + "
+    "eos_token }}{% endfor %}{% if add_generation_prompt %}{{ '[assistant] ' }}{% endif %}"
+)
+
+
+def _added(content: str) -> dict:
+    """An AddedToken as older tokenizer_config.json files save it."""
+    return {"__type": "AddedToken", "content": content, "lstrip": False, "normalized": False}
+
+
+@pytest.mark.parametrize("as_dict", [False, True])
+def test_special_tokens_saved_as_added_tokens_are_read(tmp_path, as_dict):
+    needs("tokenizers")
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    vocab = {"<s>": 0, "</s>": 1, "hi": 2}
+    Tokenizer(WordLevel(vocab, unk_token="hi")).save(str(tmp_path / "tokenizer.json"))
+    bos, eos = (_added("<s>"), _added("</s>")) if as_dict else ("<s>", "</s>")
+    settings = {"chat_template": TEMPLATE, "bos_token": bos, "eos_token": eos}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(settings))
+    tokenizer = _DirectoryTokenizer(tmp_path, render_chat)
+    text = tokenizer.render_chat([{"role": "user", "content": "Hi"}])
+    assert text == "<s>[user] Hi</s>[assistant] "
+    assert tokenizer.eos_token_id == 1
