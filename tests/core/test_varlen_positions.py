@@ -36,6 +36,10 @@ def test_cu_seqlens_from_position_ids():
     assert cu_seqlens_from_position_ids(POSITIONS.view(1, -1)).tolist() == [0, 3, 4, 8]
     rows = torch.tensor([[0, 1, 2, 0], [0, 1, 0, 1]])  # each row starts a sequence
     assert cu_seqlens_from_position_ids(rows).tolist() == [0, 3, 4, 6, 8]
+    with pytest.raises(ValueError, match="got 3 at token 3"):  # no run from row to row
+        cu_seqlens_from_position_ids(torch.tensor([[0, 1, 2], [3, 4, 5]]))
+    with pytest.raises(ValueError, match="got 1 at token 3"):
+        cu_seqlens_from_position_ids(torch.tensor([[0, 1, 0], [1, 2, 0]]))
     assert cu_seqlens_from_position_ids(torch.zeros(0, dtype=torch.long)).tolist() == [0]
 
 

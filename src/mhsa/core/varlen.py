@@ -153,8 +153,9 @@ def positions_from_cu_seqlens(cu_seqlens: Tensor) -> Tensor:
 def cu_seqlens_from_position_ids(position_ids: Tensor) -> Tensor:
     """(B+1,) int32 offsets of the sequences of transformers-style position_ids: each
     sequence counts 0, 1, 2, ... and a 0 starts the next. position_ids (total,) or
-    (rows, L) (flattened row by row; each row starts a sequence). Raises ValueError
-    where a position is neither 0 nor one more than the previous one."""
+    (rows, L) (flattened row by row; each row starts a sequence, at 0). Raises
+    ValueError where a position is neither 0 nor one more than the previous one in its
+    row."""
     if (
         not isinstance(position_ids, Tensor)
         or position_ids.is_floating_point()
@@ -172,6 +173,8 @@ def cu_seqlens_from_position_ids(position_ids: Tensor) -> Tensor:
         return torch.zeros(1, dtype=torch.int32, device=position_ids.device)
     starts = flat == 0
     follows = torch.cat([flat.new_zeros(1), flat[:-1] + 1]) == flat
+    if position_ids.dim() == 2:  # no sequence runs on from one row into the next
+        follows[:: position_ids.shape[1]] = False
     bad = ~(starts | follows)
     if bad.any():
         at = int(bad.nonzero()[0])
