@@ -278,9 +278,9 @@ def _filtered_probs(
 ) -> Tensor:
     shape = logits.shape
     logits = logits.reshape(-1, shape[-1]).float()
-    # shifted first, so that a tiny temperature sends the others to -inf, never the
-    # largest to inf (inf - inf is nan in the softmax)
-    # (and at least float32's smallest normal number: a smaller one would be 0 here)
+    # shifted by the row's maximum first, so that a tiny temperature sends the others to
+    # -inf, never the largest to inf (inf - inf is nan in the softmax); a temperature
+    # below float32's smallest normal number would be 0 here
     temperature = max(temperature, torch.finfo(torch.float32).tiny)
     logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None:
