@@ -13,7 +13,13 @@ import torch
 
 from mhsa.models import GPT, GPTConfig, Llama, LlamaConfig, Seq2Seq, Seq2SeqConfig
 from mhsa.models.decoder import CacheLayout, Decoder
-from mhsa.models.sampling import GREEDY, Sampling, StopRule, sample_and_stop
+from mhsa.models.sampling import (
+    GREEDY,
+    Sampling,
+    StopRule,
+    sample_and_stop,
+    sample_and_stop_rows,
+)
 from mhsa.models.seq2seq import Seq2SeqDecoder
 from mhsa.models.whisper import Whisper, WhisperConfig, WhisperTextDecoder
 
@@ -23,7 +29,7 @@ LOOPS = {
     "models/decoding.py": "token_loop(",  # generate, greedy_search
     "models/speculative.py": "token_loop(",  # speculative_decode (generate's, chat's)
     "apps/chat.py": "token_loop(",  # ChatModel.reply, compiled
-    "apps/serve/runner.py": "sample_and_stop(",  # the server (it batches: its own passes)
+    "apps/serve/runner.py": "sample_and_stop_rows(",  # the server: each row its own rule
     "models/beam_search.py": "StopRule(",  # ranks by log-prob: no sampling to share
     "apps/serve/engine.py": "runner.run(",  # applies the runner's choices
 }
@@ -91,6 +97,35 @@ def test_sample_and_stop_decides_tokens_stops_and_the_length():
     assert hot.tokens.view(500, 2).eq(torch.tensor([1, 0])).all()  # top_k 1 is greedy
     with pytest.raises(ValueError, match="temperature must be >= 0"):
         Sampling(temperature=-1.0)
+
+
+def test_sample_and_stop_rows_gives_each_rows_own_decision():
+    """The server's batched decision equals sample_and_stop row by row (greedy rows drawn
+    together, sampled ones with their own generators), with tokens on the host."""
+    torch.manual_seed(0)
+    logits = torch.randn(5, 30)
+    hot = Sampling(temperature=0.8, top_p=0.9)
+    rules = [
+        (GREEDY, StopRule([int(logits[0].argmax())], 9), 0),  # stops at once
+        (hot, StopRule([3], 4), 3),  # its last allowed token
+        (GREEDY, StopRule(), 2),
+        (hot, StopRule([1, 2], 9), 0),
+        (GREEDY, StopRule([7], 9), 5),
+    ]
+    seeded = [(*rule, torch.Generator().manual_seed(row)) for row, rule in enumerate(rules)]
+    got = sample_and_stop_rows(logits, seeded)
+    for row, ((sampling, stop, made), choice) in enumerate(zip(rules, got, strict=True)):
+        want = sample_and_stop(
+            logits[row : row + 1],
+            sampling,
+            stop,
+            generated=made,
+            generator=torch.Generator().manual_seed(row),
+        )
+        assert choice.tokens.device.type == "cpu" and torch.equal(choice.tokens, want.tokens)
+        assert choice.finish_reason() == want.finish_reason(), row
+    assert [c.finish_reason() for c in got][:2] == ["stop", "length"]
+    assert sample_and_stop_rows(logits[:0], []) == []
 
 
 def _decoders():

@@ -115,6 +115,29 @@ def sample_and_stop(
     return Choice(tokens, stop.stopped(tokens), stop.is_last(generated))
 
 
+def sample_and_stop_rows(
+    logits: Tensor, rules: Sequence[tuple[Sampling, StopRule, int, torch.Generator | None]]
+) -> list[Choice]:
+    """sample_and_stop for each row of logits (B, V) under its own rule (sampling, stop
+    rule, tokens generated before, generator): the greedy rows in one draw, every row's
+    token brought to the host in one copy and tested for a stop there, so that a batched
+    decoding step on a GPU waits for the device once, not several times a row. Each
+    Choice holds its one row, on the CPU."""
+    greedy = [row for row, (sampling, *_) in enumerate(rules) if sampling.temperature == 0]
+    drawn: dict[int, Tensor] = {}
+    if greedy:
+        rows = logits if len(greedy) == len(rules) else logits[greedy]
+        drawn.update(zip(greedy, sample(rows, **vars(GREEDY)).split(1), strict=True))
+    for row, (sampling, _, _, generator) in enumerate(rules):
+        if row not in drawn:
+            drawn[row] = sample(logits[row : row + 1], **vars(sampling), generator=generator)
+    tokens = torch.cat([drawn[row] for row in range(len(rules))]).cpu() if rules else None
+    return [
+        Choice(tokens[row : row + 1], stop.stopped(tokens[row : row + 1]), stop.is_last(made))
+        for row, (_, stop, made, _) in enumerate(rules)
+    ]
+
+
 def accept_draft(
     logits: Tensor,
     draft: Sequence[int],

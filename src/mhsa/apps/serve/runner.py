@@ -26,7 +26,7 @@ from torch import Tensor
 from ...cache import PagedKVCache
 from ...cache.blocks import PoolExhausted
 from ...models.decoder import Decoder
-from ...models.sampling import Choice, Sampling, StopRule, accept_draft, sample_and_stop
+from ...models.sampling import Choice, Sampling, StopRule, accept_draft, sample_and_stop_rows
 from ...models.speculative import Speculator
 from .scheduler import Chunk, Plan, Request
 
@@ -137,18 +137,13 @@ class Runner:
         return draft[: chunk.lookahead], None if probs is None else probs[: chunk.lookahead]
 
     def _choose(self, requests: list[Request], logits: Tensor) -> Chosen:
-        chosen = []
-        for row, request in enumerate(requests):
+        """Each request's next token from its row of logits, under its own settings."""
+        rules = []
+        for request in requests:
             sampling, stop, generator = self._choosing[request.id]
-            choice = sample_and_stop(
-                logits[row : row + 1],
-                sampling,
-                stop,
-                generated=len(request.output),
-                generator=generator,
-            )
-            chosen.append((request, [choice]))
-        return chosen
+            rules.append((sampling, stop, len(request.output), generator))
+        choices = sample_and_stop_rows(logits, rules)
+        return [(request, [choice]) for request, choice in zip(requests, choices, strict=True)]
 
     def _tensor(self, rows: list[list[int]]) -> Tensor:
         return torch.tensor(rows, dtype=torch.long, device=self.device)
