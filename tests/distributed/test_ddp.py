@@ -100,6 +100,9 @@ def test_cli_data_parallel_checks_the_batch_split(tmp_path, capsys):
     ]
     assert main(args) == 2
     assert "divisible by --nproc" in capsys.readouterr().err
+    ring = ["--batch-size", "2", "--seq-len", "16", "--context-parallel", "--dropout", "0.3"]
+    assert main([*args[:-2], *ring]) == 2  # said before any process starts
+    assert capsys.readouterr().err.strip().endswith("pass --dropout 0 (got 0.3)")
 
 
 def test_each_rank_gets_an_equal_share_of_the_rows():

@@ -81,7 +81,13 @@ def test_random_bert_equals_transformers_with_mlm_head_shapes():
     with torch.no_grad():
         expected = hf(input_ids=ids, attention_mask=mask).last_hidden_state
     assert max_error(ours(ids, mask)[mask.bool()], expected[mask.bool()]) < 1e-5
-    assert ours.mlm_logits(ours(ids, mask)).shape == (2, 17, 99)
+    assert ours.not_in_file == ("MLM head",)  # a BertModel holds the pooler, no MLM head
+    with pytest.warns(UserWarning, match="mlm_logits\\(\\): .* holds no MLM head"):
+        assert ours.mlm_logits(ours(ids, mask)).shape == (2, 17, 99)
+    headless = Bert(BertConfig.from_hf_config(hf_config.to_dict()))
+    headless.load_hf_weights({k: v for k, v in hf.state_dict().items() if "pooler" not in k})
+    with pytest.warns(UserWarning, match="pooled\\(\\): .* holds no pooler"):
+        headless.pooled(headless(ids, mask))
 
 
 OLD_NAMES = {  # the config of a `mhsa train bert` checkpoint of an older version

@@ -127,6 +127,11 @@ def _spawn_data_parallel(args: argparse.Namespace, nproc: int) -> int:
                 "--context-parallel works with learned, sinusoidal and rotary "
                 f"positions, not {args.position}"
             )
+        if getattr(args, "dropout", 0.0) > 0:
+            raise ValueError(
+                "--context-parallel attends across processes (ring attention), which "
+                f"takes no attention dropout: pass --dropout 0 (got {args.dropout})"
+            )
     elif args.batch_size % nproc:
         raise ValueError(
             f"--batch-size {args.batch_size} must be divisible by --nproc {nproc}: each "

@@ -9,6 +9,7 @@ MLM head: dense -> GELU -> layer norm -> tied word embeddings -> vocabulary logi
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,6 +101,8 @@ class Bert(nn.Module):
         self.mlm_norm = nn.LayerNorm(hidden, eps=config.norm_eps)
         self.mlm_bias = nn.Parameter(torch.zeros(config.vocab_size))
         self.apply(normal_init)
+        # the optional parts (pooler, MLM head) a loaded file did not hold: untrained
+        self.not_in_file: tuple[str, ...] = ()
 
     def forward(
         self,
@@ -139,10 +142,12 @@ class Bert(nn.Module):
 
     def pooled(self, hidden: Tensor) -> Tensor:
         """BERT's pooler: tanh(dense(hidden state of the first token)), (B, d_model)."""
+        self._warn_if_untrained("pooler", "pooled()")
         return torch.tanh(self.pooler(hidden[:, 0]))
 
     def mlm_logits(self, hidden: Tensor) -> Tensor:
         """(B, S, d_model) -> (B, S, vocab) through the MLM head with tied embeddings."""
+        self._warn_if_untrained("MLM head", "mlm_logits()")
         h = self.mlm_norm(F.gelu(self.mlm_dense(hidden)))
         return h @ self.word_emb.weight.T + self.mlm_bias
 
@@ -183,7 +188,19 @@ class Bert(nn.Module):
         TensorSource) into this model, every name and shape checked first (BERT_NAMES;
         the pooler and the MLM head are optional: a BertModel file has no MLM head)."""
         fix = "check that config.json (num_hidden_layers, hidden_size, vocab_size) matches it"
-        load_weights(self, as_source(weights), BERT_NAMES, fix=fix)
+        source = as_source(weights)
+        load_weights(self, source, BERT_NAMES, fix=fix)
+        stored = {name.removeprefix(BERT_NAMES.prefix) for name in source.shapes()}
+        parts = {"pooler": "pooler.dense.weight", "MLM head": "cls.predictions.bias"}
+        self.not_in_file = tuple(part for part, name in parts.items() if name not in stored)
+
+    def _warn_if_untrained(self, part: str, call: str) -> None:
+        if part in self.not_in_file:
+            warnings.warn(
+                f"{call}: this BERT's weights file holds no {part}, so it runs on "
+                "untrained initial weights",
+                stacklevel=3,
+            )
 
 
 BERT_NAMES = NameTable(  # our names <-> transformers' BertModel ("bert." optional)
