@@ -77,8 +77,8 @@ BUGS = {
     ),
     "sampling multiplies by the temperature": (
         "models/sampling.py",
-        "logits = logits.reshape(-1, shape[-1]).float() / temperature",
-        "logits = logits.reshape(-1, shape[-1]).float() * temperature",
+        "logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature",
+        "logits = (logits - logits.amax(dim=-1, keepdim=True)) * temperature",
         "tests/models/test_gpt.py",
     ),
     "paged attention lets a query see its own key late": (
