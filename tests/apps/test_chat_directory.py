@@ -39,8 +39,8 @@ def test_special_tokens_saved_as_added_tokens_are_read(tmp_path, as_dict):
     assert tokenizer.eos_token_id == 1
 
 
-@pytest.mark.parametrize("adds_bos", [False, True])
-def test_the_token_a_post_processor_puts_first_is_the_bos_a_prompt_gets(tmp_path, adds_bos):
+@pytest.mark.parametrize("adds", ["nothing", "bos", "eos"])
+def test_the_token_a_post_processor_puts_first_is_the_bos_a_prompt_gets(tmp_path, adds):
     """Llama 3 directories add <|begin_of_text|> in tokenizer.json's post-processor:
     `mhsa serve` prepends it to a completion prompt, as transformers' tokenizer does."""
     needs("tokenizers")
@@ -49,9 +49,14 @@ def test_the_token_a_post_processor_puts_first_is_the_bos_a_prompt_gets(tmp_path
     from tokenizers.processors import TemplateProcessing
 
     tokenizer = Tokenizer(WordLevel({"<s>": 0, "</s>": 1, "hi": 2}, unk_token="hi"))
-    if adds_bos:
+    if adds == "bos":
         tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    elif adds == "eos":  # after the text: not a BOS
+        tokenizer.post_processor = TemplateProcessing(
+            single="$A </s>", special_tokens=[("</s>", 1)]
+        )
     tokenizer.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
     ours = _DirectoryTokenizer(tmp_path, render_chat)
-    assert (ours.add_bos_token, ours.bos_token_id) == ((True, 0) if adds_bos else (False, None))
+    expected = (True, 0) if adds == "bos" else (False, None)
+    assert (ours.add_bos_token, ours.bos_token_id) == expected

@@ -341,12 +341,13 @@ class _DirectoryTokenizer:
         self.special = {key: text for key, text in special.items() if text is not None}
         eos = self.special.get("eos_token")
         self.eos_token_id = None if eos is None else self.tokenizer.token_to_id(eos)
-        # the one token the post-processor puts before a text (Llama 3's
-        # <|begin_of_text|>): a plain completion prompt starts with it, as transformers'
-        # tokenizer(text) gives it
-        leading = self.tokenizer.encode("", add_special_tokens=True).ids
-        self.add_bos_token = len(leading) == 1
-        self.bos_token_id = leading[0] if self.add_bos_token else None
+        # the one token the post-processor puts before a text, and nothing else (Llama
+        # 3's <|begin_of_text|>): a plain completion prompt starts with it, as
+        # transformers' tokenizer(text) gives it
+        marked = self.tokenizer.encode("a", add_special_tokens=True).ids
+        plain = self.tokenizer.encode("a", add_special_tokens=False).ids
+        self.add_bos_token = len(marked) == len(plain) + 1 and marked[1:] == plain
+        self.bos_token_id = marked[0] if self.add_bos_token else None
         self._render = render
 
     def render_chat(self, messages, add_generation_prompt=True):

@@ -142,9 +142,8 @@ def rope_frequencies(
                  beta_slow (1), truncate (True), attention_factor (else 0.1 ln(factor) + 1,
                  or the mscale / mscale_all_dim ratio): the ramp of YaRN, with cos and sin
                  scaled by the attention factor
-        factors  factors: dim/2 divisors, one per frequency, as llama.cpp applies the
-                 rope_freqs tensor of a GGUF file (Llama 3.1 and later carry their llama3
-                 scaling so)
+        factors  factors: dim/2 divisors, one per frequency (a GGUF file's rope_freqs, as
+                 llama.cpp applies it: Llama 3.1 and later's llama3 scaling)
     """
     _check_positive("dim", dim)
     scaling = dict(scaling or {})
@@ -181,10 +180,8 @@ def rope_frequencies(
     if kind == "factors":
         factors = torch.tensor(scaling["factors"], dtype=torch.float32)
         if factors.shape != inv_freq.shape:
-            raise ValueError(
-                f"rope scaling 'factors' needs dim/2 = {inv_freq.numel()} factors, one per "
-                f"frequency, got {tuple(factors.shape)}"
-            )
+            got, want = tuple(factors.shape), inv_freq.numel()
+            raise ValueError(f"rope scaling 'factors' needs dim/2 = {want} factors, got {got}")
         return inv_freq / factors, 1.0
     return inv_freq, 1.0
 

@@ -6,9 +6,9 @@ never visits an empty block.
 """
 
 from .base import EMPTY, FULL, PARTIAL, Band, Intersection, Pattern, Union
+from .block_sparse import BlockSparse, RandomBlocks
 from .chunked import Chunked
 from .patterns import (
-    BlockSparse,
     BoolMask,
     Causal,
     Dilated,
@@ -17,7 +17,6 @@ from .patterns import (
     GlobalTokens,
     KeyPadding,
     PrefixLM,
-    RandomBlocks,
     SlidingWindow,
     with_causal,
 )

@@ -277,7 +277,7 @@ class Union(Pattern):
         for p in self.parts:
             p.check_lengths(q_len, kv_len)
 
-    def of_heads(self, heads):
+    def of_heads(self, heads: Tensor) -> Pattern:
         return type(self)(*(p.of_heads(heads) for p in self.parts))
 
     def __repr__(self) -> str:

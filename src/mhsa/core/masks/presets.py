@@ -8,8 +8,9 @@ from torch import Tensor
 
 from ..checks import int_at_least
 from .base import Pattern, block_ranges
+from .block_sparse import RandomBlocks
 from .causal import causal_shift
-from .patterns import GlobalTokens, RandomBlocks, SlidingWindow, _kinds_from
+from .patterns import GlobalTokens, SlidingWindow, _kinds_from
 
 
 class BlockBand(Pattern):

@@ -34,7 +34,7 @@ from mhsa.core.kernels.triton import (
     triton_attention_weights,
     triton_keep_mask,
 )
-from mhsa.core.masks import KeyPadding, SelectedBlocks, SlidingWindow, bigbird
+from mhsa.core.masks import BoolMask, KeyPadding, SelectedBlocks, SlidingWindow, bigbird
 
 assert interpreting(), "conftest.py sets TRITON_INTERPRET=1 before triton is imported"
 
@@ -42,6 +42,8 @@ assert interpreting(), "conftest.py sets TRITON_INTERPRET=1 before triton is imp
 PER_HEAD = SelectedBlocks(
     torch.rand(2, 2, 3, 3, generator=torch.Generator().manual_seed(0)) > 0.4, 16
 )
+# an (H, L, S) mask as a pattern: its tiles broadcast from the right, the first dim is H
+PER_HEAD_3D = BoolMask(torch.rand(2, 48, 48, generator=torch.Generator().manual_seed(1)) > 0.4)
 
 CASES = {
     # name: (H, H_kv, L, S, D, D_v, mask, causal, bias shape, (BLOCK_M, BLOCK_N) or None)
@@ -57,6 +59,7 @@ CASES = {
     "head-dim-256": (1, 1, 5, 7, 256, 256, None, True, None, None),
     # a selection per sequence and head: the tiles would differ by head (a dense mask)
     "per-head-selected-blocks": (2, 1, 48, 48, 16, 16, PER_HEAD, False, None, (16, 16)),
+    "per-head-bool-mask-3d": (2, 1, 48, 48, 16, 16, PER_HEAD_3D, True, None, (16, 16)),
     # L and S multiples of the tiles: no bounds check in the kernels (EVEN)
     "aligned-bool-mask-dead-row": (2, 1, 64, 48, 16, 16, "dense", False, None, None),
 }

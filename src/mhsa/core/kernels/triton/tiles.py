@@ -91,7 +91,7 @@ def _plan_entries(plan, block_m: int, block_n: int) -> tuple[Tensor, Tensor, Ten
 
 def _pattern_tiles(
     pattern, qi: Tensor, kj: Tensor, q_len: int, kv_len: int, block_m: int, block_n: int, device
-) -> Tensor:
+) -> Tensor | None:
     """(1 or B, tiles, BLOCK_M, BLOCK_N) uint8: the pattern's element mask on each tile
     (query block qi, key block kj) in order (sorted by qi), one evaluation per query block;
     None for a pattern that differs by head (the kernels index tiles by batch alone)."""
@@ -103,7 +103,7 @@ def _pattern_tiles(
         q0, q1 = block * block_m, min(q_len, (block + 1) * block_m)
         keys_at = cols.clamp(max=kv_len - 1)
         tile = pattern.tile(q0, q1, keys_at, q_len, kv_len)  # (B?, H?, rows, n * BLOCK_N)
-        if tile.dim() == 4 and tile.shape[1] > 1:
+        if tile.dim() >= 3 and tile.shape[-3] > 1:  # (B?, H, ...): broadcast from the right
             return None
         # rows may broadcast (key padding)
         tile = tile.reshape(-1, *tile.shape[-2:]).expand(-1, q1 - q0, cols.numel())
@@ -134,13 +134,18 @@ def build_tiles(
     if isinstance(mask, Tensor):
         return _build_tiles(mask, causal, shape, device, blocks)
     build = functools.partial(_build_tiles, mask, causal, shape, device, blocks)
-    return _CACHE.get(mask, (causal, tuple(shape), str(device), tuple(blocks)), build)
+    lists = _CACHE.get(mask, (causal, tuple(shape), str(device), tuple(blocks)), build)
+    if lists is None:  # a pattern that differs by head: its dense mask, never kept
+        dense = mask.dense(shape[2], shape[3], device)
+        return _build_tiles(dense, causal, shape, device, blocks)
+    return lists
 
 
 _CACHE = PatternCache(size=64)
 
 
-def _build_tiles(mask, causal: bool, shape: tuple, device, blocks: tuple) -> TileLists:
+def _build_tiles(mask, causal: bool, shape: tuple, device, blocks: tuple) -> TileLists | None:
+    """build_tiles' lists; None for a pattern that differs by head (_pattern_tiles)."""
     batch, num_heads, q_len, kv_len = shape
     block_m, block_n = blocks[:2]
     pattern = with_causal(mask, causal)
@@ -158,9 +163,8 @@ def _build_tiles(mask, causal: bool, shape: tuple, device, blocks: tuple) -> Til
         tiles = _pattern_tiles(
             mask, qi[partial], kj[partial], q_len, kv_len, block_m, block_n, device
         )
-        if tiles is None:  # a per-head pattern (SelectedBlocks of (B, H, n, n)): dense
-            mask_mode, tile = MASK_TENSOR, torch.full_like(qi, -1)
-            dense = broadcast4d(mask.dense(q_len, kv_len, device), shape).view(torch.uint8)
+        if tiles is None:
+            return None
     num_q, num_k = -(-q_len // block_m), -(-kv_len // block_n)
     order = torch.argsort(kj * num_q + qi)
 
