@@ -12,6 +12,7 @@ from . import validate
 from .backends import AttentionSpec, select
 from .backends.isolate import isolate_masked_nonfinite
 from .backends.reference import attention_probs
+from .checks import as_4d
 from .kernels.dense import apply_dropout, grouped_scores, probs_times_v, stats_dtype
 from .kernels.dropout import draw_seed
 from .kernels.scored import SelectedHeads, softmax_with_sinks
@@ -181,8 +182,8 @@ def attention(
         causal = False
     resolved_scale = _check_common(q, k, mask, bias, causal, scale, chosen.sharded, score, sinks)
     call = dict(
-        mask=validate.as_4d(mask) if isinstance(mask, Tensor) else mask,
-        bias=validate.as_4d(bias),
+        mask=as_4d(mask) if isinstance(mask, Tensor) else mask,  # backends index from the left
+        bias=as_4d(bias),
         causal=causal,
         scale=resolved_scale,
         dropout_p=float(dropout_p),
@@ -326,7 +327,7 @@ def _select(t: Tensor | None, dim: int, idx: Tensor) -> Tensor | None:
     """Index a (B, H, L, S)-broadcastable tensor along dim 1 (heads) or 2 (rows)."""
     if t is None:
         return None
-    t = validate.as_4d(t)
+    t = as_4d(t)
     return t if t.shape[dim] == 1 else t.index_select(dim, idx)
 
 

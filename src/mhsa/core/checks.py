@@ -9,6 +9,12 @@ import torch
 from torch import Tensor
 
 
+def as_4d(t: Tensor | None) -> Tensor | None:
+    """A tensor that broadcasts to (B, H, L, S) (a mask, a bias), viewed with leading
+    size-1 dims up to 4-D, as broadcasting aligns it; None stays None."""
+    return None if t is None else t.view((1,) * (4 - t.dim()) + tuple(t.shape))
+
+
 def is_int(value: object) -> bool:
     """Whether value is an int and not a bool (which Python counts as one)."""
     return isinstance(value, int) and not isinstance(value, bool)

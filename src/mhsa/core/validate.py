@@ -78,12 +78,6 @@ def _check_broadcast(name: str, t: Tensor, target: tuple[int, ...]) -> None:
         )
 
 
-def as_4d(t: Tensor | None) -> Tensor | None:
-    """A mask or bias that broadcasts to (B, H, L, S), viewed with leading size-1 dims
-    up to 4-D: backends index its dims from the left."""
-    return None if t is None else t.view((1,) * (4 - t.dim()) + tuple(t.shape))
-
-
 def check_mask(mask, target: tuple[int, ...], device: torch.device, sharded: bool = False) -> None:
     """A mask is a pattern from mhsa.core.masks, or a bool tensor (True = may attend)
     broadcastable to (B, H, L, S). sharded: q and k are one rank's shards, so a

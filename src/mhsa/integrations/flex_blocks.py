@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..core.backends.flex_plan import ordered_blocks
-from ..core.checks import int_at_least
+from ..core.checks import as_4d, int_at_least
 from ..core.masks import EMPTY, FULL, PARTIAL, Band, Pattern, SlidingWindow
 from ..core.masks.base import block_ranges
 from ..core.masks.blocks import num_blocks
@@ -94,7 +94,7 @@ def evaluate_mask_mod(mask_mod: MaskMod, b: Tensor, h: Tensor, q_idx: Tensor, kv
             f"mask_mod returned shape {tuple(allowed.shape)}, which does not broadcast to "
             f"its indices' {shape}: it must be elementwise in (b, h, q_idx, kv_idx)"
         )
-    return allowed.view((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
+    return as_4d(allowed)
 
 
 def _block_counts(

@@ -17,6 +17,7 @@ import functools
 import torch
 from torch import Tensor
 
+from ..checks import as_4d
 from ..kernels.memo import PatternCache
 from ..kernels.scored import add_sinks
 from ..masks import Pattern, with_causal
@@ -56,7 +57,7 @@ def _dense_mask(
 ) -> Tensor | None:
     """(Bm, Hm, L, S) bool, True = may attend, or None when nothing is masked."""
     dense = combined_mask(mask, causal, q_len, kv_len, device)
-    return None if dense is None else dense.view((1,) * (4 - dense.dim()) + dense.shape)
+    return as_4d(dense)
 
 
 def block_mask_for(

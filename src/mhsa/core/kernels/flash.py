@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ..checks import as_4d
 from ..masks.causal import causal_shift
 from ..scores import ScoreFunction
 from .band import band_forward, interior_rows
@@ -245,7 +246,7 @@ def flash_backward(
     dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=dtype, device=q.device)
     dv = torch.zeros(v.shape, dtype=dtype, device=q.device)
-    bias4 = None if bias is None else bias.view((1,) * (4 - bias.dim()) + tuple(bias.shape))
+    bias4 = as_4d(bias)
     dbias = torch.zeros(bias4.shape, dtype=dtype, device=q.device) if bias_grad else None
     # rows with no allowed key: lse +inf makes every recomputed probability exactly 0
     lse_inv = torch.where(torch.isneginf(lse), torch.full_like(lse, torch.inf), lse)

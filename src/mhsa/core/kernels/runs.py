@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..checks import as_4d
 from ..masks.causal import causal_allows, causal_shift
 from .dense import stats_dtype
 from .plan import BlockPlan, Run
@@ -64,7 +65,7 @@ def tile_bias(
         minus_inf = torch.tensor(-torch.inf, dtype=dtype, device=cols.device)
         attn = torch.where(allowed, base, minus_inf)
     if attn is not None and attn.dim() < 4:
-        attn = attn.view((1,) * (4 - attn.dim()) + tuple(attn.shape))
+        attn = as_4d(attn)
     return attn
 
 

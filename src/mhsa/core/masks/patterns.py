@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..checks import int_at_least
+from ..checks import as_4d, int_at_least
 from .base import Band, Pattern, block_ranges
 from .blocks import EMPTY, FULL, PARTIAL, num_blocks, reduce_blocks
 from .causal import causal_allows, causal_shift
@@ -93,7 +93,7 @@ class BoolMask(Pattern):
         return reduce_blocks(self.mask, q_len, kv_len, block_q, block_k)
 
     def of_heads(self, heads: Tensor) -> BoolMask:
-        mask = self.mask.view((1,) * (4 - self.mask.dim()) + tuple(self.mask.shape))
+        mask = as_4d(self.mask)
         if mask.shape[1] == 1:
             return self
         return BoolMask(mask.index_select(1, heads.to(mask.device)))

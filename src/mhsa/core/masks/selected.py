@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..checks import int_at_least
+from ..checks import as_4d, int_at_least
 from .base import Pattern
 from .blocks import EMPTY, FULL, PARTIAL, num_blocks
 from .causal import causal_shift, strictly_earlier
@@ -46,7 +46,7 @@ class SelectedBlocks(Pattern):
         self.batch_size = selected.shape[0] if selected.dim() > 2 else None
         if selected.dim() == 3:  # (B, n, n): one selection for every head of a sequence
             selected = selected.unsqueeze(1)
-        self.selected = selected.view((1,) * (4 - selected.dim()) + tuple(selected.shape))
+        self.selected = as_4d(selected)
 
     def of_heads(self, heads: Tensor) -> SelectedBlocks:
         if self.selected.shape[1] == 1:

@@ -18,6 +18,7 @@ import torch
 import triton
 from torch import Tensor
 
+from ...checks import as_4d
 from ...scores import ScoreFunction
 from ..dense import stats_dtype
 from ..dropout import draw_seed
@@ -242,7 +243,7 @@ def launch_backward(
     )
     grad_bias = None
     if bias_grad:
-        bias4 = bias.view((1,) * (4 - bias.dim()) + tuple(bias.shape))
+        bias4 = as_4d(bias)
         dims = [i for i in range(4) if bias4.shape[i] == 1 and shape[i] != 1]
         grad_bias = (dbias.sum(dim=dims, keepdim=True) if dims else dbias).view(bias.shape)
         grad_bias = grad_bias.to(bias.dtype)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ...checks import as_4d
 from ...masks import with_causal
 from ...masks.blocks import FULL, PARTIAL
 from ...masks.causal import causal_shift
@@ -117,7 +118,7 @@ def _pattern_tiles(
 
 def broadcast4d(t: Tensor, shape: tuple[int, ...]) -> Tensor:
     """A (B, H, L, S)-broadcastable tensor as a 4-D view expanded to shape."""
-    return t.view((1,) * (4 - t.dim()) + tuple(t.shape)).expand(shape)
+    return as_4d(t).expand(shape)
 
 
 def build_tiles(
