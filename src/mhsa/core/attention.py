@@ -182,8 +182,9 @@ def attention(
         causal = False
     resolved_scale = _check_common(q, k, mask, bias, causal, scale, chosen.sharded, score, sinks)
     call = dict(
-        mask=as_4d(mask) if isinstance(mask, Tensor) else mask,  # backends index from the left
-        bias=as_4d(bias),
+        # a (S,) or 0-D mask or bias as (1, S) or (1, 1): backends read (L, S) from the right
+        mask=torch.atleast_2d(mask) if isinstance(mask, Tensor) else mask,
+        bias=None if bias is None else torch.atleast_2d(bias),
         causal=causal,
         scale=resolved_scale,
         dropout_p=float(dropout_p),
