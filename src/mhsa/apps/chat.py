@@ -317,7 +317,8 @@ def _stop_ids(tokenizer, config: dict) -> list[int]:
     stops = config.get("eos_token_id")
     stops = [stops] if isinstance(stops, int) else list(stops or [])
     eos = getattr(tokenizer, "eos_token_id", None)
-    return sorted(set(stops + ([eos] if eos is not None else [])))
+    ends = list(getattr(tokenizer, "end_token_ids", ()))  # a GGUF's EOS, EOT and EOM
+    return sorted(set(stops + ends + ([eos] if eos is not None else [])))
 
 
 class _DirectoryTokenizer:
@@ -335,8 +336,11 @@ class _DirectoryTokenizer:
         self.template = (
             template_file.read_text() if template_file.is_file() else settings.get("chat_template")
         )
+        if isinstance(self.template, list):  # named templates: transformers renders "default"
+            named = {entry.get("name"): entry.get("template") for entry in self.template}
+            self.template = named.get("default")
         if not self.template:
-            raise ValueError(f"{path} has no chat template (tokenizer_config.json)")
+            raise ValueError(f"{path} has no (default) chat template (tokenizer_config.json)")
         special = {key: _token_text(settings.get(key)) for key in ("bos_token", "eos_token")}
         self.special = {key: text for key, text in special.items() if text is not None}
         eos = self.special.get("eos_token")

@@ -137,6 +137,11 @@ def _open(path: str | Path):
         raise ValueError(
             f"{path}: truncated or damaged GGUF file ({error}); download or convert it again"
         ) from None
+    if reader.byte_order != "I":  # gguf's reader would hand over byte-swapped arrays
+        raise ValueError(
+            f"{path}: a GGUF file in the other byte order (big- vs little-endian) than this "
+            "machine's; convert the model again for this machine"
+        )
     size = path.stat().st_size
     for tensor in reader.tensors:
         if tensor.data_offset + int(tensor.n_bytes) > size:
@@ -150,7 +155,7 @@ def _open(path: str | Path):
 
 def gguf_metadata(path: str | Path) -> dict[str, Any]:
     """Every metadata key of a GGUF file -> its value (arrays as lists), tensors not read."""
-    return _metadata(_open(path))
+    return _metadata(_open(path), path)
 
 
 def read_gguf_tokenizer(path: str | Path) -> GGUFTokenizer:
@@ -158,8 +163,13 @@ def read_gguf_tokenizer(path: str | Path) -> GGUFTokenizer:
     return GGUFTokenizer(gguf_metadata(path), source=str(path))
 
 
-def _metadata(reader) -> dict[str, Any]:
-    return {key: value.contents() for key, value in reader.fields.items()}
+def _metadata(reader, path: str | Path) -> dict[str, Any]:
+    try:
+        return {key: value.contents() for key, value in reader.fields.items()}
+    except UnicodeDecodeError as error:  # strings are decoded here, not when the file is read
+        raise ValueError(
+            f"{path}: damaged GGUF metadata, a string that is not UTF-8 ({error})"
+        ) from None
 
 
 def _expected_shape(name: str, config: dict[str, Any]) -> tuple[int, ...]:
@@ -243,7 +253,7 @@ def read_gguf(
         )
     path = Path(path)
     reader = _open(path)
-    metadata = _metadata(reader)
+    metadata = _metadata(reader, path)
     names = {tensor.name for tensor in reader.tensors}
     config = hf_config(metadata, names, source=str(path))
     arch = metadata["general.architecture"]

@@ -50,12 +50,20 @@ PRE_TOKENIZERS: dict[str, str] = {
     "dbrx": _LLAMA3,
     "smaug-bpe": _LLAMA3,
     "falcon3": _LLAMA3,
+    "falcon-h1": _LLAMA3,
     "pixtral": _LLAMA3,
+    "midm-2.0": _LLAMA3,
+    "lfm2": _LLAMA3,
     "qwen2": _QWEN2,
     "stablelm2": _QWEN2,
     "deepseek-r1-qwen": _QWEN2,
     "megrez": _QWEN2,
 }
+# Llama 3's kind (tiktoken's rule, "ignore_merges" in its tokenizer.json): a piece that is
+# itself a token is that token, whatever the merges; and BOS is added unless the file says not.
+WHOLE_PIECES = frozenset(
+    {"llama-bpe", "llama3", "llama-v3", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"}
+)
 CONTROL, USER_DEFINED = 3, 4
 INSTALL_HINT = "pip install tokenizers jinja2 (or pip install 'mhsa[chat]')"
 
@@ -103,7 +111,9 @@ class GGUFTokenizer:
 
     Control tokens (`<|im_start|>`...) are special: written in the text they become their one
     id, and decode(skip_special_tokens=True) drops them. `bos_token_id`, `eos_token_id`,
-    `pad_token_id` are ids or None; `add_bos_token` says whether `encode` prepends BOS.
+    `pad_token_id` are ids or None; `end_token_ids` the ids that end a reply (EOS, and the
+    end of turn and of message where the file names them); `add_bos_token` says whether
+    `encode` prepends BOS.
     """
 
     def __init__(self, metadata: dict[str, Any], source: str = "GGUF") -> None:
@@ -120,6 +130,8 @@ class GGUFTokenizer:
                 f"(supported: {', '.join(sorted(PRE_TOKENIZERS))}); add its split regex to "
                 "PRE_TOKENIZERS"
             )
+        if "tokenizer.ggml.tokens" not in metadata:
+            raise ValueError(f"{source}: no tokenizer.ggml.tokens (the vocabulary): a damaged GGUF")
         tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
         types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens))
         merges: list[str] = list(metadata.get("tokenizer.ggml.merges") or [])
@@ -134,15 +146,14 @@ class GGUFTokenizer:
         self.eos_token_id = metadata.get("tokenizer.ggml.eos_token_id")
         self.pad_token_id = metadata.get("tokenizer.ggml.padding_token_id")
         self.unk_token_id = metadata.get("tokenizer.ggml.unknown_token_id")
-        self.add_bos_token = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
+        ends = ("eos", "eot", "eom")  # llama.cpp ends a generation at any of them
+        named = (metadata.get(f"tokenizer.ggml.{end}_token_id") for end in ends)
+        self.end_token_ids = tuple(sorted({i for i in named if i is not None}))
+        self.add_bos_token = bool(metadata.get("tokenizer.ggml.add_bos_token", pre in WHOLE_PIECES))
         self.add_eos_token = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
         self.chat_template: str | None = metadata.get("tokenizer.chat_template")
         self._to_byte = {char: byte for byte, char in byte_alphabet().items()}
-        self.special_ids = frozenset(
-            i
-            for i, (token, kind) in enumerate(zip(tokens, types, strict=True))
-            if kind == CONTROL and self._spelled(token)
-        )
+        self.special_ids = frozenset(i for i, kind in enumerate(types) if kind == CONTROL)
         self._backend = self._build(tokens, types, merges, pre)
 
     @classmethod
@@ -151,24 +162,25 @@ class GGUFTokenizer:
         return cls(metadata, source)
 
     def _spelled(self, token: str) -> bool:
-        """Whether `token` is written in the byte alphabet, as every real entry of a byte-level
-        vocabulary is. llama.cpp sometimes marks other strings as control tokens; they cannot
-        occur in byte-level text, so they are not added (as transformers does)."""
+        """Whether `token` is written in the byte alphabet, as every BPE entry of a byte-level
+        vocabulary is. Control and user-defined tokens may be written otherwise
+        (DeepSeek's "<｜User｜>"): they match the raw text, as transformers' added tokens."""
         return all(char in self._to_byte for char in token)
 
     def _build(self, tokens: list[str], types: list[int], merges: list[str], pre: str):
         tk = _tokenizers()
         alphabet = byte_alphabet()
         vocab = {}
-        for index, token in enumerate(tokens):
+        for index, (token, kind) in enumerate(zip(tokens, types, strict=True)):
             spelled = (
                 token
-                if self._spelled(token)
+                if kind in (CONTROL, USER_DEFINED) or self._spelled(token)
                 else "".join(alphabet[b] for b in token.encode("utf-8"))
             )
             vocab.setdefault(spelled, index)
-        pairs = [tuple(merge.split(" ", 1)) for merge in merges]
-        backend = tk.Tokenizer(tk.models.BPE(vocab, pairs, ignore_merges=False))
+        pairs = self._merge_pairs(merges, vocab)
+        model = tk.models.BPE(vocab, pairs, ignore_merges=pre in WHOLE_PIECES)
+        backend = tk.Tokenizer(model)
         split = PRE_TOKENIZERS[pre]
         gpt2_regex = split in ("gpt2", "digits")  # else our Split has cut the text already
         byte_level = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=gpt2_regex)
@@ -186,13 +198,24 @@ class GGUFTokenizer:
         backend.add_special_tokens(
             [tk.AddedToken(t, special=True, normalized=False) for t in specials]
         )
-        user = [
-            token
-            for token, kind in zip(tokens, types, strict=True)
-            if kind == USER_DEFINED and self._spelled(token)
-        ]
+        user = [token for token, kind in zip(tokens, types, strict=True) if kind == USER_DEFINED]
         backend.add_tokens([tk.AddedToken(t, special=False, normalized=False) for t in user])
         return backend
+
+    def _merge_pairs(self, merges: list[str], vocab: dict[str, int]) -> list[tuple[str, str]]:
+        """The merges as (left, right) pairs, each side and their join a token: tokenizers
+        panics (a BaseException, not an Exception) on a merge that breaks this."""
+        pairs = []
+        for rank, merge in enumerate(merges):
+            left, space, right = merge.partition(" ")
+            if not (space and left in vocab and right in vocab and left + right in vocab):
+                raise ValueError(
+                    f"{self.source}: merge {rank} ({merge!r}, tokenizer.ggml.merges) is not two "
+                    "tokens of the vocabulary, separated by one space, whose join is a token: "
+                    "a damaged GGUF file"
+                )
+            pairs.append((left, right))
+        return pairs
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -5,6 +5,7 @@ safetensors files (`SafetensorsFiles`) are here; the GGUF reader has its own."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -78,3 +79,30 @@ class SafetensorsFiles:
             except (SafetensorError, OSError) as error:
                 raise ValueError(f"{path}: not a readable safetensors file ({error})") from error
         return self._loaded[path][name]
+
+
+def checkpoint_files(directory: Path) -> list[Path]:
+    """The .safetensors files of a Hugging Face model directory, as transformers picks
+    them: model.safetensors; else the shards model.safetensors.index.json names (other
+    files beside them, such as Mistral's consolidated.safetensors, are not the model's);
+    else every *.safetensors. ValueError when there is none, or a named shard is missing."""
+    single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
+    if single.is_file():
+        return [single]
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise ValueError(f"{index}: not a safetensors index (no weight_map)") from error
+        missing = [name for name in names if not (directory / name).is_file()]
+        if missing:
+            raise ValueError(f"{index} names {', '.join(missing)}, not in {directory}")
+        return [directory / name for name in names]
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ValueError(
+            f"{directory} has no *.safetensors weights; convert .bin "
+            "checkpoints with transformers' save_pretrained first"
+        )
+    return files

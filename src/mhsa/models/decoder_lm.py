@@ -20,6 +20,7 @@ from typing_extensions import Self
 
 from ..cache import KVCache, SlidingWindowCache
 from ..core.masks import Pattern
+from ..formats.tensor_sources import checkpoint_files
 from ..formats.weights import NameTable, SafetensorsFiles, Weights, as_source, load_weights
 from ..nn import MultiHeadAttention, RMSNorm
 from ..nn.layout import decoding_layout
@@ -326,12 +327,7 @@ class DecoderLM(nn.Module, CausalLMDecoding):
                 f"{directory} has no config.json; pass a Hugging Face model "
                 "directory (config.json + *.safetensors)"
             )
-        files = sorted(directory.glob("*.safetensors"))
-        if not files:
-            raise ValueError(
-                f"{directory} has no *.safetensors weights; convert .bin "
-                "checkpoints with transformers' save_pretrained first"
-            )
+        files = checkpoint_files(directory)
         config = cls.config_class.from_hf_config(
             json.loads((directory / "config.json").read_text())
         )
