@@ -15,6 +15,7 @@ TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}{{ '[' + m['role'] + '] ' + m['content'] + "
     "eos_token }}{% endfor %}{% if add_generation_prompt %}{{ '[assistant] ' }}{% endif %}"
 )
+TEMPLATE_HI = "<s>[user] Hi</s>[assistant] "
 
 
 def _added(content: str) -> dict:
@@ -35,7 +36,7 @@ def test_special_tokens_saved_as_added_tokens_are_read(tmp_path, as_dict):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(settings))
     tokenizer = _DirectoryTokenizer(tmp_path, render_chat)
     text = tokenizer.render_chat([{"role": "user", "content": "Hi"}])
-    assert text == "<s>[user] Hi</s>[assistant] "
+    assert text == TEMPLATE_HI
     assert tokenizer.eos_token_id == 1
 
 
@@ -60,3 +61,22 @@ def test_the_token_a_post_processor_puts_first_is_the_bos_a_prompt_gets(tmp_path
     ours = _DirectoryTokenizer(tmp_path, render_chat)
     expected = (True, 0) if adds == "bos" else (False, None)
     assert (ours.add_bos_token, ours.bos_token_id) == expected
+
+
+def test_a_list_of_named_templates_renders_the_default(tmp_path):
+    """Hermes-2-Pro and Command-R save [{"name": "default", ...}, {"name": "tool_use", ...}]."""
+    needs("tokenizers")
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    Tokenizer(WordLevel({"<s>": 0, "</s>": 1}, unk_token="<s>")).save(
+        str(tmp_path / "tokenizer.json")
+    )
+    named = [{"name": "tool_use", "template": "TOOLS"}, {"name": "default", "template": TEMPLATE}]
+    settings = {"chat_template": named, "bos_token": "<s>", "eos_token": "</s>"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(settings))
+    tokenizer = _DirectoryTokenizer(tmp_path, render_chat)
+    assert tokenizer.render_chat([{"role": "user", "content": "Hi"}]) == TEMPLATE_HI
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": named[:1]}))
+    with pytest.raises(ValueError, match="has no \\(default\\) chat template"):
+        _DirectoryTokenizer(tmp_path, render_chat)

@@ -191,6 +191,23 @@ def test_from_pretrained_reads_config_and_safetensors(tmp_path):
     assert ours.lm_head is None and ours.config.eos_token == tuple(STOPS)
 
 
+def test_from_pretrained_follows_the_shard_index(tmp_path):
+    """Mistral's repos hold consolidated.safetensors (its own names) beside the shards
+    the index names: only the shards are the model, as for transformers."""
+    from safetensors.torch import save_file
+
+    hf, _ = pair("qwen2")
+    hf.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    save_file({"tok_embeddings.weight": torch.zeros(2, 2)}, tmp_path / "consolidated.safetensors")
+    idx = tokens(1, 20)
+    with torch.no_grad():
+        assert max_error(Llama.from_pretrained(tmp_path)(idx), hf(idx).logits) < 1e-5
+    next(tmp_path.glob("model-00001-*.safetensors")).unlink()
+    with pytest.raises(ValueError, match="index.json names model-00001-of-.*, not in"):
+        Llama.from_pretrained(tmp_path)
+
+
 ROPE_CASES = [
     None,
     {"rope_type": "linear", "factor": 2.0},
