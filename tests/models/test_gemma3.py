@@ -205,6 +205,17 @@ def test_each_switch_matters(models, change):
         assert max_error(changed(idx), hf(idx).logits) > 1e-2
 
 
+def test_an_attention_softcap_in_a_gemma3_config_is_not_applied():
+    """transformers' Gemma 3 keeps attn_logit_softcapping but never applies it (Gemma 2
+    does): the logits are transformers'."""
+    hf = make_hf(needs("transformers"), attn_logit_softcapping=2.0)
+    ours = Gemma3.from_hf(hf.state_dict(), Gemma3Config.from_hf_config(hf.config.to_dict()))
+    assert ours.config.attn_softcap is None
+    idx = tokens(1, LENGTH)
+    with torch.no_grad():
+        assert max_error(ours(idx), hf(idx).logits) < TOL  # (was 0.72)
+
+
 def test_from_hf_config_reads_transformers_4_layout():
     """config.json of transformers 4: the bases at the top (rope_theta,
     rope_local_base_freq), the global scaling in rope_scaling, sliding_window_pattern."""

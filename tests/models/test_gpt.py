@@ -292,6 +292,14 @@ def test_attention_variants_replace_every_layers_self_attention():
     assert lambdas[0] < lambdas[1]  # lambda_init grows with depth
 
 
+def test_moba_generates_without_a_cache():
+    """Unpadded prompts recompute with no key padding, which MoBA refuses."""
+    model = small(attention="moba", moba_block=4, moba_top_k=2)
+    prompt = torch.randint(0, 61, (1, 9))
+    cached = model.generate(prompt, 5, temperature=0)
+    assert torch.equal(model.generate(prompt, 5, temperature=0, use_cache=False), cached)
+
+
 def test_moba_refuses_packed_rows_and_sequence_shards():
     model = small(attention="moba", moba_block=4)
     idx = torch.randint(0, 61, (1, 8))

@@ -113,12 +113,26 @@ def test_gpt2_loads_from_a_transformers_directory(tmp_path):
     assert all(map(torch.equal, same.state_dict().values(), ours.state_dict().values()))
 
 
+def test_gpt2_float64_weights_load_exactly_and_an_untied_head_is_refused(tmp_path):
+    hf = tiny_hf_gpt2().double()
+    hf.save_pretrained(tmp_path)
+    ours = GPT.from_pretrained(tmp_path, dtype=torch.float64)  # (went through float32)
+    assert torch.equal(ours.tok_emb.weight, hf.transformer.wte.weight)
+    idx = torch.randint(0, 101, (1, 12))
+    with torch.no_grad():
+        assert max_error(ours(idx), hf(idx).logits) < 1e-12
+    weights = {**hf.state_dict(), "lm_head.weight": torch.randn_like(hf.lm_head.weight)}
+    with pytest.raises(ValueError, match="lm_head.weight differs from transformer.wte.weight"):
+        GPT.from_hf(weights, ours.config)  # (was used silently with the embedding's head)
+
+
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
         ({"model_type": "llama"}, "model_type 'llama' is not GPT-2's"),
         ({"n_embd": None}, r"lacks \['n_embd'\]"),
-        ({"activation_function": "mish"}, "activation_function must be one of"),
+        ({"activation_function": "mish"}, "activation_function 'mish' \\(one of"),
+        ({"tie_word_embeddings": False}, "tie_word_embeddings=False"),
         ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
         ({"scale_attn_weights": False}, "scale_attn_weights=False"),
     ],

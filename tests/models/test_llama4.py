@@ -99,6 +99,22 @@ def test_without_qk_norm_temperature_moe_or_chunks():
     idx = tokens(1, 27)
     with torch.no_grad():
         assert max_error(ours(idx), hf(idx).logits) < 1e-5
+    # without chunks, speculative decoding runs over a paged cache (was an AttributeError)
+    from mhsa.models.speculative import PromptLookup
+
+    prompt = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
+    plain = ours.generate(prompt, 8, temperature=0)
+    assert torch.equal(ours.generate(prompt, 8, temperature=0, speculate=PromptLookup()), plain)
+
+
+def test_chunked_layers_refuse_speculation_and_hidden_act_defaults_to_silu():
+    _, ours = pair(num_hidden_layers=2)
+    from mhsa.models.speculative import PromptLookup
+
+    with pytest.raises(ValueError, match="paged keys takes no Chunked pattern"):
+        ours.generate(tokens(1, 10), 4, temperature=0, speculate=PromptLookup())
+    d = {**TINY, "model_type": "llama4_text"}  # (transformers' default, left out of the file)
+    assert Llama4Config.from_hf_config(d).activation == "silu"
 
 
 def test_each_part_matters():

@@ -162,6 +162,9 @@ class CausalLMDecoding:
 
         if len(prompts) != 1:
             raise ValueError(f"speculate decodes one prompt at a time, got {len(prompts)}")
+        problem = self.paged_cache_problem()
+        if problem is not None:
+            raise ValueError(f"speculate decodes over a paged cache, and {problem}")
         max_len, prompt = self.position_limit(), prompts[0]
         if max_len is not None and prompt.numel() + stop.max_tokens > max_len:
             raise ValueError(
@@ -183,6 +186,11 @@ class CausalLMDecoding:
 
     def position_limit(self) -> int | None:
         """The longest sequence the model can position (None: no limit)."""
+        return None
+
+    def paged_cache_problem(self) -> str | None:
+        """Why the model cannot decode over a PagedKVCache (whose attention is causal,
+        optionally within a sliding window), or None."""
         return None
 
     def default_stop_tokens(self) -> int | Sequence[int] | None:
@@ -290,6 +298,8 @@ class CausalLMDecoding:
                     f"compile=True decodes through one compiled step over static caches, "
                     f"and {problem}: decode without compile"
                 )
+            if caches is None and not bool(start.any()):
+                start = None  # no row padded: no key padding (which MoBA refuses)
             logits = self.prefill(tokens, caches, start=start)
             step = None if lease is None else lease.begin(strict=cuda_graph is True)
             if step is None and compile:

@@ -185,7 +185,8 @@ class Gemma3Config(LlamaConfig):
             rope_local_theta=local_theta,
             rope_local_scaling=local_scaling,
             query_pre_attn_scalar=d["query_pre_attn_scalar"],
-            attn_softcap=d.get("attn_logit_softcapping"),
+            # Gemma 3 configs may name an attention softcap that transformers never applies
+            attn_softcap=d.get("attn_logit_softcapping") if gemma2 else None,
             qk_norm=not gemma2,
             final_softcap=d.get("final_logit_softcapping"),
             attention_bias=bias,

@@ -125,11 +125,15 @@ class GPTConfig(CausalLMConfig):
         ]
         if not d.get("scale_attn_weights", True):
             unlike.append("scale_attn_weights=False")
+        if not d.get("tie_word_embeddings", True):
+            unlike.append("tie_word_embeddings=False (a head of its own)")
         act = d.get("activation_function", "gelu_new")
-        if unlike or act not in HF_ACTIVATIONS:
+        if act not in HF_ACTIVATIONS:
+            unlike.append(f"activation_function {act!r} (one of {sorted(HF_ACTIVATIONS)})")
+        if unlike:
             raise ValueError(
-                f"GPT does not compute GPT-2's {unlike or [act]}; activation_function must be "
-                f"one of {sorted(HF_ACTIVATIONS)}"
+                f"GPT does not compute GPT-2's {'; '.join(unlike)}: this config.json is another "
+                "model than GPT computes"
             )
         return cls(
             **{ours: d[theirs] for ours, theirs in GPT2_SIZES.items()},
@@ -337,15 +341,35 @@ class GPT(DecoderLM):
         first (GPT2_NAMES: Conv1D weights stored (in, out), c_attn fusing q, k and v),
         cast to `dtype` if given; in eval mode. from_pretrained(directory) reads a
         GPT-2 directory (config.json: GPTConfig.from_hf_config)."""
-        model = cls.from_hf_gpt2(state_dict, config)
-        return (model if dtype is None else model.to(dtype)).eval()
+        return cls._load_gpt2(state_dict, config, dtype).eval()
 
     @classmethod
     def from_hf_gpt2(cls, state_dict: Weights, config: GPTConfig) -> GPT:
         """from_hf, in float32 and left in training mode (its older name)."""
+        return cls._load_gpt2(state_dict, config, None)
+
+    @classmethod
+    def _load_gpt2(cls, state_dict: Weights, config: GPTConfig, dtype) -> GPT:
         if config.position != "learned" or config.n_kv_head not in (None, config.n_head):
             raise ValueError("GPT-2 weights need position='learned' and no grouped-query heads")
-        return load_weights(cls(config), as_source(state_dict), cls.hf_names, fix=cls.load_fix)
+        source = as_source(state_dict)
+        _check_tied(source)
+        model = cls(config) if dtype is None else cls(config).to(dtype)  # loaded as stored
+        return load_weights(model, source, cls.hf_names, fix=cls.load_fix)
+
+
+def _check_tied(source) -> None:
+    """GPT's head is its embedding: a stored lm_head.weight must be wte's."""
+    stored = source.shapes()
+    names = [name for name in ("transformer.wte.weight", "wte.weight") if name in stored]
+    if not names or "lm_head.weight" not in stored:
+        return  # (no wte: the loader names what is missing)
+    embedding = names[0]
+    if not torch.equal(source.read("lm_head.weight").cpu(), source.read(embedding).cpu()):
+        raise ValueError(
+            f"{source.name}: lm_head.weight differs from {embedding}: GPT ties its head to "
+            "the embedding, and this checkpoint's head is its own"
+        )
 
 
 def _attention_layer(config: GPTConfig, depth: int) -> nn.Module | None:

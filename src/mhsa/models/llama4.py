@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from ..cache.paged_layer import PagedLayer
 from ..core.masks import Chunked, Document, Pattern
 from ..core.validate import int_at_least
 from ..formats.weights import NameTable, Weights
@@ -141,6 +142,7 @@ class Llama4Config(CausalLMConfig):
         rope = d.get("rope_scaling") or d.get("rope_parameters") or {}
         max_len = d.get("max_position_embeddings", 2048)
         theta, scaling = hf_rope(rope, d.get("rope_theta") or 500000.0, max_len)
+        act = d.get("hidden_act", "silu")  # (transformers' default)
         return cls(
             **sizes,
             head_dim=d.get("head_dim"),
@@ -160,7 +162,7 @@ class Llama4Config(CausalLMConfig):
             moe_layers=tuple(moe),
             num_experts=d.get("num_local_experts", 16),
             experts_per_token=d.get("num_experts_per_tok", 1),
-            activation={"swish": "silu"}.get(d.get("hidden_act", "silu"), d.get("hidden_act")),
+            activation={"swish": "silu"}.get(act, act),
             tie_embeddings=bool(d.get("tie_word_embeddings", False)),
             bos_token=d.get("bos_token_id"),
             eos_token=hf_stop_tokens(d),
@@ -305,7 +307,9 @@ class Llama4(DecoderLM):
         and sin; NoPE layers: no mask, the temperature (or nothing)."""
         c = self.config
         length = idx.shape[1]
-        if caches is not None:
+        if caches is not None and isinstance(caches[0], PagedLayer):
+            begin, kv_len, first = None, length, 0  # each sequence's keys from position 0
+        elif caches is not None:
             begin = caches[0].start
             local = caches[next((i for i in range(c.n_layer) if c.rope(i)), 0)]
             first = local.kept_from()  # chunked layers' caches keep the last chunk only
@@ -321,6 +325,14 @@ class Llama4(DecoderLM):
         if c.chunk_size is not None:
             chunks = chunk_pattern(c.chunk_size, begin, kv_len, first)
         return [(chunks, rotary) if c.rope(i) else (None, temperature) for i in range(c.n_layer)]
+
+    def paged_cache_problem(self) -> str | None:
+        if self.config.chunk_size is None:
+            return None
+        return (
+            "attention over paged keys takes no Chunked pattern: decode Llama 4's chunked "
+            "layers without speculate"
+        )
 
     def cache_window(self, layer: int) -> int | None:
         """Chunked layers keep only the last chunk_size keys (what a chunk may need)."""
