@@ -80,3 +80,23 @@ def test_a_list_of_named_templates_renders_the_default(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": named[:1]}))
     with pytest.raises(ValueError, match="has no \\(default\\) chat template"):
         _DirectoryTokenizer(tmp_path, render_chat)
+
+
+def test_streamed_text_keeps_the_first_space_a_sentencepiece_decoder_strips(tmp_path):
+    """Generated text continues a prompt: "▁today" after it reads " today", as
+    decode(prompt + new) - decode(prompt) gives (vLLM, transformers)."""
+    needs("tokenizers")
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import WordLevel
+
+    vocab = {"<unk>": 0, "▁Hello": 1, "▁today": 2, "s": 3, "▁a": 4}
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()  # (strips the text's first space)
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+    ours = _DirectoryTokenizer(tmp_path, render_chat)
+    prompt, new = [1], [2, 3]
+    expected = tokenizer.decode(prompt + new)[len(tokenizer.decode(prompt)) :]
+    stream = ours.stream()
+    assert "".join(stream.push(i) for i in new) + stream.flush() == expected == " todays"

@@ -376,12 +376,18 @@ def _token_text(value) -> str | None:
 
 
 class _TextStream:
-    """tokenizers' own incremental decoder (it holds back an incomplete character)."""
+    """tokenizers' own incremental decoder (it holds back an incomplete character),
+    primed with one token: a SentencePiece decoder strips the first space of a text, and
+    generated text continues one (" today" after a prompt, as vLLM and transformers'
+    decode(prompt + new) - decode(prompt) give it)."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         from tokenizers.decoders import DecodeStream
 
         self.tokenizer, self.stream = tokenizer, DecodeStream(skip_special_tokens=True)
+        prime = tokenizer.encode("a", add_special_tokens=False).ids
+        if prime:
+            self.stream.step(tokenizer, prime[-1])  # (its text is the context's, not ours)
 
     def push(self, token_id: int) -> str:
         return self.stream.step(self.tokenizer, token_id) or ""

@@ -254,6 +254,9 @@ def test_a_request_larger_than_the_pool_is_refused():
     engine = Engine(_model(_llama), context_length=64, num_blocks=2, block_size=16)
     with pytest.raises(ValueError, match="needs 3 cache blocks, the pool has 2"):
         engine.submit([1] * 40, 8)
+    with pytest.raises(ValueError):  # a seed torch refuses: nothing is left queued either
+        engine.submit([1, 2], 2, temperature=1.0, seed=2**64)
+    assert engine.idle and engine.run([[1, 2]], 2)  # (a left request once failed the next steps)
 
 
 def test_stats_report_the_peak_against_contiguous_caches():

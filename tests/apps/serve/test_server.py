@@ -215,6 +215,28 @@ BAD_REQUESTS = {  # name: (path, body, status, param, code)
         "invalid_value",
     ),
     "n > 1": ("completions", {"prompt": "a", "n": 2}, 400, "n", "unsupported_parameter"),
+    # each was once answered 200 without what it asked for
+    "logprobs 0": (
+        "completions",
+        {"prompt": "a", "logprobs": 0},
+        400,
+        "logprobs",
+        "unsupported_parameter",
+    ),
+    "audio": (
+        "chat",
+        {"messages": HI, "modalities": ["text", "audio"]},
+        400,
+        "modalities",
+        "unsupported_parameter",
+    ),
+    "tool_choice required": (
+        "chat",
+        {"messages": HI, "tool_choice": "required"},
+        400,
+        "tool_choice",
+        "unsupported_parameter",
+    ),
 }
 
 

@@ -130,8 +130,12 @@ class Engine:
                 self._next_id, prompt, max_tokens, float(temperature), top_p, on_token
             )
             request.cache_salt = cache_salt
-            self.scheduler.add(request)  # (raises when the pool can never hold it)
             self.runner.add(request, seed)
+            try:
+                self.scheduler.add(request)  # (raises when the pool can never hold it)
+            except BaseException:
+                self.runner.drop(request)
+                raise
             self._next_id += 1
             self._lock.notify_all()
         return request

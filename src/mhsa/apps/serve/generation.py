@@ -37,7 +37,7 @@ class Generation:
         self.choices: list[ResponseChoice] = []
         try:
             for index, (prompt, limit) in enumerate(zip(job.prompts, job.max_tokens, strict=True)):
-                seed = None if job.seed is None else job.seed + index
+                seed = None if job.seed is None else (job.seed + index) % 2**64  # torch's range
                 request = self.engine.submit(
                     prompt,
                     limit,

@@ -24,7 +24,7 @@ UNUSED = {
     "n": (None, 1),
     "best_of": (None, 1),
     "echo": (None, False),
-    "logprobs": (None, False, 0),
+    "logprobs": (None, False),  # (0 asks for the chosen token's logprob)
     "top_logprobs": (None, 0),
     "suffix": (None, ""),
     "tools": (None, []),
@@ -33,6 +33,9 @@ UNUSED = {
     "frequency_penalty": (None, 0),
     "presence_penalty": (None, 0),
     "response_format": (None, {"type": "text"}),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "tool_choice": (None, "none", "auto"),  # (no tools: both mean none)
 }
 
 
@@ -105,8 +108,9 @@ def parse_chat(
             prompt = encoder(text, served.context_length)
         except PromptTooLong as error:
             raise errors.prompt_too_long("messages", error.limit, error.at_least) from None
-    limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    limit, param = body.get("max_completion_tokens"), "max_completion_tokens"
+    if limit is None:  # (absent or null: the older name counts)
+        limit, param = body.get("max_tokens"), "max_tokens"
     return _job("chat", body, [prompt], limit, param, "messages", served)
 
 
