@@ -331,3 +331,44 @@ def test_long_causal_alibi_runs_left_of_the_diagonal_as_key_and_row_terms(
     assert max_error(lse, ref_lse) < 2e-5
     for g, w in zip(got, want, strict=True):
         assert max_error(g, w) < 1e-4 * max(1.0, w.abs().max().item())
+
+
+@pytest.mark.parametrize("backend", ["reference", "flash"])
+def test_score_mod_tables_reached_through_a_method_or_a_partial_get_gradients(backend):
+    """A bound method of a module, or a functools.partial, reads its table outside the
+    function's closure: its gradient once was lost without a word (flash, auto)."""
+    import functools
+
+    class Bias(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = torch.nn.Parameter(torch.randn(2, 9))
+
+        def score_mod(self, score, b, h, q_idx, kv_idx):
+            return score + self.table[h, kv_idx]
+
+    def add(score, b, h, q_idx, kv_idx, table):
+        return score + table[h, kv_idx]
+
+    module, table = Bias(), torch.randn(2, 9, requires_grad=True)
+    q, k, v = (torch.randn(1, 2, 6, 8) for _ in range(3))
+    for fn, leaf in (
+        (module.score_mod, module.table),
+        (functools.partial(add, table=table), table),
+    ):
+        mhsa.attention(q, k, v, score=ScoreMod(fn), backend=backend).sum().backward()
+        expected = leaf.detach().clone().requires_grad_()
+        scores = (q @ k.transpose(-1, -2)) / 8**0.5 + expected[:, :6].view(1, 2, 1, 6)
+        (torch.softmax(scores, -1) @ v).sum().backward()
+        assert leaf.grad is not None and torch.allclose(leaf.grad, expected.grad, atol=1e-5)
+
+
+def test_a_score_mod_is_tried_within_a_short_call():
+    """L = S = 2 with a table of 2 keys: the first-call check once tried positions 0..3
+    and refused the call (index 2 out of bounds)."""
+    key_bias = torch.tensor([0.5, -1.0])
+    q, k, v = (torch.randn(1, 2, 2, 8) for _ in range(3))
+    score = ScoreMod(lambda s, b, h, q_idx, kv_idx: s + key_bias[kv_idx])
+    out = mhsa.attention(q, k, v, score=score, backend="flash")
+    scores = (q @ k.transpose(-1, -2)) / 8**0.5 + key_bias
+    assert torch.allclose(out, torch.softmax(scores, -1) @ v, atol=1e-6)

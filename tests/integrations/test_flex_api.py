@@ -421,7 +421,7 @@ def test_bad_input_names_the_argument(call, error, match):
 
 def test_a_block_mask_changed_after_use_is_lowered_again():
     """Lowered BlockMasks are reused across calls, but not after an in-place edit of its
-    tensors or a new mask_mod."""
+    tensors, of a tensor its mask_mod reads, or a new mask_mod."""
     q, k, v = (torch.randn(1, 2, 48, 8) for _ in range(3))
     mask = create_block_mask(causal, None, None, 48, 48, "cpu", 16)
     assert torch.equal(
@@ -436,6 +436,16 @@ def test_a_block_mask_changed_after_use_is_lowered_again():
     assert (flex_attention(q, k, v, block_mask=mask).double() - expected).abs().max() < 2e-5
     mask.mask_mod = lambda b, h, q_idx, kv_idx: q_idx == kv_idx
     expected = formula(q, k, v, None, lambda b, h, q_idx, kv_idx: q_idx == kv_idx)[0]
+    assert (flex_attention(q, k, v, block_mask=mask).double() - expected).abs().max() < 2e-5
+    window = torch.tensor(20)  # a window a training loop narrows, read by the mask_mod
+
+    def sliding(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+
+    mask = create_block_mask(sliding, None, None, 48, 48, "cpu", 16, separate_full_blocks=False)
+    flex_attention(q, k, v, block_mask=mask)
+    window.fill_(5)
+    expected = formula(q, k, v, None, sliding)[0]
     assert (flex_attention(q, k, v, block_mask=mask).double() - expected).abs().max() < 2e-5
 
 
@@ -502,6 +512,12 @@ def test_torchs_helpers_and_return_aux_make_it_a_drop_in():
             flex_attention(q, k, v, return_lse=True, return_aux=flex.AuxRequest(lse=True))
     with pytest.raises(AttributeError, match="no attribute 'create_mask_of'"):
         flex.create_mask_of  # noqa: B018
+    # torch's 8th parameter, _compile (gpt-fast, modded-nanogpt), by name or place
+    for compiled in (
+        create_block_mask(causal, 1, 1, 64, 64, "cpu", 32, True),
+        create_block_mask(causal, 1, 1, 64, 64, "cpu", 32, _compile=True),
+    ):
+        assert compiled.full_kv_num_blocks is not None  # (False once meant no full blocks)
 
 
 @pytest.mark.parametrize("with_score_mod", [False, True])
@@ -522,9 +538,10 @@ def test_gradcheck_in_float64(with_score_mod):
 
 
 def test_a_tensor_whose_gradient_would_be_lost_is_an_error():
-    """A table reached through functools.partial is not found in the closure: rather
-    than drop its gradient, flex_attention says so. A table computed from a parameter
-    (not a leaf) closed over directly passes its gradient on."""
+    """A table held in a dict the score_mod closes over is not found: rather than drop
+    its gradient, flex_attention says so. Tables passed through functools.partial, or
+    read from a module whose method is the score_mod, are found and trained; a table
+    computed from a parameter (not a leaf) closed over directly passes its gradient on."""
     import functools
 
     base = torch.randn(2, 2 * 40 - 1, requires_grad=True)
@@ -533,10 +550,34 @@ def test_a_tensor_whose_gradient_would_be_lost_is_an_error():
         return score + table[h, kv_idx - q_idx + 39]
 
     q, k, v = (torch.randn(1, 2, 40, 8) for _ in range(3))
+    held = {"table": base}
+
+    def from_a_dict(score, b, h, q_idx, kv_idx):
+        return relative(score, b, h, q_idx, kv_idx, held["table"])
+
     with pytest.raises(ValueError, match="requires grad but is not one it closes over"):
-        flex_attention(q, k, v, functools.partial(relative, table=base))
+        flex_attention(q, k, v, from_a_dict)
     with torch.no_grad():  # no gradient wanted: nothing to lose
-        flex_attention(q, k, v, functools.partial(relative, table=base))
+        flex_attention(q, k, v, from_a_dict)
+    base64 = base.detach().double().requires_grad_()
+    formula(q, k, v, lambda *args: relative(*args, base64))[0].sum().backward()
+
+    class Table(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = nn.Parameter(base.detach().clone())
+
+        def score_mod(self, score, b, h, q_idx, kv_idx):
+            return relative(score, b, h, q_idx, kv_idx, self.table)
+
+    module = Table()
+    for score_mod, table in (
+        (functools.partial(relative, table=base), base),
+        (module.score_mod, module.table),
+    ):
+        flex_attention(q, k, v, score_mod).sum().backward()  # (both once an error)
+        assert (table.grad.double() - base64.grad).abs().max() < 1e-4
+    base.grad = base64.grad = None
     doubled = base * 2
 
     def closed_over(score, b, h, q_idx, kv_idx):

@@ -68,7 +68,9 @@ def test_fields_equal_torchs(name, mask_mod, batch, heads, q_len, kv_len, block,
         options = {}
     else:
         pytest.skip(f"torch {torch.__version__}'s create_block_mask always separates full blocks")
-    ours = create_block_mask(mask_mod, batch, heads, q_len, kv_len, "cpu", block, separate)
+    ours = create_block_mask(
+        mask_mod, batch, heads, q_len, kv_len, "cpu", block, separate_full_blocks=separate
+    )
     theirs = flex_api.create_block_mask(
         mask_mod, batch, heads, q_len, kv_len, "cpu", block, **options
     )

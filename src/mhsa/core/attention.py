@@ -20,7 +20,7 @@ from .masks import Pattern, with_causal
 from .masks.base import part_kinds
 from .masks.causal import causal_shift
 from .paged import attention_over_pages
-from .scores import ScoreFunction, apply_score, as_score, kinds
+from .scores import Probe, ScoreFunction, apply_score, as_score, kinds
 
 
 def _check_common(
@@ -41,7 +41,8 @@ def _check_common(
     validate.check_bias(bias, target, q.device)
     validate.check_sinks(sinks, q.shape[1], q.device)
     if score is not None:
-        score.check(q.shape[1], q.device, stats_dtype(q.dtype))
+        probe = Probe.within(q.shape[2], k.shape[2])  # (positions of the call: tables fit)
+        score.check(q.shape[1], q.device, stats_dtype(q.dtype), probe)
     validate.check_causal(causal)
     validate.check_scale(scale)
     return validate.resolved_scale(q, scale)

@@ -5,8 +5,10 @@ function closes over (which receive gradients)."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -25,32 +27,63 @@ def tile_indices(batch: int, heads: Tensor | int, q_pos: Tensor, k_pos: Tensor):
     )
 
 
-def probe_once(fn: Callable, num_heads: int, device: torch.device, dtype: torch.dtype) -> bool:
-    """check_elementwise once per (num_heads, device, dtype) of fn."""
-    key = (num_heads, str(device), dtype)
+class Probe(NamedTuple):
+    """The tile a score function is first tried on: `rows` query positions from
+    q_first, `keys` key positions from k_first."""
+
+    q_first: int = 0
+    rows: int = 3
+    k_first: int = 0
+    keys: int = 4
+
+    @classmethod
+    def within(cls, q_len: int, kv_len: int) -> Probe:
+        """The tile inside a call of q_len queries (bottom-right) and kv_len keys: its
+        last queries and first keys, so that a function indexing a table by position
+        stays in its range."""
+        rows = min(3, q_len, kv_len)
+        return cls(kv_len - rows, rows, 0, min(4, kv_len))
+
+    def shifted(self, q_offset: int, k_offset: int) -> Probe:
+        return self._replace(q_first=self.q_first + q_offset, k_first=self.k_first + k_offset)
+
+
+def probe_once(
+    fn: Callable, num_heads: int, device: torch.device, dtype: torch.dtype, probe: Probe
+) -> bool:
+    """check_elementwise once per (num_heads, device, dtype, probe) of fn."""
+    key = (num_heads, str(device), dtype, probe)
     if key not in fn._checked:
-        check_elementwise(fn, num_heads, device, dtype)
+        check_elementwise(fn, num_heads, device, dtype, probe)
         fn._checked.add(key)
     return True
 
 
 def check_elementwise(
-    fn: Callable, num_heads: int, device: torch.device, dtype: torch.dtype
+    fn: Callable,
+    num_heads: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    probe: Probe = Probe(),  # noqa: B008 (a NamedTuple: immutable)
 ) -> None:
     """Evaluate fn on a small probe tile and on three single entries of it: the same
     shape and dtype as the scores, and each entry's value equal, or a ValueError naming
     the fault."""
-    heads = min(num_heads, 2)
+    heads, n_rows, n_keys = min(num_heads, 2), probe.rows, probe.keys
+    if heads == 0 or n_rows == 0 or n_keys == 0:
+        return  # (an empty call computes no score)
     generator = torch.Generator().manual_seed(0)
-    scores = torch.randn(1, heads, 3, 4, generator=generator).to(device, dtype)
-    q_pos, k_pos = torch.arange(3, device=device), torch.arange(4, device=device)
+    scores = torch.randn(1, heads, n_rows, n_keys, generator=generator).to(device, dtype)
+    q_pos = torch.arange(probe.q_first, probe.q_first + n_rows, device=device)
+    k_pos = torch.arange(probe.k_first, probe.k_first + n_keys, device=device)
     batch, head, rows, keys = tile_indices(1, heads, q_pos, k_pos)
     with torch.no_grad():
         try:
             out = fn(scores, batch, head, rows, keys)
         except Exception as error:
             raise ValueError(
-                f"{fn!r} failed on a (1, {heads}, 3, 4) score tile: {error}. A "
+                f"{fn!r} failed on a (1, {heads}, {n_rows}, {n_keys}) score tile at query "
+                f"positions {q_pos.tolist()} and key positions {k_pos.tolist()}: {error}. A "
                 "score_mod takes (score, batch, head, q_idx, kv_idx) tensors that "
                 "broadcast, and uses torch ops"
             ) from error
@@ -64,7 +97,8 @@ def check_elementwise(
                 f"{fn!r} must return the scores' shape {tuple(scores.shape)} "
                 f"(elementwise), got {tuple(out.shape)}"
             )
-        for h, r, c in ((0, 0, 0), (heads - 1, 1, 2), (0, 2, 3)):  # single entries alone
+        entries = ((0, 0, 0), (heads - 1, 1, 2), (0, 2, 3))
+        for h, r, c in ((h, min(r, n_rows - 1), min(c, n_keys - 1)) for h, r, c in entries):
             one = fn(
                 scores[:, h : h + 1, r : r + 1, c : c + 1],
                 batch,
@@ -90,14 +124,45 @@ def _broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
 
 
 def closure_tensors(fn: Callable) -> tuple[Tensor, ...]:
-    """Tensors (and parameters of modules) that fn closes over or reads as globals."""
+    """The floating tensors of captured_tensors(fn): those that can receive gradients."""
+    return tuple(t for t in captured_tensors(fn) if t.is_floating_point())
+
+
+def captured_tensors(fn: Callable, depth: int = 4) -> tuple[Tensor, ...]:
+    """Tensors (and parameters of modules) that fn reads: those it closes over or reads
+    as globals, and those of the functions it closes over (and_masks' parts); a bound
+    method's object's (an nn.Module's parameters, or the tensors among its attributes);
+    a functools.partial's arguments; a module called as fn (its parameters)."""
+    if depth == 0:
+        return ()
+    if isinstance(fn, functools.partial):
+        found = _tensors_in([*fn.args, *fn.keywords.values()])
+        return found + captured_tensors(fn.func, depth - 1)
+    if isinstance(fn, nn.Module):
+        return tuple(fn.parameters())
+    owner = getattr(fn, "__self__", None)
+    found = list(_tensors_in([owner]) if isinstance(owner, nn.Module) else ())
+    if owner is not None and not isinstance(owner, nn.Module):
+        found.extend(_tensors_in(list(getattr(owner, "__dict__", {}).values())))
     try:
         variables = inspect.getclosurevars(fn)
     except (TypeError, ValueError):
-        return ()
+        return tuple(found)
+    values = [*variables.nonlocals.values(), *variables.globals.values()]
+    found.extend(_tensors_in(values))
+    for value in values:
+        parts = value if isinstance(value, tuple | list) else (value,)
+        for part in parts:
+            if inspect.isfunction(part) or isinstance(part, functools.partial):
+                found.extend(captured_tensors(part, depth - 1))
+    return tuple(found)
+
+
+def _tensors_in(values: list) -> tuple[Tensor, ...]:
+    """The tensors among values, and the parameters of the modules among them."""
     found: list[Tensor] = []
-    for value in [*variables.nonlocals.values(), *variables.globals.values()]:
-        if isinstance(value, Tensor) and value.is_floating_point():
+    for value in values:
+        if isinstance(value, Tensor):
             found.append(value)
         elif isinstance(value, nn.Module):
             found.extend(value.parameters())

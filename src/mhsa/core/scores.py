@@ -28,6 +28,7 @@ from torch import Tensor
 
 from .checks import int_at_least
 from .score_checks import (
+    Probe,
     check_per_head,
     closure_tensors,
     describe,
@@ -93,9 +94,12 @@ class ScoreFunction:
             raise NotImplementedError(f"{type(self).__name__} needs autograd for its gradient")
         return grad_out
 
-    def check(self, num_heads: int, device: torch.device, dtype: torch.dtype) -> None:
+    def check(
+        self, num_heads: int, device: torch.device, dtype: torch.dtype, probe: Probe | None = None
+    ) -> None:
         """Raise ValueError if the function cannot serve a call with num_heads heads whose
-        scores are computed in dtype on device."""
+        scores are computed in dtype on device; probe: where a function of your own is
+        tried (default Probe(): 3 x 4 positions from 0; a call's own: Probe.within)."""
 
     def then(self, other: ScoreFunction) -> ScoreFunction:
         """This function, then `other` on its result."""
@@ -135,7 +139,7 @@ class ALiBi(ScoreFunction):
     def tensors(self):
         return (self.slopes,)
 
-    def check(self, num_heads, device, dtype):
+    def check(self, num_heads, device, dtype, probe=None):
         check_per_head("ALiBi slopes", self.slopes, 0, num_heads, device)
 
     def __repr__(self) -> str:
@@ -206,7 +210,7 @@ class RelativeBias(ScoreFunction):
     def tensors(self):
         return (self.table,)
 
-    def check(self, num_heads, device, dtype):
+    def check(self, num_heads, device, dtype, probe=None):
         check_per_head("RelativeBias table", self.table, 1, num_heads, device)
 
     def __repr__(self) -> str:
@@ -282,8 +286,8 @@ class ScoreMod(ScoreFunction):
     def tensors(self):
         return unique_tensors(self._tensors)
 
-    def check(self, num_heads, device, dtype):
-        _probe_living(self.name, int(num_heads), device, dtype)
+    def check(self, num_heads, device, dtype, probe=None):
+        _probe_living(self.name, int(num_heads), device, dtype, *(probe or Probe()))
 
     def __repr__(self) -> str:
         return f"ScoreMod({getattr(self.fn, '__name__', self.fn)!r})"
@@ -302,8 +306,10 @@ def living_score_mod(name: str) -> ScoreMod | None:
 
 
 @constant_when_traced  # a traced graph probes once, eagerly, unbroken
-def _probe_living(name: str, num_heads: int, device: torch.device, dtype: torch.dtype) -> bool:
-    return probe_once(_LIVING[name], num_heads, device, dtype)
+def _probe_living(
+    name: str, num_heads: int, device: torch.device, dtype: torch.dtype, *probe: int
+) -> bool:
+    return probe_once(_LIVING[name], num_heads, device, dtype, Probe(*probe))
 
 
 class Compose(ScoreFunction):
@@ -355,9 +361,9 @@ class Compose(ScoreFunction):
             raise NotImplementedError("this composition needs autograd for its gradient")
         return self.functions[-1].input_grad(out, grad_out) if self.functions else grad_out
 
-    def check(self, num_heads, device, dtype):
+    def check(self, num_heads, device, dtype, probe=None):
         for f in self.functions:
-            f.check(num_heads, device, dtype)
+            f.check(num_heads, device, dtype, probe)
 
     def __repr__(self) -> str:
         return " then ".join(repr(f) for f in self.functions)

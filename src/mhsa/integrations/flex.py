@@ -25,6 +25,7 @@ from ..core.attention import attention
 from ..core.checks import tensors_of_rank
 from ..core.kernels.dense import stats_dtype
 from ..core.kernels.memo import PatternCache
+from ..core.score_checks import captured_tensors
 from ..core.scores import ScoreFunction
 from .flex_blocks import BlockMaskPattern, create_block_mask, flex_module, is_noop
 from .flex_scores import FlexScore, ScoreModFn
@@ -90,6 +91,8 @@ def _lowered(block_mask, batch: int, heads: int, q_len: int, kv_len: int, device
         id(block_mask.mask_mod),
         tuple(block_mask.BLOCK_SIZE),
         *((id(t), t._version) for t in fields if t is not None),  # in-place edits too
+        # (the tiles' triangles and windows are read from mask_mod: the tensors it reads)
+        *((id(t), t._version) for t in captured_tensors(block_mask.mask_mod)),
         batch,
         heads,
         q_len,

@@ -148,6 +148,7 @@ def create_block_mask(
     KV_LEN: int,
     device: torch.device | str | None = None,
     BLOCK_SIZE: int | tuple[int, int] = DEFAULT_BLOCK,
+    _compile: bool = False,
     separate_full_blocks: bool = True,
 ):
     """FlexAttention's `create_block_mask`, without vmap and without an L x S mask.
@@ -163,6 +164,8 @@ def create_block_mask(
         device: where the BlockMask's tensors live (default: "cuda" where a GPU is
             usable, else "cpu"; torch's default, "cuda", fails without a GPU).
         BLOCK_SIZE: block size, or (query block, key block); 128 by default.
+        _compile: torch's (it compiles its mask builder); taken and unused: nothing
+            here is compiled or needs to be.
         separate_full_blocks: list fully allowed blocks as full (mask_mod skipped on
             them); False lists every non-empty block as partial.
 

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from ..core.kernels.scored import Shifted
 from ..core.masks.causal import causal_shift
-from ..core.scores import ScoreFunction, ScoreMod, tile_indices
+from ..core.scores import Probe, ScoreFunction, ScoreMod, tile_indices
 
 ScoreModFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
@@ -32,10 +32,10 @@ class FlexScore(Shifted):
         super().__init__(inner, q_offset=-causal_shift(q_len, kv_len), k_offset=0)
         self.q_len, self.kv_len = q_len, kv_len
 
-    def check(self, num_heads, device, dtype):
-        short = self.q_len < _PROBE_ROWS or self.kv_len < _PROBE_KEYS
-        if not (short and isinstance(self.score, ScoreMod)):  # the probe would index past L, S
-            self.score.check(num_heads, device, dtype)
+    def check(self, num_heads, device, dtype, probe=None):
+        """The score_mod tried within its call (q_idx < L, kv_idx < S)."""
+        own = Probe.within(self.q_len, self.kv_len).shifted(self.q_offset, 0)
+        self.score.check(num_heads, device, dtype, own)
 
     def check_gradients_reach(self, num_heads: int, device, dtype) -> None:
         """ValueError if score_mod reads a tensor that requires grad but is not one of

@@ -44,8 +44,8 @@ class _View(ScoreFunction):
     def input_grad(self, out, grad_out):
         return self.score.input_grad(out, grad_out)
 
-    def check(self, num_heads, device, dtype):
-        self.score.check(num_heads, device, dtype)
+    def check(self, num_heads, device, dtype, probe=None):
+        self.score.check(num_heads, device, dtype, probe)
 
 
 class SelectedHeads(_View):
@@ -63,8 +63,8 @@ class SelectedHeads(_View):
     def split_left(self, head, q_pos, k_pos):
         return self.score.split_left(self.index[head], q_pos, k_pos)
 
-    def check(self, num_heads, device, dtype):
-        self.score.check(self.num_heads, device, dtype)
+    def check(self, num_heads, device, dtype, probe=None):
+        self.score.check(self.num_heads, device, dtype, probe)
 
 
 class Shifted(_View):
@@ -79,6 +79,10 @@ class Shifted(_View):
 
     def _map(self, batch, head, q_pos, k_pos) -> tuple:
         return batch, head, q_pos + self.q_offset, k_pos + self.k_offset
+
+    def check(self, num_heads, device, dtype, probe=None):
+        moved = None if probe is None else probe.shifted(self.q_offset, self.k_offset)
+        self.score.check(num_heads, device, dtype, moved)
 
 
 class AtPositions(_View):
