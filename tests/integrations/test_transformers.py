@@ -583,9 +583,20 @@ def test_pattern_on_whisper_encoder_layers_equals_eager():
     for handle in handles:
         handle.remove()
     model.set_attn_implementation("mhsa")
-    with pytest.raises(ValueError, match="WhisperAttention.*7 queries, 8 keys"):
+    with pytest.raises(ValueError, match="WhisperAttention.*cross-attention"):
         model(**inputs, mhsa_pattern=window)
+    as_long = {**inputs, "decoder_input_ids": torch.randint(3, 64, (2, 8))}  # 8 = 8 keys
+    with pytest.raises(ValueError, match="WhisperAttention.*cross-attention"):  # (was applied)
+        model(**as_long, mhsa_pattern=window)
     modules = mhsa_hf.attention_modules(model)
+    cross = [layer.encoder_attn for layer in model.model.decoder.layers]
+    with pytest.raises(ValueError, match="WhisperAttention is cross-attention"):
+        mhsa_hf.set_pattern(model, window, layers=[modules.index(cross[0])])
+    everything = mhsa_hf.set_pattern(model, window)  # every self-attention layer
+    assert len(everything) == len(modules) - 2 and not set(map(id, cross)) & set(
+        map(id, everything)
+    )
+    mhsa_hf.set_pattern(model, None)
     mhsa_hf.set_pattern(model, window, layers=[modules.index(m) for m in encoder])
     assert max_error(model(**inputs).logits, expected) <= LOGITS_TOLERANCE
 
@@ -600,6 +611,41 @@ def test_set_pattern_checks_its_arguments():
         mhsa_hf.set_pattern(model, SlidingWindow(2, 0), layers=[2])
     with pytest.raises(TypeError, match="mhsa.masks pattern"):
         mhsa_hf.set_pattern(model, "window")
+    with pytest.raises(TypeError, match="pass layers=\\[0\\] for one"):
+        mhsa_hf.set_pattern(model, SlidingWindow(2, 0), layers=0)
+
+
+def test_set_pattern_reads_each_layers_own_implementation():
+    """A composite model's parts choose their own implementation: set_pattern refuses a
+    vision layer left on sdpa (its pattern would be ignored) and takes text layers that
+    run mhsa under a top config that says otherwise."""
+    text = dict(TINY_DECODER, model_type="llama")
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4)
+    vision |= dict(image_size=16, patch_size=4, model_type="clip_vision_model", projection_dim=32)
+    config = transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_index=60)
+    model = transformers.LlavaForConditionalGeneration(config).eval()
+    model.set_attn_implementation({"text_config": "mhsa", "vision_config": "sdpa"})
+    modules = mhsa_hf.attention_modules(model)
+    kinds = [type(module).__name__ for module in modules]
+    text_layers = [i for i, kind in enumerate(kinds) if kind == "LlamaAttention"]
+    assert mhsa_hf.set_pattern(model, SlidingWindow(2, 0), layers=text_layers)
+    with pytest.raises(ValueError, match="CLIPAttention runs attn_implementation='sdpa'"):
+        mhsa_hf.set_pattern(model, SlidingWindow(2, 0), layers=[kinds.index("CLIPAttention")])
+
+
+def test_arguments_models_always_pass_at_harmless_values_are_taken():
+    """ModernBERT passes deterministic=False, LLaVA-OneVision logits_to_keep=0 to every
+    layer: once a TypeError, so those models could not run on mhsa at all."""
+    from mhsa.integrations.transformers.attention import attention_forward
+
+    q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+    module = torch.nn.Module()
+    module.is_causal = True
+    plain = attention_forward(module, q, k, v, None)[0]
+    harmless = attention_forward(module, q, k, v, None, deterministic=False, logits_to_keep=0)[0]
+    assert torch.equal(plain, harmless)
+    with pytest.raises(TypeError, match="'deterministic'"):
+        attention_forward(module, q, k, v, None, deterministic=True)
 
 
 # ---------------------------------------------------------------- errors, never silence

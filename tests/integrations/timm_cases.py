@@ -104,6 +104,11 @@ def test_unsupported_layers_and_arguments_are_clear_errors():
     eva = timm.create_model("eva02_tiny_patch14_224", pretrained=False)
     with pytest.raises(ValueError, match="EvaAttention"):
         timm_integration.convert(eva)
+    vit = tiny_vit()  # a bad backend or score is refused before any layer is replaced
+    for options, error in (({"backend": "sdpa "}, ValueError), ({"score": "alibi"}, TypeError)):
+        with pytest.raises(error, match="backend must be|score must be"):
+            timm_integration.convert(vit, **options)
+    assert not any(isinstance(m, timm_integration.TimmAttention) for m in vit.modules())
 
 
 def timm_diff_attention(**options):

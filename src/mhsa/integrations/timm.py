@@ -15,9 +15,10 @@ import torch
 from torch import Tensor, nn
 
 from ..core.attention import attention
+from ..core.backends import registry
 from ..core.masks import BoolMask, Pattern
 from ..core.masks.base import pattern_or_none
-from ..core.scores import ScoreFunction
+from ..core.scores import ScoreFunction, as_score
 
 __all__ = ["TimmAttention", "available", "convert"]
 
@@ -69,7 +70,7 @@ class TimmAttention(nn.Module):
                 f"TimmAttention copies a timm.layers.Attention, got {type(source).__name__}; "
                 "other timm attention layers (rotary, differential, ...) are not supported"
             )
-        pattern_or_none("pattern", pattern)
+        score = _checked_options(pattern, score, backend)
         for name in _PARTS:
             setattr(self, name, getattr(source, name))
         self.gate = getattr(source, "gate", None)
@@ -111,6 +112,18 @@ class TimmAttention(nn.Module):
         return f"heads={self.num_heads}, head_dim={self.head_dim}, pattern={self.pattern!r}"
 
 
+def _checked_options(pattern, score, backend) -> ScoreFunction | None:
+    """Raise for a bad pattern, score or backend now, not at the first forward; the
+    score as one function."""
+    pattern_or_none("pattern", pattern)
+    score = as_score(score)
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str, got {type(backend).__name__}")
+    if backend != "auto":
+        registry.get(backend)  # (ValueError naming the backends)
+    return score
+
+
 def convert(
     model: nn.Module,
     *,
@@ -122,6 +135,7 @@ def convert(
     shared) and return model. Raises ValueError naming the layers of another attention
     type (they would keep timm's own attention), or when there is none to replace."""
     attention_type = _timm_attention()
+    _checked_options(pattern, score, backend)  # before any layer is replaced
     others = sorted(
         {
             type(module).__name__

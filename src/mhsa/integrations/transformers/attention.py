@@ -27,8 +27,13 @@ IGNORED = frozenset(
         "output_router_logits",
         "num_items_in_batch",
         "return_dict",
+        "logits_to_keep",  # (the head's; LLaVA-OneVision's and GOT-OCR2's reach every layer)
+        "token_type_ids",  # (the mask function has read them)
     }
 )
+# arguments that do not change attention at these values (ModernBERT always passes its
+# config's deterministic_flash_attn, False by default)
+IGNORED_AT = {"deterministic": (False,)}
 PATTERN_ATTRIBUTE = "_mhsa_pattern"  # where set_pattern puts a layer's pattern
 
 
@@ -90,6 +95,12 @@ def attention_forward(
             "pass mhsa_pattern=SlidingWindow(...) or run it with attn_implementation='sdpa'"
         )
     if pattern is not None:
+        if is_cross_attention(module):
+            raise ValueError(
+                f"{where} attends to another sequence (cross-attention), where a pattern's "
+                "positions mean nothing; set patterns on self-attention layers with "
+                "set_pattern(model, pattern) (which leaves cross-attention out)"
+            )
         _check_placed(where, attention_mask, query.shape[2], key.shape[2])
         mask, causal = _narrowed(mask, causal, pattern)
     if position_bias is not None:
@@ -161,7 +172,11 @@ def _narrowed(
 
 def _check_arguments(where: str, kwargs: dict) -> None:
     unknown = sorted(
-        name for name, value in kwargs.items() if name not in IGNORED and value is not None
+        name
+        for name, value in kwargs.items()
+        if name not in IGNORED
+        and value is not None
+        and not any(value is same for same in IGNORED_AT.get(name, ()))
     )
     if unknown:
         raise TypeError(
@@ -169,6 +184,15 @@ def _check_arguments(where: str, kwargs: dict) -> None:
             "run this model with attn_implementation='eager' or 'sdpa', or drop the argument"
             " (mhsa's own argument is mhsa_pattern=)"
         )
+
+
+def is_cross_attention(module: nn.Module) -> bool:
+    """Whether a transformers attention module attends to another sequence: it says so,
+    or it is a decoder's non-causal attention (BART, T5, Whisper and their kin)."""
+    if getattr(module, "is_cross_attention", False):
+        return True
+    decoder = bool(getattr(module, "is_decoder", False))
+    return decoder and getattr(module, "is_causal", None) is False
 
 
 def _pattern(where: str, module: nn.Module, given: Pattern | None) -> Pattern | None:

@@ -10,7 +10,7 @@ from torch import nn
 from mhsa.core.masks import Pattern
 from mhsa.core.masks.base import pattern_or_none
 
-from .attention import PATTERN_ATTRIBUTE
+from .attention import PATTERN_ATTRIBUTE, is_cross_attention
 
 _CALLS_INTERFACE: dict[type, bool] = {}
 
@@ -41,19 +41,23 @@ def set_pattern(
     allows (causality and padding stay); None clears it. Returns the modules set.
 
     layers: indices into attention_modules(model) (negative ones count from the end),
-    default all. The model must run with attn_implementation="mhsa".
+    default every self-attention module (cross-attention attends to another sequence,
+    where a pattern's positions mean nothing). Each chosen module must run with
+    attn_implementation="mhsa" (a composite model's parts may run others).
     """
-    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    if implementation != "mhsa":
-        raise ValueError(
-            f"{type(model).__name__} runs attn_implementation={implementation!r}, which would "
-            "ignore the pattern; call register() and model.set_attn_implementation('mhsa') first"
-        )
     pattern_or_none("pattern", pattern)
+    if layers is not None and not isinstance(layers, Iterable):
+        raise TypeError(
+            f"layers must be a list of attention module indices (or None: all), got "
+            f"{type(layers).__name__}; pass layers=[{layers!r}] for one"
+        )
     modules = attention_modules(model)
     if not modules:
         raise ValueError(f"{type(model).__name__} has no module that calls AttentionInterface")
-    chosen = range(len(modules)) if layers is None else list(layers)
+    if layers is None:
+        chosen = [i for i, module in enumerate(modules) if not is_cross_attention(module)]
+    else:
+        chosen = list(layers)
     for index in chosen:
         if not isinstance(index, int) or not -len(modules) <= index < len(modules):
             raise ValueError(
@@ -62,5 +66,25 @@ def set_pattern(
             )
     selected = [modules[index] for index in chosen]
     for module in selected:
+        _check_settable(model, module, pattern)
+    for module in selected:
         setattr(module, PATTERN_ATTRIBUTE, pattern)
     return selected
+
+
+def _check_settable(model: nn.Module, module: nn.Module, pattern: Pattern | None) -> None:
+    """The module runs on mhsa (its own config's choice: a composite model's vision
+    tower may run another), and, for a pattern, attends to its own sequence."""
+    config = getattr(module, "config", None) or getattr(model, "config", None)
+    implementation = getattr(config, "_attn_implementation", None)
+    name = type(module).__name__
+    if implementation != "mhsa":
+        raise ValueError(
+            f"{name} runs attn_implementation={implementation!r}, which would ignore the "
+            "pattern; call register() and model.set_attn_implementation('mhsa') first"
+        )
+    if pattern is not None and is_cross_attention(module):
+        raise ValueError(
+            f"{name} is cross-attention (to another sequence), where a pattern's positions "
+            "mean nothing; choose self-attention layers"
+        )
