@@ -40,7 +40,7 @@ BUGS = {
         "tests/nn/test_positional.py",
     ),
     "rotary frequencies wrong": (
-        "nn/positional.py",
+        "nn/rope_scaling.py",
         "exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim",
         "exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / (dim // 2)",
         "tests/nn/test_positional.py",

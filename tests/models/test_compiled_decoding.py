@@ -68,13 +68,44 @@ def test_static_cache_and_compile_refuse_what_they_cannot_do():
         model.generate(torch.randint(0, 96, (1, 4)), 2, compile=True, use_cache=False)
 
 
+def test_a_static_cache_refuses_what_would_see_its_query_misplaced():
+    """Its one query sits after all max_len slots: a pattern or T5's buckets would see it
+    there (0.39 and 0.56 off once); a window over every slot, ALiBi and causal do not."""
+    from mhsa.core.masks import SlidingWindow
+    from mhsa.nn import MultiHeadAttention
+    from mhsa.nn.positional import ALiBiPosition, RelativeBiasPosition
+
+    torch.manual_seed(0)
+    x = torch.randn(1, 7, 16, dtype=torch.float64)
+    layer = MultiHeadAttention(16, 2, dtype=torch.float64).eval()
+    for position, mask, refused in (
+        (RelativeBiasPosition(2).double(), None, "RelativeBias"),
+        (None, SlidingWindow(2, 0), "SlidingWindow"),
+        (None, SlidingWindow(15, 0), None),  # (the whole cache: the model's own case)
+        (ALiBiPosition(2), None, None),
+    ):
+        options = {"causal": True, "mask": mask, "position": position}
+        with torch.no_grad():
+            full = layer(x, **options)
+            cache = KVCache(1, 2, 16, 8, dtype=torch.float64)
+            layer(x[:, :6], cache=cache, **options)
+            static = StaticKVCache(cache)
+            if refused:
+                with pytest.raises(ValueError, match=f"StaticKVCache cannot apply {refused}"):
+                    layer(x[:, 6:], cache=static, **options)
+            else:
+                step = layer(x[:, 6:], cache=static, **options)
+                assert (step - full[:, 6:]).abs().max() < 1e-12
+
+
 @pytest.mark.parametrize(
     ("options", "match"),
     [
         ({"window": 8}, "got SlidingWindowCache"),
         ({"attention": "moba", "moba_block": 8, "moba_top_k": 1}, "MoBA routes each query"),
+        ({"position": "t5"}, "RelativeBiasPosition's scores would see the query after"),
     ],
-    ids=["window", "moba"],
+    ids=["window", "moba", "t5"],
 )
 def test_compile_refuses_models_whose_step_needs_more_than_static_caches(options, match):
     """Said before anything is compiled or prefilled, and the eager path still decodes."""

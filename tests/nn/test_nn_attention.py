@@ -56,6 +56,9 @@ def test_cross_attention_with_kdim_vdim_and_float_mask():
     out_b, weights = ours(query, key, value, key_padding_mask=kpm, need_weights=True)
     expected_b, expected_wb = theirs(query, key, value, key_padding_mask=padding)
     assert max_error(out_b, expected_b) < 1e-5 and max_error(weights, expected_wb) < 1e-5
+    # the map needs no values: without them it once projected the keys as values (20 != 12)
+    mapped = ours.attention_map(query, key, key_padding_mask=kpm).mean(dim=1)
+    assert max_error(mapped, expected_wb) < 1e-5
 
 
 def test_per_head_weights_and_batch_first_false_source():
@@ -114,6 +117,11 @@ def test_bad_module_arguments():
         MultiHeadAttention(30, 4)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         MultiHeadAttention(32, 4, num_kv_heads=3)
+    for options, name in (({"num_heads": 4.0}, "num_heads"), ({"num_heads": True}, "num_heads")):
+        with pytest.raises(ValueError, match=f"{name} must be an int >= 1"):
+            MultiHeadAttention(32, **options)  # (a torch error naming no argument, or 1 head)
+    with pytest.raises(ValueError, match="num_kv_heads must be an int >= 1"):
+        MultiHeadAttention(32, 4, num_kv_heads=2.0)
     mha = MultiHeadAttention(32, 4)
     with pytest.raises(ValueError, match="query must be"):
         mha(torch.randn(5, 32))

@@ -185,6 +185,24 @@ def test_sizes_must_be_positive_ints_and_say_which(bad):
             build(bad)
 
 
+def test_rotary_bases_and_factors_that_make_no_frequencies_are_refused():
+    """base 0 gave an infinite frequency, -1 a nan one: the module then output its
+    bias alone, silently."""
+    for base in (0.0, -1.0, float("inf"), True):
+        with pytest.raises(ValueError, match="base must be a finite number > 0"):
+            RotaryEmbedding(8, base=base)
+    for factor in (0, -2.0):
+        with pytest.raises(ValueError, match="rope scaling factor must be a number > 0"):
+            RotaryEmbedding(8, scaling={"rope_type": "linear", "factor": factor})
+
+
+def test_negative_positions_are_refused():
+    """A sinusoidal table once read position -1 as its last row."""
+    for module in (SinusoidalPositionalEncoding(8, max_len=16), LearnedPositionalEmbedding(16, 8)):
+        with pytest.raises(ValueError, match="positions must be >= 0, got -1"):
+            module(torch.zeros(1, 2, 8), positions=torch.tensor([[-1, 0]]))
+
+
 def test_out_of_range_offsets_name_the_positions_and_the_fix():
     pe, emb = SinusoidalPositionalEncoding(8, max_len=10), LearnedPositionalEmbedding(10, 8)
     for module in (pe, emb):

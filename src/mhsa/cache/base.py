@@ -17,6 +17,9 @@ PagedLayer) is the `cache` of one MultiHeadAttention call. It answers, whatever 
                        table and lengths of the forward pass, the same in every layer:
                        mhsa.paged_attention(q, k_pool, v_pool, paged_step))
     cross_attention    whether it holds keys of another sequence (an encoder's memory)
+    slots_after_query  whether update returns free slots after the written keys (masked
+                       as padding; StaticKVCache): a query then sits after all of them,
+                       not at its position
 
 A cache of many layers (a `MultiLayerCache`: DecoderCache, PagedKVCache) hands out one
 `Cache` per layer and answers update(k, v, layer) through it, as transformers' caches do.
@@ -37,6 +40,7 @@ class Cache:
 
     paged_step: PagedStep | None = None  # paged keys: the pass's table and lengths
     cross_attention: bool = False
+    slots_after_query: bool = False
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store k (B, H_kv, T, D), v (B, H_kv, T, D_v); return the keys and values to

@@ -281,6 +281,8 @@ class StaticKVCache(KVCache):
     the prefilled cache for every new token.
     """
 
+    slots_after_query = True
+
     def __init__(self, prefilled: KVCache) -> None:  # (no super().__init__: shares storage)
         problem = self.cannot_continue(prefilled)
         if problem is not None:

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from ..cache import KVCache, StaticKVCache
+from ..nn.positional import AttentionPosition
 from .compiled_step import compiled_once, decode_step, static_caches, step_memo
 
 __all__ = [
@@ -67,7 +68,19 @@ def static_step_problem(model: nn.Module, caches: object) -> str | None:
     None: the caches' fixed_slots_problem, or the one an attention module declares in
     `static_cache_problem` (MoBA)."""
     declared = (getattr(module, "static_cache_problem", None) for module in model.modules())
-    return fixed_slots_problem(caches) or next(filter(None, declared), None)
+    placed = (_placed_score(module) for module in model.modules())
+    return fixed_slots_problem(caches) or next(filter(None, [*declared, *placed]), None)
+
+
+def _placed_score(module: nn.Module) -> str | None:
+    """A position whose scores depend on where the query sits among the keys (T5's
+    buckets): a static cache places it after all its slots."""
+    if not isinstance(module, AttentionPosition):
+        return None
+    score = module.score()
+    if score is None or score.separable:
+        return None
+    return f"{type(module).__name__}'s scores would see the query after all the static slots"
 
 
 class StaticDecodeStep:

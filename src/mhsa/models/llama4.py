@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from ..cache.paged_layer import PagedLayer
 from ..core.masks import Chunked, Document, Pattern
 from ..core.validate import int_at_least
 from ..formats.weights import NameTable, Weights
@@ -307,7 +306,7 @@ class Llama4(DecoderLM):
         and sin; NoPE layers: no mask, the temperature (or nothing)."""
         c = self.config
         length = idx.shape[1]
-        if caches is not None and isinstance(caches[0], PagedLayer):
+        if caches is not None and caches[0].paged_step is not None:
             begin, kv_len, first = None, length, 0  # each sequence's keys from position 0
         elif caches is not None:
             begin = caches[0].start

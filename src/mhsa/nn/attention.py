@@ -75,19 +75,20 @@ class MultiHeadAttention(AttentionModule):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        int_at_least("num_heads", num_heads, 1)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        int_at_least("num_kv_heads", num_kv_heads, 1)
         for name, width in (("embed_dim", embed_dim), ("kdim", kdim), ("vdim", vdim)):
             if width is not None:
                 int_at_least(name, width, 1)
         if head_dim is not None:
             int_at_least("head_dim", head_dim, 1)
-            int_at_least("num_heads", num_heads, 1)
-        elif num_heads <= 0 or embed_dim % num_heads:
+        elif embed_dim % num_heads:
             raise ValueError(
                 f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads}), "
                 "or pass head_dim"
             )
-        if num_kv_heads <= 0 or num_heads % num_kv_heads:
+        if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
             )
@@ -242,6 +243,7 @@ class MultiHeadAttention(AttentionModule):
         self,
         query: Tensor,
         key: Tensor | None = None,
+        value: Tensor | None = None,
         *,
         mask: Tensor | Pattern | None = None,
         key_padding_mask: Tensor | None = None,
@@ -254,7 +256,12 @@ class MultiHeadAttention(AttentionModule):
     ) -> Tensor:
         """The attention probabilities (B, H, L, S) this module computes for these inputs
         (same arguments as forward), recomputed on demand by mhsa.attention_weights."""
-        call = AttentionCall(query, key, None, mask, key_padding_mask, bias, causal, position, None)
+        if value is None and key is not None and self.v_proj is not None:
+            width = self.v_proj.in_features  # (the map needs no values: zeros of their width)
+            value = key.new_zeros(*key.shape[:-1], width) if key.shape[-1] != width else key
+        call = AttentionCall(
+            query, key, value, mask, key_padding_mask, bias, causal, position, None
+        )
         q, k, _, mask, bias = self._inputs(call)
         return attention_weights(
             q,

@@ -188,11 +188,28 @@ class AttentionModule(nn.Module):
         the position's, for kv_len keys (what cache.update returned); a paged cache
         refuses a dense bias."""
         query = call.query
+        if call.cache is not None and call.cache.slots_after_query:
+            self._check_static(call)
         masks = (call.mask, call.key_padding_mask, call.bias, call.position, call.cache)
         mask, bias = attention_masks(*masks, query.shape[0], query.shape[1], kv_len)
         if bias is not None and call.paged:
             raise ValueError(PAGED_BIAS)
         return mask, bias
+
+    def _check_static(self, call: AttentionCall) -> None:
+        """A StaticKVCache's query sits after all its slots (bottom-right), not at its
+        position: causal, padding and separable scores (ALiBi) do not see it, a pattern
+        (but a window over every slot) or a score such as T5's buckets would."""
+        score, mask = self._score(call.position), call.mask
+        band = mask.band() if isinstance(mask, Pattern) else None
+        slots = call.cache.length
+        whole = band is not None and band.dilation == 1 and band.left >= slots - 1
+        if (isinstance(mask, Pattern) and not whole) or (score is not None and not score.separable):
+            seen = mask if isinstance(mask, Pattern) and not whole else score
+            raise ValueError(
+                f"{type(self).__name__} over a {type(call.cache).__name__} cannot apply "
+                f"{seen!r}: that cache places the query after all its slots; use a KVCache"
+            )
 
     def _score(self, position: AttentionPosition | None) -> ScoreFunction | None:
         """The position's score function, then the module's own, or None."""
