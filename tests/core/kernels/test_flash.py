@@ -293,3 +293,47 @@ def test_attention_weights_of_an_empty_selection_is_empty():
         assert mhsa.attention_weights(q, k, heads=[], backend=backend).shape == (2, 0, 5, 7)
     with pytest.raises(TypeError, match="rows must be a 1-D sequence of ints"):
         mhsa.attention_weights(q, k, rows=[0.5])
+
+
+@pytest.mark.parametrize(
+    ("mask", "causal", "q_len", "kv_len"),
+    [
+        (masks.SlidingWindow(300, 0), False, 600, 600),  # triangle tiles of a wide band
+        (None, True, 300, 300),
+        (masks.Chunked(64, start=-4), False, 2, 7),
+    ],
+    ids=["window", "causal", "chunked"],
+)
+def test_a_row_a_bias_kills_inside_a_triangle_tile(mask, causal, q_len, kv_len):
+    """Every key a row may see inside one triangle run is -inf in the bias: the fused
+    kernel reports lse 0 for it, which the merge took for a real row (errors of 0.23,
+    gradients 0.25, lse 0 for a dead row)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 16, requires_grad=True) for n in (q_len, kv_len, kv_len))
+    bias = torch.full((q_len, kv_len), -10.0)
+    shift = kv_len - q_len
+    rows = torch.arange(q_len)
+    bias[rows, (rows + shift).clamp(0, kv_len - 1)] = -torch.inf  # no query sees itself
+    options = dict(mask=mask, bias=bias, causal=causal, return_lse=True)
+    expected = [
+        t.detach()
+        for t in mhsa.attention(
+            q.double(),
+            k.double(),
+            v.double(),
+            backend="reference",
+            **(options | {"bias": bias.double()}),
+        )
+    ]
+    out, lse = mhsa.attention(q, k, v, backend="flash", **options)
+    assert max_error(out, expected[0]) < 1e-5
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(expected[1]))
+    alive = torch.isfinite(expected[1])
+    assert (lse[alive].double() - expected[1][alive]).abs().max() < 1e-5
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    reference = mhsa.attention(
+        q64, k64, v64, backend="reference", **(options | {"bias": bias.double()})
+    )[0]
+    for got, want in zip(grads, torch.autograd.grad(reference.sum(), (q64, k64, v64)), strict=True):
+        assert max_error(got, want) < 1e-4

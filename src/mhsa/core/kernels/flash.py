@@ -59,7 +59,7 @@ def _flipped(attn: Tensor | None) -> Tensor | None:
 
 def _fused_run(q_blk, k_run, v_run, attn, scale, triangle, masked) -> tuple[Tensor, Tensor]:
     """One run on the fused kernel; a triangle run in its causal mode, attn (the bias
-    and score values, without -inf) added."""
+    and score values, and the mask's -inf) added."""
     if triangle == "upper":  # c >= r is c' <= r' on reversed rows and keys
         out_r, lse_r = _FUSED_FORWARD(
             q_blk.flip(2),
@@ -70,13 +70,25 @@ def _fused_run(q_blk, k_run, v_run, attn, scale, triangle, masked) -> tuple[Tens
             attn_mask=_flipped(attn),
             scale=scale,
         )
-        return out_r.flip(2), lse_r.flip(-1)
-    causal = triangle == "lower"
-    out_r, lse_r = _FUSED_FORWARD(q_blk, k_run, v_run, 0.0, causal, attn_mask=attn, scale=scale)
-    if masked:  # the kernel reports lse 0 for rows with no allowed key
-        dead = torch.isneginf(attn).all(dim=-1)
-        lse_r = lse_r.masked_fill(dead, -torch.inf)
+        out_r, lse_r = out_r.flip(2), lse_r.flip(-1)
+    else:
+        causal = triangle == "lower"
+        out_r, lse_r = _FUSED_FORWARD(q_blk, k_run, v_run, 0.0, causal, attn_mask=attn, scale=scale)
+    if masked and attn is not None:  # the kernel reports lse 0 for rows with no allowed key
+        lse_r = lse_r.masked_fill(_dead_rows(attn, triangle), -torch.inf)
     return out_r, lse_r
+
+
+def _dead_rows(attn: Tensor, triangle: str | None) -> Tensor:
+    """Rows of a run whose every key is -inf in attn among those its triangle (the
+    kernel's causal mode: c <= r, or c >= r + keys - rows reversed) lets them see."""
+    blocked = torch.isneginf(attn)
+    if triangle is not None:
+        rows, keys = attn.shape[-2:]
+        seen = torch.ones(rows, keys, dtype=torch.bool, device=attn.device)
+        seen = seen.tril() if triangle == "lower" else seen.triu(keys - rows)
+        blocked = blocked | ~seen
+    return blocked.all(dim=-1)
 
 
 def _fused_run_backward(go_blk, q_blk, k_run, v_run, out_blk, lse_blk, attn, scale, triangle):
