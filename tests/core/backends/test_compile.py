@@ -292,6 +292,31 @@ def test_the_flash_op_takes_score_functions_and_sinks(name, causal):
     assert max_error(got, want) <= 1e-12
 
 
+@pytest.mark.parametrize(
+    "score",
+    [
+        lambda: ScoreMod(lambda s, b, h, q_idx, kv_idx: torch.tanh(s)),
+        lambda: [Softcap(5.0), ALiBi(torch.tensor([0.5, 0.25]))],
+    ],
+    ids=["score_mod without tensors", "softcap then alibi"],
+)
+def test_compiled_gradients_through_scores_that_need_autograd(score):
+    """Their input gradient comes from autograd inside the op's backward, which once
+    ran with autograd off ("element 0 of tensors does not require grad")."""
+    score = score()
+    q, k, v = (torch.randn(1, 2, 9, 8, requires_grad=True) for _ in range(3))
+
+    def f(q, k, v):
+        return mhsa.attention(q, k, v, score=score, causal=True, backend="flash")
+
+    eager = torch.autograd.grad(f(q, k, v).sum(), (q, k, v))
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    for got, want in zip(
+        torch.autograd.grad(compiled(q, k, v).sum(), (q, k, v)), eager, strict=True
+    ):
+        assert max_error(got, want) < 1e-6
+
+
 def test_a_score_mod_is_named_while_it_lives():
     """The same ScoreMod gives the same text (no recompile); the op rebuilds it from the
     text while it lives, reading the op's tensors, and says so once it is gone."""

@@ -72,7 +72,10 @@ def _backward(inputs: OpInputs, grads: OutputGrads) -> tuple:
     # the fused kernel takes no lse gradient and returns no bias or score gradient
     call = call._replace(fused=call.fused and grad_lse is None and not bias_grad and not score_grad)
     params = tuple(t for t in targets if t is not None)
-    with _autograd_on() if score_grad else contextlib.nullcontext():
+    # a score whose input gradient its output does not give (tanh, a ScoreMod) is
+    # differentiated by autograd, which a custom op's backward runs with dispatch off
+    by_autograd = score_fn is not None and not score_fn.grad_from_output
+    with _autograd_on() if score_grad or by_autograd else contextlib.nullcontext():
         dq, dk, dv, dbias, dsinks, found = flash_backward(
             call, grad_out, grad_lse, out, lse, bias_grad, params
         )
