@@ -317,6 +317,28 @@ def test_compiled_gradients_through_scores_that_need_autograd(score):
         assert max_error(got, want) < 1e-6
 
 
+def test_patterns_holding_positions_compile_in_one_graph():
+    """Their length checks read the tensors they hold once, when made: a check on the
+    values per call broke fullgraph ("data-dependent branching")."""
+    from mhsa import masks
+
+    q, k, v = (torch.randn(2, 2, 20, 8) for _ in range(3))
+    for pattern in (
+        masks.KeyPadding([12, 20]),
+        masks.GlobalTokens([0, 3]),
+        masks.longformer(2, [0]),
+    ):
+        torch._dynamo.reset()
+        compiled = torch.compile(
+            lambda q, k, v, p=pattern: mhsa.attention(q, k, v, p), fullgraph=True, backend="eager"
+        )
+        assert torch.equal(compiled(q, k, v), mhsa.attention(q, k, v, pattern))
+    with pytest.raises(ValueError, match="a length 21 exceeds S = 20"):
+        mhsa.attention(q, k, v, masks.KeyPadding([12, 21]))
+    with pytest.raises(ValueError, match="global token index 20 is out of range for 20 keys"):
+        mhsa.attention(q, k, v, masks.GlobalTokens([0, 20]))
+
+
 def test_a_score_mod_is_named_while_it_lives():
     """The same ScoreMod gives the same text (no recompile); the op rebuilds it from the
     text while it lives, reading the op's tensors, and says so once it is gone."""

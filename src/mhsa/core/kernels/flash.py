@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from ..checks import as_4d
-from ..masks.causal import causal_shift
+from ..masks.causal import causal_allows, causal_shift
 from ..scores import ScoreFunction
 from .band import band_forward, interior_rows
 from .dense import stats_dtype
@@ -81,12 +81,14 @@ def _fused_run(q_blk, k_run, v_run, attn, scale, triangle, masked) -> tuple[Tens
 
 def _dead_rows(attn: Tensor, triangle: str | None) -> Tensor:
     """Rows of a run whose every key is -inf in attn among those its triangle (the
-    kernel's causal mode: c <= r, or c >= r + keys - rows reversed) lets them see."""
+    kernel's causal mode, or that mode on reversed rows and keys) lets them see."""
     blocked = torch.isneginf(attn)
-    if triangle is not None:
+    if triangle is not None:  # the kernel's causal mode is top-left: c <= r
         rows, keys = attn.shape[-2:]
-        seen = torch.ones(rows, keys, dtype=torch.bool, device=attn.device)
-        seen = seen.tril() if triangle == "lower" else seen.triu(keys - rows)
+        r = torch.arange(rows, device=attn.device).view(-1, 1)
+        c = torch.arange(keys, device=attn.device).view(1, -1)
+        lower = triangle == "lower"
+        seen = causal_allows(r, c) if lower else causal_allows(c - causal_shift(rows, keys), r)
         blocked = blocked | ~seen
     return blocked.all(dim=-1)
 

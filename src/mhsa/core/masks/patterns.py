@@ -208,12 +208,12 @@ class GlobalTokens(Pattern):
             raise ValueError(f"beyond_keys must be 'error' or 'ignore', got {beyond_keys!r}")
         self.indices = idx.unique()
         self.beyond_keys = beyond_keys
+        # read once: a check on the tensor per call would break a compiled graph
+        self._last = int(idx.max()) if idx.numel() else -1
 
     def check_lengths(self, q_len, kv_len):
-        if self.beyond_keys == "error" and self.indices.numel() and self.indices.max() >= kv_len:
-            raise ValueError(
-                f"global token index {int(self.indices.max())} is out of range for {kv_len} keys"
-            )
+        if self.beyond_keys == "error" and self._last >= kv_len:
+            raise ValueError(f"global token index {self._last} is out of range for {kv_len} keys")
 
     def _is_global(self, positions: Tensor) -> Tensor:
         return torch.isin(positions, self.indices.to(positions.device))
@@ -262,6 +262,7 @@ class KeyPadding(Pattern):
                 raise ValueError(f"lengths must be a 1-D sequence of ints >= 0, got {lengths!r}")
             self.keys = None
             self.lengths = t.long()
+            self._longest = int(t.max()) if t.numel() else 0  # (read once, as GlobalTokens)
         self.batch_size = t.shape[0]
 
     def _real(self, cols: Tensor, kv_len: int) -> Tensor:
@@ -273,8 +274,8 @@ class KeyPadding(Pattern):
     def check_lengths(self, q_len, kv_len):
         if self.keys is not None and self.keys.shape[1] != kv_len:
             raise ValueError(f"key padding mask covers {self.keys.shape[1]} keys, S is {kv_len}")
-        if self.keys is None and self.lengths.numel() and self.lengths.max() > kv_len:
-            raise ValueError(f"a length {int(self.lengths.max())} exceeds S = {kv_len}")
+        if self.keys is None and self._longest > kv_len:
+            raise ValueError(f"a length {self._longest} exceeds S = {kv_len}")
 
     def allowed(self, rows, cols, q_len, kv_len):
         return self._real(cols, kv_len)
