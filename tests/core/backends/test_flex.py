@@ -35,6 +35,9 @@ CASES = [
     ("causal window", SlidingWindow(5, 0), True),
     ("bool tensor", "tensor", False),
     ("key padding with a dead row", "padding", False),
+    # broadcast over rows or keys: the mask_mod once indexed past their size of 1
+    ("bool (B, 1, 1, S)", "keys", False),
+    ("bool (L, 1)", "rows", False),
 ]
 
 
@@ -46,6 +49,10 @@ def test_flex_equals_the_reference(name, mask, causal):
         mask = torch.rand(2, 1, 37, 45) > 0.5
     elif mask == "padding":
         mask = KeyPadding(torch.tensor([[True] * 30 + [False] * 15, [False] * 45]))
+    elif mask == "keys":
+        mask = torch.rand(2, 1, 1, 45) > 0.3
+    elif mask == "rows":
+        mask = torch.rand(37, 1) > 0.3
     out, lse = flex_forward(q, k, v, mask=mask, causal=causal, scale=0.25, compiled=False)
     ref, ref_lse = mhsa.attention(
         q, k, v, mask, causal=causal, scale=0.25, return_lse=True, backend="reference"

@@ -56,8 +56,9 @@ def _dense_mask(
     mask: Tensor | Pattern | None, causal: bool, q_len: int, kv_len: int, device
 ) -> Tensor | None:
     """(Bm, Hm, L, S) bool, True = may attend, or None when nothing is masked."""
-    dense = combined_mask(mask, causal, q_len, kv_len, device)
-    return as_4d(dense)
+    dense = as_4d(combined_mask(mask, causal, q_len, kv_len, device))
+    # mask_mod indexes [q_idx, kv_idx]: a mask broadcast over rows or keys is spread out
+    return None if dense is None else dense.expand(*dense.shape[:2], q_len, kv_len)
 
 
 def block_mask_for(
