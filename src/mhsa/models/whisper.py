@@ -40,6 +40,8 @@ from .config import ModelConfig
 from .decoder import CacheLayout
 from .decoding import compiled_once, greedy_search, static_caches
 
+MULTILINGUAL_VOCAB = 51865  # multilingual Whisper vocabularies have this many tokens or more
+
 
 @dataclass
 class WhisperConfig(ModelConfig):
@@ -301,7 +303,9 @@ def _config_from_ctranslate2(tensors, vocabulary, extra, vocabulary_file: Path) 
         raise ValueError(f"encoder/num_heads must be one integer, got {num_heads.tolist()}")
     ids = {token: i for i, token in enumerate(vocabulary)}
     prompt = ["<|startoftranscript|>", "<|notimestamps|>"]
-    if extra.get("lang_ids"):  # multilingual: transcribe English
+    # multilingual (transcribe English): by the vocabulary, as OpenAI's code and
+    # CTranslate2 tell; an English-only model's config may list lang_ids all the same
+    if len(vocabulary) >= MULTILINGUAL_VOCAB:
         prompt[1:1] = ["<|en|>", "<|transcribe|>"]
     missing = [token for token in ["<|endoftext|>", *prompt] if token not in ids]
     if missing:
