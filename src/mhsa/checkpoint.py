@@ -2,10 +2,11 @@
 
 An output folder holds `step-NNNNNN/` folders (`model.safetensors` weights,
 `config.json` to rebuild the model, `trainer.pt` optimizer and random states) and a
-`latest` link. A folder is written under a temporary `.tmp-*` name and renamed, and
-`latest` is swapped by an atomic rename, so a run killed at any moment leaves every
-complete checkpoint intact. Nothing here deletes a checkpoint: which ones a run may
-remove is the training loop's decision (mhsa.apps.train).
+`latest` link. A folder is written under a temporary `.mhsa-partial-*` name and renamed,
+and `latest` is swapped by an atomic rename, so a run killed at any moment leaves every
+complete checkpoint intact. Nothing here deletes a checkpoint, nor anything a user put
+in the folder: only those names of its own. Which checkpoints a run may remove is the
+training loop's decision (mhsa.apps.train).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from .formats.weights import SafetensorsFiles, read_tensors
 
 _STEP_FOLDER = re.compile(r"^step-(\d+)$")
 _FILES = ("model.safetensors", "config.json", "trainer.pt")
+PARTIAL, NEXT_LATEST = ".mhsa-partial-", ".mhsa-latest-"  # our temporary names, no one else's
 
 
 def is_checkpoint(path: Path) -> bool:
@@ -47,16 +49,27 @@ def checkpoints_in(out_dir: str | Path) -> list[Path]:
 
 def clean_leftovers(out_dir: str | Path) -> None:
     """Remove the temporary folders and links that a killed run left behind (only the
-    `.tmp-*` and `.latest-*` names that save_checkpoint itself uses)."""
+    PARTIAL and NEXT_LATEST names that save_checkpoint itself uses)."""
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         return
-    for path in out_dir.glob(".tmp-*"):
+    for path in out_dir.glob(f"{PARTIAL}*"):
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
-    for path in out_dir.glob(".latest-*"):
+    for path in out_dir.glob(f"{NEXT_LATEST}*"):
         if path.is_symlink():
             path.unlink(missing_ok=True)
+
+
+def check_latest_is_ours(out_dir: str | Path) -> None:
+    """ValueError when `latest` in out_dir is something a run did not make (a file or a
+    folder, not a link): a run would replace it."""
+    latest = Path(out_dir) / "latest"
+    if latest.exists() and not latest.is_symlink():
+        raise ValueError(
+            f"{latest} is not a checkpoint link (a run points 'latest' at its newest "
+            "step): move it away or choose another --out"
+        )
 
 
 def save_checkpoint(out_dir: Path, step: int, model: nn.Module, info: dict, trainer: dict) -> Path:
@@ -67,8 +80,9 @@ def save_checkpoint(out_dir: Path, step: int, model: nn.Module, info: dict, trai
     if bad:
         raise ValueError(f"not writing a checkpoint at step {step}: {bad[0]} holds nan or inf")
     out_dir.mkdir(parents=True, exist_ok=True)
+    check_latest_is_ours(out_dir)
     final = out_dir / f"step-{step:06d}"
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out_dir))
+    tmp = Path(tempfile.mkdtemp(prefix=PARTIAL, dir=out_dir))
     try:
         save_file(_untied(weights), tmp / "model.safetensors")
         (tmp / "config.json").write_text(json.dumps({**info, "step": step}, indent=2))
@@ -79,7 +93,7 @@ def save_checkpoint(out_dir: Path, step: int, model: nn.Module, info: dict, trai
             as_if_created(tmp / name)
         as_if_created(tmp)  # (mkdtemp made it private)
         if final.exists():  # the same step again: move the old one aside, never rmtree first
-            old = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out_dir))
+            old = Path(tempfile.mkdtemp(prefix=PARTIAL, dir=out_dir))
             os.replace(final, old / final.name)
             os.rename(tmp, final)
             shutil.rmtree(old, ignore_errors=True)
@@ -88,7 +102,7 @@ def save_checkpoint(out_dir: Path, step: int, model: nn.Module, info: dict, trai
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    link = out_dir / f".latest-{os.getpid()}"
+    link = out_dir / f"{NEXT_LATEST}{os.getpid()}"
     if link.is_symlink() or link.exists():
         link.unlink()
     link.symlink_to(final.name)
@@ -149,12 +163,19 @@ def load_checkpoint(
         "path": path,
         "info": info,
         "weights": read_weights(path / "model.safetensors", expected) if weights else None,
-        "trainer": (
-            torch.load(trainer_path, weights_only=True)
-            if trainer and trainer_path.exists()
-            else None
-        ),
+        "trainer": _read_trainer(trainer_path) if trainer and trainer_path.exists() else None,
     }
+
+
+def _read_trainer(path: Path) -> dict:
+    """trainer.pt, or a ValueError naming it (a damaged file is no traceback)."""
+    try:
+        return torch.load(path, weights_only=True)
+    except (RuntimeError, EOFError, OSError, ValueError) as error:
+        raise ValueError(
+            f"{path} cannot be read ({str(error).splitlines()[0]}): a damaged checkpoint; "
+            "resume from another step folder, or start a new run"
+        ) from None
 
 
 def read_weights(file: Path, expected: dict | None = None) -> dict:

@@ -151,7 +151,7 @@ def test_checkpoint_layout_and_reload(tmp_path):
     idx = torch.randint(0, 256, (1, 10))
     model.eval(), reloaded.eval()
     assert torch.equal(model(idx), reloaded(idx))
-    assert not list((tmp_path / "run").glob(".tmp-*"))  # no half-written folders left
+    assert not list((tmp_path / "run").glob(".mhsa-partial-*"))  # no half-written folders
 
 
 def test_a_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -165,7 +165,7 @@ def test_a_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         run(tmp_path / "run", steps=8, resume=True)
     assert resolve_checkpoint(tmp_path / "run").name == "step-000004"
-    assert not list((tmp_path / "run").glob(".tmp-*"))
+    assert not list((tmp_path / "run").glob(".mhsa-partial-*"))
 
 
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
@@ -254,14 +254,40 @@ def test_a_checkpoint_with_non_finite_weights_is_never_written(tmp_path):
 def test_leftovers_of_a_killed_run_are_cleaned_and_its_checkpoint_resumes(tmp_path):
     run(tmp_path / "run", steps=4)
     out = tmp_path / "run"
-    (out / ".tmp-killed").mkdir()
-    (out / ".tmp-killed" / "model.safetensors").write_bytes(b"half")
-    (out / ".latest-99999").symlink_to("step-000004")
+    (out / ".mhsa-partial-killed").mkdir()
+    (out / ".mhsa-partial-killed" / "model.safetensors").write_bytes(b"half")
+    (out / ".mhsa-latest-99999").symlink_to("step-000004")
     (out / "latest").unlink()  # killed between the folder's rename and the link's
+    users = [out / ".tmp-downloads", out / ".latest-readme"]  # a user's, not ours
+    users[0].mkdir()
+    (users[0] / "dataset.bin").write_bytes(b"data")
+    users[1].symlink_to("step-000004")
     assert resolve_checkpoint(out).name == "step-000004"
     _, result = run(out, steps=8, resume=True)
     assert result["step"] == 8
-    assert sorted(p.name for p in out.iterdir()) == ["latest", "step-000008"]
+    names = sorted(p.name for p in out.iterdir())
+    assert names == [".latest-readme", ".tmp-downloads", "latest", "step-000008"]
+    assert (users[0] / "dataset.bin").read_bytes() == b"data"
+
+
+def test_a_damaged_trainer_state_names_its_file(tmp_path):
+    run(tmp_path / "run", steps=2)
+    trainer = tmp_path / "run" / "step-000002" / "trainer.pt"
+    trainer.write_bytes(trainer.read_bytes()[:100])
+    with pytest.raises(ValueError, match="trainer.pt cannot be read .* a damaged checkpoint"):
+        run(tmp_path / "run", steps=3, resume=True)  # (a 27-line torch traceback once)
+
+
+def test_a_latest_that_is_not_a_checkpoint_link_is_refused(tmp_path):
+    """A file or folder named latest is the user's: a run once replaced it (or failed
+    after its first step)."""
+    for make in (lambda p: p.write_text("notes"), lambda p: p.mkdir()):
+        out = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        out.mkdir()
+        make(out / "latest")
+        with pytest.raises(ValueError, match="latest is not a checkpoint link"):
+            run(out, steps=1)
+        assert (out / "latest").exists() and not (out / "latest").is_symlink()
 
 
 @pytest.mark.slow

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ...checkpoint import (
+    check_latest_is_ours,
     checkpoints_in,
     clean_leftovers,
     latest_checkpoint,
@@ -313,6 +314,7 @@ def check_out_dir(out_dir: str | Path, resume: bool, overwrite: bool) -> None:
             f"--out {out_dir} is a file, not a folder (a run writes a folder of "
             "checkpoints there): choose another --out"
         )
+    check_latest_is_ours(out_dir)
     existing = checkpoints_in(out_dir)
     if existing and not (resume or overwrite):
         raise ValueError(
