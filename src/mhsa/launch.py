@@ -53,12 +53,12 @@ def run_local(
     gloo process group (the default group); return each rank's result, in rank order.
 
     fn must be importable (a module-level function) and its result picklable (tensors
-    come back by value). A child that raises fails the call with a RuntimeError that
-    quotes the exception of the rank that failed first (the others usually fail only
-    because it left the group); one still running after `timeout` seconds is killed
-    and TimeoutError raised (None: no limit, e.g. for training). threads sets torch's
-    thread count in each child (None keeps the default). quiet silences the output of
-    every rank but 0.
+    come back by value). A child that raises fails the call with a RuntimeError
+    (RankFailed) that quotes the exception of the rank that failed first (the others
+    usually fail only because it left the group); one still running after `timeout`
+    seconds is killed and TimeoutError raised (None: no limit, e.g. for training).
+    threads sets torch's thread count in each child (None keeps the default). quiet
+    silences the output of every rank but 0.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -72,7 +72,7 @@ def run_local(
     )
     deadline = math.inf if timeout is None else time.monotonic() + timeout
     collected: dict[int, Any] = {}
-    failures: list[tuple[float, int, str]] = []
+    failures: list[tuple] = []  # (time, rank, traceback, exception type, message)
     finished = False
 
     def drain() -> None:
@@ -81,7 +81,7 @@ def run_local(
             if ok:
                 collected[rank] = pickle.loads(payload)
             else:
-                failures.append((payload[0], rank, payload[1]))
+                failures.append((payload[0], rank, *payload[1:]))
 
     try:
         while not finished:
@@ -90,7 +90,7 @@ def run_local(
             except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
                 time.sleep(0.2)  # let the other ranks' reports arrive
                 drain()
-                raise RuntimeError(_failure_report(failures, error)) from None
+                raise _failure(failures, error) from None
             drain()
             if not finished and time.monotonic() > deadline:
                 raise TimeoutError(
@@ -103,14 +103,25 @@ def run_local(
     return [collected.get(rank) for rank in range(world_size)]
 
 
-def _failure_report(failures: list[tuple[float, int, str]], error: Exception) -> str:
+class RankFailed(RuntimeError):
+    """A process of run_local failed. Its message quotes the first failing rank's
+    traceback; `kind` and `message` are that rank's exception type name and text (None
+    when no rank reported one), so a caller can say a bad argument in one line."""
+
+    def __init__(self, report: str, kind: str | None = None, message: str | None = None):
+        super().__init__(report)
+        self.kind, self.message = kind, message
+
+
+def _failure(failures: list[tuple], error: Exception) -> RankFailed:
     """The first failing rank's traceback, then one line for each other failure."""
     if not failures:
-        return f"run_local: a process failed: {error}"
+        return RankFailed(f"run_local: a process failed: {error}")
     failures.sort()
-    _, rank, text = failures[0]
-    others = "".join(f"\n  then rank {r}: {t.strip().splitlines()[-1]}" for _, r, t in failures[1:])
-    return f"run_local: rank {rank} failed first:\n{text.rstrip()}{others}"
+    _, rank, text, kind, message = failures[0]
+    others = "".join(f"\n  then rank {f[1]}: {f[2].strip().splitlines()[-1]}" for f in failures[1:])
+    report = f"run_local: rank {rank} failed first:\n{text.rstrip()}{others}"
+    return RankFailed(report, kind, message)
 
 
 def _local_worker(rank, world_size, port, fn, args, results, threads, timeout, quiet) -> None:
@@ -132,8 +143,9 @@ def _local_worker(rank, world_size, port, fn, args, results, threads, timeout, q
         # every rank done before any tears the group down: a peer still using it
         # when another destroys it can abort (seen once: SIGABRT in test_ddp's resume)
         dist.barrier()
-    except BaseException:
-        results.put((rank, False, (time.time(), traceback.format_exc())))
+    except BaseException as error:
+        report = (time.time(), traceback.format_exc(), type(error).__name__, str(error))
+        results.put((rank, False, report))
         raise
     finally:
         dist.destroy_process_group()

@@ -105,6 +105,17 @@ def test_cli_data_parallel_checks_the_batch_split(tmp_path, capsys):
     assert capsys.readouterr().err.strip().endswith("pass --dropout 0 (got 0.3)")
 
 
+def test_a_bad_argument_found_inside_the_processes_is_one_line(tmp_path, capsys):
+    """A missing --data is found by each rank: once a 40-line traceback of run_local's
+    RuntimeError, exit 1; now the line the command says without --nproc, exit 2."""
+    missing = str(tmp_path / "no-such-file.txt")
+    args = ["train", "gpt", "--data", missing, "--out", str(tmp_path / "g"), "--steps", "1"]
+    assert main([*args, "--nproc", "2", "--batch-size", "2", "--seq-len", "16"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"mhsa train: --data {missing}: no such file"
+    )
+
+
 def test_each_rank_gets_an_equal_share_of_the_rows():
     from mhsa.apps.train.parallel import local_rows
 

@@ -112,7 +112,7 @@ def train_gpt(args: argparse.Namespace) -> int:
 
 def _spawn_data_parallel(args: argparse.Namespace, nproc: int) -> int:
     """Run the command in nproc local processes, one process group (gloo on CPU)."""
-    from ..launch import run_local
+    from ..launch import RankFailed, run_local
 
     if getattr(args, "pack", False):
         raise ValueError("--pack trains in one process: drop --nproc (or --pack)")
@@ -139,7 +139,12 @@ def _spawn_data_parallel(args: argparse.Namespace, nproc: int) -> int:
         )
     args.nproc = 1  # inside the group each worker trains as one rank of it
     threads = args.threads = max(1, args.threads // nproc)  # --threads is for them all
-    return run_local(_run_as_rank, nproc, args, timeout=None, threads=threads, quiet=True)[0]
+    try:
+        return run_local(_run_as_rank, nproc, args, timeout=None, threads=threads, quiet=True)[0]
+    except RankFailed as failure:  # a bad argument or file, as one process says it
+        if failure.kind in ("ValueError", "FileNotFoundError"):
+            raise ValueError(failure.message) from None
+        raise
 
 
 def _run_as_rank(rank: int, world_size: int, args: argparse.Namespace) -> int:
