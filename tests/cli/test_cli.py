@@ -31,6 +31,24 @@ def test_console_script_runs():
     assert "backends" in result.stdout
 
 
+def test_a_reader_that_leaves_or_ctrl_c_ends_a_command_quietly(monkeypatch, capsys):
+    """`mhsa info | head -1` once printed a BrokenPipeError traceback, and Ctrl-C a
+    KeyboardInterrupt one: now exit 141 with nothing on stderr, and 130 with one line."""
+    command = [sys.executable, "-m", "mhsa.cli", "info"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdout.close()  # gone before the command writes its first line
+    assert process.wait(timeout=120) == 141
+    assert process.stderr.read() == b""
+    import mhsa.cli.info
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mhsa.cli.info, "info", interrupted)
+    assert main(["info"]) == 130
+    assert capsys.readouterr().err.strip() == "mhsa info: interrupted"
+
+
 def test_bench_attention_json_small(capsys):
     import json
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 
 from ..version import __version__
@@ -101,6 +103,18 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as error:  # bad paths and arguments: no traceback
         print(f"mhsa {args.command}: {error}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader left (| head): stop quietly, as other tools do
+        _quiet_stdout()
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool killed by it
+    except KeyboardInterrupt:  # Ctrl-C outside what a command handles itself
+        print(f"\nmhsa {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _quiet_stdout() -> None:
+    """stdout to /dev/null, so that the interpreter's last flush does not fail again."""
+    with contextlib.suppress(OSError, ValueError):  # (no file descriptor: nothing to flush)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 __all__ = ["build_parser", "main"]
