@@ -292,3 +292,21 @@ def test_next_token_targets_stop_at_each_boundary():
     tokens = torch.tensor([10, 11, 12, 13, 14, 15])
     assert next_token_targets(tokens, cu).tolist() == [11, 12, IGNORE, IGNORE, 15, IGNORE]
     assert next_token_targets(tokens[None], cu).shape == (1, 6)
+
+
+def test_a_batch_with_no_target_has_loss_zero_not_nan():
+    """A BERT batch in which no token was drawn, or packed one-token documents, leave
+    every target IGNORE: F.cross_entropy's mean is nan there, which stopped training as
+    "diverged"; with targets, the loss is the mean it was."""
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(vocab_size=32, n_layer=1, n_head=2, d_model=16, max_len=16))
+    bert = Bert(BertConfig(vocab_size=32, n_layer=1, n_head=2, d_model=16, d_ff=32, max_len=16))
+    idx = torch.randint(0, 32, (2, 8))
+    none = torch.full((2, 8), IGNORE)
+    for loss in (gpt.loss(idx, none), bert.loss(idx, None, none)):
+        assert loss.item() == 0.0
+        loss.backward()
+    some = none.clone()
+    some[0, 3], some[1, 5] = 7, 9
+    expected = F.cross_entropy(gpt(idx).flatten(0, 1), some.flatten(), ignore_index=IGNORE)
+    assert max_error(gpt.loss(idx, some), expected) < 1e-6

@@ -28,7 +28,7 @@ from ..formats.weights import (
 from ..nn import encoder_layers
 from .config import ModelConfig
 from .init import normal_init
-from .packing import packed_row
+from .packing import mean_token_loss, packed_row
 
 
 @dataclass
@@ -164,7 +164,7 @@ class Bert(nn.Module):
         selected positions and -100 elsewhere (packing: see forward)."""
         hidden = self(input_ids, attention_mask, cu_seqlens=cu_seqlens, position_ids=position_ids)
         logits = self.mlm_logits(hidden)
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        return mean_token_loss(logits.flatten(0, 1), labels.flatten())
 
     @classmethod
     def from_pretrained(cls, directory: str | Path) -> Bert:

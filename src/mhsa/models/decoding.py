@@ -18,13 +18,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..core.checks import an_int, int_at_least
 from .compiled_step import compile_seconds, compiled_decode_step, compiled_once, static_caches
 from .decoder import Decoder
 from .graph_step import graph_lease, static_step_problem
+from .packing import mean_token_loss
 from .sampling import GREEDY, Sampling, StopRule, check_sampling, sample, token_loop
 
 if TYPE_CHECKING:
@@ -136,7 +136,7 @@ class CausalLMDecoding:
         the model takes them; packing: cu_seqlens, position_ids, and a packed row's
         targets from mhsa.models.packing.next_token_targets)."""
         logits = self(idx, **inputs)
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return mean_token_loss(logits.flatten(0, 1), targets.flatten())
 
     def prefill(self, tokens: Tensor, caches: Any, *, start: Tensor | None = None) -> Tensor:
         """Decoder.prefill: tokens (B, T) -> logits (B, V) of the last position."""

@@ -15,13 +15,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..core.masks import Segments
 from ..core.varlen import packed_segments
 from ..data.packing import IGNORE, next_token_targets
 
-__all__ = ["IGNORE", "PackedRow", "next_token_targets", "packed_row", "refuse_packed_with"]
+__all__ = [
+    "IGNORE",
+    "PackedRow",
+    "mean_token_loss",
+    "next_token_targets",
+    "packed_row",
+    "refuse_packed_with",
+]
 
 
 @dataclass(frozen=True)
@@ -63,3 +71,11 @@ def packed_row(
 def refuse_packed_with(what: str) -> None:
     """Raise ValueError: packed input met arguments (`what`) that do not go with it."""
     raise ValueError(f"packed input (cu_seqlens / position_ids) does not go with {what}")
+
+
+def mean_token_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """Cross-entropy of logits (N, V) against targets (N,), averaged over the targets
+    that are not IGNORE; 0 (a gradient of 0) when none is, where F.cross_entropy gives
+    nan (a BERT batch in which no token was drawn, packed one-token documents)."""
+    total = F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="sum")
+    return total / (targets != IGNORE).sum().clamp(min=1)
