@@ -29,6 +29,12 @@ class ClassificationTask:
     ) -> None:
         self.train_x, self.train_y = train
         self.test_x, self.test_y = test
+        if len(self.train_y) == 0:
+            raise ValueError(
+                f"no example is left to train on: all {len(self.test_y)} went to the test "
+                "split (it takes at least one per class, or one voice in five); give more "
+                "examples (more images per class, more --voices)"
+            )
         self.batch_size, self.augment = batch_size, augment
         self.collate = collate or (lambda xs: (torch.stack(xs) if isinstance(xs, list) else xs,))
         self.items_per_sample = items_per_sample
