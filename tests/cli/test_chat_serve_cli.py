@@ -67,17 +67,30 @@ def recording(monkeypatch):
     return model
 
 
-def _typed(monkeypatch, lines: list[str]) -> None:
-    """input() returns these lines, then raises EOFError (Ctrl-D)."""
+def _typed(monkeypatch, lines: list[str], cues: list[str] | None = None) -> None:
+    """input() returns these lines, then raises EOFError (Ctrl-D); cues collects the
+    prompts it was given."""
     typed = iter(lines)
 
     def read(prompt: str = "") -> str:
+        if cues is not None:
+            cues.append(prompt)
         try:
             return next(typed)
         except StopIteration:
             raise EOFError from None
 
     monkeypatch.setattr("builtins.input", read)
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_piped_turns_get_no_prompt_cue_on_stdout(recording, monkeypatch, terminal):
+    """`echo hi | mhsa chat` once wrote "> " before each answer on stdout."""
+    cues: list[str] = []
+    _typed(monkeypatch, ["hello"], cues)
+    monkeypatch.setattr("sys.stdin.isatty", lambda: terminal)
+    assert main(["chat"]) == 0
+    assert cues == (["> ", "> "] if terminal else ["", ""])
 
 
 def test_reset_forgets_the_conversation_and_says_so(recording, monkeypatch, capsys):

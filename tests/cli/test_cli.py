@@ -113,6 +113,10 @@ def test_train_gpt_then_generate(tmp_path, capsys):
     assert main(["generate", str(out), "--prompt", "for ", "--max-new-tokens", "5"]) == 0
     captured = capsys.readouterr()
     assert captured.out.startswith("for ") and "tokens/s" in captured.err
+    # once ignored --compile and still said it had compiled
+    both = ["--compile", "--speculate", "prompt-lookup"]
+    assert main(["generate", str(out), "--prompt", "for ", *both]) == 2
+    assert "--speculate and --compile do not combine" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("attention", ["diff", "moba"])

@@ -178,3 +178,17 @@ def test_speculate_options_make_the_speculator():
     for bad in ("draft:", "lookup"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--speculate", bad])
+
+
+def test_translate_length_penalty_is_a_finite_number_in_range(capsys):
+    """-inf raised ZeroDivisionError, 1e308 OverflowError, nan printed nothing."""
+    from mhsa.cli import main
+
+    for bad, said in (
+        ("-inf", "a finite number"),
+        ("nan", "a finite number"),
+        ("1e308", "-10..10"),
+    ):
+        with pytest.raises(SystemExit) as caught:
+            main(["translate", "runs/none", "one", f"--length-penalty={bad}"])
+        assert caught.value.code == 2 and said in capsys.readouterr().err

@@ -40,8 +40,6 @@ def chat(args: argparse.Namespace) -> int:
     load it and answer the --prompt turns or chat until /exit or Ctrl-D."""
     if args.prompt is not None and any(not p.strip() for p in args.prompt):
         raise ValueError("--prompt must not be empty")
-    if args.speculate is not None and args.compile:
-        raise ValueError("--speculate and --compile do not combine: pass one of them")
     check_draft(args)
     say(f"loading {to_load(args.model)} ...")
     started = time.perf_counter()
@@ -116,9 +114,10 @@ def _chat(args: argparse.Namespace, started: float, weights: dict) -> int:
         "/reset forgets the conversation)",
         file=sys.stderr,
     )
+    cue = "> " if sys.stdin.isatty() else ""  # piped turns: stdout holds only answers
     while True:
         try:
-            prompt = input("> ")
+            prompt = input(cue)
         except (EOFError, KeyboardInterrupt):
             print(file=sys.stderr)
             return 0

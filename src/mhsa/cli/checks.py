@@ -45,7 +45,11 @@ def check_output(
 
 
 def check_draft(args: argparse.Namespace) -> None:
-    """Refuse --speculate draft:PATH where nothing is at PATH, before any model loads."""
+    """Refuse --speculate with --compile (speculative decoding verifies drafts over a
+    paged cache, no compiled step) and --speculate draft:PATH where nothing is at PATH,
+    before any model loads."""
+    if args.speculate is not None and getattr(args, "compile", False):
+        raise ValueError("--speculate and --compile do not combine: pass one of them")
     path = (args.speculate or "").removeprefix("draft:")
     if args.speculate not in (None, "prompt-lookup") and not os.path.exists(path):
         raise ValueError(f"--speculate {args.speculate}: nothing at {path}; pass a draft model")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -123,6 +124,18 @@ def _whole_number(minimum: int, maximum: int | None = None):
     return parse
 
 
+def finite_float(text: str) -> float:
+    """A finite number (argparse type): nan and inf are refused."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+finite_float.__name__ = "finite number"
 positive_int = _whole_number(1)
 non_negative_int = _whole_number(0)
 port_number = _whole_number(0, 65535)

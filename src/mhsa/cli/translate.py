@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from .common import add_option, load_model, positive_int, threads_option, with_threads
+from .common import (
+    add_option,
+    finite_float,
+    load_model,
+    positive_int,
+    threads_option,
+    with_threads,
+)
 from .device import device_options, placement
 
 
@@ -38,6 +45,14 @@ def translate(args: argparse.Namespace) -> int:
     return 0
 
 
+def length_penalty(text: str) -> float:
+    """--length-penalty: a finite number in -10..10 (length ** it must stay finite)."""
+    value = finite_float(text)
+    if not -10 <= value <= 10:
+        raise argparse.ArgumentTypeError(f"must be in -10..10, got {text}")
+    return value
+
+
 def add_parser(commands) -> None:
     translate_parser = commands.add_parser("translate", help="translate with a seq2seq checkpoint")
     translate_parser.add_argument("checkpoint", help="output folder of `mhsa train translate`")
@@ -53,8 +68,8 @@ def add_parser(commands) -> None:
         translate_parser,
         "--length-penalty",
         1.0,
-        "beams are ranked by log-probability / length ** this",
-        type=float,
+        "beams are ranked by log-probability / length ** this (a number in -10..10)",
+        type=length_penalty,
     )
     device_options(translate_parser)
     threads_option(translate_parser)
