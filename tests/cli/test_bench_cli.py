@@ -209,8 +209,26 @@ def test_flex_passes_its_options_to_the_benchmark(capsys, monkeypatch):
     monkeypatch.setattr("mhsa.benchmarks.flex.run", record)
     assert main(["bench", "flex", "--length", "512", "--heads", "4", "--repeat", "2"]) == 0
     assert main(["bench", "flex", "--quick", "--json"]) == 0
-    assert seen == [
+    assert main(["bench", "flex", "--quick", "--length", "1024", "--repeat", "2"]) == 0
+    assert seen == [  # (None: run's own default, which --quick makes small)
         {"length": 512, "heads": 4, "repeat": 2, "quick": False, "on": CPU},
-        {"length": 2048, "heads": 8, "repeat": 3, "quick": True, "on": CPU},
+        {"length": None, "heads": 8, "repeat": None, "quick": True, "on": CPU},
+        {"length": 1024, "heads": 8, "repeat": 2, "quick": True, "on": CPU},
     ]
     assert "mhsa.flex.flex_attention vs torch's flex_attention" in capsys.readouterr().out
+
+
+def test_explicit_sizes_win_over_quick_and_serve_options_are_checked_first(monkeypatch, capsys):
+    """bench moba --quick --length 2048 once ran L=1024; bench serve --quantize garbage
+    and --draft-tokens 0 were found by the server it started, 30 s in."""
+    from mhsa.benchmarks import moba
+
+    seen = []
+    monkeypatch.setattr(moba, "run", lambda **options: seen.append(options) or {"cases": []})
+    monkeypatch.setattr(moba, "report", lambda result: "")
+    assert main(["bench", "moba", "--quick", "--length", "2048", "--heads", "1", "--json"]) == 0
+    assert (seen[0]["length"], seen[0]["block_size"], seen[0]["heads"]) == (2048, None, 1)
+    for bad in (["--quantize", "garbage"], ["--draft-tokens", "0"]):
+        with pytest.raises(SystemExit) as caught:
+            main(["bench", "serve", *bad])
+        assert caught.value.code == 2

@@ -32,10 +32,10 @@ def computed_fraction(chosen: torch.Tensor, length: int, block_size: int) -> flo
 
 
 def run(
-    length: int = 32768,
-    block_size: int = 4096,
+    length: int | None = None,
+    block_size: int | None = None,
     top_k: int = 3,
-    heads: int = 4,
+    heads: int | None = None,
     head_dim: int = 64,
     repeat: int = 1,
     quick: bool = False,
@@ -43,9 +43,12 @@ def run(
     on: Placement = CPU,
 ) -> dict:
     """Times and peak memory of MoBA and dense causal attention (both backend="flash"),
-    placed by `on` (memory on the CPU only)."""
-    if quick:
-        length, block_size, heads = 1024, 128, 2
+    placed by `on` (memory on the CPU only). length, block_size and heads not given:
+    32768, 4096 and 4, or 1024, 128 and 2 when quick."""
+    sizes = (1024, 128, 2) if quick else (32768, 4096, 4)
+    given = (length, block_size, heads)
+    pairs = zip(given, sizes, strict=True)
+    length, block_size, heads = (size if g is None else g for g, size in pairs)
     shape = (1, heads, length, head_dim)
     q, k, v = (torch.randn(shape, **on.kwargs).requires_grad_() for _ in range(3))
 

@@ -11,7 +11,7 @@ import argparse
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .common import add_option, positive_int, threads_option, with_threads
+from .common import QUANTIZE, add_option, positive_int, threads_option, with_threads
 from .device import device_options, placement
 
 if TYPE_CHECKING:
@@ -116,7 +116,7 @@ def bench_flex(args: argparse.Namespace) -> int:
     from ..benchmarks import flex
 
     result = flex.run(
-        length=args.length or 2048,
+        length=args.length,
         heads=args.heads,
         repeat=args.repeat,
         quick=args.quick,
@@ -225,7 +225,7 @@ SUITES = (
     ("scores", bench_scores, 3, "L=S=1024"),
     ("moba", bench_moba, 1, "L=S=1024, blocks of 128, 2 heads"),
     ("hf", bench_hf, 2, "prefill L=128 and 512, 8 new tokens, the window case at L=2048"),
-    ("flex", bench_flex, 3, "L=S=256, one run"),
+    ("flex", bench_flex, None, "L=S=256, one run"),
     ("ring", bench_ring, 2, "L=2048, one run"),
     ("transcribe", bench_transcribe, 5, "a short sentence, one run"),
     ("chat", bench_chat, 2, "128 prompt tokens, 16 new, one run"),
@@ -277,16 +277,24 @@ def add_parser(commands) -> None:
     _in_process_threads(scores)
 
     moba = parsers["moba"]
-    add_option(moba, "--length", 32768, "L = S", type=positive_int)
-    add_option(moba, "--block-size", 4096, "positions per block", type=positive_int)
+    for flag, full, small, what in (
+        ("--length", 32768, 1024, "L = S"),
+        ("--block-size", 4096, 128, "positions per block"),
+        ("--heads", 4, 2, "query heads"),
+    ):  # an explicit value wins over --quick's
+        moba.add_argument(
+            flag, type=positive_int, help=f"{what} (default {full}; {small} with --quick)"
+        )
     add_option(moba, "--top-k", 3, "earlier blocks each query block attends", type=positive_int)
-    add_option(moba, "--heads", 4, "query heads", type=positive_int)
     moba.add_argument("--no-memory", action="store_true", help="skip the memory cases")
     _in_process_threads(moba)
 
     _in_process_threads(parsers["hf"])
     flex = parsers["flex"]
     flex.add_argument("--length", type=positive_int, help="L = S (default 2048; 256 with --quick)")
+    flex.add_argument(
+        "--repeat", type=positive_int, help="report the best of N runs (default 3; 1 with --quick)"
+    )
     add_option(flex, "--heads", 8, "query heads", type=positive_int)
     _in_process_threads(flex)
 
@@ -326,11 +334,13 @@ def add_parser(commands) -> None:
         help="chat (short prompts, longer answers; default) or long-prompts",
     )
     serve.add_argument(
-        "--quantize", help="the server's --quantize (default: the file's own weights)"
+        "--quantize",
+        choices=QUANTIZE,
+        help="the server's --quantize (default: the file's own weights)",
     )
     serve.add_argument(
         "--draft-tokens",
-        type=int,
+        type=positive_int,
         default=4,
         help="--draft-tokens of the server with --speculate prompt-lookup (default 4)",
     )
