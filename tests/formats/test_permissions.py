@@ -38,3 +38,21 @@ def test_checkpoints_and_pages_get_the_modes_open_and_mkdir_give(tmp_path, umask
     plain = tmp_path / "plain.txt"
     plain.write_text("x")
     assert _mode(page) == _mode(plain) == 0o666 & ~umask
+
+
+def test_a_file_that_appears_while_a_page_is_made_is_kept_without_overwrite(tmp_path):
+    """mhsa viz checks --out before loading the model; a file made there meanwhile was
+    replaced without --overwrite. The check and the write are now one step."""
+    path = tmp_path / "maps.png"
+
+    def write_while_someone_saves_there(tmp):
+        tmp.write_text("ours")
+        path.write_text("the user's")
+
+    with pytest.raises(ValueError, match="maps.png exists now: pass --overwrite"):
+        write_atomically(path, write_while_someone_saves_there, overwrite=False)
+    assert path.read_text() == "the user's" and list(tmp_path.iterdir()) == [path]
+    write_atomically(path, lambda tmp: tmp.write_text("ours"))  # overwrite, as before
+    assert path.read_text() == "ours"
+    fresh = write_atomically(tmp_path / "new.png", lambda tmp: tmp.write_text("n"), overwrite=False)
+    assert fresh.read_text() == "n" and len(list(tmp_path.iterdir())) == 2

@@ -33,7 +33,7 @@ def viz(args: argparse.Namespace) -> int:
     source = _source(args, *placement(args))
     if args.html:
         rec = record(source, heads=args.heads, max_rows=args.max_tokens)
-        size = write_html(rec, args.html)
+        size = write_html(rec, args.html, overwrite=args.overwrite)
         print(
             f"{len(rec.layer_names)} layers x {rec.num_heads} heads ({len(rec.stored)} full "
             f"maps, {len(rec.rows)} of {len(rec.queries)} query rows) written to {args.html}: "
@@ -55,6 +55,7 @@ def viz(args: argparse.Namespace) -> int:
             title=title,
             key_labels=None if source.keys is None else source.keys[: source.key_limit],
             layer_names=[name for name, _ in source.layers],
+            overwrite=args.overwrite,
         )
         print(f"{len(maps)} layers x {maps[0].shape[1]} heads written to {out}")
     return 0

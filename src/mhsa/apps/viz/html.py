@@ -91,11 +91,11 @@ def render(rec: Recording) -> str:
     return re.sub(r"\{\{(TITLE|CSS|JS|DATA)\}\}", lambda m: values[m[1]], asset(ASSETS[0]))
 
 
-def write_html(rec: Recording, path: str | Path) -> int:
+def write_html(rec: Recording, path: str | Path, *, overwrite: bool = True) -> int:
     """Write the explorer page for rec to path (atomically: see write_atomically);
     returns its size in bytes."""
     data = render(rec).encode("utf-8")
-    write_atomically(path, lambda tmp: tmp.write_bytes(data))
+    write_atomically(path, lambda tmp: tmp.write_bytes(data), overwrite=overwrite)
     return len(data)
 
 

@@ -16,9 +16,11 @@ def plot_maps(
     title: str = "",
     key_labels: list[str] | None = None,
     layer_names: list[str] | None = None,
+    overwrite: bool = True,
 ) -> None:
     """A grid of heatmaps, one row per layer and one column per head (batch item 0),
-    written to path (atomically; the format its suffix names, png without one).
+    written to path (atomically; the format its suffix names, png without one; an
+    existing file only with overwrite).
 
     maps: (B, H, L, S) per layer; labels: the L queries' labels, and of the S keys
     too unless key_labels (cross-attention) is given; layer_names: the row titles
@@ -54,6 +56,7 @@ def plot_maps(
     fig.tight_layout()
     kind = Path(path).suffix.lstrip(".").lower() or "png"  # the suffix's format (png: none)
     try:
-        write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=100, format=kind))
+        save = lambda tmp: fig.savefig(tmp, dpi=100, format=kind)  # noqa: E731
+        write_atomically(path, save, overwrite=overwrite)
     finally:
         plt.close(fig)
