@@ -337,3 +337,38 @@ def test_a_row_a_bias_kills_inside_a_triangle_tile(mask, causal, q_len, kv_len):
     )[0]
     for got, want in zip(grads, torch.autograd.grad(reference.sum(), (q64, k64, v64)), strict=True):
         assert max_error(got, want) < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", ["alibi far keys", "bias far keys"])
+def test_low_precision_biases_keep_their_differences(dtype, case):
+    """ALiBi's terms (or a bias) reach slope x distance, where bfloat16's steps are 0.5 or
+    more: rounded before the kernel added them, rows whose keys are all far lost their
+    differences (0.34 off against the reference's 0.008, dk 0.88 against 0.03). Each
+    row's largest value is taken out into the lse first."""
+    from mhsa.core.scores import ALiBi
+    from mhsa.nn.positional import alibi_slopes
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 12, 129, 64), torch.randn(1, 12, 7, 64), torch.randn(1, 12, 7, 64)
+    q, k, v = (t.to(dtype).requires_grad_() for t in (q, k, v))
+    slopes = alibi_slopes(12)
+    if case == "alibi far keys":
+        options = {"score": ALiBi(slopes)}
+    else:  # the same values as a dense bias
+        rows = torch.arange(129).view(-1, 1) + 7 - 129
+        options = {"bias": (-slopes.view(-1, 1, 1) * (rows - torch.arange(7)).abs()).to(dtype)}
+    exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    exact_options = {key: (o.double() if key == "bias" else o) for key, o in options.items()}
+    want = mhsa.attention(*exact, backend="reference", **exact_options)
+    grads_want = torch.autograd.grad(want.sum(), exact)
+    errors = {}
+    for backend in ("reference", "flash"):
+        out = mhsa.attention(q, k, v, backend=backend, **options)
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        errors[backend] = [max_error(out, want)] + [
+            max_error(g, w) for g, w in zip(grads, grads_want, strict=True)
+        ]
+    (out_flash, *grads_flash), (out_ref, *grads_ref) = errors["flash"], errors["reference"]
+    assert out_flash <= 2 * out_ref, errors  # (the 2x / 3x rule, against the reference)
+    assert all(g <= 3 * r for g, r in zip(grads_flash, grads_ref, strict=True)), errors
