@@ -448,6 +448,23 @@ def test_a_block_mask_changed_after_use_is_lowered_again():
     expected = formula(q, k, v, None, sliding)[0]
     assert (flex_attention(q, k, v, block_mask=mask).double() - expected).abs().max() < 2e-5
 
+    class Windowed(nn.Module):  # the window as a module's buffer, read by its method
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("window", torch.tensor(20))
+
+        def mask_mod(self, b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (q_idx - kv_idx < self.window)
+
+    module = Windowed()
+    mask = create_block_mask(
+        module.mask_mod, None, None, 48, 48, "cpu", 16, separate_full_blocks=False
+    )
+    flex_attention(q, k, v, block_mask=mask)
+    module.window.fill_(5)
+    expected = formula(q, k, v, None, module.mask_mod)[0]
+    assert (flex_attention(q, k, v, block_mask=mask).double() - expected).abs().max() < 2e-5
+
 
 def test_bfloat16_within_twice_the_naive_error():
     """Low precision: the error against float64 is at most twice that of the same

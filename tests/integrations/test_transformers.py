@@ -615,6 +615,19 @@ def test_set_pattern_checks_its_arguments():
         mhsa_hf.set_pattern(model, SlidingWindow(2, 0), layers=0)
 
 
+def test_set_pattern_leaves_bert_decoders_cross_attention_out():
+    """BertCrossAttention says nothing of is_decoder: its class name and where the model
+    keeps it (crossattention) tell."""
+    config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1)
+    config.update(dict(num_attention_heads=4, intermediate_size=48, is_decoder=True))
+    config.add_cross_attention = True
+    model = transformers.BertLMHeadModel(config).eval()
+    model.set_attn_implementation("mhsa")
+    modules = mhsa_hf.attention_modules(model)
+    chosen = mhsa_hf.set_pattern(model, SlidingWindow(2, 0))
+    assert len(modules) == 2 and [type(m).__name__ for m in chosen] == ["BertSelfAttention"]
+
+
 def test_set_pattern_reads_each_layers_own_implementation():
     """A composite model's parts choose their own implementation: set_pattern refuses a
     vision layer left on sdpa (its pattern would be ignored) and takes text layers that

@@ -71,7 +71,7 @@ def test_static_cache_and_compile_refuse_what_they_cannot_do():
 def test_a_static_cache_refuses_what_would_see_its_query_misplaced():
     """Its one query sits after all max_len slots: a pattern or T5's buckets would see it
     there (0.39 and 0.56 off once); a window over every slot, ALiBi and causal do not."""
-    from mhsa.core.masks import SlidingWindow
+    from mhsa.core.masks import Causal, SlidingWindow
     from mhsa.nn import MultiHeadAttention
     from mhsa.nn.positional import ALiBiPosition, RelativeBiasPosition
 
@@ -82,6 +82,7 @@ def test_a_static_cache_refuses_what_would_see_its_query_misplaced():
         (RelativeBiasPosition(2).double(), None, "RelativeBias"),
         (None, SlidingWindow(2, 0), "SlidingWindow"),
         (None, SlidingWindow(15, 0), None),  # (the whole cache: the model's own case)
+        (None, Causal(), None),
         (ALiBiPosition(2), None, None),
     ):
         options = {"causal": True, "mask": mask, "position": position}

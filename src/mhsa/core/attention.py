@@ -41,7 +41,10 @@ def _check_common(
     validate.check_bias(bias, target, q.device)
     validate.check_sinks(sinks, q.shape[1], q.device)
     if score is not None:
-        probe = Probe.within(q.shape[2], k.shape[2])  # (positions of the call: tables fit)
+        # (tried within the call's positions: a table sized by them fits; traced, the
+        # lengths may be symbols, and the plain tile is tried)
+        compiling = torch.compiler.is_compiling()
+        probe = Probe() if compiling else Probe.within(q.shape[2], k.shape[2])
         score.check(q.shape[1], q.device, stats_dtype(q.dtype), probe)
     validate.check_causal(causal)
     validate.check_scale(scale)

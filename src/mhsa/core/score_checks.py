@@ -38,13 +38,14 @@ class Probe(NamedTuple):
 
     @classmethod
     def within(cls, q_len: int, kv_len: int) -> Probe:
-        """The tile inside a call of q_len queries (bottom-right) and kv_len keys: its
-        last queries and first keys, so that a function indexing a table by position
-        stays in its range."""
-        rows = min(3, q_len, kv_len)
-        return cls(kv_len - rows, rows, 0, min(4, kv_len))
+        """The tile inside a call of q_len queries and kv_len keys: positions from 0, no
+        more of them than the call has, so that a function indexing a table by position
+        stays in its range. The same tile for every long call and every decoding step:
+        the function is tried once, not per length."""
+        return cls(0, min(3, q_len, kv_len), 0, min(4, kv_len))
 
     def shifted(self, q_offset: int, k_offset: int) -> Probe:
+        """The tile as a function sees it whose positions are offset (a shard's)."""
         return self._replace(q_first=self.q_first + q_offset, k_first=self.k_first + k_offset)
 
 
@@ -129,17 +130,17 @@ def closure_tensors(fn: Callable) -> tuple[Tensor, ...]:
 
 
 def captured_tensors(fn: Callable, depth: int = 4) -> tuple[Tensor, ...]:
-    """Tensors (and parameters of modules) that fn reads: those it closes over or reads
-    as globals, and those of the functions it closes over (and_masks' parts); a bound
-    method's object's (an nn.Module's parameters, or the tensors among its attributes);
-    a functools.partial's arguments; a module called as fn (its parameters)."""
+    """Tensors (and modules' parameters and buffers) that fn reads: those it closes over
+    or reads as globals, and those of the functions it closes over (and_masks' parts);
+    a bound method's object's (a module's, or the tensors among its attributes); a
+    functools.partial's arguments; a module called as fn."""
     if depth == 0:
         return ()
     if isinstance(fn, functools.partial):
         found = _tensors_in([*fn.args, *fn.keywords.values()])
         return found + captured_tensors(fn.func, depth - 1)
     if isinstance(fn, nn.Module):
-        return tuple(fn.parameters())
+        return _tensors_in([fn])
     owner = getattr(fn, "__self__", None)
     found = list(_tensors_in([owner]) if isinstance(owner, nn.Module) else ())
     if owner is not None and not isinstance(owner, nn.Module):
@@ -159,13 +160,14 @@ def captured_tensors(fn: Callable, depth: int = 4) -> tuple[Tensor, ...]:
 
 
 def _tensors_in(values: list) -> tuple[Tensor, ...]:
-    """The tensors among values, and the parameters of the modules among them."""
+    """The tensors among values, and the parameters and buffers of the modules among
+    them."""
     found: list[Tensor] = []
     for value in values:
         if isinstance(value, Tensor):
             found.append(value)
-        elif isinstance(value, nn.Module):
-            found.extend(value.parameters())
+        elif isinstance(value, nn.Module):  # (its buffers too: a window it reads)
+            found.extend((*value.parameters(), *value.buffers()))
     return tuple(found)
 
 

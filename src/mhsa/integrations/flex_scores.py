@@ -34,8 +34,9 @@ class FlexScore(Shifted):
 
     def check(self, num_heads, device, dtype, probe=None):
         """The score_mod tried within its call (q_idx < L, kv_idx < S)."""
-        own = Probe.within(self.q_len, self.kv_len).shifted(self.q_offset, 0)
-        self.score.check(num_heads, device, dtype, own)
+        traced = torch.compiler.is_compiling()  # (the lengths may be symbols there)
+        probe = Probe() if traced else Probe.within(self.q_len, self.kv_len)
+        self.score.check(num_heads, device, dtype, probe)
 
     def check_gradients_reach(self, num_heads: int, device, dtype) -> None:
         """ValueError if score_mod reads a tensor that requires grad but is not one of

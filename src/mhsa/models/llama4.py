@@ -326,6 +326,7 @@ class Llama4(DecoderLM):
         return [(chunks, rotary) if c.rope(i) else (None, temperature) for i in range(c.n_layer)]
 
     def paged_cache_problem(self) -> str | None:
+        """Chunked layers: attention over paged keys takes no Chunked pattern."""
         if self.config.chunk_size is None:
             return None
         return (

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from ..cache import Cache
 from ..core.attention import attention
-from ..core.masks import Pattern
+from ..core.masks import Causal, Full, Pattern
 from ..core.paged import paged_attention
 from ..core.scores import ScoreFunction
 from ..core.validate import paged_window
@@ -203,7 +203,9 @@ class AttentionModule(nn.Module):
         score, mask = self._score(call.position), call.mask
         band = mask.band() if isinstance(mask, Pattern) else None
         slots = call.cache.length
-        whole = band is not None and band.dilation == 1 and band.left >= slots - 1
+        whole = isinstance(mask, Causal | Full) or (
+            band is not None and band.dilation == 1 and band.left >= slots - 1
+        )
         if (isinstance(mask, Pattern) and not whole) or (score is not None and not score.separable):
             seen = mask if isinstance(mask, Pattern) and not whole else score
             raise ValueError(

@@ -317,6 +317,25 @@ def test_compiled_gradients_through_scores_that_need_autograd(score):
         assert max_error(got, want) < 1e-6
 
 
+def test_a_score_mod_compiles_for_growing_keys():
+    """Decoding: the first call tried the ScoreMod, the second (a symbolic length) once
+    failed ("assume_constant_result argument conversion failed"), and every new length
+    tried it again eagerly."""
+    table = torch.randn(2)
+    score = ScoreMod(lambda s, b, h, q_idx, kv_idx: s + table[h])
+    graphs = CompileCounter()
+    f = torch.compile(
+        lambda q, k, v: mhsa.attention(q, k, v, score=score, causal=True),
+        backend=graphs,
+        fullgraph=True,
+    )
+    for kv_len in (8, 9, 10):
+        q, k = torch.randn(1, 2, 1, 8), torch.randn(1, 2, kv_len, 8)
+        assert max_error(f(q, k, k), mhsa.attention(q, k, k, score=score, causal=True)) < 1e-6
+    assert graphs.frame_count <= 2
+    assert len(score._checked) <= 2
+
+
 def test_patterns_holding_positions_compile_in_one_graph():
     """Their length checks read the tensors they hold once, when made: a check on the
     values per call broke fullgraph ("data-dependent branching")."""

@@ -187,9 +187,10 @@ def _check_arguments(where: str, kwargs: dict) -> None:
 
 
 def is_cross_attention(module: nn.Module) -> bool:
-    """Whether a transformers attention module attends to another sequence: it says so,
-    or it is a decoder's non-causal attention (BART, T5, Whisper and their kin)."""
-    if getattr(module, "is_cross_attention", False):
+    """Whether a transformers attention module attends to another sequence: it says so
+    or its class's name does (BertCrossAttention), or it is a decoder's non-causal
+    attention (BART, T5, Whisper and their kin)."""
+    if getattr(module, "is_cross_attention", False) or "CrossAttention" in type(module).__name__:
         return True
     decoder = bool(getattr(module, "is_decoder", False))
     return decoder and getattr(module, "is_causal", None) is False

@@ -54,8 +54,9 @@ def set_pattern(
     modules = attention_modules(model)
     if not modules:
         raise ValueError(f"{type(model).__name__} has no module that calls AttentionInterface")
+    crossing = _cross_attention_ids(model)
     if layers is None:
-        chosen = [i for i, module in enumerate(modules) if not is_cross_attention(module)]
+        chosen = [i for i, module in enumerate(modules) if id(module) not in crossing]
     else:
         chosen = list(layers)
     for index in chosen:
@@ -66,13 +67,31 @@ def set_pattern(
             )
     selected = [modules[index] for index in chosen]
     for module in selected:
-        _check_settable(model, module, pattern)
+        _check_settable(model, module, pattern, id(module) in crossing)
     for module in selected:
         setattr(module, PATTERN_ATTRIBUTE, pattern)
     return selected
 
 
-def _check_settable(model: nn.Module, module: nn.Module, pattern: Pattern | None) -> None:
+# where transformers models keep their cross-attention (a path part of the module)
+CROSS_ATTENTION_NAMES = frozenset(
+    {"encoder_attn", "crossattention", "EncDecAttention", "cross_attn", "cross_attention"}
+)
+
+
+def _cross_attention_ids(model: nn.Module) -> set[int]:
+    """ids of model's cross-attention modules: by their own attributes, or by where
+    the model keeps them (Moonshine's encoder_attn says nothing of itself)."""
+    return {
+        id(module)
+        for name, module in model.named_modules()
+        if is_cross_attention(module) or CROSS_ATTENTION_NAMES & set(name.split("."))
+    }
+
+
+def _check_settable(
+    model: nn.Module, module: nn.Module, pattern: Pattern | None, crossing: bool
+) -> None:
     """The module runs on mhsa (its own config's choice: a composite model's vision
     tower may run another), and, for a pattern, attends to its own sequence."""
     config = getattr(module, "config", None) or getattr(model, "config", None)
@@ -83,7 +102,7 @@ def _check_settable(model: nn.Module, module: nn.Module, pattern: Pattern | None
             f"{name} runs attn_implementation={implementation!r}, which would ignore the "
             "pattern; call register() and model.set_attn_implementation('mhsa') first"
         )
-    if pattern is not None and is_cross_attention(module):
+    if pattern is not None and crossing:
         raise ValueError(
             f"{name} is cross-attention (to another sequence), where a pattern's positions "
             "mean nothing; choose self-attention layers"
