@@ -45,11 +45,13 @@ def test_control_tokens_outside_the_byte_alphabet_are_special():
 
 
 def test_user_defined_tokens_outside_the_byte_alphabet_match_the_text():
-    tokens = BYTES + ["<think>", "  "]  # llama.cpp writes user-defined tokens as their text
-    ours = GGUFTokenizer(_metadata(tokens, [1] * 256 + [4, 4]))
-    ids = ours.encode("a  <think>b", add_special_tokens=False)
-    assert ids == [BYTES.index("a"), 257, 256, BYTES.index("b")]
-    assert ours.decode(ids) == "a  <think>b"
+    tokens = BYTES + ["<think>", "  ", "café"]  # llama.cpp writes them as their text
+    ours = GGUFTokenizer(_metadata(tokens, [1] * 256 + [4, 4, 4]))
+    ids = ours.encode("a  <think>b café", add_special_tokens=False)
+    assert ids == [ord("a"), 257, 256, ord("b"), ord(" "), 258]
+    stream = ours.stream()  # (é once went through the byte alphabet: "caf\ufffd")
+    streamed = "".join(stream.push(i) for i in ids) + stream.flush()
+    assert ours.decode(ids) == streamed == "a  <think>b café"
 
 
 @pytest.mark.parametrize("pre", ["llama-bpe", "gpt2"])

@@ -168,7 +168,8 @@ def _metadata(reader, path: str | Path) -> dict[str, Any]:
         return {key: value.contents() for key, value in reader.fields.items()}
     except UnicodeDecodeError as error:  # strings are decoded here, not when the file is read
         raise ValueError(
-            f"{path}: damaged GGUF metadata, a string that is not UTF-8 ({error})"
+            f"{path}: damaged GGUF metadata, a string that is not UTF-8 ({error}); "
+            "download or convert it again"
         ) from None
 
 

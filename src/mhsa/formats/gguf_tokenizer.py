@@ -131,7 +131,10 @@ class GGUFTokenizer:
                 "PRE_TOKENIZERS"
             )
         if "tokenizer.ggml.tokens" not in metadata:
-            raise ValueError(f"{source}: no tokenizer.ggml.tokens (the vocabulary): a damaged GGUF")
+            raise ValueError(
+                f"{source}: no tokenizer.ggml.tokens (the vocabulary): a damaged GGUF file; "
+                "download or convert it again"
+            )
         tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
         types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens))
         merges: list[str] = list(metadata.get("tokenizer.ggml.merges") or [])
@@ -212,7 +215,7 @@ class GGUFTokenizer:
                 raise ValueError(
                     f"{self.source}: merge {rank} ({merge!r}, tokenizer.ggml.merges) is not two "
                     "tokens of the vocabulary, separated by one space, whose join is a token: "
-                    "a damaged GGUF file"
+                    "a damaged GGUF file; download or convert it again"
                 )
             pairs.append((left, right))
         return pairs
@@ -237,15 +240,19 @@ class GGUFTokenizer:
         return ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
-        """The text of token ids; invalid UTF-8 (a cut multi-byte character) becomes U+FFFD."""
-        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        """The text of token ids: their bytes (token_bytes) joined, so decode and stream
+        agree; invalid UTF-8 (a cut multi-byte character) becomes U+FFFD."""
+        skip = self.special_ids if skip_special_tokens else ()
+        data = b"".join(self.token_bytes(int(i)) for i in ids if int(i) not in skip)
+        return data.decode("utf-8", errors="replace")
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (a special token: its text in UTF-8)."""
         if not 0 <= token_id < len(self.tokens):
             raise ValueError(f"token id {token_id} is out of range [0, {len(self.tokens)})")
         token = self.tokens[token_id]
-        if token_id in self.special_ids or not self._spelled(token):
+        written = self.token_types[token_id] in (CONTROL, USER_DEFINED)  # as their text
+        if written or not self._spelled(token):
             return token.encode("utf-8")
         return bytes(self._to_byte[char] for char in token)
 
