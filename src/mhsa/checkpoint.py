@@ -48,17 +48,32 @@ def checkpoints_in(out_dir: str | Path) -> list[Path]:
 
 
 def clean_leftovers(out_dir: str | Path) -> None:
-    """Remove the temporary folders and links that a killed run left behind (only the
-    PARTIAL and NEXT_LATEST names that save_checkpoint itself uses)."""
+    """Remove the temporary folders and links that a killed run left behind: the
+    PARTIAL and NEXT_LATEST names save_checkpoint uses, and an older mhsa's `.tmp-*`
+    folders that hold nothing but checkpoint files. A step moved aside to be written
+    again, whose new copy never arrived, is put back first."""
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         return
-    for path in out_dir.glob(f"{PARTIAL}*"):
+    ours = [*out_dir.glob(f"{PARTIAL}*"), *filter(_older_partial, out_dir.glob(".tmp-*"))]
+    for path in ours:
         if path.is_dir() and not path.is_symlink():
+            for moved in path.iterdir():
+                if _STEP_FOLDER.match(moved.name) and not (out_dir / moved.name).exists():
+                    os.rename(moved, out_dir / moved.name)
             shutil.rmtree(path, ignore_errors=True)
     for path in out_dir.glob(f"{NEXT_LATEST}*"):
         if path.is_symlink():
             path.unlink(missing_ok=True)
+
+
+def _older_partial(path: Path) -> bool:
+    """A `.tmp-*` folder an older mhsa wrote: checkpoint files, or a step moved
+    aside, and nothing else (anything else there is a user's)."""
+    if not path.is_dir() or path.is_symlink():
+        return False
+    names = [entry.name for entry in path.iterdir()]
+    return bool(names) and all(n in _FILES or _STEP_FOLDER.match(n) for n in names)
 
 
 def check_latest_is_ours(out_dir: str | Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import re
 import shutil
 from dataclasses import asdict
@@ -268,6 +269,28 @@ def test_leftovers_of_a_killed_run_are_cleaned_and_its_checkpoint_resumes(tmp_pa
     names = sorted(p.name for p in out.iterdir())
     assert names == [".latest-readme", ".tmp-downloads", "latest", "step-000008"]
     assert (users[0] / "dataset.bin").read_bytes() == b"data"
+
+
+def test_a_step_moved_aside_comes_back_and_older_leftovers_go(tmp_path):
+    """Killed between moving a step aside (to write it again) and renaming its new copy:
+    cleaning once deleted the only copy. An older mhsa's .tmp-* partial folders (only
+    checkpoint files) are cleaned; a .tmp-* folder holding anything else is a user's."""
+    from mhsa.checkpoint import clean_leftovers
+
+    run(tmp_path / "run", steps=4)
+    out = tmp_path / "run"
+    aside = out / ".mhsa-partial-old"
+    aside.mkdir()
+    os.replace(out / "step-000004", aside / "step-000004")
+    older = out / ".tmp-abc"
+    older.mkdir()
+    (older / "model.safetensors").write_bytes(b"half")
+    users = out / ".tmp-mine"
+    users.mkdir()
+    (users / "notes.txt").write_text("mine")
+    clean_leftovers(out)
+    assert resolve_checkpoint(out).name == "step-000004"
+    assert sorted(p.name for p in out.iterdir()) == [".tmp-mine", "latest", "step-000004"]
 
 
 def test_a_damaged_trainer_state_names_its_file(tmp_path):
