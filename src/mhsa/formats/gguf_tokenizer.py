@@ -196,7 +196,7 @@ class GGUFTokenizer:
         else:
             isolate = tk.pre_tokenizers.Split(tk.Regex(split), behavior="isolated")
             backend.pre_tokenizer = tk.pre_tokenizers.Sequence([isolate, byte_level])
-        backend.decoder = tk.decoders.ByteLevel()
+        backend.decoder = tk.decoders.ByteLevel()  # (a saved tokenizer.json decodes too)
         specials = [tokens[i] for i in sorted(self.special_ids)]
         backend.add_special_tokens(
             [tk.AddedToken(t, special=True, normalized=False) for t in specials]
@@ -243,7 +243,7 @@ class GGUFTokenizer:
         """The text of token ids: their bytes (token_bytes) joined, so decode and stream
         agree; invalid UTF-8 (a cut multi-byte character) becomes U+FFFD."""
         skip = self.special_ids if skip_special_tokens else ()
-        data = b"".join(self.token_bytes(int(i)) for i in ids if int(i) not in skip)
+        data = b"".join(self.token_bytes(i) for i in map(int, ids) if i not in skip)
         return data.decode("utf-8", errors="replace")
 
     def token_bytes(self, token_id: int) -> bytes:

@@ -69,7 +69,9 @@ def static_step_problem(model: nn.Module, caches: object) -> str | None:
     `static_cache_problem` (MoBA)."""
     declared = (getattr(module, "static_cache_problem", None) for module in model.modules())
     placed = (_placed_score(module) for module in model.modules())
-    return fixed_slots_problem(caches) or next(filter(None, [*declared, *placed]), None)
+    return fixed_slots_problem(caches) or next(
+        filter(None, itertools.chain(declared, placed)), None
+    )
 
 
 def _placed_score(module: nn.Module) -> str | None:

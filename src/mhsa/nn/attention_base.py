@@ -206,8 +206,10 @@ class AttentionModule(nn.Module):
         whole = isinstance(mask, Causal | Full) or (
             band is not None and band.dilation == 1 and band.left >= slots - 1
         )
-        if (isinstance(mask, Pattern) and not whole) or (score is not None and not score.separable):
-            seen = mask if isinstance(mask, Pattern) and not whole else score
+        seen = mask if isinstance(mask, Pattern) and not whole else None
+        if seen is None and score is not None and not score.separable:
+            seen = score
+        if seen is not None:
             raise ValueError(
                 f"{type(self).__name__} over a {type(call.cache).__name__} cannot apply "
                 f"{seen!r}: that cache places the query after all its slots; use a KVCache"
