@@ -4,12 +4,13 @@ equal to our eager models within 1e-4, on shapes other than the traced ones."""
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 
 from helpers import max_error
-from mhsa.apps.export import export_onnx, export_program, run_onnx
+from mhsa.apps.export import SentenceEmbedding, export_onnx, export_program, run_onnx
 from mhsa.checkpoint import save_checkpoint
 from mhsa.cli import main
 from mhsa.models.vit import ViT, ViTConfig
@@ -161,6 +162,21 @@ def test_bad_arguments_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="exists: pass overwrite=True"):
         export_onnx(vit, tmp_path / "mine.onnx")
     assert (tmp_path / "mine.onnx").read_text() == "a user's file"
+
+
+def test_a_bert_shorter_than_the_trace_length_exports_at_every_length():
+    from mhsa.models.bert import Bert, BertConfig
+
+    config = BertConfig(vocab_size=30, d_model=16, n_layer=1, n_head=2, d_ff=32, max_len=12)
+    bert = Bert(config).eval()
+    program = export_program(bert).module()
+    for length in (1, 5, 12):
+        ids = torch.randint(0, 30, (2, length))
+        mask = torch.ones(2, length, dtype=torch.long)
+        expected = SentenceEmbedding(bert).eval()(ids, mask)
+        assert max_error(program(input_ids=ids, attention_mask=mask), expected) < 1e-5
+    with pytest.raises(ValueError, match="max_len 1: .* at least 2 tokens"):
+        export_program(Bert(replace(config, max_len=1)).eval())
 
 
 @pytest.mark.parametrize("module", ["onnx", "onnxscript", "onnxruntime"])

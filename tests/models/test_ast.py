@@ -51,6 +51,10 @@ def test_model_shapes_and_bad_input():
     assert model(torch.randn(2, 64, 101)).shape == (2, 10)
     with pytest.raises(ValueError, match=r"spectrogram must be \(batch, 64, 101\)"):
         model(torch.randn(2, 64, 50))
+    with pytest.raises(ValueError, match="stride must be at least 1"):
+        ASTConfig(stride=0)
+    with pytest.raises(ValueError, match=r"patch \(16\) must be between 1 and n_mels \(8\)"):
+        ASTConfig(n_mels=8, frames=10)
 
 
 def _torch_layer(block, d_model: int, heads: int) -> nn.TransformerEncoderLayer:

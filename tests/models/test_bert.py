@@ -127,6 +127,56 @@ def test_a_saved_config_with_both_names_is_refused():
         BertConfig.from_dict({"n_layers": 2})
 
 
+def _tiny_hf_folder(tmp_path, hf_model) -> str:
+    hf_model.eval().save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def test_a_roberta_folder_is_refused_not_loaded_with_shifted_positions(tmp_path):
+    # RoBERTa stores BERT's weight names but starts positions at pad_token_id + 1
+    config = transformers.RobertaConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=4,
+        intermediate_size=32, max_position_embeddings=22, pad_token_id=1,
+    )  # fmt: skip
+    folder = _tiny_hf_folder(tmp_path, transformers.RobertaModel(config))
+    with pytest.raises(ValueError, match="model_type 'roberta' is not BERT"):
+        Bert.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_an_untied_mlm_decoder_is_refused_a_tied_one_equals_transformers(tmp_path, tied):
+    config = transformers.BertConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=4,
+        intermediate_size=32, max_position_embeddings=20, tie_word_embeddings=tied,
+    )  # fmt: skip
+    hf = transformers.BertForMaskedLM(config).eval()
+    folder = _tiny_hf_folder(tmp_path, hf)
+    if not tied:
+        with pytest.raises(ValueError, match="decoder.weight differs .* untied"):
+            Bert.from_pretrained(folder)
+        return
+    ours, ids = Bert.from_pretrained(folder), torch.randint(0, 50, (2, 9))
+    with torch.no_grad():
+        assert max_error(ours.mlm_logits(ours(ids)), hf(input_ids=ids).logits) < 1e-5
+
+
+def test_a_null_pad_token_id_reads_as_0():
+    hf = transformers.BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1,
+                                 num_attention_heads=2, intermediate_size=24).to_dict()  # fmt: skip
+    assert BertConfig.from_hf_config({**hf, "pad_token_id": None}).pad_token_id == 0
+
+
+def test_bad_ids_and_masks_name_the_argument():
+    model = Bert(BertConfig(vocab_size=30, d_model=16, n_layer=1, n_head=2, d_ff=24, max_len=8))
+    ids = torch.tensor([[1, 2]])
+    with pytest.raises(ValueError, match="input_ids holds token id 30, outside .* 0..29"):
+        model(torch.tensor([[1, 30]]))
+    with pytest.raises(ValueError, match="token_type_ids holds token id 2, outside .* 0..1"):
+        model(ids, token_type_ids=torch.tensor([[0, 2]]))
+    with pytest.raises(ValueError, match=r"attention_mask must have input_ids' shape \(1, 2\)"):
+        model(ids, attention_mask=torch.ones(1, 3))
+
+
 def test_too_long_a_sequence_names_max_len():
     model = Bert(BertConfig(vocab_size=40, d_model=16, n_layer=1, n_head=2, d_ff=24, max_len=8))
     with pytest.raises(ValueError, match="9 tokens exceeds max_len 8"):

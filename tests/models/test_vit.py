@@ -40,6 +40,8 @@ def test_bad_images_are_clear_errors():
     model = ViT(ViTConfig(d_model=16, n_layer=1, n_head=2))
     with pytest.raises(ValueError, match=r"images must be \(batch, 1, H, W\)"):
         model(torch.randn(2, 3, 8, 8))
+    with pytest.raises(ValueError, match=r"multiples of patch_size 2, got \(9, 9\)"):
+        model(torch.randn(1, 1, 9, 9))  # the strided convolution would drop a row and column
     with pytest.raises(ValueError, match="multiple of patch_size"):
         ViTConfig(image_size=9, patch_size=2)
 

@@ -77,9 +77,16 @@ def exportable(model: str | nn.Module) -> Exportable:
     if isinstance(model, Bert):
         model = SentenceEmbedding(model).eval()
     if isinstance(model, SentenceEmbedding):
-        batch, seq = Dim("batch", min=1), Dim("seq", min=1, max=model.bert.config.max_len)
+        max_len = model.bert.config.max_len
+        if max_len < 2:
+            raise ValueError(
+                f"max_len {max_len}: a BERT exports with a dynamic length only if it "
+                "takes at least 2 tokens"
+            )
+        batch, seq = Dim("batch", min=1), Dim("seq", min=1, max=max_len)
         axes = {0: batch, 1: seq}
-        inputs = example_inputs(model, batch=2, length=16)
+        # traced at a length inside seq's range; 2 or more, or torch.export fixes it
+        inputs = example_inputs(model, batch=2, length=min(16, max_len))
         return Exportable(model, inputs, {"input_ids": axes, "attention_mask": axes})
     if isinstance(model, ViT):
         inputs = example_inputs(model, batch=2)

@@ -24,6 +24,15 @@ class ASTConfig(EncoderClassifierConfig):
     stride: int = 10  # < patch: patches overlap, as in AST
     d_model: int = 96
 
+    def __post_init__(self) -> None:
+        if self.stride < 1:
+            raise ValueError(f"stride must be at least 1, got {self.stride}")
+        if not 1 <= self.patch <= min(self.n_mels, self.frames):
+            raise ValueError(
+                f"patch ({self.patch}) must be between 1 and n_mels ({self.n_mels}) and "
+                f"frames ({self.frames}): a patch must fit in the spectrogram"
+            )
+
     def grid(self) -> tuple[int, int]:
         return (
             (self.n_mels - self.patch) // self.stride + 1,

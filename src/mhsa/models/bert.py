@@ -27,6 +27,7 @@ from ..formats.weights import (
 )
 from ..nn import encoder_layers
 from .config import ModelConfig
+from .decoding import check_token_ids
 from .init import normal_init
 from .packing import mean_token_loss, packed_row
 
@@ -61,6 +62,14 @@ class BertConfig(ModelConfig):
     @classmethod
     def from_hf_config(cls, hf: dict) -> BertConfig:
         """From a Hugging Face BERT config.json (its dict)."""
+        kind = hf.get("model_type", "bert")
+        if kind != "bert":
+            # RoBERTa-family files use BERT's weight names but start positions at
+            # pad_token_id + 1: loaded as BERT they would run, every hidden state wrong
+            raise ValueError(
+                f"model_type {kind!r} is not BERT: Bert.from_pretrained reads BERT "
+                "(model_type 'bert') folders only"
+            )
         if hf.get("hidden_act", "gelu") != "gelu":
             raise ValueError(f"only hidden_act 'gelu' is supported, got {hf['hidden_act']!r}")
         return cls(
@@ -73,7 +82,7 @@ class BertConfig(ModelConfig):
             type_vocab_size=hf.get("type_vocab_size", 2),
             norm_eps=hf.get("layer_norm_eps", 1e-12),
             dropout=hf.get("hidden_dropout_prob", 0.1),
-            pad_token_id=hf.get("pad_token_id", 0),
+            pad_token_id=hf.get("pad_token_id") or 0,
         )
 
 
@@ -119,6 +128,15 @@ class Bert(nn.Module):
         packs N sequences (mhsa.models.packing), each attending only itself, its
         positions from 0; an attention_mask then must be all ones (padding inside a
         pack is refused)."""
+        check_token_ids(input_ids, self.config.vocab_size, "input_ids")
+        if token_type_ids is not None:
+            check_token_ids(token_type_ids, self.config.type_vocab_size, "token_type_ids")
+        for name, given in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids)):
+            if given is not None and given.shape != input_ids.shape:
+                raise ValueError(
+                    f"{name} must have input_ids' shape {tuple(input_ids.shape)}, "
+                    f"got {tuple(given.shape)}"
+                )
         mask, padding = None, None
         if cu_seqlens is not None or position_ids is not None:
             row = packed_row(input_ids, cu_seqlens, position_ids, attention_mask)
@@ -190,7 +208,15 @@ class Bert(nn.Module):
         fix = "check that config.json (num_hidden_layers, hidden_size, vocab_size) matches it"
         source = as_source(weights)
         load_weights(self, source, BERT_NAMES, fix=fix)
-        stored = {name.removeprefix(BERT_NAMES.prefix) for name in source.shapes()}
+        stored = {name.removeprefix(BERT_NAMES.prefix): name for name in source.shapes()}
+        if "cls.predictions.decoder.weight" in stored:
+            decoder = source.read(stored["cls.predictions.decoder.weight"]).cpu()
+            if not torch.equal(decoder.to(self.word_emb.weight), self.word_emb.weight.cpu()):
+                raise ValueError(
+                    f"{source.name}: cls.predictions.decoder.weight differs from the word "
+                    "embeddings: this MLM head is untied, and mlm_logits() reads only tied "
+                    "heads; load it without the decoder (a BertModel file)"
+                )
         parts = {"pooler": "pooler.dense.weight", "MLM head": "cls.predictions.bias"}
         self.not_in_file = tuple(part for part, name in parts.items() if name not in stored)
 

@@ -84,6 +84,13 @@ class ViT(nn.Module):
             raise ValueError(
                 f"images must be (batch, {self.config.channels}, H, W), got {tuple(images.shape)}"
             )
+        patch = self.config.patch_size
+        if images.shape[2] % patch or images.shape[3] % patch:
+            # the strided patch convolution would drop the last rows and columns silently
+            raise ValueError(
+                f"images' height and width must be multiples of patch_size {patch}, got "
+                f"{tuple(images.shape[2:])}: resize or pad them"
+            )
         patches = self.patch_embed(images)  # (B, d, H/p, W/p)
         grid_h, grid_w = patches.shape[2:]
         x = patches.flatten(2).transpose(1, 2)  # (B, N, d)
