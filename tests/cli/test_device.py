@@ -175,7 +175,7 @@ def test_info_says_each_commands_device_and_dtype(capsys, gpu):
     assert rows["train"].endswith("cuda (Pretend H200), bfloat16 autocast (float32 weights)")
     assert "cuda (Pretend H200), bfloat16 (weights dequantised)" in rows["chat"]
     assert rows["embed"].endswith("cuda (Pretend H200), bfloat16")
-    assert "ring, transcribe and serve" in rows["bench"]
+    assert "ring and transcribe: their processes" in rows["bench"]
     assert rows["export"].startswith("export     cpu")
 
 

@@ -300,6 +300,16 @@ def test_moba_generates_without_a_cache():
     assert torch.equal(model.generate(prompt, 5, temperature=0, use_cache=False), cached)
 
 
+def test_moba_decodes_prompts_of_different_lengths_each_as_alone():
+    """MoBA takes no left padding: generate decodes such prompts one after another."""
+    model = small(attention="moba", moba_block=4, moba_top_k=1).double()
+    prompts = [torch.randint(0, 61, (5,)), torch.randint(0, 61, (9,))]
+    together = model.generate(prompts, 6, temperature=0, eos_token=[])
+    for prompt, row in zip(prompts, together, strict=True):
+        assert torch.equal(row, model.generate([prompt], 6, temperature=0, eos_token=[])[0])
+        assert row.numel() == prompt.numel() + 6  # eos_token=[] reaches each row as given
+
+
 def test_moba_refuses_packed_rows_and_sequence_shards():
     model = small(attention="moba", moba_block=4)
     idx = torch.randint(0, 61, (1, 8))

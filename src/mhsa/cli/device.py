@@ -228,7 +228,7 @@ def defaults_here() -> list[str]:
                 else " (a GGUF's own int4/int8 weights unless --quantize none)"
             )
         if command == "bench":
-            text += " (ring, transcribe and serve: their processes on the CPU)"
+            text += " (ring and transcribe: their processes on the CPU)"
         lines.append(f"{command:<10} {text}")
     lines.append(
         f"{'export':<10} cpu (an ONNX file is the same whichever device traces it; "

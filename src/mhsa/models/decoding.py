@@ -125,6 +125,9 @@ class CausalLMDecoding:
     # where a chunked prefill's calls may start (a multiple of this) for the answer to
     # equal one whole-prompt call: anywhere, unless the attention says otherwise (MoBA)
     prefill_alignment: int = 1
+    # whether prompts of different lengths decode together in one left-padded batch;
+    # generate decodes them one after another for a model that says no (MoBA)
+    left_padding: bool = True
     # whether generate captures its decoding step in a CUDA graph by default on CUDA
     # (mhsa.models.graph_step): a model whose compiled step over StaticKVCaches is
     # known to give its eager tokens says so
@@ -231,7 +234,8 @@ class CausalLMDecoding:
         draft_tokens: int = 4,
     ) -> Tensor | list[Tensor]:
         """Continue prompts: a (B, T) tensor, or a list of 1-D prompts of any lengths
-        (decoded together, left-padded). temperature 0 is greedy. eos_token: one stop
+        (decoded together, left-padded; one after another where the model says
+        left_padding = False, as MoBA does). temperature 0 is greedy. eos_token: one stop
         token or several (None: the model's default_stop_tokens(); [] never stops early);
         after one a sequence stops growing, and decoding ends when all have stopped.
         The prompt plus the new tokens must fit the model's position_limit().
@@ -249,6 +253,7 @@ class CausalLMDecoding:
         when sampling.
         Returns prompts + new tokens in the same form: a tensor (B, T + new) with the
         first stop token repeated after a sequence's end, or a list cut after each one's."""
+        requested_eos = eos_token
         eos_token = self.default_stop_tokens() if eos_token is None else eos_token
         if eos_token is not None and not isinstance(eos_token, int) and len(eos_token) == 0:
             eos_token = None
@@ -274,6 +279,13 @@ class CausalLMDecoding:
         for prompt in prompts:
             check_token_ids(prompt, vocab_size, name="prompt")
         device = next(self.parameters()).device
+        if not self.left_padding and len({p.numel() for p in prompts}) > 1:
+            options = dict(
+                temperature=temperature, top_k=top_k, top_p=top_p, eos_token=requested_eos,
+                use_cache=use_cache, generator=generator, compile=compile,
+                cuda_graph=cuda_graph, speculate=speculate, draft_tokens=draft_tokens,
+            )  # fmt: skip
+            return [self.generate([prompt], max_new_tokens, **options)[0] for prompt in prompts]
         if speculate is not None and max_new_tokens > 0:
             return self._speculative(
                 idx, prompts, sampling, stop, speculate, draft_tokens, generator

@@ -188,6 +188,12 @@ class GPT(DecoderLM):
         return config.moba_block if config.attention == "moba" else 1
 
     @property
+    def left_padding(self) -> bool:
+        """MoBA's blocks count from each sequence's first token, which left padding
+        would move: its prompts of different lengths decode one after another."""
+        return self.config.attention != "moba"
+
+    @property
     def graph_decoding(self) -> bool:
         """generate captures its step in a CUDA graph by default (mhsa.models.graph_step)
         for standard attention at learned, sinusoidal or rotary positions (a relative

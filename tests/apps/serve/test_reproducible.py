@@ -91,15 +91,21 @@ def test_the_prefix_cache_is_shared_only_within_a_key_and_salt(start_server):
     assert cached("bob", "project-x") == 0
 
 
-def test_a_cache_salt_that_is_not_a_string_gets_a_400(start_server):
+def test_a_cache_salt_that_is_not_a_string_of_1_to_256_characters_gets_a_400(start_server):
     from live_server import request
 
     server = start_server()
-    for salt in (3, "", "x" * 257):
+    for salt, code, says in (
+        (3, "invalid_type", "expected a string, but got an integer"),
+        ("", "invalid_value", "1..256 characters, got 0"),
+        ("x" * 257, "invalid_value", "1..256 characters, got 257"),
+    ):
         status, answer, _ = request(
             server.port, "POST", "/v1/completions", {"prompt": "hi", "cache_salt": salt}
         )
-        assert status == 400 and answer["error"]["param"] == "cache_salt"
+        error = answer["error"]
+        assert status == 400 and error["param"] == "cache_salt" and error["code"] == code
+        assert says in error["message"]
 
 
 @pytest.mark.slow

@@ -193,8 +193,11 @@ def _job(
     if not isinstance(include_usage, bool):
         raise errors.invalid_type("stream_options.include_usage", "a boolean", include_usage)
     salt = body.get("cache_salt")
-    if salt is not None and (not isinstance(salt, str) or not 1 <= len(salt) <= MAX_SALT):
-        raise errors.invalid_type("cache_salt", f"a string of 1..{MAX_SALT} characters", salt)
+    if salt is not None and not isinstance(salt, str):
+        raise errors.invalid_type("cache_salt", "a string", salt)
+    if salt is not None and not 1 <= len(salt) <= MAX_SALT:
+        message = f"expected a string of 1..{MAX_SALT} characters, got {len(salt)}."
+        raise errors.invalid_value("cache_salt", message)
     return Job(
         kind,
         prompts,
