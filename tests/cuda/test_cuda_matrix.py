@@ -15,7 +15,17 @@ import pytest
 import torch
 
 import mhsa
-from mhsa.core.masks import BlockSparse, Dilated, Segments, SlidingWindow, bigbird, longformer
+from mhsa.core.masks import (
+    BlockSparse,
+    Dilated,
+    Document,
+    GlobalTokens,
+    Segments,
+    SelectedBlocks,
+    SlidingWindow,
+    bigbird,
+    longformer,
+)
 from mhsa.core.scores import ALiBi, RelativeBias, ScoreMod, Softcap
 from mhsa.nn.positional import alibi_slopes
 
@@ -40,6 +50,10 @@ CASES = {
     "longformer": (HEADS, Q_LEN, {"mask": longformer(16, [0, 7])}),
     "bigbird": (HEADS, Q_LEN, {"mask": bigbird(32, seed=1)}),
     "varlen segments": (2, Q_LEN, {"mask": Segments(torch.tensor([0, 60, 61, 200]))}),
+    # patterns built from tensors on the call's device (transformers' packed ids)
+    "documents on the device": (HEADS, Q_LEN, {"mask": "documents"}),
+    "global tokens on the device": (HEADS, Q_LEN, {"mask": "global tokens"}),
+    "selected blocks per head": (HEADS, Q_LEN, {"mask": "selected"}),
     "ALiBi": (HEADS, KV_LEN, {"causal": True, "score": "alibi"}),
     "T5 bias": (HEADS, Q_LEN, {"score": "t5"}),
     "softcap": (HEADS, Q_LEN, {"causal": True, "score": Softcap(20.0)}),
@@ -59,6 +73,14 @@ def _options(options: dict, device: torch.device) -> dict:
         options["score"] = RelativeBias(torch.randn(32, HEADS, device=device) * 0.5)
     elif options.get("score") == "custom":
         options["score"] = ScoreMod(lambda s, b, h, i, j: s - 0.01 * (i - j).abs())
+    if options.get("mask") == "documents":
+        options["mask"] = Document(torch.arange(Q_LEN, device=device) // 70)
+    elif options.get("mask") == "global tokens":
+        options["mask"] = GlobalTokens(torch.tensor([0, 99], device=device))
+    elif options.get("mask") == "selected":
+        blocks = -(-Q_LEN // 32)
+        torch.manual_seed(6)
+        options["mask"] = SelectedBlocks(torch.rand(2, HEADS, blocks, blocks) < 0.4, 32)
     if options.get("sinks") == "sinks":
         torch.manual_seed(5)
         options["sinks"] = torch.randn(HEADS, device=device)
@@ -180,7 +202,11 @@ def test_cuda_paged_and_dropout():
     check_dropout("cuda")
 
 
-@pytest.mark.parametrize("case", ["causal, L != S", "bigbird", "varlen segments", "sinks"])
+@pytest.mark.parametrize(
+    "case",
+    ["causal, L != S", "bigbird", "varlen segments", "sinks", "documents on the device"]
+    + ["global tokens on the device", "selected blocks per head"],
+)
 def test_the_matrix_runs_on_the_cpu_backends(case):
     """The same check on the CPU in float32 (triton's interpreter, slow, is tested in
     tests/core/kernels)."""

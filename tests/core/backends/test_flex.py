@@ -14,11 +14,14 @@ from helpers import max_error
 from mhsa.core.backends import AttentionSpec, get
 from mhsa.core.backends.flex import block_mask_for, flex_forward
 from mhsa.core.masks import (
+    BoolMask,
+    Causal,
     Document,
     KeyPadding,
     Pattern,
     PrefixLM,
     RandomBlocks,
+    SelectedBlocks,
     SlidingWindow,
     bigbird,
 )
@@ -38,6 +41,10 @@ CASES = [
     # broadcast over rows or keys: the mask_mod once indexed past their size of 1
     ("bool (B, 1, 1, S)", "keys", False),
     ("bool (L, 1)", "rows", False),
+    # patterns that differ by head or by sequence: the bitmaps once had no head axis
+    ("SelectedBlocks per head", "selected", False),
+    ("BoolMask per head | Causal", "bool heads", False),
+    ("BoolMask per sequence | window", "bool batch", False),
 ]
 
 
@@ -53,6 +60,12 @@ def test_flex_equals_the_reference(name, mask, causal):
         mask = torch.rand(2, 1, 1, 45) > 0.3
     elif mask == "rows":
         mask = torch.rand(37, 1) > 0.3
+    elif mask == "selected":
+        mask = SelectedBlocks(torch.rand(2, 4, 6, 6) < 0.5, 8)  # n = ceil(45 / 8)
+    elif mask == "bool heads":
+        mask = BoolMask(torch.rand(1, 4, 37, 45) < 0.5) | Causal()
+    elif mask == "bool batch":
+        mask = BoolMask(torch.rand(2, 1, 37, 45) < 0.5) | SlidingWindow(1, 1)
     out, lse = flex_forward(q, k, v, mask=mask, causal=causal, scale=0.25, compiled=False)
     ref, ref_lse = mhsa.attention(
         q, k, v, mask, causal=causal, scale=0.25, return_lse=True, backend="reference"

@@ -12,7 +12,7 @@ import torch
 import mhsa
 from helpers import max_error
 from mhsa.core.backends import flex
-from mhsa.core.masks import KeyPadding, Pattern, Segments, SlidingWindow, bigbird
+from mhsa.core.masks import KeyPadding, Pattern, Segments, SelectedBlocks, SlidingWindow, bigbird
 
 pytest.importorskip("torch.nn.attention.flex_attention")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -28,6 +28,14 @@ CASES = {
         300,
         300,
     ),
+    "selected blocks per sequence and head": (
+        SelectedBlocks(
+            torch.rand(2, 4, 10, 10, generator=torch.Generator().manual_seed(1)) < 0.4, 32
+        ),
+        False,
+        300,
+        300,
+    ),
 }
 
 
@@ -36,7 +44,7 @@ CASES = {
 def test_compiled_flex_lowers_our_block_masks_and_equals_the_reference(case):
     pattern, causal, q_len, kv_len = CASES[case]
     torch.manual_seed(0)
-    batch = 2 if isinstance(pattern, KeyPadding) else 1
+    batch = pattern.batch_size or 1
     q = torch.randn(batch, 4, q_len, 32)
     k, v = torch.randn(2, batch, 2, kv_len, 32).unbind(0)
     block_mask = flex.block_mask_for(pattern, causal, (batch, 4, q_len, kv_len), q.device)

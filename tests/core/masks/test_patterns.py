@@ -145,6 +145,10 @@ def test_pattern_validation():
         masks.KeyPadding([3, 9]).dense(8, 8)
     with pytest.raises(ValueError, match="window_blocks must be odd"):
         masks.bigbird(16, window_blocks=2)
+    with pytest.raises(ValueError, match="^random_blocks must be an int >= 0, got -1$"):
+        masks.bigbird(16, random_blocks=-1)
+    with pytest.raises(TypeError, match="^seed must be an int, got 0.5$"):
+        masks.bigbird(16, seed=0.5)  # (was taken, and raised inside torch at the first call)
     with pytest.raises(ValueError, match=r"^block must be an int >= 1, got 0$"):
         masks.Causal().block_layout(8, 8, 0)
     with pytest.raises(ValueError, match=r"^block_k must be an int >= 1, got True$"):
@@ -154,6 +158,35 @@ def test_pattern_validation():
         mhsa.attention(q, k, v, masks.KeyPadding([3, 4]))
     with pytest.raises(ValueError, match="ids cover 5 positions"):
         mhsa.attention(q, k, v, masks.Document([0, 0, 1, 1, 1]))
+
+
+def test_a_bool_mask_pattern_for_other_lengths_is_refused():
+    """Its rows were read from 0: a decoding step over an (8, 8) causal BoolMask saw
+    only key 0."""
+    pattern = masks.BoolMask(torch.ones(8, 8, dtype=torch.bool).tril())
+    q, k, v = make_qkv(1, 1, 1, 1, 8, 4)
+    for backend in ("reference", "flash"):
+        with pytest.raises(
+            ValueError, match=r"BoolMask of shape \(8, 8\) does not fit .* \(1, 8\)"
+        ):
+            mhsa.attention(q, k, v, pattern, backend=backend)
+    keys_only = masks.BoolMask(torch.ones(2, 1, 1, 8, dtype=torch.bool))  # broadcast rows
+    q, k, v = make_qkv(2, 1, 1, 3, 8, 4)
+    assert mhsa.attention(q, k, v, keys_only).shape == (2, 1, 3, 4)
+
+
+def test_a_batch_1_pattern_combines_with_a_per_sequence_one():
+    """Batch 1 broadcasts over every sequence, in `|` and `&` as in a call."""
+    q, k, v = make_qkv(2, 2, 2, 16, 16, 8)
+    shared = masks.SelectedBlocks(torch.rand(1, 2, 4, 4) < 0.5, 4)
+    padding = masks.KeyPadding([16, 10])
+    for pattern in (shared & padding, masks.KeyPadding([16]) | padding):
+        assert pattern.batch_size == 2
+        expected = mhsa.attention(q, k, v, pattern.dense(16, 16), backend="reference")
+        assert max_error(mhsa.attention(q, k, v, pattern, backend="flash"), expected) < 1e-5
+    assert (masks.KeyPadding([3]) | masks.Causal()).batch_size == 1
+    with pytest.raises(ValueError, match="different batch sizes cannot combine"):
+        masks.KeyPadding([1, 2]) | masks.KeyPadding([1, 2, 3])
 
 
 def test_module_combines_pattern_with_key_padding():

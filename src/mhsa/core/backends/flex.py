@@ -83,7 +83,7 @@ def _build_block_mask(mask, causal: bool, shape: tuple, device):
     if mask is None or isinstance(mask, Pattern):
         pattern = with_causal(mask, causal)
         if not pattern.by_position:
-            return pattern_block_mask(pattern, batch, q_len, kv_len, BLOCK, device)
+            return pattern_block_mask(pattern, q_len, kv_len, BLOCK, device)
         shift = causal_shift(q_len, kv_len)
 
         def position_mod(b, h, q_idx, kv_idx):  # a closed form: no bitmaps

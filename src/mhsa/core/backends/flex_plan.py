@@ -55,48 +55,51 @@ def block_mask_from_kinds(
     )
 
 
-def pattern_block_mask(pattern: Pattern, batch: int, q_len: int, kv_len: int, block: int, device):
+def pattern_block_mask(pattern: Pattern, q_len: int, kv_len: int, block: int, device):
     """The BlockMask of a pattern (the causal rule already folded in, as
     masks.with_causal does): its block kinds, and a mask_mod that reads the bitmap of
-    the block a (query, key) pair falls in."""
+    the block a (query, key) pair falls in, per sequence and head where the pattern
+    differs by them."""
     kinds = pattern.kinds(q_len, kv_len, block, block)
-    table, bitmaps = _bitmaps(pattern, kinds, batch, q_len, kv_len, block, device)
-    per_batch = bitmaps.shape[0] > 1
+    table, bitmaps = _bitmaps(pattern, kinds, q_len, kv_len, block, device)
+    per_batch, per_head = bitmaps.shape[0] > 1, bitmaps.shape[1] > 1
 
     def mask_mod(b, h, q_idx, kv_idx):
         which = table[q_idx // block, kv_idx // block]
-        return bitmaps[b if per_batch else 0, which, q_idx % block, kv_idx % block]
+        b, h = (b if per_batch else 0), (h if per_head else 0)
+        return bitmaps[b, h, which, q_idx % block, kv_idx % block]
 
     return block_mask_from_kinds(kinds, mask_mod, q_len, kv_len, block, device)
 
 
 def _bitmaps(
-    pattern: Pattern, kinds: Tensor, batch: int, q_len: int, kv_len: int, block: int, device
+    pattern: Pattern, kinds: Tensor, q_len: int, kv_len: int, block: int, device
 ) -> tuple[Tensor, Tensor]:
-    """(table int64 (nq, nk), bitmaps bool (B or 1, n + 2, block, block)): bitmap i < n is
-    the i-th partial block's (in row-major order), n is all False (empty blocks, and
-    rows or keys past L or S), n + 1 all True (full blocks)."""
+    """(table int64 (nq, nk), bitmaps bool (B or 1, H or 1, n + 2, block, block)):
+    bitmap i < n is the i-th partial block's (in row-major order), n is all False (empty
+    blocks, and rows or keys past L or S), n + 1 all True (full blocks). The leading
+    sizes are those the pattern's tiles vary over (a per-sequence or per-head mask)."""
     rows, cols = (kinds == PARTIAL).nonzero(as_tuple=True)
     count = len(rows)
     table = torch.full(kinds.shape, count, dtype=torch.int64)
     table[kinds == FULL] = count + 1
     table[rows, cols] = torch.arange(count)
-    per_batch = pattern.batch_size is not None and pattern.batch_size > 1
-    bitmaps = torch.zeros(batch if per_batch else 1, count + 2, block, block, dtype=torch.bool)
-    bitmaps[:, count + 1] = True
     offsets = torch.arange(block)
-    first = 0
+    tiles, first = [], 0  # each row's (q0, q1, first, n, tile (B?, H?, q1 - q0, n * block))
     q_blocks, per_row = rows.unique_consecutive(return_counts=True)
     for row, n in zip(q_blocks.tolist(), per_row.tolist(), strict=True):  # a call a row
         k_blocks = cols[first : first + n]
         q0, q1 = row * block, min(row * block + block, q_len)
         keys = (k_blocks.view(-1, 1) * block + offsets).view(-1)  # (n * block,)
         tile = pattern.tile(q0, q1, keys.clamp(max=kv_len - 1).to(device), q_len, kv_len)
-        tile = tile.to("cpu") & (keys < kv_len)  # broadcastable to (B, 1, q1 - q0, n * block)
-        tile = tile.reshape(-1, *tile.shape[-2:]) if tile.dim() > 2 else tile.unsqueeze(0)
-        tile = tile.expand(tile.shape[0], q1 - q0, len(keys)).reshape(-1, q1 - q0, n, block)
-        bitmaps[:, first : first + n, : q1 - q0] = tile.transpose(1, 2)
+        tiles.append((q0, q1, first, n, tile.to("cpu") & (keys < kv_len)))
         first += n
+    lead = torch.broadcast_shapes((1, 1), *(tuple(t.shape[:-2]) for *_, t in tiles))
+    bitmaps = torch.zeros(*lead, count + 2, block, block, dtype=torch.bool)
+    bitmaps[:, :, count + 1] = True
+    for q0, q1, first, n, tile in tiles:
+        tile = tile.expand(*lead, q1 - q0, n * block).unflatten(-1, (n, block))
+        bitmaps[:, :, first : first + n, : q1 - q0] = tile.transpose(-3, -2)
     return table.to(device), bitmaps.to(device)
 
 

@@ -242,10 +242,11 @@ class Union(Pattern):
             if not isinstance(part, Pattern):
                 raise TypeError(f"can only combine patterns, got {type(part).__name__}")
         self.parts = parts
-        sizes = {p.batch_size for p in parts} - {None}
+        given = {p.batch_size for p in parts} - {None}
+        sizes = given - {1}  # a pattern of batch size 1 serves every sequence
         if len(sizes) > 1:
             raise ValueError(f"patterns for different batch sizes cannot combine: {sizes}")
-        self.batch_size = sizes.pop() if sizes else None
+        self.batch_size = sizes.pop() if sizes else (1 if given else None)
         blocks = [p.block_size for p in parts if p.block_size]
         self.block_size = math.gcd(*blocks) if blocks else None
         self.plain_values = all(p.plain_values for p in parts)

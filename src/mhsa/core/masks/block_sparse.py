@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..checks import int_at_least
+from ..checks import an_int, int_at_least
 from .base import Pattern, block_ranges
 from .blocks import num_blocks
 from .causal import causal_shift
@@ -87,7 +87,7 @@ class RandomBlocks(BlockSparse):
     def __init__(self, num_blocks: int, block_size: int, seed: int = 0) -> None:
         self.num_blocks = int_at_least("num_blocks", num_blocks, 0)
         self.block_size = int_at_least("block_size", block_size, 1)
-        self.seed = seed
+        self.seed = an_int("seed", seed)
         self._layouts: dict[tuple[int, int], Tensor] = {}
 
     def check_lengths(self, q_len, kv_len):

@@ -79,6 +79,16 @@ class BoolMask(Pattern):
         if not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.dim() < 2:
             raise TypeError(f"BoolMask needs a bool tensor (..., L, S), got {_describe(mask)}")
         self.mask = mask
+        self.batch_size = mask.shape[0] if mask.dim() == 4 else None
+
+    def check_lengths(self, q_len, kv_len):
+        rows, cols = self.mask.shape[-2:]
+        if rows not in (1, q_len) or cols not in (1, kv_len):
+            # rows are read from 0, so a mask made for other lengths would pick wrong rows
+            raise ValueError(
+                f"BoolMask of shape {tuple(self.mask.shape)} does not fit (q_len, kv_len) = "
+                f"({q_len}, {kv_len}): its last two sizes must be those lengths (or 1)"
+            )
 
     def allowed(self, rows, cols, q_len, kv_len):
         rows = rows if self.mask.shape[-2] > 1 else torch.zeros_like(rows)
@@ -206,7 +216,7 @@ class GlobalTokens(Pattern):
             raise ValueError(f"indices must be >= 0, got {idx.tolist()}")
         if beyond_keys not in ("error", "ignore"):
             raise ValueError(f"beyond_keys must be 'error' or 'ignore', got {beyond_keys!r}")
-        self.indices = idx.unique()
+        self.indices = idx.unique().cpu()  # a few positions: block plans read them on the CPU
         self.beyond_keys = beyond_keys
         # read once: a check on the tensor per call would break a compiled graph
         self._last = int(idx.max()) if idx.numel() else -1
@@ -320,16 +330,17 @@ class Document(Pattern):
         return same if self.batch_size is not None else same[0, 0]
 
     def kinds(self, q_len, kv_len, block_q, block_k):
-        if not (self.ids[:, 1:] >= self.ids[:, :-1]).all():
+        ids = self.ids.cpu()  # block plans are made on the CPU, whatever the ids' device
+        if not (ids[:, 1:] >= ids[:, :-1]).all():
             return super().kinds(q_len, kv_len, block_q, block_k)  # unsorted: reduce
-        q_ids = self.ids[:, causal_shift(q_len, kv_len) :]
+        q_ids = ids[:, causal_shift(q_len, kv_len) :]
 
         def ranges(ids: Tensor, block: int) -> tuple[Tensor, Tensor]:
             first, last = block_ranges(ids.shape[1], block)
             return ids[:, first], ids[:, last]  # sorted: min and max of each block
 
         q_lo, q_hi = ranges(q_ids, block_q)
-        k_lo, k_hi = ranges(self.ids, block_k)
+        k_lo, k_hi = ranges(ids, block_k)
         q_lo, q_hi = q_lo.unsqueeze(-1), q_hi.unsqueeze(-1)
         k_lo, k_hi = k_lo.unsqueeze(-2), k_hi.unsqueeze(-2)
         full = ((q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo)).all(0)

@@ -59,6 +59,7 @@ def bigbird(
             f"window_blocks must be odd (the block itself in the middle), got {window_blocks}"
         )
     int_at_least("global_blocks", global_blocks, 0)
+    int_at_least("random_blocks", random_blocks, 0)
     return (
         BlockBand(block_size, window_blocks // 2)
         | GlobalTokens(range(global_blocks * block_size), beyond_keys="ignore")
