@@ -165,6 +165,20 @@ def test_a_window_inside_each_sequence(backend, window, causal):
         assert_close(got, expected)
 
 
+@pytest.mark.parametrize("backend", ["flash", "auto"])
+def test_offsets_refilled_before_backward_leave_the_gradients_alone(backend):
+    """A caller reusing its int64 cu_seqlens buffer: the pattern kept the caller's own
+    tensor, so the tiled backward read the new offsets (gradients 3 off)."""
+    q, k, v = packed([100, 200], [100, 200])
+    cu = torch.tensor([0, 100, 300])  # int64, on the CPU: .to(int64) was no copy
+    out = attention_varlen(q, k, v, cu, cu, 200, 200, window=(5, 5), backend=backend)
+    grad_out = torch.randn(out.shape, dtype=out.dtype)
+    expected = torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True)
+    cu[1] = 150
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), grad_out), expected, strict=True):
+        assert torch.equal(got, want)
+
+
 def alibi_modify(slopes):
     def modify(scores, i, j):
         return scores - slopes.double().view(1, -1, 1, 1) * (i - j).abs()
@@ -353,3 +367,12 @@ def test_planning_a_thousand_sequences_follows_the_blocks():
         )
         kinds = {(run.full, run.triangle) for rows in plan.rows for run in rows.runs}
         assert kinds == ({(False, "lower")} if causal else {(True, None)})
+
+
+def test_triton_names_per_sequence_positions_not_the_wrapper_that_holds_them():
+    """attention_varlen wraps a score for packed cross-attention in AtPositions; the
+    refusal said triton evaluates ALiBi "but not AtPositions" for a call given ALiBi."""
+    from mhsa.core.backends.triton import score_reason
+
+    reason = score_reason(("AtPositions",))
+    assert "not at per-sequence ones" in reason and "AtPositions" not in reason

@@ -292,6 +292,15 @@ def test_next_token_targets_stop_at_each_boundary():
     tokens = torch.tensor([10, 11, 12, 13, 14, 15])
     assert next_token_targets(tokens, cu).tolist() == [11, 12, IGNORE, IGNORE, 15, IGNORE]
     assert next_token_targets(tokens[None], cu).shape == (1, 6)
+    # offsets are checked as attention_varlen checks them (they once ran unchecked)
+    for bad, error, fragment in (
+        (torch.tensor([0, 4, 12]), ValueError, "ends at 12 but the packed tensor holds 6"),
+        (torch.tensor([0, 4, 2, 6]), ValueError, "must not decrease"),
+        (torch.tensor([2, 4, 6]), ValueError, "must start at 0"),
+        (torch.tensor([0.0, 6.0]), TypeError, "int32 or int64 tensor"),
+    ):
+        with pytest.raises(error, match=fragment):
+            next_token_targets(tokens, bad)
 
 
 def test_a_batch_with_no_target_has_loss_zero_not_nan():

@@ -66,12 +66,45 @@ def next_token_targets(tokens: Tensor, cu_seqlens: Tensor) -> Tensor:
     """Targets (like tokens, (total,) or (1, total)) for next-token prediction in a
     packed row: each token's successor in its own sequence, IGNORE (-100) at each
     sequence's last token, so that no loss crosses a boundary."""
+    cu_seqlens = check_cu_seqlens("cu_seqlens", cu_seqlens, tokens.numel())
     flat = tokens.reshape(-1)
     targets = torch.full_like(flat, IGNORE)
     targets[:-1] = flat[1:]
     ends = cu_seqlens[1:].long().to(flat.device) - 1
     targets[ends[ends >= 0]] = IGNORE  # (an empty first sequence ends at -1)
     return targets.view(tokens.shape)
+
+
+def check_cu_seqlens(name: str, cu_seqlens, total: int | None = None) -> Tensor:
+    """cu_seqlens as int64 on the CPU after checking it: a 1-D int32 or int64 tensor of
+    B + 1 offsets that starts at 0, never decreases and (given total) ends at total."""
+    if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        got = cu_seqlens.dtype if isinstance(cu_seqlens, Tensor) else type(cu_seqlens).__name__
+        raise TypeError(
+            f"{name} must be an int32 or int64 tensor of B+1 offsets, got {got}; "
+            "e.g. torch.tensor([0, 3, 8], dtype=torch.int32)"
+        )
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() == 0:
+        raise ValueError(
+            f"{name} must be 1-D with B+1 >= 1 entries, got shape {tuple(cu_seqlens.shape)}"
+        )
+    # a copy: the caller may refill its buffer before backward, which plans from these
+    offsets = cu_seqlens.detach().to("cpu", torch.int64, copy=True)
+    if int(offsets[0]) != 0:
+        raise ValueError(f"{name} must start at 0, got {int(offsets[0])}; prepend a 0")
+    steps = offsets.diff()
+    if (steps < 0).any():
+        at = int((steps < 0).nonzero()[0]) + 1
+        raise ValueError(
+            f"{name} must not decrease (offsets of segments of length >= 0), but entry "
+            f"{at} is {int(offsets[at])} after {int(offsets[at - 1])}"
+        )
+    if total is not None and int(offsets[-1]) != total:
+        raise ValueError(
+            f"{name} ends at {int(offsets[-1])} but the packed tensor holds {total} tokens: "
+            "its last entry must be the total"
+        )
+    return offsets
 
 
 def _batch(members: list[int], tokens: list[Tensor]) -> PackedBatch:

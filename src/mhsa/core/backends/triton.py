@@ -48,6 +48,12 @@ def score_reason(kinds: tuple[str, ...]) -> str | None:
     if not kinds:
         return "the call's score function is not named in its spec (score_kinds)"
     for kind in kinds:
+        if kind == "AtPositions":  # attention_varlen's wrapper: positions restart per sequence
+            return (
+                "its kernels evaluate score functions at the call's own positions, not at "
+                "per-sequence ones (packed cross-attention, or a score that is not relative): "
+                "flash and reference take them"
+            )
         if kind not in KERNEL_SCORES:
             return (
                 f"its kernels evaluate ALiBi, RelativeBias and Softcap, not {kind} "

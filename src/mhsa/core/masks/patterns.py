@@ -266,12 +266,12 @@ class KeyPadding(Pattern):
                 raise ValueError(
                     f"a key padding mask must be (batch, S) bool, got {tuple(t.shape)}"
                 )
-            self.keys = t
+            self.keys = t.clone()  # patterns are immutable: backward reads the same keys
         else:
             if t.dim() != 1 or t.is_floating_point() or (t.numel() and t.min() < 0):
                 raise ValueError(f"lengths must be a 1-D sequence of ints >= 0, got {lengths!r}")
             self.keys = None
-            self.lengths = t.long()
+            self.lengths = t.long().clone()
             self._longest = int(t.max()) if t.numel() else 0  # (read once, as GlobalTokens)
         self.batch_size = t.shape[0]
 
@@ -311,7 +311,7 @@ class Document(Pattern):
         t = torch.as_tensor(ids)
         if t.dim() not in (1, 2) or t.is_floating_point():
             raise ValueError(f"ids must be int, (S,) or (batch, S), got {tuple(t.shape)}")
-        self.ids = t.long().view(-1, t.shape[-1])  # (1 or B, S)
+        self.ids = t.long().view(-1, t.shape[-1]).clone()  # (1 or B, S), the caller's kept apart
         self.batch_size = t.shape[0] if t.dim() == 2 else None
 
     def check_lengths(self, q_len, kv_len):

@@ -19,41 +19,11 @@ import bisect
 import torch
 from torch import Tensor
 
+from ...data.packing import check_cu_seqlens
 from ..checks import int_at_least
 from .base import Pattern
 from .blocks import EMPTY, FULL, PARTIAL, num_blocks
 from .causal import causal_allows, causal_shift
-
-
-def check_cu_seqlens(name: str, cu_seqlens, total: int | None = None) -> Tensor:
-    """cu_seqlens as int64 on the CPU after checking it: a 1-D int32 or int64 tensor of
-    B + 1 offsets that starts at 0, never decreases and (given total) ends at total."""
-    if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
-        got = cu_seqlens.dtype if isinstance(cu_seqlens, Tensor) else type(cu_seqlens).__name__
-        raise TypeError(
-            f"{name} must be an int32 or int64 tensor of B+1 offsets, got {got}; "
-            "e.g. torch.tensor([0, 3, 8], dtype=torch.int32)"
-        )
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() == 0:
-        raise ValueError(
-            f"{name} must be 1-D with B+1 >= 1 entries, got shape {tuple(cu_seqlens.shape)}"
-        )
-    offsets = cu_seqlens.detach().to("cpu", torch.int64)
-    if int(offsets[0]) != 0:
-        raise ValueError(f"{name} must start at 0, got {int(offsets[0])}; prepend a 0")
-    steps = offsets.diff()
-    if (steps < 0).any():
-        at = int((steps < 0).nonzero()[0]) + 1
-        raise ValueError(
-            f"{name} must not decrease (offsets of segments of length >= 0), but entry "
-            f"{at} is {int(offsets[at])} after {int(offsets[at - 1])}"
-        )
-    if total is not None and int(offsets[-1]) != total:
-        raise ValueError(
-            f"{name} ends at {int(offsets[-1])} but the packed tensor holds {total} tokens: "
-            "its last entry must be the total"
-        )
-    return offsets
 
 
 def check_segment_counts(cu_q: Tensor, cu_k: Tensor) -> None:
