@@ -135,9 +135,14 @@ def _tiny_hf_folder(tmp_path, hf_model) -> str:
 def test_a_roberta_folder_is_refused_not_loaded_with_shifted_positions(tmp_path):
     # RoBERTa stores BERT's weight names but starts positions at pad_token_id + 1
     config = transformers.RobertaConfig(
-        vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=4,
-        intermediate_size=32, max_position_embeddings=22, pad_token_id=1,
-    )  # fmt: skip
+        vocab_size=50,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=32,
+        max_position_embeddings=22,
+        pad_token_id=1,
+    )
     folder = _tiny_hf_folder(tmp_path, transformers.RobertaModel(config))
     with pytest.raises(ValueError, match="model_type 'roberta' is not BERT"):
         Bert.from_pretrained(folder)
@@ -146,9 +151,14 @@ def test_a_roberta_folder_is_refused_not_loaded_with_shifted_positions(tmp_path)
 @pytest.mark.parametrize("tied", [True, False])
 def test_an_untied_mlm_decoder_is_refused_a_tied_one_equals_transformers(tmp_path, tied):
     config = transformers.BertConfig(
-        vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=4,
-        intermediate_size=32, max_position_embeddings=20, tie_word_embeddings=tied,
-    )  # fmt: skip
+        vocab_size=50,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=32,
+        max_position_embeddings=20,
+        tie_word_embeddings=tied,
+    )
     hf = transformers.BertForMaskedLM(config).eval()
     folder = _tiny_hf_folder(tmp_path, hf)
     if not tied:
@@ -161,8 +171,13 @@ def test_an_untied_mlm_decoder_is_refused_a_tied_one_equals_transformers(tmp_pat
 
 
 def test_a_null_pad_token_id_reads_as_0():
-    hf = transformers.BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1,
-                                 num_attention_heads=2, intermediate_size=24).to_dict()  # fmt: skip
+    hf = transformers.BertConfig(
+        vocab_size=40,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=24,
+    ).to_dict()
     assert BertConfig.from_hf_config({**hf, "pad_token_id": None}).pad_token_id == 0
 
 

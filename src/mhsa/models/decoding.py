@@ -281,10 +281,17 @@ class CausalLMDecoding:
         device = next(self.parameters()).device
         if not self.left_padding and len({p.numel() for p in prompts}) > 1:
             options = dict(
-                temperature=temperature, top_k=top_k, top_p=top_p, eos_token=requested_eos,
-                use_cache=use_cache, generator=generator, compile=compile,
-                cuda_graph=cuda_graph, speculate=speculate, draft_tokens=draft_tokens,
-            )  # fmt: skip
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                eos_token=requested_eos,
+                use_cache=use_cache,
+                generator=generator,
+                compile=compile,
+                cuda_graph=cuda_graph,
+                speculate=speculate,
+                draft_tokens=draft_tokens,
+            )
             return [self.generate([prompt], max_new_tokens, **options)[0] for prompt in prompts]
         if speculate is not None and max_new_tokens > 0:
             return self._speculative(
