@@ -205,6 +205,15 @@ def tiny_train(out, *extra: str) -> list[str]:
     ]
 
 
+def test_generate_names_a_prompt_longer_than_learned_positions(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(tiny_train(out, "--position", "learned")) == 0
+    capsys.readouterr()
+    long_prompt = ["generate", str(out), "--prompt", "x" * 21, "--max-new-tokens", "0"]
+    assert main(long_prompt) == 2  # said "--max-new-tokens at most -5"
+    assert "--prompt is 21 tokens, more than max_len 16" in capsys.readouterr().err
+
+
 def test_train_refuses_a_folder_with_a_checkpoint(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(tiny_train(out)) == 0

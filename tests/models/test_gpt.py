@@ -215,6 +215,9 @@ def test_config_errors_name_the_field(options, message):
         ({"prompt": torch.tensor([1.0, 2.0])}, TypeError, "prompt must hold integer token ids"),
         ({"prompt": torch.tensor([1, 300])}, ValueError, "token id 300, outside .* 0..255"),
         ({"prompt": torch.tensor([-1, 2])}, ValueError, "token id -1"),
+        # (were `len()` TypeErrors from inside generate)
+        ({"eos_token": 2.0}, TypeError, "eos_token must be a token id, a list of them"),
+        ({"eos_token": torch.tensor(300)}, ValueError, "eos_token holds token id 300"),
     ],
 )
 def test_generate_errors_name_the_argument(options, error, message):
@@ -224,6 +227,29 @@ def test_generate_errors_name_the_argument(options, error, message):
     max_new_tokens = options.pop("max_new_tokens", 2)
     with pytest.raises(error, match=message):
         model.generate([prompt], max_new_tokens, **options)
+
+
+def test_a_1d_tensor_prompt_is_refused_before_decoding_and_tensor_eos_ids_serve():
+    """A 1-D tensor (what a tokenizer returns) was decoded as a batch of one-token
+    prompts, then raised IndexError at the end."""
+    model = GPT(GPTConfig(vocab_size=256, n_layer=1, n_head=2, d_model=16, max_len=32)).eval()
+    with pytest.raises(ValueError, match=r"idx must be a \(B, T\) tensor .* got \(5,\)"):
+        model.generate(torch.tensor([1, 2, 3, 4, 5]), 2)
+    prompt = torch.tensor([[1, 2, 3]])
+    greedy = model.generate(prompt, 4, temperature=0, eos_token=[])
+    stop = int(greedy[0, 3])  # the first new token
+    for eos in (torch.tensor(stop), torch.tensor([stop])):
+        assert model.generate(prompt, 4, temperature=0, eos_token=eos)[0, 3:].tolist() == [stop]
+
+
+def test_top_p_1_keeps_every_token():
+    """float32's running sum reached 1.0 before the tail: half of a 128k vocabulary
+    became unsampleable at top_p=1.0."""
+    from mhsa.models.sampling import Sampling, probabilities
+
+    logits = torch.randn(1, 128000, generator=torch.Generator().manual_seed(0)) * 4
+    full = probabilities(logits, Sampling(1.0))
+    assert torch.equal(probabilities(logits, Sampling(1.0, top_p=1.0)), full)
 
 
 def test_forward_rejects_token_ids_outside_the_vocabulary():

@@ -128,17 +128,25 @@ class _HistoryModel(_StepDecoder):
 
 
 def _exhaustive_best(model: _HistoryModel, start: int, eos: int, max_new: int, penalty: float):
+    """The best of every hypothesis: ended by eos within max_new tokens, or max_new
+    tokens long without one (cut there), each scored log-prob / length**penalty."""
     best, best_score = None, -math.inf
-    for length in range(1, max_new + 1):
-        for body in itertools.product(
-            [t for t in range(model.vocab) if t != eos], repeat=length - 1
-        ):
-            seq, score = (start,), 0.0
-            for token in (*body, eos):
-                score += torch.log_softmax(model.logits(seq), -1)[token].item()
-                seq += (token,)
-            if score / length**penalty > best_score:
-                best, best_score = list(body), score / length**penalty
+    words = [t for t in range(model.vocab) if t != eos]
+    hypotheses = [
+        *(
+            (body, (*body, eos))
+            for n in range(max_new)
+            for body in itertools.product(words, repeat=n)
+        ),
+        *((body, body) for body in itertools.product(words, repeat=max_new)),
+    ]
+    for body, tokens in hypotheses:
+        seq, score = (start,), 0.0
+        for token in tokens:
+            score += torch.log_softmax(model.logits(seq), -1)[token].item()
+            seq += (token,)
+        if score / len(tokens) ** penalty > best_score:
+            best, best_score = list(body), score / len(tokens) ** penalty
     return best
 
 
@@ -157,7 +165,8 @@ def _narrow_beam(
     """Beam search written out: each step the 2k best extensions are read in order,
     eos ones finish (scored log-prob / length**penalty), the first k others live on;
     the search stops once k have finished and the best live beam, scored at its
-    current length, is no better than the k-th best finished."""
+    current length, is no better than the k-th best finished; beams alive at max_new
+    compete with the finished ones, scored at that length."""
     alive, finished = [(0.0, (start,))], []
     for length in range(1, max_new + 1):
         extended = [
@@ -175,8 +184,9 @@ def _narrow_beam(
                 alive.append((score, prefix))
         kth_best = sorted(score for score, _ in finished)[-k] if len(finished) >= k else None
         if kth_best is not None and alive[0][0] / length**penalty <= kth_best:
-            break
-    return max(finished)[1] if finished else list(alive[0][1][1:])
+            return max(finished)[1]
+    finished += [(score / max_new**penalty, list(prefix[1:])) for score, prefix in alive]
+    return max(finished)[1]
 
 
 @pytest.mark.parametrize("beam", [1, 2, 3])

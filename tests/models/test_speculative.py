@@ -52,6 +52,19 @@ def test_prompt_lookup_drafts_what_followed_the_latest_ngram():
         PromptLookup(max_ngram=1, min_ngram=2)
 
 
+def test_a_draft_model_out_of_room_drafts_nothing_and_decoding_goes_on():
+    """A pool of 4 blocks (64 tokens) under a 90-token answer: it raised PoolExhausted
+    halfway; now its drafts stop and the tokens are plain decoding's."""
+    target, draft = _gpt(32, 2, 0), _gpt(16, 1, 1)
+    speculate = DraftModel(draft, num_blocks=4)
+    prompt = torch.randint(0, 48, (30,), generator=torch.Generator().manual_seed(2))
+    plain = target.generate([prompt], 60, temperature=0, eos_token=[])[0]
+    fast = target.generate([prompt], 60, temperature=0, eos_token=[], speculate=speculate)[0]
+    assert torch.equal(fast, plain)
+    assert speculate.pool.free_blocks == 4  # the stream was forgotten at the end
+    assert speculate.propose(list(range(70)), 3) == ([], None)  # more than the pool holds
+
+
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 @pytest.mark.parametrize("kind", ["prompt-lookup", "draft"])
 def test_greedy_speculative_decoding_equals_plain_decoding(family, kind):

@@ -49,6 +49,11 @@ def generate(args: argparse.Namespace) -> int:
     model = load_gpt(checkpoint)
     room = model.config.max_len - prompt.numel()
     if args.max_new_tokens > room:
+        if model.config.position in ("learned", "sinusoidal") and room < 0:
+            raise ValueError(
+                f"--prompt is {prompt.numel()} tokens, more than max_len "
+                f"{model.config.max_len} of this model's positions: shorten it"
+            )
         if model.config.position in ("learned", "sinusoidal"):
             raise ValueError(
                 f"--max-new-tokens at most {room} for this prompt (max_len {model.config.max_len})"

@@ -28,7 +28,8 @@ def beam_search(
     length_penalty: float = 1.0,
 ) -> list[list[int]]:
     """Keep the beam_size best prefixes per sequence; return each sequence's best
-    finished hypothesis (no prefix, no eos), ranked by log-prob / length**length_penalty.
+    hypothesis (no prefix, no eos), ranked by log-prob / length**length_penalty among
+    those that ended and the beams still alive at max_new_tokens.
 
     start (B, T0). The decoder and its caches must already serve B * beam_size rows,
     row b * beam_size + j being beam j of sequence b (e.g. the encoder output repeated
@@ -77,8 +78,12 @@ def beam_search(
         logits = decoder.step(next_tokens.view(-1, 1).to(start.device), caches)
     results = []
     for b in range(batch):
-        if not finished[b]:  # nothing ended within max_new_tokens: take the best beam
-            finished[b].append((scores[b, 0].item(), beams[b * k]))
+        # beams still alive at max_new_tokens compete too, scored at their length (as
+        # transformers, fairseq and CTranslate2 do); a sequence stopped early has none
+        for j in range(k):
+            if scores[b, j] > -torch.inf:
+                tokens = beams[b * k + j]
+                finished[b].append((scores[b, j].item() / len(tokens) ** length_penalty, tokens))
         results.append(max(finished[b], key=lambda item: item[0])[1])
     return results
 

@@ -253,9 +253,15 @@ class CausalLMDecoding:
         when sampling.
         Returns prompts + new tokens in the same form: a tensor (B, T + new) with the
         first stop token repeated after a sequence's end, or a list cut after each one's."""
+        if isinstance(eos_token, Tensor):
+            eos_token = eos_token.tolist()  # (a 0-d tensor: one id)
+        if eos_token is not None and not isinstance(eos_token, (int, list, tuple)):
+            raise TypeError(
+                f"eos_token must be a token id, a list of them, or None; got {eos_token!r}"
+            )
         requested_eos = eos_token
         eos_token = self.default_stop_tokens() if eos_token is None else eos_token
-        if eos_token is not None and not isinstance(eos_token, int) and len(eos_token) == 0:
+        if isinstance(eos_token, (list, tuple)) and len(eos_token) == 0:
             eos_token = None
         vocab_size, max_len = self.config.vocab_size, self.position_limit()
         an_int("max_new_tokens", max_new_tokens)
@@ -273,6 +279,12 @@ class CausalLMDecoding:
             )
         stop = StopRule(_stop_tokens(eos_token, vocab_size), max_new_tokens)
         as_list = isinstance(idx, (list, tuple))
+        if not as_list and (not isinstance(idx, Tensor) or idx.dim() != 2):
+            got = tuple(idx.shape) if isinstance(idx, Tensor) else type(idx).__name__
+            raise ValueError(
+                f"idx must be a (B, T) tensor of prompts or a list of 1-D prompts, got {got}; "
+                "one 1-D prompt goes in as prompt[None] or [prompt]"
+            )
         prompts = list(idx) if as_list else list(idx.unbind(0))
         if not prompts or min(p.numel() for p in prompts) == 0:
             raise ValueError("generate needs at least one non-empty prompt")

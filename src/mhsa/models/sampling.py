@@ -309,7 +309,7 @@ def _filtered_probs(
     if top_k is not None:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, -torch.inf)
-    if top_p is not None:
+    if top_p is not None and top_p < 1.0:  # (1.0 keeps every token: float32 sums reach it early)
         sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
         drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p

@@ -80,9 +80,11 @@ class PromptLookup(Speculator):
 
 class DraftModel(Speculator):
     """Drafts from a smaller decoder (GPT or Llama) with the target's vocabulary: it
-    follows each stream in its own paged pool of num_blocks blocks, catches up on the
-    tokens the target took, and drops the drafts it rejected. Greedy requests get its
-    argmax tokens; sampled ones a draw from its distribution (returned as q)."""
+    follows each stream in its own paged pool of num_blocks blocks of 16 tokens,
+    catches up on the tokens the target took, and drops the drafts it rejected; a
+    stream the pool has no room for gets no drafts (plain decoding's tokens). Greedy
+    requests get its argmax tokens; sampled ones a draw from its distribution
+    (returned as q)."""
 
     def __init__(self, model: nn.Module, num_blocks: int = 256) -> None:
         self.model = model.eval()
@@ -114,6 +116,11 @@ class DraftModel(Speculator):
             self.pool.truncate(seq, held)
         common = self.pool.length(seq)
         new = context[common:]
+        if self.pool.blocks_needed(seq, len(new) + k - 1) > self.pool.free_blocks:
+            # the pool cannot hold this stream's drafts (a context past its num_blocks x
+            # 16 tokens, or many streams): no draft, and decoding goes on without one
+            self._streams[key] = (seq, context[:common])
+            return [], None
         logits = self.model.prefill(self._tensor(new), self.pool.batch([seq], len(new)))
         draft, rows = [], []
         for i in range(k):
