@@ -16,6 +16,7 @@ import torch
 import mhsa
 from helpers import golden_attention, max_error
 from mhsa.cache import KVCache
+from mhsa.core.attention import attention_and_weights
 from mhsa.core.backends import get
 from mhsa.core.masks import KeyPadding, SlidingWindow
 from mhsa.distributed import context_parallel, run_local, shard, unshard
@@ -80,11 +81,14 @@ def _check(backend: str, q, k, v, mask, bias, causal, allowed):
     allowed = allowed.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     clean = _clean_rows(k, v, allowed, q.shape[1])
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    with_lse = backend != "sdpa"  # sdpa does not return the logsumexp
-    result = mhsa.attention(
-        *leaves, mask, bias=bias, causal=causal, backend=backend, return_lse=with_lse
-    )
-    out, lse = result if with_lse else (result, None)
+    if backend == "weights":  # what modules run for need_weights=True
+        out, lse = attention_and_weights(*leaves, mask, bias=bias, causal=causal)[0], None
+    else:
+        with_lse = backend != "sdpa"  # sdpa does not return the logsumexp
+        result = mhsa.attention(
+            *leaves, mask, bias=bias, causal=causal, backend=backend, return_lse=with_lse
+        )
+        out, lse = result if with_lse else (result, None)
     expected = [t.clone().double().requires_grad_() for t in (q, _zeroed(k), _zeroed(v))]
     want_out, want_lse = golden_attention(*expected, allowed, bias=bias, scale=scale)
     assert torch.isfinite(out[clean]).all(), "a masked non-finite key leaked"
@@ -112,6 +116,17 @@ def test_masked_nonfinite_keys_and_values_never_leak(backend):
         case = _case(gen)
         try:
             _check(backend, *case)
+        except AssertionError as error:
+            raise AssertionError(f"case {number}: {error}") from error
+
+
+def test_masked_nonfinite_keys_and_values_never_leak_into_returned_weights_calls():
+    """attention_and_weights (need_weights=True) once multiplied 0 by a masked nan."""
+    gen = torch.Generator().manual_seed(17)
+    for number in range(40):
+        case = _case(gen)
+        try:
+            _check("weights", *case)
         except AssertionError as error:
             raise AssertionError(f"case {number}: {error}") from error
 

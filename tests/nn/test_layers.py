@@ -10,6 +10,7 @@ from helpers import max_error
 from mhsa.nn import (
     FeedForward,
     GatedFeedForward,
+    MultiHeadAttention,
     RMSNorm,
     Transformer,
     TransformerDecoder,
@@ -112,6 +113,34 @@ def test_stacks_and_transformer_match_torch():
     assert max_error(decoder(tgt, memory), theirs.decoder(tgt, memory)) < 1e-5
 
 
+def test_torch_float_masks_reach_every_attention_as_biases():
+    """torch's layers take float (additive) masks; ours had no bias= to take what
+    from_torch_masks makes of them (a float mask could only be dropped: 0.41 off)."""
+    theirs = randomize(
+        nn.Transformer(D_MODEL, HEADS, 1, 2, dim_feedforward=FF, batch_first=True)
+    ).eval()
+    ours = Transformer.from_torch(theirs)
+    src, tgt = torch.randn(2, 9, D_MODEL), torch.randn(2, 6, D_MODEL)
+    src_mask = -torch.rand(9, 9) * 3
+    tgt_mask = -torch.rand(6, 6) * 3
+    memory_mask = -torch.rand(6, 9) * 3
+    src_padding = torch.zeros(2, 9).index_fill_(1, torch.tensor([8]), -torch.inf)
+    expected = theirs(
+        src,
+        tgt,
+        src_mask=src_mask,
+        tgt_mask=tgt_mask,
+        memory_mask=memory_mask,
+        src_key_padding_mask=src_padding,
+        memory_key_padding_mask=src_padding,
+    )
+    _, _, src_bias = from_torch_masks(src_mask, src_padding)
+    _, _, memory_bias = from_torch_masks(memory_mask, src_padding)
+    _, _, tgt_bias = from_torch_masks(tgt_mask)
+    out = ours(src, tgt, src_bias=src_bias, tgt_bias=tgt_bias, memory_bias=memory_bias)
+    assert max_error(out, expected) < 1e-5
+
+
 def test_stack_builds_independent_copies():
     layer = TransformerEncoderLayer(D_MODEL, HEADS, dim_feedforward=FF)
     encoder = TransformerEncoder(layer, 3, nn.LayerNorm(D_MODEL))
@@ -206,6 +235,34 @@ def test_from_torch_keeps_the_source_dtype(dtype):
     src, tgt = torch.randn(2, 5, D_MODEL, dtype=dtype), torch.randn(2, 4, D_MODEL, dtype=dtype)
     bound = 1e-12 if dtype == torch.float64 else 0.1
     assert max_error(ours(src, tgt), theirs(src, tgt)) < bound
+
+
+def test_from_torch_keeps_the_mode_and_refuses_another_class():
+    """Copies were always in training mode (dropout on under an eval source), and an
+    encoder layer copied a decoder layer, dropping its cross-attention."""
+    source = nn.Transformer(D_MODEL, HEADS, 1, 1, dim_feedforward=FF, batch_first=True)
+    for training in (False, True):
+        source.train(training)
+        copies = (
+            Transformer.from_torch(source),
+            TransformerEncoder.from_torch(source.encoder),
+            TransformerDecoderLayer.from_torch(source.decoder.layers[0]),
+            MultiHeadAttention.from_torch(source.encoder.layers[0].self_attn),
+        )
+        assert all(m.training is training for c in copies for m in c.modules())
+    refused = (
+        (
+            TransformerEncoderLayer,
+            source.decoder.layers[0],
+            "copies a torch.nn.TransformerEncoderLayer",
+        ),
+        (TransformerDecoderLayer, source.encoder.layers[0], "got TransformerEncoderLayer"),
+        (TransformerEncoder, source.decoder, "copies a torch.nn.TransformerEncoder, got"),
+        (Transformer, source.encoder, "must be a torch.nn.Transformer, got TransformerEncoder"),
+    )
+    for ours, theirs, message in refused:
+        with pytest.raises(TypeError, match=message):
+            ours.from_torch(theirs)
 
 
 def test_from_torch_copies_layers_without_biases():

@@ -127,6 +127,15 @@ def test_bad_module_arguments():
         mha(torch.randn(5, 32))
     with pytest.raises(ValueError, match="key_padding_mask must be bool"):
         mha(torch.randn(2, 5, 32), key_padding_mask=torch.ones(2, 4, dtype=torch.bool))
+    # with a pattern, a float or misshaped key_padding_mask was read as lengths or as
+    # another batch size; a float mask beside key padding raised inside torch's `&`
+    x, padding = torch.randn(2, 5, 32), torch.ones(2, 5, dtype=torch.bool)
+    window = mhsa.masks.SlidingWindow(2, 0)
+    for bad in (torch.zeros(2, 5), torch.ones(3, 5, dtype=torch.bool), torch.tensor([5, 3])):
+        with pytest.raises(ValueError, match=r"key_padding_mask must be bool .* \(2, 5\)"):
+            mha(x, mask=window, key_padding_mask=bad)
+    with pytest.raises(TypeError, match="mask must have dtype torch.bool .* bias="):
+        mha(x, mask=torch.zeros(5, 5), key_padding_mask=padding)
 
 
 @pytest.mark.parametrize("backend", ["flash", "sdpa"])

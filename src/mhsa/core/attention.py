@@ -9,8 +9,14 @@ import torch
 from torch import Tensor
 
 from . import validate
-from .backends import AttentionSpec, select
-from .backends.isolate import isolate_masked_nonfinite
+from .backends import AttentionSpec, get, select
+from .backends.common import tracing
+from .backends.isolate import (
+    attends_bad_key,
+    bad_keys,
+    isolate_masked_nonfinite,
+    zero_nonfinite,
+)
 from .backends.reference import attention_probs
 from .checks import as_4d
 from .kernels.dense import apply_dropout, grouped_scores, probs_times_v, stats_dtype
@@ -351,14 +357,29 @@ def attention_and_weights(
 ) -> tuple[Tensor, Tensor]:
     """(out (B, H, L, D_v), probs (B, H, L, S)) from one pass of the reference math.
 
-    For modules that return weights (need_weights=True); probs are before dropout.
+    For modules that return weights (need_weights=True); probs are before dropout. A
+    masked non-finite key or value changes nothing, as in attention().
     """
     validate.check_qkv(q, k, v)
     score = as_score(score)
     resolved_scale = _check_common(q, k, mask, bias, causal, scale, score=score, sinks=sinks)
     validate.check_dropout(dropout_p)
-    probs, _ = attention_probs(
-        q, k, mask=mask, bias=bias, causal=causal, scale=resolved_scale, score=score, sinks=sinks
-    )
-    dropped = apply_dropout(probs, dropout_p, draw_seed()) if dropout_p > 0 else probs
-    return probs_times_v(dropped, v).to(q.dtype), probs.to(q.dtype)
+    seed = draw_seed() if dropout_p > 0 else None  # one draw: the clean pass drops alike
+    call = dict(mask=mask, bias=bias, causal=causal, scale=resolved_scale, score=score)
+
+    def one_pass(keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        probs, _ = attention_probs(q, keys, **call, sinks=sinks)
+        dropped = apply_dropout(probs, dropout_p, seed) if seed is not None else probs
+        return probs_times_v(dropped, values).to(q.dtype), probs.to(q.dtype)
+
+    out, probs = one_pass(k, v)
+    if (mask is None and bias is None and not causal) or tracing():
+        return out, probs  # every key allowed: a non-finite one reaches every row
+    bad = bad_keys(k, v)
+    if not bool(bad.any()):
+        return out, probs
+    clean_out, clean_probs = one_pass(zero_nonfinite(k), zero_nonfinite(v))
+    reference = dict(call, dropout_p=0.0, return_lse=False, sinks=sinks)
+    poisoned = attends_bad_key(get("reference"), q, k, v, bad, reference).unsqueeze(-1)
+    out = torch.where(poisoned, out.detach(), clean_out)
+    return out, torch.where(poisoned, probs.detach(), clean_probs)

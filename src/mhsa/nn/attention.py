@@ -294,7 +294,8 @@ class MultiHeadAttention(AttentionModule):
     def from_torch(cls, module: nn.MultiheadAttention, backend: str = "auto") -> MultiHeadAttention:
         """Build one with the weights of a torch.nn.MultiheadAttention.
 
-        torch's module is batch-first or not; ours is always batch-first.
+        torch's module is batch-first or not; ours is always batch-first. The copy is in
+        the source's training mode.
         Its bias_k/bias_v (add_bias_kv) and add_zero_attn have no equivalent here.
         """
         if not isinstance(module, nn.MultiheadAttention):
@@ -329,4 +330,4 @@ class MultiHeadAttention(AttentionModule):
             ours.out_proj.weight.copy_(module.out_proj.weight)
             if has_bias:
                 ours.out_proj.bias.copy_(module.out_proj.bias)
-        return ours
+        return ours.train(module.training)

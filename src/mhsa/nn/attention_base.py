@@ -117,7 +117,8 @@ class AttentionModule(nn.Module):
         (MultiHeadAttention: average_weights; LatentAttention: absorbed).
 
         Returns (B, L, E); with need_weights (where returns_weights) also the
-        probabilities (B, L, S) averaged over heads, or (B, H, L, S).
+        probabilities (B, L, S) averaged over heads, or (B, H, L, S): before dropout
+        (torch's module returns them after it, in training).
         """
         call = AttentionCall(
             query,

@@ -101,16 +101,26 @@ def merge_masks(
     pattern (the flash engine plans it), a tensor becomes (B, 1, 1, S) and is and-ed."""
     if key_padding_mask is None:
         return mask
-    if isinstance(mask, Pattern):  # stays a pattern, so the flash engine can plan it
-        return mask & KeyPadding(key_padding_mask)
-    if key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != (
-        batch,
-        kv_len,
+    if (
+        not isinstance(key_padding_mask, Tensor)
+        or key_padding_mask.dtype != torch.bool
+        or tuple(key_padding_mask.shape) != (batch, kv_len)
     ):
+        got = (
+            f"{key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
+            if isinstance(key_padding_mask, Tensor)
+            else type(key_padding_mask).__name__
+        )
         raise ValueError(
             f"key_padding_mask must be bool of shape (batch, kv_len) = {(batch, kv_len)}, "
-            f"True = a real token; got {key_padding_mask.dtype} "
-            f"{tuple(key_padding_mask.shape)}"
+            f"True = a real token; got {got}"
+        )
+    if isinstance(mask, Pattern):  # stays a pattern, so the flash engine can plan it
+        return mask & KeyPadding(key_padding_mask)
+    if isinstance(mask, Tensor) and mask.dtype != torch.bool:
+        raise TypeError(
+            f"mask must have dtype torch.bool (True = may attend), got {mask.dtype}; pass "
+            "additive float values as bias= (from_torch_masks converts torch's)"
         )
     padding = key_padding_mask[:, None, None, :]  # (B, 1, 1, S)
     return padding if mask is None else mask & padding

@@ -1,6 +1,7 @@
 """Transformer layers: attention and feed-forward sublayers, each with a residual
 connection and layer norm (nn/feedforward.py). Inputs are batch-first (B, L, d_model);
-masks are bool, True = may attend. The stacks of them are in nn/stacks.py.
+masks are bool, True = may attend; biases are added to the scores (torch's float masks:
+from_torch_masks turns one into a bias). The stacks of them are in nn/stacks.py.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ class SelfAttentionMasks(TypedDict, total=False):
 
     mask: Tensor | None
     key_padding_mask: Tensor | None
+    bias: Tensor | None
     causal: bool
     position: AttentionPosition | None
 
@@ -31,6 +33,7 @@ class DecoderMasks(SelfAttentionMasks, total=False):
 
     memory_mask: Tensor | None
     memory_key_padding_mask: Tensor | None
+    memory_bias: Tensor | None
 
 
 # torch.nn.Transformer's layer norm epsilon, the layers' default and the stacks'
@@ -58,6 +61,7 @@ class _TransformerLayer(nn.Module):
 
     blocks: tuple[str, ...]  # the Residual of each sublayer, in order
     has_cross_attention: bool
+    torch_type: type[nn.Module]  # the torch layer from_torch copies
 
     def __init__(
         self,
@@ -97,19 +101,25 @@ class _TransformerLayer(nn.Module):
     @classmethod
     def from_torch(cls, layer: nn.Module) -> Self:
         """Copy a torch.nn.TransformerEncoderLayer or TransformerDecoderLayer (to the
-        matching class; batch-first or not)."""
+        matching class; batch-first or not), in its training mode."""
+        if not isinstance(layer, cls.torch_type):
+            raise TypeError(
+                f"{cls.__name__}.from_torch copies a torch.nn.{cls.torch_type.__name__}, "
+                f"got {type(layer).__name__}"
+            )
         ours = layer_from_torch(cls, layer)
         if cls.has_cross_attention:
             ours.cross_attn = MultiHeadAttention.from_torch(layer.multihead_attn)
         norms = [getattr(layer, f"norm{i}") for i in range(1, len(cls.blocks) + 1)]
         copy_norms(tuple(getattr(ours, name) for name in cls.blocks), tuple(norms))
-        return ours
+        return ours.train(layer.training)
 
     def _self_attention(
         self,
         x: Tensor,
         mask: Tensor | None,
         key_padding_mask: Tensor | None,
+        bias: Tensor | None,
         causal: bool,
         position: AttentionPosition | None,
         cache: KVCache | None,
@@ -122,6 +132,7 @@ class _TransformerLayer(nn.Module):
                 h,
                 mask=mask,
                 key_padding_mask=key_padding_mask,
+                bias=bias,
                 causal=causal,
                 position=position,
                 cache=cache,
@@ -135,6 +146,7 @@ class TransformerEncoderLayer(_TransformerLayer):
 
     blocks = ("attn_block", "ff_block")
     has_cross_attention = False
+    torch_type = nn.TransformerEncoderLayer
 
     def forward(
         self,
@@ -142,12 +154,13 @@ class TransformerEncoderLayer(_TransformerLayer):
         *,
         mask: Tensor | None = None,
         key_padding_mask: Tensor | None = None,
+        bias: Tensor | None = None,
         causal: bool = False,
         position: AttentionPosition | None = None,
         cache: KVCache | None = None,
     ) -> Tensor:
-        """x (B, L, d_model) -> (B, L, d_model)."""
-        x = self._self_attention(x, mask, key_padding_mask, causal, position, cache)
+        """x (B, L, d_model) -> (B, L, d_model); bias broadcastable to (B, H, L, L)."""
+        x = self._self_attention(x, mask, key_padding_mask, bias, causal, position, cache)
         return self.ff_block(x, self.feed_forward)
 
 
@@ -156,6 +169,7 @@ class TransformerDecoderLayer(_TransformerLayer):
 
     blocks = ("self_block", "cross_block", "ff_block")
     has_cross_attention = True
+    torch_type = nn.TransformerDecoderLayer
 
     def forward(
         self,
@@ -164,14 +178,17 @@ class TransformerDecoderLayer(_TransformerLayer):
         *,
         mask: Tensor | None = None,
         key_padding_mask: Tensor | None = None,
+        bias: Tensor | None = None,
         causal: bool = False,
         memory_mask: Tensor | None = None,
         memory_key_padding_mask: Tensor | None = None,
+        memory_bias: Tensor | None = None,
         position: AttentionPosition | None = None,
         cache: KVCache | None = None,
         memory_cache: MemoryCache | None = None,
     ) -> Tensor:
-        """x (B, L, d_model), memory (B, S, d_model) -> (B, L, d_model).
+        """x (B, L, d_model), memory (B, S, d_model) -> (B, L, d_model); bias and
+        memory_bias broadcastable to (B, H, L, L) and (B, H, L, S).
 
         cache holds this layer's self-attention keys/values while decoding;
         memory_cache its cross-attention keys/values, projected from memory once."""
@@ -182,10 +199,11 @@ class TransformerDecoderLayer(_TransformerLayer):
                 memory,
                 mask=memory_mask,
                 key_padding_mask=memory_key_padding_mask,
+                bias=memory_bias,
                 cache=memory_cache,
             )
 
-        x = self._self_attention(x, mask, key_padding_mask, causal, position, cache)
+        x = self._self_attention(x, mask, key_padding_mask, bias, causal, position, cache)
         x = self.cross_block(x, cross_attend)
         return self.ff_block(x, self.feed_forward)
 

@@ -27,6 +27,7 @@ class _LayerStack(nn.Module):
     """`num_layers` copies of a layer, then an optional final norm."""
 
     layer_type: type[nn.Module]  # what from_torch builds each layer as
+    torch_type: type[nn.Module]  # the torch stack from_torch copies
 
     def __init__(self, layer: nn.Module, num_layers: int, norm: nn.Module | None = None) -> None:
         super().__init__()
@@ -38,11 +39,17 @@ class _LayerStack(nn.Module):
 
     @classmethod
     def from_torch(cls, stack: nn.Module) -> _LayerStack:
-        """Copy a torch.nn.TransformerEncoder or TransformerDecoder (batch-first or not)."""
+        """Copy a torch.nn.TransformerEncoder or TransformerDecoder (batch-first or not),
+        in its training mode."""
+        if not isinstance(stack, cls.torch_type):
+            raise TypeError(
+                f"{cls.__name__}.from_torch copies a torch.nn.{cls.torch_type.__name__}, "
+                f"got {type(stack).__name__}"
+            )
         layers = [cls.layer_type.from_torch(layer) for layer in stack.layers]
         ours = cls(layers[0], 0, copy.deepcopy(stack.norm))
         ours.layers = nn.ModuleList(layers)
-        return ours
+        return ours.train(stack.training)
 
 
 def encoder_layers(num_layers: int, d_model: int, num_heads: int, **options: Any) -> nn.ModuleList:
@@ -57,10 +64,11 @@ class TransformerEncoder(_LayerStack):
     """`num_layers` copies of an encoder layer, then an optional final norm."""
 
     layer_type = TransformerEncoderLayer
+    torch_type = nn.TransformerEncoder
 
     def forward(self, x: Tensor, **masks: Unpack[SelfAttentionMasks]) -> Tensor:
         """x (B, L, d_model) -> (B, L, d_model). masks: TransformerEncoderLayer.forward's
-        mask, key_padding_mask, causal and position, given to every layer."""
+        mask, key_padding_mask, bias, causal and position, given to every layer."""
         for layer in self.layers:
             x = layer(x, **masks)
         return self._final_norm(x)
@@ -70,6 +78,7 @@ class TransformerDecoder(_LayerStack):
     """`num_layers` copies of a decoder layer, then an optional final norm."""
 
     layer_type = TransformerDecoderLayer
+    torch_type = nn.TransformerDecoder
 
     def forward(
         self,
@@ -135,26 +144,37 @@ class Transformer(nn.Module):
         tgt_key_padding_mask: Tensor | None = None,
         memory_key_padding_mask: Tensor | None = None,
         tgt_causal: bool = False,
+        src_bias: Tensor | None = None,
+        tgt_bias: Tensor | None = None,
+        memory_bias: Tensor | None = None,
     ) -> Tensor:
-        """src (B, S, d_model), tgt (B, L, d_model) -> (B, L, d_model)."""
-        memory = self.encoder(src, mask=src_mask, key_padding_mask=src_key_padding_mask)
+        """src (B, S, d_model), tgt (B, L, d_model) -> (B, L, d_model). The biases are
+        added to the scores of the encoder's, the decoder's and the cross-attention
+        (torch's float masks: from_torch_masks turns each into one)."""
+        memory = self.encoder(
+            src, mask=src_mask, key_padding_mask=src_key_padding_mask, bias=src_bias
+        )
         return self.decoder(
             tgt,
             memory,
             mask=tgt_mask,
             key_padding_mask=tgt_key_padding_mask,
+            bias=tgt_bias,
             causal=tgt_causal,
             memory_mask=memory_mask,
             memory_key_padding_mask=memory_key_padding_mask,
+            memory_bias=memory_bias,
         )
 
     @classmethod
     def from_torch(cls, model: nn.Transformer) -> Transformer:
-        """Copy a torch.nn.Transformer (batch-first or not)."""
+        """Copy a torch.nn.Transformer (batch-first or not), in its training mode."""
+        if not isinstance(model, nn.Transformer):
+            raise TypeError(f"model must be a torch.nn.Transformer, got {type(model).__name__}")
         ours = cls(model.d_model, model.nhead, num_encoder_layers=0, num_decoder_layers=0)
         ours.encoder = TransformerEncoder.from_torch(model.encoder)
         ours.decoder = TransformerDecoder.from_torch(model.decoder)
-        return ours
+        return ours.train(model.training)
 
 
 __all__ = ["Transformer", "TransformerDecoder", "TransformerEncoder", "encoder_layers"]

@@ -31,12 +31,13 @@ from .common import tracing
 from .registry import Backend
 
 
-def _bad_keys(k: Tensor, v: Tensor) -> Tensor:
+def bad_keys(k: Tensor, v: Tensor) -> Tensor:
     """(B, H_kv, S) bool: keys whose key or value vector holds a non-finite entry."""
     return ~(torch.isfinite(k).all(dim=-1) & torch.isfinite(v).all(dim=-1))
 
 
-def _clean(t: Tensor) -> Tensor:
+def zero_nonfinite(t: Tensor) -> Tensor:
+    """t with its nan and inf entries set to 0."""
     return torch.where(torch.isfinite(t), t, torch.zeros((), dtype=t.dtype, device=t.device))
 
 
@@ -66,18 +67,18 @@ def isolate_masked_nonfinite(
     total = sum(t.sum(dtype=torch.float32) for t in terms)
     if not backend.any_rank(not math.isfinite(total.item())):
         return out, lse
-    bad = _bad_keys(k, v)
+    bad = bad_keys(k, v)
     if not backend.any_rank(bool(bad.any())):
         return out, lse  # the non-finite output comes from q or the bias: the formula's
-    clean_out, clean_lse = backend.forward(q, _clean(k), _clean(v), **call)
-    poisoned = _attends_bad_key(backend, q, k, v, bad, call)  # (B, H, L)
+    clean_out, clean_lse = backend.forward(q, zero_nonfinite(k), zero_nonfinite(v), **call)
+    poisoned = attends_bad_key(backend, q, k, v, bad, call)  # (B, H, L)
     out = torch.where(poisoned.unsqueeze(-1), out.detach(), clean_out)
     if lse is not None:
         lse = torch.where(poisoned, lse.detach(), clean_lse)
     return out, lse
 
 
-def _attends_bad_key(
+def attends_bad_key(
     backend: Backend, q: Tensor, k: Tensor, v: Tensor, bad: Tensor, call: dict
 ) -> Tensor:
     """(B, H, L) bool: rows with an allowed key in `bad`. With q = k = 0 every allowed
