@@ -3,6 +3,8 @@ step over StaticKVCaches (fixed shapes); the tokens equal eager decoding."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -21,10 +23,16 @@ def _models():
     ).eval()
     config = LlamaConfig(vocab_size=96, n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=48)
     yield Llama(config).eval()
+    # dynamic NTK past max_len 16: its frequencies read the longest position (a host
+    # read once, which a compiled step could not trace)
+    dynamic = {"rope_type": "dynamic", "factor": 2.0}
+    yield Llama(dataclasses.replace(config, max_len=16, rope_scaling=dynamic)).eval()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", list(_models()), ids=["gpt", "gpt-rotary", "llama"])
+@pytest.mark.parametrize(
+    "model", list(_models()), ids=["gpt", "gpt-rotary", "llama", "llama-dynamic-rope"]
+)
 def test_compiled_decoding_gives_the_eager_tokens(model):
     options = (
         {"temperature": 0.0, "eos_token": []} if isinstance(model, Llama) else {"temperature": 0.0}

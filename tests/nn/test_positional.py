@@ -191,9 +191,38 @@ def test_rotary_bases_and_factors_that_make_no_frequencies_are_refused():
     for base in (0.0, -1.0, float("inf"), True):
         with pytest.raises(ValueError, match="base must be a finite number > 0"):
             RotaryEmbedding(8, base=base)
-    for factor in (0, -2.0):
-        with pytest.raises(ValueError, match="rope scaling factor must be a number > 0"):
+    for factor in (0, -2.0, float("inf")):
+        with pytest.raises(ValueError, match="rope scaling factor must be a finite number > 0"):
             RotaryEmbedding(8, scaling={"rope_type": "linear", "factor": factor})
+    # llama3 took a negative context, yarn raised "math domain error"; a string scaling
+    # raised "dictionary update sequence element #0"
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1, "high_freq_factor": 4}
+    yarn = {"rope_type": "yarn", "factor": 4.0}
+    for scaling in (llama3, yarn):
+        for context in (0, -3):
+            with pytest.raises(ValueError, match="original_max_position_embeddings must be an int"):
+                RotaryEmbedding(8, scaling={**scaling, "original_max_position_embeddings": context})
+    with pytest.raises(TypeError, match="rope scaling must be a dict .* got 'linear'"):
+        RotaryEmbedding(8, scaling="linear")
+
+
+def test_a_top_level_original_context_wins_as_in_transformers():
+    """Phi-3's convention: original_max_position_embeddings beside rope_scaling, not in it."""
+    from mhsa.models.llama import LlamaConfig
+
+    config = {
+        "model_type": "llama",
+        "vocab_size": 32,
+        "hidden_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "intermediate_size": 64,
+        "max_position_embeddings": 64,
+        "original_max_position_embeddings": 16,
+        "rope_scaling": {"type": "yarn", "factor": 4.0},
+    }
+    scaling = LlamaConfig.from_hf_config(config).rope_scaling
+    assert scaling["original_max_position_embeddings"] == 16  # (was 64)
 
 
 def test_negative_positions_are_refused():

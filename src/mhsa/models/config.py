@@ -141,13 +141,18 @@ def hf_sizes(d: dict, family: str, model_types: Sequence[str], needed: Sequence[
     }
 
 
-def hf_rope(rope: dict, theta: float, max_len: int) -> tuple[float, dict | None]:
+def hf_rope(
+    rope: dict, theta: float, max_len: int, original: int | None = None
+) -> tuple[float, dict | None]:
     """One rotary setting of a transformers config (its rope_scaling or rope_parameters,
-    whose rope_theta wins over `theta`) -> (theta, scaling or None for the default);
-    a llama3 or yarn scaling without original_max_position_embeddings gets max_len."""
+    whose rope_theta wins over `theta`) -> (theta, scaling or None for the default). A
+    llama3 or yarn scaling takes the config's top-level original_max_position_embeddings
+    (`original`, Phi-3's convention, first as in transformers), else its own, else max_len."""
     rope = dict(rope)
     theta = rope.pop("rope_theta", None) or theta
     if rope_type(rope) in ("llama3", "yarn"):
+        if original is not None:
+            rope["original_max_position_embeddings"] = original
         rope.setdefault("original_max_position_embeddings", max_len)
     return float(theta), (rope if rope_type(rope) != "default" else None)
 

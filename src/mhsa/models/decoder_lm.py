@@ -120,7 +120,9 @@ class DecoderLM(nn.Module, CausalLMDecoding):
         caches: one per layer (make_caches, or a PagedKVCache's layers); the tokens
         continue what they hold. start: (B,) index of each sequence's first real token
         when left-padded (without caches; with caches the caches hold it). Positions
-        count real tokens only, so a left-padded sequence gets the same logits as alone.
+        count real tokens only, so a left-padded sequence gets the same logits as alone
+        (except under dynamic NTK rope scaling, whose frequencies follow the call's
+        longest position, as in transformers).
         cu_seqlens (S+1,) and/or position_ids (T,) restarting at 0, where the model
         packs: idx (1, T) holds S sequences (mhsa.models.packing); each attends only
         itself, at its own positions. Not with caches or start.

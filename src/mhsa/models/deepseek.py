@@ -137,7 +137,8 @@ class DeepSeekConfig(CausalLMConfig):
             )
         rope = d.get("rope_scaling") or d.get("rope_parameters") or {}
         max_len = d.get("max_position_embeddings", 2048)
-        theta, scaling = hf_rope(rope, d.get("rope_theta") or 10000.0, max_len)
+        original = d.get("original_max_position_embeddings")
+        theta, scaling = hf_rope(rope, d.get("rope_theta") or 10000.0, max_len, original)
         minicpm = kind == "minicpm3"
         options = {}
         if minicpm:

@@ -114,7 +114,8 @@ class LlamaConfig(CausalLMConfig):
         rope = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
         partial = rope.pop("partial_rotary_factor", None) or d.get("partial_rotary_factor") or 1.0
         max_len = d.get("max_position_embeddings", 2048)
-        theta, scaling = hf_rope(rope, d.get("rope_theta") or 10000.0, max_len)
+        original = d.get("original_max_position_embeddings")
+        theta, scaling = hf_rope(rope, d.get("rope_theta") or 10000.0, max_len, original)
         window, window_layers = d.get("sliding_window"), None
         if kind in ("qwen2", "qwen3"):  # the window only where layer_types says so
             window = window if d.get("use_sliding_window") else None

@@ -16,8 +16,9 @@ transformers' Llama4ForCausalLM weights.
 
 Llama 4 rotates interleaved channel pairs (2i, 2i + 1); mhsa's rotary pairs (i, i + D/2),
 so from_hf permutes each head's q and k rows once (q.k is unchanged by one permutation
-of both). The QK-norm has no weight, so it commutes with the rotation; it is applied
-before it here (after it in transformers), equal up to rounding. The chunked layers'
+of both). The QK-norm has no weight, so it commutes with the rotation once YaRN's
+attention factor (which a norm after the rotation takes back out) is left at 1; it is
+applied before it here (after it in transformers), equal up to rounding. The chunked layers'
 caches keep only the last chunk_size keys (a ring buffer), the global layers' every
 key. The mixture of
 experts is written plainly (a loop over experts), for parity, not speed.
@@ -39,7 +40,7 @@ from ..core.validate import int_at_least
 from ..formats.weights import NameTable, Weights
 from ..nn import GatedFeedForward, RMSNorm
 from ..nn.feedforward import ACTIVATIONS
-from ..nn.positional import AttentionPosition
+from ..nn.positional import AttentionPosition, rope_type
 from .config import CausalLMConfig, RopeSetting, hf_rope, hf_sizes, hf_stop_tokens
 from .decoder_lm import EMBED, DecoderLM, LayerInputs, PreNormBlock
 
@@ -109,8 +110,13 @@ class Llama4Config(CausalLMConfig):
         return self.head_dim or self.d_model // self.n_head
 
     def rotary_setting(self) -> RopeSetting:
-        """The rope layers' rotary embedding."""
-        return RopeSetting(self.head_width, self.rope_theta, self.rope_scaling, self.max_len)
+        """The rope layers' rotary embedding. transformers norms q and k after rotating
+        them, which takes YaRN's cos/sin attention factor back out: with the QK-norm,
+        the factor is 1."""
+        scaling = self.rope_scaling
+        if self.qk_norm and rope_type(scaling) == "yarn":
+            scaling = {**scaling, "attention_factor": 1.0}
+        return RopeSetting(self.head_width, self.rope_theta, scaling, self.max_len)
 
     def rope(self, layer: int) -> bool:
         """Whether layer `layer` is a rope (chunked) layer, not a global NoPE one."""
@@ -140,7 +146,8 @@ class Llama4Config(CausalLMConfig):
         moe = list(range(step - 1, n_layer, step)) if moe is None else moe
         rope = d.get("rope_scaling") or d.get("rope_parameters") or {}
         max_len = d.get("max_position_embeddings", 2048)
-        theta, scaling = hf_rope(rope, d.get("rope_theta") or 500000.0, max_len)
+        original = d.get("original_max_position_embeddings")
+        theta, scaling = hf_rope(rope, d.get("rope_theta") or 500000.0, max_len, original)
         act = d.get("hidden_act", "silu")  # (transformers' default)
         return cls(
             **sizes,

@@ -21,7 +21,12 @@ from torch import Tensor, nn
 from ..core import scores
 from ..core.checks import int_at_least
 from ..core.masks.causal import causal_shift
-from .rope_scaling import ROPE_TYPES, rope_frequencies, rope_type  # noqa: F401 (public here)
+from .rope_scaling import (  # noqa: F401 (ROPE_TYPES, rope_type: public here)
+    ROPE_TYPES,
+    dynamic_frequencies,
+    rope_frequencies,
+    rope_type,
+)
 
 
 def _check_positive(name: str, value: int) -> None:
@@ -184,16 +189,14 @@ class RotaryEmbedding(AttentionPosition):
         """positions (L,) or (B, L) -> cos, sin float32 (..., L, rotary_dim / 2), times
         the attention factor (YaRN)."""
         inv_freq = self.inv_freq
-        if self.dynamic and positions.numel():
-            seq_len = int(positions.max()) + 1
-            if seq_len > self.max_position_embeddings:
-                inv_freq, _ = rope_frequencies(
-                    self.rotary_dim,
-                    self.base,
-                    self.scaling,
-                    seq_len=seq_len,
-                    max_position_embeddings=self.max_position_embeddings,
-                )
+        if self.dynamic and positions.numel():  # (tensor math: compiled steps trace it)
+            inv_freq = dynamic_frequencies(
+                inv_freq,
+                self.base,
+                self.scaling["factor"],
+                self.max_position_embeddings,
+                positions.max().long() + 1,
+            )
         angles = positions.float().unsqueeze(-1) * inv_freq.to(positions.device)
         return angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
 

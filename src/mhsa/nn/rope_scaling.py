@@ -50,6 +50,11 @@ def rope_frequencies(
         isinstance(base, int | float) and math.isfinite(base) and base > 0
     ):
         raise ValueError(f"base must be a finite number > 0 (10000.0 is RoPE's), got {base!r}")
+    if scaling is not None and not isinstance(scaling, dict):
+        raise TypeError(
+            f"rope scaling must be a dict (a config's rope_scaling, e.g. "
+            f"{{'rope_type': 'linear', 'factor': 2.0}}) or None, got {scaling!r}"
+        )
     scaling = dict(scaling or {})
     kind = rope_type(scaling)
     if kind not in ROPE_TYPES:
@@ -70,14 +75,15 @@ def rope_frequencies(
         raise ValueError(f"rope scaling {kind!r} needs {missing}; add them to the scaling dict")
     factor = scaling.get("factor")
     if factor is not None and (
-        isinstance(factor, bool) or not (isinstance(factor, int | float) and factor > 0)
+        isinstance(factor, bool)
+        or not (isinstance(factor, int | float) and math.isfinite(factor) and factor > 0)
     ):
-        raise ValueError(f"rope scaling factor must be a number > 0, got {factor!r}")
+        raise ValueError(f"rope scaling factor must be a finite number > 0, got {factor!r}")
+    if kind in ("llama3", "yarn"):
+        int_at_least(context, scaling[context], 1, " (the pretraining context length)")
     if kind == "dynamic":
-        seq_len = torch.tensor(max(seq_len or 0, max_position_embeddings))  # float32 math,
-        growth = factor * seq_len / max_position_embeddings - (factor - 1)  # as transformers'
-        base = base * growth ** (dim / (dim - 2))
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+        base = dynamic_base(dim, base, factor, max_position_embeddings, torch.tensor(seq_len or 0))
+    exponents = _exponents(dim, None)
     inv_freq = 1.0 / (base**exponents)
     if kind == "linear":
         return inv_freq / factor, 1.0
@@ -92,6 +98,33 @@ def rope_frequencies(
             raise ValueError(f"rope scaling 'factors' needs dim/2 = {want} factors, got {got}")
         return inv_freq / factors, 1.0
     return inv_freq, 1.0
+
+
+def _exponents(dim: int, device: torch.device | None) -> Tensor:
+    return torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+
+
+def dynamic_base(
+    dim: int, base: float, factor: float, max_position_embeddings: int, seq_len: Tensor
+) -> Tensor:
+    """Dynamic NTK's base for calls whose longest position + 1 is seq_len (an int64
+    0-d tensor, read on its device: no host sync, so compiled steps trace it): grown
+    once seq_len passes max_position_embeddings, in float32 as transformers does."""
+    seq_len = seq_len.clamp(min=max_position_embeddings)
+    growth = factor * seq_len / max_position_embeddings - (factor - 1)
+    return base * growth ** (dim / (dim - 2))
+
+
+def dynamic_frequencies(
+    inv_freq: Tensor, base: float, factor: float, max_position_embeddings: int, seq_len: Tensor
+) -> Tensor:
+    """The inverse frequencies (dim/2,) of dynamic NTK for a call whose longest position
+    + 1 is seq_len: inv_freq (plain RoPE's) up to max_position_embeddings, from the
+    grown base past it."""
+    dim = 2 * inv_freq.numel()
+    grown = dynamic_base(dim, base, factor, max_position_embeddings, seq_len)
+    scaled = 1.0 / (grown ** _exponents(dim, seq_len.device))
+    return torch.where(seq_len > max_position_embeddings, scaled, inv_freq.to(seq_len.device))
 
 
 def _llama3(inv_freq: Tensor, scaling: dict) -> Tensor:
