@@ -331,7 +331,7 @@ def test_rope_freqs_scale_the_rotary_frequencies_as_llama3_does(tmp_path):
         got, want, unscaled = ours(ids), scaled(ids), plain(ids)
     # (logits of tens, from random weights: float32 rounding of the factors shows as 2e-3)
     assert (got - want).abs().max() < 1e-2 and (got - unscaled).abs().max() > 1.0
-    metadata = {"llama.rope.scaling.type": "linear"}
+    metadata = {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": "2.0"}
     both = write_gguf(
         tmp_path / "both.gguf", metadata=metadata, tensors={"rope_freqs.weight": factors}
     )
@@ -373,6 +373,26 @@ def test_quantisation_gguf_cannot_dequantise(tmp_path):
     weights["model.layers.0.mlp.up_proj.weight"] = (blocks, Q.Q8_1, shape)
     with pytest.raises(ValueError, match="stored as Q8_1, which the gguf package .* cannot"):
         read_gguf(write_gguf(tmp_path / "q81.gguf", weights=weights))
+
+
+def test_f64_tensors_read_and_bad_names_and_rope_scalings_name_the_file(tmp_path):
+    """F64 was "upgrade gguf"; a blk.x tensor a bare int() error; a scaling without
+    its factor, or of a type we do not read, an error about a "scaling dict"."""
+    weights = hf_weights()
+    weights["model.norm.weight"] = weights["model.norm.weight"].astype(np.float64)
+    model = read_gguf(write_gguf(tmp_path / "f64.gguf", weights=weights))
+    want = torch.from_numpy(weights["model.norm.weight"]).float()
+    assert torch.equal(model.state_dict["model.norm.weight"], want)
+    bad_name = write_gguf(tmp_path / "name.gguf", tensors={"blk.x.extra": np.zeros(4, np.float32)})
+    with pytest.raises(ValueError, match=r"name.gguf: tensor 'blk.x.extra' is not named blk.N"):
+        read_gguf(bad_name)
+    for kind, message in (
+        ("linear", "rope.scaling.type is 'linear' but llama.rope.scaling.factor is not set"),
+        ("longrope", "rope.scaling.type is 'longrope'; mhsa reads 'linear' and 'yarn'"),
+    ):
+        path = write_gguf(tmp_path / f"{kind}.gguf", metadata={"llama.rope.scaling.type": kind})
+        with pytest.raises(ValueError, match=f"{kind}.gguf: metadata llama.{message}"):
+            read_gguf(path)
 
 
 def test_wrong_shape_and_unknown_tensor(tmp_path):

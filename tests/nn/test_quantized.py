@@ -94,8 +94,29 @@ def test_quantize_linears_replaces_all_but_the_skipped():
         quantize_linears(model, "int3")
     with pytest.raises(ValueError, match="divisible by 32"):
         Int4Linear.from_float(torch.randn(16, 33))
-    with pytest.raises(ValueError, match="divisible by 16"):
-        Int4Linear.from_float(torch.randn(4, 32))
+    assert Int4Linear.from_float(torch.randn(4, 32))(torch.randn(3, 32)).shape == (3, 4)
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), [(50, 32), (64, 24), (7, 8)])
+@pytest.mark.parametrize("make", [Int4Linear.from_float, Int8Linear.from_float])
+def test_shapes_off_the_kernels_multiples_of_16_equal_the_dequantised_matmul(
+    make, out_features, in_features
+):
+    """torch's int8 kernel reads K in 16s and read past the end otherwise (nan, 9e13,
+    or a segfault); its int4 format takes N in 16s (a 32001-token head was refused)."""
+    if make == Int4Linear.from_float and in_features % 32:
+        return  # (int4 groups are 32 wide)
+    torch.manual_seed(0)
+    layer = make(torch.randn(out_features, in_features))
+    int4 = isinstance(layer, Int4Linear)
+    weight = layer.weight_float() if int4 else layer.q * layer.scale_bf16.unsqueeze(1)
+    for rows in (1, 2, 3, 17):
+        x = torch.randn(rows, in_features)
+        want = x.bfloat16().double() @ weight.double().T
+        bound = 2**-6 * (x.abs().double() @ weight.abs().double().T) + 1e-3
+        assert (layer(x).double() - want).abs().le(bound).all(), rows
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(17)])
+    assert torch.equal(layer(x), alone)
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])

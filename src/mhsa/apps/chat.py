@@ -255,7 +255,7 @@ def _from_gguf(path: Path, dtype: torch.dtype, quantize: str, progress=None) -> 
     chat = ChatModel(model, tokenizer, _stop_ids(tokenizer, gguf.config), path.name)
     if quantize == "file":
         _keep_file_quantisation(model, gguf)
-        model.fuse_projections()
+        model.decoding_layout()  # fuses; transposes what stays float32 (a float file's)
     else:
         gguf.state_dict.clear()  # the model holds the weights; let replaced ones go
         _quantize(model, quantize)

@@ -225,6 +225,8 @@ def _version(package: str) -> str:
 
 def _dequantize(tensor, source: str) -> np.ndarray:
     gguf = _gguf()
+    if tensor.tensor_type == gguf.GGMLQuantizationType.F64:
+        return np.asarray(tensor.data)  # (stored as it is; the gguf package has no path)
     try:
         return gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError:

@@ -67,7 +67,7 @@ def hf_config(metadata: dict[str, Any], tensor_names: set[str], source: str = "G
         "max_position_embeddings": context,
         "rms_norm_eps": _decimal(get("attention.layer_norm_rms_epsilon")),
         "rope_theta": _decimal(get("rope.freq_base", 10000.0)),
-        "rope_scaling": _rope_scaling(metadata, arch),
+        "rope_scaling": _rope_scaling(metadata, arch, source),
         "vocab_size": int(vocab),
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
@@ -88,7 +88,7 @@ def check_sizes(
     torch order, under llama.cpp's names): the blocks, the embedding and vocabulary and the
     attention heads, which shape everything else (every tensor's shape is checked against
     the config by read_tensors before any is read). Raises ValueError naming the key."""
-    blocks = {int(name.split(".")[1]) for name in shapes if name.startswith("blk.")}
+    blocks = {_block_number(name, source) for name in shapes if name.startswith("blk.")}
     layers = config["num_hidden_layers"]
     if len(blocks) != layers or blocks != set(range(layers)):  # (len first: layers may be huge)
         held = f"blk.0 .. blk.{max(blocks)}" if blocks else "none"
@@ -117,18 +117,37 @@ def check_sizes(
             )
 
 
+def _block_number(name: str, source: str) -> int:
+    """N of a tensor named blk.N.something."""
+    number = name.split(".")[1]
+    if not number.isdigit():
+        raise ValueError(
+            f"{source}: tensor {name!r} is not named blk.N.<part> with a block number N: "
+            "a damaged or inconsistent GGUF file"
+        )
+    return int(number)
+
+
 def _decimal(value: float) -> float:
     """A float32 metadata value as the shortest decimal that reads back to it (1e-05, not
     9.999999747378752e-06), as the config.json it was converted from spells it."""
     return float(str(np.float32(value)))
 
 
-def _rope_scaling(metadata: dict[str, Any], arch: str) -> dict[str, Any] | None:
-    kind = metadata.get(f"{arch}.rope.scaling.type")
+def _rope_scaling(metadata: dict[str, Any], arch: str, source: str) -> dict[str, Any] | None:
+    key = f"{arch}.rope.scaling"
+    kind = metadata.get(f"{key}.type")
     if kind in (None, "none"):
         return None
-    factor = metadata.get(f"{arch}.rope.scaling.factor")
-    scaling: dict[str, Any] = {"rope_type": kind, "factor": factor and _decimal(factor)}
+    if kind not in ("linear", "yarn"):
+        raise ValueError(
+            f"{source}: metadata {key}.type is {kind!r}; mhsa reads 'linear' and 'yarn' "
+            "scalings (and a rope_freqs tensor)"
+        )
+    factor = metadata.get(f"{key}.factor")
+    if not factor:
+        raise ValueError(f"{source}: metadata {key}.type is {kind!r} but {key}.factor is not set")
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": _decimal(factor)}
     original = metadata.get(f"{arch}.rope.scaling.original_context_length")
     if original is not None:
         scaling["original_max_position_embeddings"] = int(original)

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 GROUP = 32
@@ -42,8 +43,13 @@ class Int4Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = q.shape
         _hold_input_dtype(self, dtype)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-        scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
+        # the kernel takes a multiple of 16 rows: extra rows of weight 0 (q 8, scale and
+        # zero 0), their outputs dropped in forward
+        extra = -self.out_features % 16
+        padded = torch.cat([q, q.new_full((extra, q.shape[1]), 8)]) if extra else q
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(padded.to(torch.int32), 1)
+        scales_and_zeros = F.pad(torch.stack([scale, zero], dim=-1), (0, 0, 0, 0, 0, extra))
+        scales_and_zeros = scales_and_zeros.transpose(0, 1).contiguous()
         self.register_buffer("packed", packed)  # the kernel's format
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16))
         # the same weights, one byte each, for the float path
@@ -69,8 +75,6 @@ class Int4Linear(nn.Module):
                 f"Int4Linear needs (N, K) values in 0..15 with K a multiple of "
                 f"{GROUP}, got {tuple(q.shape)} in {int(q.min())}..{int(q.max())}"
             )
-        if rows % 16:
-            raise ValueError(f"torch's int4 format needs out_features divisible by 16, got {rows}")
         if scale.shape != (rows, cols // GROUP) or zero.shape != scale.shape:
             raise ValueError(
                 f"scale and zero must be (N, K/{GROUP}) = {(rows, cols // GROUP)}, "
@@ -110,7 +114,7 @@ class Int4Linear(nn.Module):
             GROUP,
             self.scales_and_zeros.to(torch.bfloat16),  # (a no-op unless module.to() cast it)
         ).to(x.dtype)
-        out = out.view(*x.shape[:-1], self.out_features)
+        out = out[:, : self.out_features].reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
 
@@ -129,6 +133,11 @@ class Int8Linear(nn.Module):
         self.out_features, self.in_features = q.shape
         _hold_input_dtype(self, dtype)
         self.register_buffer("q", q)
+        # the kernel reads a multiple of 16 columns: zero columns (and zero inputs) past
+        # K, kept beside q only where K needs them
+        self.extra_columns = -self.in_features % 16
+        if self.extra_columns:
+            self.register_buffer("q_padded", F.pad(q, (0, self.extra_columns)), persistent=False)
         self.register_buffer("scale", scale)
         self.register_buffer("scale_bf16", scale.to(torch.bfloat16))  # the kernel's
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
@@ -147,9 +156,12 @@ class Int8Linear(nn.Module):
         return self.input_like.dtype
 
     def forward(self, x: Tensor) -> Tensor:
-        flat = x.reshape(-1, self.in_features)
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        q = self.q
+        if self.extra_columns:
+            flat, q = F.pad(flat, (0, self.extra_columns)), self.q_padded
         out = torch.ops.aten._weight_int8pack_mm(
-            flat.to(torch.bfloat16).contiguous(), self.q, self.scale_bf16.to(torch.bfloat16)
+            flat.contiguous(), q, self.scale_bf16.to(torch.bfloat16)
         ).to(x.dtype)
         out = out.view(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
