@@ -225,6 +225,41 @@ def test_resume_checks_the_model_kind_and_the_trainer_state(tmp_path):
         run(tmp_path / "run", steps=8, resume=True)
 
 
+def test_resume_refuses_another_model_config_or_seed_and_says_a_new_schedule(tmp_path):
+    """Non-GPT tasks rebuilt the model from the flags: a resume without --heads ran the
+    checkpoint's weights as a 4-head model, silently; another --seed drew another split."""
+    run(tmp_path / "run", steps=4)
+    with pytest.raises(ValueError, match=r"another model .* 'rotary' \(checkpoint: 'learned'\)"):
+        run(tmp_path / "run", steps=8, resume=True, model_options={"position": "rotary"})
+    with pytest.raises(ValueError, match="seed 1, but the checkpoint's run used seed 0"):
+        run(tmp_path / "run", steps=8, resume=True, seed=1)
+    lines = []
+    run(tmp_path / "run", steps=8, resume=True, log=lines.append)
+    assert "resuming with steps 8 (the checkpoint's run: 4)" in lines
+
+
+def test_validation_loss_is_the_mean_per_target_not_per_batch():
+    """Batches of 256 and 103 test images counted alike (1.84 for 1.75); an MLM batch
+    with no selected token counted as a loss of 0."""
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(()))
+
+        def loss(self, losses, targets):  # each batch: the mean of its targets' losses
+            kept = targets != -100
+            return losses[kept].mean() if kept.any() else losses.sum() * 0
+
+    batches = [
+        (torch.full((4,), 1.0), torch.tensor([1, 2, 3, 4])),
+        (torch.full((4,), 3.0), torch.tensor([1, -100, -100, -100])),
+        (torch.full((4,), 9.0), torch.full((4,), -100)),  # no target: weighs nothing
+    ]
+    task = SimpleNamespace(eval_batches=lambda: batches)
+    assert train_module.evaluate(Model(), task) == pytest.approx((4 * 1.0 + 3.0) / 5)
+
+
 def test_divergence_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     with pytest.raises(TrainingDiverged, match="step 7.*last good checkpoint is .*step-000004"):
         run(tmp_path / "run", steps=12, nan_from=7)

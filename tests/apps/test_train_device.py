@@ -5,6 +5,7 @@ trainer state is written on the CPU, so a run resumes on any device."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import re
 
@@ -44,6 +45,28 @@ def test_flops_per_token_is_nanogpts_count():
     assert flops_per_token(model, 32) == 6 * (total - 32 * 32) + 12 * 2 * 32 * 32
     rotary = tiny_gpt("rotary")
     assert matmul_params(rotary) == sum(p.numel() for p in rotary.parameters())
+
+
+def test_tied_heads_of_every_model_count_as_matmuls():
+    """Only GPT's tok_emb was added back: BERT's MLM head, Seq2Seq's output and a tied
+    Llama head were left out of N."""
+    from mhsa.models import Bert, BertConfig, Llama, LlamaConfig
+    from mhsa.models.seq2seq import Seq2Seq, Seq2SeqConfig
+
+    bert = Bert(BertConfig(vocab_size=40, d_model=16, n_layer=1, n_head=2, d_ff=32, max_len=8))
+    lookups = (8 + 2) * 16  # positions and token types
+    assert matmul_params(bert) == sum(p.numel() for p in bert.parameters()) - lookups
+    tied = LlamaConfig(vocab_size=40, n_layer=1, n_head=2, d_model=16, d_ff=32, tie_embeddings=True)
+    llama = Llama(tied)
+    assert matmul_params(llama) == sum(p.numel() for p in llama.parameters())
+    untied = Llama(dataclasses.replace(tied, tie_embeddings=False))  # its embedding: a lookup
+    assert matmul_params(untied) == sum(p.numel() for p in untied.parameters()) - 40 * 16
+    seq2seq = Seq2Seq(Seq2SeqConfig(src_vocab=30, tgt_vocab=30, d_model=16, n_head=2))
+    source_table = (
+        seq2seq.src_embed.weight.numel() if seq2seq.src_embed is not seq2seq.tgt_embed else 0
+    )
+    total = sum(p.numel() for p in seq2seq.parameters())
+    assert matmul_params(seq2seq) == total - source_table
 
 
 def test_mfu_is_tokens_times_flops_over_the_measured_rate():

@@ -4,6 +4,7 @@ translate`), and `fit`, the shared loop with the common options that each calls.
 from __future__ import annotations
 
 import argparse
+import math
 
 from .checks import FLAGS, build_model
 from .common import train_config
@@ -186,7 +187,7 @@ def train_ast(args: argparse.Namespace) -> int:
         (features[~test], labels[~test]),
         (features[test], labels[test]),
         args.batch_size,
-        items_per_sample=sum(config.grid()),
+        items_per_sample=math.prod(config.grid()),  # the patches the encoder runs
     )
     fit(model, task, args, "ast", classes=list(WORDS))
     return 0

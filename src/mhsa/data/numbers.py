@@ -141,6 +141,11 @@ class NumberTranslationTask:
     def eval_batches(self) -> list[tuple[Tensor, Tensor, Tensor]]:
         return self._eval
 
+    @staticmethod
+    def eval_weight(batch: tuple[Tensor, Tensor, Tensor]) -> int:
+        """The target tokens a batch's loss averages over (padding is ignored)."""
+        return int((batch[-1] != PAD).sum())
+
     def tokens_per_batch(self) -> int:
         return self.batch_size * 16  # for the tokens/s figure: about 16 per pair on average
 

@@ -87,6 +87,9 @@ class BertConfig(ModelConfig):
 
 
 class Bert(nn.Module):
+    embedding_name = "word_emb"  # the embedding the MLM head reads (tied)
+    lm_head = None
+
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
         self.config = config

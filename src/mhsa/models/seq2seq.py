@@ -62,6 +62,9 @@ class Seq2SeqConfig(ModelConfig):
 
 
 class Seq2Seq(nn.Module):
+    embedding_name = "tgt_embed"  # the embedding the output head reads (tied)
+    lm_head = None
+
     def __init__(self, config: Seq2SeqConfig) -> None:
         super().__init__()
         self.config = config

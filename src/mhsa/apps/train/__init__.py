@@ -44,6 +44,7 @@ from ...checkpoint import (
     save_checkpoint,
 )
 from ...core.checks import int_at_least
+from ...data.packing import IGNORE
 from .parallel import (
     average_gradients,
     data_parallel,
@@ -51,6 +52,7 @@ from .parallel import (
     local_rows,
     mean_over_ranks,
 )
+from .resume import check_resumable, check_same_run
 from .throughput import MatmulRate, StepClock, autocast, measure_matmul, to_device
 
 __all__ = [
@@ -117,17 +119,30 @@ def lr_at(step: int, config: TrainConfig) -> float:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, task, dtype: torch.dtype | str = torch.float32) -> float:
-    """The mean loss of task's eval batches, each moved to the model's device, computed
-    under autocast to dtype (float32: none)."""
+    """The mean loss per target over task's eval batches (each batch's mean loss weighted
+    by its targets: task.eval_weight(batch), else targets_counted), each batch moved to
+    the model's device and computed under autocast to dtype (float32: none); nan when
+    the batches hold no target."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
+    weight = getattr(task, "eval_weight", targets_counted)
+    total = counted = 0.0
     with autocast(device, dtype):
-        losses = [
-            call_loss(model.loss, to_device(batch, device)).item() for batch in task.eval_batches()
-        ]
+        for batch in task.eval_batches():
+            count = weight(batch)
+            if count:  # (a batch without targets has loss 0 by convention: it weighs 0)
+                total += count * call_loss(model.loss, to_device(batch, device)).item()
+                counted += count
     model.train(was_training)
-    return sum(losses) / len(losses)
+    return total / counted if counted else math.nan
+
+
+def targets_counted(batch: tuple | dict) -> int:
+    """The targets a batch's loss averages over: its "targets" or "labels" (a dict
+    batch) or its last tensor (a tuple one), IGNORE (-100) entries left out."""
+    targets = batch.get("targets", batch.get("labels")) if isinstance(batch, dict) else batch[-1]
+    return int((targets != IGNORE).sum())
 
 
 def _optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
@@ -193,6 +208,7 @@ def train(
     if resume:
         state = load_checkpoint(out_dir, weights=False)
         check_resumable(state, model_info.get("model"))
+        check_same_run(state, model_info, config, log)
         shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
         model.load_state_dict(read_weights(state["path"] / "model.safetensors", shapes))
         trainer = state["trainer"]
@@ -330,22 +346,6 @@ def _checkpoints_to_manage(out_dir: Path, resume: bool, overwrite: bool) -> tupl
     clean_leftovers(out_dir)
     existing = checkpoints_in(out_dir)
     return (existing, []) if resume else ([], existing)
-
-
-def check_resumable(state: dict, want: str | None) -> None:
-    """Raise unless the checkpoint (load_checkpoint's state) holds a `want` model and its
-    trainer state."""
-    kind = state["info"].get("model")
-    if kind != want:
-        raise ValueError(
-            f"{state['path']} holds a {kind!r} model, not {want!r}: --resume continues a run "
-            "of the same model; choose another --out for a new one"
-        )
-    if state["trainer"] is None:
-        raise ValueError(
-            f"{state['path']} has no trainer.pt (optimizer and random states), so it cannot "
-            "be resumed; start a new run with another --out"
-        )
 
 
 def _divergence_message(out_dir: Path, step: int, loss: Tensor, config, skipped: int) -> str:

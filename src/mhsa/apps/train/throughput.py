@@ -51,8 +51,9 @@ def autocast(device: torch.device | str, dtype: torch.dtype | str):
 
 def matmul_params(model: nn.Module) -> int:
     """nanoGPT's N: the parameters that multiply activations, i.e. all but embedding
-    lookups (nn.Embedding), except a token embedding that is also the output head
-    (GPT's tok_emb, a tied head)."""
+    lookups (nn.Embedding), except a token embedding that is also the output head (a
+    model whose lm_head is None reads its embedding_name's weight there: GPT's tok_emb,
+    BERT's MLM head, the Seq2Seq output)."""
     total = sum(p.numel() for p in model.parameters())
     lookups = sum(
         p.numel()
@@ -60,7 +61,8 @@ def matmul_params(model: nn.Module) -> int:
         if isinstance(module, nn.Embedding)
         for p in module.parameters(recurse=False)
     )
-    tied = getattr(model, "tok_emb", None)
+    name = getattr(model, "embedding_name", None)
+    tied = getattr(model, name, None) if name and getattr(model, "lm_head", 0) is None else None
     head = tied.weight.numel() if isinstance(tied, nn.Embedding) else 0
     return total - lookups + head
 
