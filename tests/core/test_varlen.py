@@ -179,6 +179,29 @@ def test_offsets_refilled_before_backward_leave_the_gradients_alone(backend):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("kind", ["key padding", "documents"])
+def test_patterns_keep_their_own_tensors_when_the_caller_refills_them(kind):
+    """KeyPadding and Document held the caller's tensors: a refill before backward
+    changed the flash backward's mask."""
+    q, k, v = (
+        t.detach().view(1, 300, 4, 16).transpose(1, 2).requires_grad_()
+        for t in packed([300], [300], heads=4, kv_heads=4)
+    )
+    # a boundary inside a block (a partial one, whose elements backward reads again)
+    if kind == "key padding":
+        source = torch.arange(300).view(1, -1) < 250
+        pattern = mhsa.masks.KeyPadding(source)
+    else:
+        source = (torch.arange(300) >= 145).long()  # two documents
+        pattern = mhsa.masks.Document(source)
+    out = mhsa.attention(q, k, v, pattern, backend="flash")
+    grad_out = torch.randn(out.shape, dtype=out.dtype)
+    expected = torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True)
+    source[..., 140:150] = False if kind == "key padding" else 1
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), grad_out), expected, strict=True):
+        assert torch.equal(got, want)
+
+
 def alibi_modify(slopes):
     def modify(scores, i, j):
         return scores - slopes.double().view(1, -1, 1, 1) * (i - j).abs()

@@ -117,6 +117,9 @@ def test_shapes_off_the_kernels_multiples_of_16_equal_the_dequantised_matmul(
         assert (layer(x).double() - want).abs().le(bound).all(), rows
     alone = torch.cat([layer(x[i : i + 1]) for i in range(17)])
     assert torch.equal(layer(x), alone)
+    other = make(torch.randn(out_features, in_features))
+    other.load_state_dict(layer.state_dict())  # every buffer the kernel reads follows
+    assert torch.equal(other(x), layer(x))
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])

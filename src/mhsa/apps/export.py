@@ -58,7 +58,8 @@ class Exportable:
 
 def exportable(model: str | nn.Module) -> Exportable:
     """The module to trace for "minilm", a Bert (or SentenceEmbedding) or a ViT in eval
-    mode; example inputs are a padded batch of 2 x 16 tokens or 2 images."""
+    mode; example inputs are a padded batch of 2 x min(16, max_len) tokens (a BERT of
+    max_len < 2 is refused: its length could not stay dynamic) or 2 images."""
     if isinstance(model, str):
         if model not in MODELS:
             raise ValueError(

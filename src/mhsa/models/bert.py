@@ -214,7 +214,8 @@ class Bert(nn.Module):
         stored = {name.removeprefix(BERT_NAMES.prefix): name for name in source.shapes()}
         if "cls.predictions.decoder.weight" in stored:
             decoder = source.read(stored["cls.predictions.decoder.weight"]).cpu()
-            if not torch.equal(decoder.to(self.word_emb.weight), self.word_emb.weight.cpu()):
+            embedding = self.word_emb.weight.detach().cpu()
+            if not torch.equal(decoder.to(embedding.dtype), embedding):
                 raise ValueError(
                     f"{source.name}: cls.predictions.decoder.weight differs from the word "
                     "embeddings: this MLM head is untied, and mlm_logits() reads only tied "

@@ -119,8 +119,9 @@ def merge_masks(
         return mask & KeyPadding(key_padding_mask)
     if isinstance(mask, Tensor) and mask.dtype != torch.bool:
         raise TypeError(
-            f"mask must have dtype torch.bool (True = may attend), got {mask.dtype}; pass "
-            "additive float values as bias= (from_torch_masks converts torch's)"
+            f"mask must have dtype torch.bool (True = may attend), got {mask.dtype}; "
+            "if nonzero means 'attend' use mask.bool(), and pass additive float "
+            "values as bias= instead"
         )
     padding = key_padding_mask[:, None, None, :]  # (B, 1, 1, S)
     return padding if mask is None else mask & padding

@@ -134,10 +134,8 @@ class Int8Linear(nn.Module):
         _hold_input_dtype(self, dtype)
         self.register_buffer("q", q)
         # the kernel reads a multiple of 16 columns: zero columns (and zero inputs) past
-        # K, kept beside q only where K needs them
+        # K, added per call where K needs them (rare: small layers)
         self.extra_columns = -self.in_features % 16
-        if self.extra_columns:
-            self.register_buffer("q_padded", F.pad(q, (0, self.extra_columns)), persistent=False)
         self.register_buffer("scale", scale)
         self.register_buffer("scale_bf16", scale.to(torch.bfloat16))  # the kernel's
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
@@ -159,7 +157,7 @@ class Int8Linear(nn.Module):
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
         q = self.q
         if self.extra_columns:
-            flat, q = F.pad(flat, (0, self.extra_columns)), self.q_padded
+            flat, q = F.pad(flat, (0, self.extra_columns)), F.pad(q, (0, self.extra_columns))
         out = torch.ops.aten._weight_int8pack_mm(
             flat.contiguous(), q, self.scale_bf16.to(torch.bfloat16)
         ).to(x.dtype)
