@@ -85,3 +85,14 @@ def test_train_vit_end_to_end(tmp_path, capsys):
     assert (
         "notes.txt: not a readable image" in captured.err and "1 of 2 files failed" in captured.err
     )
+
+
+def test_train_vit_names_a_missing_or_classless_data_folder(tmp_path, capsys):
+    """A missing folder was a bare SystemExit (exit 1, no "mhsa train:", no word that
+    the folder is missing)."""
+    base = ["train", "vit", "--out", str(tmp_path / "run"), "--steps", "1"]
+    assert main([*base, "--data", str(tmp_path / "nodir")]) == 2
+    assert "mhsa train: --data" in capsys.readouterr().err
+    (tmp_path / "one" / "cats").mkdir(parents=True)
+    assert main([*base, "--data", str(tmp_path / "one")]) == 2
+    assert "need one sub-folder per class (two or more)" in capsys.readouterr().err

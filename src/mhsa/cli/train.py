@@ -101,8 +101,11 @@ def train_gpt(args: argparse.Namespace) -> int:
         context_parallel="zigzag" if args.context_parallel else None,
         flops_per_token=flops_per_token(model, config.max_len),
     )
-    final = result["history"][-1]["val_loss"] if result["history"] else float("nan")
-    print(f"validation loss {describe_loss(final)}; unigram baseline {describe_loss(baseline)}")
+    final = describe_loss(result["history"][-1]["val_loss"]) if result["history"] else None
+    print(
+        f"validation loss {final or 'not evaluated yet'}; "
+        f"unigram baseline {describe_loss(baseline)}"
+    )
     print(
         f"{steps_made(result)} in {result['seconds']:.0f} s ({speed(result)}); "
         f"checkpoint: {args.out}"

@@ -69,9 +69,10 @@ def fit(model, task, args: argparse.Namespace, kind: str, **info) -> dict:
     )
     last = result["history"][-1] if result["history"] else {}
     accuracy = f", test accuracy {last['test_acc']:.2%}" if "test_acc" in last else ""
+    loss = f"{last['val_loss']:.4f}" if "val_loss" in last else "not evaluated yet"
     print(
         f"{steps_made(result)} in {result['seconds']:.0f} s ({speed(result)}); validation loss "
-        f"{last.get('val_loss', float('nan')):.4f}{accuracy}; checkpoint: {args.out}"
+        f"{loss}{accuracy}; checkpoint: {args.out}"
     )
     return result
 

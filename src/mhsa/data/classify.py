@@ -133,11 +133,11 @@ def load_image(path: str | Path, size: int, channels: int) -> Tensor:
 def image_folder(directory: str | Path, size: int, channels: int) -> tuple[Tensor, Tensor, list]:
     """Images under directory/<class name>/*.{png,jpg,jpeg}, resized to size x size."""
     directory = Path(directory)
-    classes = (
-        sorted(p.name for p in directory.iterdir() if p.is_dir()) if directory.is_dir() else []
-    )
+    if not directory.is_dir():
+        raise FileNotFoundError(f"--data {directory}: no such folder (one sub-folder per class)")
+    classes = sorted(p.name for p in directory.iterdir() if p.is_dir())
     if len(classes) < 2:
-        raise SystemExit(f"--data {directory}: need one sub-folder per class (two or more)")
+        raise ValueError(f"--data {directory}: need one sub-folder per class (two or more)")
     images, labels = [], []
     for label, name in enumerate(classes):
         for path in sorted((directory / name).iterdir()):
@@ -145,5 +145,5 @@ def image_folder(directory: str | Path, size: int, channels: int) -> tuple[Tenso
                 images.append(load_image(path, size, channels))
                 labels.append(label)
     if not images:
-        raise SystemExit(f"--data {directory}: no .png/.jpg images found")
+        raise ValueError(f"--data {directory}: no .png/.jpg images found")
     return torch.stack(images), torch.tensor(labels), classes
