@@ -226,7 +226,14 @@ def size_options(
     add_option(parser, "--layers", layers, "transformer layers", type=positive_int)
     add_option(parser, "--heads", heads, "attention heads", type=positive_int)
     add_option(parser, "--d-model", d_model, "model width", type=positive_int)
-    add_option(parser, "--lr", lr, "peak learning rate", type=float)
+    add_option(
+        parser,
+        "--lr",
+        lr,
+        "peak learning rate, reached after 20 linear warm-up steps; then a cosine decay to "
+        "a tenth of it at --steps",
+        type=float,
+    )
 
 
 def compile_option(parser: argparse.ArgumentParser, help: str) -> None:
