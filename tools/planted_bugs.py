@@ -41,8 +41,8 @@ BUGS = {
     ),
     "rotary frequencies wrong": (
         "nn/rope_scaling.py",
-        "exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim",
-        "exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / (dim // 2)",
+        "return torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim",
+        "return torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / (dim // 2)",
         "tests/nn/test_positional.py",
     ),
     "softmax without max subtraction": (

@@ -126,3 +126,16 @@ def test_compile_refuses_models_whose_step_needs_more_than_static_caches(options
         model.generate(prompt, 3, compile=True, temperature=0.0)
     assert compile_seconds(model) is None
     assert model.generate(prompt, 3, temperature=0.0).shape == (1, 13)
+
+
+@pytest.mark.slow
+def test_more_models_than_dynamos_default_limit_compile_their_steps_in_one_process():
+    """The compiled step's code is shared by every model: torch.compile kept 8 versions
+    of it, and the 9th model's fullgraph step raised FailOnRecompileLimitHit."""
+    prompt, alive = torch.randint(0, 32, (1, 3)), []  # (a freed model frees its version)
+    for seed in range(10):  # shapes that differ: each a version of the compiled step
+        torch.manual_seed(seed)
+        config = GPTConfig(vocab_size=32, n_layer=1, n_head=2, d_model=16, max_len=16 + seed)
+        alive.append(GPT(config).eval())
+        want = alive[-1].generate(prompt, 3, temperature=0.0)
+        assert torch.equal(alive[-1].generate(prompt, 3, temperature=0.0, compile=True), want)

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from ..cache import StaticKVCache
+from ..core.backends.common import recompile_limit
 from .decoder import Decoder
 
 
@@ -81,7 +82,8 @@ def compiled_once(model: nn.Module, function: Callable, arguments: Callable) -> 
     def call(x: Tensor) -> Tensor:
         nonlocal first
         started = time.perf_counter()
-        result = compiled(*arguments(x))
+        with recompile_limit():  # one version per model and shape: many in one process
+            result = compiled(*arguments(x))
         if first:
             memo.compile_seconds, first = time.perf_counter() - started, False
         return result

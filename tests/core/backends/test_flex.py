@@ -107,9 +107,9 @@ def test_cache_keys_leave_out_private_caches():
 
 
 def test_compiled_flex_may_recompile_past_dynamos_default_limit():
-    from mhsa.core.backends.flex import RECOMPILE_LIMIT, _recompile_limit
+    from mhsa.core.backends.common import RECOMPILE_LIMIT, recompile_limit
 
-    with _recompile_limit():
+    with recompile_limit():
         assert torch._dynamo.config.recompile_limit >= RECOMPILE_LIMIT
     assert torch._dynamo.config.recompile_limit < RECOMPILE_LIMIT  # restored afterwards
 

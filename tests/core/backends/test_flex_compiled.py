@@ -12,6 +12,7 @@ import torch
 import mhsa
 from helpers import max_error
 from mhsa.core.backends import flex
+from mhsa.core.backends.common import recompile_limit
 from mhsa.core.masks import KeyPadding, Pattern, Segments, SelectedBlocks, SlidingWindow, bigbird
 
 pytest.importorskip("torch.nn.attention.flex_attention")
@@ -48,7 +49,7 @@ def test_compiled_flex_lowers_our_block_masks_and_equals_the_reference(case):
     q = torch.randn(batch, 4, q_len, 32)
     k, v = torch.randn(2, batch, 2, kv_len, 32).unbind(0)
     block_mask = flex.block_mask_for(pattern, causal, (batch, 4, q_len, kv_len), q.device)
-    with torch.no_grad(), flex._recompile_limit():  # compiled on CPU: inference only
+    with torch.no_grad(), recompile_limit():  # compiled on CPU: inference only
         out = flex._compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=True)
     ref = mhsa.attention(q, k, v, pattern, causal=causal, backend="reference")
     assert max_error(out, ref) < 1e-5

@@ -22,7 +22,7 @@ from ..kernels.memo import PatternCache
 from ..kernels.scored import add_sinks
 from ..masks import Pattern, with_causal
 from ..masks.causal import causal_shift
-from .common import combined_mask
+from .common import combined_mask, recompile_limit
 from .flex_plan import block_mask_from_kinds, pattern_block_mask
 from .registry import PAGED_REASON, AttentionSpec, Backend
 
@@ -35,21 +35,9 @@ def _flex_module():
     return flex_attention
 
 
-# torch.compile keeps at most recompile_limit (8) versions of flex_attention, one per
-# input shape here; past that it silently runs FlexAttention unfused, materialising
-# the whole score matrix. A model sees more shapes than that (every decoding length).
-RECOMPILE_LIMIT = 256
-
-
 @functools.lru_cache(maxsize=1)
 def _compiled_flex():
     return torch.compile(_flex_module().flex_attention, dynamic=False)
-
-
-def _recompile_limit():
-    config = torch._dynamo.config
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    return config.patch(**{name: max(getattr(config, name), RECOMPILE_LIMIT)})
 
 
 def _dense_mask(
@@ -140,7 +128,7 @@ def flex_forward(
     batch, heads, q_len, _ = q.shape
     block_mask = block_mask_for(mask, causal, (batch, heads, q_len, k.shape[2]), q.device)
     flex = _compiled_flex() if compiled else _flex_module().flex_attention
-    with _recompile_limit():
+    with recompile_limit():
         out, lse = flex(
             q,
             k,
