@@ -108,11 +108,10 @@ def _check(backend: str, q, k, v, mask, bias, causal, allowed):
         assert error < 1e-4, f"d{name} differs by {error}"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_masked_nonfinite_keys_and_values_never_leak(backend):
-    gen = torch.Generator().manual_seed(15)
-    for number in range(CASES):
+def _check_cases(backend: str, seed: int, count: int) -> None:
+    """_check on `count` random cases of _case, the failing one named."""
+    gen = torch.Generator().manual_seed(seed)
+    for number in range(count):
         case = _case(gen)
         try:
             _check(backend, *case)
@@ -120,28 +119,22 @@ def test_masked_nonfinite_keys_and_values_never_leak(backend):
             raise AssertionError(f"case {number}: {error}") from error
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_masked_nonfinite_keys_and_values_never_leak(backend):
+    _check_cases(backend, seed=15, count=CASES)
+
+
 def test_masked_nonfinite_keys_and_values_never_leak_into_returned_weights_calls():
     """attention_and_weights (need_weights=True) once multiplied 0 by a masked nan."""
-    gen = torch.Generator().manual_seed(17)
-    for number in range(40):
-        case = _case(gen)
-        try:
-            _check("weights", *case)
-        except AssertionError as error:
-            raise AssertionError(f"case {number}: {error}") from error
+    _check_cases("weights", seed=17, count=40)
 
 
 @pytest.mark.slow
 def test_masked_nonfinite_triton_interpreter():
     needs("triton")
     assert get("triton").available() is None
-    gen = torch.Generator().manual_seed(16)
-    for number in range(12):
-        case = _case(gen)
-        try:
-            _check("triton", *case)
-        except AssertionError as error:
-            raise AssertionError(f"case {number}: {error}") from error
+    _check_cases("triton", seed=16, count=12)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
