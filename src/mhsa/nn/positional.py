@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from ..core import scores
+from ..core.backends.common import tracing
 from ..core.checks import int_at_least
 from ..core.masks.causal import causal_shift
 from .rope_scaling import (  # noqa: F401 (ROPE_TYPES, rope_type: public here)
@@ -189,14 +190,17 @@ class RotaryEmbedding(AttentionPosition):
         """positions (L,) or (B, L) -> cos, sin float32 (..., L, rotary_dim / 2), times
         the attention factor (YaRN)."""
         inv_freq = self.inv_freq
-        if self.dynamic and positions.numel():  # (tensor math: compiled steps trace it)
-            inv_freq = dynamic_frequencies(
-                inv_freq,
-                self.base,
-                self.scaling["factor"],
-                self.max_position_embeddings,
-                positions.max().long() + 1,
-            )
+        if self.dynamic and positions.numel():
+            longest = positions.max().long() + 1
+            # traced: tensor math alone (no host read); eager: skipped below the limit
+            if tracing() or int(longest) > self.max_position_embeddings:
+                inv_freq = dynamic_frequencies(
+                    inv_freq,
+                    self.base,
+                    self.scaling["factor"],
+                    self.max_position_embeddings,
+                    longest,
+                )
         angles = positions.float().unsqueeze(-1) * inv_freq.to(positions.device)
         return angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
 
