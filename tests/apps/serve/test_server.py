@@ -121,7 +121,13 @@ def test_completions_and_models(client, server, chat_model):
     ids = server.served.encode(text)
     out = chat_model.model.generate(torch.tensor([ids]), 8, temperature=0, eos_token=[])
     want = chat_model.tokenizer.decode(out[0, len(ids) :].tolist())
-    answer = client.completions.create(model=name, prompt=text, max_tokens=8, temperature=0)
+    answer = client.completions.create(
+        model=name,
+        prompt=text,
+        max_tokens=8,
+        temperature=0,
+        user="u1",  # (changes nothing)
+    )
     assert answer.object == "text_completion" and answer.choices[0].text == want
     assert answer.choices[0].finish_reason == "length"
     assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (len(ids), 8)
@@ -236,6 +242,44 @@ BAD_REQUESTS = {  # name: (path, body, status, param, code)
         400,
         "tool_choice",
         "unsupported_parameter",
+    ),
+    # each was once dropped: top_k=1 sampled at temperature 1, a null text read "None"
+    "top_k": ("completions", {"prompt": "a", "top_k": 1}, 400, "top_k", "unknown_parameter"),
+    "min_p in chat": ("chat", {"messages": HI, "min_p": 0.9}, 400, "min_p", "unknown_parameter"),
+    "max_completion_tokens in completions": (
+        "completions",
+        {"prompt": "a", "max_completion_tokens": 3},
+        400,
+        "max_completion_tokens",
+        "unknown_parameter",
+    ),
+    "a text part without text": (
+        "chat",
+        {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+        400,
+        "messages[0].content[0].text",
+        "missing_required_parameter",
+    ),
+    "a text part of null": (
+        "chat",
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": None}],
+                }
+            ]
+        },
+        400,
+        "messages[0].content[1].text",
+        "missing_required_parameter",
+    ),
+    "a text part of a number": (
+        "chat",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+        400,
+        "messages[0].content[0].text",
+        "invalid_type",
     ),
 }
 

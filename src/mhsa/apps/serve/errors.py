@@ -83,6 +83,14 @@ def unsupported(param: str, why: str = "") -> APIError:
     return bad_param(param, message, "unsupported_parameter")
 
 
+def unrecognized(param: str) -> APIError:
+    message = (
+        f"Unrecognized request argument supplied: {param}. This server does not "
+        "implement it; leave it out."
+    )
+    return bad_param(param, message, "unknown_parameter")
+
+
 def unknown_model(name: str, served: str) -> APIError:
     return APIError(
         404,

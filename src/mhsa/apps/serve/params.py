@@ -37,6 +37,17 @@ UNUSED = {
     "audio": (None,),
     "tool_choice": (None, "none", "auto"),  # (no tools: both mean none)
 }
+# parameters that change nothing this server answers (it stores nothing, has no tools)
+IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
+COMMON = ("model", "temperature", "top_p", "seed", "stop", "stream", "stream_options")
+# every parameter an endpoint accepts; any other (top_k, min_p...) is refused, not dropped
+ACCEPTED = {
+    kind: frozenset((*COMMON, *UNUSED, *IGNORED, "cache_salt", *own))
+    for kind, own in (
+        ("chat", ("messages", "max_tokens", "max_completion_tokens")),
+        ("completion", ("prompt", "max_tokens")),
+    )
+}
 
 
 @dataclass
@@ -67,7 +78,7 @@ def parse_chat(
     the model renders and encodes apart (served.render_chat), a rendering that cannot fit
     the context is refused before it is tokenised whole (through encoder, default: a
     PromptEncoder of served.chat_encode)."""
-    _check_common(body, served)
+    _check_common(body, served, "chat")
     if served.chat is None:
         raise errors.APIError(
             400,
@@ -125,7 +136,7 @@ def parse_completion(
     limits.max_prompts of them. It tokenises (through encoder, default: a PromptEncoder
     of served; the server keeps one), so the server calls it in a worker thread; a text
     that cannot fit the context is refused before it is tokenised whole."""
-    _check_common(body, served)
+    _check_common(body, served, "completion")
     if "prompt" not in body:
         raise errors.missing("prompt")
     listed = _prompt_list(body["prompt"])
@@ -137,7 +148,10 @@ def parse_completion(
     return _job("completion", body, prompts, body.get("max_tokens"), "max_tokens", "prompt", served)
 
 
-def _check_common(body: dict[str, Any], served: ServedModel) -> None:
+def _check_common(body: dict[str, Any], served: ServedModel, kind: str) -> None:
+    for name in body:
+        if name not in ACCEPTED[kind]:
+            raise errors.unrecognized(name)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise errors.invalid_type("model", "a string", model)
@@ -232,7 +246,12 @@ def _message(index: int, message: Any) -> dict[str, Any]:
                     f"{param}.content",
                     'only text parts ({"type": "text", "text": ...}) are supported.',
                 )
-            texts.append(str(part.get("text", "")))
+            text = part.get("text")
+            if text is None:
+                raise errors.missing(f"{param}.content[{len(texts)}].text")
+            if not isinstance(text, str):
+                raise errors.invalid_type(f"{param}.content[{len(texts)}].text", "a string", text)
+            texts.append(text)
         content = "".join(texts)
     if content is None and role != "assistant":
         raise errors.missing(f"{param}.content")
