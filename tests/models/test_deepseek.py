@@ -239,6 +239,7 @@ def test_experts_stored_per_expert_are_checked():
         ("v_head_dim", -1),
         ("q_lora_rank", 0),
         ("logits_scale", float("nan")),
+        ("n_shared_experts", 0),  # (it once failed building the model, naming num_shared)
     ],
 )
 def test_bad_config_sizes_are_rejected(field, value):

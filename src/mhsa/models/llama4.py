@@ -100,8 +100,13 @@ class Llama4Config(CausalLMConfig):
             raise ValueError(
                 f"activation must be one of {sorted(ACTIVATIONS)}, got {self.activation!r}"
             )
-        if not math.isfinite(self.attn_scale):
-            raise ValueError(f"attn_scale must be finite, got {self.attn_scale!r}")
+        scale = self.attn_scale
+        if (
+            isinstance(scale, bool)
+            or not isinstance(scale, int | float)
+            or not math.isfinite(scale)
+        ):
+            raise ValueError(f"attn_scale must be a finite number, got {scale!r}")
         self.eos_token = tuple(self.eos_token)
         self.rotary_setting().check()
 

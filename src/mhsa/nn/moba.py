@@ -17,7 +17,8 @@ class MoBA(MultiHeadAttention):
 
     Each query block of block_size positions attends its own block causally and the
     top_k earlier key blocks chosen per head (mhsa.core.moba.moba_attention; fewer
-    where fewer exist). Projections, grouped-query heads and rotary positions are
+    where fewer exist; the MoBA paper's top-k counts the own block too, so its k is
+    top_k + 1 here). Projections, grouped-query heads and rotary positions are
     MultiHeadAttention's. With a KV cache the new tokens of a call route as one
     (partial) query block, so cached decoding equals full recomputation only where
     each call fills whole blocks. A paged cache (PagedLayer, from PagedKVCache.batch,
