@@ -191,6 +191,22 @@ def test_from_pretrained_reads_config_and_safetensors(tmp_path):
     assert ours.lm_head is None and ours.config.eos_token == tuple(STOPS)
 
 
+def test_from_pretrained_stops_at_generation_config_end_tokens_too(tmp_path):
+    """An instruct model's end-of-turn ids often sit in generation_config.json only:
+    transformers' generate stops at them, and so does ours (they were ignored)."""
+    hf, _ = pair("qwen2")
+    with torch.no_grad():
+        hf.model.norm.weight.zero_()  # every logit 0: greedy picks token 0
+    hf.generation_config.eos_token_id = [STOPS[0], 0]
+    hf.save_pretrained(tmp_path)
+    ours = Llama.from_pretrained(tmp_path)
+    assert ours.config.eos_token == tuple(dict.fromkeys([*STOPS, 0]))
+    prompt = tokens(1, 5)
+    theirs = hf.generate(prompt, max_new_tokens=6, do_sample=False)
+    assert theirs.shape[1] == 6 and theirs[0, -1] == 0  # (stopped after one token)
+    assert ours.generate(prompt, 6, temperature=0).shape[1] == 6
+
+
 def test_from_pretrained_follows_the_shard_index(tmp_path):
     """Mistral's repos hold consolidated.safetensors (its own names) beside the shards
     the index names: only the shards are the model, as for transformers."""

@@ -309,8 +309,8 @@ def _from_directory(path: Path, dtype: torch.dtype) -> ChatModel:
 
     model = Llama.from_pretrained(path, dtype=dtype)
     tokenizer = _DirectoryTokenizer(path, render_chat)
-    config = json.loads((path / "config.json").read_text())
-    return ChatModel(model, tokenizer, _stop_ids(tokenizer, config), path.name)
+    stops = {"eos_token_id": list(model.config.eos_token)}  # (with generation_config.json's)
+    return ChatModel(model, tokenizer, _stop_ids(tokenizer, stops), path.name)
 
 
 def _stop_ids(tokenizer, config: dict) -> list[int]:

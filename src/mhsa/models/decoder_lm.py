@@ -24,6 +24,7 @@ from ..formats.tensor_sources import checkpoint_files
 from ..formats.weights import NameTable, SafetensorsFiles, Weights, as_source, load_weights
 from ..nn import MultiHeadAttention, RMSNorm
 from ..nn.layout import decoding_layout
+from .config import hf_stop_tokens
 from .decoder import CacheLayout
 from .decoding import CausalLMDecoding, check_token_ids
 from .init import normal_init
@@ -322,7 +323,9 @@ class DecoderLM(nn.Module, CausalLMDecoding):
     def from_pretrained(
         cls, directory: str | Path, *, dtype: torch.dtype | None = None, device: str = "cpu"
     ) -> Self:
-        """Load a Hugging Face model directory: config.json and its *.safetensors files."""
+        """Load a Hugging Face model directory: config.json and its *.safetensors files;
+        the stop tokens of generation_config.json, where there is one, join config.json's
+        (generate stops at any of them, as transformers)."""
         directory = Path(directory)
         if not (directory / "config.json").is_file():
             raise ValueError(
@@ -330,7 +333,11 @@ class DecoderLM(nn.Module, CausalLMDecoding):
                 "directory (config.json + *.safetensors)"
             )
         files = checkpoint_files(directory)
-        config = cls.config_class.from_hf_config(
-            json.loads((directory / "config.json").read_text())
-        )
+        settings = json.loads((directory / "config.json").read_text())
+        generation = directory / "generation_config.json"
+        if generation.is_file():  # (instruct models list their end-of-turn ids there)
+            stops = hf_stop_tokens(settings) + hf_stop_tokens(json.loads(generation.read_text()))
+            if stops:
+                settings["eos_token_id"] = list(dict.fromkeys(stops))
+        config = cls.config_class.from_hf_config(settings)
         return cls.from_hf(SafetensorsFiles(files, device=str(device)), config, dtype=dtype)
