@@ -216,10 +216,12 @@ def test_update_checks_shapes_and_dtypes():
 
 def test_reset_forgets_tokens_and_padding():
     cache = KVCache(2, 1, 4, 2)
-    cache.set_padding(torch.tensor([1, 0]))
+    start = torch.tensor([1, 0])
+    cache.set_padding(start)
     cache.update(_tokens(0, 3), _tokens(0, 3))
     cache.reset()
     assert cache.length == 0 and cache.start.tolist() == [0, 0] and cache.key_padding() is None
+    assert start.tolist() == [1, 0]  # the caller's tensor (reset once zeroed it)
     cache.set_padding(torch.tensor([0, 2]))  # allowed again
     k_all, _ = cache.update(_tokens(10, 4), _tokens(10, 4))  # the whole max_len again
     assert torch.equal(k_all, _tokens(10, 4))

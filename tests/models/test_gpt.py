@@ -235,6 +235,11 @@ def test_a_1d_tensor_prompt_is_refused_before_decoding_and_tensor_eos_ids_serve(
     model = GPT(GPTConfig(vocab_size=256, n_layer=1, n_head=2, d_model=16, max_len=32)).eval()
     with pytest.raises(ValueError, match=r"idx must be a \(B, T\) tensor .* got \(5,\)"):
         model.generate(torch.tensor([1, 2, 3, 4, 5]), 2)
+    # a list of lists, (1, T) tensors or 0-d tensors: AttributeError, or a cat error
+    # after the whole decode
+    for prompts, got in (([[1, 2]], "list"), ([torch.tensor([[1, 2]])], r"\(1, 2\)")):
+        with pytest.raises(ValueError, match=rf"idx's prompts must be 1-D tensors, got {got}"):
+            model.generate(prompts, 2)
     prompt = torch.tensor([[1, 2, 3]])
     greedy = model.generate(prompt, 4, temperature=0, eos_token=[])
     stop = int(greedy[0, 3])  # the first new token
@@ -250,6 +255,14 @@ def test_top_p_1_keeps_every_token():
     logits = torch.randn(1, 128000, generator=torch.Generator().manual_seed(0)) * 4
     full = probabilities(logits, Sampling(1.0))
     assert torch.equal(probabilities(logits, Sampling(1.0, top_p=1.0)), full)
+
+
+def test_start_with_caches_is_refused():
+    """start was dropped with caches: the padding read as tokens (logits 0.25 off)."""
+    model = GPT(GPTConfig(vocab_size=32, n_layer=1, n_head=2, d_model=16, max_len=32)).eval()
+    caches = model.make_caches(2, 8)
+    with pytest.raises(ValueError, match=r"start is for calls without caches.*set_padding"):
+        model(torch.tensor([[0, 5, 6], [1, 2, 3]]), caches=caches, start=torch.tensor([1, 0]))
 
 
 def test_forward_rejects_token_ids_outside_the_vocabulary():

@@ -66,7 +66,8 @@ class KVCache(Cache):
         ):
             limit = "0 or more" if last is None else f"in 0..{last} (the cache's max_len - 1)"
             raise ValueError(f"start must be {limit}, got {start.tolist()}")
-        self.start = start.to(device=self.start.device, dtype=torch.long)
+        # a copy: reset() zeroes it in place, and the caller may reuse its tensor
+        self.start = start.to(device=self.start.device, dtype=torch.long, copy=True)
 
     def _last_start(self) -> int | None:
         """The largest allowed padding start (None: no bound)."""

@@ -190,6 +190,11 @@ class DecoderLM(nn.Module, CausalLMDecoding):
                     f"caches must hold one cache per layer ({self.config.n_layer}), got "
                     f"{len(caches)}; use model.make_caches(batch, max_len)"
                 )
+            if start is not None:
+                raise ValueError(
+                    "start is for calls without caches; with caches declare the padding "
+                    "once: model.prefill(tokens, caches, start=start) or cache.set_padding(start)"
+                )
             return caches[0].next_positions(length), None  # caches pad themselves
         index = torch.arange(length, device=idx.device).view(1, -1)
         begin = torch.zeros(batch, 1, dtype=torch.long, device=idx.device)

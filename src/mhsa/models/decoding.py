@@ -286,6 +286,13 @@ class CausalLMDecoding:
                 "one 1-D prompt goes in as prompt[None] or [prompt]"
             )
         prompts = list(idx) if as_list else list(idx.unbind(0))
+        for prompt in prompts:
+            if not isinstance(prompt, Tensor) or prompt.dim() != 1:
+                got = tuple(prompt.shape) if isinstance(prompt, Tensor) else type(prompt).__name__
+                raise ValueError(
+                    f"idx's prompts must be 1-D tensors, got {got}; make a list of lists "
+                    "[torch.tensor(p) for p in prompts]"
+                )
         if not prompts or min(p.numel() for p in prompts) == 0:
             raise ValueError("generate needs at least one non-empty prompt")
         for prompt in prompts:
