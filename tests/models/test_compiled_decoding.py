@@ -12,6 +12,7 @@ from helpers import assert_same_greedy
 from mhsa.cache import KVCache, SlidingWindowCache, StaticKVCache
 from mhsa.models import GPT, GPTConfig
 from mhsa.models.decoding import compile_seconds
+from mhsa.models.gemma3 import Gemma3, Gemma3Config
 from mhsa.models.llama import Llama, LlamaConfig
 
 
@@ -27,11 +28,26 @@ def _models():
     # read once, which a compiled step could not trace)
     dynamic = {"rope_type": "dynamic", "factor": 2.0}
     yield Llama(dataclasses.replace(config, max_len=16, rope_scaling=dynamic)).eval()
+    # Gemma 2's attention softcap reads no position: it was refused inside the compiled
+    # step (a dynamo error)
+    capped = Gemma3Config(
+        vocab_size=96,
+        n_layer=1,
+        n_head=4,
+        n_kv_head=2,
+        d_model=32,
+        d_ff=48,
+        sliding_window=None,
+        attn_softcap=0.5,
+    )
+    yield Gemma3(capped).eval()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "model", list(_models()), ids=["gpt", "gpt-rotary", "llama", "llama-dynamic-rope"]
+    "model",
+    list(_models()),
+    ids=["gpt", "gpt-rotary", "llama", "llama-dynamic-rope", "gemma-softcap"],
 )
 def test_compiled_decoding_gives_the_eager_tokens(model):
     options = (
@@ -77,21 +93,27 @@ def test_static_cache_and_compile_refuse_what_they_cannot_do():
 
 
 def test_a_static_cache_refuses_what_would_see_its_query_misplaced():
-    """Its one query sits after all max_len slots: a pattern or T5's buckets would see it
-    there (0.39 and 0.56 off once); a window over every slot, ALiBi and causal do not."""
+    """Its one query sits after all max_len slots: a pattern, T5's buckets or a softcap of
+    ALiBi's scores would see it there (0.39 and 0.56 off once); a window over every slot,
+    ALiBi, a softcap and causal do not."""
     from mhsa.core.masks import Causal, SlidingWindow
+    from mhsa.core.scores import Softcap
     from mhsa.nn import MultiHeadAttention
     from mhsa.nn.positional import ALiBiPosition, RelativeBiasPosition
 
     torch.manual_seed(0)
     x = torch.randn(1, 7, 16, dtype=torch.float64)
-    layer = MultiHeadAttention(16, 2, dtype=torch.float64).eval()
-    for position, mask, refused in (
-        (RelativeBiasPosition(2).double(), None, "RelativeBias"),
-        (None, SlidingWindow(2, 0), "SlidingWindow"),
-        (None, SlidingWindow(15, 0), None),  # (the whole cache: the model's own case)
-        (None, Causal(), None),
-        (ALiBiPosition(2), None, None),
+    plain = MultiHeadAttention(16, 2, dtype=torch.float64).eval()
+    softcapped = MultiHeadAttention(16, 2, score=Softcap(0.5), dtype=torch.float64).eval()
+    softcapped.load_state_dict(plain.state_dict())
+    for layer, position, mask, refused in (
+        (plain, RelativeBiasPosition(2).double(), None, "RelativeBias"),
+        (plain, None, SlidingWindow(2, 0), "SlidingWindow"),
+        (plain, None, SlidingWindow(15, 0), None),  # (the whole cache: the model's own case)
+        (plain, None, Causal(), None),
+        (plain, ALiBiPosition(2), None, None),
+        (softcapped, None, None, None),  # (reads no position: it was refused)
+        (softcapped, ALiBiPosition(2), None, "ALiBi.* then Softcap"),  # (tanh of a shifted row)
     ):
         options = {"causal": True, "mask": mask, "position": position}
         with torch.no_grad():
@@ -112,7 +134,7 @@ def test_a_static_cache_refuses_what_would_see_its_query_misplaced():
     [
         ({"window": 8}, "got SlidingWindowCache"),
         ({"attention": "moba", "moba_block": 8, "moba_top_k": 1}, "MoBA routes each query"),
-        ({"position": "t5"}, "RelativeBiasPosition's scores would see the query after"),
+        ({"position": "t5"}, "RelativeBias.* would see the query after"),
     ],
     ids=["window", "moba", "t5"],
 )

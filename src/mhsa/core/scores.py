@@ -87,6 +87,9 @@ class ScoreFunction:
     # every query and key by one amount changes nothing (packed sequences rely on it)
     relative: bool = False
 
+    # the function reads q_pos or k_pos at all (Softcap does not)
+    reads_positions: bool = True
+
     def input_grad(self, out: Tensor, grad_out: Tensor) -> Tensor:
         """The gradient of the score given the function's output `out` and its gradient
         (where grad_from_output); it may overwrite both arguments."""
@@ -223,7 +226,8 @@ class RelativeBias(ScoreFunction):
 class Softcap(ScoreFunction):
     """Logit softcapping (Gemma 2): cap * tanh(score / cap)."""
 
-    relative = True  # reads no position
+    relative = True
+    reads_positions = False
 
     def __init__(self, cap: float) -> None:
         if (
@@ -401,3 +405,17 @@ def apply_score(
     keys at k_pos (keys,); heads are the tile's query heads (default 0..H-1)."""
     index = tile_indices(scores.shape[0], scores.shape[1] if heads is None else heads, q_pos, k_pos)
     return score_fn(scores, *index).expand(scores.shape)
+
+
+def sees_query_position(score: ScoreFunction) -> bool:
+    """Whether a row's softmax under score changes when its query moves with the keys
+    fixed (a static cache places the query after all its slots): a separable bias
+    shifts the row by a constant and a function reading no position changes nothing,
+    but a function after a positional bias, or any other positional one, sees it."""
+    shifted = False
+    for f in score.functions if isinstance(score, Compose) else (score,):
+        if f.separable:
+            shifted = True
+        elif f.reads_positions or shifted:
+            return True
+    return False

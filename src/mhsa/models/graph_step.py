@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from ..cache import KVCache, StaticKVCache
+from ..core.scores import ScoreFunction, sees_query_position
 from ..nn.positional import AttentionPosition
 from .compiled_step import compiled_once, decode_step, static_caches, step_memo
 
@@ -65,24 +66,29 @@ def fixed_slots_problem(caches: object) -> str | None:
 
 def static_step_problem(model: nn.Module, caches: object) -> str | None:
     """Why model's decoding step cannot run over StaticKVCaches continuing `caches`, or
-    None: the caches' fixed_slots_problem, or the one an attention module declares in
-    `static_cache_problem` (MoBA)."""
+    None: the one a module declares in `static_cache_problem` (MoBA, Llama 4's
+    chunks), the caches' fixed_slots_problem, or a score function that would see
+    the query after all the static slots (checked before anything is compiled)."""
     declared = (getattr(module, "static_cache_problem", None) for module in model.modules())
-    placed = (_placed_score(module) for module in model.modules())
-    return fixed_slots_problem(caches) or next(
-        filter(None, itertools.chain(declared, placed)), None
+    return (
+        next(filter(None, declared), None)
+        or fixed_slots_problem(caches)
+        or _placed_score_problem(model)
     )
 
 
-def _placed_score(module: nn.Module) -> str | None:
-    """A position whose scores depend on where the query sits among the keys (T5's
-    buckets): a static cache places it after all its slots."""
-    if not isinstance(module, AttentionPosition):
-        return None
-    score = module.score()
-    if score is None or score.separable:
-        return None
-    return f"{type(module).__name__}'s scores would see the query after all the static slots"
+def _placed_score_problem(model: nn.Module) -> str | None:
+    """A score function whose row softmax depends on where the query sits among the
+    keys (T5's buckets; ALiBi then Softcap): a static cache places it after all its
+    slots. Each position's score is checked followed by each attention's own."""
+    modules = list(model.modules())
+    positions = [m.score() for m in modules if isinstance(m, AttentionPosition)]
+    owns = [m.score for m in modules if isinstance(getattr(m, "score", None), ScoreFunction)]
+    for first, then in itertools.product([*positions, None], [*owns, None]):
+        score = then if first is None else first if then is None else first.then(then)
+        if score is not None and sees_query_position(score):
+            return f"{score!r} would see the query after all the static slots"
+    return None
 
 
 class StaticDecodeStep:

@@ -337,6 +337,17 @@ class Llama4(DecoderLM):
             chunks = chunk_pattern(c.chunk_size, begin, kv_len, first)
         return [(chunks, rotary) if c.rope(i) else (None, temperature) for i in range(c.n_layer)]
 
+    @property
+    def static_cache_problem(self) -> str | None:
+        """Chunked layers: a static cache places the query after all its slots, not at
+        its position, which the chunks need (graph_step.static_step_problem)."""
+        if self.config.chunk_size is None:
+            return None
+        return (
+            "Llama 4's Chunked layers need each query's position, which a static cache "
+            "does not keep"
+        )
+
     def paged_cache_problem(self) -> str | None:
         """Chunked layers: attention over paged keys takes no Chunked pattern."""
         if self.config.chunk_size is None:

@@ -19,7 +19,7 @@ from ..cache import Cache
 from ..core.attention import attention
 from ..core.masks import Causal, Full, Pattern
 from ..core.paged import paged_attention
-from ..core.scores import ScoreFunction
+from ..core.scores import ScoreFunction, sees_query_position
 from ..core.validate import paged_window
 from .attention_inputs import PAGED_BIAS, attention_masks
 from .positional import AttentionPosition
@@ -199,8 +199,9 @@ class AttentionModule(nn.Module):
 
     def _check_static(self, call: AttentionCall) -> None:
         """A StaticKVCache's query sits after all its slots (bottom-right), not at its
-        position: causal, padding and separable scores (ALiBi) do not see it, a pattern
-        (but a window over every slot) or a score such as T5's buckets would."""
+        position: causal, padding, separable scores (ALiBi) and scores reading no
+        position (Softcap) do not see it, a pattern (but a window over every slot) or a
+        score such as T5's buckets would (core.scores.sees_query_position)."""
         score, mask = self._score(call.position), call.mask
         band = mask.band() if isinstance(mask, Pattern) else None
         slots = call.cache.length
@@ -208,7 +209,7 @@ class AttentionModule(nn.Module):
             band is not None and band.dilation == 1 and band.left >= slots - 1
         )
         seen = mask if isinstance(mask, Pattern) and not whole else None
-        if seen is None and score is not None and not score.separable:
+        if seen is None and score is not None and sees_query_position(score):
             seen = score
         if seen is not None:
             raise ValueError(
