@@ -179,6 +179,18 @@ def test_every_suite_takes_threads_and_chat_and_ring_pass_them_on(capsys, monkey
         "threads": 2,
     }
 
+    # the in-process suites run under --threads (flex once ran at torch's default)
+    import torch
+
+    for name in ("attention", "sparse", "scores", "moba", "hf", "flex", "varlen", "generate"):
+        monkeypatch.setattr(
+            f"mhsa.benchmarks.{name}.run", lambda **kwargs: {"threads": torch.get_num_threads()}
+        )
+        monkeypatch.setattr(f"mhsa.benchmarks.{name}.report", lambda result: "")
+        want = 1 if torch.get_num_threads() > 1 else 2
+        assert main(["bench", name, "--threads", str(want), "--json"]) == 0
+        assert f'"threads": {want}' in capsys.readouterr().out, name
+
 
 def test_hf_passes_its_options_to_the_benchmark(capsys, monkeypatch):
     seen = []

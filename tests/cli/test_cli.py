@@ -52,18 +52,34 @@ def test_a_reader_that_leaves_or_ctrl_c_ends_a_command_quietly(monkeypatch, caps
 def test_bench_attention_json_small(capsys):
     import json
 
+    from mhsa.benchmarks import attention
+
     args = ["bench", "attention", "--length", "128", "--repeat", "1", "--no-memory", "--json"]
     assert main(args) == 0
     result = json.loads(capsys.readouterr().out)
     cases = {(row["case"], row["backend"]) for row in result["timing"]}
     assert ("causal forward+backward", "flash") in cases
     assert all(row["seconds"] > 0 and row["vs_sdpa"] > 0 for row in result["timing"])
+    assert "dtype" not in result and "device" not in result  # (the CPU in float32)
+    # bfloat16 on the CPU was labelled float32 and judged against float32's targets
+    assert main([*args, "--dtype", "bf16"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["dtype"] == "bfloat16" and "device" not in result
+    assert all(row["target_vs_sdpa"] is None for row in result["timing"])
+    assert "bfloat16 matmul" in attention.report(result)
 
 
 def test_bench_scores_small(capsys):
     assert main(["bench", "scores", "--length", "128", "--repeat", "1", "--no-memory"]) == 0
     out = capsys.readouterr().out
     assert "L=S=128" in out and all(name in out for name in ("None", "alibi", "softcap"))
+
+
+def test_versus_says_slower_when_it_is():
+    from mhsa.benchmarks.timing import versus
+
+    assert versus("flash", 1.0, 1.4) == "flash is 1.40x faster"
+    assert versus("flash", 1.0, 0.35) == "flash is 2.86x slower"  # (was "0.35x faster")
 
 
 @pytest.mark.slow

@@ -270,6 +270,9 @@ def test_ring_benchmark_quick():
     assert rows[1]["shard_len"] == rows[0]["length"] // 2
     assert rows[1]["memory_ratio"] > 0 and rows[1]["time_ratio"] > 0
     assert "ring, 2 ranks, zigzag" in ring.report(rows)
+    # 3 ranks: 2048 is no multiple of 6 (it was refused naming no flag): rounded up
+    rows = ring.run(nproc=3, quick=True)
+    assert rows[1]["length"] == 2052 and rows[1]["shard_len"] == 684
 
 
 # no process group needed ------------------------------------------------------------

@@ -232,6 +232,23 @@ def test_negative_positions_are_refused():
             module(torch.zeros(1, 2, 8), positions=torch.tensor([[-1, 0]]))
 
 
+def test_positions_of_another_shape_or_dtype_and_bad_bases_are_refused():
+    """(B, 1) positions broadcast: every token of a row got one position, silently; a
+    base of 0 or below made a nan table."""
+    for module in (SinusoidalPositionalEncoding(8, max_len=16), LearnedPositionalEmbedding(16, 8)):
+        x = torch.zeros(2, 4, 8)
+        with pytest.raises(ValueError, match=r"positions must be \(4,\) or \(2, 4\).*got \(2, 1\)"):
+            module(x, positions=torch.zeros(2, 1, dtype=torch.long))
+        with pytest.raises(TypeError, match="positions must hold integer positions"):
+            module(x, positions=torch.zeros(2, 4))
+        with pytest.raises(ValueError, match=r"x must be \(batch, length, 8\), got \(2, 4, 6\)"):
+            module(torch.zeros(2, 4, 6))
+        assert module(x, positions=torch.arange(4)).shape == (2, 4, 8)
+    for base in (0.0, -1.0, float("nan"), "10000"):
+        with pytest.raises(ValueError, match="base must be a finite number > 0"):
+            SinusoidalPositionalEncoding(8, base=base)
+
+
 def test_out_of_range_offsets_name_the_positions_and_the_fix():
     pe, emb = SinusoidalPositionalEncoding(8, max_len=10), LearnedPositionalEmbedding(10, 8)
     for module in (pe, emb):

@@ -85,7 +85,7 @@ def timing_cases(
     rows = []
     for name, flops, fns, targets in cases:
         times = best_times(fns, repeat, on.device)
-        targets = targets if on.cpu else {}  # the targets are the CPU's
+        targets = targets if on == CPU else {}  # the targets are the CPU's, in float32
         for backend, seconds in times.items():
             rows.append(
                 {
@@ -136,9 +136,12 @@ def run(
         "matmul_gflops": matmul_gflops(2048 if on.cpu else 8192, **on.kwargs),
         "timing": timing_cases(length, heads, head_dim, repeat, on),
     }
+    if on != CPU:  # (the CPU in bfloat16 too: its dtype heads the table)
+        result["dtype"] = on.dtype_name
     if not on.cpu:
-        result.update(device=str(on.device), dtype=on.dtype_name)
-    result["memory"] = memory_cases(long) if memory and on.cpu else []
+        result["device"] = str(on.device)
+    # the memory cases are the CPU's in float32: their fresh processes take no dtype
+    result["memory"] = memory_cases(long) if memory and on == CPU else []
     return result
 
 
@@ -168,6 +171,8 @@ def report(result: dict) -> str:
             "no targets or memory cases on CUDA (the CPU's: resident memory of a fresh "
             "process); GPU memory: python -m mhsa.benchmarks.gpu (its long section)"
         )
+    elif "dtype" in result:
+        lines.append("no targets or memory cases in this dtype (the CPU's are in float32)")
     if result["memory"]:
         lines.append("forward+backward peak extra memory (fresh process each):")
     by_key = {}

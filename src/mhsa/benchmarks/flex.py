@@ -20,7 +20,7 @@ from mhsa.core.scores import ScoreMod
 from mhsa.flex import create_block_mask, flex_attention
 
 from .placement import CPU, Placement
-from .timing import Setup, best_times, error_line, timed_setup
+from .timing import Setup, best_times, error_line, timed_setup, versus
 
 CASES = ("causal", "causal + relative bias table", "sliding window of 256")
 WINDOW = 256
@@ -188,11 +188,6 @@ def run(
     return {"cases": cases, "placement": on.label}
 
 
-def _versus(mine: float, theirs: float) -> str:
-    ratio = theirs / mine
-    return f"mhsa is {ratio:.2f}x faster" if ratio >= 1 else f"mhsa is {1 / ratio:.2f}x slower"
-
-
 def report(result: dict) -> str:
     lines = [
         "mhsa.flex.flex_attention vs torch's flex_attention, "
@@ -211,7 +206,7 @@ def report(result: dict) -> str:
                 if name not in times:
                     continue
                 text = f"  {'':<17} {name:<14} {times[name] * 1e3:9.1f} ms  "
-                text += _versus(times["mhsa"], times[name])
+                text += versus("mhsa", times["mhsa"], times[name])
                 if label == "forward" and name in row["max_difference"]:
                     text += f" (max |difference| {row['max_difference'][name]:.1e})"
                 lines.append(text)
@@ -223,7 +218,7 @@ def report(result: dict) -> str:
         lines.append(
             f"  create_block_mask mhsa.flex      {masks['mhsa'] * 1e3:9.1f} ms\n"
             f"  {'':<17} torch          {masks['torch eager'] * 1e3:9.1f} ms  "
-            + _versus(masks["mhsa"], masks["torch eager"])
+            + versus("mhsa", masks["mhsa"], masks["torch eager"])
         )
         if row["compile_seconds"] is not None:
             lines.append(f"  (torch.compile took {row['compile_seconds']:.1f} s, excluded)")

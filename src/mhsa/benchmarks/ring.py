@@ -123,7 +123,8 @@ def run(
 ) -> list[dict]:
     """Two rows: the single-process baseline, then ring attention over nproc processes
     (with memory_ratio = ring / single per process, ideal_ratio = 1 / nproc, and
-    time_ratio = ring / single). quick: a smoke run at length 2048, repeat 1. threads: the
+    time_ratio = ring / single), at length rounded up to a multiple of the layout's
+    chunks (2 * nproc for zigzag). quick: a smoke run at length 2048, repeat 1. threads: the
     cores the benchmark may use (default: all this process may use); the baseline gets
     them all, each of the nproc processes an equal share."""
     if quick:
@@ -133,10 +134,7 @@ def run(
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     chunks = nproc * (2 if layout == "zigzag" else 1)
-    if length % chunks:
-        raise ValueError(
-            f"length {length} must be a multiple of {chunks} for {nproc} ranks, {layout} layout"
-        )
+    length = -(-length // chunks) * chunks  # (rounded up: each rank's chunks equal)
     case = Case(False, length, heads, head_dim, causal, layout, repeat)
     cores = _cpus() if threads is None else threads
     single = _case(1, case, cores)

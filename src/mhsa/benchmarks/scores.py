@@ -17,7 +17,7 @@ import torch
 from .memory import measure_in_subprocess, score_named
 from .placement import CPU, Placement
 from .sparse import compiled_flex
-from .timing import best_times
+from .timing import best_times, versus
 
 HEADS, HEAD_DIM = 8, 64
 SCORES = (None, "alibi", "softcap")
@@ -145,7 +145,7 @@ def report(result: dict) -> str:
         for name, difference in flex["max_difference"].items():
             ours, theirs = flex["seconds"][f"flash {name}"], flex["seconds"][f"flex {name}"]
             lines.append(
-                f"{name:>10} flash {ours:7.3f} s  flex {theirs:7.3f} s  flash is "
-                f"{theirs / ours:.2f}x faster (outputs within {difference:.1e})"
+                f"{name:>10} flash {ours:7.3f} s  flex {theirs:7.3f} s  "
+                f"{versus('flash', ours, theirs)} (outputs within {difference:.1e})"
             )
     return "\n".join(lines)

@@ -71,3 +71,9 @@ def matmul_gflops(
     a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
     seconds = best_times({"matmul": lambda: a @ b}, repeat, device)["matmul"]
     return 2 * size**3 / seconds / 1e9
+
+
+def versus(name: str, mine: float, theirs: float) -> str:
+    """ "NAME is 1.40x faster" or "NAME is 2.86x slower": mine's seconds against theirs."""
+    ratio = theirs / mine
+    return f"{name} is {ratio:.2f}x faster" if ratio >= 1 else f"{name} is {1 / ratio:.2f}x slower"

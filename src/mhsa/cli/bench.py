@@ -111,6 +111,7 @@ def bench_hf(args: argparse.Namespace) -> int:
     return _show(args, result, hf.report(result))
 
 
+@with_threads
 def bench_flex(args: argparse.Namespace) -> int:
     """mhsa.flex.flex_attention against torch's flex_attention, eager and compiled"""
     from ..benchmarks import flex

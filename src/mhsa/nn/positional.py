@@ -42,6 +42,17 @@ def _check_fits(length: int, offset: int, max_len: int) -> None:
         )
 
 
+def _check_added(x: Tensor, d_model: int, positions: Tensor | None) -> None:
+    """x (B, L, d_model) and positions (L,) or (B, L) integers, one per token of x."""
+    if x.dim() != 3 or x.shape[-1] != d_model:
+        raise ValueError(f"x must be (batch, length, {d_model}), got {tuple(x.shape)}")
+    if positions is None:
+        return
+    if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
+        raise TypeError(f"positions must hold integer positions, got {positions.dtype}")
+    _check_rotary_positions(positions, x)
+
+
 def _check_positions(positions: Tensor, max_len: int) -> None:
     if torch.compiler.is_compiling():
         return  # a value check would break the graph (eager calls check)
@@ -56,6 +67,8 @@ def _check_positions(positions: Tensor, max_len: int) -> None:
 
 def sinusoidal_table(length: int, d_model: int, base: float = 10000.0) -> Tensor:
     """(length, d_model) float32: PE[p, 2i] = sin(p / base^(2i/d)), PE[p, 2i+1] = cos(...)."""
+    if isinstance(base, bool) or not isinstance(base, int | float) or not 0 < base < math.inf:
+        raise ValueError(f"base must be a finite number > 0, got {base!r}")
     positions = torch.arange(length, dtype=torch.float64).unsqueeze(1)
     even = torch.arange(0, d_model, 2, dtype=torch.float64)
     angles = positions / base ** (even / d_model)  # (length, ceil(d/2))
@@ -77,6 +90,7 @@ class SinusoidalPositionalEncoding(nn.Module):
     def forward(self, x: Tensor, offset: int = 0, positions: Tensor | None = None) -> Tensor:
         """x (B, L, d_model) -> x + PE[offset : offset + L], or x + PE[positions] for
         per-sequence positions (B, L) (e.g. left-padded batches)."""
+        _check_added(x, self.table.shape[1], positions)
         if positions is not None:
             _check_positions(positions, self.table.shape[0])
             return x + self.table[positions].to(x.dtype)
@@ -96,6 +110,7 @@ class LearnedPositionalEmbedding(nn.Module):
     def forward(self, x: Tensor, offset: int = 0, positions: Tensor | None = None) -> Tensor:
         """x (B, L, d_model) -> x + E[offset : offset + L], or x + E[positions] for
         per-sequence positions (B, L)."""
+        _check_added(x, self.embedding.embedding_dim, positions)
         if positions is not None:
             _check_positions(positions, self.embedding.num_embeddings)
             return x + self.embedding(positions).to(x.dtype)
