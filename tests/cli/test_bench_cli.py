@@ -240,6 +240,11 @@ def test_explicit_sizes_win_over_quick_and_serve_options_are_checked_first(monke
     monkeypatch.setattr(moba, "report", lambda result: "")
     assert main(["bench", "moba", "--quick", "--length", "2048", "--heads", "1", "--json"]) == 0
     assert (seen[0]["length"], seen[0]["block_size"], seen[0]["heads"]) == (2048, None, 1)
+    monkeypatch.undo()  # (the real run checks --top-k before any timing)
+    assert main(["bench", "moba", "--quick", "--top-k", "10"]) == 2
+    assert "mhsa bench: --top-k must be an int in 1..8" in capsys.readouterr().err
+    assert main(["bench", "serve", "--quick", "--clients", "0"]) == 2
+    assert "mhsa bench: --clients must be an int >= 1, got 0" in capsys.readouterr().err
     for bad in (["--quantize", "garbage"], ["--draft-tokens", "0"]):
         with pytest.raises(SystemExit) as caught:
             main(["bench", "serve", *bad])

@@ -237,6 +237,16 @@ def test_sampling_flag_errors_name_the_flags_before_the_model_loads(tmp_path, ca
         capsys, ["generate", str(run), "--speculate", f"draft:{missing}"], "generate"
     )
     assert err.startswith(f"mhsa generate: --speculate draft:{missing}: nothing at {missing}")
+    # serve found it only after the whole load, blaming the served model
+    no_work(monkeypatch, "mhsa.cli.serve.chat_weights")
+    err = one_line_error(capsys, ["serve", "--speculate", f"draft:{missing}"], "serve")
+    assert err.startswith(f"mhsa serve: --speculate draft:{missing}: nothing at {missing}")
+    for command in (["chat", "--prompt", "hi"], ["generate", str(run)], ["train", "gpt"]):
+        with pytest.raises(SystemExit):  # (torch's "Overflow when unpacking long long")
+            main([*command, "--seed", str(2**64)])
+        assert "argument --seed: must be a whole number in 0..9223372036854775807" in (
+            capsys.readouterr().err
+        )
     with pytest.raises(SystemExit):
         main(["chat", "--prompt", "hi", "--top-k", "-1"])
     assert "argument --top-k: must be a whole number >= 0, got -1" in capsys.readouterr().err

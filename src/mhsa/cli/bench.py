@@ -11,6 +11,7 @@ import argparse
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from .checks import flag_errors
 from .common import QUANTIZE, add_option, positive_int, threads_option, with_threads
 from .device import device_options, placement
 
@@ -97,8 +98,9 @@ def bench_moba(args: argparse.Namespace) -> int:
     """MoBA's block choice on the flash engine against dense causal attention"""
     from ..benchmarks import moba
 
-    chosen = _same_names(args, "length", "block_size", "top_k", "heads", "repeat", "quick")
-    result = moba.run(**chosen, memory=not args.no_memory, on=_placed(args))
+    names = ("length", "block_size", "top_k", "heads", "repeat", "quick")
+    with flag_errors({name: "--" + name.replace("_", "-") for name in names[:4]}):
+        result = moba.run(**_same_names(args, *names), memory=not args.no_memory, on=_placed(args))
     return _show(args, result, moba.report(result))
 
 
@@ -176,7 +178,8 @@ def bench_serve(args: argparse.Namespace) -> int:
             *("clients", "serial_requests", "throughput_only"),
         )
         # placed: the servers' own flags (mhsa serve --device --dtype)
-        result = serve.run(**chosen, **placed)
+        with flag_errors({"clients": "--clients", "serial_requests": "--serial-requests"}):
+            result = serve.run(**chosen, **placed)
     except RuntimeError as error:  # the server did not start
         raise SystemExit(str(error)) from error
     return _show(args, result, serve.report(result))

@@ -15,6 +15,7 @@ from .common import (
     non_negative_int,
     positive_int,
     progress_bar,
+    seed_int,
     spare_core_threads_option,
     speculate_options,
     speculator,
@@ -206,7 +207,7 @@ def add_parser(commands) -> None:
         "--top-k", type=non_negative_int, default=0, help="sample from the k likeliest (0: all)"
     )
     cmd.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold")
-    add_option(cmd, "--seed", 0, "sampling seed", type=int)
+    add_option(cmd, "--seed", 0, "sampling seed", type=seed_int)
     add_option(
         cmd, "--max-new-tokens", 256, "at most this many tokens per answer", type=positive_int
     )

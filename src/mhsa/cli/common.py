@@ -124,6 +124,10 @@ def _whole_number(minimum: int, maximum: int | None = None):
     return parse
 
 
+MAX_SEED = 2**63 - 1  # (training seeds its data's generator with seed + 1)
+seed_int = _whole_number(0, MAX_SEED)  # an argparse type: torch's seeds overflow past it
+
+
 def finite_float(text: str) -> float:
     """A finite number (argparse type): nan and inf are refused."""
     try:
@@ -183,7 +187,7 @@ def common_train_options(
         help="skip a step whose loss or gradient is nan/inf instead of "
         "stopping (still stops after 10 in a row)",
     )
-    add_option(parser, "--seed", 0, "random seed", type=int)
+    add_option(parser, "--seed", 0, "random seed", type=seed_int)
     compile_option(
         parser, "compile the training step with torch.compile (the first step then takes a while)"
     )

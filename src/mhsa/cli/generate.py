@@ -11,6 +11,7 @@ from .common import (
     compile_option,
     load_model,
     non_negative_int,
+    seed_int,
     speculate_options,
     speculator,
     threads_option,
@@ -136,7 +137,7 @@ def add_parser(commands) -> None:
         help="sample among the likeliest tokens whose probability reaches p, "
         "in (0, 1] (default: no limit)",
     )
-    add_option(gen, "--seed", 0, "random seed", type=int)
+    add_option(gen, "--seed", 0, "random seed", type=seed_int)
     compile_option(gen, "decode through one torch.compile'd step (compiling takes a while)")
     device_options(gen)
     speculate_options(gen, "another `mhsa train gpt` checkpoint")

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from .checks import check_draft
 from .common import (
     add_option,
     chat_weight_options,
@@ -40,6 +41,7 @@ def say(line: str) -> None:
 def serve(args: argparse.Namespace) -> int:
     """Say what loads before torch and the model's modules are imported; check the serve
     extra and the options; load the model, then serve until Ctrl-C."""
+    check_draft(args)  # (a missing draft was found after the whole load)
     say(f"loading {to_load(args.model)} ...")
     started = time.perf_counter()
     missing = missing_serve_extra()
