@@ -662,6 +662,22 @@ def test_train_config_messages_name_the_option_and_the_value():
             ValueError, match=re.escape(f"lr must be a finite number > 0 (--lr), got {lr!r}")
         ):
             TrainConfig(lr=lr)
+    # accepted once: a negative grad_clip trained uphill, min_lr_ratio -1 a negative lr
+    for field, bad, words in (
+        ("grad_clip", -1.0, "> 0 and finite"),
+        ("grad_clip", 0.0, "> 0 and finite"),
+        ("grad_clip", math.nan, "> 0 and finite"),
+        ("weight_decay", math.nan, ">= 0 and finite"),
+        ("weight_decay", -0.1, ">= 0 and finite"),
+        ("min_lr_ratio", -1.0, "in [0, 1]"),
+        ("min_lr_ratio", 1.5, "in [0, 1]"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(f"{field} must be a number {words}")):
+            TrainConfig(**{field: bad})
+    TrainConfig(weight_decay=0, min_lr_ratio=1.0, grad_clip=0.5)
+    for seed in (-1, 2**64 - 1):  # (torch.Generator's overflow, after the model was built)
+        with pytest.raises(ValueError, match=r"seed must be .*\(--seed\)"):
+            TrainConfig(seed=seed)
     TrainConfig(nonfinite="skip"), TrainConfig(nonfinite="stop")
     with pytest.raises(
         ValueError, match=re.escape("nonfinite must be 'stop' or 'skip', got 'Stop'")

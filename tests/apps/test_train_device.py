@@ -73,6 +73,9 @@ def test_mfu_is_tokens_times_flops_over_the_measured_rate():
     rate = MatmulRate(2e12, "cuda:0", "bfloat16", 8192)
     assert rate.mfu(1000.0, 6e8) == pytest.approx(0.3)
     assert rate.describe() == "the bfloat16 matmul measured at start, 2.0 TFLOP/s on cuda:0"
+    group = MatmulRate(2e12, "cuda:0", "bfloat16", 8192, processes=2)  # data parallel
+    assert group.mfu(1000.0, 6e8) == pytest.approx(0.15)
+    assert group.describe().endswith("on cuda:0, times 2 processes")
     measured = measure_matmul("cpu", torch.float32, size=64, repeat=1)
     assert measured.device == "cpu" and measured.dtype == "float32" and measured.size == 64
     assert measured.flops_per_second > 0

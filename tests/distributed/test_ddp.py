@@ -4,6 +4,8 @@ different number of processes."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -67,6 +69,32 @@ def test_two_ranks_train_like_one_process_with_the_same_global_batch(tmp_path):
     run_local(as_rank, 2, str(tmp_path / "two"))
     assert_same(losses(tmp_path / "two"), losses(tmp_path / "one"))
     assert len(losses(tmp_path / "one")) == 4
+
+
+def _matmul_rate(rank: int, world_size: int, out_dir: str) -> None:
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=256, n_layer=1, n_head=2, d_model=16, max_len=16)
+    task = TextTask(ByteTokenizer().encode(TEXT), 16, batch_size=4, eval_batches=1)
+    info = {"model": "gpt", "config": config.to_dict(), "tokenizer": "bytes"}
+    result = train(
+        GPT(config),
+        task,
+        TrainConfig(steps=2, eval_every=2, checkpoint_every=2),
+        out_dir,
+        model_info=info,
+        log=lambda *_: None,
+        flops_per_token=1e6,
+    )
+    rate = result["matmul"]
+    (Path(out_dir) / f"rate-{rank}.txt").write_text(f"{rate.processes} {rate.describe()}")
+
+
+def test_mfu_under_data_parallel_counts_every_process_rate(tmp_path):
+    """Rank 0 counts the group's tokens/s: its MFU was against one process's rate (over
+    100% seen with 2 ranks)."""
+    run_local(_matmul_rate, 2, str(tmp_path))
+    processes, words = (tmp_path / "rate-0.txt").read_text().split(" ", 1)
+    assert processes == "2" and words.endswith(", times 2 processes")
 
 
 def test_resume_with_a_different_number_of_processes(tmp_path):

@@ -26,7 +26,7 @@ import math
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -95,6 +95,18 @@ class TrainConfig:
             int_at_least(name, getattr(self, name), 0 if name == "warmup" else 1, f" ({flag})")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr must be a finite number > 0 (--lr), got {self.lr!r}")
+        bounds = {  # (a negative grad_clip flipped every gradient: the model trained uphill)
+            "grad_clip": (lambda v: 0 < v < math.inf, "> 0 and finite"),
+            "weight_decay": (lambda v: 0 <= v < math.inf, ">= 0 and finite"),
+            "min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+        }
+        for name, (fits, words) in bounds.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not fits(value):
+                raise ValueError(f"{name} must be a number {words}, got {value!r}")
+        int_at_least("seed", self.seed, 0, " (--seed)")
+        if self.seed >= 2**63:  # (the data's generator takes seed + 1)
+            raise ValueError(f"seed must be below 2**63 (--seed), got {self.seed}")
         if self.nonfinite not in ("stop", "skip"):
             raise ValueError(f"nonfinite must be 'stop' or 'skip', got {self.nonfinite!r}")
         if self.dtype not in ("float32", "bfloat16"):
@@ -223,7 +235,9 @@ def train(
     compute_loss, rank, world = data_parallel(model, context_parallel)
     if config.compile:
         compute_loss = torch.compile(compute_loss)
-    rate = None if flops_per_token is None else measure_matmul(device, config.dtype)
+    rate = None
+    if flops_per_token is not None:  # (the tokens/s counted are the whole group's)
+        rate = replace(measure_matmul(device, config.dtype), processes=world)
     start, skipped, first_step, clock = time.perf_counter(), 0, step, StepClock()
     end = config.steps if stop_after is None else min(config.steps, step + stop_after)
     progress = _Progress(first_step, config.steps, end, rate, flops_per_token)

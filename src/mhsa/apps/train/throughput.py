@@ -88,22 +88,27 @@ def flops_per_token(model: nn.Module, context: int) -> float:
 
 @dataclass(frozen=True)
 class MatmulRate:
-    """A matmul's measured rate on a device in a dtype: MFU's yardstick."""
+    """A matmul's measured rate on a device in a dtype: MFU's yardstick. processes: the
+    data-parallel ranks that share the work, each with a device of this rate."""
 
     flops_per_second: float
     device: str
     dtype: str
     size: int
+    processes: int = 1
 
     def describe(self) -> str:
-        """In words: the bfloat16 matmul measured at start, 612.3 TFLOP/s on cuda:0."""
+        """In words: the bfloat16 matmul measured at start, 612.3 TFLOP/s on cuda:0
+        (and ", times 2 processes" under data parallel)."""
         rate = self.flops_per_second
         text = f"{rate / 1e12:.1f} TFLOP/s" if rate >= 1e12 else f"{rate / 1e9:.1f} GFLOP/s"
-        return f"the {self.dtype} matmul measured at start, {text} on {self.device}"
+        group = f", times {self.processes} processes" if self.processes > 1 else ""
+        return f"the {self.dtype} matmul measured at start, {text} on {self.device}{group}"
 
     def mfu(self, tokens_per_second: float, flops_per_token: float) -> float:
-        """The share of this rate that tokens_per_second x flops_per_token is."""
-        return tokens_per_second * flops_per_token / self.flops_per_second
+        """The share of every process's rate that the group's tokens_per_second x
+        flops_per_token is."""
+        return tokens_per_second * flops_per_token / (self.flops_per_second * self.processes)
 
 
 class StepClock:
