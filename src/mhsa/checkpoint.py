@@ -67,13 +67,19 @@ def clean_leftovers(out_dir: str | Path) -> None:
             path.unlink(missing_ok=True)
 
 
+_OLDER_TMP = re.compile(r"^\.tmp-[a-z0-9_]{8}$")  # tempfile.mkdtemp(prefix=".tmp-")'s names
+
+
 def _older_partial(path: Path) -> bool:
-    """A `.tmp-*` folder an older mhsa wrote: checkpoint files, or a step moved
-    aside, and nothing else (anything else there is a user's)."""
-    if not path.is_dir() or path.is_symlink():
+    """A `.tmp-*` folder an older mhsa wrote (tempfile's name): the checkpoint files in
+    the order it wrote them, cut short or not, or one complete step moved aside, and
+    nothing else (a config.json alone, say, is a user's)."""
+    if not _OLDER_TMP.match(path.name) or not path.is_dir() or path.is_symlink():
         return False
     names = [entry.name for entry in path.iterdir()]
-    return bool(names) and all(n in _FILES or _STEP_FOLDER.match(n) for n in names)
+    if len(names) == 1 and _STEP_FOLDER.match(names[0]):
+        return is_checkpoint(path / names[0])
+    return bool(names) and sorted(names) == sorted(_FILES[: len(names)])
 
 
 def check_latest_is_ours(out_dir: str | Path) -> None:
@@ -87,6 +93,21 @@ def check_latest_is_ours(out_dir: str | Path) -> None:
         )
 
 
+def check_steps_are_ours(out_dir: str | Path) -> None:
+    """ValueError when out_dir holds a `step-N` name that is no checkpoint (a file, or a
+    folder without model.safetensors and config.json): a run writing that step would
+    replace it."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return
+    for path in out_dir.iterdir():
+        if _STEP_FOLDER.match(path.name) and not is_checkpoint(path):
+            raise ValueError(
+                f"{path} is not a checkpoint (a run writes its steps under such names): "
+                "move it away or choose another --out"
+            )
+
+
 def save_checkpoint(out_dir: Path, step: int, model: nn.Module, info: dict, trainer: dict) -> Path:
     """Write step-NNNNNN/ atomically and point `latest` at it. Raises ValueError, and
     writes nothing, if a weight is not finite."""
@@ -97,6 +118,8 @@ def save_checkpoint(out_dir: Path, step: int, model: nn.Module, info: dict, trai
     out_dir.mkdir(parents=True, exist_ok=True)
     check_latest_is_ours(out_dir)
     final = out_dir / f"step-{step:06d}"
+    if final.exists() and not is_checkpoint(final):  # (a user's: its files were deleted)
+        check_steps_are_ours(out_dir)
     tmp = Path(tempfile.mkdtemp(prefix=PARTIAL, dir=out_dir))
     try:
         save_file(_untied(weights), tmp / "model.safetensors")

@@ -317,15 +317,27 @@ def test_a_step_moved_aside_comes_back_and_older_leftovers_go(tmp_path):
     aside = out / ".mhsa-partial-old"
     aside.mkdir()
     os.replace(out / "step-000004", aside / "step-000004")
-    older = out / ".tmp-abc"
+    older = out / ".tmp-k3x9_q2a"  # (tempfile's names)
     older.mkdir()
     (older / "model.safetensors").write_bytes(b"half")
-    users = out / ".tmp-mine"
-    users.mkdir()
-    (users / "notes.txt").write_text("mine")
+    users = [out / ".tmp-mine", out / ".tmp-my-configs", out / ".tmp-abcd1234"]
+    for folder, name in zip(users, ("notes.txt", "config.json", "config.json"), strict=True):
+        folder.mkdir()  # (the two with a config.json alone were deleted)
+        (folder / name).write_text("mine")
     clean_leftovers(out)
     assert resolve_checkpoint(out).name == "step-000004"
-    assert sorted(p.name for p in out.iterdir()) == [".tmp-mine", "latest", "step-000004"]
+    kept = sorted(p.name for p in out.iterdir())
+    assert kept == [".tmp-abcd1234", ".tmp-mine", ".tmp-my-configs", "latest", "step-000004"]
+
+
+def test_a_users_folder_named_like_a_step_is_refused_not_replaced(tmp_path):
+    """Its files were deleted when the run wrote that step."""
+    out = tmp_path / "run"
+    (out / "step-000002").mkdir(parents=True)
+    (out / "step-000002" / "my-notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"step-000002 is not a checkpoint .* move it away"):
+        run(out, steps=2)
+    assert (out / "step-000002" / "my-notes.txt").read_text() == "mine"
 
 
 def test_a_damaged_trainer_state_names_its_file(tmp_path):

@@ -70,6 +70,9 @@ def test_train_refuses_an_out_that_is_a_file_before_any_work(tmp_path, capsys, m
     for model in ("bert", "vit", "points", "translate"):
         err = one_line_error(capsys, ["train", model, "--out", str(todo)], "train")
         assert "todo.txt is a file, not a folder" in err
+    # --out "" (an unset $RUN) trained into the current folder
+    err = one_line_error(capsys, tiny_train(""), "train")
+    assert err == "mhsa train: --out is empty: name the path to write"
 
 
 def test_viz_refuses_a_folder_or_a_taken_file_before_the_model_loads(tmp_path, capsys, monkeypatch):

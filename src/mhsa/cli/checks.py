@@ -20,6 +20,8 @@ def check_output(
     write, before it does any work: for a file (folder=False) a folder, or an existing
     file unless overwrite (--overwrite); for a folder (train's --out) a file; for both a
     path under a file, or in a folder this user may not write. Nothing is created."""
+    if not str(path).strip():  # (Path("") is the current folder: an unset $RUN, say)
+        raise ValueError(f"{flag} is empty: name the path to write")
     path = Path(path)
     if folder and path.exists() and not path.is_dir():
         raise ValueError(

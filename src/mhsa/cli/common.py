@@ -234,8 +234,8 @@ def size_options(
         parser,
         "--lr",
         lr,
-        "peak learning rate, reached after 20 linear warm-up steps; then a cosine decay to "
-        "a tenth of it at --steps",
+        "peak learning rate, reached at the 20th of the linear warm-up steps; then a "
+        "cosine decay toward a tenth of it as --steps ends",
         type=float,
     )
 

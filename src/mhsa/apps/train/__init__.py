@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from ...checkpoint import (
     check_latest_is_ours,
+    check_steps_are_ours,
     checkpoints_in,
     clean_leftovers,
     latest_checkpoint,
@@ -345,6 +346,7 @@ def check_out_dir(out_dir: str | Path, resume: bool, overwrite: bool) -> None:
             "checkpoints there): choose another --out"
         )
     check_latest_is_ours(out_dir)
+    check_steps_are_ours(out_dir)
     existing = checkpoints_in(out_dir)
     if existing and not (resume or overwrite):
         raise ValueError(

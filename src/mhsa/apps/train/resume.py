@@ -40,7 +40,7 @@ def check_same_run(state: dict, model_info: dict, config, log) -> None:
     if before.get("seed", config.seed) != config.seed:
         raise ValueError(
             f"seed {config.seed}, but the checkpoint's run used seed {before['seed']}, which "
-            "drew its data (the validation split among it): resume with that seed"
+            "drew its batches (and for some tasks the validation split): resume with that seed"
         )
     for key in ("steps", "lr"):
         if before.get(key, getattr(config, key)) != getattr(config, key):
