@@ -675,15 +675,25 @@ def test_unknown_argument_is_an_error_naming_it():
 
 
 def test_output_attentions_gives_eager_weights_and_refuses_a_pattern():
-    model = gpt_oss().eval()  # sinks: the weights leave the sink's share out, as eager's
-    ids = torch.randint(3, 64, (2, 7))
-    model.set_attn_implementation("eager")
-    expected = model(input_ids=ids, output_attentions=True).attentions
-    model.set_attn_implementation("mhsa")
-    got = model(input_ids=ids, output_attentions=True).attentions
-    assert len(got) == len(expected) == 2
-    for ours, theirs in zip(got, expected, strict=True):
-        assert max_error(ours, theirs) <= LOGITS_TOLERANCE
+    gpt2 = transformers.GPT2Config(
+        vocab_size=64,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        bos_token_id=0,
+        eos_token_id=2,
+    )  # (GPT-2 keeps output_attentions from the function: its weights came back empty)
+    for model in (transformers.GPT2LMHeadModel(gpt2).eval(), gpt_oss().eval()):
+        ids = torch.randint(3, 64, (2, 7))  # gpt-oss's sinks: the weights leave them out
+        model.set_attn_implementation("eager")
+        expected = model(input_ids=ids, output_attentions=True).attentions
+        model.set_attn_implementation("mhsa")
+        got = model(input_ids=ids, output_attentions=True).attentions
+        assert len(got) == len(expected) == 2
+        for ours, theirs in zip(got, expected, strict=True):
+            assert max_error(ours, theirs) <= LOGITS_TOLERANCE
+        assert model(input_ids=ids).attentions is None
     with pytest.raises(ValueError, match="output_attentions=True with an mhsa_pattern"):
         model(input_ids=ids, output_attentions=True, mhsa_pattern=SlidingWindow(2, 0))
 

@@ -60,10 +60,11 @@ class FlexScore(Shifted):
         if hidden is not None:
             raise ValueError(
                 f"score_mod reads a tensor of shape {tuple(hidden.shape)} that requires grad "
-                "but is not one it closes over (a functools.partial argument or an attribute "
-                "of an object, say): its gradient would be lost. mhsa differentiates the "
-                "tensors a score_mod closes over directly or as parameters of a module it "
-                "closes over: write it as a function that uses the tensor, e.g. "
+                "but is held where mhsa does not look (in a dict or list it closes over, "
+                "say): its gradient would be lost. mhsa differentiates the tensors a "
+                "score_mod closes over directly, as parameters of a module it closes over, "
+                "as functools.partial arguments or as attributes of a method's object: "
+                "write it as a function that uses the tensor, e.g. "
                 "def score_mod(score, b, h, q_idx, kv_idx): return score + table[h]"
             )
 

@@ -72,7 +72,8 @@ def attention_forward(
         s_aux: (H,) sink logits (GPT-OSS), as mhsa.attention's sinks.
         position_bias: float, broadcastable to (B, H, L, S), added to the scores (T5's
             relative positions), as mhsa.attention's bias.
-        output_attentions: also return the probabilities (B, H, L, S).
+        output_attentions: also return the probabilities (B, H, L, S) (so does a call
+            while transformers records them, _collecting_weights), before dropout.
         mhsa_pattern: an mhsa pattern that narrows what the model's mask allows.
 
     Returns:
@@ -113,7 +114,7 @@ def attention_forward(
         score=None if softcap is None else Softcap(softcap),
         sinks=s_aux,
     )
-    if output_attentions:
+    if output_attentions or _collecting_weights():
         if pattern is not None:
             raise ValueError(
                 f"{where}: output_attentions=True with an mhsa_pattern would materialise "
@@ -128,6 +129,18 @@ def attention_forward(
         out = attention(query, key, value, mask, isolate_nonfinite=False, **call)
         weights = None
     return out.transpose(1, 2).contiguous(), weights
+
+
+def _collecting_weights() -> bool:
+    """Whether transformers is recording attention probabilities: its output-capturing
+    hooks take them from the attention modules' outputs, and models such as GPT-2 and
+    OPT keep output_attentions from the attention function (which then returned None)."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # (an older transformers passes output_attentions itself)
+        return False
+    collected = _active_collector.get()
+    return bool(collected) and ("attentions" in collected or "cross_attentions" in collected)
 
 
 def _check_placed(where: str, attention_mask, q_len: int, kv_len: int) -> None:
