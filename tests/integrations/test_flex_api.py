@@ -573,7 +573,7 @@ def test_a_tensor_whose_gradient_would_be_lost_is_an_error():
         return relative(score, b, h, q_idx, kv_idx, held["table"])
 
     with pytest.raises(
-        ValueError, match="requires grad but is held where mhsa does not look \(in a dict"
+        ValueError, match=r"requires grad but is held where mhsa does not look \(in a dict"
     ):
         flex_attention(q, k, v, from_a_dict)
     with torch.no_grad():  # no gradient wanted: nothing to lose
