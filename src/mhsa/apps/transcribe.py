@@ -88,7 +88,8 @@ def transcribe(
     """The English transcript of a WAV file or a waveform (see load_audio).
 
     Long audio is cut into consecutive 30 s windows (a word on a boundary may be
-    split), each decoded greedily, `batch_size` windows at a time; the texts are
+    split; a last window of milliseconds may read as "you", as in OpenAI's Whisper,
+    docs/models.md), each decoded greedily, `batch_size` windows at a time; the texts are
     joined with spaces. model defaults to the packaged tiny.en, loaded once. compile:
     decode through one compiled decoder step (Whisper.generate).
     """
