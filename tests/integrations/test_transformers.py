@@ -405,6 +405,24 @@ def test_cached_decoding_equals_full_recompute():
     assert max_error(torch.cat(steps, dim=1), full) <= LOGITS_TOLERANCE
 
 
+def test_autocast_training_step_equals_sdpa():
+    """Under bfloat16 autocast transformers' rotary step leaves q and k in float32 and v
+    in bfloat16: mhsa refused the mix (a TypeError), in training and generate alike."""
+    model = llama().train()
+    ids = torch.randint(3, 64, (2, 9), generator=torch.Generator().manual_seed(3))
+    losses, grads = {}, {}
+    for implementation in ("sdpa", "mhsa"):
+        model.set_attn_implementation(implementation)
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        losses[implementation] = loss.item()
+        grads[implementation] = model.model.layers[0].self_attn.q_proj.weight.grad.clone()
+    assert abs(losses["mhsa"] - losses["sdpa"]) < 1e-2
+    assert max_error(grads["mhsa"], grads["sdpa"]) < 2e-2 * grads["sdpa"].abs().max()
+
+
 def test_packed_sequences_equal_eager():
     """Several sequences in one row (positions restart): transformers' packed-sequence
     mask, lowered to a Document pattern."""

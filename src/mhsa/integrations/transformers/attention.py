@@ -81,6 +81,7 @@ def attention_forward(
     """
     where = f"{type(module).__name__} (attn_implementation='mhsa')"
     _check_arguments(where, kwargs)
+    query, key, value = _autocast(query, key, value)
     pattern = _pattern(where, module, mhsa_pattern)
     mask, bias, causal = _masks(where, module, attention_mask, query, key, is_causal)
     kv_len = key.shape[2]
@@ -129,6 +130,17 @@ def attention_forward(
         out = attention(query, key, value, mask, isolate_nonfinite=False, **call)
         weights = None
     return out.transpose(1, 2).contiguous(), weights
+
+
+def _autocast(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v in autocast's dtype where autocast is on and they differ, as sdpa takes
+    them: transformers' rotary step leaves q and k in float32 (its cos and sin) and v in
+    bfloat16. Elsewhere they are left as they are (mixed dtypes: mhsa's error)."""
+    device = query.device.type
+    if query.dtype == key.dtype == value.dtype or not torch.is_autocast_enabled(device):
+        return query, key, value
+    dtype = torch.get_autocast_dtype(device)
+    return query.to(dtype), key.to(dtype), value.to(dtype)
 
 
 def _collecting_weights() -> bool:
