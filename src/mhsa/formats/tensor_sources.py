@@ -47,6 +47,24 @@ def as_source(weights: Weights, name: str = "the state dict") -> TensorSource:
     return weights if hasattr(weights, "shapes") else TensorDict(weights, name)
 
 
+class Within:
+    """The tensors of `source` whose names start with `prefix`, named without it: the
+    text model of a multimodal checkpoint (language_model.), its other parts left out."""
+
+    def __init__(self, source: TensorSource, prefix: str) -> None:
+        self.source, self.prefix = source, prefix
+        self.name = f"{source.name} ({prefix}*)"
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes = self.source.shapes().items()
+        return {
+            key.removeprefix(self.prefix): v for key, v in shapes if key.startswith(self.prefix)
+        }
+
+    def read(self, name: str) -> Tensor:
+        return self.source.read(self.prefix + name)
+
+
 class SafetensorsFiles:
     """One or more .safetensors files (shards of one model) as a source: shapes from the
     headers, each file read whole (safetensors' load_file) the first time it is needed."""

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from ..core.masks import Chunked, Document, Pattern
 from ..core.validate import int_at_least
+from ..formats.tensor_sources import Within, as_source
 from ..formats.weights import NameTable, Weights
 from ..nn import GatedFeedForward, RMSNorm
 from ..nn.feedforward import ACTIVATIONS
@@ -270,6 +271,7 @@ def chunk_pattern(size: int, begin: Tensor | None, kv_len: int, first: int = 0) 
     return Document((index - begin.view(-1, 1)).div(size, rounding_mode="floor"))
 
 
+MULTIMODAL_TEXT = "language_model."  # the text model's names in Llama4ForConditionalGeneration
 HF_NAMES = NameTable(  # our names <-> transformers' Llama4ForCausalLM
     ("embed.weight", EMBED),
     ("norm.weight", "model.norm.weight"),
@@ -368,8 +370,12 @@ class Llama4(DecoderLM):
         """Build from weights named as in transformers' Llama4ForCausalLM (every name
         and shape checked first, HF_NAMES); each head's q and k rows are permuted from
         interleaved rotary pairs to mhsa's halves. dtype: cast to it (default: the
-        embedding's)."""
-        model = cls._load_hf(state_dict, config, dtype=dtype)
+        embedding's). A multimodal checkpoint (Llama4ForConditionalGeneration, as the
+        Hub's Scout and Maverick) gives its text model, language_model.*."""
+        source = as_source(state_dict)
+        if any(name.startswith(MULTIMODAL_TEXT) for name in source.shapes()):
+            source = Within(source, MULTIMODAL_TEXT)
+        model = cls._load_hf(source, config, dtype=dtype)
         for block in model.layers:
             for proj, heads in ((block.attn.q_proj, config.n_head), (block.attn.k_proj, None)):
                 heads = heads or config.n_kv_head or config.n_head
