@@ -170,6 +170,28 @@ def test_an_untied_mlm_decoder_is_refused_a_tied_one_equals_transformers(tmp_pat
         assert max_error(ours.mlm_logits(ours(ids)), hf(input_ids=ids).logits) < 1e-5
 
 
+def test_a_sharded_folder_loads(tmp_path):
+    """save_pretrained(max_shard_size=...) writes shards and an index: once refused as
+    "model.safetensors not found"; a folder without weights is refused naming both."""
+    config = transformers.BertConfig(
+        vocab_size=50,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=32,
+        max_position_embeddings=20,
+    )
+    hf = transformers.BertModel(config).eval()
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
+    ours, ids = Bert.from_pretrained(tmp_path / "sharded"), torch.randint(0, 50, (2, 9))
+    with torch.no_grad():
+        assert max_error(ours(ids), hf(input_ids=ids).last_hidden_state) < 1e-5
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="config.json and model.safetensors"):
+        Bert.from_pretrained(tmp_path / "empty")
+
+
 def test_a_null_pad_token_id_reads_as_0():
     hf = transformers.BertConfig(
         vocab_size=40,

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..formats.tensor_sources import checkpoint_files
 from ..formats.weights import (
     NameTable,
     Rule,
@@ -189,19 +190,20 @@ class Bert(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: str | Path) -> Bert:
-        """Load a Hugging Face BERT folder: config.json and model.safetensors (weights
-        named as in transformers' BertModel, with or without a 'bert.' prefix)."""
+        """Load a Hugging Face BERT folder: config.json and model.safetensors, or its
+        shards (weights named as in transformers' BertModel, with or without a 'bert.'
+        prefix)."""
         directory = Path(directory)
-        for name in ("config.json", "model.safetensors"):
-            if not (directory / name).is_file():
-                raise FileNotFoundError(
-                    f"{directory / name} not found: need a Hugging Face "
-                    "BERT folder with config.json and model.safetensors"
-                )
+        if not (directory / "config.json").is_file() or not list(directory.glob("*.safetensors")):
+            raise FileNotFoundError(
+                f"{directory}: need a Hugging Face BERT folder with config.json and "
+                "model.safetensors (or its shards)"
+            )
+        files = checkpoint_files(directory)
         config = BertConfig.from_hf_config(json.loads((directory / "config.json").read_text()))
         config.dropout = 0.0
         model = cls(config)
-        model.load_hf_weights(SafetensorsFiles(directory / "model.safetensors"))
+        model.load_hf_weights(SafetensorsFiles(files))
         return model.eval()
 
     def load_hf_weights(self, weights: Weights) -> None:
