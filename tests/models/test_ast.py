@@ -38,6 +38,11 @@ def test_read_wav_and_errors(tmp_path):
     audio, rate = speech.read_wav(path)
     assert rate == 8000 and audio.shape == (8000,) and abs(audio.abs().max() - 0.49) < 0.01
     assert speech.resample(audio, 8000).shape == (16000,)
+    # a longer recording gives its centre second (its first second once: silence here)
+    longer = torch.cat([torch.zeros(16000), torch.ones(4000), torch.zeros(16000)])
+    assert speech.fit_clip(longer).sum() == 4000
+    drawn = speech.fit_clip(longer, torch.Generator().manual_seed(0))
+    assert drawn.shape == (16000,) and drawn.sum() <= 4000
     bad = tmp_path / "bad.wav"
     bad.write_bytes(b"not a wav")
     with pytest.raises(ValueError, match="not a readable WAV"):

@@ -60,6 +60,8 @@ def test_embeddings_mean_something(encoder):
     sims = vectors @ vectors.T
     assert torch.allclose(vectors.norm(dim=-1), torch.ones(3), atol=1e-5)
     assert sims[0, 1] > 0.5 > sims[0, 2]
+    with pytest.raises(TypeError, match="got one str: pass \\[text\\]"):
+        encoder.encode("A cat sits on the mat.")  # (tokenizers' "Can't extract `str`")
 
 
 def test_random_bert_equals_transformers_with_mlm_head_shapes():

@@ -262,6 +262,11 @@ def test_log_mel_spectrogram_shape_and_range():
     assert batch.shape == (2, 3, 80, 50)
     with pytest.raises(TypeError, match="floating-point"):
         log_mel_spectrogram(torch.zeros(10, dtype=torch.int16))
+    # 160..200 samples: the STFT's reflect padding failed (a RuntimeError); 201 serve
+    assert log_mel_spectrogram(torch.randn(201), pad=False).shape == (80, 1)
+    for samples in (0, 160, 200):
+        with pytest.raises(ValueError, match="more than 200 samples with pad=False"):
+            log_mel_spectrogram(torch.randn(samples), pad=False)
 
 
 @pytest.mark.parametrize(
@@ -339,6 +344,11 @@ def test_sinc_resampling_keeps_speech_band_and_removes_aliases():
     assert speech.resample(tone, 44100, 16000, method="sinc").shape == (round(48000 * 160 / 441),)
     with pytest.raises(ValueError, match="method"):
         speech.resample(tone, 48000, 16000, method="cubic")
+    # (2, N): 4 samples out (linear) or a RuntimeError (sinc); (N, 2) interleaved
+    for method in ("linear", "sinc"):
+        for stereo in (torch.zeros(2, 8000), torch.zeros(8000, 2)):
+            with pytest.raises(ValueError, match="1-D waveform .* mix channels first"):
+                speech.resample(stereo, 48000, 16000, method=method)
 
 
 @pytest.mark.slow

@@ -52,6 +52,8 @@ class SentenceEncoder:
 
     def tokenize(self, sentences: list[str]) -> tuple[Tensor, Tensor]:
         """(input_ids (N, S), attention_mask (N, S)) padded to the longest sentence."""
+        if isinstance(sentences, str):  # (each of its characters is a str too)
+            raise TypeError("sentences must be a list of strings, got one str: pass [text]")
         if not sentences or not all(isinstance(s, str) for s in sentences):
             raise ValueError("give one or more sentences (strings)")
         batch = self.tokenizer.encode_batch(sentences)

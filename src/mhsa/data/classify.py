@@ -111,6 +111,7 @@ def shift_augment(images: Tensor, generator: torch.Generator, max_shift: int = 1
 
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
+WIDE_GREY = ("I;16", "I;16B", "I;16L", "I")  # Pillow's 16-bit grey modes: 0..65535
 
 
 def load_image(path: str | Path, size: int, channels: int) -> Tensor:
@@ -123,7 +124,17 @@ def load_image(path: str | Path, size: int, channels: int) -> Tensor:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such image")
     try:
-        image = Image.open(path).convert("L" if channels == 1 else "RGB").resize((size, size))
+        with Image.open(path) as opened:
+            if opened.mode in WIDE_GREY:  # (convert("L") clips them at 255: almost all white)
+                grey = np.asarray(opened, dtype=np.float32) / 65535.0
+                image = Image.fromarray(grey).resize((size, size))  # (mode F)
+                array = torch.from_numpy(np.asarray(image, dtype=np.float32).copy())
+                return array.clamp(0, 1).expand(channels, size, size).contiguous()
+            if opened.mode == "F":
+                raise ValueError(
+                    f"{path}: float pixels (mode F) have no known range: save 8 or 16 bits"
+                )
+            image = opened.convert("L" if channels == 1 else "RGB").resize((size, size))
     except (UnidentifiedImageError, OSError) as error:
         raise ValueError(f"{path}: not a readable image ({error})") from error
     array = torch.from_numpy(np.asarray(image, dtype=np.float32).copy()) / 255.0

@@ -165,6 +165,9 @@ def resample(audio: Tensor, rate: int, target: int = SAMPLE_RATE, method: str = 
     """
     if method not in ("linear", "sinc"):
         raise ValueError(f"method must be 'linear' or 'sinc', got {method!r}")
+    if not isinstance(audio, Tensor) or audio.dim() != 1:
+        got = tuple(audio.shape) if isinstance(audio, Tensor) else type(audio).__name__
+        raise ValueError(f"audio must be a 1-D waveform (samples,), got {got}: mix channels first")
     check_rate(rate, "rate")
     check_rate(target, "target")
     if rate == target or audio.numel() == 0:
@@ -192,10 +195,13 @@ def speak(word: str, voice: str, pitch: int, speed: int, workdir: Path) -> Tenso
 
 
 def fit_clip(audio: Tensor, g: torch.Generator | None = None) -> Tensor:
-    """Place the audio in a fixed-length clip (cropped if longer): at a random offset
-    drawn from g, or centred without one."""
+    """Place the audio in a fixed-length clip, or a longer one's clip-long part: at a
+    random offset drawn from g, or centred without one."""
     size = int(SAMPLE_RATE * CLIP_SECONDS)
-    audio = audio[:size]
+    if len(audio) > size:  # the centre (or a random part) of a longer one
+        extra = len(audio) - size
+        start = extra // 2 if g is None else int(torch.randint(0, extra + 1, (), generator=g))
+        audio = audio[start : start + size]
     clip = torch.zeros(size)
     room = size - len(audio)
     offset = room // 2 if g is None else int(torch.randint(0, room + 1, (), generator=g))

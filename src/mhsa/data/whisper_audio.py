@@ -81,6 +81,11 @@ def log_mel_spectrogram(audio: Tensor, n_mels: int = 80, *, pad: bool = True) ->
         )
     if pad:
         audio = pad_or_trim(audio)
+    elif audio.shape[-1] <= N_FFT // 2:  # (the STFT's reflect padding needs more)
+        raise ValueError(
+            f"audio must hold more than {N_FFT // 2} samples with pad=False, got "
+            f"{audio.shape[-1]}; pass pad=True to pad it to 30 s"
+        )
     batch_shape, samples = audio.shape[:-1], audio.shape[-1]
     window = torch.hann_window(N_FFT, device=audio.device)
     stft = torch.stft(
