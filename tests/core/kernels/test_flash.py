@@ -339,6 +339,41 @@ def test_a_row_a_bias_kills_inside_a_triangle_tile(mask, causal, q_len, kv_len):
         assert max_error(got, want) < 1e-4
 
 
+@pytest.mark.parametrize(
+    ("mask", "causal", "q_len", "kv_len", "padded"),
+    [
+        (None, True, 6, 6, [0]),  # left padding: only row 0 sees no key
+        (None, True, 300, 300, [0, 1, 2]),  # (auto picks flash from here)
+        (masks.Chunked(64), False, 4, 100, [96]),  # query row 0's own key
+    ],
+    ids=["causal", "causal-300", "chunked"],
+)
+def test_a_bias_broadcast_over_rows_kills_only_the_rows_it_blinds(
+    mask, causal, q_len, kv_len, padded
+):
+    """A (1, S) bias (a padding bias, B x 1 x 1 x S) with -inf on a triangle run's first
+    key: the run's dead rows were found on its first row alone, so every row read as
+    dead (lse -inf, gradients off by 4.6, Chunked outputs by 0.05)."""
+    torch.manual_seed(0)
+    q, k, v = (
+        torch.randn(1, 2, n, 16, dtype=torch.float64, requires_grad=True)
+        for n in (q_len, kv_len, kv_len)
+    )
+    bias = torch.zeros(1, kv_len, dtype=torch.float64)
+    bias[0, padded] = -torch.inf
+    options = dict(mask=mask, bias=bias, causal=causal, return_lse=True)
+    results = {}
+    for backend in ("reference", "flash"):
+        out, lse = mhsa.attention(q, k, v, backend=backend, **options)
+        results[backend] = (out, lse, *torch.autograd.grad(out.sum(), (q, k, v)))
+    (out, lse, *grads), (want_out, want_lse, *want_grads) = results["flash"], results["reference"]
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+    alive = torch.isfinite(want_lse)
+    assert (lse[alive] - want_lse[alive]).abs().max() < 1e-10
+    for got, want in zip((out, *grads), (want_out, *want_grads), strict=True):
+        assert max_error(got, want) < 1e-10
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", ["alibi far keys", "bias far keys"])
 def test_low_precision_biases_keep_their_differences(dtype, case):

@@ -75,16 +75,17 @@ def _fused_run(q_blk, k_run, v_run, attn, scale, triangle, masked) -> tuple[Tens
         causal = triangle == "lower"
         out_r, lse_r = _FUSED_FORWARD(q_blk, k_run, v_run, 0.0, causal, attn_mask=attn, scale=scale)
     if masked and attn is not None:  # the kernel reports lse 0 for rows with no allowed key
-        lse_r = lse_r.masked_fill(_dead_rows(attn, triangle), -torch.inf)
+        lse_r = lse_r.masked_fill(_dead_rows(attn, triangle, q_blk.shape[2]), -torch.inf)
     return out_r, lse_r
 
 
-def _dead_rows(attn: Tensor, triangle: str | None) -> Tensor:
-    """Rows of a run whose every key is -inf in attn among those its triangle (the
-    kernel's causal mode, or that mode on reversed rows and keys) lets them see."""
+def _dead_rows(attn: Tensor, triangle: str | None, rows: int) -> Tensor:
+    """The run's `rows` rows whose every key is -inf in attn (its rows, or one row for
+    them all) among those its triangle (the kernel's causal mode, or that mode on
+    reversed rows and keys) lets them see."""
     blocked = torch.isneginf(attn)
-    if triangle is not None:
-        blocked = blocked | ~_triangle_seen(*attn.shape[-2:], triangle, attn.device)
+    if triangle is not None:  # (a row-broadcast attn: each row sees its own keys)
+        blocked = blocked | ~_triangle_seen(rows, attn.shape[-1], triangle, attn.device)
     return blocked.all(dim=-1)
 
 
@@ -234,8 +235,8 @@ def _fused_bias(
     if attn is None or dtype == exact:
         return attn, None
     seen = ~torch.isneginf(attn)
-    if run.triangle is not None:
-        seen = seen & _triangle_seen(*attn.shape[-2:], run.triangle, attn.device)
+    if run.triangle is not None:  # (per row of the run, attn broadcast over them or not)
+        seen = seen & _triangle_seen(q1 - q0, attn.shape[-1], run.triangle, attn.device)
     top = torch.where(seen, attn, -torch.inf).amax(dim=-1, keepdim=True)
     top = torch.where(torch.isfinite(top), top, 0.0)  # (a dead row keeps its -inf)
     return (attn - top).to(dtype), top.squeeze(-1)
