@@ -298,6 +298,23 @@ def test_bad_score_functions_and_sinks_fail_at_the_first_call():
         ALiBi(torch.ones(2, 2))
 
 
+@pytest.mark.parametrize("backend", ["reference", "flash"])
+def test_bfloat16_alibi_slopes_keep_exact_distances(backend):
+    """A model cast to bfloat16 casts its slopes: positions went to bfloat16 with them,
+    rounding distances past 256 (outputs 0.5 off at L=600; the bias at distance 2 read
+    as 4)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 600, 16, dtype=torch.bfloat16) for _ in range(3))
+    slopes = alibi_slopes(4)  # (powers of two: exact in bfloat16)
+    exact, halved = (
+        mhsa.attention(q, k, v, causal=True, score=ALiBi(s), backend=backend)
+        for s in (slopes, slopes.bfloat16())
+    )
+    assert torch.equal(exact, halved)
+    at = torch.tensor(599).view(1, 1, 1, 1), torch.tensor(597).view(1, 1, 1, 1)
+    assert ALiBi(slopes.bfloat16()).bias(None, torch.tensor(0), *at).item() == -0.5
+
+
 @pytest.mark.parametrize("learned", [False, True], ids=["frozen", "learned"])
 @pytest.mark.parametrize(("q_len", "kv_len"), [(1300, 1300), (300, 1400)])
 def test_long_causal_alibi_runs_left_of_the_diagonal_as_key_and_row_terms(

@@ -124,9 +124,14 @@ class ALiBi(ScoreFunction):
             )
         self.slopes = slopes
 
+    def _slopes(self, head: Tensor) -> Tensor:
+        """slopes[head] in float32 at least: bfloat16 positions (a model cast with
+        .to(torch.bfloat16)) would round distances past 256, by 8 at 1024."""
+        return self.slopes[head].to(torch.promote_types(self.slopes.dtype, torch.float32))
+
     def bias(self, batch, head, q_pos, k_pos):
-        distance = (q_pos.to(self.slopes.dtype) - k_pos.to(self.slopes.dtype)).abs()
-        return -self.slopes[head] * distance
+        slopes = self._slopes(head)
+        return -slopes * (q_pos - k_pos).abs().to(slopes.dtype)
 
     separable = True
 
@@ -134,7 +139,7 @@ class ALiBi(ScoreFunction):
         # -slope * (i - j) = slope * (j - c) - slope * (i - c), c the first query: both
         # terms are between the bias and 0
         first = q_pos[:1]
-        slopes = self.slopes[head].view(1, -1, 1, 1)
+        slopes = self._slopes(head).view(1, -1, 1, 1)
         rows = -slopes * (q_pos - first).to(slopes.dtype).view(1, 1, -1, 1)
         keys = slopes * (k_pos - first).to(slopes.dtype).view(1, 1, 1, -1)
         return rows, keys
