@@ -94,18 +94,25 @@ def check_latest_is_ours(out_dir: str | Path) -> None:
 
 
 def check_steps_are_ours(out_dir: str | Path) -> None:
-    """ValueError when out_dir holds a `step-N` name that is no checkpoint (a file, or a
-    folder without model.safetensors and config.json): a run writing that step would
-    replace it."""
+    """ValueError when out_dir holds a `step-N` name that a run did not write: a file, or
+    a folder holding anything but checkpoint files (a checkpoint cut short while it was
+    removed holds some of them): a run writing that step would replace it."""
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         return
     for path in out_dir.iterdir():
-        if _STEP_FOLDER.match(path.name) and not is_checkpoint(path):
+        if _STEP_FOLDER.match(path.name) and not _ours(path):
             raise ValueError(
                 f"{path} is not a checkpoint (a run writes its steps under such names): "
                 "move it away or choose another --out"
             )
+
+
+def _ours(step: Path) -> bool:
+    """A step folder holding checkpoint files alone (all, some or none of them)."""
+    if not step.is_dir() or step.is_symlink():
+        return False
+    return all(entry.name in _FILES for entry in step.iterdir())
 
 
 def save_checkpoint(out_dir: Path, step: int, model: nn.Module, info: dict, trainer: dict) -> Path:
@@ -118,7 +125,7 @@ def save_checkpoint(out_dir: Path, step: int, model: nn.Module, info: dict, trai
     out_dir.mkdir(parents=True, exist_ok=True)
     check_latest_is_ours(out_dir)
     final = out_dir / f"step-{step:06d}"
-    if final.exists() and not is_checkpoint(final):  # (a user's: its files were deleted)
+    if final.exists() and not _ours(final):  # (a user's: its files were deleted)
         check_steps_are_ours(out_dir)
     tmp = Path(tempfile.mkdtemp(prefix=PARTIAL, dir=out_dir))
     try:

@@ -338,6 +338,11 @@ def test_a_users_folder_named_like_a_step_is_refused_not_replaced(tmp_path):
     with pytest.raises(ValueError, match=r"step-000002 is not a checkpoint .* move it away"):
         run(out, steps=2)
     assert (out / "step-000002" / "my-notes.txt").read_text() == "mine"
+    # a run's own checkpoint cut short while it was removed is still the runs' to replace
+    (out / "step-000002" / "my-notes.txt").unlink()
+    (out / "step-000002" / "trainer.pt").write_bytes(b"half")
+    run(out, steps=2)
+    assert (out / "step-000002" / "model.safetensors").is_file()
 
 
 def test_a_damaged_trainer_state_names_its_file(tmp_path):
@@ -676,9 +681,9 @@ def test_train_config_messages_name_the_option_and_the_value():
             TrainConfig(lr=lr)
     # accepted once: a negative grad_clip trained uphill, min_lr_ratio -1 a negative lr
     for field, bad, words in (
-        ("grad_clip", -1.0, "> 0 and finite"),
-        ("grad_clip", 0.0, "> 0 and finite"),
-        ("grad_clip", math.nan, "> 0 and finite"),
+        ("grad_clip", -1.0, "> 0 (inf: no clipping)"),
+        ("grad_clip", 0.0, "> 0 (inf: no clipping)"),
+        ("grad_clip", math.nan, "> 0 (inf: no clipping)"),
         ("weight_decay", math.nan, ">= 0 and finite"),
         ("weight_decay", -0.1, ">= 0 and finite"),
         ("min_lr_ratio", -1.0, "in [0, 1]"),
@@ -687,6 +692,7 @@ def test_train_config_messages_name_the_option_and_the_value():
         with pytest.raises(ValueError, match=re.escape(f"{field} must be a number {words}")):
             TrainConfig(**{field: bad})
     TrainConfig(weight_decay=0, min_lr_ratio=1.0, grad_clip=0.5)
+    TrainConfig(grad_clip=math.inf, seed=2**64 - 2)  # (no clipping; the largest seed)
     for seed in (-1, 2**64 - 1):  # (torch.Generator's overflow, after the model was built)
         with pytest.raises(ValueError, match=r"seed must be .*\(--seed\)"):
             TrainConfig(seed=seed)

@@ -37,3 +37,6 @@ def test_16_bit_grey_images_keep_their_range(tmp_path):
     pil.fromarray(np.zeros((4, 4), dtype=np.float32)).save(tmp_path / "float.tiff")
     with pytest.raises(ValueError, match="mode F"):
         load_image(tmp_path / "float.tiff", 4, 1)
+    pil.fromarray(np.full((4, 4), 70000, dtype=np.int32)).save(tmp_path / "wide.tiff")
+    with pytest.raises(ValueError, match="32-bit pixels beyond 0..65535"):
+        load_image(tmp_path / "wide.tiff", 4, 1)

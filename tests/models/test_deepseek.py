@@ -239,13 +239,19 @@ def test_experts_stored_per_expert_are_checked():
         ("v_head_dim", -1),
         ("q_lora_rank", 0),
         ("logits_scale", float("nan")),
-        ("n_shared_experts", 0),  # (it once failed building the model, naming num_shared)
     ],
 )
 def test_bad_config_sizes_are_rejected(field, value):
     with pytest.raises(ValueError, match=field) as error:
         DeepSeekConfig(**{field: value})
     assert "\n" not in str(error.value)
+
+
+def test_moe_layers_need_a_shared_expert_dense_ones_do_not():
+    """It once failed building the model, naming MoEFeedForward's num_shared."""
+    with pytest.raises(ValueError, match="n_shared_experts must be an int >= 1"):
+        DeepSeekConfig(n_routed_experts=4, moe_d_ff=8, n_group=1, topk_group=1, n_shared_experts=0)
+    DeepSeekConfig(n_routed_experts=0, n_shared_experts=0)  # (all dense: not used)
 
 
 def test_unsupported_configs_are_rejected():

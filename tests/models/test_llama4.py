@@ -136,8 +136,10 @@ def test_a_multimodal_checkpoint_gives_its_text_model(tmp_path):
         for key, p in hf.named_parameters():
             if "norm" in key or "experts" in key or "router" in key:
                 p.add_(0.2 * torch.randn_like(p))
+    hf.generation_config.eos_token_id = [*STOPS, 7]  # (the text config's ids are elsewhere)
     hf.save_pretrained(tmp_path)
     ours = Llama4.from_pretrained(tmp_path)
+    assert ours.config.eos_token == (*STOPS, 7)
     idx = tokens(2, 21)
     with torch.no_grad():
         assert max_error(ours(idx), hf(input_ids=idx).logits) < 1e-5

@@ -527,6 +527,7 @@ def test_transcribe_errors(model, tmp_path):
         transcribe(b"bytes", model)
     with pytest.raises(ValueError, match=r"\(channels, samples\), got \(16000, 2\).*\.T"):
         transcribe(torch.zeros(16000, 2), model, sample_rate=16000)  # (was averaged to 2 samples)
+    assert transcribe(torch.zeros(2, 0), model, sample_rate=16000) == ""  # (stereo, empty)
     with pytest.raises(ValueError, match=r"mel must be \(batch, 80, 3000\)"):
         model.encode(torch.zeros(1, 80, 100))
     assert transcribe(torch.zeros(0), model, sample_rate=16000) == ""

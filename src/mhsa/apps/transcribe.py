@@ -57,7 +57,7 @@ def load_audio(audio: str | Path | Tensor, sample_rate: int | None = None) -> Te
     elif isinstance(audio, Tensor):
         if sample_rate is None:
             raise ValueError("pass sample_rate= (in Hz) with a waveform tensor")
-        if audio.dim() == 2 and audio.shape[0] > audio.shape[1]:
+        if audio.dim() == 2 and audio.shape[0] > audio.shape[1] > 0:
             raise ValueError(
                 f"a waveform must be (channels, samples), got {tuple(audio.shape)}: "
                 "transpose a (samples, channels) array (soundfile's layout) with .T"

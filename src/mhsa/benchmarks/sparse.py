@@ -16,7 +16,7 @@ from mhsa.core.attention import attention
 
 from .memory import measure_in_subprocess, pattern_named
 from .placement import CPU, Placement
-from .timing import Setup, best_times, error_line, timed_setup
+from .timing import Setup, best_times, error_line, timed_setup, versus
 
 GIB = 2**30
 
@@ -227,7 +227,7 @@ def report(result: dict) -> str:
     lines.append(f"{window['pattern']} at L=S={window['length']}, forward:")
     for name, seconds in fwd.items():
         lines.append(
-            f"  {name:<16} {seconds * 1e3:9.1f} ms  flash is {seconds / fwd['flash']:5.2f}x faster"
+            f"  {name:<16} {seconds * 1e3:9.1f} ms  {versus('flash', fwd['flash'], seconds)}"
         )
     lines.append(
         f"  targets: >= 8x vs sdpa dense mask: "
@@ -247,8 +247,9 @@ def report(result: dict) -> str:
     if "flex" in back:
         ratio = back["flex"] / back["flash"]
         lines.append(
-            f"  flex             {back['flex'] * 1e3:9.1f} ms  flash is {ratio:.2f}x "
-            f"faster (target >= 1.2x: {'ok' if ratio >= 1.2 else 'MISSED'})"
+            f"  flex             {back['flex'] * 1e3:9.1f} ms  "
+            f"{versus('flash', back['flash'], back['flex'])} "
+            f"(target >= 1.2x faster: {'ok' if ratio >= 1.2 else 'MISSED'})"
         )
     else:
         lines.append(f"  flex             cannot run it: {window['flex_backward_unavailable']}")

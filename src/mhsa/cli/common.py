@@ -124,8 +124,7 @@ def _whole_number(minimum: int, maximum: int | None = None):
     return parse
 
 
-MAX_SEED = 2**63 - 1  # (training seeds its data's generator with seed + 1)
-seed_int = _whole_number(0, MAX_SEED)  # an argparse type: torch's seeds overflow past it
+seed_int = _whole_number(0, 2**64 - 1)  # an argparse type: torch's seeds end there
 
 
 def finite_float(text: str) -> float:

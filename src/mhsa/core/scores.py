@@ -412,6 +412,13 @@ def apply_score(
     return score_fn(scores, *index).expand(scores.shape)
 
 
+def composed(first: ScoreFunction | None, then: ScoreFunction | None) -> ScoreFunction | None:
+    """first, then `then` on its result; either alone where the other is None."""
+    if first is None or then is None:
+        return then if first is None else first
+    return first.then(then)
+
+
 def sees_query_position(score: ScoreFunction) -> bool:
     """Whether a row's softmax under score changes when its query moves with the keys
     fixed (a static cache places the query after all its slots): a separable bias

@@ -111,7 +111,7 @@ def shift_augment(images: Tensor, generator: torch.Generator, max_shift: int = 1
 
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
-WIDE_GREY = ("I;16", "I;16B", "I;16L", "I")  # Pillow's 16-bit grey modes: 0..65535
+WIDE_GREY = ("I;16", "I;16B", "I;16L", "I")  # Pillow's 16-bit grey modes (and 32-bit "I")
 
 
 def load_image(path: str | Path, size: int, channels: int) -> Tensor:
@@ -126,7 +126,10 @@ def load_image(path: str | Path, size: int, channels: int) -> Tensor:
     try:
         with Image.open(path) as opened:
             if opened.mode in WIDE_GREY:  # (convert("L") clips them at 255: almost all white)
-                grey = np.asarray(opened, dtype=np.float32) / 65535.0
+                grey = np.asarray(opened, dtype=np.float32)
+                if grey.size and not 0 <= grey.min() <= grey.max() <= 65535:
+                    raise ValueError(f"{path}: 32-bit pixels beyond 0..65535: save 8 or 16 bits")
+                grey = grey / 65535.0
                 image = Image.fromarray(grey).resize((size, size))  # (mode F)
                 array = torch.from_numpy(np.asarray(image, dtype=np.float32).copy())
                 return array.clamp(0, 1).expand(channels, size, size).contiguous()

@@ -40,9 +40,9 @@ class FlexScore(Shifted):
 
     def check_gradients_reach(self, num_heads: int, device, dtype) -> None:
         """ValueError if score_mod reads a tensor that requires grad but is not one of
-        tensors(): its gradient would be lost silently (a functools.partial argument,
-        an attribute of an object it closes over). Found by evaluating score_mod on a
-        small tile and walking the autograd graph of the result."""
+        tensors(): its gradient would be lost silently (a tensor in a dict or list it
+        closes over). Found by evaluating score_mod on a small tile and walking the
+        autograd graph of the result."""
         if not isinstance(self.score, ScoreMod):
             return  # mhsa's own score functions name their tensors
         declared = self.tensors()

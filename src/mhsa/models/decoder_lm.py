@@ -338,11 +338,12 @@ class DecoderLM(nn.Module, CausalLMDecoding):
                 "directory (config.json + *.safetensors)"
             )
         files = checkpoint_files(directory)
-        settings = json.loads((directory / "config.json").read_text())
+        config = cls.config_class.from_hf_config(
+            json.loads((directory / "config.json").read_text())
+        )
         generation = directory / "generation_config.json"
-        if generation.is_file():  # (instruct models list their end-of-turn ids there)
-            stops = hf_stop_tokens(settings) + hf_stop_tokens(json.loads(generation.read_text()))
-            if stops:
-                settings["eos_token_id"] = list(dict.fromkeys(stops))
-        config = cls.config_class.from_hf_config(settings)
+        if generation.is_file() and hasattr(config, "eos_token"):  # (instruct models list
+            # their end-of-turn ids there; a multimodal config its text model's elsewhere)
+            stops = hf_stop_tokens(json.loads(generation.read_text()))
+            config.eos_token = tuple(dict.fromkeys((*config.eos_token, *stops)))
         return cls.from_hf(SafetensorsFiles(files, device=str(device)), config, dtype=dtype)

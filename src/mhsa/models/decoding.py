@@ -290,8 +290,8 @@ class CausalLMDecoding:
             if not isinstance(prompt, Tensor) or prompt.dim() != 1:
                 got = tuple(prompt.shape) if isinstance(prompt, Tensor) else type(prompt).__name__
                 raise ValueError(
-                    f"idx's prompts must be 1-D tensors, got {got}; make a list of lists "
-                    "[torch.tensor(p) for p in prompts]"
+                    f"idx's prompts must be 1-D tensors, got {got}: pass lists as "
+                    "[torch.tensor(p) for p in prompts], a (1, T) tensor as p[0]"
                 )
         if not prompts or min(p.numel() for p in prompts) == 0:
             raise ValueError("generate needs at least one non-empty prompt")

@@ -80,8 +80,8 @@ class DeepSeekConfig(CausalLMConfig):
         int_at_least("first_k_dense_replace", self.first_k_dense_replace, 0)
         if self.n_routed_experts:
             int_at_least("moe_d_ff", self.moe_d_ff, 1)
-        hint = " (a MoE layer here runs at least one shared expert)"
-        int_at_least("n_shared_experts", self.n_shared_experts, 1, hint)
+            hint = " (a MoE layer here runs at least one shared expert)"
+            int_at_least("n_shared_experts", self.n_shared_experts, 1, hint)
         for name in ("scale_emb", "residual_scale", "logits_scale", "routed_scaling_factor"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:

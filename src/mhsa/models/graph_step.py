@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from ..cache import KVCache, StaticKVCache
-from ..core.scores import ScoreFunction, sees_query_position
+from ..core.scores import ScoreFunction, composed, sees_query_position
 from ..nn.positional import AttentionPosition
 from .compiled_step import compiled_once, decode_step, static_caches, step_memo
 
@@ -85,7 +85,7 @@ def _placed_score_problem(model: nn.Module) -> str | None:
     positions = [m.score() for m in modules if isinstance(m, AttentionPosition)]
     owns = [m.score for m in modules if isinstance(getattr(m, "score", None), ScoreFunction)]
     for first, then in itertools.product([*positions, None], [*owns, None]):
-        score = then if first is None else first if then is None else first.then(then)
+        score = composed(first, then)  # (as AttentionModule._score composes them)
         if score is not None and sees_query_position(score):
             return f"{score!r} would see the query after all the static slots"
     return None

@@ -19,7 +19,7 @@ from ..cache import Cache
 from ..core.attention import attention
 from ..core.masks import Causal, Full, Pattern
 from ..core.paged import paged_attention
-from ..core.scores import ScoreFunction, sees_query_position
+from ..core.scores import ScoreFunction, composed, sees_query_position
 from ..core.validate import paged_window
 from .attention_inputs import PAGED_BIAS, attention_masks
 from .positional import AttentionPosition
@@ -219,10 +219,7 @@ class AttentionModule(nn.Module):
 
     def _score(self, position: AttentionPosition | None) -> ScoreFunction | None:
         """The position's score function, then the module's own, or None."""
-        first = None if position is None else position.score()
-        if first is None or self.score is None:
-            return first if self.score is None else self.score
-        return first.then(self.score)
+        return composed(None if position is None else position.score(), self.score)
 
     def _attend(
         self,

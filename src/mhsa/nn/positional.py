@@ -50,7 +50,8 @@ def _check_added(x: Tensor, d_model: int, positions: Tensor | None) -> None:
         return
     if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
         raise TypeError(f"positions must hold integer positions, got {positions.dtype}")
-    _check_rotary_positions(positions, x)
+    if positions.shape != (1, x.shape[1]):  # ((1, L) broadcasts over the batch, as (L,))
+        _check_rotary_positions(positions, x)
 
 
 def _check_positions(positions: Tensor, max_len: int) -> None:

@@ -82,8 +82,12 @@ def test_chat_completions_equal_mhsa_chat(
     prompt_tokens = len(chat_model.prompt_ids(messages))
     name = server.served.name
     answer = client.chat.completions.create(
-        model=name, messages=messages, max_tokens=NEW, temperature=0
-    )
+        model=name,
+        messages=messages,
+        max_tokens=NEW,
+        temperature=0,
+        **({"safety_identifier": "u1", "store": False} if question == QUESTIONS[0] else {}),
+    )  # (OpenAI's parameters that change nothing here are served)
     assert answer.object == "chat.completion" and answer.model == name
     assert answer.id.startswith("chatcmpl-") and answer.created > 0
     assert answer.choices[0].message.role == "assistant"
@@ -246,6 +250,20 @@ BAD_REQUESTS = {  # name: (path, body, status, param, code)
     # each was once dropped: top_k=1 sampled at temperature 1, a null text read "None"
     "top_k": ("completions", {"prompt": "a", "top_k": 1}, 400, "top_k", "unknown_parameter"),
     "min_p in chat": ("chat", {"messages": HI, "min_p": 0.9}, 400, "min_p", "unknown_parameter"),
+    "tools in completions": (
+        "completions",
+        {"prompt": "a", "tools": []},
+        400,
+        "tools",
+        "unknown_parameter",
+    ),
+    "reasoning_effort": (
+        "chat",
+        {"messages": HI, "reasoning_effort": "high"},
+        400,
+        "reasoning_effort",
+        "unsupported_parameter",
+    ),
     "max_completion_tokens in completions": (
         "completions",
         {"prompt": "a", "max_completion_tokens": 3},

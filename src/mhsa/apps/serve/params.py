@@ -29,6 +29,7 @@ UNUSED = {
     "suffix": (None, ""),
     "tools": (None, []),
     "functions": (None, []),
+    "function_call": (None, "none", "auto"),
     "logit_bias": (None, {}),
     "frequency_penalty": (None, 0),
     "presence_penalty": (None, 0),
@@ -36,17 +37,28 @@ UNUSED = {
     "modalities": (None, ["text"]),
     "audio": (None,),
     "tool_choice": (None, "none", "auto"),  # (no tools: both mean none)
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
+    "prediction": (None,),
+    "web_search_options": (None,),
 }
-# parameters that change nothing this server answers (it stores nothing, has no tools)
-IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
-COMMON = ("model", "temperature", "top_p", "seed", "stop", "stream", "stream_options")
-# every parameter an endpoint accepts; any other (top_k, min_p...) is refused, not dropped
+# OpenAI's parameters of each endpoint (and cache_salt); any other (top_k, min_p...) is
+# refused, not dropped. Those neither implemented nor UNUSED change nothing this server
+# answers: it stores nothing and keys its prefix cache itself (user, metadata, store...).
+SHARED = (
+    *("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream"),
+    *("stream_options", "user", "n", "logprobs", "logit_bias", "cache_salt"),
+    *("frequency_penalty", "presence_penalty"),
+)
+CHAT = (
+    *("messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"),
+    *("functions", "function_call", "response_format", "modalities", "audio", "metadata"),
+    *("store", "service_tier", "parallel_tool_calls", "reasoning_effort", "verbosity"),
+    *("prediction", "web_search_options", "safety_identifier", "prompt_cache_key"),
+)
 ACCEPTED = {
-    kind: frozenset((*COMMON, *UNUSED, *IGNORED, "cache_salt", *own))
-    for kind, own in (
-        ("chat", ("messages", "max_tokens", "max_completion_tokens")),
-        ("completion", ("prompt", "max_tokens")),
-    )
+    "chat": frozenset(SHARED + CHAT),
+    "completion": frozenset(SHARED + ("prompt", "best_of", "echo", "suffix")),
 }
 
 

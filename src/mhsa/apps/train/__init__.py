@@ -97,7 +97,7 @@ class TrainConfig:
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr must be a finite number > 0 (--lr), got {self.lr!r}")
         bounds = {  # (a negative grad_clip flipped every gradient: the model trained uphill)
-            "grad_clip": (lambda v: 0 < v < math.inf, "> 0 and finite"),
+            "grad_clip": (lambda v: v > 0, "> 0 (inf: no clipping)"),
             "weight_decay": (lambda v: 0 <= v < math.inf, ">= 0 and finite"),
             "min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
         }
@@ -106,8 +106,8 @@ class TrainConfig:
             if isinstance(value, bool) or not isinstance(value, int | float) or not fits(value):
                 raise ValueError(f"{name} must be a number {words}, got {value!r}")
         int_at_least("seed", self.seed, 0, " (--seed)")
-        if self.seed >= 2**63:  # (the data's generator takes seed + 1)
-            raise ValueError(f"seed must be below 2**63 (--seed), got {self.seed}")
+        if self.seed > 2**64 - 2:  # (torch's seeds end at 2**64 - 1; the data's is seed + 1)
+            raise ValueError(f"seed must be at most 2**64 - 2 (--seed), got {self.seed}")
         if self.nonfinite not in ("stop", "skip"):
             raise ValueError(f"nonfinite must be 'stop' or 'skip', got {self.nonfinite!r}")
         if self.dtype not in ("float32", "bfloat16"):
