@@ -109,6 +109,25 @@ def test_unsupported_layers_and_arguments_are_clear_errors():
         with pytest.raises(error, match="backend must be|score must be"):
             timm_integration.convert(vit, **options)
     assert not any(isinstance(m, timm_integration.TimmAttention) for m in vit.modules())
+    hybrid = tiny_vit()  # BotNet's BottleneckAttn beside it was left as timm's, silently
+    hybrid.head = timm.layers.bottleneck_attn.BottleneckAttn(48, 48, feat_size=(2, 2))
+    with pytest.raises(ValueError, match="BottleneckAttn"):
+        timm_integration.convert(hybrid)
+    with pytest.raises(TypeError, match="attn_mask must be bool .* or float"):
+        timm_integration.convert(tiny_vit()).blocks[0].attn(
+            torch.randn(1, 5, 48), attn_mask=torch.ones(1, 1, 5, 5, dtype=torch.long)
+        )
+
+
+def test_a_model_in_eval_mode_stays_in_eval_mode():
+    """convert() of an eval-mode ViT with attn_drop: the new layers were in training
+    mode and dropped attention weights at inference (0.08 off, two calls differing)."""
+    vit = tiny_vit(attn_drop_rate=0.5)  # (eval)
+    x = torch.randn(2, 3, 32, 32)
+    want = vit(x)
+    converted = timm_integration.convert(copy.deepcopy(vit))
+    assert not any(m.training for m in converted.modules())
+    torch.testing.assert_close(converted(x), want, atol=1e-5, rtol=1e-5)
 
 
 def timm_diff_attention(**options):
@@ -157,6 +176,10 @@ def test_diff_attention_takes_timms_bool_mask():
 def test_diff_attention_from_timm_refuses_what_it_cannot_copy():
     from mhsa.nn import DiffAttention
 
-    for options, name in (({"qk_norm": True}, "q_norm"), ({"dual_lambda": True}, "dual_lambda")):
+    cases = ({"qk_norm": True}, "q_norm"), ({"dual_lambda": True}, "dual_lambda")
+    cases += (({"proj_drop": 0.5}, "proj_drop=0.5"),)  # (it was dropped silently)
+    for options, name in cases:
         with pytest.raises(ValueError, match=name):
             DiffAttention.from_timm(timm_diff_attention(**options))
+    evaluating = timm_diff_attention(attn_drop=0.3).eval()  # (the copy trained: dropout)
+    assert not DiffAttention.from_timm(evaluating).training

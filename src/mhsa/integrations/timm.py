@@ -77,6 +77,7 @@ class TimmAttention(nn.Module):
         self.num_heads, self.head_dim = source.num_heads, source.head_dim
         self.attn_dim, self.scale = self.num_heads * self.head_dim, source.scale
         self.pattern, self.score, self.backend = pattern, score, backend
+        self.train(source.training)  # (a fresh module is in training mode: dropout in eval)
 
     def forward(
         self, x: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False
@@ -90,6 +91,11 @@ class TimmAttention(nn.Module):
         if attn_mask is not None and attn_mask.dtype == torch.bool:
             mask = BoolMask(attn_mask) if mask is None else mask & BoolMask(attn_mask)
         elif attn_mask is not None:
+            if not attn_mask.is_floating_point():
+                raise TypeError(
+                    f"attn_mask must be bool (True: may attend) or float (added to the "
+                    f"scores), got {attn_mask.dtype}"
+                )
             bias = attn_mask
         out = attention(
             q,
@@ -140,7 +146,7 @@ def convert(
         {
             type(module).__name__
             for module in model.modules()
-            if "Attention" in type(module).__name__
+            if ("Attention" in type(module).__name__ or "Attn" in type(module).__name__)
             and type(module) is not attention_type
             and not isinstance(module, TimmAttention)
         }

@@ -171,6 +171,12 @@ class DiffAttention(AttentionModule):
                 raise ValueError(f"timm's DiffAttention with {name} set is not supported")
         if getattr(module, "lambda_q1", None) is None:
             raise ValueError("timm's DiffAttention with dual_lambda=True is not supported")
+        proj_drop = getattr(getattr(module, "proj_drop", None), "p", 0.0)
+        if proj_drop > 0:  # (it was dropped: fine-tuning would train without it)
+            raise ValueError(
+                f"timm's DiffAttention with proj_drop={proj_drop} is not supported (this "
+                "module drops attention weights only): build timm's with proj_drop=0"
+            )
         ref = module.qkv.weight
         ours = cls(
             module.qkv.in_features,
@@ -184,7 +190,7 @@ class DiffAttention(AttentionModule):
             dtype=ref.dtype,
         )
         ours.load_state_dict(module.state_dict())
-        return ours
+        return ours.train(module.training)  # (a fresh module is in training mode)
 
 
 __all__ = ["DiffAttention", "depth_lambda_init"]
