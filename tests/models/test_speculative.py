@@ -65,6 +65,34 @@ def test_a_draft_model_out_of_room_drafts_nothing_and_decoding_goes_on():
     assert speculate.propose(list(range(70)), 3) == ([], None)  # more than the pool holds
 
 
+def test_one_draft_model_serves_generate_calls_in_threads():
+    """Every call drafted under one stream key in the shared pool: threads freed and
+    re-batched each other's sequence, and every one of them raised."""
+    import threading
+
+    target, draft = _gpt(32, 2, 0), _gpt(16, 1, 1)
+    speculate = DraftModel(draft, num_blocks=64)
+    prompt = torch.randint(0, 48, (9,), generator=torch.Generator().manual_seed(2))
+    plain = target.generate([prompt], 30, temperature=0, eos_token=[])[0]
+    results, errors = [], []
+
+    def decode() -> None:
+        try:
+            for _ in range(3):
+                options = dict(temperature=0, eos_token=[], speculate=speculate)
+                results.append(torch.equal(target.generate([prompt], 30, **options)[0], plain))
+        except Exception as error:  # (reported below: the test asserts there are none)
+            errors.append(error)
+
+    threads = [threading.Thread(target=decode) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == [] and results == [True] * 9
+    assert speculate.pool.free_blocks == 64
+
+
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 @pytest.mark.parametrize("kind", ["prompt-lookup", "draft"])
 def test_greedy_speculative_decoding_equals_plain_decoding(family, kind):

@@ -18,6 +18,7 @@ loop (mhsa.models.sampling.token_loop) for generate and chat.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -93,13 +94,25 @@ class DraftModel(Speculator):
         )
         self.device = model.cache_layout.device
         self._streams: dict[int, tuple[int, list[int]]] = {}  # key -> (sequence, fed tokens)
+        self._lock = threading.Lock()  # one pool: generate() calls in threads draft in turn
 
     @property
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 
-    @torch.inference_mode()
     def _draft(
+        self,
+        context: list[int],
+        k: int,
+        sampling: Sampling,
+        generator: torch.Generator | None,
+        key: int,
+    ) -> Draft:
+        with self._lock:
+            return self._draft_locked(context, k, sampling, generator, key)
+
+    @torch.inference_mode()
+    def _draft_locked(
         self,
         context: list[int],
         k: int,
@@ -137,9 +150,10 @@ class DraftModel(Speculator):
         return draft, (torch.stack(rows) if rows else None)
 
     def forget(self, key: int) -> None:
-        stream = self._streams.pop(key, None)
-        if stream is not None:
-            self.pool.free(stream[0])
+        with self._lock:
+            stream = self._streams.pop(key, None)
+            if stream is not None:
+                self.pool.free(stream[0])
 
     def _tensor(self, tokens: list[int]) -> Tensor:
         return torch.tensor([tokens], dtype=torch.long, device=self.device)
@@ -196,6 +210,7 @@ def speculative_decode(
         layout, num_blocks=math.ceil(total / BLOCK) + 1, block_size=BLOCK
     )
     context = [int(t) for t in prompt]
+    key = id(cache)  # this call's stream (calls in other threads share the speculator)
     seq = cache.add_sequence(context)
     tokens = torch.tensor([context], dtype=torch.long, device=layout.device)
     logits = model.prefill(tokens, cache.batch([seq], len(context)))
@@ -207,7 +222,9 @@ def speculative_decode(
         room = stop.max_tokens - generated - 1  # drafts beyond it could not be used
         draft, q = [], None
         if speculator is not None and room > 0:
-            draft, q = speculator.propose(context, min(draft_tokens, room), sampling, generator)
+            draft, q = speculator.propose(
+                context, min(draft_tokens, room), sampling, generator, key
+            )
         feed = torch.tensor([context[-1:] + draft], dtype=torch.long, device=layout.device)
         return model.verify(feed, cache.batch([seq], feed.shape[1]))[0], draft, q
 
@@ -215,4 +232,4 @@ def speculative_decode(
         yield from token_loop(logits, sampling, stop, verify=verify, generator=generator)
     finally:
         if speculator is not None:
-            speculator.forget(0)
+            speculator.forget(key)
