@@ -116,6 +116,26 @@ def test_cached_decoding_equals_full_recompute(pair):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantised_models_decode_absorbed_as_the_full_forward(mode):
+    """The absorbed decoding step read kv_b_proj.weight, which a quantised layer has
+    not: the first step raised AttributeError."""
+    from mhsa.nn.quantized import quantize_linears
+
+    torch.manual_seed(0)
+    sizes = dict(vocab_size=96, n_layer=2, n_head=4, d_model=64, d_ff=64, kv_lora_rank=32)
+    sizes.update(qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
+    model = quantize_linears(DeepSeek(DeepSeekConfig(**sizes)).eval(), mode)
+    idx = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(idx)[:, -1]
+        caches = model.make_caches(1, 8)
+        model.prefill(idx[:, :6], caches)
+        step = model.step(idx[:, 6:], caches)
+    assert max_error(step, full) < 0.05 * full.abs().max()
+    assert model.layers[0].attn.cache_bytes_per_token() == 40 * 4  # (float32 activations)
+
+
 def test_paged_cache_from_the_layout_equals_full_recompute(pair):
     _, ours = pair
     idx = torch.randint(0, VOCAB, (2, 14))

@@ -30,6 +30,7 @@ from .attention_base import AttentionCall, AttentionModule
 from .attention_inputs import rotate_at_positions
 from .norm import RMSNorm
 from .positional import AttentionPosition
+from .quantized import dense_weight
 
 
 def _halves(x: Tensor) -> Tensor:
@@ -132,7 +133,7 @@ class LatentAttention(AttentionModule):
     def cache_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
         """Bytes this layer's cache holds per token: (r + dr) values of `dtype` (default:
         the weights'), against H * (dn + dr + dv) for the same heads' keys and values."""
-        dtype = self.kv_a_proj.weight.dtype if dtype is None else dtype
+        dtype = dense_weight(self.kv_a_proj).dtype if dtype is None else dtype
         return self.cache_width * torch.empty((), dtype=dtype).element_size()
 
     def fuse_projections(self) -> bool:
@@ -186,7 +187,7 @@ class LatentAttention(AttentionModule):
 
     def _up_weights(self) -> tuple[Tensor, Tensor]:
         """kv_b_proj's weight split per head: W_UK (H, dn, r) and W_UV (H, dv, r)."""
-        weight = self.kv_b_proj.weight.unflatten(0, (self.num_heads, -1))  # (H, dn + dv, r)
+        weight = dense_weight(self.kv_b_proj).unflatten(0, (self.num_heads, -1))  # (H, dn + dv, r)
         return weight[:, : self.nope_dim], weight[:, self.nope_dim :]
 
     def _expanded(self, call, q_nope, q_rope, keys, mask, bias, score) -> Tensor:

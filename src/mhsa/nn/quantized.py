@@ -153,6 +153,10 @@ class Int8Linear(nn.Module):
     def input_dtype(self) -> torch.dtype:
         return self.input_like.dtype
 
+    def weight_float(self) -> Tensor:
+        """The (N, K) float32 weights."""
+        return self.q.float() * self.scale.float().unsqueeze(1)
+
     def forward(self, x: Tensor) -> Tensor:
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
         q = self.q
@@ -197,3 +201,11 @@ def quantize_linears(model: nn.Module, mode: str, skip: tuple[str, ...] = ()) ->
         return None if name in skip else make(linear.weight, bias)
 
     return replace_linears(model, quantized)
+
+
+def dense_weight(layer: nn.Module) -> Tensor:
+    """The (out, in) weight of a linear layer: nn.Linear's, a transposed layout's, or a
+    quantised one's dequantised to its activations' dtype."""
+    if isinstance(layer, Int4Linear | Int8Linear):
+        return layer.weight_float().to(layer.input_dtype)
+    return layer.weight
