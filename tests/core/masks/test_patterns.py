@@ -303,3 +303,17 @@ def test_random_blocks_sit_bottom_right_like_every_pattern(pattern):
                 ]
                 assert kinds[qi, kj] != EMPTY or not tile.any(), (q_len, qi, kj)
                 assert kinds[qi, kj] != FULL or tile.all(), (q_len, qi, kj)
+
+
+def test_random_blocks_keep_a_few_layouts_while_decoding():
+    """One layout per (L, S) was kept forever: decoding 4096 tokens held 86 MiB, growing
+    cubically. The latest key lengths' are kept, each the layout a fresh pattern draws."""
+    from mhsa.core.masks.block_sparse import LAYOUTS_KEPT, RandomBlocks
+
+    pattern = RandomBlocks(2, 4, seed=3)
+    for kv_len in range(1, 200):
+        pattern.layout_for(1, kv_len)
+    assert len(pattern._layouts) <= LAYOUTS_KEPT
+    for q_len, kv_len in ((1, 37), (9, 5), (40, 40)):
+        fresh = RandomBlocks(2, 4, seed=3).layout_for(q_len, kv_len)
+        assert torch.equal(pattern.layout_for(q_len, kv_len), fresh)

@@ -77,6 +77,9 @@ class BlockSparse(Pattern):
         return f"BlockSparse(<{tuple(self.layout.shape)} layout>, {self.block_size})"
 
 
+LAYOUTS_KEPT = 8  # RandomBlocks' layouts for the latest key lengths
+
+
 class RandomBlocks(BlockSparse):
     """BigBird's random attention: each block of query positions attends num_blocks key
     blocks drawn uniformly without replacement, fixed by the seed and S (all if fewer
@@ -88,23 +91,27 @@ class RandomBlocks(BlockSparse):
         self.num_blocks = int_at_least("num_blocks", num_blocks, 0)
         self.block_size = int_at_least("block_size", block_size, 1)
         self.seed = an_int("seed", seed)
-        self._layouts: dict[tuple[int, int], Tensor] = {}
+        self._layouts: dict[int, Tensor] = {}  # key blocks -> their rows' draws
 
     def check_lengths(self, q_len, kv_len):
         pass
 
     def layout_for(self, q_len: int, kv_len: int) -> Tensor:
         """(blocks of positions before 0, then of 0..S-1; key blocks) bool."""
-        key = (q_len, kv_len)
-        if key not in self._layouts:
-            size, shift = self.block_size, causal_shift(q_len, kv_len)
-            cols, before = num_blocks(kv_len, size), num_blocks(max(0, -shift), size)
+        size, shift = self.block_size, causal_shift(q_len, kv_len)
+        cols, before = num_blocks(kv_len, size), num_blocks(max(0, -shift), size)
+        drawn = self._layouts.get(cols)
+        if drawn is None:
             generator = torch.Generator().manual_seed(self.seed)
-            layout = torch.zeros(before + cols, cols, dtype=torch.bool)
-            for r in range(before, before + cols):
-                layout[r, torch.randperm(cols, generator=generator)[: self.num_blocks]] = True
-            self._layouts[key] = layout
-        return self._layouts[key]
+            drawn = torch.zeros(cols, cols, dtype=torch.bool)
+            for r in range(cols):
+                drawn[r, torch.randperm(cols, generator=generator)[: self.num_blocks]] = True
+            self._layouts[cols] = drawn
+            while len(self._layouts) > LAYOUTS_KEPT:  # (decoding grows S a token a step:
+                self._layouts.pop(next(iter(self._layouts)), None)  # all kept grew cubically)
+        if not before:
+            return drawn
+        return torch.cat((torch.zeros(before, cols, dtype=torch.bool), drawn))
 
     def _first_row(self, q_len: int, kv_len: int) -> int:
         """Query row 0's position, counted from the layout's first row."""
