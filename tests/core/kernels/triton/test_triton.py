@@ -227,6 +227,21 @@ def test_fully_masked_rows_give_zero_and_zero_gradients():
     assert (q.grad[:, 0, 5] == 0).all() and (bias.grad[0, 5] == 0).all()
 
 
+def test_transformers_finfo_min_padding_gives_the_reference():
+    """A padding bias of finfo.min (transformers' float masks) over a whole first key
+    block: times log2(e) it overflowed to -inf, and the row's max made nan of every
+    left-padded row that sees real keys; an all-padding row averages v, as reference."""
+    q, k, v = make_qkv(2, 2, 2, 4, 200, 16, requires_grad=True)
+    bias = torch.zeros(2, 1, 1, 200)
+    bias[0, ..., :150] = torch.finfo(torch.float32).min
+    bias[1, ..., :] = torch.finfo(torch.float32).min  # (no real key at all)
+    out = triton_attention(q, k, v, bias=bias)[0]
+    want = mhsa.attention(q, k, v, bias=bias, backend="reference")
+    assert torch.isfinite(out).all() and max_error(out, want) < 1e-5
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
 def test_lse_gradient_flows():
     q, k, v = make_qkv(1, 2, 1, 20, 24, 16, requires_grad=True)
     out, lse = triton_attention(q, k, v, causal=True)

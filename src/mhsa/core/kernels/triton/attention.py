@@ -27,6 +27,7 @@ import triton.language as tl
 from .scores import _head_score, _score_fn, _score_grad, key_offsets
 
 LOG2E = tl.constexpr(1.4426950408889634)
+BIAS_FLOOR = tl.constexpr(-1e38)  # (times LOG2E still a finite float32)
 
 
 @triton.jit
@@ -130,7 +131,10 @@ def _scores(
     rows64, cols64 = rows.to(tl.int64), cols.to(tl.int64)
     if HAS_BIAS:
         offs = rows64[:, None] * sbl + cols64[None, :] * sbs
-        s += tl.load(bias + offs, mask=inside, other=0.0).to(ACC)
+        b = tl.load(bias + offs, mask=inside, other=0.0).to(ACC)
+        # transformers' padding, finfo.min, times log2(e) in _exp_from is -inf, and a
+        # row's max there made -inf - -inf = nan: finite biases end at BIAS_FLOOR
+        s += tl.where((b < BIAS_FLOOR) & (b > float("-inf")), BIAS_FLOOR, b)
     if not EVEN:
         s = tl.where(inside, s, float("-inf"))
     # the branch yields the float scores, not a bool mask: an i1 tensor crossing the
