@@ -129,6 +129,12 @@ def test_a_row_with_no_allowed_key_and_a_sink_gives_zero_and_the_sinks_logit():
         assert torch.equal(lse[0, :, :2], sinks.detach().view(2, 1).expand(2, 2))
         (grad,) = torch.autograd.grad(lse[:, :, :2].sum(), sinks)
         assert torch.allclose(grad, torch.full((2,), 2.0))  # d lse / d sink = 1 there
+    # a sink of -inf (a head's sink switched off): its gradient was nan beside a dead row
+    off = torch.tensor([-torch.inf, -1.0], requires_grad=True)
+    for backend in ("reference", "flash", "auto"):
+        out = mhsa.attention(q, k, v, causal=True, sinks=off, backend=backend)
+        (grad,) = torch.autograd.grad(out.sum(), off)
+        assert torch.isfinite(grad).all() and grad[0] == 0, backend
 
 
 @pytest.mark.parametrize("case", CASES)

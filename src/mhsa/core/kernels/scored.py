@@ -171,4 +171,6 @@ def sink_grad(sinks: Tensor, lse: Tensor, delta: Tensor) -> Tensor:
     """Gradient of the sinks (H,) from the final lse and delta = sum(dO * O) - dlse,
     both (B, H, L): d sink_h = -sum over batch and rows of p_sink * delta."""
     p_sink = torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse)
+    # a row with no key under a sink of -inf has lse -inf: its share is 0, not nan
+    p_sink = p_sink.masked_fill(torch.isneginf(lse), 0.0)
     return -(p_sink * delta).sum(dim=(0, 2)).to(sinks.dtype)
