@@ -72,6 +72,20 @@ def test_encoder_and_decoder_inputs_are_scaled_embeddings_plus_sinusoids():
     assert torch.allclose(seen["dec"], expected(model.tgt_embed, tgt), atol=1e-5)
 
 
+def test_loss_ignores_padding_and_is_0_for_padding_alone():
+    """A batch whose targets were all padding gave nan (which stops training)."""
+    import torch.nn.functional as F
+
+    model = _model()
+    pad = model.config.pad_id
+    src, tgt_in = torch.randint(3, 11, (2, 5)), torch.randint(3, 11, (2, 4))
+    tgt_out = torch.tensor([[5, 6, pad, pad], [7, pad, pad, pad]])
+    logits = model(src, tgt_in).flatten(0, 1)
+    want = F.cross_entropy(logits, tgt_out.flatten(), ignore_index=pad)
+    assert torch.allclose(model.loss(src, tgt_in, tgt_out), want)
+    assert model.loss(src, tgt_in, torch.full_like(tgt_out, pad)) == 0
+
+
 def test_cached_greedy_equals_recomputation():
     model = _model()
     src = torch.tensor([[5, 6, 7, 2, 0, 0], [4, 9, 8, 10, 6, 2]])

@@ -17,7 +17,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..cache import DecoderCache
@@ -34,6 +33,7 @@ from .config import ModelConfig
 from .decoder import CacheLayout
 from .decoding import greedy_search
 from .init import normal_init
+from .packing import IGNORE, mean_token_loss
 
 
 @dataclass
@@ -109,11 +109,11 @@ class Seq2Seq(nn.Module):
         return self.run_decoder(tgt, *self.encode(src))
 
     def loss(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor) -> Tensor:
-        """Cross-entropy of tgt_out (B, T) given src and tgt_in, padding ignored."""
+        """Cross-entropy of tgt_out (B, T) given src and tgt_in, padding ignored (0 for
+        a batch of padding alone, where F.cross_entropy gives nan)."""
         logits = self(src, tgt_in)
-        return F.cross_entropy(
-            logits.flatten(0, 1), tgt_out.flatten(), ignore_index=self.config.pad_id
-        )
+        targets = tgt_out.masked_fill(tgt_out == self.config.pad_id, IGNORE)
+        return mean_token_loss(logits.flatten(0, 1), targets.flatten())
 
     @torch.no_grad()
     def translate(
