@@ -61,6 +61,20 @@ def test_cross_attention_with_kdim_vdim_and_float_mask():
     assert max_error(mapped, expected_wb) < 1e-5
 
 
+def test_integer_masks_are_refused_not_added():
+    """A uint8 key padding mask (or causal attn_mask) became a bias of +0/+1 that favoured
+    the masked keys (0.71 off torch's bool mask); torch refuses it too."""
+    padding = torch.zeros(2, 9, dtype=torch.uint8)
+    for attn_mask, key_padding_mask, name in (
+        (None, padding, "key_padding_mask"),
+        (torch.ones(5, 9, dtype=torch.uint8).triu(1), None, "attn_mask"),
+    ):
+        with pytest.raises(TypeError, match=rf"{name} must be bool .* \.bool\(\)"):
+            from_torch_masks(attn_mask, key_padding_mask)
+    with pytest.raises(TypeError, match="attn_mask must be a tensor or None, got list"):
+        from_torch_masks([[True]], None)
+
+
 def test_per_head_weights_and_batch_first_false_source():
     theirs = nn.MultiheadAttention(16, 2).eval()  # sequence-first
     ours = MultiHeadAttention.from_torch(theirs).eval()

@@ -26,6 +26,16 @@ def from_torch_masks(
     (B, num_heads, L, S).
     """
     mask = bias = padding = None
+    for name, given in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask)):
+        if given is None:
+            continue
+        if not isinstance(given, Tensor):
+            raise TypeError(f"{name} must be a tensor or None, got {type(given).__name__}")
+        if given.dtype != torch.bool and not given.is_floating_point():
+            raise TypeError(  # (an int mask once read as a bias of +0/+1: the masked favoured)
+                f"{name} must be bool (True: masked, as torch's) or float (added), got "
+                f"{given.dtype}; convert a 0/1 mask with .bool()"
+            )
     if attn_mask is not None and attn_mask.dim() == 3:
         if num_heads is not None:
             int_at_least("num_heads", num_heads, 1)
