@@ -115,7 +115,6 @@ def test_cached_decoding_equals_full_recompute(pair):
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
-@torch.no_grad()
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantised_models_decode_absorbed_as_the_full_forward(mode):
     """The absorbed decoding step read kv_b_proj.weight, which a quantised layer has
@@ -136,6 +135,7 @@ def test_quantised_models_decode_absorbed_as_the_full_forward(mode):
     assert model.layers[0].attn.cache_bytes_per_token() == 40 * 4  # (float32 activations)
 
 
+@torch.no_grad()
 def test_paged_cache_from_the_layout_equals_full_recompute(pair):
     _, ours = pair
     idx = torch.randint(0, VOCAB, (2, 14))
