@@ -187,7 +187,7 @@ def test_logits_equal_transformers_gpt2():
         ({"d_model": -8}, "d_model must be"),
         ({"n_kv_head": 3}, "n_kv_head must divide n_head"),
         ({"dropout": 1.5}, "dropout must be"),
-        ({"n_kv_head": True}, "n_kv_head must divide n_head"),
+        ({"n_kv_head": True}, "n_kv_head must be an int, got True"),
         ({"max_len": 0}, "max_len must be"),
         ({"attention": "mla"}, "attention must be one of"),
         ({"attention": "latent", "n_kv_head": 2}, "attention='latent' shares one latent"),

@@ -289,3 +289,15 @@ def test_from_torch_masks_splits_a_per_head_attn_mask():
         from_torch_masks(per_head)
     with pytest.raises(ValueError, match="num_heads"):
         from_torch_masks(per_head, num_heads=3)
+
+
+def test_a_negative_layer_count_is_refused():
+    """range(-3) is empty: a stack of -3 layers was built with none."""
+    from mhsa.nn import encoder_layers
+
+    layer = TransformerEncoderLayer(D_MODEL, HEADS, dim_feedforward=FF)
+    with pytest.raises(ValueError, match="num_layers must be an int >= 0, got -3"):
+        TransformerEncoder(layer, -3)
+    with pytest.raises(ValueError, match="num_layers must be an int >= 0, got -2"):
+        encoder_layers(-2, D_MODEL, HEADS)
+    assert len(TransformerEncoder(layer, 0).layers) == 0  # (as torch's: the identity)

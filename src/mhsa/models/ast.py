@@ -25,6 +25,7 @@ class ASTConfig(EncoderClassifierConfig):
     d_model: int = 96
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.stride < 1:
             raise ValueError(f"stride must be at least 1, got {self.stride}")
         if not 1 <= self.patch <= min(self.n_mels, self.frames):

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..core.validate import check_dropout
 from ..formats.tensor_sources import checkpoint_files
 from ..formats.weights import (
     NameTable,
@@ -59,6 +60,14 @@ class BertConfig(ModelConfig):
     norm_eps: float = 1e-12
     dropout: float = 0.1
     pad_token_id: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_dropout(self.dropout, "dropout")
+        if not 0 <= self.pad_token_id < self.vocab_size:
+            raise ValueError(
+                f"pad_token_id must be a token id of the vocabulary, got {self.pad_token_id}"
+            )
 
     @classmethod
     def from_hf_config(cls, hf: dict) -> BertConfig:

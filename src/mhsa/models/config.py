@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import ClassVar, NamedTuple
 
 from typing_extensions import Self
 
 from ..core.checks import int_at_least, is_int
+from ..core.validate import check_dropout
 from ..nn.positional import RotaryEmbedding, rope_frequencies, rope_type
 
 HF_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
@@ -23,6 +25,35 @@ HF_ACTIVATIONS = {
 }
 
 
+# fields that are counts or widths wherever a config has them (an int field, or None)
+SIZES = frozenset(
+    {"vocab_size", "src_vocab", "tgt_vocab", "type_vocab_size", "num_classes", "max_len"}
+    | {"d_model", "d_ff", "d_ff_dense", "n_layer", "n_encoder_layer", "n_decoder_layer"}
+    | {"n_head", "head_dim", "image_size", "patch_size", "channels"}
+)
+
+
+def _check_field(name: str, kind: str, value: object) -> None:
+    """ValueError (as the configs raise) naming a field whose value its annotation (kind,
+    a string) or SIZES refuses; annotations other than bool, int, float, str (or None)
+    are the config's own to check."""
+    if value is None and kind.endswith(" | None"):
+        return
+    kind = kind.removesuffix(" | None")
+    if kind == "bool" and not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    if kind == "int" and not is_int(value):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if kind == "float" and not (is_int(value) or isinstance(value, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if kind == "str" and not isinstance(value, str):
+        raise ValueError(f"{name} must be a str, got {value!r}")
+    if name in SIZES and kind == "int":
+        int_at_least(name, value, 1)
+    if name.endswith("eps") and kind == "float" and not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
 @dataclass
 class ModelConfig:
     """A model's hyperparameters (subclasses are dataclasses of them), named in one
@@ -34,6 +65,14 @@ class ModelConfig:
     # a field's name in configs that older versions saved -> its name now (a class
     # constant, not a field; from_dict translates it)
     renamed: ClassVar[Mapping[str, str]] = {}
+
+    def __post_init__(self) -> None:
+        """Each field's type as annotated (a bool field given "false" built a bias; an
+        int field given 1.0 failed deep in torch), the sizes >= 1 and a norm's eps a
+        finite number > 0 (nan or inf gave nan logits); subclasses check their own
+        rules (other numbers' ranges) after this."""
+        for field in fields(self):
+            _check_field(field.name, field.type, getattr(self, field.name))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -66,6 +105,7 @@ class CausalLMConfig(ModelConfig):
     d_model: int = 256
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for name in ("vocab_size", "n_layer", "n_head", "d_model"):
             int_at_least(name, getattr(self, name), 1)
         kv = self.n_head if self.n_kv_head is None else self.n_kv_head
@@ -114,6 +154,10 @@ class EncoderClassifierConfig(ModelConfig):
     n_head: int = 4
     d_ff: int | None = None
     dropout: float = 0.1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_dropout(self.dropout, "dropout")
 
     def feed_forward_width(self) -> int:
         return self.d_ff or self.ff_ratio * self.d_model

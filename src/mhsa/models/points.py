@@ -37,6 +37,7 @@ class PointCloudConfig(EncoderClassifierConfig):
     pooling: str = "attention"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
 

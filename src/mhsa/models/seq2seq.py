@@ -53,7 +53,13 @@ class Seq2SeqConfig(ModelConfig):
     eos_id: int = 2
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_dropout(self.dropout, "dropout")
+        vocab = min(self.src_vocab, self.tgt_vocab)  # (pad serves both sides)
+        for name in ("pad_id", "bos_id", "eos_id"):  # (eos 99 of 11: translate never stopped)
+            value = getattr(self, name)
+            if not 0 <= value < (vocab if name == "pad_id" else self.tgt_vocab):
+                raise ValueError(f"{name} must be a token id of the vocabulary, got {value}")
         if self.share_embeddings and self.src_vocab != self.tgt_vocab:
             raise ValueError(
                 f"share_embeddings needs src_vocab == tgt_vocab, got {self.src_vocab} and "

@@ -30,6 +30,7 @@ class ViTConfig(EncoderClassifierConfig):
     channels: int = 1
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.image_size % self.patch_size:
             raise ValueError(
                 f"image_size ({self.image_size}) must be a multiple of "

@@ -64,6 +64,7 @@ class WhisperConfig(ModelConfig):
     suppress_ids_begin: tuple[int, ...] = ()  # not generated as the first token
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for name in (
             "n_mels",
             "n_audio_ctx",

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor, nn
 
 from ..cache import DecoderCache
+from ..core.checks import int_at_least
 from .layers import (
     LAYER_NORM_EPS,
     DecoderMasks,
@@ -31,6 +32,7 @@ class _LayerStack(nn.Module):
 
     def __init__(self, layer: nn.Module, num_layers: int, norm: nn.Module | None = None) -> None:
         super().__init__()
+        int_at_least("num_layers", num_layers, 0)  # (-3 built a stack of none)
         self.layers = nn.ModuleList(copy.deepcopy(layer) for _ in range(num_layers))
         self.norm = norm
 
@@ -55,6 +57,7 @@ class _LayerStack(nn.Module):
 def encoder_layers(num_layers: int, d_model: int, num_heads: int, **options: Any) -> nn.ModuleList:
     """`num_layers` TransformerEncoderLayer(d_model, num_heads, **options), each one
     initialised on its own (a TransformerEncoder deep-copies one layer instead)."""
+    int_at_least("num_layers", num_layers, 0)
     return nn.ModuleList(
         TransformerEncoderLayer(d_model, num_heads, **options) for _ in range(num_layers)
     )
