@@ -104,3 +104,25 @@ def test_attention_weights_of_some_heads_narrow_a_per_head_bool_mask_pattern():
         got = mhsa.attention_weights(q, k, mask_of_heads, heads=[0, 2])
         want = mhsa.attention_weights(q, k, mask_of_heads, backend="reference")[:, [0, 2]]
         assert got.shape == (1, 2, 5, 5) and max_error(got, want) < 1e-12
+
+
+@pytest.mark.parametrize(("batch", "q_len", "kv_len"), [(0, 3, 3), (2, 0, 0), (1, 0, 4)])
+def test_moba_cluster_and_latent_attention_take_empty_calls(batch, q_len, kv_len):
+    """Each raised from a reshape of 0 elements (or a top_k check of 0 blocks) where
+    attention answers an empty call with empty, graph-connected zeros."""
+    from mhsa.core.cluster import cluster_attention
+    from mhsa.core.moba import moba_attention
+    from mhsa.nn import LatentAttention
+
+    q = torch.randn(batch, 2, q_len, 8, requires_grad=True)
+    k, v = torch.randn(batch, 2, kv_len, 8), torch.randn(batch, 2, kv_len, 8)
+    for out in (
+        moba_attention(q, k, v, 4, 1),
+        cluster_attention(q, k, v, num_buckets=4, chunk_size=2),
+    ):
+        assert out.shape == (batch, 2, q_len, 8) and not out.any()
+        out.sum().backward()
+    layer = LatentAttention(
+        16, 2, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4
+    )
+    assert layer(torch.randn(batch, q_len, 16)).shape == (batch, q_len, 16)

@@ -180,7 +180,7 @@ def attention(
         # the same call with data in it
         select(dataclasses.replace(spec, batch=1, q_len=1, kv_len=1), backend)
         _check_common(q, k, mask, bias, causal, scale, score=score, sinks=sinks)
-        return _empty_result(q, k, v, sinks, return_lse)
+        return empty_result(q, k, v, sinks, return_lse)
     # one query aligned bottom-right sees every key (a decoding step): nothing to mask,
     # and backends take their unmasked fast paths; but a sharded (ring) backend's
     # causality is global, across the shards
@@ -208,11 +208,11 @@ def attention(
     return (out, lse) if return_lse else out
 
 
-def _empty_result(
+def empty_result(
     q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, return_lse: bool
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """attention's answer when B, L or S is 0: exact zeros that stay in the autograd
-    graph (zero gradients), as SDPA's do; a sum over no elements is 0 whatever the
+    """attention's (moba's, cluster's) answer when B, L or S is 0: exact zeros that stay
+    in the autograd graph (zero gradients), as SDPA's do; a sum over no elements is 0 whatever the
     inputs hold, nan included. lse is -inf, or the sink's logit (a row's only "key")."""
     batch, num_heads, q_len, _ = q.shape
     connected = sum(t.reshape(-1)[:0].sum() for t in (q, k, v))

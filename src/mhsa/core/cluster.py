@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import validate
+from .attention import empty_result
 from .checks import int_at_least
 from .kernels.dense import masked_softmax, stats_dtype
 from .kernels.merge import merge_partials
@@ -114,6 +115,8 @@ def cluster_attention(
     int_at_least("num_hashes", num_hashes, 1)
     if num_buckets % 2:
         raise ValueError(f"num_buckets must be even (x R and -x R), got {num_buckets}")
+    if 0 in (q.shape[0], q.shape[2], k.shape[2]):
+        return empty_result(q, k, v, None, return_lse)
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scale = q.shape[-1] ** -0.5 if scale is None else scale

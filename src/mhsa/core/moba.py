@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from . import validate
-from .attention import attention
+from .attention import attention, empty_result
 from .checks import int_at_least, is_int
 from .kernels.paged import gather_pages
 from .masks.blocks import num_blocks
@@ -126,6 +126,9 @@ def moba_attention(
         return _paged(q, k, v, step, block_size, top_k, **options)
     validate.check_qkv(q, k, v)
     validate.check_scale(scale)
+    if 0 in (q.shape[0], q.shape[2], k.shape[2]):  # (no block to choose)
+        int_at_least("block_size", block_size, 1)
+        return empty_result(q, k, v, None, return_lse)
     selected = moba_select(q, k, block_size, top_k)  # (B, H, n, n)
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len, n = k.shape[1], k.shape[2], selected.shape[-1]

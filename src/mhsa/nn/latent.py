@@ -175,7 +175,7 @@ class LatentAttention(AttentionModule):
             q = self.q_proj(x)
         else:
             q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
-        q = q.view(batch, length, self.num_heads, -1).transpose(1, 2)  # (B, H, L, dn + dr)
+        q = q.view(batch, length, self.num_heads, self.nope_dim + self.rope_dim).transpose(1, 2)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_rope = self.kv_a_proj(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent, k_rope = self.kv_norm(latent).unsqueeze(1), k_rope.unsqueeze(1)  # (B, 1, L, *)
@@ -195,7 +195,8 @@ class LatentAttention(AttentionModule):
         keys (B, 1, S, r + dr) -> (B, H, L, dv)."""
         batch, _, kv_len, _ = keys.shape
         latent, k_rope = keys[:, 0].split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = self.kv_b_proj(latent).view(batch, kv_len, self.num_heads, -1).transpose(1, 2)
+        width = self.nope_dim + self.v_dim  # (explicit: -1 cannot size an empty batch)
+        kv = self.kv_b_proj(latent).view(batch, kv_len, self.num_heads, width).transpose(1, 2)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # (B, H, S, dn), (B, H, S, dv)
         k_rope = k_rope.unsqueeze(1).expand(batch, self.num_heads, kv_len, self.rope_dim)
         q = torch.cat((q_nope, q_rope), dim=-1)
