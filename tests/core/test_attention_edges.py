@@ -126,3 +126,27 @@ def test_moba_cluster_and_latent_attention_take_empty_calls(batch, q_len, kv_len
         16, 2, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4
     )
     assert layer(torch.randn(batch, q_len, 16)).shape == (batch, q_len, 16)
+
+
+def test_empty_lists_make_empty_patterns_and_bad_calls_name_their_argument():
+    """KeyPadding([]) and Document([]) read torch.as_tensor([]), a float tensor, and
+    were refused; a str rope scaling, a list reorder index, a 'gpu' device or a str lr
+    failed deep inside (AttributeError, RuntimeError, TypeError naming nothing)."""
+    from mhsa.apps.train import TrainConfig
+    from mhsa.cache import KVCache
+    from mhsa.models.llama4 import Llama4Config
+
+    q, k, v = make_qkv(0, 2, 2, 3, 3, 8)
+    assert mhsa.attention(q, k, v, masks.KeyPadding([])).shape == (0, 2, 3, 8)
+    q, k, v = make_qkv(1, 2, 2, 0, 0, 8)
+    assert mhsa.attention(q, k, v, masks.Document([])).shape == (1, 2, 0, 8)
+    with pytest.raises(TypeError, match="rope scaling must be a dict"):
+        Llama4Config(rope_scaling="linear")
+    cache = KVCache(2, 1, 4, 2)
+    for index in ([1, 0], torch.tensor([1.0, 0.0]), torch.tensor([True, False])):
+        with pytest.raises(TypeError, match="reorder index must be a 1-D integer tensor"):
+            cache.reorder(index)
+    with pytest.raises(ValueError, match=r"device must be cpu or cuda \(--device\)"):
+        TrainConfig(device="gpu")
+    with pytest.raises(ValueError, match=r"lr must be a finite number > 0 \(--lr\)"):
+        TrainConfig(lr="3e-4")

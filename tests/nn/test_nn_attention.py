@@ -73,6 +73,11 @@ def test_integer_masks_are_refused_not_added():
             from_torch_masks(attn_mask, key_padding_mask)
     with pytest.raises(TypeError, match="attn_mask must be a tensor or None, got list"):
         from_torch_masks([[True]], None)
+    # a mask for other lengths beside a key padding mask: torch's broadcast error once
+    layer = MultiHeadAttention(16, 4).eval()
+    x, padding = torch.randn(2, 5, 16), torch.ones(2, 5, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"mask of shape \(5, 6\) does not broadcast with"):
+        layer(x, mask=torch.ones(5, 6, dtype=torch.bool), key_padding_mask=padding)
 
 
 def test_per_head_weights_and_batch_first_false_source():

@@ -142,6 +142,14 @@ class KVCache(Cache):
 
     def reorder(self, index: Tensor) -> None:
         """Keep sequence index[b] as sequence b (beam search: the surviving beams)."""
+        if (
+            not isinstance(index, Tensor)
+            or index.dim() != 1
+            or index.is_floating_point()
+            or index.dtype == torch.bool
+        ):
+            got = index.dtype if isinstance(index, Tensor) else type(index).__name__
+            raise TypeError(f"reorder index must be a 1-D integer tensor, got {got}")
         batch = self.k.shape[0]
         if index.numel() and (int(index.min()) < 0 or int(index.max()) >= batch):
             raise ValueError(f"reorder index must be in 0..{batch - 1}, got {index.tolist()}")

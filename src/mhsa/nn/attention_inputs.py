@@ -134,4 +134,14 @@ def merge_masks(
             "values as bias= instead"
         )
     padding = key_padding_mask[:, None, None, :]  # (B, 1, 1, S)
-    return padding if mask is None else mask & padding
+    if mask is None:
+        return padding
+    try:  # (the and below raised torch's broadcast error, naming no argument)
+        torch.broadcast_shapes(mask.shape, padding.shape)
+    except RuntimeError:
+        raise ValueError(
+            f"mask of shape {tuple(mask.shape)} does not broadcast with key_padding_mask "
+            f"{tuple(key_padding_mask.shape)}: it must broadcast to (batch, heads, L, S) "
+            f"with S = {kv_len}"
+        ) from None
+    return mask & padding

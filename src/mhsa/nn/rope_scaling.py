@@ -17,7 +17,16 @@ ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "factors")
 
 def rope_type(scaling: dict | None) -> str:
     """The scaling's "rope_type" (older configs: "type"); "default" for None."""
+    _check_scaling(scaling)
     return (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+
+
+def _check_scaling(scaling: object) -> None:
+    if scaling is not None and not isinstance(scaling, dict):
+        raise TypeError(
+            f"rope scaling must be a dict (a config's rope_scaling, e.g. "
+            f"{{'rope_type': 'linear', 'factor': 2.0}}) or None, got {scaling!r}"
+        )
 
 
 def rope_frequencies(
@@ -50,11 +59,7 @@ def rope_frequencies(
         isinstance(base, int | float) and math.isfinite(base) and base > 0
     ):
         raise ValueError(f"base must be a finite number > 0 (10000.0 is RoPE's), got {base!r}")
-    if scaling is not None and not isinstance(scaling, dict):
-        raise TypeError(
-            f"rope scaling must be a dict (a config's rope_scaling, e.g. "
-            f"{{'rope_type': 'linear', 'factor': 2.0}}) or None, got {scaling!r}"
-        )
+    _check_scaling(scaling)
     scaling = dict(scaling or {})
     kind = rope_type(scaling)
     if kind not in ROPE_TYPES:

@@ -94,6 +94,8 @@ class TrainConfig:
         for name in ("steps", "eval_every", "checkpoint_every", "keep", "warmup"):
             flag = "--" + name.replace("_", "-")
             int_at_least(name, getattr(self, name), 0 if name == "warmup" else 1, f" ({flag})")
+        if isinstance(self.lr, bool) or not isinstance(self.lr, int | float):
+            raise ValueError(f"lr must be a finite number > 0 (--lr), got {self.lr!r}")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr must be a finite number > 0 (--lr), got {self.lr!r}")
         bounds = {  # (a negative grad_clip flipped every gradient: the model trained uphill)
@@ -112,7 +114,11 @@ class TrainConfig:
             raise ValueError(f"nonfinite must be 'stop' or 'skip', got {self.nonfinite!r}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16' (--dtype), got {self.dtype!r}")
-        if torch.device(self.device).type not in ("cpu", "cuda"):
+        try:
+            kind = torch.device(self.device).type
+        except (RuntimeError, TypeError):  # ("gpu": torch's list of every device type)
+            kind = None
+        if kind not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda (--device), got {self.device!r}")
 
 

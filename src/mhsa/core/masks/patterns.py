@@ -260,7 +260,7 @@ class KeyPadding(Pattern):
     plain_values = False  # holds tensors
 
     def __init__(self, lengths: Sequence[int] | Tensor) -> None:
-        t = torch.as_tensor(lengths)
+        t = _as_ints(lengths)
         if t.dtype == torch.bool:
             if t.dim() != 2:
                 raise ValueError(
@@ -308,10 +308,11 @@ class Document(Pattern):
     plain_values = False  # holds tensors
 
     def __init__(self, ids: Sequence[int] | Tensor) -> None:
-        t = torch.as_tensor(ids)
+        t = _as_ints(ids)
         if t.dim() not in (1, 2) or t.is_floating_point():
             raise ValueError(f"ids must be int, (S,) or (batch, S), got {tuple(t.shape)}")
-        self.ids = t.long().view(-1, t.shape[-1]).clone()  # (1 or B, S), the caller's kept apart
+        rows = t.shape[0] if t.dim() == 2 else 1  # (explicit: -1 cannot size an empty S)
+        self.ids = t.long().reshape(rows, t.shape[-1]).clone()  # (1 or B, S), the caller's apart
         self.batch_size = t.shape[0] if t.dim() == 2 else None
 
     def check_lengths(self, q_len, kv_len):
@@ -369,3 +370,9 @@ class PrefixLM(Pattern):
 
     def __repr__(self) -> str:
         return f"PrefixLM({self.n})"
+
+
+def _as_ints(values: Sequence[int] | Tensor) -> Tensor:
+    """values as a tensor; an empty list as int64 (torch.as_tensor([]) is float)."""
+    t = torch.as_tensor(values)
+    return t.long() if t.numel() == 0 and not isinstance(values, Tensor) else t
