@@ -95,13 +95,14 @@ def check_latest_is_ours(out_dir: str | Path) -> None:
 
 def check_steps_are_ours(out_dir: str | Path) -> None:
     """ValueError when out_dir holds a `step-N` name that a run did not write: a file, or
-    a folder holding anything but checkpoint files (a checkpoint cut short while it was
-    removed holds some of them): a run writing that step would replace it."""
+    a folder that is no checkpoint and holds more than checkpoint files (a checkpoint
+    cut short while it was removed holds some of them): a run writing that step would
+    replace it."""
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         return
-    for path in out_dir.iterdir():
-        if _STEP_FOLDER.match(path.name) and not _ours(path):
+    for path in out_dir.iterdir():  # (a checkpoint a user added notes to is still one)
+        if _STEP_FOLDER.match(path.name) and not (is_checkpoint(path) or _ours(path)):
             raise ValueError(
                 f"{path} is not a checkpoint (a run writes its steps under such names): "
                 "move it away or choose another --out"
@@ -125,8 +126,8 @@ def save_checkpoint(out_dir: Path, step: int, model: nn.Module, info: dict, trai
     out_dir.mkdir(parents=True, exist_ok=True)
     check_latest_is_ours(out_dir)
     final = out_dir / f"step-{step:06d}"
-    if final.exists() and not _ours(final):  # (a user's: its files were deleted)
-        check_steps_are_ours(out_dir)
+    if final.exists() and not (is_checkpoint(final) or _ours(final)):  # (a user's: its
+        check_steps_are_ours(out_dir)  # files were deleted with it)
     tmp = Path(tempfile.mkdtemp(prefix=PARTIAL, dir=out_dir))
     try:
         save_file(_untied(weights), tmp / "model.safetensors")

@@ -343,6 +343,10 @@ def test_a_users_folder_named_like_a_step_is_refused_not_replaced(tmp_path):
     (out / "step-000002" / "trainer.pt").write_bytes(b"half")
     run(out, steps=2)
     assert (out / "step-000002" / "model.safetensors").is_file()
+    # and a checkpoint a user put notes in is still a checkpoint: it resumes
+    (out / "step-000002" / "notes.txt").write_text("lr too high?")
+    run(out, steps=4, resume=True)
+    assert step_names(out)[-1] == "step-000004"
 
 
 def test_a_damaged_trainer_state_names_its_file(tmp_path):
@@ -692,8 +696,8 @@ def test_train_config_messages_name_the_option_and_the_value():
         with pytest.raises(ValueError, match=re.escape(f"{field} must be a number {words}")):
             TrainConfig(**{field: bad})
     TrainConfig(weight_decay=0, min_lr_ratio=1.0, grad_clip=0.5)
-    TrainConfig(grad_clip=math.inf, seed=2**64 - 2)  # (no clipping; the largest seed)
-    for seed in (-1, 2**64 - 1):  # (torch.Generator's overflow, after the model was built)
+    TrainConfig(grad_clip=math.inf, seed=2**63 - 1)  # (no clipping; the largest seed)
+    for seed in (-1, 2**63):  # (torch.Generator's overflow of seed + k, after the build)
         with pytest.raises(ValueError, match=r"seed must be .*\(--seed\)"):
             TrainConfig(seed=seed)
     TrainConfig(nonfinite="skip"), TrainConfig(nonfinite="stop")

@@ -244,12 +244,14 @@ def test_sampling_flag_errors_name_the_flags_before_the_model_loads(tmp_path, ca
     no_work(monkeypatch, "mhsa.cli.serve.chat_weights")
     err = one_line_error(capsys, ["serve", "--speculate", f"draft:{missing}"], "serve")
     assert err.startswith(f"mhsa serve: --speculate draft:{missing}: nothing at {missing}")
-    for command in (["chat", "--prompt", "hi"], ["generate", str(run)], ["train", "gpt"]):
+    for command, top in (
+        (["chat", "--prompt", "hi"], 2**64 - 1),
+        (["generate", str(run)], 2**64 - 1),
+        (["train", "points"], 2**63 - 1),  # (its test split is drawn from seed + 10_000)
+    ):
         with pytest.raises(SystemExit):  # (torch's "Overflow when unpacking long long")
-            main([*command, "--seed", str(2**64)])
-        assert f"argument --seed: must be a whole number in 0..{2**64 - 1}" in (
-            capsys.readouterr().err
-        )
+            main([*command, "--seed", str(top + 1)])
+        assert f"argument --seed: must be a whole number in 0..{top}" in (capsys.readouterr().err)
     with pytest.raises(SystemExit):
         main(["chat", "--prompt", "hi", "--top-k", "-1"])
     assert "argument --top-k: must be a whole number >= 0, got -1" in capsys.readouterr().err

@@ -133,6 +133,7 @@ def test_quantised_models_decode_absorbed_as_the_full_forward(mode):
         step = model.step(idx[:, 6:], caches)
     assert max_error(step, full) < 0.05 * full.abs().max()
     assert model.layers[0].attn.cache_bytes_per_token() == 40 * 4  # (float32 activations)
+    assert type(model.layers[0].attn.kv_b_proj) is torch.nn.Linear  # (read whole each step)
 
 
 @torch.no_grad()

@@ -125,6 +125,8 @@ def _whole_number(minimum: int, maximum: int | None = None):
 
 
 seed_int = _whole_number(0, 2**64 - 1)  # an argparse type: torch's seeds end there
+# training derives seeds from its own (seed + 1 for the data, + 10_000 for a test split)
+train_seed_int = _whole_number(0, 2**63 - 1)
 
 
 def finite_float(text: str) -> float:
@@ -186,7 +188,7 @@ def common_train_options(
         help="skip a step whose loss or gradient is nan/inf instead of "
         "stopping (still stops after 10 in a row)",
     )
-    add_option(parser, "--seed", 0, "random seed", type=seed_int)
+    add_option(parser, "--seed", 0, "random seed", type=train_seed_int)
     compile_option(
         parser, "compile the training step with torch.compile (the first step then takes a while)"
     )

@@ -128,6 +128,7 @@ def moba_attention(
     validate.check_scale(scale)
     if 0 in (q.shape[0], q.shape[2], k.shape[2]):  # (no block to choose)
         int_at_least("block_size", block_size, 1)
+        int_at_least("top_k", top_k, 1)
         return empty_result(q, k, v, None, return_lse)
     selected = moba_select(q, k, block_size, top_k)  # (B, H, n, n)
     batch, heads, q_len, head_dim = q.shape

@@ -131,7 +131,7 @@ class ALiBi(ScoreFunction):
 
     def bias(self, batch, head, q_pos, k_pos):
         slopes = self._slopes(head)
-        return -slopes * (q_pos - k_pos).abs().to(slopes.dtype)
+        return -slopes * (q_pos.to(slopes.dtype) - k_pos.to(slopes.dtype)).abs()
 
     separable = True
 

@@ -130,6 +130,14 @@ def _checked_options(pattern, score, backend) -> ScoreFunction | None:
     return score
 
 
+# timm's self-attention layers named *Attn (its channel attention, CBAM's ChannelAttn
+# or ResNeSt's SplitAttn, is no attention over tokens and may stand beside)
+TIMM_ATTN_LAYERS = frozenset(
+    {"BottleneckAttn", "HaloAttn", "LocallyGroupedAttn", "GlobalSubSampleAttn"}
+    | {"TalkingHeadAttn", "ClassAttn", "LambdaLayer"}
+)
+
+
 def convert(
     model: nn.Module,
     *,
@@ -146,7 +154,7 @@ def convert(
         {
             type(module).__name__
             for module in model.modules()
-            if ("Attention" in type(module).__name__ or "Attn" in type(module).__name__)
+            if ("Attention" in type(module).__name__ or type(module).__name__ in TIMM_ATTN_LAYERS)
             and type(module) is not attention_type
             and not isinstance(module, TimmAttention)
         }

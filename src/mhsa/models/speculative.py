@@ -94,7 +94,9 @@ class DraftModel(Speculator):
         )
         self.device = model.cache_layout.device
         self._streams: dict[int, tuple[int, list[int]]] = {}  # key -> (sequence, fed tokens)
-        self._lock = threading.Lock()  # one pool: generate() calls in threads draft in turn
+        # one pool: generate() calls in threads draft in turn (reentrant: a call's
+        # generator finalised by the collector inside a draft forgets its stream)
+        self._lock = threading.RLock()
 
     @property
     def vocab_size(self) -> int:

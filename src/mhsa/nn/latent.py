@@ -123,6 +123,9 @@ class LatentAttention(AttentionModule):
         self.kv_norm = RMSNorm(kv_lora_rank, eps=norm_eps, **factory)
         kv_width = num_heads * (qk_nope_head_dim + v_head_dim)
         self.kv_b_proj = nn.Linear(kv_lora_rank, kv_width, bias=False, **factory)
+        # the absorbed decoding step reads its weight whole: quantize_linears keeps it
+        # float (dequantising it each step cost ~30x its matmul)
+        self.kv_b_proj.read_whole = True
         self.out_proj = nn.Linear(num_heads * v_head_dim, embed_dim, bias=bias, **factory)
 
     @property
@@ -133,7 +136,9 @@ class LatentAttention(AttentionModule):
     def cache_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
         """Bytes this layer's cache holds per token: (r + dr) values of `dtype` (default:
         the weights'), against H * (dn + dr + dv) for the same heads' keys and values."""
-        dtype = dense_weight(self.kv_a_proj).dtype if dtype is None else dtype
+        layer = self.kv_a_proj
+        weights = getattr(layer, "input_dtype", None) or layer.weight.dtype  # (quantised or not)
+        dtype = weights if dtype is None else dtype
         return self.cache_width * torch.empty((), dtype=dtype).element_size()
 
     def fuse_projections(self) -> bool:

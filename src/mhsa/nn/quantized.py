@@ -190,15 +190,19 @@ def replace_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module
 
 
 def quantize_linears(model: nn.Module, mode: str, skip: tuple[str, ...] = ()) -> nn.Module:
-    """Replace every nn.Linear of model (but those whose name is in skip) by an
-    Int8Linear or Int4Linear made from its weight, in place; returns model."""
+    """Replace every nn.Linear of model (but those whose name is in skip, and those
+    marked read_whole: a layer whose weight a step reads whole, as latent attention's
+    kv_b_proj) by an Int8Linear or Int4Linear made from its weight, in place; returns
+    model."""
     if mode not in ("int8", "int4"):
         raise ValueError(f"mode must be 'int8' or 'int4', got {mode!r}")
     make = Int8Linear.from_float if mode == "int8" else Int4Linear.from_float
 
     def quantized(name: str, linear: nn.Linear) -> nn.Module | None:
         bias = None if linear.bias is None else linear.bias.detach()
-        return None if name in skip else make(linear.weight, bias)
+        if name in skip or getattr(linear, "read_whole", False):
+            return None
+        return make(linear.weight, bias)
 
     return replace_linears(model, quantized)
 

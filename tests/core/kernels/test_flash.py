@@ -372,6 +372,15 @@ def test_a_bias_broadcast_over_rows_kills_only_the_rows_it_blinds(
     assert (lse[alive] - want_lse[alive]).abs().max() < 1e-10
     for got, want in zip((out, *grads), (want_out, *want_grads), strict=True):
         assert max_error(got, want) < 1e-10
+    # bfloat16 (the fused kernel's stabiliser, per row too): large finite biases
+    q16, k16, v16 = (t.detach().bfloat16() for t in (q, k, v))
+    large = 1000 + 3 * torch.rand(1, kv_len)
+    large[0, padded] = -torch.inf
+    got = mhsa.attention(q16, k16, v16, mask=mask, bias=large, causal=causal, backend="flash")
+    want = mhsa.attention(
+        q16.double(), k16.double(), v16.double(), mask=mask, bias=large.double(), causal=causal
+    )
+    assert max_error(got.double(), want) < 0.05  # (bfloat16's rounding; 0.64 and 1.58 off)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

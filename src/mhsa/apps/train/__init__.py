@@ -108,8 +108,8 @@ class TrainConfig:
             if isinstance(value, bool) or not isinstance(value, int | float) or not fits(value):
                 raise ValueError(f"{name} must be a number {words}, got {value!r}")
         int_at_least("seed", self.seed, 0, " (--seed)")
-        if self.seed > 2**64 - 2:  # (torch's seeds end at 2**64 - 1; the data's is seed + 1)
-            raise ValueError(f"seed must be at most 2**64 - 2 (--seed), got {self.seed}")
+        if self.seed >= 2**63:  # (torch's seeds end at 2**64 - 1; tasks derive seed + k)
+            raise ValueError(f"seed must be below 2**63 (--seed), got {self.seed}")
         if self.nonfinite not in ("stop", "skip"):
             raise ValueError(f"nonfinite must be 'stop' or 'skip', got {self.nonfinite!r}")
         if self.dtype not in ("float32", "bfloat16"):

@@ -152,7 +152,8 @@ def _collecting_weights() -> bool:
     capturing = sys.modules.get("transformers.utils.output_capturing")
     if capturing is None:  # (an older transformers passes output_attentions itself; a
         return False  # failed import per call would cost 14 us a layer)
-    collected = capturing._active_collector.get()
+    collector = getattr(capturing, "_active_collector", None)
+    collected = None if collector is None else collector.get()
     return bool(collected) and ("attentions" in collected or "cross_attentions" in collected)
 
 

@@ -238,6 +238,12 @@ def test_transformers_finfo_min_padding_gives_the_reference():
     out = triton_attention(q, k, v, bias=bias)[0]
     want = mhsa.attention(q, k, v, bias=bias, backend="reference")
     assert torch.isfinite(out).all() and max_error(out, want) < 1e-5
+    grads = torch.autograd.grad(out[0].sum(), (q, k, v), retain_graph=True)  # (row 0: real keys)
+    wants = torch.autograd.grad(want[0].sum(), (q, k, v))
+    for got, expected in zip(grads, wants, strict=True):
+        assert max_error(got, expected) < 1e-5
+    # an all-padding row's gradients are finite (its lse loses the count at -1e38: they
+    # are not the reference's, docs/attention.md)
     out.sum().backward()
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
 
