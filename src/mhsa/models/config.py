@@ -105,9 +105,7 @@ class CausalLMConfig(ModelConfig):
     d_model: int = 256
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        for name in ("vocab_size", "n_layer", "n_head", "d_model"):
-            int_at_least(name, getattr(self, name), 1)
+        super().__post_init__()  # (the sizes >= 1 among the fields)
         kv = self.n_head if self.n_kv_head is None else self.n_kv_head
         if not is_int(kv) or kv < 1 or self.n_head % kv:
             raise ValueError(
