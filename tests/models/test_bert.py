@@ -129,6 +129,13 @@ def test_a_saved_config_with_both_names_is_refused():
         BertConfig.from_dict({"n_layers": 2})
 
 
+def _tiny_hf_config(**changes) -> transformers.BertConfig:
+    """A one-layer BERT of width 16 over 50 tokens (20 positions), changed by changes."""
+    sizes = dict(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=4)
+    sizes.update(intermediate_size=32, max_position_embeddings=20)
+    return transformers.BertConfig(**{**sizes, **changes})
+
+
 def _tiny_hf_folder(tmp_path, hf_model) -> str:
     hf_model.eval().save_pretrained(tmp_path)
     return str(tmp_path)
@@ -152,16 +159,7 @@ def test_a_roberta_folder_is_refused_not_loaded_with_shifted_positions(tmp_path)
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_an_untied_mlm_decoder_is_refused_a_tied_one_equals_transformers(tmp_path, tied):
-    config = transformers.BertConfig(
-        vocab_size=50,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        intermediate_size=32,
-        max_position_embeddings=20,
-        tie_word_embeddings=tied,
-    )
-    hf = transformers.BertForMaskedLM(config).eval()
+    hf = transformers.BertForMaskedLM(_tiny_hf_config(tie_word_embeddings=tied)).eval()
     folder = _tiny_hf_folder(tmp_path, hf)
     if not tied:
         with pytest.raises(ValueError, match="decoder.weight differs .* untied"):
@@ -175,15 +173,7 @@ def test_an_untied_mlm_decoder_is_refused_a_tied_one_equals_transformers(tmp_pat
 def test_a_sharded_folder_loads(tmp_path):
     """save_pretrained(max_shard_size=...) writes shards and an index: once refused as
     "model.safetensors not found"; a folder without weights is refused naming both."""
-    config = transformers.BertConfig(
-        vocab_size=50,
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=32,
-        max_position_embeddings=20,
-    )
-    hf = transformers.BertModel(config).eval()
+    hf = transformers.BertModel(_tiny_hf_config(num_hidden_layers=2)).eval()
     hf.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
     assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
     ours, ids = Bert.from_pretrained(tmp_path / "sharded"), torch.randint(0, 50, (2, 9))

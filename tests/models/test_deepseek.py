@@ -134,6 +134,17 @@ def test_quantised_models_decode_absorbed_as_the_full_forward(mode):
     assert max_error(step, full) < 0.05 * full.abs().max()
     assert model.layers[0].attn.cache_bytes_per_token() == 40 * 4  # (float32 activations)
     assert type(model.layers[0].attn.kv_b_proj) is torch.nn.Linear  # (read whole each step)
+    # quantised by hand all the same, it is read through nn.quantized.dense_weight
+    from mhsa.nn.quantized import Int4Linear, Int8Linear
+
+    make = Int8Linear if mode == "int8" else Int4Linear
+    for layer in model.layers:
+        layer.attn.kv_b_proj = make.from_float(layer.attn.kv_b_proj.weight.detach())
+    with torch.no_grad():
+        full = model(idx)[:, -1]
+        caches = model.make_caches(1, 8)
+        model.prefill(idx[:, :6], caches)
+        assert max_error(model.step(idx[:, 6:], caches), full) < 0.05 * full.abs().max()
 
 
 @torch.no_grad()

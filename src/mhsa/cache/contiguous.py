@@ -14,7 +14,7 @@ import copy
 import torch
 from torch import Tensor
 
-from ..core.checks import int_at_least
+from ..core.checks import int_at_least, is_int_tensor
 from .base import Cache, MultiLayerCache
 
 
@@ -58,7 +58,7 @@ class KVCache(Cache):
             raise ValueError(
                 f"start must be a tensor of shape {tuple(self.start.shape)}, got {got}"
             )
-        if start.is_floating_point() or start.is_complex() or start.dtype == torch.bool:
+        if not is_int_tensor(start):
             raise TypeError(f"start must hold integer indices, got {start.dtype}")
         last = self._last_start()
         if start.numel() and (
@@ -142,12 +142,7 @@ class KVCache(Cache):
 
     def reorder(self, index: Tensor) -> None:
         """Keep sequence index[b] as sequence b (beam search: the surviving beams)."""
-        if (
-            not isinstance(index, Tensor)
-            or index.dim() != 1
-            or index.is_floating_point()
-            or index.dtype == torch.bool
-        ):
+        if not isinstance(index, Tensor) or index.dim() != 1 or not is_int_tensor(index):
             got = index.dtype if isinstance(index, Tensor) else type(index).__name__
             raise TypeError(f"reorder index must be a 1-D integer tensor, got {got}")
         batch = self.k.shape[0]

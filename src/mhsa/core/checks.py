@@ -20,6 +20,11 @@ def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def is_int_tensor(t: Tensor) -> bool:
+    """Whether t holds integers (not float, complex or bool): ids, positions, indices."""
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+
+
 def int_at_least(name: str, value: int, low: int, hint: str = "") -> int:
     """value, if it is an int (not a bool) >= low; else ValueError naming `name`."""
     # is_int's rule, inlined: called per layer on the decode path

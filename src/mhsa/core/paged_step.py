@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .checks import int_at_least, int_list
+from .checks import int_at_least, int_list, is_int_tensor
 
 
 class PagedStep:
@@ -146,11 +146,7 @@ def check_block_table(block_table, batch: int | None = None, device=None) -> Non
         raise ValueError(
             f"block_table must be a (N, max_blocks) = ({rows}, *) tensor of block ids, got {got}"
         )
-    if (
-        block_table.is_floating_point()
-        or block_table.is_complex()
-        or block_table.dtype == torch.bool
-    ):
+    if not is_int_tensor(block_table):
         raise TypeError(f"block_table must hold integer block ids, got {block_table.dtype}")
     if device is not None and block_table.device != device:
         raise ValueError(f"block_table is on {block_table.device} but q is on {device}")

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from ..core.checks import an_int, int_at_least
+from ..core.checks import an_int, int_at_least, is_int_tensor
 from .compiled_step import compile_seconds, compiled_decode_step, compiled_once, static_caches
 from .decoder import Decoder
 from .graph_step import graph_lease, static_step_problem
@@ -107,7 +107,7 @@ def _until_stop(tokens: Tensor, stop: StopRule) -> Tensor:
 
 def check_token_ids(ids: Tensor, vocab_size: int, name: str = "idx") -> None:
     """Raise for token ids that are not integers in [0, vocab_size)."""
-    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+    if not is_int_tensor(ids):
         raise TypeError(f"{name} must hold integer token ids, got {ids.dtype}")
     if torch.compiler.is_compiling():
         return  # a value check would break the graph (eager calls check)

@@ -102,6 +102,7 @@ class DraftModel(Speculator):
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 
+    @torch.inference_mode()
     def _draft(
         self,
         context: list[int],
@@ -111,45 +112,34 @@ class DraftModel(Speculator):
         key: int,
     ) -> Draft:
         with self._lock:
-            return self._draft_locked(context, k, sampling, generator, key)
-
-    @torch.inference_mode()
-    def _draft_locked(
-        self,
-        context: list[int],
-        k: int,
-        sampling: Sampling,
-        generator: torch.Generator | None,
-        key: int,
-    ) -> Draft:
-        if key not in self._streams:  # (a prefix another stream left may be cached)
-            seq = self.pool.add_sequence(context)
-            self._streams[key] = (seq, context[: self.pool.length(seq)])  # (forget frees it)
-        else:  # keep what the target took of the last drafts, drop the rest
-            seq, fed = self._streams[key]
-            held = min(_common_prefix(fed, context), len(context) - 1)
-            self.pool.truncate(seq, held)
-        common = self.pool.length(seq)
-        new = context[common:]
-        if self.pool.blocks_needed(seq, len(new) + k - 1) > self.pool.free_blocks:
-            # the pool cannot hold this stream's drafts (a context past its num_blocks x
-            # 16 tokens, or many streams): no draft, and decoding goes on without one
-            self._streams[key] = (seq, context[:common])
-            return [], None
-        logits = self.model.prefill(self._tensor(new), self.pool.batch([seq], len(new)))
-        draft, rows = [], []
-        for i in range(k):
-            if sampling.temperature == 0:
-                token = int(logits[0].argmax())
-            else:
-                q = probabilities(logits[0], sampling)
-                token = int(torch.multinomial(q, 1, generator=generator))
-                rows.append(q)
-            draft.append(token)
-            if i + 1 < k:
-                logits = self.model.step(self._tensor([token]), self.pool.batch([seq], 1))
-        self._streams[key] = (seq, context + draft[:-1])
-        return draft, (torch.stack(rows) if rows else None)
+            if key not in self._streams:  # (a prefix another stream left may be cached)
+                seq = self.pool.add_sequence(context)
+                self._streams[key] = (seq, context[: self.pool.length(seq)])  # (forget frees it)
+            else:  # keep what the target took of the last drafts, drop the rest
+                seq, fed = self._streams[key]
+                held = min(_common_prefix(fed, context), len(context) - 1)
+                self.pool.truncate(seq, held)
+            common = self.pool.length(seq)
+            new = context[common:]
+            if self.pool.blocks_needed(seq, len(new) + k - 1) > self.pool.free_blocks:
+                # the pool cannot hold this stream's drafts (a context past its num_blocks x
+                # 16 tokens, or many streams): no draft, and decoding goes on without one
+                self._streams[key] = (seq, context[:common])
+                return [], None
+            logits = self.model.prefill(self._tensor(new), self.pool.batch([seq], len(new)))
+            draft, rows = [], []
+            for i in range(k):
+                if sampling.temperature == 0:
+                    token = int(logits[0].argmax())
+                else:
+                    q = probabilities(logits[0], sampling)
+                    token = int(torch.multinomial(q, 1, generator=generator))
+                    rows.append(q)
+                draft.append(token)
+                if i + 1 < k:
+                    logits = self.model.step(self._tensor([token]), self.pool.batch([seq], 1))
+            self._streams[key] = (seq, context + draft[:-1])
+            return draft, (torch.stack(rows) if rows else None)
 
     def forget(self, key: int) -> None:
         with self._lock:

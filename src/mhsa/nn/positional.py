@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from ..core import scores
 from ..core.backends.common import tracing
-from ..core.checks import int_at_least
+from ..core.checks import int_at_least, is_int_tensor
 from ..core.masks.causal import causal_shift
 from .rope_scaling import (  # noqa: F401 (ROPE_TYPES, rope_type: public here)
     ROPE_TYPES,
@@ -48,7 +48,7 @@ def _check_added(x: Tensor, d_model: int, positions: Tensor | None) -> None:
         raise ValueError(f"x must be (batch, length, {d_model}), got {tuple(x.shape)}")
     if positions is None:
         return
-    if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
+    if not is_int_tensor(positions):
         raise TypeError(f"positions must hold integer positions, got {positions.dtype}")
     if positions.shape != (1, x.shape[1]):  # ((1, L) broadcasts over the batch, as (L,))
         _check_rotary_positions(positions, x)

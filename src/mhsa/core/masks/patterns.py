@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..checks import as_4d, int_at_least
+from ..checks import as_4d, int_at_least, is_int_tensor
 from .base import Band, Pattern, block_ranges
 from .blocks import EMPTY, FULL, PARTIAL, num_blocks, reduce_blocks
 from .causal import causal_allows, causal_shift
@@ -209,7 +209,7 @@ class GlobalTokens(Pattern):
         """beyond_keys="ignore" lets indices past the last key mean nothing (for presets
         whose global tokens are "the first n", however many a sequence has)."""
         idx = torch.as_tensor(indices).flatten()
-        if idx.numel() and (idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool):
+        if idx.numel() and not is_int_tensor(idx):
             raise TypeError(f"indices must be integer positions, got {idx.tolist()[:6]}")
         idx = idx.long()
         if idx.numel() and idx.min() < 0:
